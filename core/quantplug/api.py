@@ -1,0 +1,66 @@
+"""The top-level calls: pick a backend by name, and the one-call ``quantize``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from quantplug.errors import QuantplugError
+from quantplug.flow.convert import convert
+from quantplug.flow.prepare import prepare
+from quantplug.plugins.registry import load_backend
+from quantplug.quantizer.quantizer import Quantizer, make_quantizer
+
+
+def get_quantizer(name: str, **options: Any) -> Quantizer:
+    """A quantizer for backend ``name`` with its options (``strict`` is accepted by every backend).
+
+    Imports that backend's plugin and the extensions targeting it, nothing else.
+
+    Raises:
+        UnknownBackendError: no such backend (the message lists the installed ones).
+        BackendLoadError: the plugin failed to import.
+        OptionError: an unknown option, a wrong type or a value outside its choices.
+    """
+    return make_quantizer(load_backend(name), dict(options))
+
+
+def _as_args(batch: Any) -> tuple[Any, ...]:
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def quantize(
+    model: torch.nn.Module | torch.export.ExportedProgram,
+    example_inputs: Sequence[Any] | None = None,
+    *,
+    backend: str,
+    calibration: Iterable[Any] | None = None,
+    **options: Any,
+) -> torch.fx.GraphModule:
+    """Export (if needed), prepare, calibrate and convert in one call.
+
+    Args:
+        model: an ``nn.Module`` (exported with ``example_inputs``) or an ``ExportedProgram``.
+        example_inputs: a tuple of inputs, needed when ``model`` is a module.
+        backend: the backend name.
+        calibration: batches (a tensor or a tuple of tensors each); defaults to the example inputs.
+        **options: backend options.
+
+    Returns:
+        The converted (reference Q/DQ) GraphModule.
+    """
+    if isinstance(model, torch.export.ExportedProgram):
+        program = model
+    else:
+        if example_inputs is None:
+            raise QuantplugError("quantize() needs example_inputs to export an nn.Module")
+        program = torch.export.export(model.eval(), tuple(example_inputs))
+    quantizer = get_quantizer(backend, **options)
+    prepared = prepare(program, quantizer)
+    batches = calibration if calibration is not None else [tuple(example_inputs or ())]
+    with torch.no_grad():
+        for batch in batches:
+            prepared(*_as_args(batch))
+    return convert(prepared)

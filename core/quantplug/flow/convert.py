@@ -1,0 +1,365 @@
+"""convert(): observers become quantize/dequantize ops; constants are stored as integers.
+
+The result is the reference quantized program (dequantize -> float op -> quantize) built from the
+standard ``quantized_decomposed`` ops, which torch.export, the ONNX exporter and ExecuTorch all
+understand. Each quantized consumer gets its own dequantize node, so a backend can match
+``dq -> op -> q`` patterns per op. qparams are computed once per group.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed ops)
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+
+from quantplug import ops as qp_ops
+from quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
+from quantplug.annotation.spec_view import is_per_channel, spec_range
+from quantplug.annotation.specs import Q_ANNOTATION_KEY
+from quantplug.errors import CalibrationError, ConversionError
+from quantplug.flow.graph_copy import AttrNamer
+from quantplug.flow.prepare import OBSERVERS, STATE_KEY, Group, PreparedState
+from quantplug.observers.factory import observer_saw_data
+
+qd = torch.ops.quantized_decomposed
+
+_LEGACY_DTYPES = {torch.quint8: torch.uint8, torch.qint8: torch.int8, torch.qint32: torch.int32}
+
+
+@dataclass(frozen=True)
+class QParams:
+    """A group's encoding, ready to emit."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    quant_min: int
+    quant_max: int
+    dtype: torch.dtype  # container dtype for the Q/DQ ops
+    granularity: str  # "tensor", "channel", "block", "dynamic", "token"
+    axis: int | None = None
+    block_size: tuple[int, ...] | None = None
+    symmetric: bool = False
+
+
+def _container(dtype: torch.dtype) -> torch.dtype:
+    dtype = _LEGACY_DTYPES.get(dtype, dtype)
+    return storage_dtype(dtype) if dtype in SUPPORTED_DTYPES else dtype
+
+
+def _fetch(gm: nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _qparams(group: Group, obs: nn.Module) -> QParams:
+    spec = group.spec
+    qmin, qmax = spec_range(spec)
+    dtype = _container(spec.dtype)
+    symmetric = getattr(spec, "qscheme", None) in (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+    if group.dynamic:
+        per_token = is_per_channel(spec)
+        empty = torch.empty(0)
+        return QParams(empty, empty, qmin, qmax, dtype, "token" if per_token else "dynamic", symmetric=symmetric)
+    scale, zero_point = obs.calculate_qparams()
+    scale = torch.as_tensor(scale).detach()
+    zero_point = torch.as_tensor(zero_point).detach()
+    block = getattr(spec, "block_size", None)
+    if block is not None:
+        return QParams(scale, zero_point, qmin, qmax, dtype, "block", block_size=tuple(block), symmetric=symmetric)
+    if is_per_channel(spec) and scale.numel() > 1 or (is_per_channel(spec) and getattr(spec, "ch_axis", None) is not None):
+        return QParams(scale, zero_point, qmin, qmax, dtype, "channel", axis=spec.ch_axis, symmetric=symmetric)
+    return QParams(scale.reshape(-1)[:1], zero_point.reshape(-1)[:1], qmin, qmax, dtype, "tensor", symmetric=symmetric)
+
+
+class _Emitter:
+    """Emits Q/DQ nodes into the new graph and collects the tensors they reference."""
+
+    def __init__(self, graph: Graph, tensors: dict[str, torch.Tensor], namer: AttrNamer) -> None:
+        self.graph = graph
+        self.tensors = tensors
+        self.namer = namer
+
+    def constant(self, prefix: str, value: torch.Tensor) -> Node:
+        name = self.namer(prefix)
+        while name in self.tensors:
+            name = self.namer(prefix)
+        self.tensors[name] = value
+        node = self.graph.get_attr(name)
+        node.meta["val"] = value
+        return node
+
+    def quantize(self, x: Node, qp: QParams, prefix: str) -> Node:
+        g = self.graph
+        if qp.granularity == "tensor":
+            return g.call_function(
+                qd.quantize_per_tensor.default,
+                (x, float(qp.scale), int(qp.zero_point), qp.quant_min, qp.quant_max, qp.dtype),
+            )
+        if qp.granularity == "channel":
+            s = self.constant(prefix + "_scale", qp.scale)
+            z = self.constant(prefix + "_zero_point", qp.zero_point)
+            return g.call_function(
+                qd.quantize_per_channel.default, (x, s, z, qp.axis, qp.quant_min, qp.quant_max, qp.dtype)
+            )
+        if qp.granularity == "block":
+            s = self.constant(prefix + "_scale", qp.scale)
+            z = self.constant(prefix + "_zero_point", qp.zero_point)
+            return g.call_function(
+                qp_ops.quantize_per_block, (x, s, z, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype)
+            )
+        raise ConversionError(f"cannot emit a static quantize for granularity {qp.granularity!r}")
+
+    def dequantize(self, q: Node, qp: QParams, prefix: str, out_dtype: torch.dtype | None) -> Node:
+        g = self.graph
+        kwargs = {"out_dtype": out_dtype} if out_dtype not in (None, torch.float32) else {}
+        if qp.granularity == "tensor":
+            return g.call_function(
+                qd.dequantize_per_tensor.default,
+                (q, float(qp.scale), int(qp.zero_point), qp.quant_min, qp.quant_max, qp.dtype),
+                kwargs,
+            )
+        if qp.granularity == "channel":
+            s = self.constant(prefix + "_scale", qp.scale)
+            z = self.constant(prefix + "_zero_point", qp.zero_point)
+            return g.call_function(
+                qd.dequantize_per_channel.default, (q, s, z, qp.axis, qp.quant_min, qp.quant_max, qp.dtype), kwargs
+            )
+        if qp.granularity == "block":
+            s = self.constant(prefix + "_scale", qp.scale)
+            z = self.constant(prefix + "_zero_point", qp.zero_point)
+            return g.call_function(
+                qp_ops.dequantize_per_block,
+                (q, s, z, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype),
+            )
+        raise ConversionError(f"cannot emit a static dequantize for granularity {qp.granularity!r}")
+
+    def dynamic_qdq(self, x: Node, qp: QParams) -> Node:
+        """choose_qparams -> quantize -> dequantize, per tensor or per token, at run time."""
+        g = self.graph
+        if qp.granularity == "token":
+            cq = g.call_function(qd.choose_qparams_per_token_asymmetric.default, (x, qp.dtype))
+            s = g.call_function(operator.getitem, (cq, 0))
+            z = g.call_function(operator.getitem, (cq, 1))
+            q = g.call_function(qd.quantize_per_token.default, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype))
+            return g.call_function(
+                qd.dequantize_per_token.default, (q, s, z, qp.quant_min, qp.quant_max, qp.dtype, torch.float32)
+            )
+        choose = qd.choose_qparams_symmetric.tensor if qp.symmetric else qd.choose_qparams.tensor
+        eps = float(torch.finfo(torch.float32).eps)
+        cq = g.call_function(choose, (x, qp.quant_min, qp.quant_max, eps, qp.dtype))
+        s = g.call_function(operator.getitem, (cq, 0))
+        z = g.call_function(operator.getitem, (cq, 1))
+        q = g.call_function(qd.quantize_per_tensor.tensor, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype))
+        return g.call_function(qd.dequantize_per_tensor.tensor, (q, s, z, qp.quant_min, qp.quant_max, qp.dtype))
+
+
+def _is_annotated(node: Node) -> bool:
+    ann = node.meta.get(Q_ANNOTATION_KEY)
+    if ann is None:
+        return False
+    return bool(getattr(ann, "input_qspec_map", None)) or getattr(ann, "output_qspec", None) is not None
+
+
+def _float_dtype(node: Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _dq_maker(emit: _Emitter, q: Node, qp: QParams, gid: int, observer: Node) -> Any:
+    out_dtype = _float_dtype(observer)
+
+    def make() -> Node:
+        dq = emit.dequantize(q, qp, f"g{gid}", out_dtype)
+        dq.meta["quantplug_group"] = gid
+        for k in ("val", "nn_module_stack", "stack_trace"):
+            if k in observer.meta:
+                dq.meta[k] = observer.meta[k]
+        return dq
+
+    return make
+
+
+def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QParams]:
+    """Every group's qparams; constants are observed here, once."""
+    container = getattr(prepared, OBSERVERS)
+    constant_sources: dict[int, set[str]] = {}
+    nodes = {n.name: n for n in prepared.graph.nodes}
+    for group in state.groups:
+        if group.constant:
+            constant_sources[group.gid] = {k[0] if isinstance(k, tuple) else k for k in group.keys}
+    with torch.no_grad():
+        for gid, names in constant_sources.items():
+            obs = getattr(container, f"g{gid}")
+            for name in sorted(names):
+                obs(_fetch(prepared, str(nodes[name].target)))
+    result: dict[int, QParams] = {}
+    for group in state.groups:
+        obs = getattr(container, f"g{group.gid}")
+        if not group.dynamic and not observer_saw_data(obs):
+            raise CalibrationError(
+                f"the observer of {group.describe()} never saw data; run calibration batches through the "
+                "prepared model (prepared(*inputs)) before convert(), or check that this path of the model runs"
+            )
+        result[group.gid] = _qparams(group, obs)
+    return result
+
+
+def convert(prepared: GraphModule) -> GraphModule:
+    """Turn a calibrated prepared model into the reference quantized program (a new module)."""
+    state = prepared.meta.get(STATE_KEY) if isinstance(prepared, GraphModule) else None
+    if not isinstance(state, PreparedState):
+        raise ConversionError(
+            f"{type(prepared).__name__} was not produced by quantplug.prepare(); prepare the exported program first"
+        )
+    qparams = compute_qparams(prepared, state)
+    graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)
+    graph._codegen = prepared.graph._codegen
+    env: dict[Node, Node] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    emit = _Emitter(graph, tensors, AttrNamer(prepared))
+    observer_prefix = OBSERVERS + "."
+    qnode_of: dict[tuple[str, int], Node] = {}  # (source name, gid) -> quantize node (constants)
+    # constant edges to rewrite: consumer name -> {producer name: gid}
+    constant_inputs: dict[str, dict[str, int]] = {}
+    for producer, consumer, gid in state.constant_edges:
+        constant_inputs.setdefault(consumer, {})[producer] = gid
+    old_nodes = {n.name: n for n in prepared.graph.nodes}
+
+    def quantized_constant(producer: Node, gid: int) -> Node:
+        """get_attr of the integer tensor (quantized once per producer and group)."""
+        key = (producer.name, gid)
+        q = qnode_of.get(key)
+        if q is None:
+            qp = qparams[gid]
+            value = _fetch(prepared, str(producer.target)).detach()
+            q = emit.constant(str(producer.target) + "_q", _quantize_tensor(value, qp))
+            q.meta["quantplug_group"] = gid
+            qnode_of[key] = q
+        return q
+
+    for node in prepared.graph.nodes:
+        if node.op == "call_module" and str(node.target).startswith(observer_prefix):
+            gid = int(str(node.target)[len(observer_prefix) + 1 :])
+            src = env[node.args[0]]
+            qp = qparams[gid]
+            if qp.granularity in ("dynamic", "token"):
+                env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)
+                continue
+            q = emit.quantize(src, qp, f"g{gid}")
+            q.meta["quantplug_group"] = gid
+            env[node] = _Dequantized(_dq_maker(emit, q, qp, gid, node), duplicate=True)
+            continue
+        if node.name in constant_inputs:
+            replacements = {}
+            for producer_name, gid in constant_inputs[node.name].items():
+                producer = old_nodes[producer_name]
+                q = quantized_constant(producer, gid)
+                dq = emit.dequantize(q, qparams[gid], f"g{gid}", _float_dtype(producer))
+                dq.meta["quantplug_group"] = gid
+                if "val" in producer.meta:
+                    dq.meta["val"] = producer.meta["val"]
+                replacements[producer] = dq
+            new = graph.node_copy(
+                node, lambda n, r=replacements, u=node: r[n] if n in r else _lookup(env, n, u)
+            )
+        else:
+            new = graph.node_copy(node, lambda n, u=node: _lookup(env, n, u))
+        env[node] = new
+    _eliminate_dead_code(graph)
+    root = _build_root(prepared, graph, tensors)
+    converted = GraphModule(root, graph, class_name="QuantizedGraphModule")
+    converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
+    converted.meta["quantplug_qparams"] = {gid: qp for gid, qp in qparams.items()}
+    return converted
+
+
+class _Dequantized:
+    """Env value of an observer node: its dequantize, made lazily when a consumer is copied.
+
+    Each annotated consumer gets a private DQ (so backends can match ``dq -> op -> q`` per op,
+    PT2E's DuplicateDQPass semantics); unannotated consumers share one. Made at the consumer's
+    copy time, a DQ sits right before its first user.
+    """
+
+    def __init__(self, make: Any, duplicate: bool) -> None:
+        self.make = make
+        self.duplicate = duplicate
+        self.shared: Node | None = None
+        self.private: dict[Node, Node] = {}
+
+    def for_user(self, user: Node) -> Node:
+        if self.duplicate and _is_annotated(user):
+            dq = self.private.get(user)
+            if dq is None:
+                dq = self.private[user] = self.make()
+            return dq
+        if self.shared is None:
+            self.shared = self.make()
+        return self.shared
+
+
+def _lookup(env: dict[Node, Any], n: Node, user: Node) -> Node:
+    value = env[n]
+    return value.for_user(user) if isinstance(value, _Dequantized) else value
+
+
+def _eliminate_dead_code(graph: Graph) -> None:
+    """Drop unused pure nodes (float weights replaced by integer ones, unused observer inputs)."""
+    for node in reversed(graph.nodes):
+        if node.users or node.op in ("placeholder", "output", "call_module"):
+            continue
+        if node.op == "get_attr" or (node.op == "call_function" and not node.is_impure()):
+            graph.erase_node(node)
+
+
+def _quantize_tensor(value: torch.Tensor, qp: QParams) -> torch.Tensor:
+    if qp.granularity == "tensor":
+        return qd.quantize_per_tensor.default(
+            value, float(qp.scale), int(qp.zero_point), qp.quant_min, qp.quant_max, qp.dtype
+        )
+    if qp.granularity == "channel":
+        axis = qp.axis if qp.axis is not None and qp.axis >= 0 else value.dim() + (qp.axis or 0)
+        return qd.quantize_per_channel.default(
+            value, qp.scale, qp.zero_point, axis, qp.quant_min, qp.quant_max, qp.dtype
+        )
+    if qp.granularity == "block":
+        return qp_ops.quantize_per_block(
+            value, qp.scale, qp.zero_point, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype
+        )
+    raise ConversionError(f"constant tensors cannot use {qp.granularity} quantization")
+
+
+def _build_root(prepared: GraphModule, graph: Graph, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A fresh module holding exactly what the new graph references (no float weights left over)."""
+    root = nn.Module()
+    for node in graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        target = str(node.target)
+        parent_path, _, attr = target.rpartition(".")
+        holder = root
+        for part in parent_path.split(".") if parent_path else ():
+            if not hasattr(holder, part):
+                holder.add_module(part, nn.Module())
+            holder = getattr(holder, part)
+        if target in tensors:
+            holder.register_buffer(attr, tensors[target])
+            continue
+        value = _fetch(prepared, target)
+        src_parent = prepared.get_submodule(parent_path) if parent_path else prepared
+        if isinstance(value, nn.Module):
+            holder.add_module(attr, value)
+        elif attr in src_parent._parameters:
+            holder.register_parameter(attr, value)
+        elif attr in src_parent._buffers:
+            holder.register_buffer(attr, value, persistent=attr not in src_parent._non_persistent_buffers_set)
+        else:
+            setattr(holder, attr, value)
+    return root

@@ -1,0 +1,103 @@
+"""Reading a converted program: its encodings and inputs, for writers, reports and tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from quantplug import ops as qp_ops
+
+qd = torch.ops.quantized_decomposed
+
+QUANTIZE_OPS = {
+    qd.quantize_per_tensor.default: "tensor",
+    qd.quantize_per_channel.default: "channel",
+    qp_ops.quantize_per_block: "block",
+}
+DEQUANTIZE_OPS = {
+    qd.dequantize_per_tensor.default: "tensor",
+    qd.dequantize_per_channel.default: "channel",
+    qp_ops.dequantize_per_block: "block",
+}
+
+
+def _value(gm: GraphModule, arg: Any) -> Any:
+    if isinstance(arg, Node) and arg.op == "get_attr":
+        value: Any = gm
+        for part in str(arg.target).split("."):
+            value = getattr(value, part)
+        return value
+    return arg
+
+
+def _tensor_source(node: Node) -> str:
+    src = node.args[0]
+    return src.name if isinstance(src, Node) else str(src)
+
+
+def encodings(gm: GraphModule) -> list[dict[str, Any]]:
+    """One entry per quantized tensor: what it is, and its scale/zero point/grid.
+
+    Constants appear through their dequantize (their quantize ran at convert); activations
+    through their quantize node.
+    """
+    found: list[dict[str, Any]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        granularity = QUANTIZE_OPS.get(node.target)
+        kind = "activation"
+        if granularity is None:
+            granularity = DEQUANTIZE_OPS.get(node.target)
+            src = node.args[0]
+            if granularity is None or not (isinstance(src, Node) and src.op == "get_attr"):
+                continue
+            kind = "constant"
+        args = [_value(gm, a) for a in node.args]
+        entry: dict[str, Any] = {
+            "node": node.name,
+            "tensor": _tensor_source(node),
+            "kind": kind,
+            "granularity": granularity,
+            "group": node.meta.get("quantplug_group"),
+        }
+        if granularity == "tensor":
+            entry.update(scale=float(args[1]), zero_point=int(args[2]), quant_min=args[3], quant_max=args[4])
+            entry["dtype"] = str(args[5]).removeprefix("torch.")
+        elif granularity == "channel":
+            entry.update(
+                scale=[float(s) for s in args[1].reshape(-1)],
+                zero_point=[int(z) for z in args[2].reshape(-1)],
+                axis=args[3], quant_min=args[4], quant_max=args[5],
+            )
+            entry["dtype"] = str(args[6]).removeprefix("torch.")
+        else:
+            entry.update(
+                scale=args[1].tolist(), zero_point=args[2].tolist(), block_size=list(args[3]),
+                quant_min=args[4], quant_max=args[5],
+            )
+            entry["dtype"] = str(args[6]).removeprefix("torch.")
+        found.append(entry)
+    return found
+
+
+def example_inputs(gm: GraphModule, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs shaped like the program's placeholders (random values), e.g. to re-export it."""
+    gen = torch.Generator().manual_seed(seed)
+    result = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise ValueError(f"input {node.name!r} has no recorded tensor value; pass example inputs explicitly")
+        shape = [int(s) for s in val.shape]
+        if val.dtype.is_floating_point:
+            result.append(torch.randn(shape, generator=gen, dtype=val.dtype))
+        elif val.dtype == torch.bool:
+            result.append(torch.zeros(shape, dtype=torch.bool))
+        else:
+            result.append(torch.zeros(shape, dtype=val.dtype))
+    return tuple(result)

@@ -1,0 +1,52 @@
+"""lower(): run a backend's lowering passes, then its artifact writer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from quantplug.errors import LoweringError, QuantplugError
+from quantplug.lowering.artifact import Artifact
+
+
+def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
+    """Turn a converted program into the backend's files.
+
+    Args:
+        quantized: the output of :func:`quantplug.convert`.
+        quantizer: the quantplug ``Quantizer`` it was prepared with (its backend lowers it).
+
+    Raises:
+        LoweringError: the backend has no artifact writer, or a pass/writer failed (the message
+            names the pass).
+    """
+    plan_fn = getattr(quantizer, "lowering_plan", None)
+    if not callable(plan_fn):
+        raise LoweringError(
+            f"{type(quantizer).__name__} has no lowering plan; lower() needs a quantplug Quantizer "
+            "(quantplug.get_quantizer(name, ...))"
+        )
+    plan = plan_fn()
+    if plan.writer is None:
+        raise LoweringError(f"backend {quantizer.backend!r} provides no artifact writer")
+    program: GraphModule = quantized
+    for p in plan.passes:
+        try:
+            out = p.fn(program, quantizer.context)
+        except QuantplugError:
+            raise
+        except Exception as exc:
+            raise LoweringError(f"lowering pass {p.name!r} of backend {quantizer.backend!r} failed: {exc}") from exc
+        if isinstance(out, torch.nn.Module):
+            program = out  # type: ignore[assignment]
+    try:
+        artifact = plan.writer(program, quantizer.context)
+    except QuantplugError:
+        raise
+    except Exception as exc:
+        raise LoweringError(f"artifact writer of backend {quantizer.backend!r} failed: {exc}") from exc
+    if not isinstance(artifact, Artifact):
+        raise LoweringError(f"artifact writer of backend {quantizer.backend!r} returned {type(artifact).__name__}")
+    return artifact

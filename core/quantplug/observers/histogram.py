@@ -1,0 +1,282 @@
+"""Histogram observer: clip activation ranges to minimise quantization error, not to cover outliers.
+
+A min-max range spends the whole grid on a few extreme values; keeping a histogram of everything
+seen lets ``calculate_qparams`` trade a little clipping error on the tails for a finer step on the
+bulk. The histogram is piecewise uniform: each bin's mass is spread evenly over the bin, which is
+what every error estimate and re-binning below assumes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from quantplug.errors import AnnotationError
+from quantplug.observers.base import ObserverBase
+
+_METHODS = ("mse", "percentile")
+_PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
+
+# clipping search: coarse points per axis (1-D symmetric search, 2-D affine search), then each
+# refinement stage re-samples +-1 coarse step with _REFINE_POINTS points, shrinking the step 8x.
+_COARSE_1D = 1025
+_COARSE_2D = 129
+_REFINE_POINTS = 17
+
+
+def _cdf_at(positions: torch.Tensor, hist: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
+    """Mass left of ``positions`` (in bin units) under the piecewise-uniform histogram."""
+    bins = hist.numel()
+    t = positions.clamp(0.0, float(bins))
+    j = t.floor().clamp(max=bins - 1).long()
+    return cum[j] + hist[j] * (t - j.to(t.dtype))
+
+
+def rebin_histogram(
+    hist: torch.Tensor, old_min: float, old_max: float, new_min: float, new_max: float
+) -> torch.Tensor:
+    """Re-express ``hist`` over ``[old_min, old_max]`` on the same number of bins over a wider range.
+
+    Reading the old cumulative histogram at the new bin edges is exact for piecewise-uniform bins
+    and conserves mass, so no upsampling approximation is needed. A zero-width old range is a
+    point mass and lands wholly in the new bin that contains it.
+    """
+    bins = hist.numel()
+    h = hist.detach().to(device="cpu", dtype=torch.float64)
+    out = torch.zeros(bins, dtype=torch.float64)
+    new_width = (new_max - new_min) / bins
+    if new_width <= 0.0:
+        out[0] = h.sum()
+    elif old_max <= old_min:
+        idx = min(max(int((old_min - new_min) / new_width), 0), bins - 1)
+        out[idx] = h.sum()
+    else:
+        old_width = (old_max - old_min) / bins
+        cum = torch.cat([h.new_zeros(1), h.cumsum(0)])
+        edges = new_min + new_width * torch.arange(bins + 1, dtype=torch.float64)
+        out = torch.diff(_cdf_at((edges - old_min) / old_width, h, cum)).clamp_(min=0.0)
+    return out.to(device=hist.device, dtype=hist.dtype)
+
+
+class _HistStats:
+    """Prefix sums of a histogram in bin units, so each candidate grid's error costs O(1)."""
+
+    def __init__(self, hist: torch.Tensor) -> None:
+        h = hist.detach().to(device="cpu", dtype=torch.float64)
+        self.bins = h.numel()
+        centres = torch.arange(self.bins, dtype=torch.float64) + 0.5
+        zero = h.new_zeros(1)
+        self.hist = h
+        self.p0 = torch.cat([zero, h.cumsum(0)])
+        self.p1 = torch.cat([zero, (h * centres).cumsum(0)])
+        self.p2 = torch.cat([zero, (h * centres * centres).cumsum(0)])
+
+    def expected_error(self, lower: torch.Tensor, upper: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Summed squared error of quantizing the histogram onto grids ``[lower, upper]`` of ``step``.
+
+        Everything is in bin units. Mass outside the grid is clipped to its edge (exact integral
+        of the squared distance); mass inside is rounded, with the usual ``step**2 / 12`` noise,
+        which is independent of the number of levels, so 16-bit grids cost the same as 8-bit ones.
+        """
+        bins, h, p0, p1, p2 = self.bins, self.hist, self.p0, self.p1, self.p2
+        tot0, tot1, tot2 = p0[-1], p1[-1], p2[-1]
+
+        # below the grid: whole bins left of lower's bin, then the part of lower's own bin
+        jl = lower.floor()
+        kl = jl.clamp(0, bins).long()
+        low = lower * lower * p0[kl] - 2.0 * lower * p1[kl] + p2[kl] + p0[kl] / 12.0
+        inside_l = (jl >= 0) & (jl <= bins - 1)
+        part_l = h[jl.clamp(0, bins - 1).long()] * (lower - jl) ** 3 / 3.0
+        low = low + torch.where(inside_l, part_l, torch.zeros_like(part_l))
+
+        # above the grid: whole bins right of upper's bin, then the part of upper's own bin
+        ju = upper.floor()
+        ku = (ju + 1).clamp(0, bins).long()
+        m0, m1, m2 = tot0 - p0[ku], tot1 - p1[ku], tot2 - p2[ku]
+        high = m2 - 2.0 * upper * m1 + upper * upper * m0 + m0 / 12.0
+        inside_u = (ju >= 0) & (ju <= bins - 1)
+        part_u = h[ju.clamp(0, bins - 1).long()] * (ju + 1.0 - upper) ** 3 / 3.0
+        high = high + torch.where(inside_u, part_u, torch.zeros_like(part_u))
+
+        mass_in = (_cdf_at(upper, h, p0) - _cdf_at(lower, h, p0)).clamp(min=0.0)
+        return low + high + mass_in * step * step / 12.0
+
+    def quantile(self, q: float) -> float:
+        """Position (bin units) below which a fraction ``q`` of the mass lies."""
+        total = float(self.p0[-1])
+        target = torch.tensor([q * total], dtype=torch.float64)
+        j = int(torch.searchsorted(self.p0[1:], target).clamp(max=self.bins - 1))
+        mass = float(self.hist[j])
+        frac = (float(target) - float(self.p0[j])) / mass if mass > 0 else 0.0
+        return j + min(max(frac, 0.0), 1.0)
+
+
+class HistogramObserver(ObserverBase):
+    """Per-tensor activation observer that picks its range from a running histogram.
+
+    ``method="mse"`` picks the clipping range whose grid minimises the expected squared
+    quantization plus clipping error over the histogram; ``method="percentile"`` clips to the
+    ``100 - percentile`` / ``percentile`` quantiles. Both hand the chosen range to the base's
+    ``_qparams`` so symmetric, affine and 16-bit conventions match every other observer.
+
+    ``upsample_rate`` sets the resolution of the MSE search: the clipping range is refined down to
+    ``1 / upsample_rate`` of a bin (histogram re-binning is exact and needs no upsampling).
+    """
+
+    num_batches: torch.Tensor
+    histogram: torch.Tensor
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+
+    def __init__(
+        self,
+        bins: int = 2048,
+        *,
+        method: str = "mse",
+        percentile: float = 99.99,
+        upsample_rate: int = 16,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if self.qscheme not in _PER_TENSOR_QSCHEMES:
+            raise AnnotationError(
+                f"HistogramObserver is per-tensor only; got qscheme {self.qscheme}. "
+                "Use a per-channel observer for per-channel encodings."
+            )
+        if self.is_dynamic:
+            raise AnnotationError("HistogramObserver needs calibration data and cannot be dynamic")
+        if int(bins) < 1:
+            raise AnnotationError(f"HistogramObserver bins must be >= 1, got {bins}")
+        if method not in _METHODS:
+            raise AnnotationError(f"HistogramObserver method must be one of {_METHODS}, got {method!r}")
+        if not 50.0 < float(percentile) <= 100.0:
+            raise AnnotationError(f"HistogramObserver percentile must be in (50, 100], got {percentile}")
+        if int(upsample_rate) < 1:
+            raise AnnotationError(f"HistogramObserver upsample_rate must be >= 1, got {upsample_rate}")
+        self.bins = int(bins)
+        self.method = method
+        self.percentile = float(percentile)
+        self.upsample_rate = int(upsample_rate)
+        self.register_buffer("histogram", torch.zeros(self.bins))
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        data = x.detach().float().reshape(-1)
+        lo, hi = torch.aminmax(data)
+        # one host sync for the batch range and the running range together
+        lo_f, hi_f, cur_min, cur_max = torch.stack([lo, hi, self.min_val, self.max_val]).tolist()
+        if not (abs(lo_f) < float("inf") and abs(hi_f) < float("inf")):
+            # one inf (or nan) would make every bin infinitely wide; such values get clamped at
+            # quantization time anyway, so they carry no range information
+            data = data[torch.isfinite(data)]
+            if data.numel() == 0:
+                return x
+            lo_f, hi_f = torch.stack(list(torch.aminmax(data))).tolist()
+
+        if cur_min > cur_max:  # (inf, -inf): nothing recorded yet
+            new_min, new_max = lo_f, hi_f
+            self.histogram.zero_()
+        else:
+            new_min, new_max = min(cur_min, lo_f), max(cur_max, hi_f)
+            if new_min != cur_min or new_max != cur_max:
+                self.histogram.copy_(rebin_histogram(self.histogram, cur_min, cur_max, new_min, new_max))
+        if new_max > new_min:
+            self.histogram += torch.histc(data, self.bins, min=new_min, max=new_max).to(self.histogram)
+        else:
+            self.histogram[0] += data.numel()
+        self.min_val.fill_(new_min)
+        self.max_val.fill_(new_max)
+        self.num_batches += 1
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self.clip_range()
+        device = self.min_val.device
+        return self._qparams(
+            torch.tensor(lo, dtype=torch.float32, device=device),
+            torch.tensor(hi, dtype=torch.float32, device=device),
+        )
+
+    def clip_range(self) -> tuple[float, float]:
+        """The ``(min, max)`` handed to ``_qparams``: the observed range, narrowed by ``method``."""
+        data_min, data_max = float(self.min_val), float(self.max_val)
+        if not (data_max > data_min) or float(self.histogram.sum()) <= 0.0:
+            # nothing seen (inf, -inf) or a constant tensor: min-max is exact, nothing to clip
+            return data_min, data_max
+        stats = _HistStats(self.histogram)
+        width = (data_max - data_min) / self.bins
+        if self.method == "percentile":
+            tail = 1.0 - self.percentile / 100.0
+            lo = data_min + width * stats.quantile(tail)
+            hi = data_min + width * stats.quantile(1.0 - tail)
+            return lo, hi
+        return self._mse_search(stats, data_min, data_max)
+
+    def _candidate_ranges(
+        self, fracs: list[torch.Tensor], data_min: float, data_max: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map search coordinates in [0, 1] to candidate ``(min, max)`` pairs."""
+        if self.symmetric:
+            bound = max(abs(data_min), abs(data_max))
+            return -bound * fracs[0], bound * fracs[0]
+        return min(data_min, 0.0) * fracs[0], max(data_max, 0.0) * fracs[1]
+
+    def _grid_error(
+        self, stats: _HistStats, lo: torch.Tensor, hi: torch.Tensor, data_min: float, width: float
+    ) -> torch.Tensor:
+        """Expected error of the grids ``_qparams`` would build from each candidate range."""
+        scale, zero_point = self._qparams(lo.float(), hi.float())
+        s = scale.double()
+        zp = zero_point.double()
+        lower = ((self.quant_min - zp) * s - data_min) / width
+        upper = ((self.quant_max - zp) * s - data_min) / width
+        return stats.expected_error(lower, upper, s / width)
+
+    def _mse_search(self, stats: _HistStats, data_min: float, data_max: float) -> tuple[float, float]:
+        """Coarse grid over candidate ranges, then local refinement, all evaluated in batch.
+
+        Symmetric grids only depend on one magnitude, so the search is 1-D; affine grids search
+        the negative and positive extents jointly (2-D). Axes with no data (e.g. no negative
+        values) collapse to a single point.
+        """
+        width = (data_max - data_min) / self.bins
+        if self.symmetric:
+            active = [True]
+            points = _COARSE_1D
+        else:
+            active = [data_min < 0.0, data_max > 0.0]
+            points = _COARSE_2D
+        spans = [(0.0, 1.0) if a else (1.0, 1.0) for a in active]
+        target_step = 1.0 / (self.bins * self.upsample_rate)
+        step = 1.0
+        best: list[float] = [1.0] * len(spans)
+        while True:
+            axes = [torch.linspace(a, b, points if b > a else 1, dtype=torch.float64) for a, b in spans]
+            mesh = torch.meshgrid(*axes, indexing="ij")
+            flat = [m.reshape(-1) for m in mesh]
+            lo, hi = self._candidate_ranges(flat, data_min, data_max)
+            err = self._grid_error(stats, lo, hi, data_min, width)
+            k = int(torch.argmin(err))
+            best = [float(f[k]) for f in flat]
+            step = max((b - a) / (points - 1) for a, b in spans)
+            if step <= target_step:
+                break
+            spans = [
+                (max(v - (b - a) / (points - 1), 0.0), min(v + (b - a) / (points - 1), 1.0))
+                if b > a
+                else (a, b)
+                for v, (a, b) in zip(best, spans)
+            ]
+            points = _REFINE_POINTS
+        lo_t, hi_t = self._candidate_ranges(
+            [torch.tensor(v, dtype=torch.float64) for v in best], data_min, data_max
+        )
+        return float(lo_t), float(hi_t)
+
+    def extra_repr(self) -> str:
+        extra = f", percentile={self.percentile}" if self.method == "percentile" else ""
+        return f"{super().extra_repr()}, bins={self.bins}, method={self.method!r}{extra}"

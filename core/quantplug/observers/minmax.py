@@ -1,0 +1,99 @@
+"""Range observers from running extremes: global, moving-average, per channel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from quantplug.observers.base import ObserverBase
+
+
+class MinMaxObserver(ObserverBase):
+    """Running global min and max: the range of everything seen. Cheap and outlier-sensitive."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        lo, hi = torch.aminmax(x.detach().float())
+        self._update(lo, hi)
+        self.num_batches += 1
+        return x
+
+    def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        torch.minimum(self.min_val, lo, out=self.min_val)
+        torch.maximum(self.max_val, hi, out=self.max_val)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._qparams(self.min_val, self.max_val)
+
+
+class MovingAverageMinMaxObserver(MinMaxObserver):
+    """Exponential moving average of each batch's extremes: robust to a few extreme batches."""
+
+    def __init__(self, averaging_constant: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.averaging_constant = float(averaging_constant)
+
+    def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        if int(self.num_batches) == 0:
+            self.min_val.copy_(lo)
+            self.max_val.copy_(hi)
+        else:
+            c = self.averaging_constant
+            self.min_val.copy_(self.min_val + c * (lo - self.min_val))
+            self.max_val.copy_(self.max_val + c * (hi - self.max_val))
+
+
+def _per_channel_extremes(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = x.detach().float().movedim(axis, 0).reshape(x.shape[axis], -1)
+    lo, hi = torch.aminmax(flat, dim=1)
+    return lo, hi
+
+
+class PerChannelMinMaxObserver(ObserverBase):
+    """Min and max per slice along ``ch_axis`` (weights: one scale per output channel)."""
+
+    def __init__(self, ch_axis: int | None = 0, **kwargs: Any) -> None:
+        kwargs.setdefault("qscheme", torch.per_channel_symmetric)
+        super().__init__(ch_axis=0 if ch_axis is None else ch_axis, **kwargs)
+        self.register_buffer("min_val", torch.empty(0))
+        self.register_buffer("max_val", torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        axis = self.ch_axis if self.ch_axis is not None else 0
+        lo, hi = _per_channel_extremes(x, axis if axis >= 0 else x.dim() + axis)
+        if self.min_val.numel() == 0:
+            self.min_val = lo.clone()
+            self.max_val = hi.clone()
+        else:
+            self._update(lo, hi)
+        self.num_batches += 1
+        return x
+
+    def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        torch.minimum(self.min_val, lo, out=self.min_val)
+        torch.maximum(self.max_val, hi, out=self.max_val)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._qparams(self.min_val, self.max_val)
+
+
+class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
+    """Per-channel exponential moving average of extremes."""
+
+    def __init__(self, averaging_constant: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.averaging_constant = float(averaging_constant)
+
+    def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        c = self.averaging_constant
+        self.min_val.copy_(self.min_val + c * (lo - self.min_val))
+        self.max_val.copy_(self.max_val + c * (hi - self.max_val))

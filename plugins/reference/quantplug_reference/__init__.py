@@ -1,0 +1,1 @@
+"""quantplug's reference CPU backend (``quantplug.get_quantizer("reference")``)."""

@@ -1,0 +1,57 @@
+"""Hook implementations of the ``reference`` backend (entry point ``quantplug.backends``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import quantplug
+from quantplug import BackendContext, BackendInfo, BackendOption, NamedPass, Preset, RulesModule
+from quantplug_reference import configs
+from quantplug_reference.rules import RULE_MODULES
+
+INFO = BackendInfo(
+    name="reference",
+    description="Generic int8 CPU quantization; the numerical reference for other backends",
+    options=(
+        BackendOption("preset", str, "int8", "precision preset", choices=tuple(configs.PRESETS)),
+        BackendOption(
+            "activation_dtype", str, "uint8", "8-bit activation grid (16-bit for a16w8)", choices=("uint8", "int8")
+        ),
+        BackendOption(
+            "activation_observer",
+            str,
+            "histogram",
+            "how activation ranges are measured",
+            choices=configs.ACTIVATION_OBSERVERS,
+        ),
+    ),
+    presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
+    preset_option="preset",
+)
+
+
+@quantplug.hookimpl
+def quantplug_backend_info() -> BackendInfo:
+    return INFO
+
+
+@quantplug.hookimpl
+def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]:
+    return RULE_MODULES
+
+
+@quantplug.hookimpl
+def quantplug_quantization_config(preset: str | None, context: BackendContext) -> quantplug.QuantizationConfig:
+    return configs.build_config(preset or "int8", context.options)
+
+
+@quantplug.hookimpl
+def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[NamedPass]:
+    return ()
+
+
+@quantplug.hookimpl
+def quantplug_artifact_writer(context: BackendContext):  # type: ignore[no-untyped-def]
+    from quantplug_reference.lowering import write_artifact
+
+    return write_artifact

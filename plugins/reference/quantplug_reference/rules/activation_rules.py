@@ -1,0 +1,72 @@
+"""Elementwise activations; sigmoid/tanh/hardsigmoid get fixed qparams from their known range."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from quantplug import (
+    FixedQParamsQuantizationSpec,
+    QuantizationConfig,
+    annotate_single_in_single_out,
+    is_float_tensor,
+    register_annotator,
+)
+from quantplug.annotation.dtypes import full_range
+from quantplug.annotation.specs import annotate_node
+from quantplug_reference.rules.fusion import is_fused_activation
+
+aten = torch.ops.aten
+
+
+@register_annotator(
+    [aten.relu.default, aten.relu_.default, aten.hardtanh.default, aten.hardtanh_.default, aten.relu6.default]
+)
+def annotate_relu(node: Node, config: QuantizationConfig) -> None:
+    if is_fused_activation(node):
+        # the producer (conv/linear/add) runs the relu: only the fused output is quantized
+        if is_float_tensor(node) and config.output_activation is not None:
+            annotate_node(node, output_qspec=config.output_activation)
+        return
+    annotate_single_in_single_out(node, config)
+
+
+@register_annotator(
+    [aten.gelu.default, aten.silu.default, aten.hardswish.default, aten.softmax.int, aten._softmax.default]
+)
+def annotate_elementwise(node: Node, config: QuantizationConfig) -> None:
+    annotate_single_in_single_out(node, config)
+
+
+def fixed_output_spec(config: QuantizationConfig, low: float, high: float) -> FixedQParamsQuantizationSpec | None:
+    """An output spec covering exactly ``[low, high]`` on the activation grid."""
+    act = config.output_activation
+    if act is None:
+        return None
+    dtype = act.dtype  # type: ignore[union-attr]
+    qmin, qmax = full_range(dtype)
+    levels = qmax - qmin + 1
+    scale = (high - low) / levels
+    zero_point = int(round(qmin - low / scale))
+    return FixedQParamsQuantizationSpec(
+        dtype=dtype, scale=scale, zero_point=zero_point, quant_min=qmin, quant_max=qmax,
+        qscheme=torch.per_tensor_affine,
+    )
+
+
+@register_annotator([aten.sigmoid.default, aten.hardsigmoid.default])
+def annotate_sigmoid(node: Node, config: QuantizationConfig) -> None:
+    _annotate_fixed(node, config, 0.0, 1.0)
+
+
+@register_annotator([aten.tanh.default])
+def annotate_tanh(node: Node, config: QuantizationConfig) -> None:
+    _annotate_fixed(node, config, -1.0, 1.0)
+
+
+def _annotate_fixed(node: Node, config: QuantizationConfig, low: float, high: float) -> None:
+    arg = node.args[0]
+    inputs = {arg: config.input_activation} if is_float_tensor(arg) and config.input_activation else {}
+    out = fixed_output_spec(config, low, high) if is_float_tensor(node) else None
+    if inputs or out is not None:
+        annotate_node(node, inputs, out)

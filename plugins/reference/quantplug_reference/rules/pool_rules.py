@@ -1,0 +1,29 @@
+"""Pooling and reductions: max pooling only moves values (shared encoding); averages re-measure."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from quantplug import QuantizationConfig, annotate_shared_in_out, annotate_single_in_single_out, register_annotator
+
+aten = torch.ops.aten
+
+
+@register_annotator([aten.max_pool2d.default, aten.max_pool1d.default])
+def annotate_max_pool(node: Node, config: QuantizationConfig) -> None:
+    annotate_shared_in_out(node, config)
+
+
+@register_annotator(
+    [
+        aten.avg_pool2d.default,
+        aten.avg_pool1d.default,
+        aten.adaptive_avg_pool2d.default,
+        aten.adaptive_avg_pool1d.default,
+        aten.mean.dim,
+        aten.mean.default,
+    ]
+)
+def annotate_average(node: Node, config: QuantizationConfig) -> None:
+    annotate_single_in_single_out(node, config)
