@@ -252,7 +252,6 @@ class HistogramObserver(ObserverBase):
             points = _COARSE_2D
         spans = [(0.0, 1.0) if a else (1.0, 1.0) for a in active]
         target_step = 1.0 / (self.bins * self.upsample_rate)
-        step = 1.0
         best: list[float] = [1.0] * len(spans)
         while True:
             axes = [torch.linspace(a, b, points if b > a else 1, dtype=torch.float64) for a, b in spans]
