@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quantplug
+from quantplug.flow.inspect import encodings
 from quantplug import AnnotationError, QuantizationSpec, SharedQuantizationSpec
 from quantplug.annotation.specs import annotate_node
 from quantplug.sharing.resolution import Key, KeySpec, resolve_sharing
@@ -239,7 +240,7 @@ def test_shared_spec_to_a_later_node_in_a_real_graph() -> None:
         prepared = quantplug.prepare(ep, q)
         prepared(torch.randn(2, 3))
         converted = quantplug.convert(prepared)
-    enc = {e["tensor"]: e for e in quantplug.flow.inspect.encodings(converted)}
+    enc = {e["tensor"]: e for e in encodings(converted)}
     assert enc["relu"]["scale"] == enc["sigmoid"]["scale"]
 
 

@@ -6,6 +6,8 @@ when a graph contains one of its ops.
 
 from __future__ import annotations
 
+import operator
+
 from quantplug import RulesModule
 
 _P = "quantplug_reference.rules."
@@ -19,9 +21,9 @@ RULE_MODULES: tuple[RulesModule, ...] = (
             "aten.conv3d.default",
             "aten.conv_transpose1d.default",
             "aten.conv_transpose2d.input",
-            "aten.linear.default",
         ],
     ),
+    RulesModule(_P + "linear_rules", ["aten.linear.default"]),
     RulesModule(
         _P + "activation_rules",
         [
@@ -62,6 +64,7 @@ RULE_MODULES: tuple[RulesModule, ...] = (
             "aten.adaptive_avg_pool1d.default",
             "aten.mean.dim",
             "aten.mean.default",
+            "aten.sum.dim_IntList",
         ],
     ),
     RulesModule(
@@ -80,10 +83,33 @@ RULE_MODULES: tuple[RulesModule, ...] = (
             "aten.unsqueeze.default",
             "aten.contiguous.default",
             "aten.clone.default",
+            "aten.slice.Tensor",
+            "aten.select.int",
+            "aten.expand.default",
+            "aten.pad.default",
+            "aten.constant_pad_nd.default",
+            "aten.pixel_shuffle.default",
+            "aten.pixel_unshuffle.default",
             "aten.cat.default",
             "aten.concat.default",
+            "aten.split.Tensor",
+            "aten.split_with_sizes.default",
+            "aten.chunk.default",
+            "aten.unbind.int",
+            operator.getitem,  # the pieces of a split: "_operator.getitem"
         ],
     ),
-    RulesModule(_P + "norm_rules", ["aten.layer_norm.default"]),
+    RulesModule(
+        _P + "resize_rules",
+        [
+            "aten.upsample_nearest1d.vec",
+            "aten.upsample_nearest2d.vec",
+            "aten.upsample_nearest2d.default",
+            "aten.upsample_bilinear2d.vec",
+            "aten.upsample_bilinear2d.default",
+            "aten.upsample_linear1d.vec",
+        ],
+    ),
+    RulesModule(_P + "norm_rules", ["aten.layer_norm.default", "aten.group_norm.default"]),
     RulesModule(_P + "embedding_rules", ["aten.embedding.default"]),
 )

@@ -14,6 +14,7 @@ from quantplug import (
 )
 from quantplug.annotation.dtypes import full_range
 from quantplug.annotation.specs import annotate_node
+from quantplug_reference.rules.common import reuse_fixed_inputs
 from quantplug_reference.rules.fusion import is_fused_activation
 
 aten = torch.ops.aten
@@ -29,6 +30,7 @@ def annotate_relu(node: Node, config: QuantizationConfig) -> None:
             annotate_node(node, output_qspec=config.output_activation)
         return
     annotate_single_in_single_out(node, config)
+    reuse_fixed_inputs(node)
 
 
 @register_annotator(
@@ -36,6 +38,7 @@ def annotate_relu(node: Node, config: QuantizationConfig) -> None:
 )
 def annotate_elementwise(node: Node, config: QuantizationConfig) -> None:
     annotate_single_in_single_out(node, config)
+    reuse_fixed_inputs(node)
 
 
 def fixed_output_spec(config: QuantizationConfig, low: float, high: float) -> FixedQParamsQuantizationSpec | None:
@@ -70,3 +73,4 @@ def _annotate_fixed(node: Node, config: QuantizationConfig, low: float, high: fl
     out = fixed_output_spec(config, low, high) if is_float_tensor(node) else None
     if inputs or out is not None:
         annotate_node(node, inputs, out)
+        reuse_fixed_inputs(node)

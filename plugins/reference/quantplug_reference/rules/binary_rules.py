@@ -7,6 +7,7 @@ from torch.fx import Node
 
 from quantplug import QuantizationConfig, annotate_binary, register_annotator
 from quantplug.annotation.specs import annotate_node
+from quantplug_reference.rules.common import reuse_fixed_inputs
 from quantplug_reference.rules.fusion import has_fused_activation
 
 aten = torch.ops.aten
@@ -20,8 +21,10 @@ def annotate_arithmetic(node: Node, config: QuantizationConfig) -> None:
         if ann is not None:
             ann.output_qspec = None
             annotate_node(node)
+    reuse_fixed_inputs(node)
 
 
 @register_annotator([aten.matmul.default, aten.bmm.default, aten.mm.default])
 def annotate_matmul(node: Node, config: QuantizationConfig) -> None:
     annotate_binary(node, config)
+    reuse_fixed_inputs(node)

@@ -1,4 +1,4 @@
-"""Weighted ops: conv and linear, with a following relu fused (no encoding between them)."""
+"""Convolutions, with a following relu fused (no encoding between them). Linear: ``linear_rules``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 from torch.fx import Node
 
 from quantplug import QuantizationConfig, annotate_weighted, register_annotator
+from quantplug_reference.rules.common import reuse_fixed_inputs
 from quantplug_reference.rules.fusion import has_fused_activation
 
 aten = torch.ops.aten
@@ -18,8 +19,8 @@ aten = torch.ops.aten
         aten.conv3d.default,
         aten.conv_transpose1d.default,
         aten.conv_transpose2d.input,
-        aten.linear.default,
     ]
 )
-def annotate_conv_linear(node: Node, config: QuantizationConfig) -> None:
+def annotate_conv(node: Node, config: QuantizationConfig) -> None:
     annotate_weighted(node, config, quantize_output=not has_fused_activation(node))
+    reuse_fixed_inputs(node)

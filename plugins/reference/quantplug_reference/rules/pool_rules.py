@@ -6,6 +6,7 @@ import torch
 from torch.fx import Node
 
 from quantplug import QuantizationConfig, annotate_shared_in_out, annotate_single_in_single_out, register_annotator
+from quantplug_reference.rules.common import reuse_fixed_inputs
 
 aten = torch.ops.aten
 
@@ -23,7 +24,9 @@ def annotate_max_pool(node: Node, config: QuantizationConfig) -> None:
         aten.adaptive_avg_pool1d.default,
         aten.mean.dim,
         aten.mean.default,
+        aten.sum.dim_IntList,
     ]
 )
 def annotate_average(node: Node, config: QuantizationConfig) -> None:
     annotate_single_in_single_out(node, config)
+    reuse_fixed_inputs(node)

@@ -1,6 +1,12 @@
-"""Data movement: the output reuses the input's encoding; cat unifies its inputs' encodings."""
+"""Data movement: the output reuses the input's encoding; cat unifies its inputs' encodings.
+
+Multi-output ops (split, chunk, unbind) return a tuple, which cannot carry an encoding: their
+input edge is quantized and each ``getitem`` output shares that edge's encoding.
+"""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.fx import Node
@@ -12,7 +18,8 @@ from quantplug import (
     is_float_tensor,
     register_annotator,
 )
-from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, is_annotated
+from quantplug.annotation.annotators import output_spec_of
+from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
 
 aten = torch.ops.aten
 
@@ -32,6 +39,13 @@ aten = torch.ops.aten
         aten.unsqueeze.default,
         aten.contiguous.default,
         aten.clone.default,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.expand.default,
+        aten.pad.default,
+        aten.constant_pad_nd.default,
+        aten.pixel_shuffle.default,
+        aten.pixel_unshuffle.default,
     ]
 )
 def annotate_data_movement(node: Node, config: QuantizationConfig) -> None:
@@ -52,3 +66,43 @@ def annotate_cat(node: Node, config: QuantizationConfig) -> None:
         if other is not first:
             specs[other] = SharedQuantizationSpec((first, node))
     annotate_node(node, specs, SharedQuantizationSpec((first, node)))
+
+
+SPLIT_OPS = frozenset(
+    {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
+)
+
+
+@register_annotator(sorted(SPLIT_OPS, key=str))
+def annotate_split(node: Node, config: QuantizationConfig) -> None:
+    """Quantize the input edge only; the pieces (``getitem`` nodes) share its encoding."""
+    if is_annotated(node):
+        return
+    arg = node.args[0] if node.args else None
+    if not is_float_tensor(arg):
+        return
+    in_spec: QuantizationSpecBase | None
+    if output_spec_of(arg) is not None:  # type: ignore[arg-type]
+        in_spec = SharedQuantizationSpec(arg)  # type: ignore[arg-type]
+    else:
+        in_spec = config.input_activation
+    if in_spec is not None:
+        annotate_node(node, {arg: in_spec})  # type: ignore[dict-item]
+
+
+@register_annotator([operator.getitem])
+def annotate_getitem(node: Node, config: QuantizationConfig) -> None:
+    """A piece of a split shares the encoding of the split's (quantized) input edge.
+
+    ``getitem`` of anything else (batch-norm statistics, pooling indices...) stays as is.
+    """
+    if is_annotated(node) or not is_float_tensor(node):
+        return
+    parent = node.args[0]
+    if not isinstance(parent, Node) or parent.op != "call_function" or parent.target not in SPLIT_OPS:
+        return
+    source = parent.args[0]
+    ann = get_annotation(parent)
+    if not isinstance(source, Node) or ann is None or ann.input_qspec_map.get(source) is None:
+        return  # the split stays float (discarded, or its input is not a float tensor)
+    annotate_node(node, output_qspec=SharedQuantizationSpec((source, parent)))

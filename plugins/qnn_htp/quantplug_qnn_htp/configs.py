@@ -1,0 +1,295 @@
+"""QNN HTP precisions as quantplug ``QuantizationConfig``s, numerically matching ExecuTorch 1.5.1.
+
+Grids (ExecuTorch ``quantizer/qconfig.py``; anchor section 2):
+
+==============  ===================  ===============================  ==========================
+precision       activations          weights, per-tensor              weights, per-channel/block
+==============  ===================  ===============================  ==========================
+8a8w            uint8 [0,255]        int8 [-127,127] symmetric        int8 [-127,127]
+8a4w            uint8                int4 [-7,7] symmetric            int4 [-7,7]
+16a8w           uint16 [0,65535]     uint8 symmetric (zero point 128) int8 [-127,127]
+16a4w           uint16               int4 [-7,7]                      int4 [-7,7]
+16a16w          uint16               int16 [-32767,32767]             int16 [-32767,32767]
+16a2w           uint16               (2-bit is per-channel only)      int2 [-2,1]
+16a4w_block     uint16               int4 [-7,7]                      LPBQ: int4 [-7,7] per block
+==============  ===================  ===============================  ==========================
+
+Differences from ExecuTorch, each deliberate:
+
+* 16-bit activations are ``torch.uint16`` (ExecuTorch: ``int32`` with range ``[0, 65535]``); the
+  numbers are identical. Sub-byte weights are ``torch.int4`` / ``torch.int2`` with ExecuTorch's
+  *restricted* ranges ``[-7, 7]`` / ``[-2, 1]`` (stored in an int8 container), so scales are
+  ``amax / 7`` and ``amax / 1.5`` exactly as ExecuTorch's; the full int4 range ``[-8, 7]`` would
+  give ``amax / 7.5`` and break parity.
+* conv/linear biases are int32 with ``scale = input scale x weight scale`` in every config,
+  per-tensor ones included (ExecuTorch's per-tensor bias observer collapses to eps). LPBQ biases
+  use ``input scale x max(block scales of the channel) / 16``, as ExecuTorch's per-block configs.
+* ``act_symmetric`` with 16-bit activations puts the zero point at 32768 (ExecuTorch: 0, which
+  clips every negative value).
+* The activation eps follows the precision everywhere (ExecuTorch's per-channel configs use the
+  16-bit eps even for 8-bit activations); the user's eps also reaches LPBQ weights.
+* Specs are immutable values; per-node specs (block size, derived bias) are built per node, so
+  no block size leaks from one layer to another.
+
+QAT variants (ExecuTorch has them for 8a8w, 16a8w, 16a4w, 16a4w_block) are not implemented yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from quantplug import DerivedQuantizationSpec, QuantizationConfig, QuantizationSpec
+from quantplug.annotation.specs import QuantizationSpecBase
+from quantplug.errors import AnnotationError, OptionError
+from quantplug.observers.base import ObserverFactory
+from quantplug.observers.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
+from quantplug.observers.per_block import PerBlockMinMaxObserver
+
+#: ExecuTorch ``utils/constants.py``: DEFAULT_EPS_8BIT / DEFAULT_EPS_16BIT.
+EPS_8BIT = 0.0001 / 255
+EPS_16BIT = 0.0001 / 65535
+#: LPBQ stores each block scale as a 4-bit multiple of a per-channel scale: 2**4 steps.
+LPBQ_SCALE_STEPS = 16
+
+PRECISIONS: dict[str, str] = {
+    "8a8w": "uint8 activations, int8 symmetric weights, int32 bias",
+    "16a8w": "uint16 activations, 8-bit symmetric weights, int32 bias",
+    "16a4w": "uint16 activations, 4-bit symmetric weights, int32 bias",
+    "16a16w": "uint16 activations, int16 symmetric weights, int32 bias (HTP V73+ for conv/linear/matmul)",
+    "8a4w": "uint8 activations, 4-bit symmetric weights, int32 bias",
+    "16a2w": "uint16 activations, 2-bit per-channel symmetric weights, int32 bias",
+    "16a4w_block": "uint16 activations, 4-bit LPBQ block-wise weights for conv/linear (HTP V69+)",
+}
+DEFAULT_PRECISION = "8a8w"
+ACT_OBSERVERS = ("moving_average", "minmax", "histogram")
+DEFAULT_BLOCK_SIZE = 64
+
+# precision -> (activation dtype, weight grid (dtype, qmin, qmax), eps)
+_GRIDS: dict[str, tuple[torch.dtype, tuple[torch.dtype, int, int], float]] = {
+    "8a8w": (torch.uint8, (torch.int8, -127, 127), EPS_8BIT),
+    "8a4w": (torch.uint8, (torch.int4, -7, 7), EPS_8BIT),
+    "16a8w": (torch.uint16, (torch.int8, -127, 127), EPS_16BIT),
+    "16a4w": (torch.uint16, (torch.int4, -7, 7), EPS_16BIT),
+    "16a16w": (torch.uint16, (torch.int16, -32767, 32767), EPS_16BIT),
+    "16a2w": (torch.uint16, (torch.int2, -2, 1), EPS_16BIT),
+    "16a4w_block": (torch.uint16, (torch.int4, -7, 7), EPS_16BIT),
+}
+#: 2-bit weights cannot be encoded per tensor (QNN has no per-tensor 2-bit encoding), so 16a2w
+#: always quantizes conv/linear weights per channel.
+_ALWAYS_PER_CHANNEL = frozenset({"16a2w", "16a4w_block"})
+
+
+@dataclass(frozen=True)
+class QnnQuantizationConfig(QuantizationConfig):
+    """A ``QuantizationConfig`` plus the op-specific weight grids HTP rules pick from.
+
+    ``weight`` is the per-tensor weight spec (what ops without a more specific field use);
+    ``conv_weight`` / ``conv_transpose_weight`` / ``linear_weight`` are the per-channel specs
+    (None: per-tensor); ``block_weight`` with ``block_size`` turns conv/linear weights into LPBQ
+    blocks along the input channels; ``norm_weight`` is the layer/batch-norm weight grid;
+    ``matmul_in1`` the second MatMul operand's grid (None: the activation spec); ``norm_bias`` an
+    int32 symmetric grid for biases that are not derived (norms).
+    """
+
+    precision: str = DEFAULT_PRECISION
+    conv_weight: QuantizationSpecBase | None = None
+    conv_transpose_weight: QuantizationSpecBase | None = None
+    linear_weight: QuantizationSpecBase | None = None
+    block_weight: QuantizationSpecBase | None = None
+    block_size: int | None = None
+    norm_weight: QuantizationSpecBase | None = None
+    matmul_in1: QuantizationSpecBase | None = None
+    norm_bias: QuantizationSpecBase | None = None
+
+
+def activation_observer(name: str, eps: float) -> ObserverFactory:
+    if name == "moving_average":
+        return MovingAverageMinMaxObserver.with_args(eps=eps)
+    if name == "minmax":
+        return MinMaxObserver.with_args(eps=eps)
+    if name == "histogram":
+        from quantplug.observers.histogram import HistogramObserver
+
+        return HistogramObserver.with_args(eps=eps)
+    raise OptionError(f"unknown act_observer {name!r}; valid values: {', '.join(ACT_OBSERVERS)}")
+
+
+def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuantizationConfig:
+    """The global config of ``precision`` with the backend options applied."""
+    precision = precision or DEFAULT_PRECISION
+    if precision not in _GRIDS:
+        raise OptionError(f"unknown QNN HTP precision {precision!r}; valid values: {', '.join(PRECISIONS)}")
+    act_dtype, (w_dtype, w_min, w_max), default_eps = _GRIDS[precision]
+    eps = options.get("eps")
+    eps = default_eps if eps is None else float(eps)
+    if eps <= 0:
+        raise OptionError(f"option 'eps' of backend 'qnn_htp' must be positive, got {eps!r}")
+    act_obs = activation_observer(options.get("act_observer") or "moving_average", eps)
+    symmetric_act = bool(options.get("act_symmetric", False))
+    act = QuantizationSpec(
+        dtype=act_dtype,
+        observer_or_fake_quant_ctr=act_obs,
+        qscheme=torch.per_tensor_symmetric if symmetric_act else torch.per_tensor_affine,
+    )
+
+    if precision == "16a8w":
+        # ExecuTorch: uint8, per-tensor symmetric, no explicit range -> [0, 255], zero point 128
+        per_tensor_w: QuantizationSpec = QuantizationSpec(
+            dtype=torch.uint8,
+            qscheme=torch.per_tensor_symmetric,
+            observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=eps),
+        )
+    else:
+        per_tensor_w = QuantizationSpec(
+            dtype=w_dtype,
+            quant_min=w_min,
+            quant_max=w_max,
+            qscheme=torch.per_tensor_symmetric,
+            observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=eps),
+        )
+
+    def per_channel(axis: int) -> QuantizationSpec:
+        return QuantizationSpec(
+            dtype=w_dtype,
+            quant_min=w_min,
+            quant_max=w_max,
+            qscheme=torch.per_channel_symmetric,
+            ch_axis=axis,
+            observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=eps),
+        )
+
+    forced = precision in _ALWAYS_PER_CHANNEL
+    pc_conv = forced or bool(options.get("per_channel_conv", True))
+    pc_linear = forced or bool(options.get("per_channel_linear", False))
+
+    block_weight = None
+    block_size = None
+    if precision == "16a4w_block":
+        block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
+        if block_size <= 0:
+            raise OptionError(f"option 'block_size' of backend 'qnn_htp' must be positive, got {block_size}")
+        # block_size is filled in per node (see weight_spec_for); this is the template
+        block_weight = QuantizationSpec(
+            dtype=w_dtype,
+            quant_min=w_min,
+            quant_max=w_max,
+            qscheme=torch.per_channel_symmetric,
+            ch_axis=0,
+            observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=eps),
+        )
+
+    sixteen = act_dtype == torch.uint16
+    int16_sym = QuantizationSpec(
+        dtype=torch.int16,
+        quant_min=-32767,
+        quant_max=32767,
+        qscheme=torch.per_tensor_symmetric,
+        observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=eps),
+    )
+    norm_bias = QuantizationSpec(
+        dtype=torch.int32,
+        qscheme=torch.per_tensor_symmetric,
+        observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=eps),
+    )
+    return QnnQuantizationConfig(
+        input_activation=act,
+        output_activation=act,
+        weight=per_tensor_w,
+        bias=None,  # derived per node from the weight spec actually used (rules.common.bias_spec_for)
+        precision=precision,
+        conv_weight=per_channel(0) if pc_conv else None,
+        conv_transpose_weight=per_channel(1) if pc_conv else None,
+        linear_weight=per_channel(0) if pc_linear else None,
+        block_weight=block_weight,
+        block_size=block_size,
+        norm_weight=int16_sym if sixteen else act,
+        matmul_in1=int16_sym if sixteen else None,
+        norm_bias=norm_bias,
+    )
+
+
+# --- per-node weight and bias specs ----------------------------------------------------------
+
+WEIGHT_KINDS = ("conv", "conv_transpose", "linear")
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def weight_spec_for(node: Node, weight: Node, config: QuantizationConfig, kind: str) -> QuantizationSpecBase | None:
+    """The weight spec of conv/linear ``node`` under ``config`` (per-block specs built per node).
+
+    LPBQ blocks run along the input channels (dim 1). A weight with no more input channels than
+    the block size gets the per-channel grid instead (one block per channel is per-channel);
+    a block size that does not divide the input channels is an ``AnnotationError`` naming the node
+    and both shapes.
+    """
+    if not isinstance(config, QnnQuantizationConfig):
+        return config.weight
+    if kind == "linear" or kind == "conv":
+        if config.block_weight is not None and config.block_size:
+            shape = _shape(weight)
+            if shape is not None and len(shape) >= 2 and shape[1] > config.block_size:
+                if shape[1] % config.block_size != 0:
+                    raise AnnotationError(
+                        f"LPBQ block_size {config.block_size} does not divide the {shape[1]} input channels of "
+                        f"node {node.name!r} ({node.target}): weight shape {shape}, block shape "
+                        f"{(1, config.block_size) + (1,) * (len(shape) - 2)}; pick a block_size that divides "
+                        f"{shape[1]} (or keep this node per-channel with set_node_name)"
+                    )
+                block = (1, config.block_size) + (1,) * (len(shape) - 2)
+                return dataclasses.replace(config.block_weight, block_size=block)
+        specific = config.linear_weight if kind == "linear" else config.conv_weight
+        if config.block_weight is not None and specific is None:
+            specific = dataclasses.replace(config.block_weight, block_size=None)
+        return specific if specific is not None else config.weight
+    if kind == "conv_transpose":
+        return config.conv_transpose_weight if config.conv_transpose_weight is not None else config.weight
+    raise ValueError(f"unknown weight kind {kind!r}; valid: {', '.join(WEIGHT_KINDS)}")
+
+
+def _derive_bias(observers: list[Any], *, block: bool, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 bias qparams: input scale x weight scale per output channel, zero point 0."""
+    act_scale, _ = observers[0].calculate_qparams()
+    w_scale, _ = observers[1].calculate_qparams()
+    w_scale = w_scale.to(torch.float32)
+    if block:
+        # LPBQ: QNN's per-channel scale is max(block scales of the channel) / 16
+        w_scale = w_scale.reshape(w_scale.shape[0], -1).amax(-1) / LPBQ_SCALE_STEPS
+    w_scale = w_scale.reshape(-1)
+    if groups > 1 and w_scale.numel() > 1:
+        w_scale = w_scale.repeat(groups)  # grouped transpose conv: weight axis 1 holds out/groups channels
+    scale = (act_scale.reshape(-1)[0].to(torch.float32) * w_scale).reshape(-1)
+    return scale, torch.zeros(scale.shape, dtype=torch.int64)
+
+
+def bias_spec_for(
+    node: Node, act: Node, weight: Node, weight_spec: QuantizationSpecBase | None, config: QuantizationConfig,
+    *, groups: int = 1,
+) -> QuantizationSpecBase | None:
+    """The int32 bias spec derived from ``node``'s input and weight observers.
+
+    A plain (non-HTP) config's own ``bias`` wins when it sets one.
+    """
+    if not isinstance(config, QnnQuantizationConfig):
+        return config.bias_spec(node)
+    if weight_spec is None or config.input_activation is None:
+        return None
+    block = getattr(weight_spec, "block_size", None) is not None
+    per_channel = block or getattr(weight_spec, "qscheme", None) == torch.per_channel_symmetric
+    return DerivedQuantizationSpec(
+        derived_from=((act, node), (weight, node)),
+        derive_qparams_fn=functools.partial(_derive_bias, block=block, groups=groups),
+        dtype=torch.int32,
+        qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
+        ch_axis=0 if per_channel else None,
+    )

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install quantplug, its plugins and, with --test, the test tools.
+# torch==2.13.0 is installed FIRST: a bare torch requirement would pull the CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
+"$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
+  || pip_install torch==2.13.0
+PKGS=(-e . -e plugins/reference)
+[ -f plugins/qnn_htp/pyproject.toml ] && PKGS+=(-e plugins/qnn_htp)
+pip_install "${PKGS[@]}"
+if [ "${1:-}" = "--test" ]; then
+  pip_install pytest hypothesis numpy -e tests/example_plugin
+  # peers used only as test oracles, never as product dependencies
+  pip_install torchao==0.18.0 --no-deps
+fi

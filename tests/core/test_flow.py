@@ -1,0 +1,115 @@
+"""prepare/convert behaviour that is backend-independent: copies, errors, export round trips, memory."""
+
+from __future__ import annotations
+
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+
+import quantplug
+from quantplug import CalibrationError, ConversionError, QuantplugError
+from quantplug.demo.model import demo_calibration, demo_model
+
+
+def _prepared(qat: bool = False) -> tuple[torch.nn.Module, torch.export.ExportedProgram, torch.fx.GraphModule]:
+    model, example = demo_model()
+    ep = torch.export.export(model, example)
+    return model, ep, quantplug.prepare(ep, quantplug.get_quantizer("reference"), qat=qat)
+
+
+def test_convert_without_calibration_names_the_node() -> None:
+    _, _, prepared = _prepared()
+    with pytest.raises(CalibrationError, match=r"input 'x' of node 'conv2d' never saw data"):
+        quantplug.convert(prepared)
+
+
+def test_convert_of_an_unprepared_module() -> None:
+    model, example = demo_model()
+    with pytest.raises(ConversionError, match="not produced by quantplug.prepare"):
+        quantplug.convert(torch.export.export(model, example).module())
+
+
+def test_prepare_rejects_non_programs_and_non_quantizers() -> None:
+    model, example = demo_model()
+    with pytest.raises(QuantplugError, match="torch.export.export"):
+        quantplug.prepare(model, quantplug.get_quantizer("reference"))
+    with pytest.raises(QuantplugError, match="not a quantizer"):
+        quantplug.prepare(torch.export.export(model, example), object())
+
+
+def test_caller_program_and_graph_module_untouched() -> None:
+    model, example = demo_model()
+    ep = torch.export.export(model, example)
+    before = [n.name for n in ep.graph.nodes]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = ep.module()
+    gm_nodes = len(gm.graph.nodes)
+    q = quantplug.get_quantizer("reference")
+    for program in (ep, gm):
+        prepared = quantplug.prepare(program, q)
+        for batch in demo_calibration(2):
+            prepared(*batch)
+        quantplug.convert(prepared)
+    assert [n.name for n in ep.graph.nodes] == before
+    assert len(gm.graph.nodes) == gm_nodes
+    assert not any("quantization_annotation" in n.meta for n in gm.graph.nodes)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+
+
+def test_weights_are_stored_as_integers_and_observed_once() -> None:
+    model, ep, prepared = _prepared()
+    # no observer on weights in the calibration graph
+    observed = [n.args[0] for n in prepared.graph.nodes if n.op == "call_module" and "quantplug_observers" in str(n.target)]
+    assert all(a.op != "get_attr" for a in observed)
+    for batch in demo_calibration(4):
+        prepared(*batch)
+    converted = quantplug.convert(prepared)
+    int_buffers = [b for b in converted.buffers() if b.dtype in (torch.int8, torch.int32)]
+    assert len(int_buffers) >= 6  # three weights, three int32 biases
+    assert not [p for p in converted.parameters() if p.dim() == 4]  # no float conv weight left
+
+
+def test_converted_program_exports_saves_and_loads() -> None:
+    model, ep, prepared = _prepared()
+    example = demo_model()[1]
+    for batch in demo_calibration(4):
+        prepared(*batch)
+    converted = quantplug.convert(prepared)
+    expected = converted(*example)
+    exported = torch.export.export(converted, example)
+    buffer = io.BytesIO()
+    torch.export.save(exported, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer)
+    torch.testing.assert_close(loaded.module()(*example), expected)
+    ops = {str(n.target) for n in loaded.graph.nodes if n.op == "call_function"}
+    assert "quantized_decomposed.quantize_per_tensor.default" in ops
+
+
+def test_qat_fake_quant_trains_and_converts() -> None:
+    model, ep, prepared = _prepared(qat=True)
+    opt = torch.optim.SGD([p for p in prepared.parameters() if p.requires_grad], lr=1e-3)
+    for batch in demo_calibration(3):
+        loss = prepared(*batch).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    converted = quantplug.convert(prepared)
+    assert converted(*demo_model()[1]).shape == (1, 10)
+
+
+def test_no_model_kept_alive_after_the_flow() -> None:
+    model, example = demo_model()
+    ep = torch.export.export(model, example)
+    prepared = quantplug.prepare(ep, quantplug.get_quantizer("reference"))
+    for batch in demo_calibration(2):
+        prepared(*batch)
+    converted = quantplug.convert(prepared)
+    refs = [weakref.ref(x) for x in (model, ep, prepared, converted)]
+    del model, ep, prepared, converted
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4

@@ -1,0 +1,62 @@
+"""Presets (precisions) and chips of the example vendor, as plain data and QuantizationConfigs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from quantplug import DerivedQuantizationSpec, QuantizationConfig, QuantizationSpec, derived_bias_spec
+from quantplug.observers.minmax import MinMaxObserver, PerChannelMinMaxObserver
+
+#: preset name -> description (``get_quantizer("example_vendor", precision=...)``)
+PRESETS: dict[str, str] = {
+    "8a8w": "uint8 asymmetric activations, int8 per-channel symmetric weights, int32 bias",
+    "16a8w": "uint16 asymmetric activations, int8 per-channel symmetric weights, int32 bias",
+    "8a4w_block": "uint8 activations, linear weights int4 with one scale per block of inputs (EV300+)",
+}
+
+#: chip name -> architecture generation (what quantplug_target_arch returns)
+CHIPS: dict[str, int] = {"EV100": 1, "EV200": 2, "EV300": 3}
+
+#: the first architecture whose matrix unit reads per-block (LPBQ) weights
+PER_BLOCK_MIN_ARCH = 3
+
+
+def build_config(precision: str, options: Mapping[str, Any]) -> QuantizationConfig:
+    """The global config of a precision preset (see PRESETS)."""
+    act = QuantizationSpec(
+        dtype=torch.uint16 if precision == "16a8w" else torch.uint8,
+        qscheme=torch.per_tensor_affine,
+        observer_or_fake_quant_ctr=MinMaxObserver,
+    )
+    per_channel = QuantizationSpec(
+        dtype=torch.int8,
+        quant_min=-127,
+        quant_max=127,
+        qscheme=torch.per_channel_symmetric,
+        ch_axis=0,
+        observer_or_fake_quant_ctr=PerChannelMinMaxObserver,
+    )
+    if precision == "8a4w_block":
+        # block_size is given for a 2-d linear weight [out, in]; rules adapt it to other ranks
+        weight = QuantizationSpec(
+            dtype=torch.int4,
+            quant_min=-7,
+            quant_max=7,
+            qscheme=torch.per_channel_symmetric,
+            block_size=(1, int(options["block_size"])),
+        )  # no observer given: the core picks its per-block min-max observer
+    else:
+        weight = per_channel
+
+    def bias(node: Node) -> DerivedQuantizationSpec | None:
+        # int32 bias = input scale x weight scale per output channel. A per-block weight has
+        # several scales per channel, so such a bias stays float (the chip adds it in fp16).
+        if weight.block_size is not None and node.target == torch.ops.aten.linear.default:
+            return None
+        return derived_bias_spec(node, weight_spec=per_channel)
+
+    return QuantizationConfig(input_activation=act, output_activation=act, weight=weight, bias=bias)

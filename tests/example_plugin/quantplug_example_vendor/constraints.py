@@ -1,0 +1,62 @@
+"""What the example chip's ops accept, as a built-in table of OpConstraints."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from quantplug import ArchRequirement, OpConstraint, PortConstraint
+from quantplug.validation.constraints import OUTPUT, Port
+from quantplug_example_vendor.configs import PER_BLOCK_MIN_ARCH
+
+SOURCE = "quantplug-example-vendor built-in table"
+
+#: activations: unsigned 8 or 16 bit, one scale per tensor; None = the port may stay float
+ACT = PortConstraint(dtypes=frozenset({torch.uint8, torch.uint16, None}), per_tensor_only=True)
+#: weights: symmetric int8 (or 4-bit in an int8 container), per output channel
+WEIGHT = PortConstraint(dtypes=frozenset({torch.int8, torch.int4}), symmetric=True, axes=frozenset({0}))
+BIAS = PortConstraint(dtypes=frozenset({torch.int32, None}), zero_point_zero=True)
+
+
+def _is_per_block(spec: object) -> bool:
+    return getattr(spec, "block_size", None) is not None
+
+
+def _is_16_bit(spec: object) -> bool:
+    return getattr(spec, "dtype", None) in (torch.uint16, torch.int16)
+
+
+PER_BLOCK_GATE = ArchRequirement(
+    min_arch=PER_BLOCK_MIN_ARCH,
+    reason="per-block weights need EV300 or later",
+    when=lambda ports: _is_per_block(ports.get(1)),
+)
+SIXTEEN_BIT_GATE = ArchRequirement(
+    min_arch=2,
+    reason="16-bit activations need EV200 or later",
+    when=lambda ports: _is_16_bit(ports.get(OUTPUT)),
+)
+
+
+def _op(op: str, ports: Mapping[Port, PortConstraint], **kw: object) -> OpConstraint:
+    arch = (SIXTEEN_BIT_GATE, *kw.pop("arch", ()))  # type: ignore[misc]
+    return OpConstraint(op=op, ports=dict(ports), arch=arch, source=SOURCE, **kw)  # type: ignore[arg-type]
+
+
+#: backend op name (the ``backend_op`` of a rule) -> constraint
+TABLE: dict[str, OpConstraint] = {
+    "FullyConnected": _op(
+        "FullyConnected", {0: ACT, 1: WEIGHT, 2: BIAS, OUTPUT: ACT}, arch=(PER_BLOCK_GATE,)
+    ),
+    "Conv2d": _op("Conv2d", {0: ACT, 1: WEIGHT, 2: BIAS, OUTPUT: ACT}),
+    "Relu": _op("Relu", {0: ACT, OUTPUT: ACT}),
+    "ElementWiseAdd": _op("ElementWiseAdd", {0: ACT, 1: ACT, OUTPUT: ACT}),
+    "Concat": _op("Concat", {OUTPUT: ACT}, must_share_input_output=True),
+}
+
+
+def constraints_for(backend_op: str | None) -> list[OpConstraint]:
+    """The constraints of one backend op (none for ops the table does not know)."""
+    found = TABLE.get(backend_op or "")
+    return [found] if found is not None else []

@@ -1,0 +1,92 @@
+"""Graph passes: one before annotation, one during lowering."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from quantplug import BackendContext, is_float_tensor
+from quantplug.flow.graph_copy import working_copy
+
+aten = torch.ops.aten
+qd = torch.ops.quantized_decomposed
+
+
+def lift_scalar_operands(gm: GraphModule, context: BackendContext) -> GraphModule:
+    """``x + 0.5`` becomes ``x + c`` with ``c`` a constant tensor.
+
+    The chip's adder reads two quantized tensors, so a Python scalar operand must become a
+    tensor the annotator can give a quantization spec (it is then quantized like a weight).
+    Runs on the core's working copy of the program, so adding attributes is safe.
+    """
+    graph = gm.graph
+    lifted = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.add.Tensor or len(node.args) < 2:
+            continue
+        x, other = node.args[0], node.args[1]
+        if isinstance(other, bool) or not isinstance(other, (int, float)) or not is_float_tensor(x):
+            continue
+        value = torch.tensor(float(other), dtype=x.meta["val"].dtype)  # type: ignore[union-attr]
+        name = f"_example_vendor_scalar{lifted}"
+        while hasattr(gm, name):
+            lifted += 1
+            name = f"_example_vendor_scalar{lifted}"
+        gm.register_buffer(name, value)
+        with graph.inserting_before(node):
+            const = graph.get_attr(name)
+        const.meta["val"] = value
+        node.args = (x, const, *node.args[2:])
+        lifted += 1
+    if lifted:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _quantize_params(node: Node) -> tuple[object, object, object] | None:
+    """(zero_point, quant_min, dtype) of a per-tensor quantize node, else None."""
+    if node.op == "call_function" and node.target == qd.quantize_per_tensor.default:
+        _, _scale, zero_point, quant_min, _quant_max, dtype = node.args[:6]
+        return zero_point, quant_min, dtype
+    return None
+
+
+def drop_redundant_relu(gm: GraphModule, context: BackendContext) -> GraphModule:
+    """Remove ``relu`` when every user quantizes its output on a grid whose zero point is its minimum.
+
+    ``quantize(relu(x)) == quantize(x)`` when ``zero_point == quant_min``: negative values clamp
+    to the zero point either way. The chip's quantize stage then does the relu for free. The
+    pass is exact, so the lowered program gives bit-identical results.
+
+    ``lower()`` hands passes the user's converted program, so this pass edits a copy.
+    """
+    candidates = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and n.target == aten.relu.default
+        and n.users
+        and all(_redundant_before(u) for u in n.users)
+    ]
+    if not candidates:
+        return gm
+    out = working_copy(gm)
+    by_name = {n.name: n for n in out.graph.nodes}
+    for relu in candidates:
+        node = by_name[relu.name]
+        node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+        out.graph.erase_node(node)
+    out.graph.lint()
+    out.recompile()
+    out.meta["example_vendor_dropped_relus"] = [n.name for n in candidates]
+    return out
+
+
+def _redundant_before(user: Node) -> bool:
+    params = _quantize_params(user)
+    if params is None:
+        return False
+    zero_point, quant_min, _ = params
+    return isinstance(zero_point, int) and zero_point == quant_min
+

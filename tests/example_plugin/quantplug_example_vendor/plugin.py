@@ -1,0 +1,120 @@
+"""Hook implementations of the ``example_vendor`` backend.
+
+Declared in pyproject.toml as::
+
+    [project.entry-points."quantplug.backends"]
+    example_vendor = "quantplug_example_vendor.plugin"
+
+The core imports this module only when a user calls ``get_quantizer("example_vendor", ...)``;
+it keeps its own imports light and defers the rules, passes and writer to when they are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.fx import GraphModule, Node
+
+import quantplug
+from quantplug import (
+    Artifact,
+    BackendContext,
+    BackendInfo,
+    BackendOption,
+    NamedPass,
+    OpConstraint,
+    Preset,
+    QuantizationConfig,
+    RulesModule,
+)
+from quantplug.sharing.problem import SharingProblem
+from quantplug.sharing.resolution import SharingGroups
+from quantplug_example_vendor import configs
+from quantplug_example_vendor.rules import RULE_MODULES
+
+INFO = BackendInfo(
+    name="example_vendor",
+    description="Example vendor NPU (EV100/EV200/EV300): the worked example of writing a backend",
+    options=(
+        BackendOption("precision", str, "8a8w", "precision preset", choices=tuple(configs.PRESETS)),
+        BackendOption("chip", str, "EV200", "target chip", choices=tuple(configs.CHIPS)),
+        BackendOption("block_size", int, 16, "inputs per weight block (8a4w_block)", choices=(8, 16, 32, 64)),
+        BackendOption("lift_scalars", bool, True, "quantize scalar operands of add as constants"),
+        BackendOption("drop_relu", bool, True, "let the quantize stage apply relus (exact)"),
+    ),
+    presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
+    preset_option="precision",
+)
+
+
+@quantplug.hookimpl
+def quantplug_backend_info() -> BackendInfo:
+    return INFO
+
+
+@quantplug.hookimpl
+def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]:
+    return RULE_MODULES
+
+
+@quantplug.hookimpl
+def quantplug_quantization_config(preset: str | None, context: BackendContext) -> QuantizationConfig:
+    return configs.build_config(preset or "8a8w", context.options)
+
+
+@quantplug.hookimpl
+def quantplug_target_arch(context: BackendContext) -> int:
+    arch = configs.CHIPS[context.option("chip")]
+    context.state["arch"] = arch  # the artifact writer reports it
+    return arch
+
+
+@quantplug.hookimpl
+def quantplug_op_constraints(op: str, backend_op: str | None, context: BackendContext) -> Sequence[OpConstraint]:
+    from quantplug_example_vendor.constraints import constraints_for
+
+    return constraints_for(backend_op)
+
+
+@quantplug.hookimpl
+def quantplug_resolve_sharing(
+    problem: SharingProblem,
+    resolve: Callable[[SharingProblem], SharingGroups],
+    context: BackendContext,
+) -> SharingGroups | None:
+    """Concat unification: all inputs of a ``cat`` share one observer (the chip's Concat
+    copies bytes and cannot rescale)."""
+    if problem.graph is None:
+        return None
+    merges: list[tuple[object, object]] = []
+    for node in problem.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.aten.cat.default:
+            continue
+        edges = [(a.name, node.name) for a in node.args[0] if isinstance(a, Node)]  # type: ignore[union-attr]
+        edges = [e for e in dict.fromkeys(edges) if e in problem.specs]
+        merges.extend((edges[0], e) for e in edges[1:])
+    if not merges:
+        return None  # the core resolves the problem unchanged
+    return resolve(problem.with_merges(merges))  # type: ignore[arg-type]
+
+
+@quantplug.hookimpl
+def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[NamedPass]:
+    from quantplug_example_vendor.passes import lift_scalar_operands
+
+    return [NamedPass("lift_scalar_operands", lift_scalar_operands)] if context.option("lift_scalars") else []
+
+
+@quantplug.hookimpl
+def quantplug_lowering_passes(context: BackendContext) -> Sequence[NamedPass]:
+    from quantplug_example_vendor.passes import drop_redundant_relu
+
+    return [NamedPass("drop_redundant_relu", drop_redundant_relu)] if context.option("drop_relu") else []
+
+
+@quantplug.hookimpl
+def quantplug_artifact_writer(context: BackendContext) -> Callable[[GraphModule, BackendContext], Artifact]:
+    from quantplug_example_vendor.writer import write_artifact
+
+    return write_artifact
