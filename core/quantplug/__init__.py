@@ -1,11 +1,11 @@
 """quantplug: PyTorch 2 export quantization with hardware backends as plugins.
 
-    ep = torch.export.export(model.eval(), example_inputs)
-    quantizer = quantplug.get_quantizer("reference")
-    prepared = quantplug.prepare(ep, quantizer)
-    for batch in data: prepared(*batch)
-    quantized = quantplug.convert(prepared)
-    artifact = quantplug.lower(quantized, quantizer)
+ep = torch.export.export(model.eval(), example_inputs)
+quantizer = quantplug.get_quantizer("reference")
+prepared = quantplug.prepare(ep, quantizer)
+for batch in data: prepared(*batch)
+quantized = quantplug.convert(prepared)
+artifact = quantplug.lower(quantized, quantizer)
 """
 
 from __future__ import annotations
@@ -49,7 +49,14 @@ from quantplug.flow.convert import convert
 from quantplug.flow.prepare import prepare
 from quantplug.lowering.artifact import Artifact
 from quantplug.lowering.lower import lower
-from quantplug.plugins.contract import BackendInfo, BackendOption, LoweringPlan, NamedPass, Preset, RulesModule
+from quantplug.plugins.contract import (
+    BackendInfo,
+    BackendOption,
+    LoweringPlan,
+    NamedPass,
+    Preset,
+    RulesModule,
+)
 from quantplug.plugins.hookspecs import hookimpl
 from quantplug.plugins.registry import (
     BackendEntry,

@@ -407,3 +407,14 @@ def test_torchao_prepare_does_mutate_its_input() -> None:
     before = len(gm.graph.nodes)
     prepare_pt2e(gm, _x86_quantizer())
     assert len(gm.graph.nodes) != before
+
+
+def test_cat_inputs_share_the_output_encoding_xnnpack() -> None:
+    """XNNPACK annotates cat with SharedQuantizationSpec: both branches and the output share qparams."""
+    flows = run_flows("cat_branches", "xnnpack")
+    for label, gm in (("torchao", flows.torchao), ("quantplug", flows.quantplug)):
+        enc = encodings(gm)
+        cat_out = enc[("activation", "cat", ("conv2d_3",))]
+        for branch in (("activation", "relu_1", ("cat",)), ("activation", "conv2d_2", ("cat",))):
+            assert torch.equal(enc[branch].scale, cat_out.scale), f"{label}: {branch} not shared with cat"
+            assert torch.equal(enc[branch].zero_point, cat_out.zero_point), label

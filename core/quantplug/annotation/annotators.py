@@ -55,7 +55,9 @@ def register_annotator(ops: Iterable[Any], backend_op: str | None = None) -> Cal
         import inspect
 
         takes_context = len(inspect.signature(fn).parameters) >= 3
-        rules = tuple(AnnotatorRule(op=n, fn=fn, backend_op=backend_op, takes_context=takes_context) for n in names)
+        rules = tuple(
+            AnnotatorRule(op=n, fn=fn, backend_op=backend_op, takes_context=takes_context) for n in names
+        )
         setattr(fn, RULE_ATTR, getattr(fn, RULE_ATTR, ()) + rules)
         return fn
 

@@ -82,8 +82,12 @@ def spec_signature(spec: Any) -> Hashable:
 
 
 def is_per_channel(spec: Any) -> bool:
-    return getattr(spec, "qscheme", None) in (
-        torch.per_channel_affine,
-        torch.per_channel_symmetric,
-        torch.per_channel_affine_float_qparams,
-    ) and getattr(spec, "block_size", None) is None
+    return (
+        getattr(spec, "qscheme", None)
+        in (
+            torch.per_channel_affine,
+            torch.per_channel_symmetric,
+            torch.per_channel_affine_float_qparams,
+        )
+        and getattr(spec, "block_size", None) is None
+    )

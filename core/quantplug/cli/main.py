@@ -112,7 +112,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quantplug", description="Quantize PyTorch 2 programs for a backend.")
+    parser = argparse.ArgumentParser(
+        prog="quantplug", description="Quantize PyTorch 2 programs for a backend."
+    )
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("backends", help="list installed backends")
@@ -120,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="import each plugin and report load errors")
     p.set_defaults(func=cmd_backends)
     p = sub.add_parser("quantize", help="quantize a saved ExportedProgram (.pt2), or the built-in demo")
-    p.add_argument("model", nargs="?", help="a torch.export.save()d program; omitted: the built-in demo model")
+    p.add_argument(
+        "model", nargs="?", help="a torch.export.save()d program; omitted: the built-in demo model"
+    )
     p.add_argument("--backend", default="reference")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
     p.add_argument("--out", default="quantplug-out", help="output folder (default: quantplug-out)")

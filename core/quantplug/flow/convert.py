@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed ops)
+import torch.ao.quantization.fx._decomposed
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
@@ -66,16 +66,26 @@ def _qparams(group: Group, obs: nn.Module) -> QParams:
     if group.dynamic:
         per_token = is_per_channel(spec)
         empty = torch.empty(0)
-        return QParams(empty, empty, qmin, qmax, dtype, "token" if per_token else "dynamic", symmetric=symmetric)
+        return QParams(
+            empty, empty, qmin, qmax, dtype, "token" if per_token else "dynamic", symmetric=symmetric
+        )
     scale, zero_point = obs.calculate_qparams()
     scale = torch.as_tensor(scale).detach()
     zero_point = torch.as_tensor(zero_point).detach()
     block = getattr(spec, "block_size", None)
     if block is not None:
-        return QParams(scale, zero_point, qmin, qmax, dtype, "block", block_size=tuple(block), symmetric=symmetric)
-    if is_per_channel(spec) and scale.numel() > 1 or (is_per_channel(spec) and getattr(spec, "ch_axis", None) is not None):
-        return QParams(scale, zero_point, qmin, qmax, dtype, "channel", axis=spec.ch_axis, symmetric=symmetric)
-    return QParams(scale.reshape(-1)[:1], zero_point.reshape(-1)[:1], qmin, qmax, dtype, "tensor", symmetric=symmetric)
+        return QParams(
+            scale, zero_point, qmin, qmax, dtype, "block", block_size=tuple(block), symmetric=symmetric
+        )
+    if (is_per_channel(spec) and scale.numel() > 1) or (
+        is_per_channel(spec) and getattr(spec, "ch_axis", None) is not None
+    ):
+        return QParams(
+            scale, zero_point, qmin, qmax, dtype, "channel", axis=spec.ch_axis, symmetric=symmetric
+        )
+    return QParams(
+        scale.reshape(-1)[:1], zero_point.reshape(-1)[:1], qmin, qmax, dtype, "tensor", symmetric=symmetric
+    )
 
 
 class _Emitter:
@@ -112,7 +122,8 @@ class _Emitter:
             s = self.constant(prefix + "_scale", qp.scale)
             z = self.constant(prefix + "_zero_point", qp.zero_point)
             return g.call_function(
-                qp_ops.quantize_per_block, (x, s, z, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype)
+                qp_ops.quantize_per_block,
+                (x, s, z, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype),
             )
         raise ConversionError(f"cannot emit a static quantize for granularity {qp.granularity!r}")
 
@@ -129,7 +140,9 @@ class _Emitter:
             s = self.constant(prefix + "_scale", qp.scale)
             z = self.constant(prefix + "_zero_point", qp.zero_point)
             return g.call_function(
-                qd.dequantize_per_channel.default, (q, s, z, qp.axis, qp.quant_min, qp.quant_max, qp.dtype), kwargs
+                qd.dequantize_per_channel.default,
+                (q, s, z, qp.axis, qp.quant_min, qp.quant_max, qp.dtype),
+                kwargs,
             )
         if qp.granularity == "block":
             s = self.constant(prefix + "_scale", qp.scale)
@@ -147,9 +160,12 @@ class _Emitter:
             cq = g.call_function(qd.choose_qparams_per_token_asymmetric.default, (x, qp.dtype))
             s = g.call_function(operator.getitem, (cq, 0))
             z = g.call_function(operator.getitem, (cq, 1))
-            q = g.call_function(qd.quantize_per_token.default, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype))
+            q = g.call_function(
+                qd.quantize_per_token.default, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype)
+            )
             return g.call_function(
-                qd.dequantize_per_token.default, (q, s, z, qp.quant_min, qp.quant_max, qp.dtype, torch.float32)
+                qd.dequantize_per_token.default,
+                (q, s, z, qp.quant_min, qp.quant_max, qp.dtype, torch.float32),
             )
         choose = qd.choose_qparams_symmetric.tensor if qp.symmetric else qd.choose_qparams.tensor
         eps = float(torch.finfo(torch.float32).eps)
@@ -157,7 +173,9 @@ class _Emitter:
         s = g.call_function(operator.getitem, (cq, 0))
         z = g.call_function(operator.getitem, (cq, 1))
         q = g.call_function(qd.quantize_per_tensor.tensor, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype))
-        return g.call_function(qd.dequantize_per_tensor.tensor, (q, s, z, qp.quant_min, qp.quant_max, qp.dtype))
+        return g.call_function(
+            qd.dequantize_per_tensor.tensor, (q, s, z, qp.quant_min, qp.quant_max, qp.dtype)
+        )
 
 
 def _is_annotated(node: Node) -> bool:
@@ -205,7 +223,8 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
         if not group.dynamic and not observer_saw_data(obs):
             raise CalibrationError(
                 f"the observer of {group.describe()} never saw data; run calibration batches through the "
-                "prepared model (prepared(*inputs)) before convert(), or check that this path of the model runs"
+                "prepared model (prepared(*inputs)) before convert(), "
+                "or check that this path of the model runs"
             )
         result[group.gid] = _qparams(group, obs)
     return result
@@ -216,7 +235,8 @@ def convert(prepared: GraphModule) -> GraphModule:
     state = prepared.meta.get(STATE_KEY) if isinstance(prepared, GraphModule) else None
     if not isinstance(state, PreparedState):
         raise ConversionError(
-            f"{type(prepared).__name__} was not produced by quantplug.prepare(); prepare the exported program first"
+            f"{type(prepared).__name__} was not produced by quantplug.prepare(); "
+            "prepare the exported program first"
         )
     qparams = compute_qparams(prepared, state)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)

@@ -70,13 +70,18 @@ def encodings(gm: GraphModule) -> list[dict[str, Any]]:
             entry.update(
                 scale=[float(s) for s in args[1].reshape(-1)],
                 zero_point=[int(z) for z in args[2].reshape(-1)],
-                axis=args[3], quant_min=args[4], quant_max=args[5],
+                axis=args[3],
+                quant_min=args[4],
+                quant_max=args[5],
             )
             entry["dtype"] = str(args[6]).removeprefix("torch.")
         else:
             entry.update(
-                scale=args[1].tolist(), zero_point=args[2].tolist(), block_size=list(args[3]),
-                quant_min=args[4], quant_max=args[5],
+                scale=args[1].tolist(),
+                zero_point=args[2].tolist(),
+                block_size=list(args[3]),
+                quant_min=args[4],
+                quant_max=args[5],
             )
             entry["dtype"] = str(args[6]).removeprefix("torch.")
         found.append(entry)
@@ -92,7 +97,9 @@ def example_inputs(gm: GraphModule, *, seed: int = 0) -> tuple[torch.Tensor, ...
             continue
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
-            raise ValueError(f"input {node.name!r} has no recorded tensor value; pass example inputs explicitly")
+            raise ValueError(
+                f"input {node.name!r} has no recorded tensor value; pass example inputs explicitly"
+            )
         shape = [int(s) for s in val.shape]
         if val.dtype.is_floating_point:
             result.append(torch.randn(shape, generator=gen, dtype=val.dtype))

@@ -112,7 +112,9 @@ def prepare(
     for gid, obs in observers.items():
         container.add_module(f"g{gid}", obs)
     if hasattr(gm, OBSERVERS):
-        raise QuantplugError("this model is already prepared (it has quantplug observers); prepare the float program")
+        raise QuantplugError(
+            "this model is already prepared (it has quantplug observers); prepare the float program"
+        )
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
     gm.recompile()
@@ -155,7 +157,9 @@ def _create_observers(state: PreparedState, keys: AnnotatedKeys) -> dict[int, nn
                 if any(g not in observers for g in src_gids):
                     rest.append(group)
                     continue
-                observers[group.gid] = create_observer(spec, qat=state.qat, sources=[observers[g] for g in src_gids])
+                observers[group.gid] = create_observer(
+                    spec, qat=state.qat, sources=[observers[g] for g in src_gids]
+                )
             else:
                 observers[group.gid] = create_observer(spec, qat=state.qat)
             progressed = True

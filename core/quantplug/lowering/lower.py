@@ -38,7 +38,9 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
         except QuantplugError:
             raise
         except Exception as exc:
-            raise LoweringError(f"lowering pass {p.name!r} of backend {quantizer.backend!r} failed: {exc}") from exc
+            raise LoweringError(
+                f"lowering pass {p.name!r} of backend {quantizer.backend!r} failed: {exc}"
+            ) from exc
         if isinstance(out, torch.nn.Module):
             program = out  # type: ignore[assignment]
     try:
@@ -48,5 +50,7 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
     except Exception as exc:
         raise LoweringError(f"artifact writer of backend {quantizer.backend!r} failed: {exc}") from exc
     if not isinstance(artifact, Artifact):
-        raise LoweringError(f"artifact writer of backend {quantizer.backend!r} returned {type(artifact).__name__}")
+        raise LoweringError(
+            f"artifact writer of backend {quantizer.backend!r} returned {type(artifact).__name__}"
+        )
     return artifact

@@ -144,4 +144,3 @@ class ObserverBase(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}, qscheme={self.qscheme}, range=[{self.quant_min}, {self.quant_max}]"
-

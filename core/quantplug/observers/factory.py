@@ -110,7 +110,12 @@ def observer_saw_data(obs: nn.Module) -> bool:
     inner = getattr(obs, "activation_post_process", None)
     if isinstance(inner, nn.Module):
         return observer_saw_data(inner)
-    if type(obs).__name__ in ("FixedQParamsObserver", "PlaceholderObserver", "NoopObserver", "FixedQParamsFakeQuantize"):
+    if type(obs).__name__ in (
+        "FixedQParamsObserver",
+        "PlaceholderObserver",
+        "NoopObserver",
+        "FixedQParamsFakeQuantize",
+    ):
         return True
     if getattr(obs, "is_dynamic", False):
         return True

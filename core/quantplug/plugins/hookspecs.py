@@ -24,11 +24,11 @@ if TYPE_CHECKING:
     import torch
 
     from quantplug.annotation.specs import QuantizationConfig
+    from quantplug.lowering.artifact import Artifact
     from quantplug.plugins.contract import BackendInfo, NamedPass, RulesModule
     from quantplug.quantizer.context import BackendContext
     from quantplug.sharing.problem import SharingProblem
     from quantplug.sharing.resolution import SharingGroups
-    from quantplug.lowering.artifact import Artifact
     from quantplug.validation.constraints import OpConstraint
 
 PROJECT = "quantplug"
@@ -88,7 +88,9 @@ def quantplug_target_arch(context: BackendContext) -> int | None:
 
 
 @hookspec
-def quantplug_op_constraints(op: str, backend_op: str | None, context: BackendContext) -> Sequence[OpConstraint]:
+def quantplug_op_constraints(
+    op: str, backend_op: str | None, context: BackendContext
+) -> Sequence[OpConstraint]:
     """Give the quantization constraints of one op.
 
     Args:

@@ -25,7 +25,12 @@ from typing import Any
 
 import pluggy
 
-from quantplug.errors import BackendDisabledError, BackendLoadError, DuplicateBackendError, UnknownBackendError
+from quantplug.errors import (
+    BackendDisabledError,
+    BackendLoadError,
+    DuplicateBackendError,
+    UnknownBackendError,
+)
 from quantplug.plugins import hookspecs
 from quantplug.plugins.contract import BackendInfo
 
@@ -107,7 +112,9 @@ def _entry_point_backends() -> dict[str, list[BackendEntry]]:
         # the same distribution seen twice on sys.path (editable + site) is one claimant
         found[ep.name].setdefault(
             key,
-            BackendEntry(name=ep.name, module=ep.value, distribution=dist, version=version, source="entry-point"),
+            BackendEntry(
+                name=ep.name, module=ep.value, distribution=dist, version=version, source="entry-point"
+            ),
         )
     return {name: list(by_dist.values()) for name, by_dist in found.items()}
 
@@ -211,7 +218,9 @@ def _load(entry: BackendEntry) -> LoadedBackend:
     for ext in _extensions_for(entry.name):
         plugin = ext.plugin
         if plugin is None:
-            plugin = _import(ext.module, name=f"{entry.name} extension {ext.module}", distribution=ext.distribution)
+            plugin = _import(
+                ext.module, name=f"{entry.name} extension {ext.module}", distribution=ext.distribution
+            )
         if pm.is_registered(plugin):
             continue
         try:
@@ -254,7 +263,9 @@ def register_extension(target: str, plugin: Any) -> None:
     """Register an in-process extension of backend ``target`` (``"*"``: every backend)."""
     with _lock:
         mod = getattr(plugin, "__name__", None) or type(plugin).__qualname__
-        _in_process_extensions.append(_ExtensionEntry(target=target, module=mod, distribution=None, plugin=plugin))
+        _in_process_extensions.append(
+            _ExtensionEntry(target=target, module=mod, distribution=None, plugin=plugin)
+        )
         _invalidate(target)
 
 

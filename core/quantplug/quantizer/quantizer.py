@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +83,9 @@ class Quantizer:
         preset = options.get(backend.info.preset_option) if backend.info.preset_option else None
         config = hook.quantplug_quantization_config(preset=preset, context=self.context)
         self.selector = ConfigSelector(global_config=config)
-        modules = [m for result in reversed(hook.quantplug_annotation_rules(context=self.context)) for m in result]
+        modules = [
+            m for result in reversed(hook.quantplug_annotation_rules(context=self.context)) for m in result
+        ]
         self.rules = RuleSet(backend.info.name, modules)
         self.arch: int | None = hook.quantplug_target_arch(context=self.context)
         self._callbacks: list[AnnotationCallback] = []
@@ -155,7 +157,10 @@ class Quantizer:
     # -- PT2E quantizer protocol --------------------------------------------------------------
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         passes: list[NamedPass] = [
-            p for result in reversed(self._backend.hook.quantplug_passes_before_annotation(context=self.context))
+            p
+            for result in reversed(
+                self._backend.hook.quantplug_passes_before_annotation(context=self.context)
+            )
             for p in result
         ]
         for p in passes:
@@ -204,15 +209,20 @@ class Quantizer:
             if type(exc).__module__.startswith("quantplug"):
                 raise
             raise BackendLoadError(
-                self.backend, None, getattr(rule.fn, "__module__", "?"),
-                f"rule {rule.fn.__name__} failed on node {node.name!r} ({rule.op}): {type(exc).__name__}: {exc}",
+                self.backend,
+                None,
+                getattr(rule.fn, "__module__", "?"),
+                f"rule {rule.fn.__name__} failed on node {node.name!r} ({rule.op}): "
+                f"{type(exc).__name__}: {exc}",
             ) from exc
 
     def constraints(self, op: str, backend_op: str | None) -> list[OpConstraint]:
         key = (op, backend_op)
         found = self._constraint_cache.get(key)
         if found is None:
-            results = self._backend.hook.quantplug_op_constraints(op=op, backend_op=backend_op, context=self.context)
+            results = self._backend.hook.quantplug_op_constraints(
+                op=op, backend_op=backend_op, context=self.context
+            )
             found = self._constraint_cache[key] = [c for r in reversed(results) for c in r]
         return found
 
@@ -232,7 +242,9 @@ class Quantizer:
 
     # -- quantplug extras ---------------------------------------------------------------------
     def resolve_sharing(self, problem: SharingProblem) -> SharingGroups:
-        groups = self._backend.hook.quantplug_resolve_sharing(problem=problem, resolve=solve, context=self.context)
+        groups = self._backend.hook.quantplug_resolve_sharing(
+            problem=problem, resolve=solve, context=self.context
+        )
         return groups if groups is not None else solve(problem)
 
     def lowering_plan(self) -> LoweringPlan:
@@ -278,4 +290,3 @@ def make_quantizer(backend: LoadedBackend, options: dict[str, Any]) -> Quantizer
         raise OptionError(f"option 'strict' must be bool, got {strict!r}")
     resolved = backend.info.resolve_options(options)
     return Quantizer(backend, resolved, strict=strict)
-

@@ -47,7 +47,9 @@ class ConfigSelector:
             best_len = -1
             for fqn, _ in stack.values():
                 for prefix, config in self.module_names.items():
-                    if (fqn == prefix or fqn.startswith(prefix + ".") or prefix == "") and len(prefix) > best_len:
+                    if (fqn == prefix or fqn.startswith(prefix + ".") or prefix == "") and len(
+                        prefix
+                    ) > best_len:
                         best, best_len = config, len(prefix)
             if best is not _UNSET:
                 return best, "module name"

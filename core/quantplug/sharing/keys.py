@@ -86,7 +86,8 @@ def collect_keys(graph: Graph) -> AnnotatedKeys:
                 if arg not in args:
                     arg_name = arg.name if isinstance(arg, Node) else repr(arg)
                     raise AnnotationError(
-                        f"node {node.name!r} has a spec for input {arg_name!r}, which is not one of its inputs; "
+                        f"node {node.name!r} has a spec for input {arg_name!r}, "
+                        "which is not one of its inputs; "
                         "key input_qspec_map by the argument nodes of the annotated node"
                     )
                 keys.specs[(arg.name, node.name)] = spec

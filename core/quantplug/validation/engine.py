@@ -71,9 +71,7 @@ def _fmt_dtype(d: torch.dtype | None) -> str:
     return "float" if d is None else str(d).removeprefix("torch.")
 
 
-def _check_port(
-    port: Port, pc: PortConstraint, spec: Any, shared: bool
-) -> list[tuple[str, str, str]]:
+def _check_port(port: Port, pc: PortConstraint, spec: Any, shared: bool) -> list[tuple[str, str, str]]:
     """(rule, expected, actual) for each way ``spec`` breaks ``pc``."""
     problems: list[tuple[str, str, str]] = []
     if spec is None:
@@ -89,7 +87,11 @@ def _check_port(
         ok = dtype in allowed or any(_narrowed_match(d, dtype, bits) for d in allowed)
         if not ok:
             problems.append(
-                ("dtype", " or ".join(sorted(_fmt_dtype(d) for d in pc.dtypes)), f"{_fmt_dtype(dtype)}[{qmin},{qmax}]")
+                (
+                    "dtype",
+                    " or ".join(sorted(_fmt_dtype(d) for d in pc.dtypes)),
+                    f"{_fmt_dtype(dtype)}[{qmin},{qmax}]",
+                )
             )
     qscheme = getattr(spec, "qscheme", None)
     if pc.symmetric is True and kind is not SpecKind.FIXED and qscheme not in SYMMETRIC_QSCHEMES:
@@ -98,7 +100,9 @@ def _check_port(
         problems.append(("asymmetric", "affine qscheme", str(qscheme)))
     per_block = getattr(spec, "block_size", None) is not None
     if pc.per_tensor_only and (is_per_channel(spec) or per_block):
-        problems.append(("per-tensor only", "per-tensor encoding", "per-block" if per_block else "per-channel"))
+        problems.append(
+            ("per-tensor only", "per-tensor encoding", "per-block" if per_block else "per-channel")
+        )
     if pc.axes is not None and is_per_channel(spec):
         axis = getattr(spec, "ch_axis", None)
         if axis not in pc.axes:
@@ -110,9 +114,12 @@ def _check_port(
         expected_fixed = (pc.fixed_scale, pc.fixed_zero_point or 0)
     if expected_fixed is not None:
         scale, zp = getattr(spec, "scale", None), getattr(spec, "zero_point", None)
-        if kind is not SpecKind.FIXED or scale is None or abs(float(scale) - expected_fixed[0]) > 1e-12 * max(
-            1.0, expected_fixed[0]
-        ) or int(zp) != int(expected_fixed[1]):
+        if (
+            kind is not SpecKind.FIXED
+            or scale is None
+            or abs(float(scale) - expected_fixed[0]) > 1e-12 * max(1.0, expected_fixed[0])
+            or int(zp) != int(expected_fixed[1])
+        ):
             actual = f"scale={scale}, zero_point={zp}" if kind is SpecKind.FIXED else f"{kind.value} spec"
             problems.append(
                 ("fixed encoding", f"scale={expected_fixed[0]:.10g}, zero_point={expected_fixed[1]}", actual)
@@ -122,7 +129,16 @@ def _check_port(
     return problems
 
 
-_BIT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int4, torch.uint4, torch.int2, torch.uint2)
+_BIT_DTYPES = (
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.uint16,
+    torch.int4,
+    torch.uint4,
+    torch.int2,
+    torch.uint2,
+)
 _NARROW = {
     torch.int4: (torch.int8, 4),
     torch.uint4: (torch.uint8, 4),
@@ -181,7 +197,16 @@ def validate_graph(
         raw[OUTPUT] = ann.output_qspec
         port_specs[OUTPUT] = resolver.concrete(ann.output_qspec)
 
-        def add(port: Port, rule: str, expected: str, actual: str, c: OpConstraint) -> None:
+        def add(
+            port: Port,
+            rule: str,
+            expected: str,
+            actual: str,
+            c: OpConstraint,
+            node: Node = node,
+            op: str = op,
+            backend_op: str | None = backend_op,
+        ) -> None:
             report.violations.append(
                 Violation(
                     node=node.name,
@@ -205,10 +230,21 @@ def validate_graph(
                 first = inputs[0]
                 shares = spec_kind(out) is SpecKind.SHARED and out.edge_or_node in (first, (first, node))
                 if not shares:
-                    add(OUTPUT, "must share input encoding", f"SharedQuantizationSpec of input {first.name!r}",
-                        f"{spec_kind(out).value} spec", c)
+                    add(
+                        OUTPUT,
+                        "must share input encoding",
+                        f"SharedQuantizationSpec of input {first.name!r}",
+                        f"{spec_kind(out).value} spec",
+                        c,
+                    )
             if arch is not None:
                 for req in c.arch:
                     if arch < req.min_arch and (req.when is None or req.when(port_specs)):
-                        add(OUTPUT, "architecture", f"arch >= {req.min_arch} ({req.reason})", f"arch {arch}", c)
+                        add(
+                            OUTPUT,
+                            "architecture",
+                            f"arch >= {req.min_arch} ({req.reason})",
+                            f"arch {arch}",
+                            c,
+                        )
     return report

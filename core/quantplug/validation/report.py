@@ -22,9 +22,8 @@ class Violation:
 
     def format(self) -> str:
         target = f"{self.op} ({self.backend_op})" if self.backend_op else self.op
-        return (
-            f"node {self.node!r} [{target}] {self.port}: {self.rule}: expected {self.expected}, got {self.actual}"
-        )
+        where = f"node {self.node!r} [{target}] {self.port}"
+        return f"{where}: {self.rule}: expected {self.expected}, got {self.actual}"
 
 
 @dataclass

@@ -1,0 +1,111 @@
+"""Annotation patterns shared by the HTP rules modules (no rules are registered here)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from quantplug import QuantizationConfig, SharedQuantizationSpec, is_float_tensor
+from quantplug.annotation.annotators import output_spec_of
+from quantplug.annotation.spec_view import SpecKind, spec_kind
+from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
+from quantplug_qnn_htp.configs import bias_spec_for, weight_spec_for
+
+aten = torch.ops.aten
+
+
+def act_spec(config: QuantizationConfig) -> QuantizationSpecBase | None:
+    return config.input_activation
+
+
+def out_spec(config: QuantizationConfig, node: Node) -> QuantizationSpecBase | None:
+    return config.output_activation if is_float_tensor(node) else None
+
+
+def annotate_weighted_op(
+    node: Node,
+    config: QuantizationConfig,
+    kind: str,
+    *,
+    bias_index: int | None = 2,
+    groups: int = 1,
+) -> None:
+    """Conv / transpose conv / linear: input, weight (per-tensor, per-channel or LPBQ), derived bias, output."""
+    if is_annotated(node):
+        return
+    args = node.args
+    act = args[0] if args else None
+    weight = args[1] if len(args) > 1 else None
+    inputs: dict[Node, QuantizationSpecBase | None] = {}
+    if is_float_tensor(act) and config.input_activation is not None:
+        inputs[act] = config.input_activation  # type: ignore[index]
+    w_spec = None
+    if is_float_tensor(weight):
+        w_spec = weight_spec_for(node, weight, config, kind)  # type: ignore[arg-type]
+        if w_spec is not None:
+            inputs[weight] = w_spec  # type: ignore[index]
+    if bias_index is not None and len(args) > bias_index and is_float_tensor(args[bias_index]) and act in inputs:
+        b = bias_spec_for(node, act, weight, w_spec, config, groups=groups)  # type: ignore[arg-type]
+        if b is not None:
+            inputs[args[bias_index]] = b  # type: ignore[index]
+    out = out_spec(config, node)
+    if inputs or out is not None:
+        annotate_node(node, inputs, out)
+
+
+def annotate_all_float_args(node: Node, config: QuantizationConfig) -> None:
+    """Every float tensor argument gets the activation spec; the output too (where, masked_fill)."""
+    if is_annotated(node):
+        return
+    inputs = {}
+    for a in node.args:
+        if is_float_tensor(a) and config.input_activation is not None:
+            inputs[a] = config.input_activation
+    out = out_spec(config, node)
+    if inputs or out is not None:
+        annotate_node(node, inputs, out)
+
+
+def annotate_input_shared_out(node: Node, config: QuantizationConfig, *, output: bool = True) -> Node | None:
+    """Input 0 gets the activation spec; the output (if a tensor) shares that edge. Returns the input."""
+    if is_annotated(node):
+        return None
+    arg = node.args[0] if node.args else None
+    if not is_float_tensor(arg) or config.input_activation is None:
+        return None
+    out = SharedQuantizationSpec((arg, node)) if output and is_float_tensor(node) else None
+    annotate_node(node, {arg: config.input_activation}, out)  # type: ignore[dict-item]
+    return arg  # type: ignore[return-value]
+
+
+def is_fixed_output(node: Any) -> bool:
+    """True when ``node``'s output resolves to a fixed-qparams spec (sigmoid, tanh...)."""
+    seen = 0
+    spec = output_spec_of(node) if isinstance(node, Node) else None
+    while spec is not None and spec_kind(spec) is SpecKind.SHARED and seen < 64:
+        target = spec.edge_or_node  # type: ignore[attr-defined]
+        if isinstance(target, tuple):
+            ann = get_annotation(target[1])
+            spec = None if ann is None else ann.input_qspec_map.get(target[0])
+        else:
+            spec = output_spec_of(target)
+        seen += 1
+    return spec is not None and spec_kind(spec) is SpecKind.FIXED
+
+
+#: ops returning a tuple whose float pieces share the op's input encoding
+SHARED_PIECE_OPS = frozenset(
+    {
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.split_with_sizes_copy.default,
+        aten.chunk.default,
+        aten.unbind.int,
+        aten.topk.default,
+        aten.sort.default,
+    }
+)
+GETITEM = operator.getitem

@@ -1,0 +1,94 @@
+"""Concat, stack, split/chunk/unbind and ``getitem`` (tuple pieces).
+
+Concat: one encoding for all inputs and the output (ExecuTorch's ConcatObserver widens every
+input observer to the concat range): the first calibrated input edge anchors the group and the
+others share it. Inputs with a fixed encoding (sigmoid...) keep it, as in ExecuTorch.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Node
+
+from quantplug import QuantizationConfig, SharedQuantizationSpec, is_float_tensor, register_annotator
+from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
+from quantplug_qnn_htp.rules.common import SHARED_PIECE_OPS, annotate_input_shared_out, is_fixed_output
+
+aten = torch.ops.aten
+
+
+@register_annotator([aten.cat.default, aten.concat.default], backend_op="Concat")
+def annotate_cat(node: Node, config: QuantizationConfig) -> None:
+    if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
+        return
+    inputs = []
+    for a in node.args[0]:  # type: ignore[union-attr]
+        if is_float_tensor(a) and a not in inputs:
+            inputs.append(a)
+    if not inputs:
+        return
+    anchors = [a for a in inputs if not is_fixed_output(a)]
+    anchor = anchors[0] if anchors else inputs[0]
+    specs: dict[Node, QuantizationSpecBase | None] = {anchor: config.input_activation}
+    for other in inputs:
+        if other is anchor:
+            continue
+        # a fixed-encoding input keeps its own grid (implicitly shared with its producer)
+        specs[other] = config.input_activation if is_fixed_output(other) else SharedQuantizationSpec((anchor, node))
+    annotate_node(node, specs, SharedQuantizationSpec((anchor, node)))
+
+
+@register_annotator([aten.stack.default], backend_op="Pack")
+def annotate_stack(node: Node, config: QuantizationConfig) -> None:
+    """First input gets the activation spec; other inputs and the output share it."""
+    if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
+        return
+    inputs = []
+    for a in node.args[0]:  # type: ignore[union-attr]
+        if is_float_tensor(a) and a not in inputs:
+            inputs.append(a)
+    if not inputs:
+        return
+    first = inputs[0]
+    specs: dict[Node, QuantizationSpecBase | None] = {first: config.input_activation}
+    for other in inputs[1:]:
+        specs[other] = SharedQuantizationSpec((first, node))
+    annotate_node(node, specs, SharedQuantizationSpec((first, node)))
+
+
+@register_annotator(
+    [aten.split_with_sizes.default, aten.split_with_sizes_copy.default, aten.split.Tensor, aten.chunk.default],
+    backend_op="Split",
+)
+def annotate_split(node: Node, config: QuantizationConfig) -> None:
+    """The input edge is quantized; each piece (``getitem``) shares it."""
+    annotate_input_shared_out(node, config, output=False)
+
+
+@register_annotator([aten.unbind.int], backend_op="UnPack")
+def annotate_unbind(node: Node, config: QuantizationConfig) -> None:
+    annotate_input_shared_out(node, config, output=False)
+
+
+@register_annotator([operator.getitem])
+def annotate_getitem(node: Node, config: QuantizationConfig) -> None:
+    """A piece of split/chunk/unbind/topk/sort shares the producer's input encoding; float pieces of
+    other annotated tuple producers (max_pool2d_with_indices, native_layer_norm) get the
+    activation spec."""
+    if is_annotated(node) or not is_float_tensor(node):
+        return
+    parent = node.args[0]
+    if not isinstance(parent, Node) or parent.op != "call_function":
+        return
+    ann = get_annotation(parent)
+    if ann is None or not any(s is not None for s in ann.input_qspec_map.values()):
+        return  # the producer stays float
+    if parent.target in SHARED_PIECE_OPS:
+        source = parent.args[0]
+        if isinstance(source, Node) and ann.input_qspec_map.get(source) is not None:
+            annotate_node(node, output_qspec=SharedQuantizationSpec((source, parent)))
+        return
+    if config.output_activation is not None:
+        annotate_node(node, output_qspec=config.output_activation)
