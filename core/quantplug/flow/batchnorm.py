@@ -58,7 +58,10 @@ def fold_batch_norm(gm: GraphModule) -> int:
         if training:
             continue
         tensors = [_constant(gm, a) for a in bn.args[1:5]]
-        weight = _constant(gm, producer.args[1])
+        weight_node = producer.args[1]
+        if not isinstance(weight_node, Node):
+            continue
+        weight = _constant(gm, weight_node)
         bias_arg = producer.args[2] if len(producer.args) > 2 else None
         bias = _constant(gm, bias_arg)
         bn_w, bn_b, mean, var = tensors
@@ -73,20 +76,20 @@ def fold_batch_norm(gm: GraphModule) -> int:
                 fused_w, fused_b = fuse_linear_bn_weights(weight, bias, mean, var, eps, bn_w, bn_b)
             else:
                 fused_w, fused_b = fuse_conv_bn_weights(
-                    weight, bias, mean, var, eps, bn_w, bn_b, transpose=_CONVS[producer.target]
+                    weight, bias, mean, var, eps, bn_w, bn_b, transpose=_CONVS[producer.target]  # type: ignore[index]
                 )
-        base = str(producer.args[1].target)
+        base = str(weight_node.target)
         w_name, b_name = namer(base + "_bnfold_w"), namer(base + "_bnfold_b")
         gm.register_parameter(w_name, torch.nn.Parameter(fused_w.detach(), requires_grad=False))
         gm.register_parameter(b_name, torch.nn.Parameter(fused_b.detach(), requires_grad=False))
         with graph.inserting_before(producer):
             w_node = graph.get_attr(w_name)
             b_node = graph.get_attr(b_name)
-        for new, old in ((w_node, producer.args[1]), (b_node, bias_arg)):
+        for new, old in ((w_node, weight_node), (b_node, bias_arg)):
             if isinstance(old, Node) and "val" in old.meta:
                 new.meta["val"] = old.meta["val"]
-            elif "val" in producer.args[1].meta:
-                fake = producer.args[1].meta["val"]
+            elif "val" in weight_node.meta:
+                fake = weight_node.meta["val"]
                 new.meta["val"] = fake.new_empty(fused_b.shape)
         args = list(producer.args)
         if len(args) < 3:

@@ -93,6 +93,7 @@ class ObserverBase(nn.Module):
 
     #: True for observers that need no data (fixed qparams, derived).
     needs_data: ClassVar[bool] = True
+    num_batches: torch.Tensor
 
     def __init__(
         self,

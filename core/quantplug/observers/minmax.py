@@ -12,6 +12,9 @@ from quantplug.observers.base import ObserverBase
 class MinMaxObserver(ObserverBase):
     """Running global min and max: the range of everything seen. Cheap and outlier-sensitive."""
 
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.register_buffer("min_val", torch.tensor(float("inf")))
@@ -58,6 +61,9 @@ def _per_channel_extremes(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, tor
 
 class PerChannelMinMaxObserver(ObserverBase):
     """Min and max per slice along ``ch_axis`` (weights: one scale per output channel)."""
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
 
     def __init__(self, ch_axis: int | None = 0, **kwargs: Any) -> None:
         kwargs.setdefault("qscheme", torch.per_channel_symmetric)
