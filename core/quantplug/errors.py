@@ -35,16 +35,17 @@ class BackendLoadError(QuantplugError, ImportError):
     """A backend (or extension) plugin that is installed but cannot be imported or used."""
 
     def __init__(self, name: str, distribution: str | None, module: str, cause: BaseException | str) -> None:
-        self.name = name
-        self.distribution = distribution
-        self.module = module
-        self.cause = cause
         dist = f" from distribution {distribution!r}" if distribution else ""
         reason = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
         super().__init__(
             f"backend {name!r}{dist} failed to load (module {module!r}): {reason}. "
             "Other backends are unaffected; reinstall or upgrade that plugin."
         )
+        # set after ImportError.__init__, which resets ``name`` to None
+        self.name = name
+        self.distribution = distribution
+        self.module = module
+        self.cause = cause
 
 
 class DuplicateBackendError(QuantplugError):

@@ -90,6 +90,12 @@ class ModelCase:
     name: str
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
+    #: strict (dynamo) export records ``source_fn_stack``, which source-partition based annotators
+    #: (e.g. XNNPACK's cat rule) need; non-strict export in torch 2.13 does not record it for cat.
+    strict: bool = False
+
+    def export(self, seed: int = 0) -> torch.export.ExportedProgram:
+        return torch.export.export(self.model(seed), self.batch(0), strict=self.strict)
 
     def model(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
@@ -123,4 +129,5 @@ MODEL_CASES = [
     ModelCase("convnet", ConvNet, (2, 3, 16, 16)),
     ModelCase("attention", AttentionBlock, (2, 8, 32)),
     ModelCase("cat_branches", CatBranches, (2, 3, 12, 12)),
+    ModelCase("cat_branches_strict", CatBranches, (2, 3, 12, 12), strict=True),
 ]

@@ -267,7 +267,7 @@ def convert(prepared: GraphModule) -> GraphModule:
     for node in prepared.graph.nodes:
         if node.op == "call_module" and str(node.target).startswith(observer_prefix):
             gid = int(str(node.target)[len(observer_prefix) + 1 :])
-            src = env[node.args[0]]
+            src = _lookup(env, node.args[0], node)
             qp = qparams[gid]
             if qp.granularity in ("dynamic", "token"):
                 env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)

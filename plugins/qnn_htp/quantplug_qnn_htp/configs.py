@@ -225,7 +225,9 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def weight_spec_for(node: Node, weight: Node, config: QuantizationConfig, kind: str) -> QuantizationSpecBase | None:
+def weight_spec_for(
+    node: Node, weight: Node, config: QuantizationConfig, kind: str
+) -> QuantizationSpecBase | None:
     """The weight spec of conv/linear ``node`` under ``config`` (per-block specs built per node).
 
     LPBQ blocks run along the input channels (dim 1). A weight with no more input channels than
@@ -241,8 +243,8 @@ def weight_spec_for(node: Node, weight: Node, config: QuantizationConfig, kind: 
             if shape is not None and len(shape) >= 2 and shape[1] > config.block_size:
                 if shape[1] % config.block_size != 0:
                     raise AnnotationError(
-                        f"LPBQ block_size {config.block_size} does not divide the {shape[1]} input channels of "
-                        f"node {node.name!r} ({node.target}): weight shape {shape}, block shape "
+                        f"LPBQ block_size {config.block_size} does not divide the {shape[1]} input channels "
+                        f"of node {node.name!r} ({node.target}): weight shape {shape}, block shape "
                         f"{(1, config.block_size) + (1,) * (len(shape) - 2)}; pick a block_size that divides "
                         f"{shape[1]} (or keep this node per-channel with set_node_name)"
                     )
@@ -273,8 +275,13 @@ def _derive_bias(observers: list[Any], *, block: bool, groups: int) -> tuple[tor
 
 
 def bias_spec_for(
-    node: Node, act: Node, weight: Node, weight_spec: QuantizationSpecBase | None, config: QuantizationConfig,
-    *, groups: int = 1,
+    node: Node,
+    act: Node,
+    weight: Node,
+    weight_spec: QuantizationSpecBase | None,
+    config: QuantizationConfig,
+    *,
+    groups: int = 1,
 ) -> QuantizationSpecBase | None:
     """The int32 bias spec derived from ``node``'s input and weight observers.
 

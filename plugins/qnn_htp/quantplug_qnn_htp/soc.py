@@ -66,7 +66,5 @@ def lookup(soc_model: str | None) -> SocInfo:
         return SOC_TABLE[DEFAULT_SOC]
     info = SOC_TABLE.get(str(soc_model).upper())
     if info is None:
-        raise OptionError(
-            f"unknown QNN HTP soc_model {soc_model!r}; valid values: {', '.join(SOC_NAMES)}"
-        )
+        raise OptionError(f"unknown QNN HTP soc_model {soc_model!r}; valid values: {', '.join(SOC_NAMES)}")
     return info

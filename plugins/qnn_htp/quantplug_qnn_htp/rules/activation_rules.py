@@ -36,14 +36,20 @@ def _fixed(node: Node, config: QuantizationConfig, fn) -> None:  # type: ignore[
     if is_annotated(node):
         return
     arg = node.args[0]
-    inputs = {arg: config.input_activation} if is_float_tensor(arg) and config.input_activation is not None else {}
+    inputs = (
+        {arg: config.input_activation} if is_float_tensor(arg) and config.input_activation is not None else {}
+    )
     out = None
     act = config.output_activation
     if is_float_tensor(node) and act is not None:
         qmin, qmax = spec_range(act)
         scale, zp = fn(qmin, qmax)
         out = FixedQParamsQuantizationSpec(
-            dtype=act.dtype, scale=scale, zero_point=zp, quant_min=qmin, quant_max=qmax,  # type: ignore[attr-defined]
+            dtype=act.dtype,
+            scale=scale,
+            zero_point=zp,
+            quant_min=qmin,
+            quant_max=qmax,  # type: ignore[attr-defined]
             qscheme=torch.per_tensor_affine,
         )
     if inputs or out is not None:
@@ -75,7 +81,13 @@ def annotate_relu(node: Node, config: QuantizationConfig) -> None:
 
 
 @register_annotator(
-    [aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.hardtanh.default, aten.hardtanh_.default],
+    [
+        aten.clamp.default,
+        aten.clamp_min.default,
+        aten.clamp_max.default,
+        aten.hardtanh.default,
+        aten.hardtanh_.default,
+    ],
     backend_op="ReluMinMax",
 )
 def annotate_relu_min_max(node: Node, config: QuantizationConfig) -> None:
@@ -97,7 +109,9 @@ def annotate_hardswish(node: Node, config: QuantizationConfig) -> None:
     annotate_single_in_single_out(node, config)
 
 
-@register_annotator([aten.softmax.int, aten._softmax.default, aten._safe_softmax.default], backend_op="Softmax")
+@register_annotator(
+    [aten.softmax.int, aten._softmax.default, aten._safe_softmax.default], backend_op="Softmax"
+)
 def annotate_softmax(node: Node, config: QuantizationConfig) -> None:
     annotate_single_in_single_out(node, config)
 

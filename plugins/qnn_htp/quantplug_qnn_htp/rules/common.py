@@ -33,7 +33,7 @@ def annotate_weighted_op(
     bias_index: int | None = 2,
     groups: int = 1,
 ) -> None:
-    """Conv / transpose conv / linear: input, weight (per-tensor, per-channel or LPBQ), derived bias, output."""
+    """Conv / transpose conv / linear: input, weight (per-tensor/channel or LPBQ), derived bias, output."""
     if is_annotated(node):
         return
     args = node.args
@@ -47,7 +47,12 @@ def annotate_weighted_op(
         w_spec = weight_spec_for(node, weight, config, kind)  # type: ignore[arg-type]
         if w_spec is not None:
             inputs[weight] = w_spec  # type: ignore[index]
-    if bias_index is not None and len(args) > bias_index and is_float_tensor(args[bias_index]) and act in inputs:
+    if (
+        bias_index is not None
+        and len(args) > bias_index
+        and is_float_tensor(args[bias_index])
+        and act in inputs
+    ):
         b = bias_spec_for(node, act, weight, w_spec, config, groups=groups)  # type: ignore[arg-type]
         if b is not None:
             inputs[args[bias_index]] = b  # type: ignore[index]

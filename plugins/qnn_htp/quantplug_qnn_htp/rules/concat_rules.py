@@ -35,8 +35,12 @@ def annotate_cat(node: Node, config: QuantizationConfig) -> None:
     for other in inputs:
         if other is anchor:
             continue
-        # a fixed-encoding input keeps its own grid (implicitly shared with its producer)
-        specs[other] = config.input_activation if is_fixed_output(other) else SharedQuantizationSpec((anchor, node))
+        # a fixed-encoding input keeps its producer's grid (no requantization in front of Concat)
+        specs[other] = (
+            SharedQuantizationSpec(other)
+            if is_fixed_output(other)
+            else SharedQuantizationSpec((anchor, node))
+        )
     annotate_node(node, specs, SharedQuantizationSpec((anchor, node)))
 
 
@@ -59,7 +63,12 @@ def annotate_stack(node: Node, config: QuantizationConfig) -> None:
 
 
 @register_annotator(
-    [aten.split_with_sizes.default, aten.split_with_sizes_copy.default, aten.split.Tensor, aten.chunk.default],
+    [
+        aten.split_with_sizes.default,
+        aten.split_with_sizes_copy.default,
+        aten.split.Tensor,
+        aten.chunk.default,
+    ],
     backend_op="Split",
 )
 def annotate_split(node: Node, config: QuantizationConfig) -> None:

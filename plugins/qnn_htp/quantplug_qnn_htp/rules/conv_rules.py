@@ -46,7 +46,9 @@ def _transpose_groups(node: Node) -> int:
     return int(node.args[6]) if len(node.args) > 6 else int(node.kwargs.get("groups", 1))
 
 
-@register_annotator([aten.conv_transpose1d.default, aten.conv_transpose2d.input], backend_op="TransposeConv2d")
+@register_annotator(
+    [aten.conv_transpose1d.default, aten.conv_transpose2d.input], backend_op="TransposeConv2d"
+)
 def annotate_conv_transpose2d(node: Node, config: QuantizationConfig) -> None:
     annotate_weighted_op(node, config, "conv_transpose", groups=_transpose_groups(node))
 

@@ -29,7 +29,11 @@ def _norm_bias(config: QuantizationConfig) -> QuantizationSpecBase | None:
 
 
 def _annotate_norm(
-    node: Node, config: QuantizationConfig, weight_index: int, bias_index: int, weight_spec: QuantizationSpecBase | None
+    node: Node,
+    config: QuantizationConfig,
+    weight_index: int,
+    bias_index: int,
+    weight_spec: QuantizationSpecBase | None,
 ) -> None:
     if is_annotated(node):
         return

@@ -18,7 +18,11 @@ _SISO = {
     ],
     "PoolAvg3d": [aten.avg_pool3d.default, aten.adaptive_avg_pool3d.default],
     # max_pool2d_with_indices returns a tuple: its input is annotated here, the values via getitem
-    "PoolMax2d": [aten.max_pool2d.default, aten.max_pool2d_with_indices.default, aten.adaptive_max_pool2d.default],
+    "PoolMax2d": [
+        aten.max_pool2d.default,
+        aten.max_pool2d_with_indices.default,
+        aten.adaptive_max_pool2d.default,
+    ],
     "Resize": [aten.upsample_bicubic2d.vec],
     "ResizeBilinear": [aten.upsample_bilinear2d.vec],
     "ResizeNearestNeighbor": [aten.upsample_nearest2d.vec],

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_single_in, annotate_single_in_single_out, register_annotator
+from quantplug import (
+    QuantizationConfig,
+    annotate_single_in,
+    annotate_single_in_single_out,
+    register_annotator,
+)
 from quantplug_qnn_htp.rules.common import annotate_input_shared_out
 
 aten = torch.ops.aten

@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_shared_in_out, annotate_single_in_single_out, register_annotator
+from quantplug import (
+    QuantizationConfig,
+    annotate_shared_in_out,
+    annotate_single_in_single_out,
+    register_annotator,
+)
 
 aten = torch.ops.aten
 
@@ -54,4 +59,9 @@ for _op, _ops in _SISO.items():
     _register(_op, _ops, annotate_single_in_single_out, _op)
 # no 1:1 QNN op in ExecuTorch's table: never validated
 _register(None, [aten.expand_as.default], annotate_shared_in_out, "expand_as")
-_register(None, [aten.gather.default, aten.index.Tensor, aten.index_select.default], annotate_shared_in_out, "gather")
+_register(
+    None,
+    [aten.gather.default, aten.index.Tensor, aten.index_select.default],
+    annotate_shared_in_out,
+    "gather",
+)

@@ -1,0 +1,136 @@
+"""Built-in HTP op constraints (no QNN SDK needed), from the HTP op definition supplement as
+encoded by ExecuTorch, ONNX Runtime and AIMET (qnn-formats-and-constraints section 4).
+
+Ports follow the core's numbering: tensor inputs in argument order (0, 1, 2...) and ``"output"``.
+Architecture gates are independent of SDK availability (ExecuTorch only checks them when the
+SDK's BackendOpInfo is importable):
+
+* LPBQ (per-block weights) needs HTP V69+ (Conv2d, Conv3d, FullyConnected, transpose convs);
+* 16-bit activations with 16-bit weights need V73+ (Conv2d, Conv3d, FullyConnected, MatMul,
+  TransposeConv2d/3d) -- ExecuTorch's conv/linear checks test ``int32`` weights and never fire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cache
+
+import torch
+
+from quantplug import ArchRequirement, OpConstraint, PortConstraint
+from quantplug.annotation.spec_view import SpecKind, spec_kind, spec_range
+from quantplug.validation.constraints import OUTPUT, Port
+
+ACT = frozenset({torch.uint8, torch.uint16, torch.int8, torch.int16, None})
+WEIGHT = frozenset({torch.int8, torch.uint8, torch.int16, torch.int4, torch.int2, None})
+BIAS = frozenset({torch.int32, None})
+SOURCE = "built-in (HtpOpDefSupplement via ExecuTorch/ORT/AIMET)"
+
+V69, V73 = 69, 73
+
+
+def _bits(spec: object) -> int:
+    if spec is None or spec_kind(spec) is SpecKind.SHARED:
+        return 0
+    lo, hi = spec_range(spec)
+    return int(hi - lo).bit_length()
+
+
+def _is_block(ports: Mapping[Port, object]) -> bool:
+    return getattr(ports.get(1), "block_size", None) is not None
+
+
+def _is_16x16(ports: Mapping[Port, object]) -> bool:
+    return _bits(ports.get(0)) == 16 and _bits(ports.get(1)) == 16
+
+
+LPBQ = ArchRequirement(V69, "LPBQ (16a4w block-wise weights) requires HTP V69 or newer", _is_block)
+A16W16 = ArchRequirement(V73, "16-bit activations with 16-bit weights require HTP V73 or newer", _is_16x16)
+
+_act = PortConstraint(dtypes=ACT, description="UFIXED/SFIXED 8 or 16-bit activation")
+_weight = PortConstraint(dtypes=WEIGHT, symmetric=True, description="symmetric weights (offset 0)")
+_bias = PortConstraint(dtypes=BIAS, symmetric=True, description="SFIXED_POINT_32 symmetric bias")
+
+
+def _weighted(op: str, *, lpbq: bool = True) -> OpConstraint:
+    return OpConstraint(
+        op,
+        ports={0: _act, 1: _weight, 2: _bias, OUTPUT: _act},
+        arch=(LPBQ, A16W16) if lpbq else (A16W16,),
+        source=SOURCE,
+    )
+
+
+def _sigmoid_qparams(qmin: int, qmax: int) -> tuple[float, int]:
+    return 1.0 / (qmax - qmin + 1), 0
+
+
+def _tanh16_qparams(qmin: int, qmax: int) -> tuple[float, int]:
+    return 1.0 / 32768.0, (qmin + qmax + 1) // 2
+
+
+_SHARED_OPS = ("Reshape", "Transpose", "DepthToSpace", "SpaceToDepth", "ChannelShuffle", "Tile")
+
+
+@cache
+def _table(sixteen_bit_act: bool) -> dict[str, OpConstraint]:
+    t: dict[str, OpConstraint] = {}
+    for op in ("Conv2d", "Conv3d", "FullyConnected"):
+        t[op] = _weighted(op)
+    for op in ("TransposeConv2d", "TransposeConv3d"):
+        t[op] = _weighted(op, lpbq=False)
+    per_tensor_act = PortConstraint(dtypes=ACT, per_tensor_only=True, description="MatMul: per-tensor only")
+    t["MatMul"] = OpConstraint(
+        "MatMul", ports={0: per_tensor_act, 1: per_tensor_act, OUTPUT: _act}, arch=(A16W16,), source=SOURCE
+    )
+    fixed_sigmoid = PortConstraint(
+        dtypes=ACT, fixed_scale_fn=_sigmoid_qparams, description="scale 1/(qmax-qmin+1), offset 0"
+    )
+    t["Sigmoid"] = OpConstraint("Sigmoid", ports={0: _act, OUTPUT: fixed_sigmoid}, source=SOURCE)
+    t["ElementWiseNeuron"] = OpConstraint(
+        "ElementWiseNeuron", ports={0: _act, OUTPUT: fixed_sigmoid}, source=SOURCE
+    )
+    if sixteen_bit_act:
+        fixed_tanh = PortConstraint(
+            dtypes=ACT, fixed_scale_fn=_tanh16_qparams, description="16-bit: 1/32768, offset -32768"
+        )
+        t["Tanh"] = OpConstraint("Tanh", ports={0: _act, OUTPUT: fixed_tanh}, source=SOURCE)
+    for op in _SHARED_OPS:
+        t[op] = OpConstraint(op, ports={0: _act, OUTPUT: _act}, must_share_input_output=True, source=SOURCE)
+    per_tensor_sym_bias = PortConstraint(
+        dtypes=BIAS, symmetric=True, per_tensor_only=True, description="per-tensor bias"
+    )
+    t["LayerNorm"] = OpConstraint(
+        "LayerNorm",
+        ports={
+            0: _act,
+            1: PortConstraint(dtypes=ACT | WEIGHT, per_tensor_only=True),
+            2: per_tensor_sym_bias,
+            OUTPUT: _act,
+        },
+        source=SOURCE,
+    )
+    t["GroupNorm"] = OpConstraint(
+        "GroupNorm",
+        ports={
+            0: _act,
+            1: PortConstraint(dtypes=ACT | WEIGHT, per_tensor_only=True),
+            2: per_tensor_sym_bias,
+            OUTPUT: _act,
+        },
+        source=SOURCE,
+    )
+    return t
+
+
+def _generic(op: str) -> OpConstraint:
+    """Any other mapped QNN op: quantized ports are 8/16-bit fixed point."""
+    return OpConstraint(op, ports={0: _act, 1: _act, OUTPUT: _act}, source=SOURCE)
+
+
+def constraints_for(backend_op: str | None, *, sixteen_bit_act: bool) -> list[OpConstraint]:
+    """The built-in constraints of one QNN op (empty for ops without a 1:1 QNN op)."""
+    if backend_op is None:
+        return []
+    found = _table(sixteen_bit_act).get(backend_op)
+    return [found if found is not None else _generic(backend_op)]
