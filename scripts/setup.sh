@@ -18,4 +18,6 @@ if [ "${1:-}" = "--test" ]; then
   pip_install pytest hypothesis numpy -e tests/example_plugin
   # peers used only as test oracles, never as product dependencies
   pip_install torchao==0.18.0 --no-deps
+  pip_install executorch==1.5.1 --no-deps
+  pip_install flatbuffers packaging pyyaml ruamel.yaml tabulate sympy typing-extensions expecttest parameterized
 fi
