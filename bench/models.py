@@ -10,6 +10,7 @@ avgpool, fc; input 1x3x64x64.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +104,7 @@ def _randomize_bn(model: nn.Module, gen: torch.Generator) -> None:
                 m.bias.copy_(torch.rand(n, generator=gen) * 0.2 - 0.1)
 
 
-def build(name: str, seed: int = 0) -> tuple[nn.Module, "callable"]:
+def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, ...]]]:
     """(eval model, batch(seed) -> input tuple) for ``decoder-<N>`` or ``resnet18``/``resnet34``."""
     torch.manual_seed(seed)
     if name.startswith("decoder-"):

@@ -61,7 +61,7 @@ class DuplicateBackendError(QuantplugError):
 
 
 class BackendDisabledError(QuantplugError):
-    """A backend that exists but is switched off by QUANTPLUG_BACKENDS / QUANTPLUG_DISABLE_PLUGINS."""
+    """A backend that exists but is switched off by QUANTPLUG_BACKENDS / QUANTPLUG_DISABLE_PLUGIN_AUTOLOAD."""
 
 
 class OptionError(QuantplugError, ValueError):

@@ -91,7 +91,9 @@ def prepare(
             "use quantplug.get_quantizer(name, ...) or a PT2E Quantizer"
         )
     gm = working_copy(program)
-    if not qat:
+    if qat:
+        _own_parameters(gm)  # training must not write the caller's weights
+    else:
         fold_batch_norm(gm)
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
@@ -120,6 +122,14 @@ def prepare(
     gm.recompile()
     gm.meta[STATE_KEY] = state
     return gm
+
+
+def _own_parameters(gm: GraphModule) -> None:
+    """Give the prepared module private copies of its parameters (QAT updates them)."""
+    for module in gm.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.detach().clone(), param.requires_grad)
 
 
 def _build_groups(

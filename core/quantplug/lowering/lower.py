@@ -31,7 +31,9 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
     plan = plan_fn()
     if plan.writer is None:
         raise LoweringError(f"backend {quantizer.backend!r} provides no artifact writer")
-    program: GraphModule = quantized
+    from quantplug.flow.graph_copy import working_copy
+
+    program: GraphModule = working_copy(quantized)  # passes may edit in place; the user's copy stays
     for p in plan.passes:
         try:
             out = p.fn(program, quantizer.context)

@@ -204,6 +204,7 @@ def _load(entry: BackendEntry) -> LoadedBackend:
         plugin = _import(entry.module, name=entry.name, distribution=entry.distribution)
     try:
         pm.register(plugin, name=f"backend:{entry.name}")
+        pm.check_pending()  # a misspelled hook name is an error, not silently ignored
     except (ValueError, pluggy.PluginValidationError) as exc:
         raise BackendLoadError(entry.name, entry.distribution, entry.module, exc) from exc
     info = pm.hook.quantplug_backend_info()
@@ -225,6 +226,7 @@ def _load(entry: BackendEntry) -> LoadedBackend:
             continue
         try:
             pm.register(plugin, name=f"extension:{ext.module}")
+            pm.check_pending()
         except (ValueError, pluggy.PluginValidationError) as exc:
             raise BackendLoadError(
                 f"{entry.name} extension {ext.module}", ext.distribution, ext.module, exc

@@ -286,6 +286,8 @@ def coverage_of(gm: GraphModule) -> CoverageReport:
 
 def make_quantizer(backend: LoadedBackend, options: dict[str, Any]) -> Quantizer:
     strict = options.pop("strict", True)
+    if isinstance(strict, str) and strict.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        strict = strict.strip().lower() in ("true", "1", "yes")
     if not isinstance(strict, bool):
         raise OptionError(f"option 'strict' must be bool, got {strict!r}")
     resolved = backend.info.resolve_options(options)

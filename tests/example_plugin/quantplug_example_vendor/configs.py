@@ -41,9 +41,9 @@ def build_config(precision: str, options: Mapping[str, Any]) -> QuantizationConf
         observer_or_fake_quant_ctr=PerChannelMinMaxObserver,
     )
     if precision == "8a4w_block":
-        # block_size is given for a 2-d linear weight [out, in]; rules adapt it to other ranks
+        # block_size fits a linear weight [out, in]; the conv rule turns this spec into per-channel
         weight = QuantizationSpec(
-            dtype=torch.int4,
+            dtype=torch.int4,  # type: ignore[attr-defined]  # (missing from torch's stubs)
             quant_min=-7,
             quant_max=7,
             qscheme=torch.per_channel_symmetric,
@@ -59,4 +59,5 @@ def build_config(precision: str, options: Mapping[str, Any]) -> QuantizationConf
             return None
         return derived_bias_spec(node, weight_spec=per_channel)
 
-    return QuantizationConfig(input_activation=act, output_activation=act, weight=weight, bias=bias)
+    # a bias callable may return None (bias stays float); QuantizationConfig's hint omits that
+    return QuantizationConfig(input_activation=act, output_activation=act, weight=weight, bias=bias)  # type: ignore[arg-type]

@@ -15,7 +15,11 @@ SOURCE = "quantplug-example-vendor built-in table"
 #: activations: unsigned 8 or 16 bit, one scale per tensor; None = the port may stay float
 ACT = PortConstraint(dtypes=frozenset({torch.uint8, torch.uint16, None}), per_tensor_only=True)
 #: weights: symmetric int8 (or 4-bit in an int8 container), per output channel
-WEIGHT = PortConstraint(dtypes=frozenset({torch.int8, torch.int4}), symmetric=True, axes=frozenset({0}))
+WEIGHT = PortConstraint(
+    dtypes=frozenset({torch.int8, torch.int4}),  # type: ignore[attr-defined]
+    symmetric=True,
+    axes=frozenset({0}),
+)
 BIAS = PortConstraint(dtypes=frozenset({torch.int32, None}), zero_point_zero=True)
 
 
@@ -39,9 +43,20 @@ SIXTEEN_BIT_GATE = ArchRequirement(
 )
 
 
-def _op(op: str, ports: Mapping[Port, PortConstraint], **kw: object) -> OpConstraint:
-    arch = (SIXTEEN_BIT_GATE, *kw.pop("arch", ()))  # type: ignore[misc]
-    return OpConstraint(op=op, ports=dict(ports), arch=arch, source=SOURCE, **kw)  # type: ignore[arg-type]
+def _op(
+    name: str,
+    ports: Mapping[Port, PortConstraint],
+    *,
+    arch: tuple[ArchRequirement, ...] = (),
+    must_share_input_output: bool = False,
+) -> OpConstraint:
+    return OpConstraint(
+        op=name,
+        ports=ports,
+        must_share_input_output=must_share_input_output,
+        arch=(SIXTEEN_BIT_GATE, *arch),
+        source=SOURCE,
+    )
 
 
 #: backend op name (the ``backend_op`` of a rule) -> constraint

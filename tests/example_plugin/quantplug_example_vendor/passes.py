@@ -44,14 +44,6 @@ def lift_scalar_operands(gm: GraphModule, context: BackendContext) -> GraphModul
     return gm
 
 
-def _quantize_params(node: Node) -> tuple[object, object, object] | None:
-    """(zero_point, quant_min, dtype) of a per-tensor quantize node, else None."""
-    if node.op == "call_function" and node.target == qd.quantize_per_tensor.default:
-        _, _scale, zero_point, quant_min, _quant_max, dtype = node.args[:6]
-        return zero_point, quant_min, dtype
-    return None
-
-
 def drop_redundant_relu(gm: GraphModule, context: BackendContext) -> GraphModule:
     """Remove ``relu`` when every user quantizes its output on a grid whose zero point is its minimum.
 
@@ -84,9 +76,8 @@ def drop_redundant_relu(gm: GraphModule, context: BackendContext) -> GraphModule
 
 
 def _redundant_before(user: Node) -> bool:
-    params = _quantize_params(user)
-    if params is None:
+    """``user`` quantizes per tensor with zero point == quant_min (args: x, scale, zp, min, max, dtype)."""
+    if user.op != "call_function" or user.target != qd.quantize_per_tensor.default:
         return False
-    zero_point, quant_min, _ = params
+    zero_point, quant_min = user.args[2], user.args[3]
     return isinstance(zero_point, int) and zero_point == quant_min
-

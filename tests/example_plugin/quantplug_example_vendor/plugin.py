@@ -29,7 +29,7 @@ from quantplug import (
     RulesModule,
 )
 from quantplug.sharing.problem import SharingProblem
-from quantplug.sharing.resolution import SharingGroups
+from quantplug.sharing.resolution import Key, SharingGroups
 from quantplug_example_vendor import configs
 from quantplug_example_vendor.rules import RULE_MODULES
 
@@ -71,7 +71,9 @@ def quantplug_target_arch(context: BackendContext) -> int:
 
 
 @quantplug.hookimpl
-def quantplug_op_constraints(op: str, backend_op: str | None, context: BackendContext) -> Sequence[OpConstraint]:
+def quantplug_op_constraints(
+    op: str, backend_op: str | None, context: BackendContext
+) -> Sequence[OpConstraint]:
     from quantplug_example_vendor.constraints import constraints_for
 
     return constraints_for(backend_op)
@@ -87,16 +89,18 @@ def quantplug_resolve_sharing(
     copies bytes and cannot rescale)."""
     if problem.graph is None:
         return None
-    merges: list[tuple[object, object]] = []
+    merges: list[tuple[Key, Key]] = []
     for node in problem.graph.nodes:
         if node.op != "call_function" or node.target != torch.ops.aten.cat.default:
             continue
-        edges = [(a.name, node.name) for a in node.args[0] if isinstance(a, Node)]  # type: ignore[union-attr]
-        edges = [e for e in dict.fromkeys(edges) if e in problem.specs]
+        tensors = node.args[0] if isinstance(node.args[0], list) else []
+        # keys are node names: an input edge is (producer name, consumer name)
+        edges: list[Key] = [(a.name, node.name) for a in tensors if isinstance(a, Node)]
+        edges = [e for e in dict.fromkeys(edges) if e in problem.specs]  # annotated ones, once
         merges.extend((edges[0], e) for e in edges[1:])
     if not merges:
         return None  # the core resolves the problem unchanged
-    return resolve(problem.with_merges(merges))  # type: ignore[arg-type]
+    return resolve(problem.with_merges(merges))
 
 
 @quantplug.hookimpl

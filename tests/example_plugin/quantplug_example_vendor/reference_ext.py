@@ -40,5 +40,7 @@ def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]
 
 
 @quantplug.hookimpl
-def quantplug_op_constraints(op: str, backend_op: str | None, context: BackendContext) -> Sequence[OpConstraint]:
+def quantplug_op_constraints(
+    op: str, backend_op: str | None, context: BackendContext
+) -> Sequence[OpConstraint]:
     return [ABS] if op == "aten.abs.default" else []

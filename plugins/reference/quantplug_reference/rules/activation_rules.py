@@ -8,6 +8,7 @@ from torch.fx import Node
 from quantplug import (
     FixedQParamsQuantizationSpec,
     QuantizationConfig,
+    QuantizationSpecBase,
     annotate_single_in_single_out,
     is_float_tensor,
     register_annotator,
@@ -41,18 +42,24 @@ def annotate_elementwise(node: Node, config: QuantizationConfig) -> None:
     reuse_fixed_inputs(node)
 
 
-def fixed_output_spec(config: QuantizationConfig, low: float, high: float) -> FixedQParamsQuantizationSpec | None:
+def fixed_output_spec(
+    config: QuantizationConfig, low: float, high: float
+) -> FixedQParamsQuantizationSpec | None:
     """An output spec covering exactly ``[low, high]`` on the activation grid."""
     act = config.output_activation
     if act is None:
         return None
-    dtype = act.dtype  # type: ignore[union-attr]
+    dtype: torch.dtype = act.dtype  # type: ignore[attr-defined]
     qmin, qmax = full_range(dtype)
     levels = qmax - qmin + 1
     scale = (high - low) / levels
-    zero_point = int(round(qmin - low / scale))
+    zero_point = round(qmin - low / scale)
     return FixedQParamsQuantizationSpec(
-        dtype=dtype, scale=scale, zero_point=zero_point, quant_min=qmin, quant_max=qmax,
+        dtype=dtype,
+        scale=scale,
+        zero_point=zero_point,
+        quant_min=qmin,
+        quant_max=qmax,
         qscheme=torch.per_tensor_affine,
     )
 
@@ -69,7 +76,9 @@ def annotate_tanh(node: Node, config: QuantizationConfig) -> None:
 
 def _annotate_fixed(node: Node, config: QuantizationConfig, low: float, high: float) -> None:
     arg = node.args[0]
-    inputs = {arg: config.input_activation} if is_float_tensor(arg) and config.input_activation else {}
+    inputs: dict[Node, QuantizationSpecBase | None] = {}
+    if isinstance(arg, Node) and is_float_tensor(arg) and config.input_activation is not None:
+        inputs[arg] = config.input_activation
     out = fixed_output_spec(config, low, high) if is_float_tensor(node) else None
     if inputs or out is not None:
         annotate_node(node, inputs, out)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from quantplug import FixedQParamsQuantizationSpec, QuantizationAnnotation, QuantizationSpec, SharedQuantizationSpec
+from quantplug import (
+    FixedQParamsQuantizationSpec,
+    QuantizationAnnotation,
+    QuantizationSpec,
+    SharedQuantizationSpec,
+)
 from quantplug.annotation.annotators import output_spec_of
 from quantplug.annotation.specs import get_annotation
 

@@ -16,10 +16,10 @@ def annotate_embedding(node: Node, config: QuantizationConfig) -> None:
     if is_annotated(node) or config.weight is None:
         return
     table = node.args[0]
-    if not is_float_tensor(table):
+    if not isinstance(table, Node) or not is_float_tensor(table):
         return
     weight = config.weight
-    per_row = weight.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine)  # type: ignore[union-attr]
+    per_row = getattr(weight, "qscheme", None) in (torch.per_channel_symmetric, torch.per_channel_affine)
     if per_row:
         # per-row tables dequantize to float rows; the output gets its own activation encoding
         annotate_node(node, {table: weight}, config.output_activation)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_shared_in_out, annotate_single_in_single_out, register_annotator
+from quantplug import (
+    QuantizationConfig,
+    annotate_shared_in_out,
+    annotate_single_in_single_out,
+    register_annotator,
+)
 from quantplug_reference.rules.common import reuse_fixed_inputs
 
 aten = torch.ops.aten

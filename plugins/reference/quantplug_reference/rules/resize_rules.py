@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_shared_in_out, annotate_single_in_single_out, register_annotator
+from quantplug import (
+    QuantizationConfig,
+    annotate_shared_in_out,
+    annotate_single_in_single_out,
+    register_annotator,
+)
 from quantplug_reference.rules.common import reuse_fixed_inputs
 
 aten = torch.ops.aten
@@ -19,7 +24,9 @@ def annotate_nearest(node: Node, config: QuantizationConfig) -> None:
     annotate_shared_in_out(node, config)
 
 
-@register_annotator([aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default, aten.upsample_linear1d.vec])
+@register_annotator(
+    [aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default, aten.upsample_linear1d.vec]
+)
 def annotate_interpolating(node: Node, config: QuantizationConfig) -> None:
     annotate_single_in_single_out(node, config)
     reuse_fixed_inputs(node)

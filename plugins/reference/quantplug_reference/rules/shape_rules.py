@@ -57,7 +57,7 @@ def annotate_cat(node: Node, config: QuantizationConfig) -> None:
     """All inputs and the output share the first input's encoding (cat only moves values)."""
     if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
         return
-    inputs = [a for a in node.args[0] if is_float_tensor(a)]  # type: ignore[union-attr]
+    inputs = [a for a in node.args[0] if isinstance(a, Node) and is_float_tensor(a)]  # type: ignore[union-attr]
     if not inputs:
         return
     first = inputs[0]
@@ -68,9 +68,7 @@ def annotate_cat(node: Node, config: QuantizationConfig) -> None:
     annotate_node(node, specs, SharedQuantizationSpec((first, node)))
 
 
-SPLIT_OPS = frozenset(
-    {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
-)
+SPLIT_OPS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int})
 
 
 @register_annotator(sorted(SPLIT_OPS, key=str))

@@ -38,7 +38,12 @@ def annotate_cat(node: Node, config: QuantizationConfig) -> None:
     """
     if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
         return
-    inputs = [a for a in node.args[0] if is_float_tensor(a)]  # type: ignore[union-attr]
+    tensors = node.args[0]
+    inputs = (
+        [a for a in tensors if isinstance(a, Node) and is_float_tensor(a)]
+        if isinstance(tensors, list)
+        else []
+    )
     if not inputs:
         return
     specs: dict[Node, QuantizationSpecBase | None] = {a: config.input_activation for a in inputs}
