@@ -81,8 +81,8 @@ def _clear_torchao_device_caches() -> None:
 class Flow:
     name: str
     make_quantizer: Callable[[], Any]
-    prepare: Callable[[torch.export.ExportedProgram, Any], torch.nn.Module]
-    convert: Callable[[torch.nn.Module], torch.nn.Module]
+    prepare: Callable[[torch.export.ExportedProgram, Any], Any]
+    convert: Callable[[Any], Any]
 
 
 def make_flows(names: tuple[str, ...]) -> list[Flow]:
@@ -92,12 +92,19 @@ def make_flows(names: tuple[str, ...]) -> list[Flow]:
     if "torchao" in names:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-        flows.append(Flow("torchao", _x86_quantizer, lambda ep, q: prepare_pt2e(ep.module(), q), convert_pt2e))
+        flows.append(
+            Flow("torchao", _x86_quantizer, lambda ep, q: prepare_pt2e(ep.module(), q), convert_pt2e)
+        )
     if "quantplug" in names:
         flows.append(Flow("quantplug", _x86_quantizer, quantplug.prepare, quantplug.convert))
     if "reference" in names:
         flows.append(
-            Flow("reference", lambda: quantplug.get_quantizer("reference"), quantplug.prepare, quantplug.convert)
+            Flow(
+                "reference",
+                lambda: quantplug.get_quantizer("reference"),
+                quantplug.prepare,
+                quantplug.convert,
+            )
         )
     return flows
 
@@ -202,7 +209,9 @@ def _count_qdq(gm: Any) -> tuple[int, int]:
     return q, dq
 
 
-def run_flow_once(flow: Flow, ep: Any, batch: Callable[[int], tuple[Any, ...]], res: FlowResult, args: Any) -> Any:
+def run_flow_once(
+    flow: Flow, ep: Any, batch: Callable[[int], tuple[Any, ...]], res: FlowResult, args: Any
+) -> Any:
     quantizer = flow.make_quantizer()  # fresh each time, outside the timed region
     gc.collect()
     prepared, t = _timed(lambda: flow.prepare(ep, quantizer))
@@ -220,7 +229,6 @@ def run_flow_once(flow: Flow, ep: Any, batch: Callable[[int], tuple[Any, ...]], 
     t, out = _forward_time(converted, batch(99), args.fwd_reps)
     res.qfwd_s.append(t)
     res.output = out
-    del prepared, converted
     if flow.name == "torchao":
         _clear_torchao_device_caches()
     return out
@@ -256,7 +264,9 @@ def bench_model(name: str, flows: list[Flow], args: Any, log: Callable[[str], No
     float_fwd_s, _ = _forward_time(ep.module(), batch(1), args.fwd_reps)
     result = ModelResult(name, len(ep.graph.nodes), export_s, float_fwd_s)
     result.flows = {f.name: FlowResult() for f in flows}
-    log(f"{name}: {result.nodes} exported nodes, export {export_s:.2f}s, float fwd {1e3 * float_fwd_s:.1f} ms")
+    log(
+        f"{name}: {result.nodes} exported nodes, export {export_s:.2f}s, float fwd {1e3 * float_fwd_s:.1f} ms"
+    )
     started = _now()
     for rep in range(args.repeats):
         for flow in flows:  # interleaved, so background load hits all flows alike
@@ -272,7 +282,7 @@ def bench_model(name: str, flows: list[Flow], args: Any, log: Callable[[str], No
             + f" ({spent:.0f}s so far)"
         )
         if spent > args.model_budget_s and rep + 1 < args.repeats:
-            log(f"  stopping after {rep + 1} repeat(s): over the {args.model_budget_s:.0f}s budget for one model")
+            log(f"  stopping after {rep + 1} repeat(s): over the {args.model_budget_s:.0f}s model budget")
             break
     if "torchao" in result.flows and "quantplug" in result.flows:
         a, b = result.flows["torchao"].output, result.flows["quantplug"].output
@@ -336,16 +346,30 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.1f}×"
 
 
+def _row(*cells: Any) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _header(*names: str) -> list[str]:
+    return [_row(*names), "|---|" + "---:|" * (len(names) - 1)]
+
+
+def _ms(x: float | None) -> str:
+    return _f(None if x is None else 1e3 * x, 1)
+
+
 def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: Any) -> str:
     has = {name: all(name in r.flows for r in results) for name in FLOWS}
-    lines = ["# quantplug vs torchao 0.18 PT2E — X86InductorQuantizer (default config)", ""]
     v = machine["versions"]
-    lines += [
+    load0 = ", ".join(f"{x:.2f}" for x in machine["load_average_start"])
+    load1 = ", ".join(f"{x:.2f}" for x in machine.get("load_average_end", ()))
+    lines = [
+        "# quantplug vs torchao 0.18 PT2E — X86InductorQuantizer (default config)",
+        "",
         f"Machine: {machine['nproc']} CPUs, {machine['cpu_model']}, {machine['mem_total_gib']} GiB; "
         f"torch {v['torch']}, torchao {v['torchao']}, quantplug {v['quantplug']}, Python {v['python']}; "
-        f"torch threads {machine['torch_threads']}; load average at start "
-        f"{', '.join(f'{x:.2f}' for x in machine['load_average_start'])}, at end "
-        f"{', '.join(f'{x:.2f}' for x in machine.get('load_average_end', ()))}. {machine['date']}.",
+        f"torch threads {machine['torch_threads']}; load average at start {load0}, at end {load1}. "
+        f"{machine['date']}.",
         "",
         f"Stage times: minimum over repeats (column `reps`); calibration: minimum over "
         f"{args.calib_batches} batches × reps; forwards: minimum of {args.fwd_reps}. `nodes` = nodes of "
@@ -354,57 +378,99 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
         "",
     ]
     if has["torchao"] and has["quantplug"]:
-        lines += [
-            "## prepare + convert (seconds)",
-            "",
-            "| model | nodes | reps | torchao prepare | quantplug prepare | × | torchao convert | quantplug convert "
-            "| × | torchao p+c | quantplug p+c | × | torchao ms/node | quantplug ms/node |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
+        lines += ["## prepare + convert (seconds)", ""]
+        lines += _header(
+            "model",
+            "nodes",
+            "reps",
+            "torchao prepare",
+            "quantplug prepare",
+            "×",
+            "torchao convert",
+            "quantplug convert",
+            "×",
+            "torchao p+c",
+            "quantplug p+c",
+            "×",
+            "torchao ms/node",
+            "quantplug ms/node",
+        )
         for r in results:
             a, q = r.flows["torchao"], r.flows["quantplug"]
             ap, qp_ = a.best("prepare_s"), q.best("prepare_s")
             ac, qc = a.best("convert_s"), q.best("convert_s")
             lines.append(
-                f"| {r.name} | {r.nodes} | {r.repeats} | {_f(ap)} | {_f(qp_)} | {_ratio(ap, qp_)} | {_f(ac)} | "
-                f"{_f(qc)} | {_ratio(ac, qc)} | {_f(ap + ac)} | {_f(qp_ + qc)} | {_ratio(ap + ac, qp_ + qc)} | "
-                f"{_f(1e3 * (ap + ac) / r.nodes)} | {_f(1e3 * (qp_ + qc) / r.nodes)} |"
+                _row(
+                    r.name,
+                    r.nodes,
+                    r.repeats,
+                    _f(ap),
+                    _f(qp_),
+                    _ratio(ap, qp_),
+                    _f(ac),
+                    _f(qc),
+                    _ratio(ac, qc),
+                    _f(ap + ac),
+                    _f(qp_ + qc),
+                    _ratio(ap + ac, qp_ + qc),
+                    _f(1e3 * (ap + ac) / r.nodes),
+                    _f(1e3 * (qp_ + qc) / r.nodes),
+                )
             )
-        lines += [
-            "",
-            "## calibration and forward (milliseconds)",
-            "",
-            "| model | float fwd | torchao calib | ×float | quantplug calib | ×float | torchao Q/DQ fwd "
-            "| quantplug Q/DQ fwd | torchao Q/DQ | quantplug Q/DQ | max abs diff of outputs |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
+        lines += ["", "## calibration and forward (milliseconds)", ""]
+        lines += _header(
+            "model",
+            "float fwd",
+            "torchao calib",
+            "×float",
+            "quantplug calib",
+            "×float",
+            "torchao Q/DQ fwd",
+            "quantplug Q/DQ fwd",
+            "torchao Q/DQ",
+            "quantplug Q/DQ",
+            "max abs diff of outputs",
+        )
         for r in results:
             a, q = r.flows["torchao"], r.flows["quantplug"]
-            fl = r.float_fwd_s
+            fl, ac_, qc_ = r.float_fwd_s, a.best("calib_s"), q.best("calib_s")
+            diff = "–" if r.max_abs_diff_ao_qp is None else f"{r.max_abs_diff_ao_qp:.2e}"
             lines.append(
-                f"| {r.name} | {_f(1e3 * fl, 1)} | {_f(1e3 * a.best('calib_s'), 1)} | "
-                f"{_ratio(a.best('calib_s'), fl)} | {_f(1e3 * q.best('calib_s'), 1)} | {_ratio(q.best('calib_s'), fl)} | "
-                f"{_f(1e3 * a.best('qfwd_s'), 1)} | {_f(1e3 * q.best('qfwd_s'), 1)} | {a.q_nodes}/{a.dq_nodes} | "
-                f"{q.q_nodes}/{q.dq_nodes} | {r.max_abs_diff_ao_qp:.2e} |"
+                _row(
+                    r.name,
+                    _ms(fl),
+                    _ms(ac_),
+                    _ratio(ac_, fl),
+                    _ms(qc_),
+                    _ratio(qc_, fl),
+                    _ms(a.best("qfwd_s")),
+                    _ms(q.best("qfwd_s")),
+                    f"{a.q_nodes}/{a.dq_nodes}",
+                    f"{q.q_nodes}/{q.dq_nodes}",
+                    diff,
+                )
             )
         if not args.no_memory:
-            lines += [
-                "",
-                "## memory of prepare / convert (MiB; peak RSS growth, tracemalloc peak)",
-                "",
-                "| model | torchao prepare RSS | quantplug prepare RSS | torchao convert RSS | quantplug convert RSS "
-                "| torchao prepare tracemalloc | quantplug prepare tracemalloc | torchao convert tracemalloc "
-                "| quantplug convert tracemalloc |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-            ]
+            lines += ["", "## memory of prepare / convert (MiB; peak RSS growth, tracemalloc peak)", ""]
+            lines += _header(
+                "model",
+                "torchao prepare RSS",
+                "quantplug prepare RSS",
+                "torchao convert RSS",
+                "quantplug convert RSS",
+                "torchao prepare tracemalloc",
+                "quantplug prepare tracemalloc",
+                "torchao convert tracemalloc",
+                "quantplug convert tracemalloc",
+            )
             for r in results:
-                a, q = r.flows["torchao"].mem, r.flows["quantplug"].mem
-                lines.append(
-                    f"| {r.name} | {_f(a.get('prepare_rss_mb'), 1)} | {_f(q.get('prepare_rss_mb'), 1)} | "
-                    f"{_f(a.get('convert_rss_mb'), 1)} | {_f(q.get('convert_rss_mb'), 1)} | "
-                    f"{_f(a.get('prepare_tracemalloc_mb'), 2)} | {_f(q.get('prepare_tracemalloc_mb'), 2)} | "
-                    f"{_f(a.get('convert_tracemalloc_mb'), 2)} | {_f(q.get('convert_tracemalloc_mb'), 2)} |"
-                )
+                am, qm = r.flows["torchao"].mem, r.flows["quantplug"].mem
+                cells: list[Any] = [r.name]
+                for key, digits in (("prepare_rss_mb", 1), ("convert_rss_mb", 1)):
+                    cells += [_f(am.get(key), digits), _f(qm.get(key), digits)]
+                for key in ("prepare_tracemalloc_mb", "convert_tracemalloc_mb"):
+                    cells += [_f(am.get(key), 2), _f(qm.get(key), 2)]
+                lines.append(_row(*cells))
             lines += [
                 "",
                 "RSS growth is coarse (freed pages are reused, tensor storage is counted, Python objects "
@@ -416,18 +482,39 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
             "",
             "## quantplug `reference` backend (its own annotations, int8; seconds unless noted)",
             "",
-            "| model | nodes | prepare | convert | p+c | ms/node | calib ms | ×float | Q/DQ fwd ms | Q/DQ | "
-            "prepare RSS MiB | convert RSS MiB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        lines += _header(
+            "model",
+            "nodes",
+            "prepare",
+            "convert",
+            "p+c",
+            "ms/node",
+            "calib ms",
+            "×float",
+            "Q/DQ fwd ms",
+            "Q/DQ",
+            "prepare RSS MiB",
+            "convert RSS MiB",
+        )
         for r in results:
             f = r.flows["reference"]
-            p, c = f.best("prepare_s"), f.best("convert_s")
+            p, c, cal = f.best("prepare_s"), f.best("convert_s"), f.best("calib_s")
             lines.append(
-                f"| {r.name} | {r.nodes} | {_f(p)} | {_f(c)} | {_f(p + c)} | {_f(1e3 * (p + c) / r.nodes)} | "
-                f"{_f(1e3 * f.best('calib_s'), 1)} | {_ratio(f.best('calib_s'), r.float_fwd_s)} | "
-                f"{_f(1e3 * f.best('qfwd_s'), 1)} | {f.q_nodes}/{f.dq_nodes} | "
-                f"{_f(f.mem.get('prepare_rss_mb'), 1)} | {_f(f.mem.get('convert_rss_mb'), 1)} |"
+                _row(
+                    r.name,
+                    r.nodes,
+                    _f(p),
+                    _f(c),
+                    _f(p + c),
+                    _f(1e3 * (p + c) / r.nodes),
+                    _ms(cal),
+                    _ratio(cal, r.float_fwd_s),
+                    _ms(f.best("qfwd_s")),
+                    f"{f.q_nodes}/{f.dq_nodes}",
+                    _f(f.mem.get("prepare_rss_mb"), 1),
+                    _f(f.mem.get("convert_rss_mb"), 1),
+                )
             )
     return "\n".join(lines) + "\n"
 
@@ -448,7 +535,10 @@ def plot(results: list[ModelResult], path: Path, log: Callable[[str], None]) -> 
         dec.sort(key=lambda r: r.nodes)
         if dec:
             xs = [r.nodes for r in dec]
-            ys = [1e3 * (r.flows[flow].best("prepare_s") + r.flows[flow].best("convert_s")) / r.nodes for r in dec]
+            ys = [
+                1e3 * (r.flows[flow].best("prepare_s") + r.flows[flow].best("convert_s")) / r.nodes
+                for r in dec
+            ]
             ax.plot(xs, ys, color=color, marker=marker, label=f"{flow} (decoder)")
         other = [r for r in results if not r.name.startswith("decoder-") and flow in r.flows]
         for r in other:
@@ -514,18 +604,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="*", default=[2, 8, 32, 128], help="decoder block counts N")
     p.add_argument(
-        "--resnets", nargs="*", default=["resnet18"], choices=["resnet18", "resnet34"], help="ResNet-like models"
+        "--resnets",
+        nargs="*",
+        default=["resnet18"],
+        choices=["resnet18", "resnet34"],
+        help="ResNet-like models",
     )
     p.add_argument("--flows", nargs="*", default=list(FLOWS), choices=list(FLOWS))
     p.add_argument("--repeats", type=int, default=3, help="repeats per model (stage time = min)")
     p.add_argument(
-        "--model-budget-s", type=float, default=120.0, help="stop repeating a model once it has taken this long"
+        "--model-budget-s",
+        type=float,
+        default=120.0,
+        help="stop repeating a model once it has taken this long",
     )
     p.add_argument("--calib-batches", type=int, default=2)
     p.add_argument("--fwd-reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
-    p.add_argument("--profile", type=int, default=None, metavar="N", help="also cProfile quantplug on decoder-N")
+    p.add_argument(
+        "--profile", type=int, default=None, metavar="N", help="also cProfile quantplug on decoder-N"
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 
@@ -577,8 +676,9 @@ def main(argv: list[str] | None = None) -> int:
         for fr in d["flows"].values():
             fr.pop("output", None)
         raw.append(d)
-    (out_dir / "results.json").write_text(json.dumps({"machine": machine, "args": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "results": raw}, indent=2) + "\n")
+    arg_values = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    payload = {"machine": machine, "args": arg_values, "results": raw}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
     if plot(results, out_dir / "prepare_convert_ms_per_node.png", log):
         log(f"plot written to {out_dir / 'prepare_convert_ms_per_node.png'}")
     if args.profile:

@@ -34,10 +34,11 @@ from torch.fx import GraphModule, Node
 
 pytest.importorskip("torchao.quantization.pt2e")
 
-import quantplug  # noqa: E402
-from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e  # noqa: E402
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-from .models import MODEL_CASES, ModelCase  # noqa: E402
+import quantplug
+
+from .models import MODEL_CASES, ModelCase
 
 pytestmark = [
     pytest.mark.torchao,
@@ -97,7 +98,7 @@ class Flows:
     quantplug: GraphModule
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_flows(case_name: str, quantizer_name: str, program_kind: str = "ep") -> Flows:
     """Export once; torchao on ``ep.module()``, quantplug on ``ep`` (or a GraphModule of it)."""
     case = CASES[case_name]
@@ -191,7 +192,8 @@ def encodings(gm: GraphModule) -> dict[tuple[Any, ...], Encoding]:
             continue
         src = node.args[0] if node.args else None
         if node.target in QUANTIZE_OPS:
-            key: tuple[Any, ...] = ("activation", _kind(src) if not isinstance(src, Node) else src.name, _final_consumers(node))
+            producer = src.name if isinstance(src, Node) else _kind(src)
+            key: tuple[Any, ...] = ("activation", producer, _final_consumers(node))
             enc = _encoding(gm, node)
         elif node.target in DEQUANTIZE_OPS and isinstance(src, Node) and src.op == "get_attr":
             for user in node.users:
@@ -266,17 +268,20 @@ def test_same_scales_and_zero_points(case_name: str, quantizer_name: str) -> Non
     for key in ao:
         a, q = ao[key], qp[key]
         where = f"{key}"
-        assert (a.op, a.axis, a.quant_min, a.quant_max, a.dtype) == (q.op, q.axis, q.quant_min, q.quant_max, q.dtype), (
-            f"{where}: torchao {a.op, a.axis, a.quant_min, a.quant_max, a.dtype} vs "
-            f"quantplug {q.op, q.axis, q.quant_min, q.quant_max, q.dtype}"
+        grid_a = (a.op, a.axis, a.quant_min, a.quant_max, a.dtype)
+        grid_q = (q.op, q.axis, q.quant_min, q.quant_max, q.dtype)
+        assert grid_a == grid_q, f"{where}: torchao {grid_a} vs quantplug {grid_q}"
+        torch.testing.assert_close(
+            q.scale, a.scale, rtol=1e-6, atol=0, msg=lambda m, w=where: f"{w} scale: {m}"
         )
-        torch.testing.assert_close(q.scale, a.scale, rtol=1e-6, atol=0, msg=lambda m, w=where: f"{w} scale: {m}")
-        torch.testing.assert_close(q.zero_point, a.zero_point, rtol=0, atol=0, msg=lambda m, w=where: f"{w} zp: {m}")
+        torch.testing.assert_close(
+            q.zero_point, a.zero_point, rtol=0, atol=0, msg=lambda m, w=where: f"{w} zp: {m}"
+        )
         if a.integer_value is not None:
             assert q.integer_value is not None
             assert a.integer_value.shape == q.integer_value.shape, where
             torch.testing.assert_close(
-                q.integer_value, a.integer_value, rtol=0, atol=0, msg=lambda m, w=where: f"{w} int values: {m}"
+                q.integer_value, a.integer_value, rtol=0, atol=0, msg=lambda m, w=where: f"{w} int: {m}"
             )
     assert not _dq_consistent_with_q(flows.quantplug)
 
@@ -373,8 +378,10 @@ def test_prepare_does_not_mutate_graph_module(case_name: str, quantizer_name: st
     graph_before = _snapshot_graph(gm)
     code_before = gm.code
     state_before = _state(gm)
-    attrs_before = {name for name, _ in gm.named_children()} | set(dict(gm.named_buffers())) | set(
-        dict(gm.named_parameters())
+    attrs_before = (
+        {name for name, _ in gm.named_children()}
+        | set(dict(gm.named_buffers()))
+        | set(dict(gm.named_parameters()))
     )
     batch = case.batch(7)
     with torch.no_grad():
@@ -390,8 +397,10 @@ def test_prepare_does_not_mutate_graph_module(case_name: str, quantizer_name: st
     assert _snapshot_graph(gm) == graph_before
     assert gm.code == code_before
     assert not _annotated_nodes(gm)
-    attrs_after = {name for name, _ in gm.named_children()} | set(dict(gm.named_buffers())) | set(
-        dict(gm.named_parameters())
+    attrs_after = (
+        {name for name, _ in gm.named_children()}
+        | set(dict(gm.named_buffers()))
+        | set(dict(gm.named_parameters()))
     )
     assert attrs_after == attrs_before, f"new attributes on the caller's module: {attrs_after - attrs_before}"
     _assert_same_state(state_before, _state(gm))

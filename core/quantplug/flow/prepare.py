@@ -125,11 +125,14 @@ def prepare(
 
 
 def _own_parameters(gm: GraphModule) -> None:
-    """Give the prepared module private copies of its parameters (QAT updates them)."""
+    """Give the prepared module private copies of its parameters and buffers (QAT updates them)."""
     for module in gm.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:
                 module._parameters[name] = nn.Parameter(param.detach().clone(), param.requires_grad)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:  # batch-norm statistics move during training too
+                module._buffers[name] = buf.detach().clone()
 
 
 def _build_groups(
