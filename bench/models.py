@@ -98,6 +98,7 @@ def _randomize_bn(model: nn.Module, gen: torch.Generator) -> None:
         for m in model.modules():
             if isinstance(m, nn.BatchNorm2d):
                 n = m.num_features
+                assert m.running_mean is not None and m.running_var is not None
                 m.running_mean.copy_(torch.rand(n, generator=gen) * 0.2 - 0.1)
                 m.running_var.copy_(torch.rand(n, generator=gen) * 0.5 + 0.75)
                 m.weight.copy_(torch.rand(n, generator=gen) * 0.5 + 0.75)
@@ -107,6 +108,7 @@ def _randomize_bn(model: nn.Module, gen: torch.Generator) -> None:
 def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, ...]]]:
     """(eval model, batch(seed) -> input tuple) for ``decoder-<N>`` or ``resnet18``/``resnet34``."""
     torch.manual_seed(seed)
+    model: nn.Module
     if name.startswith("decoder-"):
         model = Decoder(int(name.split("-", 1)[1])).eval()
 

@@ -115,6 +115,7 @@ def _randomize_norm_stats(model: nn.Module, seed: int) -> None:
         for mod in model.modules():
             if isinstance(mod, nn.BatchNorm2d):
                 n = mod.num_features
+                assert mod.running_mean is not None and mod.running_var is not None
                 mod.running_mean.copy_(torch.rand(n, generator=g) * 0.4 - 0.2)
                 mod.running_var.copy_(torch.rand(n, generator=g) + 0.5)
                 mod.weight.copy_(torch.rand(n, generator=g) + 0.5)

@@ -22,9 +22,11 @@ And quantplug.prepare must leave the caller's program untouched.
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,9 +180,12 @@ def _encoding(gm: GraphModule, node: Node) -> Encoding:
 
 def _final_consumers(q: Node) -> tuple[str, ...]:
     """The ops reading a quantized activation (through its DQ copies)."""
-    names = []
+    names: list[str] = []
     for dq in q.users:
-        names.extend(u.name for u in dq.users) if dq.target in DEQUANTIZE_OPS else names.append(dq.name)
+        if dq.target in DEQUANTIZE_OPS:
+            names.extend(u.name for u in dq.users)
+        else:
+            names.append(dq.name)
     return tuple(sorted(names))
 
 
@@ -211,8 +216,15 @@ def encodings(gm: GraphModule) -> dict[tuple[Any, ...], Encoding]:
     return found
 
 
-def _dq_consistent_with_q(gm: GraphModule) -> list[str]:
-    """Every activation DQ must use the same qparams as the Q it reads."""
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    def msg(detail: str) -> str:
+        return f"{prefix}: {detail}"
+
+    return msg
+
+
+def _dq_mismatching_q(gm: GraphModule) -> list[str]:
+    """Activation DQs whose qparams differ from those of the Q they read (should be none)."""
     bad = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in DEQUANTIZE_OPS:
@@ -271,19 +283,15 @@ def test_same_scales_and_zero_points(case_name: str, quantizer_name: str) -> Non
         grid_a = (a.op, a.axis, a.quant_min, a.quant_max, a.dtype)
         grid_q = (q.op, q.axis, q.quant_min, q.quant_max, q.dtype)
         assert grid_a == grid_q, f"{where}: torchao {grid_a} vs quantplug {grid_q}"
-        torch.testing.assert_close(
-            q.scale, a.scale, rtol=1e-6, atol=0, msg=lambda m, w=where: f"{w} scale: {m}"
-        )
-        torch.testing.assert_close(
-            q.zero_point, a.zero_point, rtol=0, atol=0, msg=lambda m, w=where: f"{w} zp: {m}"
-        )
+        torch.testing.assert_close(q.scale, a.scale, rtol=1e-6, atol=0, msg=_prefixed(f"{where} scale"))
+        torch.testing.assert_close(q.zero_point, a.zero_point, rtol=0, atol=0, msg=_prefixed(f"{where} zp"))
         if a.integer_value is not None:
             assert q.integer_value is not None
             assert a.integer_value.shape == q.integer_value.shape, where
             torch.testing.assert_close(
-                q.integer_value, a.integer_value, rtol=0, atol=0, msg=lambda m, w=where: f"{w} int: {m}"
+                q.integer_value, a.integer_value, rtol=0, atol=0, msg=_prefixed(f"{where} integer values")
             )
-    assert not _dq_consistent_with_q(flows.quantplug)
+    assert not _dq_mismatching_q(flows.quantplug)
 
 
 @pytest.mark.parametrize(("case_name", "quantizer_name"), PARAMS, ids=IDS)
@@ -431,3 +439,18 @@ def test_cat_inputs_share_the_output_encoding_xnnpack() -> None:
         for branch in (("activation", "relu_1", ("cat",)), ("activation", "conv2d_2", ("cat",))):
             assert torch.equal(enc[branch].scale, cat_out.scale), f"{label}: {branch} not shared with cat"
             assert torch.equal(enc[branch].zero_point, cat_out.zero_point), label
+
+
+def test_comparators_see_differences() -> None:
+    """The checks above are not vacuous: a different quantizer or one changed scale is caught."""
+    x86, xnn = run_flows("convnet", "x86"), run_flows("convnet", "xnnpack")
+    assert placement(x86.quantplug) != placement(xnn.quantplug)
+
+    gm = copy.deepcopy(x86.quantplug)
+    q = next(n for n in gm.graph.nodes if n.target == qd.quantize_per_tensor.default)
+    q.args = (q.args[0], q.args[1] * (1 + 1e-5), *q.args[2:])
+    gm.recompile()
+    before, after = encodings(x86.quantplug), encodings(gm)
+    changed = [k for k in before if not torch.allclose(before[k].scale, after[k].scale, rtol=1e-6, atol=0)]
+    assert len(changed) == 1
+    assert _dq_mismatching_q(gm)
