@@ -142,6 +142,16 @@ def _rss_kib(field_name: str) -> int | None:
     return None
 
 
+def _malloc_trim() -> None:
+    """Hand freed heap back to the OS first, so RSS growth reflects new allocations (glibc only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except Exception:
+        pass
+
+
 def _reset_peak_rss() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -156,6 +166,7 @@ class PeakMemory:
 
     def __enter__(self) -> PeakMemory:
         gc.collect()
+        _malloc_trim()
         self.rss_ok = _reset_peak_rss()
         self.rss0 = _rss_kib("VmRSS")
         tracemalloc.reset_peak()
@@ -192,6 +203,7 @@ class ModelResult:
     nodes: int
     export_s: float
     float_fwd_s: float
+    module_s: float = float("nan")  # ep.module() alone: the unlifted copy both flows start from
     repeats: int = 0
     flows: dict[str, FlowResult] = field(default_factory=dict)
     max_abs_diff_ao_qp: float | None = None
@@ -265,6 +277,7 @@ def bench_model(name: str, flows: list[Flow], args: Any, log: Callable[[str], No
     ep, export_s = _timed(lambda: torch.export.export(model, batch(0)))
     float_fwd_s, _ = _forward_time(ep.module(), batch(1), args.fwd_reps)
     result = ModelResult(name, len(ep.graph.nodes), export_s, float_fwd_s)
+    result.module_s = min(_timed(ep.module)[1] for _ in range(3))
     result.flows = {f.name: FlowResult() for f in flows}
     log(
         f"{name}: {result.nodes} exported nodes, export {export_s:.2f}s, float fwd {1e3 * float_fwd_s:.1f} ms"
@@ -376,7 +389,8 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
         f"Stage times: minimum over repeats (column `reps`); calibration: minimum over "
         f"{args.calib_batches} batches × reps; forwards: minimum of {args.fwd_reps}. `nodes` = nodes of "
         "the exported graph; ms/node = (prepare + convert) / nodes. torchao's prepare includes "
-        "`ep.module()` (quantplug.prepare(ep) makes the same copy inside). × = torchao / quantplug.",
+        "`ep.module()` (quantplug.prepare(ep) makes the same copy inside; the `ep.module()` column "
+        "times it alone). × = torchao / quantplug.",
         "",
     ]
     if has["torchao"] and has["quantplug"]:
@@ -385,6 +399,7 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
             "model",
             "nodes",
             "reps",
+            "ep.module()",
             "torchao prepare",
             "quantplug prepare",
             "×",
@@ -406,6 +421,7 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
                     r.name,
                     r.nodes,
                     r.repeats,
+                    _f(r.module_s),
                     _f(ap),
                     _f(qp_),
                     _ratio(ap, qp_),

@@ -454,3 +454,32 @@ def test_comparators_see_differences() -> None:
     changed = [k for k in before if not torch.allclose(before[k].scale, after[k].scale, rtol=1e-6, atol=0)]
     assert len(changed) == 1
     assert _dq_mismatching_q(gm)
+
+
+def _reader_summary(entries: list[dict[str, Any]]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """quantplug.flow.inspect.encodings() entries, normalized: activations by tensor, constants by value."""
+    activations, constants = [], []
+    for e in entries:
+        scale = tuple(float(s) for s in (e["scale"] if isinstance(e["scale"], list) else [e["scale"]]))
+        zp = tuple(e["zero_point"] if isinstance(e["zero_point"], list) else [e["zero_point"]])
+        grid = (e["granularity"], e["dtype"], e.get("axis"), e["quant_min"], e["quant_max"], scale, zp)
+        if e["kind"] == "activation":
+            activations.append((e["tensor"], *grid))
+        else:
+            constants.append(grid)
+    return sorted(activations, key=repr), sorted(constants, key=repr)
+
+
+@pytest.mark.parametrize(("case_name", "quantizer_name"), PARAMS, ids=IDS)
+def test_encodings_reader_agrees_on_both_programs(case_name: str, quantizer_name: str) -> None:
+    """quantplug's encodings reader reads torchao's converted program and ours alike."""
+    from quantplug.flow.inspect import encodings as read_encodings
+
+    flows = run_flows(case_name, quantizer_name)
+    ao_act, ao_const = _reader_summary(read_encodings(flows.torchao))
+    qp_act, qp_const = _reader_summary(read_encodings(flows.quantplug))
+    assert qp_act == ao_act
+    assert qp_const == ao_const
+    ours = encodings(flows.quantplug)
+    assert len(qp_act) == sum(1 for k in ours if k[0] == "activation")
+    assert len(qp_const) == len({id(e.integer_value) for k, e in ours.items() if k[0] == "constant"})

@@ -23,7 +23,7 @@ from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
 from quantplug.flow.graph_copy import AttrNamer
-from quantplug.flow.prepare import OBSERVERS, STATE_KEY, Group, PreparedState
+from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
 from quantplug.observers.factory import observer_saw_data
 
 qd = torch.ops.quantized_decomposed
@@ -196,7 +196,7 @@ def _dq_maker(emit: _Emitter, q: Node, qp: QParams, gid: int, observer: Node) ->
     def make() -> Node:
         dq = emit.dequantize(q, qp, f"g{gid}", out_dtype)
         dq.meta["quantplug_group"] = gid
-        for k in ("val", "nn_module_stack", "stack_trace"):
+        for k in ("val", "nn_module_stack", "stack_trace", DEBUG_HANDLE_KEY):
             if k in observer.meta:
                 dq.meta[k] = observer.meta[k]
         return dq

@@ -27,6 +27,8 @@ from quantplug.validation.report import ValidationReport
 
 STATE_KEY = "quantplug_prepared"
 OBSERVERS = "quantplug_observers"
+#: node meta naming the float-program node a node descends from (kept through prepare/convert)
+DEBUG_HANDLE_KEY = "quantplug_debug_handle"
 
 
 @dataclass
@@ -91,6 +93,8 @@ def prepare(
             "use quantplug.get_quantizer(name, ...) or a PT2E Quantizer"
         )
     gm = working_copy(program)
+    for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
+        node.meta.setdefault(DEBUG_HANDLE_KEY, node.name)
     if qat:
         _own_parameters(gm)  # training must not write the caller's weights
     else:
@@ -214,7 +218,7 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         anchor = last_placeholder if source.op == "placeholder" and last_placeholder is not None else source
         with graph.inserting_after(anchor):
             obs = graph.call_module(group.target, (source,))
-        for k in ("val", "tensor_meta", "nn_module_stack", "stack_trace"):
+        for k in ("val", "tensor_meta", "nn_module_stack", "stack_trace", DEBUG_HANDLE_KEY):
             if k in source.meta:
                 obs.meta[k] = source.meta[k]
         obs.meta["quantplug_group"] = group.gid
