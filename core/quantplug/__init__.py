@@ -30,6 +30,8 @@ from quantplug.annotation.specs import (
     QuantizationSpec,
     QuantizationSpecBase,
     SharedQuantizationSpec,
+    annotate_node,
+    is_annotated,
 )
 from quantplug.api import get_quantizer, quantize
 from quantplug.errors import (
@@ -68,12 +70,15 @@ from quantplug.plugins.registry import (
 )
 from quantplug.quantizer.context import BackendContext
 from quantplug.quantizer.quantizer import CoverageReport, Quantizer
-from quantplug.validation.constraints import ArchRequirement, OpConstraint, PortConstraint
+from quantplug.sharing.problem import SharingProblem
+from quantplug.sharing.resolution import KeySpec, SharingGroups
+from quantplug.validation.constraints import OUTPUT, ArchRequirement, OpConstraint, PortConstraint
 from quantplug.validation.report import ValidationReport, Violation
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "OUTPUT",
     "Q_ANNOTATION_KEY",
     "AnnotationError",
     "ArchRequirement",
@@ -92,6 +97,7 @@ __all__ = [
     "DuplicateBackendError",
     "EdgeOrNode",
     "FixedQParamsQuantizationSpec",
+    "KeySpec",
     "LoweringError",
     "LoweringPlan",
     "NamedPass",
@@ -107,10 +113,13 @@ __all__ = [
     "QuantplugError",
     "RulesModule",
     "SharedQuantizationSpec",
+    "SharingGroups",
+    "SharingProblem",
     "UnknownBackendError",
     "ValidationReport",
     "Violation",
     "annotate_binary",
+    "annotate_node",
     "annotate_shared_in_out",
     "annotate_single_in",
     "annotate_single_in_single_out",
@@ -119,6 +128,7 @@ __all__ = [
     "derived_bias_spec",
     "get_quantizer",
     "hookimpl",
+    "is_annotated",
     "is_float_tensor",
     "list_backends",
     "lower",

@@ -11,6 +11,12 @@ import torch
 
 from quantplug.errors import AnnotationError
 
+# Sub-byte dtypes exist at run time but not in torch's type stubs.
+INT4: torch.dtype = getattr(torch, "int4")  # noqa: B009
+UINT4: torch.dtype = getattr(torch, "uint4")  # noqa: B009
+INT2: torch.dtype = getattr(torch, "int2")  # noqa: B009
+UINT2: torch.dtype = getattr(torch, "uint2")  # noqa: B009
+
 # dtype -> (bits, signed, container dtype used by the Q/DQ ops)
 _GRIDS: dict[torch.dtype, tuple[int, bool, torch.dtype]] = {
     torch.uint8: (8, False, torch.uint8),
@@ -18,10 +24,10 @@ _GRIDS: dict[torch.dtype, tuple[int, bool, torch.dtype]] = {
     torch.uint16: (16, False, torch.uint16),
     torch.int16: (16, True, torch.int16),
     torch.int32: (32, True, torch.int32),
-    torch.int4: (4, True, torch.int8),
-    torch.uint4: (4, False, torch.uint8),
-    torch.int2: (2, True, torch.int8),
-    torch.uint2: (2, False, torch.uint8),
+    INT4: (4, True, torch.int8),
+    UINT4: (4, False, torch.uint8),
+    INT2: (2, True, torch.int8),
+    UINT2: (2, False, torch.uint8),
 }
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_GRIDS)

@@ -142,7 +142,7 @@ class QuantizationAnnotation:
     _annotated: bool = False
 
 
-BiasSpec = Union[QuantizationSpecBase, Callable[[Node], QuantizationSpecBase], None]
+BiasSpec = Union[QuantizationSpecBase, Callable[[Node], Union[QuantizationSpecBase, None]], None]
 
 
 @dataclass(frozen=True)

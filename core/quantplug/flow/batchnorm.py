@@ -76,7 +76,14 @@ def fold_batch_norm(gm: GraphModule) -> int:
                 fused_w, fused_b = fuse_linear_bn_weights(weight, bias, mean, var, eps, bn_w, bn_b)
             else:
                 fused_w, fused_b = fuse_conv_bn_weights(
-                    weight, bias, mean, var, eps, bn_w, bn_b, transpose=_CONVS[producer.target]  # type: ignore[index]
+                    weight,
+                    bias,
+                    mean,
+                    var,
+                    eps,
+                    bn_w,
+                    bn_b,
+                    transpose=_CONVS[producer.target],  # type: ignore[index]
                 )
         base = str(weight_node.target)
         w_name, b_name = namer(base + "_bnfold_w"), namer(base + "_bnfold_b")

@@ -189,11 +189,16 @@ def _new_manager() -> pluggy.PluginManager:
     return pm
 
 
-def _import(module: str, *, name: str, distribution: str | None) -> Any:
+def _import(value: str, *, name: str, distribution: str | None) -> Any:
+    """Import an entry-point value: ``"pkg.module"`` or ``"pkg.module:attribute"``."""
+    module, _, attr = value.partition(":")
     try:
-        return importlib.import_module(module)
+        obj = importlib.import_module(module.strip())
+        for part in attr.strip().split(".") if attr.strip() else ():
+            obj = getattr(obj, part)
+        return obj
     except Exception as exc:  # any failure inside a third-party plugin import
-        raise BackendLoadError(name, distribution, module, exc) from exc
+        raise BackendLoadError(name, distribution, value, exc) from exc
 
 
 def _load(entry: BackendEntry) -> LoadedBackend:
@@ -214,6 +219,14 @@ def _load(entry: BackendEntry) -> LoadedBackend:
             entry.distribution,
             entry.module,
             "it does not implement quantplug_backend_info() returning a BackendInfo",
+        )
+    if info.name != entry.name:
+        raise BackendLoadError(
+            entry.name,
+            entry.distribution,
+            entry.module,
+            f"its quantplug_backend_info() declares the name {info.name!r}; the entry point (or "
+            f"register_backend) must use the same name",
         )
     loaded = LoadedBackend(entry=entry, manager=pm, info=info)
     for ext in _extensions_for(entry.name):

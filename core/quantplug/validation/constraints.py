@@ -22,12 +22,12 @@ OUTPUT: Port = "output"
 class PortConstraint:
     """What one input or the output of an op accepts.
 
-    Any field left ``None`` is unconstrained. ``dtypes`` lists allowed quantized grids (``None`` in
-    the set allows the port to stay float). ``bits``, when set, restricts the grid's used width
-    (a 4-bit range in an int8 container counts as 4).
+    Any field left ``None`` is unconstrained. ``dtypes`` lists the allowed quantized grids; an
+    allowed ``torch.int4``/``torch.uint4`` also accepts an 8-bit container narrowed to 4 bits (the
+    PT2E idiom). A port left unquantized is not checked (that is coverage, not a constraint).
     """
 
-    dtypes: frozenset[torch.dtype | None] | None = None
+    dtypes: frozenset[torch.dtype] | None = None
     symmetric: bool | None = None
     per_tensor_only: bool = False
     axes: frozenset[int] | None = None

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug.annotation.dtypes import bit_width
+from quantplug.annotation.dtypes import INT2, INT4, UINT2, UINT4, bit_width
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY, SYMMETRIC_QSCHEMES
 from quantplug.plugins.contract import op_name
@@ -71,17 +71,19 @@ def _fmt_dtype(d: torch.dtype | None) -> str:
     return "float" if d is None else str(d).removeprefix("torch.")
 
 
-def _check_port(port: Port, pc: PortConstraint, spec: Any, shared: bool) -> list[tuple[str, str, str]]:
-    """(rule, expected, actual) for each way ``spec`` breaks ``pc``."""
+def _check_port(pc: PortConstraint, spec: Any) -> list[tuple[str, str, str]]:
+    """(rule, expected, actual) for each way ``spec`` breaks ``pc``.
+
+    An unquantized port is not checked: which nodes stay float is a coverage matter, reported by
+    ``Quantizer.coverage``, not a grid mismatch.
+    """
     problems: list[tuple[str, str, str]] = []
     if spec is None:
-        if pc.dtypes is not None and None not in pc.dtypes and not shared:
-            return problems  # an unquantized port is a coverage matter, not a grid mismatch
         return problems
     kind = spec_kind(spec)
     dtype = spec.dtype
     if pc.dtypes is not None:
-        allowed = {d for d in pc.dtypes if d is not None}
+        allowed = set(pc.dtypes)
         qmin, qmax = spec_range(spec)
         bits = bit_width(dtype, qmin, qmax) if dtype in _BIT_DTYPES else None
         ok = dtype in allowed or any(_narrowed_match(d, dtype, bits) for d in allowed)
@@ -118,6 +120,7 @@ def _check_port(port: Port, pc: PortConstraint, spec: Any, shared: bool) -> list
             kind is not SpecKind.FIXED
             or scale is None
             or abs(float(scale) - expected_fixed[0]) > 1e-12 * max(1.0, expected_fixed[0])
+            or zp is None
             or int(zp) != int(expected_fixed[1])
         ):
             actual = f"scale={scale}, zero_point={zp}" if kind is SpecKind.FIXED else f"{kind.value} spec"
@@ -134,16 +137,16 @@ _BIT_DTYPES = (
     torch.uint8,
     torch.int16,
     torch.uint16,
-    torch.int4,
-    torch.uint4,
-    torch.int2,
-    torch.uint2,
+    INT4,
+    UINT4,
+    INT2,
+    UINT2,
 )
 _NARROW = {
-    torch.int4: (torch.int8, 4),
-    torch.uint4: (torch.uint8, 4),
-    torch.int2: (torch.int8, 2),
-    torch.uint2: (torch.uint8, 2),
+    INT4: (torch.int8, 4),
+    UINT4: (torch.uint8, 4),
+    INT2: (torch.int8, 2),
+    UINT2: (torch.uint8, 2),
 }
 
 
@@ -221,9 +224,7 @@ def validate_graph(
 
         for c in constraints:
             for port, pc in c.ports.items():
-                spec = port_specs.get(port)
-                is_shared = raw.get(port) is not None and spec_kind(raw[port]) is SpecKind.SHARED
-                for rule, expected, actual in _check_port(port, pc, spec, is_shared):
+                for rule, expected, actual in _check_port(pc, port_specs.get(port)):
                     add(port, rule, expected, actual, c)
             if c.must_share_input_output and raw.get(OUTPUT) is not None and inputs:
                 out = raw[OUTPUT]

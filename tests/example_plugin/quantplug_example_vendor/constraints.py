@@ -12,15 +12,15 @@ from quantplug_example_vendor.configs import PER_BLOCK_MIN_ARCH
 
 SOURCE = "quantplug-example-vendor built-in table"
 
-#: activations: unsigned 8 or 16 bit, one scale per tensor; None = the port may stay float
-ACT = PortConstraint(dtypes=frozenset({torch.uint8, torch.uint16, None}), per_tensor_only=True)
+#: activations: unsigned 8 or 16 bit, one scale per tensor
+ACT = PortConstraint(dtypes=frozenset({torch.uint8, torch.uint16}), per_tensor_only=True)
 #: weights: symmetric int8 (or 4-bit in an int8 container), per output channel
 WEIGHT = PortConstraint(
     dtypes=frozenset({torch.int8, torch.int4}),  # type: ignore[attr-defined]
     symmetric=True,
     axes=frozenset({0}),
 )
-BIAS = PortConstraint(dtypes=frozenset({torch.int32, None}), zero_point_zero=True)
+BIAS = PortConstraint(dtypes=frozenset({torch.int32}), zero_point_zero=True)
 
 
 def _is_per_block(spec: object) -> bool:
