@@ -20,4 +20,15 @@ if [ "${1:-}" = "--test" ]; then
   pip_install torchao==0.18.0 --no-deps
   pip_install executorch==1.5.1 --no-deps
   pip_install flatbuffers packaging pyyaml ruamel.yaml tabulate sympy typing-extensions expecttest parameterized
+  # tests/cli: report.html's plot (matplotlib) and rendering it in headless Chromium (Debian package)
+  pip_install matplotlib
+  if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+        || echo "setup: chromium could not be installed; the report rendering tests will be skipped" >&2
+    else
+      echo "setup: chromium is absent and needs root to install (apt-get install chromium);" \
+        "the report rendering tests will be skipped" >&2
+    fi
+  fi
 fi

@@ -222,13 +222,13 @@ def test_attention_block_stays_close_to_float() -> None:
 # --- (c): presets ---------------------------------------------------------------------------------
 
 
-def _preset_names() -> list[str]:
+def _static_presets() -> list[str]:
     from quantplug_reference import configs
 
-    return list(configs.PRESETS)
+    return list(configs.STATIC_PRESETS)
 
 
-@pytest.mark.parametrize("preset", _preset_names())
+@pytest.mark.parametrize("preset", _static_presets())
 def test_each_preset_end_to_end(preset: str, conv_model, conv_ep, tmp_path) -> None:  # type: ignore[no-untyped-def]
     quantizer = fast_quantizer(preset=preset)
     converted = quantize(conv_ep, quantizer, batches(CONV_SHAPE, 8, seed=1))
@@ -452,9 +452,13 @@ def test_lower_saves_model_and_encodings(conv_quantized, tmp_path) -> None:  # t
     assert artifact.backend == "reference"
     written = artifact.save(tmp_path / "out")
     names = {p.name for p in written}
-    assert {"model.pt2", "encodings.json"} <= names
+    assert {"model.pt2", "model.onnx", "encodings.json"} <= names
     doc = json.loads((tmp_path / "out" / "encodings.json").read_text())
-    assert doc["encodings"] == json.loads(json.dumps(encodings(converted)))
+    # the core's encodings, each with the names of its tensors in model.onnx added
+    assert [{k: v for k, v in e.items() if k != "onnx"} for e in doc["encodings"]] == json.loads(
+        json.dumps(encodings(converted))
+    )
+    assert all(e["onnx"] is not None for e in doc["encodings"])
     kinds = {e["kind"] for e in doc["encodings"]}
     assert kinds == {"activation", "constant"}
     loaded = torch.export.load(str(tmp_path / "out" / "model.pt2"))

@@ -1,151 +1,521 @@
-"""The ``quantplug`` command: list backends and quantize a program (the built-in demo by default)."""
+"""The ``quantplug`` command.
+
+    quantplug backends [--json] [--check]      installed backends (--check imports them)
+    quantplug quantize [MODEL] [options]       quantize, lower, compare and report
+    quantplug report OUT                       re-render OUT/report.html, print the summary
+    quantplug                                  = quantplug quantize (the built-in demo)
+
+Exit codes: 0 success, 2 bad input or usage (one line on stderr, the traceback with --verbose),
+1 an unexpected internal error, 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
 import time
+import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from quantplug.cli.console import Console
+from quantplug.cli.inputs import InputError
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+DEFAULT_OUT = "quantplug-out"
+DEFAULT_RANDOM_BATCHES = 8
+DEFAULT_COMPARE_BATCHES = 4
 
 
-def _parse_options(pairs: Sequence[str]) -> dict[str, str]:
-    options: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"quantplug: --option expects key=value, got {pair!r}")
-        options[key.strip()] = value.strip()
-    return options
+# ------------------------------------------------------------------------------------------------
+# quantplug backends
+# ------------------------------------------------------------------------------------------------
 
 
-def cmd_backends(args: argparse.Namespace) -> int:
-    import quantplug
-    from quantplug.plugins.registry import load_backend
+def _summary_of(distribution: str | None) -> str | None:
+    if not distribution:
+        return None
+    from importlib import metadata
+
+    try:
+        summary = metadata.distribution(distribution).metadata["Summary"]
+    except (metadata.PackageNotFoundError, KeyError):
+        return None
+    return str(summary) if summary else None
+
+
+def cmd_backends(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from quantplug.errors import QuantplugError
+    from quantplug.plugins.registry import list_backends, load_backend
 
     rows: list[dict[str, Any]] = []
-    for entry in quantplug.list_backends():
-        row = {
+    failed = False
+    for entry in list_backends():
+        row: dict[str, Any] = {
             "name": entry.name,
             "distribution": entry.distribution,
             "version": entry.version,
+            "description": _summary_of(entry.distribution),
+            "module": entry.module,
+            "source": entry.source,
             "status": entry.status,
             "error": entry.error,
         }
+        if entry.claimants:
+            row["claimants"] = list(entry.claimants)
         if args.check and entry.status in ("available", "loaded", "error"):
             try:
                 loaded = load_backend(entry.name)
-                row.update(status="loaded", description=loaded.info.description)
-            except quantplug.QuantplugError as exc:
+            except QuantplugError as exc:
+                failed = True
                 row.update(status="error", error=str(exc))
+            else:
+                info = loaded.info
+                row.update(
+                    status="ok",
+                    error=None,
+                    description=info.description,
+                    options=[
+                        {
+                            "name": o.name,
+                            "type": getattr(o.type, "__name__", str(o.type)),
+                            "default": o.default,
+                            "choices": list(o.choices) if o.choices is not None else None,
+                            "help": o.help,
+                        }
+                        for o in info.options
+                    ],
+                    presets=[p.name for p in info.presets],
+                    extensions=list(loaded.extensions),
+                )
         rows.append(row)
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
+        print(json.dumps(rows, indent=2, default=str))
+        return 1 if failed else EXIT_OK
     if not rows:
         print("no quantplug backends installed (pip install quantplug-reference)")
-        return 0
-    for row in rows:
-        dist = f"{row['distribution']} {row['version']}" if row["distribution"] else "in-process"
-        extra = f" - {row['description']}" if row.get("description") else ""
-        print(f"{row['name']:<16} {dist:<32} {row['status']}{extra}")
-        if row.get("error"):
-            print(f"    error: {row['error']}")
-    return 0
+        return EXIT_OK
+    name_w = max(4, *(len(r["name"]) for r in rows))
+    dist_w = max(12, *(len(r["distribution"] or "in-process") for r in rows))
+    ver_w = max(7, *(len(r["version"] or "-") for r in rows))
+    print(f"{'NAME':<{name_w}}  {'DISTRIBUTION':<{dist_w}}  {'VERSION':<{ver_w}}  {'STATUS':<9}  DESCRIPTION")
+    for r in rows:
+        print(
+            f"{r['name']:<{name_w}}  {(r['distribution'] or 'in-process'):<{dist_w}}  "
+            f"{(r['version'] or '-'):<{ver_w}}  {r['status']:<9}  {r['description'] or ''}"
+        )
+        if r.get("error"):
+            print(f"{'':<{name_w}}  error: {r['error']}")
+        if r.get("claimants"):
+            print(f"{'':<{name_w}}  claimed by: {', '.join(r['claimants'])}")
+    if not args.check:
+        console.detail("(status from package metadata only; --check imports each plugin)")
+    return 1 if failed else EXIT_OK
 
 
-def _sqnr(ref: Any, out: Any) -> float:
-    import torch
-
-    noise = (ref - out).pow(2).mean()
-    return float("inf") if noise == 0 else float(10 * torch.log10(ref.pow(2).mean() / noise))
+# ------------------------------------------------------------------------------------------------
+# quantplug quantize
+# ------------------------------------------------------------------------------------------------
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
+class _LoweringWithProgress:
+    """The quantizer as ``lower()`` sees it, with each pass and the writer counted on a bar."""
+
+    def __init__(self, quantizer: Any, bar: Any) -> None:
+        from quantplug.plugins.contract import LoweringPlan, NamedPass
+
+        self._quantizer = quantizer
+        plan = quantizer.lowering_plan()
+
+        def counted(name: str, fn: Any) -> Any:
+            def run(*a: Any, **k: Any) -> Any:
+                bar.step(name)
+                result = fn(*a, **k)
+                bar.advance(detail=name)
+                return result
+
+            return run
+
+        self.plan = LoweringPlan(
+            passes=tuple(NamedPass(p.name, counted(f"pass {p.name}", p.fn)) for p in plan.passes),
+            writer=counted("writer", plan.writer) if plan.writer is not None else None,
+            extra=plan.extra,
+        )
+        self.steps = len(plan.passes) + (1 if plan.writer is not None else 0)
+
+    def lowering_plan(self) -> Any:
+        return self.plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._quantizer, name)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     import quantplug
-    from quantplug.demo.model import demo_calibration, demo_model
+    from quantplug.cli.inputs import check_batches, load_calibration, load_model, random_batches
+    from quantplug.cli.options import parse_pairs
+    from quantplug.cli.output import StagedOutput
+    from quantplug.debug import compare, tensor_bytes
+    from quantplug.flow.prepare import STATE_KEY
+    from quantplug.plugins.registry import load_backend
+    from quantplug.report import build_report, format_summary, write_report
 
     started = time.perf_counter()
-    if args.model:
-        program = torch.export.load(args.model)
-        model_name = args.model
-        from quantplug.flow.inspect import example_inputs
+    timings: dict[str, float] = {}
+    run_warnings: list[str] = []
 
-        example = example_inputs(program.module())
-        calibration = [example]
-        reference_module = program.module()
-        print("warning: no calibration data given; calibrating on one random batch", file=sys.stderr)
-    else:
-        model, example = demo_model()
-        program = torch.export.export(model, example)
-        calibration = demo_calibration()
-        reference_module = model
-        model_name = "built-in demo (DemoNet, 16 synthetic batches)"
-    quantizer = quantplug.get_quantizer(args.backend, **_parse_options(args.option))
-    prepared = quantplug.prepare(program, quantizer)
-    with torch.no_grad():
-        for batch in calibration:
-            prepared(*batch)
-    quantized = quantplug.convert(prepared)
-    coverage = quantizer.coverage(program)
-    with torch.no_grad():
-        sqnr = _sqnr(reference_module(*example), quantized(*example))
+    def warn(message: str) -> None:
+        run_warnings.append(message)
+        console.warn(message)
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        timings[name] = round(now - since, 3)
+        return now
+
+    if args.random_batches < 1:
+        raise InputError("--random-batches must be at least 1")
+    if args.compare_batches < 1:
+        raise InputError("--compare-batches must be at least 1")
+    # the backend and its options first: a typo fails in a second, before any model work
+    quantizer = quantplug.get_quantizer(args.backend, **parse_pairs(args.option))
+    loaded = load_backend(args.backend)
+    backend = {
+        "name": quantizer.backend,
+        "distribution": loaded.entry.distribution,
+        "version": loaded.entry.version,
+        "description": loaded.info.description,
+    }
+    options = {**quantizer.options, "strict": quantizer.strict}
     out_dir = Path(args.out)
-    artifact = quantplug.lower(quantized, quantizer)
-    files = artifact.save(out_dir)
-    elapsed = time.perf_counter() - started
-    print(f"model:     {model_name}")
-    print(f"backend:   {quantizer.backend} {quantizer.options}")
-    print(f"nodes:     {len(coverage.quantized_nodes)} quantized, {len(coverage.float_nodes)} float")
-    for n in coverage.float_nodes:
-        print(f"           float {n.node}: {n.reason}")
-    print(f"SQNR:      {sqnr:.1f} dB (quantized vs float output)")
-    print(f"artifact:  {', '.join(str(f) for f in files)}")
-    print(f"time:      {elapsed:.1f} s")
-    return 0
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--out {args.out!r} exists and is not a folder")
+
+    t = time.perf_counter()
+    console.info("loading model: " + (args.model or "built-in demo"))
+    model = load_model(args.model)
+    program = model.program
+    if args.calibration:
+        batches, origins = load_calibration(args.calibration, model.inputs)
+        calibration = {"source": args.calibration, "batches": len(batches), "random": False}
+    elif model.calibration is not None:
+        batches = list(model.calibration)
+        origins = [f"demo batch {i}" for i in range(len(batches))]
+        calibration = {"source": "built-in synthetic data", "batches": len(batches), "random": False}
+    else:
+        batches = random_batches(program, args.random_batches)
+        origins = [f"random batch {i}" for i in range(len(batches))]
+        calibration = {"source": "random normal data", "batches": len(batches), "random": True}
+        warn(
+            f"no calibration data given (--calibration FILE.pt or FOLDER): calibrating on "
+            f"{len(batches)} batches of RANDOM data shaped like the model's inputs; quantization "
+            "ranges and the SQNR figures will not reflect real inputs"
+        )
+    check_batches(batches, origins, model.inputs)
+    t = lap("load", t)
+
+    with StagedOutput(out_dir) as stage:
+        prepared = quantplug.prepare(program, quantizer)
+        t = lap("prepare", t)
+        with console.progress("calibrating", len(batches), "batches", done_label="calibrated") as bar:
+            with torch.no_grad():
+                for i, batch in enumerate(batches):
+                    try:
+                        prepared(*batch)
+                    except quantplug.QuantplugError:
+                        raise
+                    except Exception as exc:
+                        raise InputError(
+                            f"calibration batch {i} ({origins[i]}) failed: {_first_line(exc)}"
+                        ) from exc
+                    bar.advance()
+        t = lap("calibrate", t)
+        quantized = quantplug.convert(prepared)
+        t = lap("convert", t)
+
+        bar = console.progress("lowering", 0, "steps", done_label="lowered")
+        lowering_quantizer = _LoweringWithProgress(quantizer, bar)
+        if lowering_quantizer.plan.writer is None:
+            warn(
+                f"backend {quantizer.backend!r} provides no artifact writer: no backend artifact written "
+                "(the quantized program and the report are)"
+            )
+        else:
+            bar.total = lowering_quantizer.steps + 1  # passes, the writer, saving the files
+            with bar:
+                artifact = quantplug.lower(quantized, lowering_quantizer)
+                bar.step("saving")
+                artifact.save(stage.path / "artifact")
+                bar.advance(detail="saved")
+        t = lap("lower", t)
+
+        example = batches[0]
+        try:
+            exported = torch.export.export(quantized, tuple(example))
+            torch.export.save(exported, str(stage.path / "quantized.pt2"))
+        except Exception as exc:
+            warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
+        t = lap("save", t)
+
+        compare_inputs = batches[: args.compare_batches]
+        with console.progress("comparing", len(compare_inputs), "batches", done_label="compared") as bar:
+            debug = compare(
+                program, quantized, compare_inputs, prepared=prepared, progress=lambda d, n: bar.advance()
+            )
+        t = lap("compare", t)
+        state = prepared.meta.get(STATE_KEY)
+        timings["total"] = round(time.perf_counter() - started, 3)
+        data = build_report(
+            debug,
+            backend=backend,
+            options=options,
+            model=model.describe(),
+            calibration=calibration,
+            float_bytes=tensor_bytes(program),
+            quantized_bytes=tensor_bytes(quantized),
+            validation=getattr(state, "validation", None),
+            warnings=run_warnings,
+            files=[
+                *({"path": p, "bytes": n} for p, n in stage.files()),
+                {"path": "report.html", "bytes": None},
+                {"path": "report.json", "bytes": None},
+            ],
+            timings=timings,
+        )
+        write_report(data, stage.path)
+        stage.commit()
+
+    if not console.quiet:
+        print(format_summary(data, out_dir=str(out_dir)))
+        if console.verbose:
+            print(debug.format())
+    return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quantplug", description="Quantize PyTorch 2 programs for a backend."
-    )
-    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command")
-    p = sub.add_parser("backends", help="list installed backends")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--check", action="store_true", help="import each plugin and report load errors")
-    p.set_defaults(func=cmd_backends)
-    p = sub.add_parser("quantize", help="quantize a saved ExportedProgram (.pt2), or the built-in demo")
+# ------------------------------------------------------------------------------------------------
+# quantplug report
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from quantplug.report import format_summary, load_report, render_html
+
+    data = load_report(args.out)
+    folder = Path(args.out)
+    if not folder.is_dir():
+        folder = folder.parent
+    page = render_html(data)
+    target = folder / "report.html"
+    tmp = folder / ".report.html.tmp"
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(target)
+    except OSError as exc:
+        raise InputError(f"cannot write {target}: {exc.strerror or exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not console.quiet:
+        print(format_summary(data))
+        print(f"report:      {target}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# parser and entry point
+# ------------------------------------------------------------------------------------------------
+
+
+def _add_common(p: argparse.ArgumentParser, *, sub: bool) -> None:
+    default: Any = argparse.SUPPRESS if sub else False
+    p.add_argument("-q", "--quiet", action="store_true", default=default, help="only warnings and errors")
     p.add_argument(
-        "model", nargs="?", help="a torch.export.save()d program; omitted: the built-in demo model"
+        "-v", "--verbose", action="store_true", default=default, help="more detail, and tracebacks on errors"
     )
-    p.add_argument("--backend", default="reference")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
-    p.add_argument("--out", default="quantplug-out", help="output folder (default: quantplug-out)")
+
+
+def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantplug",
+        description="Quantize PyTorch 2 programs for a hardware backend. "
+        "Without a command: `quantplug quantize` on the built-in demo.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit codes: 0 ok, 2 bad input or usage, 1 internal error",
+    )
+    _add_common(parser, sub=False)
+    sub = parser.add_subparsers(dest="command", metavar="{backends,quantize,report}")
+
+    p = sub.add_parser(
+        "backends",
+        help="list installed backends",
+        description="List installed backends from package metadata (no plugin is imported unless --check).",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="import each plugin: its options, or its load error (exit 1 if any fails)",
+    )
+    _add_common(p, sub=True)
+    p.set_defaults(func=cmd_backends)
+
+    epilog = None
+    if backend_help:
+        from quantplug.cli.options import backends_epilog
+
+        epilog = backends_epilog()
+    p = sub.add_parser(
+        "quantize",
+        help="quantize a program (default: the built-in demo)",
+        description="Prepare, calibrate, convert and lower a program for a backend, compare it with the "
+        "float program node by node, and write OUT/quantized.pt2, OUT/artifact/, OUT/report.html "
+        "and OUT/report.json.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=epilog,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="a torch.export.save()d program (.pt2), or package.module:factory returning "
+        "(model, example_inputs); omitted: the built-in demo model and data",
+    )
+    p.add_argument(
+        "-c",
+        "--calibration",
+        metavar="PATH",
+        help="a .pt file (torch.save of a tensor, a tuple of tensors, or a list of them: one batch each) "
+        "or a folder of .pt files; omitted: random data (with a warning)",
+    )
+    p.add_argument("-b", "--backend", default="reference", help="backend name (default: reference)")
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option, repeatable; checked against the backend's declared options (listed below)",
+    )
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    p.add_argument(
+        "--random-batches",
+        type=int,
+        default=DEFAULT_RANDOM_BATCHES,
+        metavar="N",
+        help=f"random batches when no calibration data is given (default: {DEFAULT_RANDOM_BATCHES})",
+    )
+    p.add_argument(
+        "--compare-batches",
+        type=int,
+        default=DEFAULT_COMPARE_BATCHES,
+        metavar="N",
+        help=f"calibration batches the numeric comparison runs (default: {DEFAULT_COMPARE_BATCHES})",
+    )
+    _add_common(p, sub=True)
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser(
+        "report",
+        help="re-render OUT/report.html from OUT/report.json and print its summary",
+        description="Re-render report.html from report.json (written by `quantplug quantize --out OUT`) "
+        "and print a text summary.",
+    )
+    p.add_argument("out", nargs="?", default=DEFAULT_OUT, help=f"the output folder (default: {DEFAULT_OUT})")
+    _add_common(p, sub=True)
+    p.set_defaults(func=cmd_report)
     return parser
 
 
+def _error_line(exc: BaseException) -> str:
+    from quantplug.errors import ConstraintViolationError
+
+    if isinstance(exc, ConstraintViolationError):
+        violations = exc.report.violations
+        first = violations[0].format() if violations else ""
+        more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+        return (
+            f"{len(violations)} backend constraint violation(s): {first}{more}; "
+            "pass --option strict=false to only warn"
+        )
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[0] + (" (more with --verbose)" if len(lines) > 1 else "")
+
+
+def _configure_logging(console: Console) -> None:
+    handler = logging.StreamHandler(console.stream)
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s: %(message)s" if console.verbose else "warning: %(message)s")
+    )
+    logger = logging.getLogger("quantplug")
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG if console.verbose else logging.WARNING)
+    if not console.verbose:
+        # torch's own chatter during export/lowering (warnings and WARNING log records, e.g. the
+        # ONNX exporter's registry) is noise for CLI users; --verbose shows it
+        import torch  # noqa: F401  (torch configures its loggers on import; override after)
+
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top_level = {"-q", "--quiet", "-v", "--verbose", "-h", "--help"}
+    first = next((a for a in argv if a not in top_level), None)
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    if first in ("backends", "quantize", "report"):
+        command = first
+    elif first is None and wants_help:
+        command = None  # `quantplug --help`: the top-level help
+    else:
+        command = "quantize"  # `quantplug [options]` = `quantplug quantize [options]`
+        argv = ["quantize", *argv]
+    parser = build_parser(backend_help=wants_help and command == "quantize")
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["quantize", *(argv or [])])
+    console = Console(
+        quiet=bool(getattr(args, "quiet", False)), verbose=bool(getattr(args, "verbose", False))
+    )
+    _configure_logging(console)
+
     from quantplug.errors import QuantplugError
 
     try:
-        return int(args.func(args))
-    except QuantplugError as exc:
-        if args.verbose:
-            raise
-        print(f"quantplug: error: {exc}", file=sys.stderr)
+        return int(args.func(args, console))
+    except (InputError, QuantplugError) as exc:
+        if console.verbose:
+            traceback.print_exc(file=console.stream)
+        console.error(_error_line(exc))
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        console.error("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if console.verbose:
+            traceback.print_exc(file=console.stream)
+        console.error(
+            f"internal error: {type(exc).__name__}: {_error_line(exc)}"
+            + ("" if console.verbose else " (run with --verbose for the traceback)")
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

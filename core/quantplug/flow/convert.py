@@ -24,7 +24,10 @@ from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
 from quantplug.flow.graph_copy import AttrNamer
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
+from quantplug.observers.accelerated import fresh_copy
+from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import observer_saw_data
+from quantplug.observers.fixed import DerivedObserver
 
 qd = torch.ops.quantized_decomposed
 
@@ -58,18 +61,19 @@ def _fetch(gm: nn.Module, target: str) -> Any:
     return value
 
 
-def _qparams(group: Group, obs: nn.Module) -> QParams:
+def _qparams(group: Group, raw: tuple[Any, Any] | None) -> QParams:
+    """A group's QParams from its observer's ``calculate_qparams()`` result (None: dynamic)."""
     spec = group.spec
     qmin, qmax = spec_range(spec)
     dtype = _container(spec.dtype)
     symmetric = getattr(spec, "qscheme", None) in (torch.per_tensor_symmetric, torch.per_channel_symmetric)
-    if group.dynamic:
+    if group.dynamic or raw is None:
         per_token = is_per_channel(spec)
         empty = torch.empty(0)
         return QParams(
             empty, empty, qmin, qmax, dtype, "token" if per_token else "dynamic", symmetric=symmetric
         )
-    scale, zero_point = obs.calculate_qparams()
+    scale, zero_point = raw
     scale = torch.as_tensor(scale).detach()
     zero_point = torch.as_tensor(zero_point).detach()
     block = getattr(spec, "block_size", None)
@@ -205,29 +209,86 @@ def _dq_maker(emit: _Emitter, q: Node, qp: QParams, gid: int, observer: Node) ->
 
 
 def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QParams]:
-    """Every group's qparams; constants are observed here, once."""
+    """Every group's qparams, each observer's ``calculate_qparams()`` run once.
+
+    Constants (weights, biases) are observed here, once, into fresh copies of their groups'
+    observers, so the prepared module is left exactly as calibration left it and a second convert
+    gives the same result. Derived specs (bias = input scale x weight scale) call their source
+    observers' ``calculate_qparams()`` themselves, through derive functions that may come from
+    foreign quantizers; while they run, every source observer answers with its cached result.
+    """
     container = getattr(prepared, OBSERVERS)
-    constant_sources: dict[int, set[str]] = {}
-    nodes = {n.name: n for n in prepared.graph.nodes}
+    prepared_obs = {g.gid: getattr(container, f"g{g.gid}") for g in state.groups}
+    used = dict(prepared_obs)  # what each group's qparams are computed from
+    # constants' statistics: derived and fixed observers need none (and a derived one must keep
+    # pointing at the prepared source observers, which answer from the cache below)
+    constants = [
+        g
+        for g in state.groups
+        if g.constant
+        and not (isinstance(prepared_obs[g.gid], ObserverBase) and not prepared_obs[g.gid].needs_data)
+    ]
+    if constants:
+        nodes = {n.name: n for n in prepared.graph.nodes}
+        with torch.no_grad():
+            for group in constants:
+                obs = used[group.gid] = fresh_copy(prepared_obs[group.gid])
+                for name in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
+                    obs(_fetch(prepared, str(nodes[name].target)))
     for group in state.groups:
-        if group.constant:
-            constant_sources[group.gid] = {k[0] if isinstance(k, tuple) else k for k in group.keys}
-    with torch.no_grad():
-        for gid, names in constant_sources.items():
-            obs = getattr(container, f"g{gid}")
-            for name in sorted(names):
-                obs(_fetch(prepared, str(nodes[name].target)))
-    result: dict[int, QParams] = {}
-    for group in state.groups:
-        obs = getattr(container, f"g{group.gid}")
-        if not group.dynamic and not observer_saw_data(obs):
+        if not group.dynamic and not observer_saw_data(used[group.gid]):
             raise CalibrationError(
                 f"the observer of {group.describe()} never saw data; run calibration batches through the "
                 "prepared model (prepared(*inputs)) before convert(), "
                 "or check that this path of the model runs"
             )
-        result[group.gid] = _qparams(group, obs)
-    return result
+    raw: dict[int, tuple[Any, Any] | None] = {}
+    by_observer: dict[int, tuple[Any, Any]] = {}  # id(observer used) -> its qparams
+    patched: list[nn.Module] = []
+
+    def run(group: Group) -> None:
+        obs = used[group.gid]
+        result = by_observer.get(id(obs))
+        if result is None:
+            result = by_observer[id(obs)] = obs.calculate_qparams()
+        raw[group.gid] = result
+        for module in {id(obs): obs, id(prepared_obs[group.gid]): prepared_obs[group.gid]}.values():
+            if "calculate_qparams" not in module.__dict__:
+                module.__dict__["calculate_qparams"] = _Cached(result)
+                patched.append(module)
+
+    try:
+        derived = []
+        for group in state.groups:
+            if group.dynamic:
+                raw[group.gid] = None
+            elif isinstance(used[group.gid], DerivedObserver):
+                derived.append(group)
+            else:
+                run(group)
+        while derived:  # derived groups after their sources (chains are resolved in order)
+            ready = [g for g in derived if _sources_ready(used[g.gid])] or derived[:1]
+            for group in ready:
+                run(group)
+            derived = [g for g in derived if g.gid not in raw]
+    finally:
+        for module in patched:
+            module.__dict__.pop("calculate_qparams", None)
+    return {group.gid: _qparams(group, raw[group.gid]) for group in state.groups}
+
+
+class _Cached:
+    """Stands in for an observer's ``calculate_qparams`` during convert: the result computed once."""
+
+    def __init__(self, result: tuple[Any, Any]) -> None:
+        self.result = result
+
+    def __call__(self) -> tuple[Any, Any]:
+        return self.result
+
+
+def _sources_ready(obs: DerivedObserver) -> bool:
+    return all("calculate_qparams" in src.__dict__ for src in obs.obs_or_fqs)
 
 
 def convert(prepared: GraphModule) -> GraphModule:
@@ -346,6 +407,17 @@ def _quantize_tensor(value: torch.Tensor, qp: QParams) -> torch.Tensor:
         )
     if qp.granularity == "channel":
         axis = qp.axis if qp.axis is not None and qp.axis >= 0 else value.dim() + (qp.axis or 0)
+        if (
+            value.dtype == torch.float32
+            and qp.scale.dtype == torch.float32
+            and not qp.zero_point.dtype.is_floating_point
+            and qp.scale.dim() == 1
+            and qp.zero_point.shape == qp.scale.shape
+            and qp.scale.numel() == value.shape[axis]
+        ):
+            return _quantize_per_channel(
+                value, qp.scale, qp.zero_point, axis, qp.quant_min, qp.quant_max, qp.dtype
+            )
         return qd.quantize_per_channel.default(
             value, qp.scale, qp.zero_point, axis, qp.quant_min, qp.quant_max, qp.dtype
         )
@@ -354,6 +426,31 @@ def _quantize_tensor(value: torch.Tensor, qp: QParams) -> torch.Tensor:
             value, qp.scale, qp.zero_point, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype
         )
     raise ConversionError(f"constant tensors cannot use {qp.granularity} quantization")
+
+
+def _quantize_per_channel(
+    value: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``quantized_decomposed.quantize_per_channel`` with the same float32 steps, in place.
+
+    The op computes ``clamp(round(x * (1 / scale)) + zero_point, qmin, qmax)`` on a permuted
+    copy and four temporaries; broadcasting the parameters along ``axis`` and updating one
+    buffer in place gives the same integers about 5x faster on weight-sized tensors.
+    """
+    shape = [1] * value.dim()
+    shape[axis] = scale.numel()
+    out = value * (1.0 / scale).view(shape)
+    out.round_()
+    if bool(zero_point.any()):  # symmetric weights: adding zeros would change nothing
+        out.add_(zero_point.view(shape))
+    out.clamp_(quant_min, quant_max)
+    return out.to(dtype)
 
 
 def _build_root(prepared: GraphModule, graph: Graph, tensors: dict[str, torch.Tensor]) -> nn.Module:

@@ -1,36 +1,169 @@
-"""Getting a GraphModule we may change without touching the caller's model."""
+"""Getting a GraphModule we may change without touching the caller's model.
+
+``ExportedProgram.module()`` is what PT2E flows start from, but it is expensive: it deep-copies
+the graph, generates and compiles Python code three times and adds an input-guard submodule.
+``working_copy`` builds the same unlifted module directly from ``ep.graph`` and the graph
+signature (same node names, same meta, same parameter objects, same pytree calling convention)
+and compiles it at most once; ``lazy=True`` defers even that to the caller (``prepare`` compiles
+once, after inserting its observers). Programs it does not handle (buffer or input mutations,
+effect tokens, custom objects, higher-order-op submodules) go through ``ep.module()``.
+"""
 
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule
+from torch import nn
+from torch.fx import Graph, GraphModule
 
 from quantplug.errors import QuantplugError
 
+try:  # private torch helpers; without them we fall back to ep.module()
+    from torch.export._unlift import _get_codegen
+    from torch.export.graph_signature import InputKind, OutputKind
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+except ImportError:  # pragma: no cover - depends on the torch version
+    _get_codegen = None  # type: ignore[assignment]
+    _LazyGraphModule = None  # type: ignore[assignment,misc]
 
-def working_copy(program: torch.export.ExportedProgram | GraphModule) -> GraphModule:
+
+def working_copy(program: torch.export.ExportedProgram | GraphModule, *, lazy: bool = False) -> GraphModule:
     """A GraphModule with its own graph; parameters are shared, never written.
 
-    ``ExportedProgram.module()`` already builds a fresh graph. A GraphModule gets its graph
-    copied (node meta included) so annotations and observers never reach the caller's graph.
-    Passes must replace tensors (new attributes), not modify them in place.
+    An ``ExportedProgram`` is unlifted like ``ep.module()`` (parameters, buffers and constants
+    become attributes holding the very same tensor objects; user inputs stay placeholders). A
+    GraphModule gets its graph copied (node meta included) so annotations and observers never
+    reach the caller's graph. Passes must replace tensors (new attributes), not modify them in
+    place.
+
+    Args:
+        program: the program to copy.
+        lazy: return a module whose code is generated on first use (call :func:`compile_now`
+            when done editing the graph) instead of compiling it here.
     """
     if isinstance(program, torch.export.ExportedProgram):
-        return program.module()
+        gm = _unlift_directly(program, lazy=lazy)
+        return gm if gm is not None else program.module()
     if isinstance(program, GraphModule):
-        graph = torch.fx.Graph(owning_module=None, tracer_cls=program.graph._tracer_cls)
+        graph = Graph(owning_module=None, tracer_cls=program.graph._tracer_cls)
         graph._codegen = program.graph._codegen
         value_map: dict[torch.fx.Node, torch.fx.Node] = {}
         out = graph.graph_copy(program.graph, value_map)
         if out is not None:
             graph.output(out)
-        copy = GraphModule(program, graph, class_name=type(program).__name__)
+        cls = _LazyGraphModule if lazy and _LazyGraphModule is not None else GraphModule
+        copy = cls(program, graph, class_name=type(program).__name__)
         copy.meta.update({k: v for k, v in program.meta.items() if not k.startswith("quantplug")})
         return copy
     raise QuantplugError(
         f"expected a torch.export.ExportedProgram or a torch.fx.GraphModule, got {type(program).__name__}; "
         "capture the model with torch.export.export(model, example_inputs) first"
     )
+
+
+def compile_now(gm: GraphModule) -> None:
+    """Generate ``gm``'s code from its graph now (once), lazy module or not."""
+    if _LazyGraphModule is not None and isinstance(gm, _LazyGraphModule):
+        gm.recompile()  # marks it stale (the graph may have changed since it was last compiled)
+        gm.real_recompile()
+    else:
+        gm.recompile()
+
+
+_LIFTED_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+
+
+def _simple_program(ep: torch.export.ExportedProgram) -> bool:
+    """Only plain inference programs: user inputs, lifted state, user outputs, no submodules."""
+    if _get_codegen is None or _LazyGraphModule is None or ep.call_spec.in_spec is None:
+        return False
+    sig = ep.graph_signature
+    if any(s.kind != InputKind.USER_INPUT and s.kind.name not in _LIFTED_KINDS for s in sig.input_specs):
+        return False
+    if any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs):
+        return False
+    placeholders = 0
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            placeholders += 1
+        elif node.op in ("get_attr", "call_module"):
+            return False
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            return False
+    return placeholders == len(sig.input_specs)
+
+
+def _unlift_directly(ep: torch.export.ExportedProgram, *, lazy: bool) -> GraphModule | None:
+    """``ep.module()`` without its deep copy, guard module and repeated compiles (None: not simple)."""
+    if not _simple_program(ep):
+        return None
+    sig = ep.graph_signature
+    graph = Graph(tracer_cls=ep.graph._tracer_cls)
+    copied = graph.graph_copy(ep.graph, {}, return_output_node=True)
+    if not isinstance(copied, tuple):
+        return None
+    outputs, old_output = copied
+    # lifted inputs -> get_attr, in place of their placeholders (torch's node names and order)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind == InputKind.USER_INPUT:
+            continue
+        with graph.inserting_after(node):
+            attr = graph.get_attr(spec.target)
+        node.replace_all_uses_with(attr)
+        meta = node.meta
+        graph.erase_node(node)
+        attr.meta = meta
+    flat_outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    out_node = graph.output(tuple(flat_outputs), type_expr=getattr(old_output, "type", None))
+    out_node.meta = dict(old_output.meta)
+    forward_arg_names = (
+        s.forward_arg_names if ep.module_call_graph and (s := ep.module_call_graph[0].signature) else None
+    )
+    graph._codegen = _get_codegen(ep.call_spec.in_spec, ep.call_spec.out_spec, forward_arg_names)
+
+    cls = _LazyGraphModule if lazy else GraphModule
+    gm = cls(nn.Module(), Graph())  # empty graph: nothing to copy or compile yet
+    _register_state(gm, ep)
+    gm.graph = graph  # one compile (none if lazy)
+    gm.meta.update(ep.graph_module.meta)
+    return gm
+
+
+def _register_state(gm: GraphModule, ep: torch.export.ExportedProgram) -> None:
+    """Parameters, buffers and constants of ``ep`` on ``gm`` under their FQNs (the same tensors)."""
+    sig = ep.graph_signature
+    non_persistent = set(sig.non_persistent_buffers)
+    modules: dict[str, nn.Module] = {"": gm}
+
+    def module_at(path: str) -> nn.Module:
+        module = modules.get(path)
+        if module is None:
+            outer_path, _, name = path.rpartition(".")
+            module = nn.Module()
+            module_at(outer_path).add_module(name, module)
+            modules[path] = module
+        return module
+
+    def holder(fqn: str) -> tuple[nn.Module, str]:
+        parent, _, attr = fqn.rpartition(".")
+        return module_at(parent), attr
+
+    for name in sig.parameters:
+        module, attr = holder(name)
+        value = ep.state_dict[name]
+        if isinstance(value, nn.Parameter):
+            module.register_parameter(attr, value)
+        else:
+            setattr(module, attr, value)
+    for name in sig.buffers:
+        module, attr = holder(name)
+        if name in non_persistent:
+            module.register_buffer(attr, ep.constants[name], persistent=False)
+        else:
+            module.register_buffer(attr, ep.state_dict[name])
+    for name in sig.lifted_tensor_constants:
+        module, attr = holder(name)
+        setattr(module, attr, ep.constants[name])
 
 
 class AttrNamer:

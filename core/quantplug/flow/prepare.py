@@ -18,7 +18,9 @@ from torch.fx import GraphModule, Node
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
-from quantplug.flow.graph_copy import working_copy
+from quantplug.flow.fast_matching import fast_partition_matching
+from quantplug.flow.graph_copy import compile_now, working_copy
+from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
 from quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from quantplug.sharing.problem import solve
@@ -92,7 +94,7 @@ def prepare(
             f"{type(quantizer).__name__} is not a quantizer (no annotate method); "
             "use quantplug.get_quantizer(name, ...) or a PT2E Quantizer"
         )
-    gm = working_copy(program)
+    gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
     for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
         node.meta.setdefault(DEBUG_HANDLE_KEY, node.name)
     if qat:
@@ -102,7 +104,8 @@ def prepare(
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
         gm = transformed
-    _call(quantizer, "annotate", gm)
+    with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
+        _call(quantizer, "annotate", gm)
     report = _call(quantizer, "validate", gm)
     keys = collect_keys(gm.graph)
     problem = keys.problem(gm.graph)
@@ -116,14 +119,14 @@ def prepare(
         observers = _run_pt2e_callback(gm, callback, state, observers)
     container = nn.Module()
     for gid, obs in observers.items():
-        container.add_module(f"g{gid}", obs)
+        container.add_module(f"g{gid}", accelerate(obs))
     if hasattr(gm, OBSERVERS):
         raise QuantplugError(
             "this model is already prepared (it has quantplug observers); prepare the float program"
         )
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
-    gm.recompile()
+    compile_now(gm)
     gm.meta[STATE_KEY] = state
     return gm
 
@@ -163,6 +166,7 @@ def _build_groups(
 def _create_observers(state: PreparedState, keys: AnnotatedKeys) -> dict[int, nn.Module]:
     observers: dict[int, nn.Module] = {}
     pending = [g for g in state.groups]
+    prototypes: dict[int, nn.Module] = {}  # id(spec) -> an untouched observer built from it
     # derived groups need their sources' observers; resolve in dependency order
     while pending:
         progressed = False
@@ -178,7 +182,13 @@ def _create_observers(state: PreparedState, keys: AnnotatedKeys) -> dict[int, nn
                     spec, qat=state.qat, sources=[observers[g] for g in src_gids]
                 )
             else:
-                observers[group.gid] = create_observer(spec, qat=state.qat)
+                prototype = prototypes.get(id(spec))
+                if prototype is not None:  # groups sharing one spec object: copy, don't construct
+                    observers[group.gid] = fresh_copy(prototype)
+                else:
+                    observers[group.gid] = create_observer(spec, qat=state.qat)
+                    if clonable(observers[group.gid]):
+                        prototypes[id(spec)] = fresh_copy(observers[group.gid])
             progressed = True
         if not progressed:
             raise AnnotationError(

@@ -5,3 +5,17 @@ the annotation rules in ``quantplug_qnn_htp.rules.*_rules`` modules the core loa
 """
 
 __version__ = "0.1.0"
+
+
+def make_config(precision: str = "8a8w", **options):  # type: ignore[no-untyped-def]
+    """A QNN HTP ``QuantizationConfig`` for per-module / per-node overrides (see ``configs.make_config``)."""
+    from quantplug_qnn_htp.configs import make_config as _make
+
+    return _make(precision, **options)
+
+
+def set_block_size_map(quantizer, mapping):  # type: ignore[no-untyped-def]
+    """Per-node LPBQ block sizes of a qnn_htp quantizer (see ``plugin.set_block_size_map``)."""
+    from quantplug_qnn_htp.plugin import set_block_size_map as _set
+
+    return _set(quantizer, mapping)

@@ -17,7 +17,7 @@ precision       activations          weights, per-tensor              weights, p
 Differences from ExecuTorch, each deliberate:
 
 * 16-bit activations are ``torch.uint16`` (ExecuTorch: ``int32`` with range ``[0, 65535]``); the
-  numbers are identical. Sub-byte weights are ``torch.int4`` / ``torch.int2`` with ExecuTorch's
+  numbers are identical. Sub-byte weights are ``INT4`` / ``INT2`` with ExecuTorch's
   *restricted* ranges ``[-7, 7]`` / ``[-2, 1]`` (stored in an int8 container), so scales are
   ``amax / 7`` and ``amax / 1.5`` exactly as ExecuTorch's; the full int4 range ``[-8, 7]`` would
   give ``amax / 7.5`` and break parity.
@@ -29,9 +29,19 @@ Differences from ExecuTorch, each deliberate:
 * The activation eps follows the precision everywhere (ExecuTorch's per-channel configs use the
   16-bit eps even for 8-bit activations); the user's eps also reaches LPBQ weights.
 * Specs are immutable values; per-node specs (block size, derived bias) are built per node, so
-  no block size leaks from one layer to another.
+  no block size leaks from one layer to another (``block_size_map``).
+* LPBQ weights use :class:`~quantplug_qnn_htp.observers.LpbqObserver`: the converted program's
+  block scales are already the device's ``per-channel scale x 4-bit integer``.
+* An LPBQ block spans ``block_size`` input channels and the whole kernel window (one integer
+  scale per output channel and block, QNN's ``numBlocksPerAxis = in_channels / block_size``);
+  ExecuTorch's ``(1, B, 1, 1)`` gives every kernel tap its own block scales. Identical for
+  1x1 convolutions and linears.
 
-QAT variants (ExecuTorch has them for 8a8w, 16a8w, 16a4w, 16a4w_block) are not implemented yet.
+QAT variants (``qat=True``, every precision): activations are fake-quantized with the same
+observer as PTQ; weights follow the current weights (ExecuTorch's per-channel and per-block QAT
+observers calibrate once and freeze); fixed-qparam outputs (sigmoid...) get fake-quant modules
+too (the core wraps every fixed observer in QAT); 16a8w per-tensor weights are signed int8
+``[-127, 127]`` as in ExecuTorch's ``get_16a8w_qnn_qat_config``.
 """
 
 from __future__ import annotations
@@ -46,17 +56,28 @@ import torch
 from torch.fx import Node
 
 from quantplug import DerivedQuantizationSpec, QuantizationConfig, QuantizationSpec
+from quantplug.annotation.dtypes import INT2, INT4
 from quantplug.annotation.specs import QuantizationSpecBase
 from quantplug.errors import AnnotationError, OptionError
 from quantplug.observers.base import ObserverFactory
-from quantplug.observers.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
-from quantplug.observers.per_block import PerBlockMinMaxObserver
+from quantplug.observers.minmax import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    PerChannelMinMaxObserver,
+)
+from quantplug_qnn_htp.observers import (
+    DEFAULT_MASK_MARGIN,
+    LPBQ_SCALE_STEPS,
+    ConcatMinMaxObserver,
+    LatestMinMaxObserver,
+    LatestPerChannelMinMaxObserver,
+    LpbqObserver,
+    MaskAwareObserver,
+)
 
 #: ExecuTorch ``utils/constants.py``: DEFAULT_EPS_8BIT / DEFAULT_EPS_16BIT.
 EPS_8BIT = 0.0001 / 255
 EPS_16BIT = 0.0001 / 65535
-#: LPBQ stores each block scale as a 4-bit multiple of a per-channel scale: 2**4 steps.
-LPBQ_SCALE_STEPS = 16
 
 PRECISIONS: dict[str, str] = {
     "8a8w": "uint8 activations, int8 symmetric weights, int32 bias",
@@ -74,12 +95,12 @@ DEFAULT_BLOCK_SIZE = 64
 # precision -> (activation dtype, weight grid (dtype, qmin, qmax), eps)
 _GRIDS: dict[str, tuple[torch.dtype, tuple[torch.dtype, int, int], float]] = {
     "8a8w": (torch.uint8, (torch.int8, -127, 127), EPS_8BIT),
-    "8a4w": (torch.uint8, (torch.int4, -7, 7), EPS_8BIT),
+    "8a4w": (torch.uint8, (INT4, -7, 7), EPS_8BIT),
     "16a8w": (torch.uint16, (torch.int8, -127, 127), EPS_16BIT),
-    "16a4w": (torch.uint16, (torch.int4, -7, 7), EPS_16BIT),
+    "16a4w": (torch.uint16, (INT4, -7, 7), EPS_16BIT),
     "16a16w": (torch.uint16, (torch.int16, -32767, 32767), EPS_16BIT),
-    "16a2w": (torch.uint16, (torch.int2, -2, 1), EPS_16BIT),
-    "16a4w_block": (torch.uint16, (torch.int4, -7, 7), EPS_16BIT),
+    "16a2w": (torch.uint16, (INT2, -2, 1), EPS_16BIT),
+    "16a4w_block": (torch.uint16, (INT4, -7, 7), EPS_16BIT),
 }
 #: 2-bit weights cannot be encoded per tensor (QNN has no per-tensor 2-bit encoding), so 16a2w
 #: always quantizes conv/linear weights per channel.
@@ -91,22 +112,38 @@ class QnnQuantizationConfig(QuantizationConfig):
     """A ``QuantizationConfig`` plus the op-specific weight grids HTP rules pick from.
 
     ``weight`` is the per-tensor weight spec (what ops without a more specific field use);
-    ``conv_weight`` / ``conv_transpose_weight`` / ``linear_weight`` are the per-channel specs
-    (None: per-tensor); ``block_weight`` with ``block_size`` turns conv/linear weights into LPBQ
-    blocks along the input channels; ``norm_weight`` is the layer/batch-norm weight grid;
-    ``matmul_in1`` the second MatMul operand's grid (None: the activation spec); ``norm_bias`` an
-    int32 symmetric grid for biases that are not derived (norms).
+    ``conv_weight`` / ``conv_transpose_weight`` / ``linear_weight`` / ``embedding_weight`` are the
+    per-channel specs (None: per-tensor; embedding: the table takes the activation grid);
+    ``block_weight`` with ``block_size`` turns conv/linear weights into LPBQ blocks along the input
+    channels; ``norm_weight`` is the layer/batch-norm weight grid; ``matmul_in1`` the second MatMul
+    operand's grid (None: the activation spec); ``norm_bias`` an int32 symmetric grid for biases
+    that are not derived (norms); ``concat`` the output grid of ``cat`` (absolute range);
+    ``mask_margin`` where ``-inf`` mask values land below the data (see ``observers``).
     """
 
     precision: str = DEFAULT_PRECISION
     conv_weight: QuantizationSpecBase | None = None
     conv_transpose_weight: QuantizationSpecBase | None = None
     linear_weight: QuantizationSpecBase | None = None
+    embedding_weight: QuantizationSpecBase | None = None
     block_weight: QuantizationSpecBase | None = None
     block_size: int | None = None
     norm_weight: QuantizationSpecBase | None = None
     matmul_in1: QuantizationSpecBase | None = None
     norm_bias: QuantizationSpecBase | None = None
+    concat: QuantizationSpecBase | None = None
+    mask_margin: float = DEFAULT_MASK_MARGIN
+
+    def masked(self, spec: QuantizationSpecBase | None) -> QuantizationSpecBase | None:
+        """``spec`` observed by a :class:`MaskAwareObserver` (for outputs that carry ``-inf`` masks)."""
+        if not isinstance(spec, QuantizationSpec):
+            return spec
+        inner = spec.observer_or_fake_quant_ctr or MinMaxObserver.with_args()
+        if isinstance(inner, ObserverFactory) and inner.cls is MaskAwareObserver:
+            return spec
+        return dataclasses.replace(
+            spec, observer_or_fake_quant_ctr=MaskAwareObserver.with_args(inner=inner, margin=self.mask_margin)
+        )
 
 
 def activation_observer(name: str, eps: float) -> ObserverFactory:
@@ -122,7 +159,11 @@ def activation_observer(name: str, eps: float) -> ObserverFactory:
 
 
 def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuantizationConfig:
-    """The global config of ``precision`` with the backend options applied."""
+    """The config of ``precision`` with the backend options applied (also for per-module overrides).
+
+    ``options`` uses the backend option names (``per_channel_conv``, ``act_observer``, ``qat``...);
+    missing ones take their defaults.
+    """
     precision = precision or DEFAULT_PRECISION
     if precision not in _GRIDS:
         raise OptionError(f"unknown QNN HTP precision {precision!r}; valid values: {', '.join(PRECISIONS)}")
@@ -131,6 +172,7 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
     eps = default_eps if eps is None else float(eps)
     if eps <= 0:
         raise OptionError(f"option 'eps' of backend 'qnn_htp' must be positive, got {eps!r}")
+    qat = bool(options.get("qat", False))
     act_obs = activation_observer(options.get("act_observer") or "moving_average", eps)
     symmetric_act = bool(options.get("act_symmetric", False))
     act = QuantizationSpec(
@@ -138,13 +180,16 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
         observer_or_fake_quant_ctr=act_obs,
         qscheme=torch.per_tensor_symmetric if symmetric_act else torch.per_tensor_affine,
     )
+    # weights are constants in PTQ (observed once); in QAT they move, so observe the latest values
+    tensor_obs: Any = LatestMinMaxObserver if qat else MinMaxObserver
+    channel_obs: Any = LatestPerChannelMinMaxObserver if qat else PerChannelMinMaxObserver
 
-    if precision == "16a8w":
+    if precision == "16a8w" and not qat:
         # ExecuTorch: uint8, per-tensor symmetric, no explicit range -> [0, 255], zero point 128
         per_tensor_w: QuantizationSpec = QuantizationSpec(
             dtype=torch.uint8,
             qscheme=torch.per_tensor_symmetric,
-            observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=eps),
+            observer_or_fake_quant_ctr=tensor_obs.with_args(eps=eps),
         )
     else:
         per_tensor_w = QuantizationSpec(
@@ -152,7 +197,7 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
             quant_min=w_min,
             quant_max=w_max,
             qscheme=torch.per_tensor_symmetric,
-            observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=eps),
+            observer_or_fake_quant_ctr=tensor_obs.with_args(eps=eps),
         )
 
     def per_channel(axis: int) -> QuantizationSpec:
@@ -162,19 +207,24 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
             quant_max=w_max,
             qscheme=torch.per_channel_symmetric,
             ch_axis=axis,
-            observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=eps),
+            observer_or_fake_quant_ctr=channel_obs.with_args(eps=eps),
         )
 
     forced = precision in _ALWAYS_PER_CHANNEL
     pc_conv = forced or bool(options.get("per_channel_conv", True))
     pc_linear = forced or bool(options.get("per_channel_linear", False))
+    pc_embedding = bool(options.get("per_channel_embedding", False))
 
     block_weight = None
     block_size = None
     if precision == "16a4w_block":
-        block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
-        if block_size <= 0:
-            raise OptionError(f"option 'block_size' of backend 'qnn_htp' must be positive, got {block_size}")
+        raw = options.get("block_size")
+        block_size = DEFAULT_BLOCK_SIZE if raw is None else int(raw)
+        if block_size < 0:
+            raise OptionError(
+                f"option 'block_size' of backend 'qnn_htp' must be >= 0 (0: LPBQ only for nodes in "
+                f"block_size_map), got {block_size}"
+            )
         # block_size is filled in per node (see weight_spec_for); this is the template
         block_weight = QuantizationSpec(
             dtype=w_dtype,
@@ -182,37 +232,105 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
             quant_max=w_max,
             qscheme=torch.per_channel_symmetric,
             ch_axis=0,
-            observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=eps),
+            observer_or_fake_quant_ctr=LpbqObserver.with_args(eps=eps, track_latest=qat),
         )
 
     sixteen = act_dtype == torch.uint16
-    int16_sym = QuantizationSpec(
-        dtype=torch.int16,
-        quant_min=-32767,
-        quant_max=32767,
-        qscheme=torch.per_tensor_symmetric,
-        observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=eps),
-    )
+
+    def int16_sym(obs: Any) -> QuantizationSpec:
+        return QuantizationSpec(
+            dtype=torch.int16,
+            quant_min=-32767,
+            quant_max=32767,
+            qscheme=torch.per_tensor_symmetric,
+            observer_or_fake_quant_ctr=obs.with_args(eps=eps),
+        )
+
     norm_bias = QuantizationSpec(
         dtype=torch.int32,
         qscheme=torch.per_tensor_symmetric,
-        observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=eps),
+        observer_or_fake_quant_ctr=tensor_obs.with_args(eps=eps),
     )
+    concat = dataclasses.replace(act, observer_or_fake_quant_ctr=ConcatMinMaxObserver.with_args(eps=eps))
+    margin = options.get("mask_margin")
+    margin = DEFAULT_MASK_MARGIN if margin is None else float(margin)
+    if margin < 0:
+        raise OptionError(f"option 'mask_margin' of backend 'qnn_htp' must be >= 0, got {margin}")
     return QnnQuantizationConfig(
         input_activation=act,
         output_activation=act,
         weight=per_tensor_w,
         bias=None,  # derived per node from the weight spec actually used (rules.common.bias_spec_for)
+        is_qat=qat,
         precision=precision,
         conv_weight=per_channel(0) if pc_conv else None,
         conv_transpose_weight=per_channel(1) if pc_conv else None,
         linear_weight=per_channel(0) if pc_linear else None,
+        embedding_weight=per_channel(0) if pc_embedding else None,
         block_weight=block_weight,
         block_size=block_size,
-        norm_weight=int16_sym if sixteen else act,
-        matmul_in1=int16_sym if sixteen else None,
+        norm_weight=int16_sym(tensor_obs) if sixteen else act,
+        matmul_in1=int16_sym(MinMaxObserver) if sixteen else None,
         norm_bias=norm_bias,
+        concat=concat,
+        mask_margin=margin,
     )
+
+
+def make_config(precision: str = DEFAULT_PRECISION, **options: Any) -> QnnQuantizationConfig:
+    """A QNN HTP config for per-module / per-node overrides, e.g.
+    ``quantizer.set_module_name("head", make_config("16a8w", per_channel_linear=True))``."""
+    return build_config(precision, options)
+
+
+# --- block size map ------------------------------------------------------------------------------
+
+BLOCK_MAP_STATE = "block_size_map"
+
+
+def parse_block_size_map(value: Any) -> dict[str, int]:
+    """``{"linear": 16}`` / ``{"conv2d_2": (1, 16, 1, 1)}`` (ExecuTorch style) / ``"linear:16,fc:32"``.
+
+    A tuple gives the block along the input channels in its second entry; every other entry must
+    be 1 (output channels are always per channel) -- or the kernel size, which is what our blocks
+    span anyway. 0 keeps that node per-channel.
+    """
+    if value is None or value == "":
+        return {}
+    items: list[tuple[str, Any]]
+    if isinstance(value, str):
+        items = []
+        for part in value.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            name, sep, size = part.partition(":")
+            if not sep:
+                raise OptionError(f"block_size_map entry {part!r} must look like 'node_name:block_size'")
+            items.append((name.strip(), size.strip()))
+    elif isinstance(value, Mapping):
+        items = list(value.items())
+    else:
+        raise OptionError(
+            f"block_size_map must be a dict or 'name:size,...' text, got {type(value).__name__}"
+        )
+    result: dict[str, int] = {}
+    for name, size in items:
+        if isinstance(size, (tuple, list)):
+            if len(size) < 2 or int(size[0]) != 1:
+                raise OptionError(
+                    f"block_size_map[{name!r}] = {tuple(size)}: expected (1, block, ...) with the block "
+                    "along the input channels (dim 1)"
+                )
+            size = size[1]
+        try:
+            bs = int(size)
+        except (TypeError, ValueError):
+            raise OptionError(f"block_size_map[{name!r}] = {size!r} is not an integer block size") from None
+        if bs < 0:
+            raise OptionError(f"block_size_map[{name!r}] = {bs} must be >= 0")
+        result[str(name)] = bs
+    return result
 
 
 # --- per-node weight and bias specs ----------------------------------------------------------
@@ -225,38 +343,61 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def block_size_for(node: Node, config: QnnQuantizationConfig, block_map: Mapping[str, int] | None) -> int:
+    if block_map and node.name in block_map:
+        return block_map[node.name]
+    return int(config.block_size or 0)
+
+
 def weight_spec_for(
-    node: Node, weight: Node, config: QuantizationConfig, kind: str
+    node: Node,
+    weight: Node,
+    config: QuantizationConfig,
+    kind: str,
+    block_map: Mapping[str, int] | None = None,
 ) -> QuantizationSpecBase | None:
     """The weight spec of conv/linear ``node`` under ``config`` (per-block specs built per node).
 
-    LPBQ blocks run along the input channels (dim 1). A weight with no more input channels than
-    the block size gets the per-channel grid instead (one block per channel is per-channel);
-    a block size that does not divide the input channels is an ``AnnotationError`` naming the node
-    and both shapes.
+    LPBQ blocks run along the input channels (dim 1) and span the kernel window. A weight with no
+    more input channels than the block size gets the per-channel grid instead (one block per
+    channel is per-channel); a block size that does not divide the input channels is an
+    ``AnnotationError`` naming the node and both shapes. ``block_map`` (node name -> block size)
+    overrides ``config.block_size`` for single nodes.
     """
     if not isinstance(config, QnnQuantizationConfig):
         return config.weight
     if kind == "linear" or kind == "conv":
-        if config.block_weight is not None and config.block_size:
+        if config.block_weight is not None:
+            bs = block_size_for(node, config, block_map)
             shape = _shape(weight)
-            if shape is not None and len(shape) >= 2 and shape[1] > config.block_size:
-                if shape[1] % config.block_size != 0:
+            if bs and shape is not None and len(shape) >= 2 and shape[1] > bs:
+                if shape[1] % bs != 0:
                     raise AnnotationError(
-                        f"LPBQ block_size {config.block_size} does not divide the {shape[1]} input channels "
+                        f"LPBQ block_size {bs} does not divide the {shape[1]} input channels "
                         f"of node {node.name!r} ({node.target}): weight shape {shape}, block shape "
-                        f"{(1, config.block_size) + (1,) * (len(shape) - 2)}; pick a block_size that divides "
-                        f"{shape[1]} (or keep this node per-channel with set_node_name)"
+                        f"{(1, bs, *shape[2:])}; pick a block_size that divides "
+                        f"{shape[1]} (or keep this node per-channel with block_size_map={{{node.name!r}: 0}})"
                     )
-                block = (1, config.block_size) + (1,) * (len(shape) - 2)
-                return dataclasses.replace(config.block_weight, block_size=block)
+                block_weight: Any = config.block_weight
+                return dataclasses.replace(block_weight, block_size=(1, bs, *shape[2:]))
         specific = config.linear_weight if kind == "linear" else config.conv_weight
         if config.block_weight is not None and specific is None:
-            specific = dataclasses.replace(config.block_weight, block_size=None)
+            specific = _block_fallback(config)
         return specific if specific is not None else config.weight
     if kind == "conv_transpose":
         return config.conv_transpose_weight if config.conv_transpose_weight is not None else config.weight
     raise ValueError(f"unknown weight kind {kind!r}; valid: {', '.join(WEIGHT_KINDS)}")
+
+
+def _block_fallback(config: QnnQuantizationConfig) -> QuantizationSpecBase:
+    """16a4w_block weights that stay per channel: the 4-bit per-channel grid."""
+    spec = config.block_weight
+    assert isinstance(spec, QuantizationSpec)
+    ctr = LatestPerChannelMinMaxObserver if config.is_qat else PerChannelMinMaxObserver
+    ctr_args: Any = getattr(spec.observer_or_fake_quant_ctr, "kwargs", None) or {}
+    eps = ctr_args.get("eps")
+    kwargs = {} if eps is None else {"eps": eps}
+    return dataclasses.replace(spec, block_size=None, observer_or_fake_quant_ctr=ctr.with_args(**kwargs))
 
 
 def _derive_bias(observers: list[Any], *, block: bool, groups: int) -> tuple[torch.Tensor, torch.Tensor]:

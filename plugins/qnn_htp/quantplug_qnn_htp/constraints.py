@@ -18,12 +18,13 @@ from functools import cache
 import torch
 
 from quantplug import ArchRequirement, OpConstraint, PortConstraint
+from quantplug.annotation.dtypes import INT2, INT4
 from quantplug.annotation.spec_view import SpecKind, spec_kind, spec_range
 from quantplug.validation.constraints import OUTPUT, Port
 
-ACT = frozenset({torch.uint8, torch.uint16, torch.int8, torch.int16, None})
-WEIGHT = frozenset({torch.int8, torch.uint8, torch.int16, torch.int4, torch.int2, None})
-BIAS = frozenset({torch.int32, None})
+ACT = frozenset({torch.uint8, torch.uint16, torch.int8, torch.int16})
+WEIGHT = frozenset({torch.int8, torch.uint8, torch.int16, INT4, INT2})
+BIAS = frozenset({torch.int32})
 SOURCE = "built-in (HtpOpDefSupplement via ExecuTorch/ORT/AIMET)"
 
 V69, V73 = 69, 73
@@ -52,11 +53,20 @@ _weight = PortConstraint(dtypes=WEIGHT, symmetric=True, description="symmetric w
 _bias = PortConstraint(dtypes=BIAS, symmetric=True, description="SFIXED_POINT_32 symmetric bias")
 
 
-def _weighted(op: str, *, lpbq: bool = True) -> OpConstraint:
+def arch_requirements(backend_op: str | None) -> tuple[ArchRequirement, ...]:
+    """The HTP architecture gates of a QNN op (applied with or without an SDK)."""
+    if backend_op in ("Conv2d", "Conv3d", "FullyConnected"):
+        return (LPBQ, A16W16)
+    if backend_op in ("TransposeConv2d", "TransposeConv3d", "MatMul"):
+        return (A16W16,)
+    return ()
+
+
+def _weighted(op: str) -> OpConstraint:
     return OpConstraint(
         op,
         ports={0: _act, 1: _weight, 2: _bias, OUTPUT: _act},
-        arch=(LPBQ, A16W16) if lpbq else (A16W16,),
+        arch=arch_requirements(op),
         source=SOURCE,
     )
 
@@ -65,7 +75,10 @@ def _sigmoid_qparams(qmin: int, qmax: int) -> tuple[float, int]:
     return 1.0 / (qmax - qmin + 1), 0
 
 
-def _tanh16_qparams(qmin: int, qmax: int) -> tuple[float, int]:
+def _tanh16_qparams(qmin: int, qmax: int) -> tuple[float, int] | None:
+    """16-bit tanh: 1/32768 with zero at the grid middle; 8-bit tanh is calibrated (None: unchecked)."""
+    if qmax - qmin <= 255:
+        return None
     return 1.0 / 32768.0, (qmin + qmax + 1) // 2
 
 
@@ -73,15 +86,16 @@ _SHARED_OPS = ("Reshape", "Transpose", "DepthToSpace", "SpaceToDepth", "ChannelS
 
 
 @cache
-def _table(sixteen_bit_act: bool) -> dict[str, OpConstraint]:
+def _table() -> dict[str, OpConstraint]:
     t: dict[str, OpConstraint] = {}
-    for op in ("Conv2d", "Conv3d", "FullyConnected"):
+    for op in ("Conv2d", "Conv3d", "FullyConnected", "TransposeConv2d", "TransposeConv3d"):
         t[op] = _weighted(op)
-    for op in ("TransposeConv2d", "TransposeConv3d"):
-        t[op] = _weighted(op, lpbq=False)
     per_tensor_act = PortConstraint(dtypes=ACT, per_tensor_only=True, description="MatMul: per-tensor only")
     t["MatMul"] = OpConstraint(
-        "MatMul", ports={0: per_tensor_act, 1: per_tensor_act, OUTPUT: _act}, arch=(A16W16,), source=SOURCE
+        "MatMul",
+        ports={0: per_tensor_act, 1: per_tensor_act, OUTPUT: _act},
+        arch=arch_requirements("MatMul"),
+        source=SOURCE,
     )
     fixed_sigmoid = PortConstraint(
         dtypes=ACT, fixed_scale_fn=_sigmoid_qparams, description="scale 1/(qmax-qmin+1), offset 0"
@@ -90,11 +104,12 @@ def _table(sixteen_bit_act: bool) -> dict[str, OpConstraint]:
     t["ElementWiseNeuron"] = OpConstraint(
         "ElementWiseNeuron", ports={0: _act, OUTPUT: fixed_sigmoid}, source=SOURCE
     )
-    if sixteen_bit_act:
-        fixed_tanh = PortConstraint(
-            dtypes=ACT, fixed_scale_fn=_tanh16_qparams, description="16-bit: 1/32768, offset -32768"
-        )
-        t["Tanh"] = OpConstraint("Tanh", ports={0: _act, OUTPUT: fixed_tanh}, source=SOURCE)
+    fixed_tanh = PortConstraint(
+        dtypes=ACT,
+        fixed_scale_fn=_tanh16_qparams,  # type: ignore[arg-type]
+        description="16-bit: 1/32768, offset -32768",
+    )
+    t["Tanh"] = OpConstraint("Tanh", ports={0: _act, OUTPUT: fixed_tanh}, source=SOURCE)
     for op in _SHARED_OPS:
         t[op] = OpConstraint(op, ports={0: _act, OUTPUT: _act}, must_share_input_output=True, source=SOURCE)
     per_tensor_sym_bias = PortConstraint(
@@ -128,9 +143,9 @@ def _generic(op: str) -> OpConstraint:
     return OpConstraint(op, ports={0: _act, 1: _act, OUTPUT: _act}, source=SOURCE)
 
 
-def constraints_for(backend_op: str | None, *, sixteen_bit_act: bool) -> list[OpConstraint]:
+def constraints_for(backend_op: str | None) -> list[OpConstraint]:
     """The built-in constraints of one QNN op (empty for ops without a 1:1 QNN op)."""
     if backend_op is None:
         return []
-    found = _table(sixteen_bit_act).get(backend_op)
+    found = _table().get(backend_op)
     return [found if found is not None else _generic(backend_op)]

@@ -1,13 +1,30 @@
-"""Hook implementations of the ``qnn_htp`` backend (entry point ``quantplug.backends``)."""
+"""Hook implementations of the ``qnn_htp`` backend (entry point ``quantplug.backends``).
+
+Only what ``quantplug_backend_info`` needs is imported at module level; passes, the SDK adapter
+and the ONNX/encodings writer are imported inside the hooks that use them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import quantplug
-from quantplug import BackendContext, BackendInfo, BackendOption, OpConstraint, Preset, RulesModule
-from quantplug_qnn_htp import configs, constraints, soc
+from quantplug import (
+    Artifact,
+    BackendContext,
+    BackendInfo,
+    BackendOption,
+    NamedPass,
+    OpConstraint,
+    Preset,
+    RulesModule,
+)
+from quantplug_qnn_htp import configs, soc
 from quantplug_qnn_htp.rules import RULE_MODULES
+
+ENCODINGS_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
+DEFAULT_ENCODINGS_VERSION = "1.0.0"
 
 INFO = BackendInfo(
     name="qnn_htp",
@@ -22,17 +39,61 @@ INFO = BackendInfo(
         BackendOption("per_channel_conv", bool, True, "per-channel symmetric conv weights"),
         BackendOption("per_channel_linear", bool, False, "per-channel symmetric linear weights"),
         BackendOption(
+            "per_channel_embedding",
+            bool,
+            False,
+            "int8 per-channel embedding tables (else the activation grid)",
+        ),
+        BackendOption(
             "act_observer", str, "moving_average", "activation range observer", choices=configs.ACT_OBSERVERS
         ),
         BackendOption("act_symmetric", bool, False, "symmetric activations (zero point at the grid middle)"),
         BackendOption(
             "eps", float, None, "smallest scale (default 1e-4/255 for 8-bit, 1e-4/65535 for 16-bit)"
         ),
-        BackendOption("block_size", int, configs.DEFAULT_BLOCK_SIZE, "LPBQ block size along input channels"),
+        BackendOption(
+            "block_size",
+            int,
+            configs.DEFAULT_BLOCK_SIZE,
+            "16a4w_block: LPBQ block size along input channels (0: only nodes in block_size_map)",
+        ),
+        BackendOption(
+            "block_size_map",
+            str,
+            None,
+            "16a4w_block: per-node block sizes 'node:size,...' (or set_block_size_map(quantizer, {...}))",
+        ),
+        BackendOption(
+            "qat", bool, False, "QAT variant of the preset (use with quantplug.prepare(..., qat=True))"
+        ),
+        BackendOption(
+            "mask_margin",
+            float,
+            16.0,
+            "-inf masks dequantize this far below the masked tensor's smallest real value",
+        ),
+        BackendOption(
+            "encodings_version",
+            str,
+            DEFAULT_ENCODINGS_VERSION,
+            "AIMET/QNN encodings file format written by lower()",
+            choices=ENCODINGS_VERSIONS,
+        ),
+        BackendOption(
+            "constraints_source",
+            str,
+            "auto",
+            "op constraints: 'auto' (QNN SDK BackendOpInfo if $QNN_SDK_ROOT has it, else built-in), "
+            "'builtin', 'sdk'",
+            choices=("auto", "builtin", "sdk"),
+        ),
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRECISIONS.items()),
     preset_option="precision",
 )
+
+#: context.state key of the loaded SDK op info (or None: built-in table)
+SDK_STATE = "qnn_sdk_opinfo"
 
 
 def soc_info(context: BackendContext) -> soc.SocInfo:
@@ -57,6 +118,7 @@ def quantplug_quantization_config(
     preset: str | None, context: BackendContext
 ) -> quantplug.QuantizationConfig:
     soc_info(context)  # an unknown SoC fails here, before anything runs
+    context.state[configs.BLOCK_MAP_STATE] = configs.parse_block_size_map(context.option("block_size_map"))
     return configs.build_config(preset, context.options)
 
 
@@ -65,10 +127,85 @@ def quantplug_target_arch(context: BackendContext) -> int:
     return soc_info(context).htp_arch
 
 
+def sdk_opinfo(context: BackendContext) -> Any:
+    """The QNN SDK's BackendOpInfo for this quantizer's SoC, or None (built-in table); loaded once."""
+    if SDK_STATE not in context.state:
+        from quantplug_qnn_htp import backend_opinfo
+
+        context.state[SDK_STATE] = backend_opinfo.select(
+            context.option("constraints_source") or "auto", soc_info(context).chipset_id
+        )
+    return context.state[SDK_STATE]
+
+
 @quantplug.hookimpl
 def quantplug_op_constraints(
     op: str, backend_op: str | None, context: BackendContext
 ) -> Sequence[OpConstraint]:
-    precision = context.option("precision") or configs.DEFAULT_PRECISION
-    sixteen = precision.startswith("16a")
-    return constraints.constraints_for(backend_op, sixteen_bit_act=sixteen)
+    from quantplug_qnn_htp import constraints
+
+    if backend_op is None:
+        return []
+    sdk = sdk_opinfo(context)
+    if sdk is not None:
+        found = sdk.constraint(backend_op)
+        if found is not None:
+            return [found]
+        # an op the SDK does not list: the architecture gates still apply
+        gates = constraints.arch_requirements(backend_op)
+        return (
+            [OpConstraint(backend_op, arch=gates, source="QNN SDK BackendOpInfo (op not listed)")]
+            if gates
+            else []
+        )
+    return constraints.constraints_for(backend_op)
+
+
+@quantplug.hookimpl
+def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[NamedPass]:
+    from quantplug_qnn_htp.passes import PASSES
+
+    return [NamedPass(name, fn) for name, fn in PASSES]
+
+
+@quantplug.hookimpl
+def quantplug_resolve_sharing(problem: Any, resolve: Callable[[Any], Any], context: BackendContext) -> Any:
+    """Discarded nodes keep their edges float; each group's observer comes from its
+    highest-priority spec (concat and mask-aware observers govern the whole group they join,
+    wherever their key sits in graph order). See ``quantplug_qnn_htp.sharing``."""
+    from quantplug_qnn_htp.sharing import drop_discarded_edges, prefer_priority_observers, share_fixed_outputs
+
+    reduced = drop_discarded_edges(problem)
+    return prefer_priority_observers(reduced, share_fixed_outputs(reduced, resolve(reduced)))
+
+
+@quantplug.hookimpl
+def quantplug_lowering_passes(context: BackendContext) -> Sequence[NamedPass]:
+    from quantplug_qnn_htp.lowering import LOWERING_PASSES
+
+    return [NamedPass(name, fn) for name, fn in LOWERING_PASSES]
+
+
+@quantplug.hookimpl
+def quantplug_artifact_writer(context: BackendContext) -> Callable[[Any, BackendContext], Artifact]:
+    from quantplug_qnn_htp.lowering import write_artifact
+
+    return write_artifact
+
+
+def set_block_size_map(quantizer: Any, mapping: Any) -> Any:
+    """Per-node LPBQ block sizes for a ``qnn_htp`` quantizer (merged over ``block_size_map``).
+
+    ``mapping``: ``{"linear": 16, "conv2d_2": (1, 32, 1, 1)}`` (ExecuTorch's tuples accepted) or
+    ``"linear:16,conv2d_2:32"``; 0 keeps a node per-channel. Names are node names after the
+    qnn_htp passes (``quantizer.coverage(program)`` lists them). Returns the quantizer.
+    """
+    if getattr(quantizer, "backend", None) != INFO.name:
+        raise quantplug.OptionError(
+            f"set_block_size_map needs a qnn_htp quantizer, got {getattr(quantizer, 'backend', quantizer)!r}"
+        )
+    state = quantizer.context.state
+    merged = dict(state.get(configs.BLOCK_MAP_STATE) or {})
+    merged.update(configs.parse_block_size_map(mapping))
+    state[configs.BLOCK_MAP_STATE] = merged
+    return quantizer

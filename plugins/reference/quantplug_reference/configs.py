@@ -1,4 +1,10 @@
-"""The reference backend's presets, as QuantizationConfigs built from the options."""
+"""The reference backend's presets, as QuantizationConfigs built from the options.
+
+Static presets quantize activations (measured during calibration), weights and biases. The
+weight-only presets quantize only the weights of linear layers and embedding tables (activations
+stay float). ``dynamic_int8`` quantizes each linear layer's input at run time, one scale and zero
+point per token (row), with int8 per-channel weights.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +26,19 @@ PRESETS: dict[str, str] = {
     "int8": "uint8/int8 asymmetric activations, int8 per-channel symmetric weights, int32 bias",
     "int8_per_tensor": "as int8, with one weight scale per tensor",
     "a16w8": "16-bit asymmetric activations, int8 per-channel weights, int32 bias",
+    "weight_only_int8": "int8 symmetric weights of linear/embedding (per channel, or per group with "
+    "group_size); activations stay float",
+    "weight_only_int4": "int4 symmetric weights of linear/embedding, per group of group_size inputs "
+    "(default 32); activations stay float",
+    "dynamic_int8": "linear inputs quantized at run time to int8 per token (row), int8 per-channel "
+    "weights, float bias and outputs",
 }
+#: presets that measure activations during calibration (the others need no calibration data)
+STATIC_PRESETS = ("int8", "int8_per_tensor", "a16w8")
+WEIGHT_ONLY_PRESETS = ("weight_only_int8", "weight_only_int4")
 ACTIVATION_OBSERVERS = ("minmax", "moving_average", "histogram")
+GROUP_SIZES = (0, 16, 32, 64, 128, 256)
+DEFAULT_INT4_GROUP = 32
 EPS = 2**-12
 
 
@@ -37,8 +54,62 @@ def activation_observer(name: str) -> ObserverFactory:
     raise OptionError(f"unknown activation_observer {name!r}; valid: {', '.join(ACTIVATION_OBSERVERS)}")
 
 
+def per_channel_weight(dtype: torch.dtype = torch.int8) -> QuantizationSpec:
+    """Symmetric weights, one scale per output channel (axis 0)."""
+    qmin, qmax = (-127, 127) if dtype == torch.int8 else (-8, 7)
+    return QuantizationSpec(
+        dtype=dtype,
+        quant_min=qmin,
+        quant_max=qmax,
+        qscheme=torch.per_channel_symmetric,
+        ch_axis=0,
+        observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=EPS),
+    )
+
+
+def per_group_weight(dtype: torch.dtype, group: int) -> QuantizationSpec:
+    """Symmetric weights, one scale per output channel and group of ``group`` inputs."""
+    from quantplug.observers.per_block import PerBlockMinMaxObserver
+
+    qmin, qmax = (-127, 127) if dtype == torch.int8 else (-8, 7)
+    return QuantizationSpec(
+        dtype=dtype,
+        quant_min=qmin,
+        quant_max=qmax,
+        qscheme=torch.per_channel_symmetric,
+        block_size=(1, group),
+        observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=EPS),
+    )
+
+
+def weight_only_spec(preset: str, group_size: int) -> QuantizationSpec:
+    dtype = torch.int4 if preset == "weight_only_int4" else torch.int8
+    if dtype == torch.int4 and not group_size:
+        group_size = DEFAULT_INT4_GROUP
+    return per_group_weight(dtype, group_size) if group_size else per_channel_weight(dtype)
+
+
+def dynamic_token_spec() -> QuantizationSpec:
+    """int8, asymmetric, scale and zero point computed per token (last dim) at run time."""
+    return QuantizationSpec(
+        dtype=torch.int8,
+        qscheme=torch.per_channel_affine,
+        ch_axis=-1,
+        is_dynamic=True,
+    )
+
+
 def build_config(preset: str, options: Mapping[str, Any]) -> QuantizationConfig:
     """The global config of a preset (see PRESETS)."""
+    if preset in WEIGHT_ONLY_PRESETS:
+        weight = weight_only_spec(preset, int(options.get("group_size") or 0))
+        return QuantizationConfig(input_activation=None, output_activation=None, weight=weight, bias=None)
+    if preset == "dynamic_int8":
+        return QuantizationConfig(
+            input_activation=dynamic_token_spec(), output_activation=None, weight=per_channel_weight(), bias=None
+        )
+    if preset not in STATIC_PRESETS:
+        raise OptionError(f"reference backend has no preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     act_dtype = torch.uint16 if preset == "a16w8" else getattr(torch, options.get("activation_dtype") or "uint8")
     if preset == "a16w8" and options.get("activation_dtype") == "int8":
         act_dtype = torch.int16
@@ -56,14 +127,7 @@ def build_config(preset: str, options: Mapping[str, Any]) -> QuantizationConfig:
             observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=EPS),
         )
     else:
-        weight = QuantizationSpec(
-            dtype=torch.int8,
-            quant_min=-127,
-            quant_max=127,
-            qscheme=torch.per_channel_symmetric,
-            ch_axis=0,
-            observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=EPS),
-        )
+        weight = per_channel_weight()
 
     def bias(node: torch.fx.Node) -> Any:
         return derived_bias_spec(node, weight_spec=weight)

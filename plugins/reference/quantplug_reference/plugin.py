@@ -24,6 +24,16 @@ INFO = BackendInfo(
             "how activation ranges are measured",
             choices=configs.ACTIVATION_OBSERVERS,
         ),
+        BackendOption(
+            "group_size",
+            int,
+            0,
+            "inputs per weight group for weight-only presets (0: per channel for weight_only_int8, "
+            f"{configs.DEFAULT_INT4_GROUP} for weight_only_int4)",
+            choices=configs.GROUP_SIZES,
+        ),
+        BackendOption("onnx_opset", int, 21, "ONNX opset of the lowered model (>= 21 for 16/4-bit)"),
+        BackendOption("ort_threads", int, 0, "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)"),
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
     preset_option="preset",

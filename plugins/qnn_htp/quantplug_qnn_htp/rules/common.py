@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, SharedQuantizationSpec, is_float_tensor
+from quantplug import BackendContext, QuantizationConfig, SharedQuantizationSpec, is_float_tensor
 from quantplug.annotation.annotators import output_spec_of
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
-from quantplug_qnn_htp.configs import bias_spec_for, weight_spec_for
+from quantplug_qnn_htp.configs import BLOCK_MAP_STATE, QnnQuantizationConfig, bias_spec_for, weight_spec_for
+
+#: node meta set by the ``mark_masks`` pass: argument positions holding ``±inf`` mask constants
+MASK_ARGS_KEY = "qnn_htp_mask_args"
 
 aten = torch.ops.aten
 
@@ -25,6 +29,11 @@ def out_spec(config: QuantizationConfig, node: Node) -> QuantizationSpecBase | N
     return config.output_activation if is_float_tensor(node) else None
 
 
+def block_map(context: BackendContext | None) -> Mapping[str, int] | None:
+    """The per-node LPBQ block sizes of this quantizer (``block_size_map``)."""
+    return None if context is None else context.state.get(BLOCK_MAP_STATE)
+
+
 def annotate_weighted_op(
     node: Node,
     config: QuantizationConfig,
@@ -32,6 +41,7 @@ def annotate_weighted_op(
     *,
     bias_index: int | None = 2,
     groups: int = 1,
+    context: BackendContext | None = None,
 ) -> None:
     """Conv / transpose conv / linear: input, weight (per-tensor/channel or LPBQ), derived bias, output."""
     if is_annotated(node):
@@ -44,7 +54,7 @@ def annotate_weighted_op(
         inputs[act] = config.input_activation  # type: ignore[index]
     w_spec = None
     if is_float_tensor(weight):
-        w_spec = weight_spec_for(node, weight, config, kind)  # type: ignore[arg-type]
+        w_spec = weight_spec_for(node, weight, config, kind, block_map(context))  # type: ignore[arg-type]
         if w_spec is not None:
             inputs[weight] = w_spec  # type: ignore[index]
     if (
@@ -61,15 +71,29 @@ def annotate_weighted_op(
         annotate_node(node, inputs, out)
 
 
-def annotate_all_float_args(node: Node, config: QuantizationConfig) -> None:
-    """Every float tensor argument gets the activation spec; the output too (where, masked_fill)."""
+def annotate_all_float_args(node: Node, config: QuantizationConfig, *, limit: int | None = None) -> None:
+    """Every float tensor argument gets the activation spec; the output too (where, masked_fill).
+
+    With ``-inf`` masks (marked by the ``mark_masks`` pass) the output is observed without the
+    mask values and the mask constant shares the output's encoding, so a masked entry lands on
+    the grid's minimum, ``mask_margin`` below the real data (see ``observers.MaskAwareObserver``).
+    """
     if is_annotated(node):
         return
-    inputs = {}
-    for a in node.args:
-        if is_float_tensor(a) and config.input_activation is not None:
-            inputs[a] = config.input_activation
+    mask_args = set(node.meta.get(MASK_ARGS_KEY, ()))
+    masked = bool(mask_args) and isinstance(config, QnnQuantizationConfig)
+    inputs: dict[Node, QuantizationSpecBase | None] = {}
     out = out_spec(config, node)
+    if masked and out is not None:
+        out = config.masked(out)  # type: ignore[attr-defined]
+    args = node.args if limit is None else node.args[:limit]
+    for i, a in enumerate(args):
+        if not is_float_tensor(a) or config.input_activation is None or a in inputs:
+            continue
+        if masked and i in mask_args and out is not None:
+            inputs[a] = SharedQuantizationSpec(node)  # type: ignore[index]
+        else:
+            inputs[a] = config.input_activation  # type: ignore[index]
     if inputs or out is not None:
         annotate_node(node, inputs, out)
 

@@ -1,8 +1,10 @@
 """Concat, stack, split/chunk/unbind and ``getitem`` (tuple pieces).
 
 Concat: one encoding for all inputs and the output (ExecuTorch's ConcatObserver widens every
-input observer to the concat range): the first calibrated input edge anchors the group and the
-others share it. Inputs with a fixed encoding (sigmoid...) keep it, as in ExecuTorch.
+input observer to the concat range): the output gets the config's ``concat`` spec (absolute
+running range, :class:`~quantplug_qnn_htp.observers.ConcatMinMaxObserver`) and every input edge
+shares it, so the producers join the group and the concat observer governs it (the sharing hook
+picks it by priority). Inputs with a fixed encoding (sigmoid...) keep it, as in ExecuTorch.
 """
 
 from __future__ import annotations
@@ -29,19 +31,14 @@ def annotate_cat(node: Node, config: QuantizationConfig) -> None:
             inputs.append(a)
     if not inputs:
         return
-    anchors = [a for a in inputs if not is_fixed_output(a)]
-    anchor = anchors[0] if anchors else inputs[0]
-    specs: dict[Node, QuantizationSpecBase | None] = {anchor: config.input_activation}
-    for other in inputs:
-        if other is anchor:
-            continue
+    out = getattr(config, "concat", None) or config.output_activation
+    if out is None:
+        return
+    specs: dict[Node, QuantizationSpecBase | None] = {}
+    for a in inputs:
         # a fixed-encoding input keeps its producer's grid (no requantization in front of Concat)
-        specs[other] = (
-            SharedQuantizationSpec(other)
-            if is_fixed_output(other)
-            else SharedQuantizationSpec((anchor, node))
-        )
-    annotate_node(node, specs, SharedQuantizationSpec((anchor, node)))
+        specs[a] = SharedQuantizationSpec(a) if is_fixed_output(a) else SharedQuantizationSpec(node)
+    annotate_node(node, specs, out)
 
 
 @register_annotator([aten.stack.default], backend_op="Pack")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, register_annotator
+from quantplug import BackendContext, QuantizationConfig, register_annotator
 from quantplug_qnn_htp.rules.common import annotate_weighted_op
 
 aten = torch.ops.aten
@@ -21,24 +21,24 @@ aten = torch.ops.aten
     [aten.conv1d.default, aten.conv2d.default, aten.conv2d.padding],
     backend_op="Conv2d",
 )
-def annotate_conv2d(node: Node, config: QuantizationConfig) -> None:
-    annotate_weighted_op(node, config, "conv")
+def annotate_conv2d(node: Node, config: QuantizationConfig, context: BackendContext) -> None:
+    annotate_weighted_op(node, config, "conv", context=context)
 
 
 @register_annotator([aten.convolution.default], backend_op="Conv2d")
-def annotate_convolution(node: Node, config: QuantizationConfig) -> None:
+def annotate_convolution(node: Node, config: QuantizationConfig, context: BackendContext) -> None:
     # convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     transposed = bool(node.args[6]) if len(node.args) > 6 else False
     groups = int(node.args[8]) if len(node.args) > 8 else 1
     if transposed:
-        annotate_weighted_op(node, config, "conv_transpose", groups=groups)
+        annotate_weighted_op(node, config, "conv_transpose", groups=groups, context=context)
     else:
-        annotate_weighted_op(node, config, "conv")
+        annotate_weighted_op(node, config, "conv", context=context)
 
 
 @register_annotator([aten.conv3d.default], backend_op="Conv3d")
-def annotate_conv3d(node: Node, config: QuantizationConfig) -> None:
-    annotate_weighted_op(node, config, "conv")
+def annotate_conv3d(node: Node, config: QuantizationConfig, context: BackendContext) -> None:
+    annotate_weighted_op(node, config, "conv", context=context)
 
 
 def _transpose_groups(node: Node) -> int:

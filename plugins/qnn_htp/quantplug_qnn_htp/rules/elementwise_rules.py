@@ -6,7 +6,7 @@ import torch
 from torch.fx import Node
 
 from quantplug import QuantizationConfig, annotate_binary, annotate_single_in_single_out, register_annotator
-from quantplug_qnn_htp.rules.common import annotate_all_float_args
+from quantplug_qnn_htp.rules.common import MASK_ARGS_KEY, annotate_all_float_args
 
 aten = torch.ops.aten
 
@@ -53,7 +53,10 @@ _UNARY = {
 def _binary(backend_op: str, ops: list) -> None:
     @register_annotator(ops, backend_op=backend_op)
     def annotate(node: Node, config: QuantizationConfig) -> None:
-        annotate_binary(node, config)
+        if node.meta.get(MASK_ARGS_KEY):  # additive -inf mask (see the mark_masks pass)
+            annotate_all_float_args(node, config, limit=2)
+        else:
+            annotate_binary(node, config)
 
     annotate.__name__ = f"annotate_{backend_op}"
     globals()[annotate.__name__] = annotate

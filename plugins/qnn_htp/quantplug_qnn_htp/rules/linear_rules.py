@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, is_float_tensor, register_annotator
+from quantplug import BackendContext, QuantizationConfig, is_float_tensor, register_annotator
 from quantplug.annotation.specs import annotate_node, is_annotated
 from quantplug_qnn_htp.rules.common import annotate_weighted_op, out_spec
 
@@ -13,8 +13,8 @@ aten = torch.ops.aten
 
 
 @register_annotator([aten.linear.default], backend_op="FullyConnected")
-def annotate_linear(node: Node, config: QuantizationConfig) -> None:
-    annotate_weighted_op(node, config, "linear")
+def annotate_linear(node: Node, config: QuantizationConfig, context: BackendContext) -> None:
+    annotate_weighted_op(node, config, "linear", context=context)
 
 
 @register_annotator([aten.matmul.default, aten.bmm.default, aten.mm.default], backend_op="MatMul")

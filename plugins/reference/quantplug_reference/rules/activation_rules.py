@@ -15,7 +15,7 @@ from quantplug import (
 )
 from quantplug.annotation.dtypes import full_range
 from quantplug.annotation.specs import annotate_node
-from quantplug_reference.rules.common import reuse_fixed_inputs
+from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 from quantplug_reference.rules.fusion import is_fused_activation
 
 aten = torch.ops.aten
@@ -25,6 +25,8 @@ aten = torch.ops.aten
     [aten.relu.default, aten.relu_.default, aten.hardtanh.default, aten.hardtanh_.default, aten.relu6.default]
 )
 def annotate_relu(node: Node, config: QuantizationConfig) -> None:
+    if not static_activations(config):
+        return
     if is_fused_activation(node):
         # the producer (conv/linear/add) runs the relu: only the fused output is quantized
         if is_float_tensor(node) and config.output_activation is not None:
@@ -35,9 +37,25 @@ def annotate_relu(node: Node, config: QuantizationConfig) -> None:
 
 
 @register_annotator(
-    [aten.gelu.default, aten.silu.default, aten.hardswish.default, aten.softmax.int, aten._softmax.default]
+    [
+        aten.gelu.default,
+        aten.silu.default,
+        aten.silu_.default,
+        aten.hardswish.default,
+        aten.hardswish_.default,
+        aten.leaky_relu.default,
+        aten.leaky_relu_.default,
+        aten.elu.default,
+        aten.clamp.default,
+        aten.softmax.int,
+        aten._softmax.default,
+        aten.log_softmax.int,
+        aten._log_softmax.default,
+    ]
 )
 def annotate_elementwise(node: Node, config: QuantizationConfig) -> None:
+    if not static_activations(config):
+        return
     annotate_single_in_single_out(node, config)
     reuse_fixed_inputs(node)
 
@@ -64,17 +82,19 @@ def fixed_output_spec(
     )
 
 
-@register_annotator([aten.sigmoid.default, aten.hardsigmoid.default])
+@register_annotator([aten.sigmoid.default, aten.sigmoid_.default, aten.hardsigmoid.default, aten.hardsigmoid_.default])
 def annotate_sigmoid(node: Node, config: QuantizationConfig) -> None:
     _annotate_fixed(node, config, 0.0, 1.0)
 
 
-@register_annotator([aten.tanh.default])
+@register_annotator([aten.tanh.default, aten.tanh_.default])
 def annotate_tanh(node: Node, config: QuantizationConfig) -> None:
     _annotate_fixed(node, config, -1.0, 1.0)
 
 
 def _annotate_fixed(node: Node, config: QuantizationConfig, low: float, high: float) -> None:
+    if not static_activations(config):
+        return
     arg = node.args[0]
     inputs: dict[Node, QuantizationSpecBase | None] = {}
     if isinstance(arg, Node) and is_float_tensor(arg) and config.input_activation is not None:

@@ -1,4 +1,4 @@
-"""Binary arithmetic and matrix products."""
+"""Binary arithmetic and matrix products; add/mul followed by a relu run as one fused op."""
 
 from __future__ import annotations
 
@@ -7,24 +7,30 @@ from torch.fx import Node
 
 from quantplug import QuantizationConfig, annotate_binary, register_annotator
 from quantplug.annotation.specs import annotate_node
-from quantplug_reference.rules.common import reuse_fixed_inputs
-from quantplug_reference.rules.fusion import has_fused_activation
+from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
+from quantplug_reference.rules.fusion import FUSING_PRODUCERS, has_fused_activation
 
 aten = torch.ops.aten
 
 
-@register_annotator([aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor])
+@register_annotator(
+    [aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor]
+)
 def annotate_arithmetic(node: Node, config: QuantizationConfig) -> None:
+    if not static_activations(config):
+        return
     annotate_binary(node, config)
-    if node.target == aten.add.Tensor and has_fused_activation(node):
+    if node.target in FUSING_PRODUCERS and has_fused_activation(node):
         ann = node.meta.get("quantization_annotation")
         if ann is not None:
-            ann.output_qspec = None
+            ann.output_qspec = None  # the relu after it carries the output encoding
             annotate_node(node)
     reuse_fixed_inputs(node)
 
 
 @register_annotator([aten.matmul.default, aten.bmm.default, aten.mm.default])
 def annotate_matmul(node: Node, config: QuantizationConfig) -> None:
+    if not static_activations(config):
+        return
     annotate_binary(node, config)
     reuse_fixed_inputs(node)

@@ -7,6 +7,7 @@ from torch.fx import Node
 from quantplug import (
     FixedQParamsQuantizationSpec,
     QuantizationAnnotation,
+    QuantizationConfig,
     QuantizationSpec,
     SharedQuantizationSpec,
 )
@@ -35,3 +36,18 @@ def reuse_fixed_inputs(node: Node) -> None:
             and spec.dtype == produced.dtype
         ):
             ann.input_qspec_map[arg] = SharedQuantizationSpec(arg)
+
+
+def static_activations(config: QuantizationConfig) -> bool:
+    """The config quantizes activations with calibrated (static) encodings.
+
+    False for weight-only configs (no activation spec) and dynamic ones: only weighted ops
+    (linear, embedding) take part in those; everything else stays float.
+    """
+    spec = config.input_activation
+    return spec is not None and not getattr(spec, "is_dynamic", False)
+
+
+def weight_only(config: QuantizationConfig) -> bool:
+    """The config quantizes weights and nothing else."""
+    return config.input_activation is None and config.output_activation is None and config.weight is not None

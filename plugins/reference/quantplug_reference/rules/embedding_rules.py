@@ -1,4 +1,9 @@
-"""Embedding lookup: the table is quantized per row like a weight; the rows it returns share it."""
+"""Embedding lookup: the table is quantized like a weight (per row, per group or per tensor).
+
+Per-row and per-group tables dequantize to float rows; under a static config the output then
+gets its own activation encoding. A per-tensor table's rows share the table's encoding. Dynamic
+configs keep embeddings float (they quantize linear inputs only).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ from torch.fx import Node
 
 from quantplug import QuantizationConfig, SharedQuantizationSpec, is_float_tensor, register_annotator
 from quantplug.annotation.specs import annotate_node, is_annotated
+from quantplug_reference.rules.common import static_activations, weight_only
+from quantplug_reference.rules.linear_rules import fit_block_spec
 
 aten = torch.ops.aten
 
@@ -15,13 +22,21 @@ aten = torch.ops.aten
 def annotate_embedding(node: Node, config: QuantizationConfig) -> None:
     if is_annotated(node) or config.weight is None:
         return
+    if not (static_activations(config) or weight_only(config)):
+        return
     table = node.args[0]
     if not isinstance(table, Node) or not is_float_tensor(table):
         return
-    weight = config.weight
-    per_row = getattr(weight, "qscheme", None) in (torch.per_channel_symmetric, torch.per_channel_affine)
-    if per_row:
-        # per-row tables dequantize to float rows; the output gets its own activation encoding
-        annotate_node(node, {table: weight}, config.output_activation)
+    weight = fit_block_spec(config.weight, table)
+    if getattr(weight, "block_size", None) is not None or getattr(weight, "qscheme", None) in (
+        torch.per_channel_symmetric,
+        torch.per_channel_affine,
+    ):
+        # per-row / per-group tables dequantize to float rows
+        annotate_node(node, {table: weight}, config.output_activation)  # type: ignore[dict-item]
+    elif config.output_activation is None:
+        annotate_node(node, {table: weight})  # type: ignore[dict-item]
     else:
-        annotate_node(node, {table: weight}, SharedQuantizationSpec((table, node)))
+        annotate_node(node, {table: weight}, SharedQuantizationSpec((table, node)))  # type: ignore[dict-item]
+
+

@@ -19,6 +19,9 @@ FUSING_PRODUCERS = frozenset(
         aten.conv_transpose2d.input,
         aten.linear.default,
         aten.add.Tensor,
+        aten.add_.Tensor,
+        aten.mul.Tensor,
+        aten.mul_.Tensor,
     }
 )
 

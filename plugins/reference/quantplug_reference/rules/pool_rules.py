@@ -11,27 +11,32 @@ from quantplug import (
     annotate_single_in_single_out,
     register_annotator,
 )
-from quantplug_reference.rules.common import reuse_fixed_inputs
+from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 
 aten = torch.ops.aten
 
 
-@register_annotator([aten.max_pool2d.default, aten.max_pool1d.default])
+@register_annotator([aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default])
 def annotate_max_pool(node: Node, config: QuantizationConfig) -> None:
-    annotate_shared_in_out(node, config)
+    if static_activations(config):
+        annotate_shared_in_out(node, config)
 
 
 @register_annotator(
     [
-        aten.avg_pool2d.default,
         aten.avg_pool1d.default,
-        aten.adaptive_avg_pool2d.default,
+        aten.avg_pool2d.default,
+        aten.avg_pool3d.default,
         aten.adaptive_avg_pool1d.default,
+        aten.adaptive_avg_pool2d.default,
+        aten.adaptive_avg_pool3d.default,
         aten.mean.dim,
         aten.mean.default,
         aten.sum.dim_IntList,
     ]
 )
 def annotate_average(node: Node, config: QuantizationConfig) -> None:
+    if not static_activations(config):
+        return
     annotate_single_in_single_out(node, config)
     reuse_fixed_inputs(node)

@@ -12,7 +12,7 @@ from quantplug import (
     annotate_single_in_single_out,
     register_annotator,
 )
-from quantplug_reference.rules.common import reuse_fixed_inputs
+from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 
 aten = torch.ops.aten
 
@@ -21,12 +21,15 @@ aten = torch.ops.aten
     [aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec, aten.upsample_nearest2d.default]
 )
 def annotate_nearest(node: Node, config: QuantizationConfig) -> None:
-    annotate_shared_in_out(node, config)
+    if static_activations(config):
+        annotate_shared_in_out(node, config)
 
 
 @register_annotator(
     [aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default, aten.upsample_linear1d.vec]
 )
 def annotate_interpolating(node: Node, config: QuantizationConfig) -> None:
+    if not static_activations(config):
+        return
     annotate_single_in_single_out(node, config)
     reuse_fixed_inputs(node)

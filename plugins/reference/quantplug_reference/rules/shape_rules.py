@@ -1,7 +1,8 @@
 """Data movement: the output reuses the input's encoding; cat unifies its inputs' encodings.
 
 Multi-output ops (split, chunk, unbind) return a tuple, which cannot carry an encoding: their
-input edge is quantized and each ``getitem`` output shares that edge's encoding.
+input edge is quantized and each ``getitem`` output shares that edge's encoding. The outputs of
+recurrent layers (``rnn_rules``) are ``getitem`` pieces too; each gets its own encoding.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from quantplug import (
 )
 from quantplug.annotation.annotators import output_spec_of
 from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
+from quantplug_reference.rules.common import static_activations
 
 aten = torch.ops.aten
 
@@ -46,16 +48,33 @@ aten = torch.ops.aten
         aten.constant_pad_nd.default,
         aten.pixel_shuffle.default,
         aten.pixel_unshuffle.default,
+        aten.view_copy.default,
+        aten.permute_copy.default,
+        aten.squeeze_copy.dim,
+        aten.squeeze_copy.dims,
+        aten.unsqueeze_copy.default,
+        aten.slice_copy.Tensor,
+        aten.select_copy.int,
+        aten.expand_copy.default,
+        aten.alias.default,
+        aten.dropout.default,
+        aten.unflatten.int,
+        aten.narrow.default,
+        aten.repeat.default,
+        aten.flip.default,
+        aten.roll.default,
+        aten.index_select.default,
     ]
 )
 def annotate_data_movement(node: Node, config: QuantizationConfig) -> None:
-    annotate_shared_in_out(node, config)
+    if static_activations(config):
+        annotate_shared_in_out(node, config)
 
 
-@register_annotator([aten.cat.default, aten.concat.default])
+@register_annotator([aten.cat.default, aten.concat.default, aten.stack.default])
 def annotate_cat(node: Node, config: QuantizationConfig) -> None:
-    """All inputs and the output share the first input's encoding (cat only moves values)."""
-    if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
+    """All inputs and the output share the first input's encoding (cat/stack only move values)."""
+    if is_annotated(node) or not static_activations(config) or not is_float_tensor(node):
         return
     inputs = [a for a in node.args[0] if isinstance(a, Node) and is_float_tensor(a)]  # type: ignore[union-attr]
     if not inputs:
@@ -69,12 +88,14 @@ def annotate_cat(node: Node, config: QuantizationConfig) -> None:
 
 
 SPLIT_OPS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int})
+#: the recurrent ops of ``rnn_rules`` (listed here so this module does not import that one)
+RNN_OUTPUT_OPS = frozenset({aten.gru.input, aten.lstm.input, aten.rnn_tanh.input, aten.rnn_relu.input})
 
 
 @register_annotator(sorted(SPLIT_OPS, key=str))
 def annotate_split(node: Node, config: QuantizationConfig) -> None:
     """Quantize the input edge only; the pieces (``getitem`` nodes) share its encoding."""
-    if is_annotated(node):
+    if is_annotated(node) or not static_activations(config):
         return
     arg = node.args[0] if node.args else None
     if not is_float_tensor(arg):
@@ -92,12 +113,19 @@ def annotate_split(node: Node, config: QuantizationConfig) -> None:
 def annotate_getitem(node: Node, config: QuantizationConfig) -> None:
     """A piece of a split shares the encoding of the split's (quantized) input edge.
 
-    ``getitem`` of anything else (batch-norm statistics, pooling indices...) stays as is.
+    An output of a recurrent layer gets the output activation encoding. ``getitem`` of anything
+    else (batch-norm statistics, pooling indices...) stays as is.
     """
-    if is_annotated(node) or not is_float_tensor(node):
+    if is_annotated(node) or not is_float_tensor(node) or not static_activations(config):
         return
     parent = node.args[0]
-    if not isinstance(parent, Node) or parent.op != "call_function" or parent.target not in SPLIT_OPS:
+    if not isinstance(parent, Node) or parent.op != "call_function":
+        return
+    if parent.target in RNN_OUTPUT_OPS:
+        if get_annotation(parent) is not None and config.output_activation is not None:
+            annotate_node(node, output_qspec=config.output_activation)
+        return
+    if parent.target not in SPLIT_OPS:
         return
     source = parent.args[0]
     ann = get_annotation(parent)

@@ -1,0 +1,306 @@
+"""What ``quantplug quantize`` reads: the model (a .pt2 file, a ``module:factory``, or the built-in
+demo) and the calibration data (a .pt file or a folder of them), checked against the model."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class InputError(Exception):
+    """Bad input from the user: the CLI prints the message as one line and exits 2."""
+
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+DATA_SUFFIXES = (".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One positional input of the program."""
+
+    name: str
+    shape: tuple[Any, ...]  # ints, or None for a dynamic dimension
+    dtype: torch.dtype | None
+
+    def describe(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "?"
+        return f"({dims}) {dtype}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": str(self.dtype).removeprefix("torch.") if self.dtype is not None else None,
+        }
+
+
+@dataclass
+class ModelInput:
+    program: torch.export.ExportedProgram
+    source: str  # what the user gave, for messages and the report
+    kind: str  # "demo", "pt2" or "factory"
+    name: str
+    example: tuple[Any, ...] | None = None  # real example inputs, when known
+    calibration: list[tuple[Any, ...]] | None = None  # built-in data (demo only)
+    inputs: list[InputSpec] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        ops = sum(1 for n in self.program.graph.nodes if n.op == "call_function")
+        return {
+            "source": self.source,
+            "kind": self.kind,
+            "name": self.name,
+            "ops": ops,
+            "inputs": [i.to_dict() for i in self.inputs],
+        }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def input_specs(program: torch.export.ExportedProgram) -> list[InputSpec]:
+    user_inputs = list(program.graph_signature.user_inputs)
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    specs = []
+    for name in user_inputs:
+        node = nodes.get(str(name))
+        val = node.meta.get("val") if node is not None else None
+        if isinstance(val, torch.Tensor):
+            shape = tuple(d if isinstance(d, int) else None for d in val.shape)
+            specs.append(InputSpec(str(name), shape, val.dtype))
+        else:
+            specs.append(InputSpec(str(name), (), None))
+    return specs
+
+
+@contextmanager
+def _torch_logs_quiet(enabled: bool = True) -> Iterator[None]:
+    """torch.export.load logs a full traceback (WARNING) before raising; the CLI says it in one line."""
+    logger = logging.getLogger("torch.export")
+    level = logger.level
+    if enabled and not logging.getLogger("quantplug").isEnabledFor(logging.DEBUG):
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _model_from_pt2(path: Path) -> ModelInput:
+    if path.is_dir():
+        raise InputError(f"model {str(path)!r} is a folder; expected a torch.export.save()d .pt2 file")
+    try:
+        with _torch_logs_quiet():
+            program = torch.export.load(str(path))
+    except Exception as exc:
+        raise InputError(
+            f"cannot load model file {str(path)!r} as a torch.export program (.pt2): {_first_line(exc)}"
+        ) from exc
+    example = None
+    stored = getattr(program, "example_inputs", None)
+    if isinstance(stored, tuple) and len(stored) == 2 and not stored[1] and isinstance(stored[0], tuple):
+        example = tuple(stored[0])
+    return ModelInput(program, str(path), "pt2", path.stem, example=example, inputs=input_specs(program))
+
+
+def _model_from_factory(spec: str) -> ModelInput:
+    module_name, _, attr = spec.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)  # like `python -m`: modules next to the user resolve
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise InputError(f"cannot import {module_name!r} for factory {spec!r}: {_first_line(exc)}") from exc
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise InputError(f"factory {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise InputError(f"factory {spec!r} is not callable ({type(target).__name__})")
+    try:
+        result = target()
+    except Exception as exc:
+        raise InputError(f"factory {spec!r} raised {_first_line(exc)}") from exc
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise InputError(f"factory {spec!r} must return (model, example_inputs), got {type(result).__name__}")
+    model, example = result
+    if isinstance(example, torch.Tensor):
+        example = (example,)
+    if not isinstance(example, (tuple, list)):
+        raise InputError(
+            f"factory {spec!r} returned example_inputs of type {type(example).__name__}; "
+            "expected a tuple of tensors"
+        )
+    example = tuple(example)
+    if isinstance(model, torch.export.ExportedProgram):
+        program = model
+    elif isinstance(model, torch.nn.Module):
+        try:
+            program = torch.export.export(model.eval(), example)
+        except Exception as exc:
+            raise InputError(
+                f"torch.export could not capture the model from factory {spec!r}: {_first_line(exc)}"
+            ) from exc
+    else:
+        raise InputError(
+            f"factory {spec!r} returned a {type(model).__name__} as the model; expected an nn.Module "
+            "or an ExportedProgram"
+        )
+    return ModelInput(
+        program, spec, "factory", attr.rsplit(".", 1)[-1], example=example, inputs=input_specs(program)
+    )
+
+
+def load_model(spec: str | None) -> ModelInput:
+    """The program to quantize: a .pt2 path, a ``package.module:factory``, or None for the demo."""
+    if spec is None:
+        from quantplug.demo.model import demo_calibration, demo_model
+
+        model, example = demo_model()
+        program = torch.export.export(model, example)
+        return ModelInput(
+            program,
+            "built-in demo (DemoNet: conv-bn-relu, residual block, pool, linear)",
+            "demo",
+            "DemoNet",
+            example=example,
+            calibration=demo_calibration(),
+            inputs=input_specs(program),
+        )
+    path = Path(spec)
+    if path.exists():
+        return _model_from_pt2(path)
+    if _FACTORY.match(spec):
+        return _model_from_factory(spec)
+    raise InputError(
+        f"model file {spec!r} not found (give a torch.export.save()d .pt2 file or a "
+        "package.module:factory returning (model, example_inputs))"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration data
+# ------------------------------------------------------------------------------------------------
+
+
+def _load_data_file(path: Path) -> Any:
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise InputError(f"cannot read calibration file {str(path)!r}: {_first_line(exc)}") from exc
+
+
+def _batches_of(content: Any, inputs: Sequence[InputSpec], origin: str) -> list[tuple[Any, ...]]:
+    """Interpret one file's content as calibration batches.
+
+    A tensor is one batch of a single-input model (or, with one more leading dimension than the
+    input, a stack of batches); a tuple of as many tensors as the model has inputs is one batch;
+    a list (or any other tuple) holds one batch per element.
+    """
+    count = len(inputs)
+    if isinstance(content, torch.Tensor):
+        if count == 1 and inputs[0].shape and content.dim() == len(inputs[0].shape) + 1:
+            return [(t,) for t in content.unbind(0)]
+        return [(content,)]
+    if (
+        isinstance(content, tuple)
+        and count > 1
+        and len(content) == count
+        and all(isinstance(t, torch.Tensor) for t in content)
+    ):
+        return [content]
+    if isinstance(content, (list, tuple)):
+        batches = []
+        for i, item in enumerate(content):
+            if isinstance(item, torch.Tensor):
+                batches.append((item,))
+            elif isinstance(item, (list, tuple)):
+                batches.append(tuple(item))
+            else:
+                raise InputError(
+                    f"calibration {origin}: element {i} is a {type(item).__name__}; "
+                    "expected a tensor or a tuple of tensors"
+                )
+        return batches
+    raise InputError(
+        f"calibration {origin} holds a {type(content).__name__}; expected a tensor, a tuple of tensors "
+        "(one batch) or a list of them (one batch each)"
+    )
+
+
+def load_calibration(spec: str, inputs: Sequence[InputSpec]) -> tuple[list[tuple[Any, ...]], list[str]]:
+    """Batches from a .pt file or a folder of them (sorted by name); also each batch's origin."""
+    path = Path(spec)
+    if not path.exists():
+        raise InputError(f"calibration data {spec!r} not found")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
+        if not files:
+            raise InputError(f"calibration folder {spec!r} has no {'/'.join(DATA_SUFFIXES)} files")
+    else:
+        files = [path]
+    batches: list[tuple[Any, ...]] = []
+    origins: list[str] = []
+    for f in files:
+        found = _batches_of(_load_data_file(f), inputs, f"file {str(f)!r}")
+        batches.extend(found)
+        origins.extend(f"{f.name}" + (f"[{i}]" if len(found) > 1 else "") for i in range(len(found)))
+    if not batches:
+        raise InputError(f"calibration data {spec!r} holds no batches")
+    return batches, origins
+
+
+def check_batches(
+    batches: Sequence[tuple[Any, ...]], origins: Sequence[str], inputs: Sequence[InputSpec]
+) -> None:
+    """Every batch has the model's number of inputs, each with its dtype and (static) shape."""
+    for index, (batch, origin) in enumerate(zip(batches, origins)):
+        where = f"calibration batch {index} ({origin})"
+        if len(batch) != len(inputs):
+            raise InputError(
+                f"{where} has {len(batch)} input(s); the model takes {len(inputs)} "
+                f"({', '.join(i.name for i in inputs)})"
+            )
+        for value, spec in zip(batch, inputs):
+            if spec.dtype is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise InputError(f"{where}: input {spec.name!r} is a {type(value).__name__}, not a tensor")
+            shape = tuple(value.shape)
+            ok = len(shape) == len(spec.shape) and all(e is None or e == d for e, d in zip(spec.shape, shape))
+            if not ok:
+                got = "(" + ", ".join(map(str, shape)) + ")"
+                raise InputError(
+                    f"{where}: input {spec.name!r} has shape {got}; the model expects {spec.describe()}"
+                )
+            if value.dtype != spec.dtype:
+                raise InputError(
+                    f"{where}: input {spec.name!r} has dtype {str(value.dtype).removeprefix('torch.')}; "
+                    f"the model expects {spec.describe()}"
+                )
+
+
+def random_batches(program: torch.export.ExportedProgram, count: int) -> list[tuple[Any, ...]]:
+    from quantplug.flow.inspect import example_inputs
+
+    gm = program.module()
+    try:
+        return [example_inputs(gm, seed=i) for i in range(count)]
+    except ValueError as exc:
+        raise InputError(f"cannot make random calibration data: {exc}; pass --calibration") from exc

@@ -1,0 +1,127 @@
+"""The report's data: one JSON-ready dict, the single source for report.json, report.html and the
+text summary (so ``quantplug report OUT`` re-renders exactly what ``quantize`` wrote)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from quantplug.errors import QuantplugError
+
+SCHEMA = "quantplug-report/1"
+WORST_COUNT = 20
+
+
+class ReportError(QuantplugError):
+    """A report folder or report.json that cannot be read."""
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become None, tuples lists, unknown objects their str()."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_clean(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+def build_report(
+    debug: Any,
+    *,
+    backend: Mapping[str, Any],
+    options: Mapping[str, Any],
+    model: Mapping[str, Any],
+    calibration: Mapping[str, Any],
+    float_bytes: int | None = None,
+    quantized_bytes: int | None = None,
+    validation: Any = None,
+    warnings: Sequence[str] = (),
+    files: Sequence[Mapping[str, Any]] = (),
+    timings: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """Assemble the report from a :class:`quantplug.debug.DebugReport` and what the run knows.
+
+    ``validation`` is a :class:`quantplug.ValidationReport` (or its ``to_dict()``), or None.
+    """
+    import torch
+
+    import quantplug
+
+    d = debug.to_dict()
+    nodes = d["nodes"]
+    ranked = sorted((n for n in nodes if n["sqnr_db"] is not None), key=lambda n: (n["sqnr_db"], n["node"]))
+    out_sqnr = debug.output_sqnr_db
+    if validation is not None and hasattr(validation, "to_dict"):
+        validation = validation.to_dict()
+    ratio = (
+        float_bytes / quantized_bytes
+        if float_bytes is not None and quantized_bytes not in (None, 0)
+        else None
+    )
+    data = {
+        "schema": SCHEMA,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "quantplug_version": getattr(quantplug, "__version__", None),
+        "torch_version": torch.__version__,
+        "model": dict(model),
+        "backend": dict(backend),
+        "options": dict(options),
+        "calibration": dict(calibration),
+        "summary": {
+            "nodes_compared": len(nodes),
+            "nodes_total": len(d["quantized_ops"]) + len(d["float_nodes"]),
+            "nodes_quantized": len(d["quantized_ops"]),
+            "nodes_float": len(d["float_nodes"]),
+            "nodes_removed": len(d["removed_nodes"]),
+            "compare_batches": d["batches"],
+            "output_sqnr_db": out_sqnr,
+            "output_identical": out_sqnr == math.inf,
+            "output_max_abs_error": d["output_max_abs_error"],
+            "float_bytes": float_bytes,
+            "quantized_bytes": quantized_bytes,
+            "size_ratio": ratio,
+            "sharing_groups": len(d["sharing_groups"]),
+            "validation_violations": len((validation or {}).get("violations", [])),
+        },
+        "layers": nodes,
+        "worst": ranked[:WORST_COUNT],
+        "outputs": d["outputs"],
+        "float_nodes": d["float_nodes"],
+        "removed_nodes": d["removed_nodes"],
+        "unmatched": d["unmatched"],
+        "sharing_groups": d["sharing_groups"],
+        "validation": validation,
+        "warnings": list(warnings),
+        "files": [dict(f) for f in files],
+        "timings": dict(timings or {}),
+    }
+    return _clean(data)
+
+
+def write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    Path(path).write_text(json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
+
+
+def load_report(location: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read report.json from a folder written by ``quantplug quantize`` (or the file itself)."""
+    path = Path(location)
+    if path.is_dir():
+        path = path / "report.json"
+    if not path.exists():
+        raise ReportError(f"no report.json in {location!s} (write one with `quantplug quantize --out DIR`)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ReportError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ReportError(f"{path} is not a quantplug report (expected schema {SCHEMA!r})")
+    return data

@@ -1,0 +1,116 @@
+"""The per-layer SQNR plot (matplotlib, rendered off-screen to PNG bytes)."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from typing import Any
+
+QUANTIZED_COLOR = "#3b6ea8"
+FLOAT_COLOR = "#a0a7b1"
+WORST_COLOR = "#d1382b"
+OUTPUT_COLOR = "#2f8f46"
+
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sqnr_plot_png(
+    layers: Sequence[dict[str, Any]],
+    *,
+    output_sqnr_db: float | None = None,
+    highlight: int = 5,
+    title: str = "Per-layer SQNR, quantized vs float (graph order)",
+) -> bytes | None:
+    """A bar per compared node in graph order; the ``highlight`` worst in red and labelled.
+
+    ``layers`` are the report's node dicts (``node``, ``quantized``, ``sqnr_db``, ``identical``).
+    Returns PNG bytes, or None when matplotlib is not installed or there is nothing to plot.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        return None
+    rows = [r for r in layers if r.get("sqnr_db") is not None or r.get("identical")]
+    if not rows:
+        return None
+    finite = [float(r["sqnr_db"]) for r in rows if r.get("sqnr_db") is not None]
+    top = (max(finite) if finite else 60.0) + 10.0
+    values = [top if r.get("sqnr_db") is None else float(r["sqnr_db"]) for r in rows]
+    ranked = sorted(
+        (i for i, r in enumerate(rows) if r.get("sqnr_db") is not None), key=lambda i: (values[i], i)
+    )
+    worst = set(ranked[:highlight])
+    colors = [
+        WORST_COLOR if i in worst else QUANTIZED_COLOR if r.get("quantized") else FLOAT_COLOR
+        for i, r in enumerate(rows)
+    ]
+
+    n = len(rows)
+    fig = Figure(figsize=(12, 4.6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    xs = list(range(n))
+    bars = ax.bar(xs, values, color=colors, width=0.8 if n < 400 else 1.0, linewidth=0)
+    for i, r in enumerate(rows):
+        if r.get("sqnr_db") is None:  # identical outputs: drawn capped and hatched
+            bars[i].set_hatch("//")
+            bars[i].set_alpha(0.5)
+    low = min(0.0, min(values) - 5.0)
+    ax.set_ylim(low, top + 8.0)
+    ax.set_xlim(-0.8, n - 0.2)
+    if output_sqnr_db is not None and math.isfinite(output_sqnr_db):
+        ax.axhline(output_sqnr_db, color=OUTPUT_COLOR, linestyle="--", linewidth=1.2)
+        ax.text(
+            n - 0.3,
+            output_sqnr_db + 0.8,
+            f"model output {output_sqnr_db:.1f} dB",
+            color=OUTPUT_COLOR,
+            ha="right",
+            va="bottom",
+            fontsize=9,
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5},
+            zorder=5,
+        )
+    for i in ranked[:highlight]:
+        ax.annotate(
+            rows[i]["node"],
+            (i, values[i]),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color=WORST_COLOR,
+            rotation=90 if n > 12 else 0,
+        )
+    if n <= 60:
+        ax.set_xticks(xs)
+        ax.set_xticklabels([r["node"] for r in rows], rotation=60, ha="right", fontsize=8)
+    else:
+        step = max(1, n // 40)
+        ax.set_xticks(xs[::step])
+        ax.set_xticklabels([rows[i]["node"] for i in xs[::step]], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("SQNR (dB, higher is better)")
+    ax.set_title(title, fontsize=11)
+    ax.grid(axis="y", alpha=0.3)
+    ax.spines["top"].set_visible(False)
+    ax.spines["right"].set_visible(False)
+    handles = [
+        Patch(color=QUANTIZED_COLOR, label="quantized"),
+        Patch(color=FLOAT_COLOR, label="float"),
+        Patch(color=WORST_COLOR, label=f"worst {min(highlight, len(ranked))}"),
+    ]
+    ax.legend(handles=handles, loc="upper left", fontsize=8, frameon=False, ncol=3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()

@@ -1,0 +1,72 @@
+"""The plain-text summary printed by ``quantplug quantize`` and ``quantplug report``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from quantplug.report.html import human_bytes
+
+
+def _db(value: Any, identical: bool = False) -> str:
+    if identical:
+        return "identical"
+    return "n/a" if value is None else f"{value:.1f} dB"
+
+
+def format_summary(data: Mapping[str, Any], *, worst: int = 5, out_dir: str | None = None) -> str:
+    s = data.get("summary", {})
+    backend = data.get("backend", {})
+    model = data.get("model", {})
+    calibration = data.get("calibration", {})
+    opts = " ".join(f"{k}={v}" for k, v in data.get("options", {}).items())
+    dist = f" ({backend['distribution']} {backend.get('version')})" if backend.get("distribution") else ""
+    lines = [
+        f"model:       {model.get('source', '?')}",
+        f"backend:     {backend.get('name', '?')}{dist}" + (f"  {opts}" if opts else ""),
+        f"calibration: {calibration.get('batches', '?')} batch(es) from {calibration.get('source', '?')}"
+        + ("  [RANDOM DATA]" if calibration.get("random") else ""),
+        f"nodes:       {s.get('nodes_quantized', 0)} quantized, {s.get('nodes_float', 0)} float"
+        + (f", {s['nodes_removed']} folded/removed" if s.get("nodes_removed") else ""),
+    ]
+    for f in data.get("float_nodes", [])[:10]:
+        lines.append(f"             float {f['node']} [{f['op']}]: {f['reason']}")
+    if len(data.get("float_nodes", [])) > 10:
+        lines.append(
+            f"             ... and {len(data['float_nodes']) - 10} more float node(s) (see the report)"
+        )
+    err = s.get("output_max_abs_error")
+    lines.append(
+        f"SQNR:        {_db(s.get('output_sqnr_db'), bool(s.get('output_identical')))} "
+        "(model output, quantized vs float)"
+        + (f", max |error| {err:.4g}" if isinstance(err, (int, float)) else "")
+    )
+    bad = data.get("worst", [])[:worst]
+    if bad:
+        lines.append(
+            "worst nodes: "
+            + ", ".join(f"{n['node']} {_db(n.get('sqnr_db'), bool(n.get('identical')))}" for n in bad)
+        )
+    fb, qb, ratio = s.get("float_bytes"), s.get("quantized_bytes"), s.get("size_ratio")
+    if fb is not None and qb is not None:
+        lines.append(
+            f"size:        {human_bytes(fb)} float -> {human_bytes(qb)} quantized"
+            + (f" ({ratio:.2f}x smaller)" if isinstance(ratio, (int, float)) else "")
+        )
+    violations = (data.get("validation") or {}).get("violations", [])
+    warnings = data.get("warnings", [])
+    if violations or warnings:
+        lines.append(
+            f"warnings:    {len(violations)} constraint violation(s), {len(warnings)} other (see the report)"
+        )
+    if out_dir is not None:
+        files = [f["path"] for f in data.get("files", [])]
+        artifact = [f for f in files if f.startswith("artifact/")]
+        shown = [f for f in files if not f.startswith("artifact/")]
+        if artifact:
+            shown.insert(1, f"artifact/ ({len(artifact)} file(s))")
+        lines.append(f"written:     {out_dir}/  " + ", ".join(shown))
+    total = data.get("timings", {}).get("total")
+    if isinstance(total, (int, float)):
+        lines.append(f"time:        {total:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,284 @@
+"""Lowering for QNN: a QDQ ONNX model plus an AIMET-format encodings file.
+
+``quantplug.lower(quantized, quantizer)`` runs :data:`LOWERING_PASSES`, then :func:`write_artifact`:
+
+1. ``qnn_htp.check_encodings`` computes every tensor's QNN encoding (``encodings.from_entry``)
+   and fails with a ``LoweringError`` listing every tensor QNN cannot encode (per-tensor 2-bit
+   weights, non-LPBQ blocks, dynamic or 32-bit activations...), before any export work;
+2. the writer exports the Q/DQ program to ONNX with the core's shared exporter
+   (``quantplug.lowering.onnx_export.export_qdq_onnx``, opset 21: 16-bit, 4-bit and blocked
+   Q/DQ), gives each quantized weight's float tensor (the ``DequantizeLinear`` output) a readable
+   name (``conv1_weight`` for the integer initializer ``conv1_weight_q0``), and writes the
+   encodings keyed by ONNX tensor names: activations by the tensor a ``QuantizeLinear`` reads,
+   parameters (weights, biases, quantized initializers such as embedding tables) by the float
+   tensor their ``DequantizeLinear`` produces.
+
+Files: ``model.onnx`` and ``model.encodings`` (AIMET's ``<prefix>.encodings``; version from the
+``encodings_version`` option, 1.0.0 by default), plus ``artifact.json`` with the options, SoC, HTP
+arch and a per-tensor summary. Pass the pair to ``qnn-onnx-converter --input_network model.onnx
+--quantization_overrides model.encodings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from quantplug import Artifact, BackendContext
+from quantplug.errors import LoweringError
+from quantplug.flow.inspect import encodings as program_encodings
+from quantplug_qnn_htp import encodings as qnn_enc
+
+META_KEY = "qnn_htp_encodings"
+
+
+def _shape_of(gm: GraphModule, tensor: str) -> tuple[int, ...] | None:
+    for node in gm.graph.nodes:
+        if node.name == tensor or (node.op == "get_attr" and str(node.target) == tensor):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return tuple(int(d) for d in val.shape)
+            if node.op == "get_attr":
+                value: Any = gm
+                for part in str(node.target).split("."):
+                    value = getattr(value, part, None)
+                if isinstance(value, torch.Tensor):
+                    return tuple(value.shape)
+    return None
+
+
+def check_encodings(program: GraphModule, context: BackendContext) -> None:
+    """Compute every tensor's QNN encoding; raise listing all that QNN cannot encode."""
+    act_symmetric = bool(context.option("act_symmetric", False))
+    found: list[tuple[dict[str, Any], qnn_enc.QnnEncoding]] = []
+    problems: list[str] = []
+    for entry in program_encodings(program):
+        try:
+            shape = _shape_of(program, entry["tensor"]) if entry["granularity"] == "block" else None
+            enc = qnn_enc.from_entry(entry, shape=shape, act_symmetric=act_symmetric)
+        except qnn_enc.EncodingError as exc:
+            problems.append(f"  {entry['node']} ({entry['tensor']}): {exc}")
+            continue
+        found.append((entry, enc))
+    if problems:
+        raise LoweringError(
+            f"{len(problems)} quantized tensor(s) cannot be encoded for QNN HTP:\n" + "\n".join(problems)
+        )
+    program.meta[META_KEY] = found
+
+
+LOWERING_PASSES: tuple[tuple[str, Any], ...] = (("qnn_htp.check_encodings", check_encodings),)
+
+
+# --- the writer ---------------------------------------------------------------------------------
+
+_Q_SUFFIX = re.compile(r"_q\d*$")
+
+
+def _rename_param_tensors(model: Any, result: Any) -> dict[str, str]:
+    """Give each quantized constant's DequantizeLinear output a readable, unique name."""
+    graph = model.graph
+    taken = {v for n in graph.node for v in (*n.input, *n.output)} | {i.name for i in graph.initializer}
+    taken |= {i.name for i in graph.input} | {o.name for o in graph.output}
+    renames: dict[str, str] = {}
+    for entry in result.encodings:
+        info = entry.get("onnx")
+        if not info or entry["kind"] != "constant":
+            continue
+        old = info["tensor"]
+        if old in renames or old in {o.name for o in graph.output}:
+            continue
+        base = _Q_SUFFIX.sub("", str(info["quantized"])) or old
+        new = base
+        i = 1
+        while new in taken and new != old:
+            new = f"{base}_{i}"
+            i += 1
+        if new == old:
+            continue
+        taken.add(new)
+        renames[old] = new
+    if not renames:
+        return renames
+    for node in graph.node:
+        node.output[:] = [renames.get(o, o) for o in node.output]
+        node.input[:] = [renames.get(i, i) for i in node.input]
+    for vi in graph.value_info:
+        if vi.name in renames:
+            vi.name = renames[vi.name]
+    return renames
+
+
+def _constants(model: Any) -> dict[str, Any]:
+    from onnx import numpy_helper
+
+    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(attr.t)
+    return values
+
+
+def _recover_clipped(model: Any, result: Any) -> None:
+    """Map activation entries the exporter left unmapped: narrowed-range quantizes.
+
+    A per-tensor quantize on a narrowed range (int16 ``[-32767, 32767]``) exports as
+    ``QuantizeLinear -> Clip`` and the Clip output carries the quantize's name, so the shared
+    exporter (``onnx_export._map_encodings``) finds a Clip where it expects a QuantizeLinear and
+    leaves ``entry["onnx"]`` empty. Match those entries to the remaining QuantizeLinear nodes that
+    feed a Clip, in graph order, checking scale and zero point.
+    """
+    pending = [e for e in result.encodings if e.get("onnx") is None and e["kind"] == "activation"]
+    if not pending:
+        return
+    claimed = {e["onnx"]["node"] for e in result.encodings if e.get("onnx")}
+    consumers: dict[str, list[Any]] = {}
+    for node in model.graph.node:
+        for inp in node.input:
+            consumers.setdefault(inp, []).append(node)
+    values = _constants(model)
+    candidates = [
+        n
+        for n in model.graph.node
+        if n.op_type == "QuantizeLinear"
+        and n.name not in claimed
+        and any(c.op_type == "Clip" for c in consumers.get(n.output[0], []))
+    ]
+    for entry in pending:
+        for cand in candidates:
+            scale = values.get(cand.input[1])
+            zp = values.get(cand.input[2]) if len(cand.input) > 2 else 0
+            if scale is None or zp is None or scale.size != 1:
+                continue
+            if abs(float(scale.reshape(-1)[0]) - float(entry["scale"])) > 1e-12 * abs(float(entry["scale"])):
+                continue
+            if int(zp.reshape(-1)[0] if hasattr(zp, "reshape") else zp) != int(entry["zero_point"]):
+                continue
+            clip = next(c for c in consumers[cand.output[0]] if c.op_type == "Clip")
+            entry["onnx"] = {
+                "tensor": cand.input[0],
+                "quantized": clip.output[0],
+                "dequantized": [
+                    c.output[0] for c in consumers.get(clip.output[0], []) if c.op_type == "DequantizeLinear"
+                ],
+                "node": cand.name,
+                "scale": cand.input[1],
+                "zero_point": cand.input[2] if len(cand.input) > 2 else None,
+            }
+            candidates.remove(cand)
+            break
+
+
+def _initializer_names(model: Any) -> set[str]:
+    names = {i.name for i in model.graph.initializer}
+    for node in model.graph.node:  # constants the exporter kept as Constant nodes
+        if node.op_type == "Constant":
+            names.update(node.output)
+    return names
+
+
+def onnx_encodings(
+    program: GraphModule, context: BackendContext, example_inputs: Sequence[torch.Tensor] | None = None
+) -> tuple[Any, list[qnn_enc.QnnEncoding], list[str]]:
+    """Export ``program`` to QDQ ONNX; return ``(onnx model, encodings keyed by ONNX names, conflicts)``."""
+    try:
+        from quantplug.lowering.onnx_export import export_qdq_onnx
+    except ImportError as exc:  # pragma: no cover - the core ships it
+        raise LoweringError(f"qnn_htp lowering needs quantplug.lowering.onnx_export ({exc})") from exc
+    found = program.meta.get(META_KEY)
+    if found is None:
+        check_encodings(program, context)
+        found = program.meta[META_KEY]
+    by_node = {entry["node"]: enc for entry, enc in found}
+    result = export_qdq_onnx(program, example_inputs)
+    model = result.model
+    _recover_clipped(model, result)
+    renames = _rename_param_tensors(model, result)
+    initializers = _initializer_names(model)
+    names: dict[str, qnn_enc.QnnEncoding] = {}
+    conflicts: list[str] = []
+    missing: list[str] = []
+    for entry in result.encodings:
+        enc = by_node.get(entry["node"])
+        info = entry.get("onnx")
+        if enc is None:
+            continue
+        if not info:
+            missing.append(entry["node"])
+            continue
+        tensor = renames.get(info["tensor"], info["tensor"])
+        kind = "param" if entry["kind"] == "constant" or tensor in initializers else "activation"
+        named = dataclasses.replace(enc, name=tensor, kind=kind)
+        previous = names.get(tensor)
+        if previous is not None and (previous.scale, previous.zero_point, previous.bw) != (
+            named.scale,
+            named.zero_point,
+            named.bw,
+        ):
+            conflicts.append(f"{tensor}: {previous.source} vs {named.source}")
+            continue
+        names.setdefault(tensor, named)
+    if missing:
+        raise LoweringError(
+            "quantized tensors without an ONNX counterpart after export: " + ", ".join(sorted(missing))
+        )
+    return model, list(names.values()), conflicts
+
+
+def _quantizer_args(context: BackendContext, encs: Sequence[qnn_enc.QnnEncoding]) -> qnn_enc.QuantizerArgs:
+    acts = [e.bw for e in encs if e.kind == "activation"]
+    params = [e.bw for e in encs if e.kind == "param" and e.bw < 32]
+    return qnn_enc.QuantizerArgs(
+        activation_bitwidth=max(acts) if acts else 8,
+        param_bitwidth=max(params) if params else 8,
+        is_symmetric=bool(context.option("act_symmetric", False)),
+        per_channel_quantization=any(e.axis is not None for e in encs if e.kind == "param"),
+    )
+
+
+def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
+    """``model.onnx`` + ``model.encodings`` (AIMET ``encodings_version``) for QNN converters."""
+    version = context.option("encodings_version") or qnn_enc.DEFAULT_VERSION
+    model, encs, conflicts = onnx_encodings(program, context)
+    try:
+        document = qnn_enc.to_aimet(encs, version, quantizer_args=_quantizer_args(context, encs))
+    except qnn_enc.EncodingError as exc:
+        raise LoweringError(str(exc)) from exc
+    soc = context.state.get("soc")
+    summary = [
+        {
+            "name": e.name,
+            "kind": e.kind,
+            "qnn_datatype": e.datatype,
+            "qnn_encoding": e.encoding_type,
+            "bitwidth": e.bw,
+            "granularity": e.granularity,
+            "source": e.source,
+        }
+        for e in encs
+    ]
+    return Artifact(
+        backend=context.backend,
+        files={
+            qnn_enc.MODEL_FILE: bytes(model.SerializeToString()),
+            qnn_enc.ENCODINGS_FILE: json.dumps(document, indent=2),
+        },
+        metadata={
+            "options": dict(context.options),
+            "soc_model": getattr(soc, "name", context.option("soc_model")),
+            "htp_arch": getattr(soc, "arch_name", None),
+            "encodings_version": version,
+            "onnx_opset": 21,
+            "quantized_tensors": len(encs),
+            "encoding_conflicts": conflicts,
+            "tensors": summary,
+        },
+    )

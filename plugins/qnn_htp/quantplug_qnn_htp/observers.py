@@ -1,0 +1,183 @@
+"""HTP-specific observers: LPBQ weights, concat unification and -inf masks.
+
+* :class:`LpbqObserver` -- per-block weights whose block scales are themselves quantized to 4 bits
+  relative to a per-channel scale, exactly as QNN's ``BLOCKWISE_EXPANSION`` encoding stores them.
+  ExecuTorch keeps the fp32 block scales in the simulated program and only quantizes them when it
+  builds the QNN tensor, so its CPU simulation and the device disagree (up to ~4 % per block).
+  Here the effective scale ``per-channel scale x 4-bit integer`` is what the converted program's
+  dequantize uses, so simulation and device agree.
+* :class:`ConcatMinMaxObserver` -- the absolute running range of everything a ``cat`` joins
+  (ExecuTorch's ``ConcatObserver`` intent: one encoding for all inputs and the output).
+* :class:`MaskAwareObserver` -- wraps an activation observer and leaves masked values (``±inf``
+  and anything at or beyond the fp16 range, e.g. ``-1e9``) out of the statistics. When masked
+  values were seen, the grid is extended by ``margin`` below the smallest (above the largest)
+  real value, so a masked entry dequantizes to ``min - margin``: far enough below every real score
+  that ``softmax`` gives it ``exp(-margin)`` weight, while the real values keep their resolution.
+  ExecuTorch instead writes ``-255`` / ``-65535`` into the mask, which stretches the encoding to a
+  scale of about 1.0 (anchor section 5.6).
+
+``group_priority``: when several specs share one observer group, the sharing hook
+(``plugin.quantplug_resolve_sharing``) builds the group's observer from the spec whose observer
+class has the highest priority, so a concat or mask observer governs its whole group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from quantplug.observers.base import ObserverBase, ObserverFactory, qparams_from_range
+from quantplug.observers.minmax import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+)
+from quantplug.observers.per_block import PerBlockMinMaxObserver
+
+#: LPBQ block scales are 4-bit multiples (1..16) of the per-channel scale.
+LPBQ_SCALE_BITS = 4
+LPBQ_SCALE_STEPS = 2**LPBQ_SCALE_BITS
+#: |x| at or above this is a mask value (ExecuTorch's threshold: the fp16 range).
+MASK_THRESHOLD = float(torch.finfo(torch.float16).max)
+DEFAULT_MASK_MARGIN = 16.0
+
+
+def lpbq_quantize_scales(block_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split fp32 per-block scales ``[C, ...]`` into QNN's LPBQ form.
+
+    Returns ``(per_channel_scale [C], int_scales [C, blocks])`` with
+    ``per_channel_scale = max(block scales of the channel) / 16`` and
+    ``int_scales = clamp(round(block_scale / per_channel_scale), 1, 16)`` -- the arithmetic of
+    ExecuTorch's ``make_qnn_per_block_config`` (float32, round half to even).
+    """
+    flat = block_scales.detach().to(torch.float32).reshape(block_scales.shape[0], -1)
+    per_channel = flat.amax(dim=-1) / LPBQ_SCALE_STEPS
+    ints = torch.clamp(torch.round(flat / per_channel.unsqueeze(-1)), 1, LPBQ_SCALE_STEPS)
+    return per_channel, ints.to(torch.int64)
+
+
+def lpbq_effective_scales(block_scales: torch.Tensor) -> torch.Tensor:
+    """The scales the device applies: ``per_channel_scale x int_scale``, shaped like the input."""
+    per_channel, ints = lpbq_quantize_scales(block_scales)
+    return (ints.to(torch.float32) * per_channel.unsqueeze(-1)).reshape(block_scales.shape)
+
+
+class LpbqObserver(PerBlockMinMaxObserver):
+    """Per-block min/max whose qparams are the LPBQ effective scales (4-bit scale quantization).
+
+    ``track_latest=True`` (QAT) makes each call replace the statistics, so fake quantization
+    follows the weights being trained instead of the union of every past version of them.
+    """
+
+    def __init__(self, block_size: Any, track_latest: bool = False, **kwargs: Any) -> None:
+        super().__init__(block_size, **kwargs)
+        self.track_latest = bool(track_latest)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.track_latest and self.min_val.numel():
+            self.min_val = torch.empty(0)
+            self.max_val = torch.empty(0)
+        return super().forward(x)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, zero_point = super().calculate_qparams()
+        return lpbq_effective_scales(scale), zero_point
+
+    def lpbq_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(per_channel_scale, int_block_scales)`` as QNN stores them."""
+        scale, _ = super().calculate_qparams()
+        return lpbq_quantize_scales(scale)
+
+
+class LatestMinMaxObserver(MovingAverageMinMaxObserver):
+    """Range of the most recent tensor only (QAT weights: follow the weights being trained)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs["averaging_constant"] = 1.0
+        super().__init__(**kwargs)
+
+
+class LatestPerChannelMinMaxObserver(MovingAveragePerChannelMinMaxObserver):
+    """Per-channel range of the most recent tensor only (QAT weights)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs["averaging_constant"] = 1.0
+        super().__init__(**kwargs)
+
+
+class ConcatMinMaxObserver(MinMaxObserver):
+    """Absolute running range of a concat's inputs and output: one encoding for all of them."""
+
+    group_priority: ClassVar[int] = 1
+
+
+class MaskAwareObserver(ObserverBase):
+    """An activation observer that ignores mask values and reserves room for them below the data.
+
+    Args:
+        inner: the activation observer factory (moving average, min-max, histogram...).
+        margin: distance between the smallest real value and the value a ``-inf`` mask entry
+            dequantizes to (and symmetrically above the largest for ``+inf``).
+        **fields: the spec fields (dtype, range, qscheme...), passed to ``inner`` as well.
+    """
+
+    group_priority: ClassVar[int] = 2
+    saw_negative_mask: torch.Tensor
+    saw_positive_mask: torch.Tensor
+
+    def __init__(self, inner: ObserverFactory, margin: float = DEFAULT_MASK_MARGIN, **fields: Any) -> None:
+        super().__init__(**fields)
+        self.inner: torch.nn.Module = inner(**fields)
+        self.margin = float(margin)
+        self.register_buffer("saw_negative_mask", torch.zeros((), dtype=torch.bool), persistent=False)
+        self.register_buffer("saw_positive_mask", torch.zeros((), dtype=torch.bool), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        data = x.detach()
+        real = data.abs() < MASK_THRESHOLD  # False for ±inf, NaN and huge mask constants
+        if not bool(real.all()):
+            masked = data[~real]
+            if bool((masked < 0).any()):
+                self.saw_negative_mask.fill_(True)
+            if bool((masked > 0).any()):
+                self.saw_positive_mask.fill_(True)
+            data = data[real]
+        if data.numel():
+            self.inner(data)
+            self.num_batches += 1
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inner: Any = self.inner
+        scale, zero_point = inner.calculate_qparams()
+        if not bool(self.saw_negative_mask) and not bool(self.saw_positive_mask):
+            return scale, zero_point
+        s = float(scale.reshape(-1)[0])
+        z = int(zero_point.reshape(-1)[0])
+        lo = (self.quant_min - z) * s
+        hi = (self.quant_max - z) * s
+        if bool(self.saw_negative_mask):
+            lo = min(lo, 0.0) - self.margin
+        if bool(self.saw_positive_mask):
+            hi = max(hi, 0.0) + self.margin
+        return qparams_from_range(
+            torch.tensor(lo),
+            torch.tensor(hi),
+            dtype=self.dtype,
+            quant_min=self.quant_min,
+            quant_max=self.quant_max,
+            symmetric=self.symmetric,
+            eps=self.eps,
+            customized_range=self.customized_range,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, margin={self.margin}"
+
+
+def group_priority(spec: Any) -> int:
+    """The sharing priority of a spec's observer class (0 for ordinary observers)."""
+    ctr = getattr(spec, "observer_or_fake_quant_ctr", None)
+    cls = getattr(ctr, "cls", ctr)
+    return int(getattr(cls, "group_priority", 0)) if isinstance(cls, type) else 0

@@ -1,0 +1,201 @@
+"""Passes before annotation: scalar lifting, decompositions, assert removal, -inf masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import quantplug
+from quantplug.flow.graph_copy import working_copy
+from quantplug.flow.prepare import STATE_KEY
+from quantplug.observers.minmax import MinMaxObserver
+
+pytest.importorskip("quantplug_qnn_htp")
+
+from quantplug_qnn_htp import passes
+from quantplug_qnn_htp.observers import MaskAwareObserver
+from quantplug_qnn_htp.rules.common import MASK_ARGS_KEY
+
+from .models import PassesNet, build
+
+aten = torch.ops.aten
+
+
+def _transformed(
+    model: nn.Module, example: tuple[torch.Tensor, ...], **options: object
+) -> torch.fx.GraphModule:
+    q = quantplug.get_quantizer("qnn_htp", **options)  # type: ignore[arg-type]
+    gm = working_copy(torch.export.export(model.eval(), example))
+    return q.transform_for_annotation(gm)
+
+
+def _targets(gm: torch.fx.GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_scalar_operands_are_lifted_to_tensor_constants() -> None:
+    model, example, _ = build("attention")
+    gm = _transformed(model, example)
+    mul = next(n for n in gm.graph.nodes if n.target == aten.mul.Tensor)
+    const = mul.args[1]
+    assert const.op == "get_attr" and const.target == "_tensor_constant_0"  # ExecuTorch's names
+    assert float(gm._tensor_constant_0) == pytest.approx(1 / math.sqrt(32))
+    fill = next(n for n in gm.graph.nodes if n.target == aten.masked_fill.Tensor)  # was .Scalar
+    assert fill.args[2].target == "_tensor_constant_1" and float(gm._tensor_constant_1) == -math.inf
+    assert aten.masked_fill.Scalar not in _targets(gm)
+    # the caller's program is untouched
+    assert not hasattr(model, "_tensor_constant_0")
+
+
+def test_lifted_constants_are_quantized_like_executorch() -> None:
+    model, example, batches = build("attention")
+    q = quantplug.get_quantizer("qnn_htp", precision="8a8w")
+    prepared = quantplug.prepare(torch.export.export(model, example), q)
+    for b in batches:
+        prepared(*b)
+    gm = quantplug.convert(prepared)
+    mul = next(n for n in gm.graph.nodes if n.target == aten.mul.Tensor)
+    dq = mul.args[1]
+    assert dq.target == torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    assert dq.args[1] == pytest.approx((1 / math.sqrt(32)) / 255, rel=1e-6) and dq.args[2] == 0
+
+
+def test_decompositions_and_comparisons() -> None:
+    gm = _transformed(PassesNet(), (torch.randn(2, 16),))
+    targets = _targets(gm)
+    for gone in (
+        aten.silu.default,
+        aten.reciprocal.default,
+        aten.expm1.default,
+        aten.where.ScalarOther,
+        aten.gt.Scalar,
+    ):
+        assert gone not in targets
+    assert aten.sigmoid.default in targets and aten.exp.default in targets
+    add_alpha = [n for n in gm.graph.nodes if n.target == aten.add.Tensor and n.kwargs.get("alpha")]
+    assert not add_alpha  # alpha became a multiplication by a lifted constant
+    gt = next(n for n in gm.graph.nodes if n.target == aten.gt.Tensor)
+    assert gt.args[1].op == "get_attr" and getattr(gm, gt.args[1].target).dtype == torch.float32
+    div = next(n for n in gm.graph.nodes if n.target == aten.div.Tensor)
+    assert float(getattr(gm, div.args[0].target)) == 1.0  # reciprocal -> 1 / x, lifted
+    # the decomposed graph computes the same function
+    x = torch.randn(2, 16)
+    torch.manual_seed(0)
+    net = PassesNet().eval()
+    torch.testing.assert_close(_transformed(net, (x,))(x), net(x))
+    # and every op of it is quantized
+    cov = quantplug.get_quantizer("qnn_htp").coverage(torch.export.export(net, (x,)))
+    assert not cov.float_nodes, cov.format()
+
+
+def test_assert_tensor_metadata_is_removed() -> None:
+    class Cast(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x.to(torch.float32))
+
+    ep = torch.export.export(Cast(), (torch.randn(4),))
+    assert aten._assert_tensor_metadata.default in _targets(ep.graph_module)
+    gm = _transformed(Cast(), (torch.randn(4),))
+    assert aten._assert_tensor_metadata.default not in _targets(gm)
+
+
+# --- -inf masks --------------------------------------------------------------------------------------
+
+
+class MaskVariants(nn.Module):
+    """The same causal mask written four ways."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("mask", torch.triu(torch.ones(8, 8, dtype=torch.bool), diagonal=1))
+        additive = torch.zeros(8, 8).masked_fill(self.mask, float("-inf"))
+        self.register_buffer("additive", additive)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.proj(x)
+        if self.how == "masked_fill":
+            s = s.masked_fill(self.mask, float("-inf"))
+        elif self.how == "finfo_min":
+            s = s.masked_fill(self.mask, torch.finfo(torch.float32).min)
+        elif self.how == "where":
+            s = torch.where(self.mask, -1e9, s)
+        else:
+            s = s + self.additive
+        return torch.softmax(s, dim=-1)
+
+
+@pytest.mark.parametrize("how", ["masked_fill", "finfo_min", "where", "additive"])
+def test_masks_keep_the_masked_tensor_resolution(how: str) -> None:
+    torch.manual_seed(0)
+    model = MaskVariants(how).eval()
+    x = torch.randn(1, 8, 8)
+    ep = torch.export.export(model, (x,))
+    q = quantplug.get_quantizer("qnn_htp", precision="16a8w", act_observer="minmax", per_channel_linear=True)
+    prepared = quantplug.prepare(ep, q)
+    masked = [n for n in prepared.graph.nodes if n.meta.get(MASK_ARGS_KEY)]
+    assert len(masked) == 1, how
+    state = prepared.meta[STATE_KEY]
+    obs = state.observer(prepared, state.group_of[masked[0].name])
+    assert isinstance(obs, MaskAwareObserver)
+    for _ in range(8):
+        prepared(torch.randn(1, 8, 8))
+    prepared(x)
+    gm = quantplug.convert(prepared)
+    q_out = next(u for u in next(n for n in gm.graph.nodes if n.name == masked[0].name).users)
+    scale, zp = q_out.args[1], q_out.args[2]
+    with torch.no_grad():
+        real = model.proj(x)
+    # ExecuTorch: -65535 in the mask -> scale ~1.0; ours keeps the data's resolution
+    assert scale < 10 * (float(real.max() - real.min()) + 16) / 65535
+    grid_min = (0 - zp) * scale
+    assert grid_min < float(real.min()) - 15  # masked entries land 16 below the data
+    with torch.no_grad():
+        out, ref = gm(x), model(x)
+    assert float((out - ref).abs().max()) < 2e-3  # masked weights ~0, rows still sum to 1
+    assert float(out[0, 0, 1:].abs().max()) < 1e-4  # row 0 sees only position 0
+
+
+def test_mask_is_excluded_from_observation_not_clipped() -> None:
+    obs = MaskAwareObserver(inner=MinMaxObserver.with_args(), margin=16.0, dtype=torch.uint8)
+    obs(torch.tensor([-2.0, 3.0, float("-inf"), -1e9]))
+    scale, zp = obs.calculate_qparams()
+    lo = (0 - int(zp)) * float(scale)
+    hi = (255 - int(zp)) * float(scale)
+    assert lo == pytest.approx(-18.0, abs=float(scale)) and hi == pytest.approx(3.0, abs=float(scale))
+    plain = MaskAwareObserver(inner=MinMaxObserver.with_args())
+    plain(torch.tensor([-2.0, 3.0]))
+    s, z = plain.calculate_qparams()
+    assert (
+        float(s) == pytest.approx(5.0 / 255) and int(z) == 102
+    )  # no mask seen: the inner observer's qparams
+
+
+def test_attention_with_mask_quantizes_accurately() -> None:
+    """AttnBlock (causal -inf mask) at 16a8w with min-max observers: ExecuTorch's -65535 mask gives
+    max error 0.126 (anchor P11); with the mask handled it is close to the unmasked 0.0022."""
+    model, example, batches = build("attention")
+    q = quantplug.get_quantizer("qnn_htp", precision="16a8w", act_observer="minmax", soc_model="SM8650")
+    prepared = quantplug.prepare(torch.export.export(model, example), q)
+    for b in batches:
+        prepared(*b)
+    prepared(*example)
+    gm = quantplug.convert(prepared)
+    with torch.no_grad():
+        err = float((gm(*example) - model(*example)).abs().max())
+    assert err < 0.02, err
+
+
+def test_block_size_map_check_pass_is_registered() -> None:
+    names = [n for n, _ in passes.PASSES]
+    assert names == [
+        "qnn_htp.remove_asserts",
+        "qnn_htp.decompose",
+        "qnn_htp.lift_scalars",
+        "qnn_htp.mark_masks",
+        "qnn_htp.check_block_size_map",
+    ]
