@@ -11,7 +11,7 @@ VPY=.venv/bin/python
 pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
 "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
   || pip_install torch==2.13.0
-PKGS=(-e . -e plugins/reference)
+PKGS=(-e ".[report]" -e plugins/reference)
 [ -f plugins/qnn_htp/pyproject.toml ] && PKGS+=(-e plugins/qnn_htp)
 pip_install "${PKGS[@]}"
 if [ "${1:-}" = "--test" ]; then
@@ -20,8 +20,7 @@ if [ "${1:-}" = "--test" ]; then
   pip_install torchao==0.18.0 --no-deps
   pip_install executorch==1.5.1 --no-deps
   pip_install flatbuffers packaging pyyaml ruamel.yaml tabulate sympy typing-extensions expecttest parameterized
-  # tests/cli: report.html's plot (matplotlib) and rendering it in headless Chromium (Debian package)
-  pip_install matplotlib
+  # tests/cli: rendering report.html in headless Chromium (Debian package)
   if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
       { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \

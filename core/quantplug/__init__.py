@@ -77,6 +77,18 @@ from quantplug.validation.report import ValidationReport, Violation
 
 __version__ = "0.1.0"
 
+_SUBPACKAGES = ("debug", "report", "cli", "demo", "observers", "flow")
+
+
+def __getattr__(name: str) -> object:
+    """``quantplug.debug`` and other heavier subpackages import on first use."""
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"quantplug.{name}")
+    raise AttributeError(f"module 'quantplug' has no attribute {name!r}")
+
+
 __all__ = [
     "OUTPUT",
     "Q_ANNOTATION_KEY",

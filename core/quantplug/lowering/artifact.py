@@ -13,6 +13,12 @@ from typing import Any, Union
 FileContent = Union[bytes, str, Callable[[Path], None]]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @dataclass
 class Artifact:
     """A backend's deployable output.
@@ -52,6 +58,7 @@ class Artifact:
                     tmp.write_text(content)
                 else:
                     content(tmp)
+                os.chmod(tmp, 0o644 & ~_umask())  # mkstemp creates 0600; saved files are ordinary files
                 tmp.replace(final)
             except BaseException:
                 tmp.unlink(missing_ok=True)

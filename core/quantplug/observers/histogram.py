@@ -60,7 +60,11 @@ def rebin_histogram(
 
 
 class _HistStats:
-    """Prefix sums of a histogram in bin units, so each candidate grid's error costs O(1)."""
+    """Prefix sums of a histogram in bin units, so each candidate grid's error costs O(1).
+
+    The sums are laid out as rows (``[p0, p1, p2]`` per bin edge, ``[cdf, mass]`` per bin) so
+    each candidate reads what it needs with one ``index_select`` per table.
+    """
 
     def __init__(self, hist: torch.Tensor) -> None:
         h = hist.detach().to(device="cpu", dtype=torch.float64)
@@ -71,6 +75,16 @@ class _HistStats:
         self.p0 = torch.cat([zero, h.cumsum(0)])
         self.p1 = torch.cat([zero, (h * centres).cumsum(0)])
         self.p2 = torch.cat([zero, (h * centres * centres).cumsum(0)])
+        self.moments = torch.stack([self.p0, self.p1, self.p2], dim=1)  # [bins + 1, 3]
+        self.totals = self.moments[-1]
+        self.bin_table = torch.stack([self.p0[:-1], h], dim=1)  # [bins, 2]: mass left of bin, bin mass
+
+    def _cdf(self, positions: torch.Tensor) -> torch.Tensor:
+        """Mass left of ``positions`` (like ``_cdf_at``, one gather)."""
+        t = positions.clamp(0.0, float(self.bins))
+        j = t.floor().clamp_(max=self.bins - 1)
+        left, mass = self.bin_table.index_select(0, j.long()).unbind(1)
+        return left + mass * (t - j)
 
     def expected_error(self, lower: torch.Tensor, upper: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """Summed squared error of quantizing the histogram onto grids ``[lower, upper]`` of ``step``.
@@ -79,27 +93,25 @@ class _HistStats:
         of the squared distance); mass inside is rounded, with the usual ``step**2 / 12`` noise,
         which is independent of the number of levels, so 16-bit grids cost the same as 8-bit ones.
         """
-        bins, h, p0, p1, p2 = self.bins, self.hist, self.p0, self.p1, self.p2
-        tot0, tot1, tot2 = p0[-1], p1[-1], p2[-1]
+        bins, h = self.bins, self.hist
 
         # below the grid: whole bins left of lower's bin, then the part of lower's own bin
         jl = lower.floor()
-        kl = jl.clamp(0, bins).long()
-        low = lower * lower * p0[kl] - 2.0 * lower * p1[kl] + p2[kl] + p0[kl] / 12.0
+        p0, p1, p2 = self.moments.index_select(0, jl.clamp(0, bins).long()).unbind(1)
+        low = lower * lower * p0 - 2.0 * lower * p1 + p2 + p0 / 12.0
         inside_l = (jl >= 0) & (jl <= bins - 1)
-        part_l = h[jl.clamp(0, bins - 1).long()] * (lower - jl) ** 3 / 3.0
+        part_l = h.index_select(0, jl.clamp(0, bins - 1).long()) * (lower - jl) ** 3 / 3.0
         low = low + torch.where(inside_l, part_l, torch.zeros_like(part_l))
 
         # above the grid: whole bins right of upper's bin, then the part of upper's own bin
         ju = upper.floor()
-        ku = (ju + 1).clamp(0, bins).long()
-        m0, m1, m2 = tot0 - p0[ku], tot1 - p1[ku], tot2 - p2[ku]
+        m0, m1, m2 = (self.totals - self.moments.index_select(0, (ju + 1).clamp(0, bins).long())).unbind(1)
         high = m2 - 2.0 * upper * m1 + upper * upper * m0 + m0 / 12.0
         inside_u = (ju >= 0) & (ju <= bins - 1)
-        part_u = h[ju.clamp(0, bins - 1).long()] * (ju + 1.0 - upper) ** 3 / 3.0
+        part_u = h.index_select(0, ju.clamp(0, bins - 1).long()) * (ju + 1.0 - upper) ** 3 / 3.0
         high = high + torch.where(inside_u, part_u, torch.zeros_like(part_u))
 
-        mass_in = (_cdf_at(upper, h, p0) - _cdf_at(lower, h, p0)).clamp(min=0.0)
+        mass_in = (self._cdf(upper) - self._cdf(lower)).clamp(min=0.0)
         return low + high + mass_in * step * step / 12.0
 
     def quantile(self, q: float) -> float:
