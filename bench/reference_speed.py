@@ -104,7 +104,9 @@ class ResNetLike(nn.Module):
 
     def __init__(self, widths: tuple[int, ...] = (32, 64, 128, 256)) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+        )
         blocks: list[nn.Module] = []
         cin = widths[0]
         for i, w in enumerate(widths):
@@ -224,7 +226,11 @@ def bench_one(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]
     out = torch.from_numpy(session.run(None, feeds)[0])
     step = _output_step(artifact)
     err = float((out - ref).abs().max())
-    int_kernels = {k: v for k, v in kernels.items() if k.startswith(("QLinear", "QGemm", "MatMulInteger", "DynamicQuantize", "MatMulNBits", "QAttention"))}
+    int_kernels = {
+        k: v
+        for k, v in kernels.items()
+        if k.startswith(("QLinear", "QGemm", "MatMulInteger", "DynamicQuantize", "MatMulNBits", "QAttention"))
+    }
     return {
         "model": name,
         "batch": batch,
@@ -236,7 +242,11 @@ def bench_one(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]
         "max_err_steps": (err / step) if step else None,
         "max_err": err,
         "int_kernels": int_kernels,
-        "float_kernels": {k: v for k, v in kernels.items() if k in ("Gemm", "MatMul", "Conv", "FusedGemm", "FusedConv", "FusedMatMul")},
+        "float_kernels": {
+            k: v
+            for k, v in kernels.items()
+            if k in ("Gemm", "MatMul", "Conv", "FusedGemm", "FusedConv", "FusedMatMul")
+        },
     }
 
 
@@ -293,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="timing blocks per function, taken in turn")
     parser.add_argument("--min-reps", type=int, default=5)
-    parser.add_argument("--budget", type=float, default=0.5, help="seconds per block (at least --min-reps runs)")
+    parser.add_argument(
+        "--budget", type=float, default=0.5, help="seconds per block (at least --min-reps runs)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 

@@ -10,6 +10,11 @@ program. Flows:
 * ``quantplug`` : ``quantplug.prepare(ep, X86InductorQuantizer)`` / ``quantplug.convert`` (the very
                   same annotations: torchao's quantizer annotates the graph)
 * ``reference`` : ``quantplug.prepare(ep, quantplug.get_quantizer("reference"))`` / convert
+* ``qnn_htp``   : ``quantplug.prepare(ep, quantplug.get_quantizer("qnn_htp", precision="16a8w"))``
+                  / convert (quantplug's own Qualcomm HTP rules)
+* ``executorch``: ``prepare_pt2e(ep.module(), QnnQuantizer)`` / ``convert_pt2e`` with ExecuTorch
+                  1.5.1's QnnQuantizer configured like ``qnn_htp``'s defaults (use_16a8w, per-channel
+                  conv weights, per-tensor linear weights, SM8750)
 
 Stage times are the minimum over repeats. Memory (peak RSS growth and tracemalloc peak of prepare
 and of convert) is measured in a separate, untimed pass.
@@ -23,6 +28,7 @@ import datetime as _dt
 import gc
 import io
 import json
+import logging
 import os
 import platform
 import pstats
@@ -42,7 +48,7 @@ from bench.models import build
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results"
 
-FLOWS = ("torchao", "quantplug", "reference")
+FLOWS = ("torchao", "quantplug", "reference", "qnn_htp", "executorch")
 
 
 # ----------------------------------------------------------------------------- flows
@@ -106,7 +112,39 @@ def make_flows(names: tuple[str, ...]) -> list[Flow]:
                 quantplug.convert,
             )
         )
+    if "qnn_htp" in names:
+        quantplug.get_quantizer("qnn_htp", precision="16a8w")  # raises now if the plugin is missing
+        flows.append(
+            Flow(
+                "qnn_htp",
+                lambda: quantplug.get_quantizer("qnn_htp", precision="16a8w"),
+                quantplug.prepare,
+                quantplug.convert,
+            )
+        )
+    if "executorch" in names:
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+        flows.append(
+            Flow(
+                "executorch", _executorch_quantizer, lambda ep, q: prepare_pt2e(ep.module(), q), convert_pt2e
+            )
+        )
     return flows
+
+
+def _executorch_quantizer() -> Any:
+    """ExecuTorch 1.5.1's QnnQuantizer with the settings of ``qnn_htp``'s 16a8w defaults."""
+    os.environ.setdefault("QNN_SDK_ROOT", "")  # or ExecuTorch tries to fetch an SDK on import
+    logging.getLogger().setLevel(logging.ERROR)  # its per-node "could not resolve quant range" notes
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+
+    quantizer = QnnQuantizer(soc_model=QcomChipset.SM8750)
+    quantizer.set_default_quant_config(
+        QuantDtype.use_16a8w, is_conv_per_channel=True, is_linear_per_channel=False
+    )
+    return quantizer
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -184,6 +222,7 @@ class FlowResult:
     prepare_s: list[float] = field(default_factory=list)
     convert_s: list[float] = field(default_factory=list)
     calib_s: list[float] = field(default_factory=list)
+    calib_later_s: list[float] = field(default_factory=list)  # batches after the first of a repeat
     qfwd_s: list[float] = field(default_factory=list)
     mem: dict[str, float | None] = field(default_factory=dict)
     prepared_nodes: int = 0
@@ -207,6 +246,7 @@ class ModelResult:
     repeats: int = 0
     flows: dict[str, FlowResult] = field(default_factory=dict)
     max_abs_diff_ao_qp: float | None = None
+    max_abs_diff_et_qnn: float | None = None
 
 
 def _count_qdq(gm: Any) -> tuple[int, int]:
@@ -235,6 +275,8 @@ def run_flow_once(
             t0 = _now()
             prepared(*inputs)
             res.calib_s.append(_now() - t0)
+            if i:
+                res.calib_later_s.append(res.calib_s[-1])
     gc.collect()
     converted, t = _timed(lambda: flow.convert(prepared))
     res.convert_s.append(t)
@@ -243,7 +285,7 @@ def run_flow_once(
     t, out = _forward_time(converted, batch(99), args.fwd_reps)
     res.qfwd_s.append(t)
     res.output = out
-    if flow.name == "torchao":
+    if flow.name in ("torchao", "executorch"):
         _clear_torchao_device_caches()
     return out
 
@@ -267,7 +309,7 @@ def measure_memory(flow: Flow, ep: Any, batch: Callable[[int], tuple[Any, ...]],
         "convert_tracemalloc_mb": m_conv.tm_peak_mb,
     }
     del prepared, converted
-    if flow.name == "torchao":
+    if flow.name in ("torchao", "executorch"):
         _clear_torchao_device_caches()
     gc.collect()
 
@@ -302,6 +344,9 @@ def bench_model(name: str, flows: list[Flow], args: Any, log: Callable[[str], No
     if "torchao" in result.flows and "quantplug" in result.flows:
         a, b = result.flows["torchao"].output, result.flows["quantplug"].output
         result.max_abs_diff_ao_qp = float((a - b).abs().max())
+    if "executorch" in result.flows and "qnn_htp" in result.flows:
+        a, b = result.flows["executorch"].output, result.flows["qnn_htp"].output
+        result.max_abs_diff_et_qnn = float((a - b).abs().max())
     if not args.no_memory:
         for flow in flows:
             measure_memory(flow, ep, batch, result.flows[flow.name])
@@ -324,7 +369,7 @@ def machine_description() -> dict[str, Any]:
     except OSError:
         pass
     versions: dict[str, str] = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("torchao", "quantplug", "quantplug_reference"):
+    for mod in ("torchao", "executorch", "quantplug", "quantplug_reference", "quantplug_qnn_htp"):
         try:
             from importlib.metadata import version
 
@@ -389,8 +434,11 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
         f"Stage times: minimum over repeats (column `reps`); calibration: minimum over "
         f"{args.calib_batches} batches × reps; forwards: minimum of {args.fwd_reps}. `nodes` = nodes of "
         "the exported graph; ms/node = (prepare + convert) / nodes. torchao's prepare includes "
-        "`ep.module()` (quantplug.prepare(ep) makes the same copy inside; the `ep.module()` column "
-        "times it alone). × = torchao / quantplug.",
+        "`ep.module()`, the GraphModule prepare_pt2e needs (quantplug.prepare(ep) builds its own "
+        "working copy from the ExportedProgram, inside its prepare time; the `ep.module()` column "
+        "times ep.module() alone). × = torchao / quantplug. `later` calibration columns: the "
+        "minimum over the batches after the first of each repeat (observers whose range grows "
+        "re-bin their histograms there).",
         "",
     ]
     if has["torchao"] and has["quantplug"]:
@@ -443,6 +491,10 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
             "×float",
             "quantplug calib",
             "×float",
+            "torchao later",
+            "×float",
+            "quantplug later",
+            "×float",
             "torchao Q/DQ fwd",
             "quantplug Q/DQ fwd",
             "torchao Q/DQ",
@@ -461,6 +513,10 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
                     _ratio(ac_, fl),
                     _ms(qc_),
                     _ratio(qc_, fl),
+                    _ms(a.best("calib_later_s")),
+                    _ratio(a.best("calib_later_s"), fl),
+                    _ms(q.best("calib_later_s")),
+                    _ratio(q.best("calib_later_s"), fl),
                     _ms(a.best("qfwd_s")),
                     _ms(q.best("qfwd_s")),
                     f"{a.q_nodes}/{a.dq_nodes}",
@@ -534,7 +590,71 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
                     _f(f.mem.get("convert_rss_mb"), 1),
                 )
             )
+    if has["qnn_htp"] and has["executorch"]:
+        lines += _qnn_section(results, args)
     return "\n".join(lines) + "\n"
+
+
+def _qnn_section(results: list[ModelResult], args: Any) -> list[str]:
+    lines = [
+        "",
+        "## `qnn_htp` (16a8w) vs ExecuTorch 1.5.1 QnnQuantizer (use_16a8w) "
+        "through torchao prepare_pt2e/convert_pt2e",
+        "",
+        "Same settings on both sides: 16-bit activations (moving-average min/max), 8-bit weights, "
+        "per-channel conv and per-tensor linear weights, SM8750. ExecuTorch's prepare includes "
+        "`ep.module()`. × = ExecuTorch / qnn_htp. The outputs differ where qnn_htp deliberately "
+        "differs (derived int32 biases, concat ranges; see plugins/qnn_htp/README.md).",
+        "",
+    ]
+    lines += _header(
+        "model",
+        "nodes",
+        "ExecuTorch prepare",
+        "qnn_htp prepare",
+        "ExecuTorch convert",
+        "qnn_htp convert",
+        "ExecuTorch p+c",
+        "qnn_htp p+c",
+        "×",
+        "ExecuTorch calib ×float",
+        "qnn_htp calib ×float",
+        "ExecuTorch Q/DQ fwd ms",
+        "qnn_htp Q/DQ fwd ms",
+        "ExecuTorch Q/DQ",
+        "qnn_htp Q/DQ",
+        "max abs diff",
+        "ExecuTorch p/c RSS MiB",
+        "qnn_htp p/c RSS MiB",
+    )
+    for r in results:
+        e, q = r.flows["executorch"], r.flows["qnn_htp"]
+        ep_, qp_ = e.best("prepare_s"), q.best("prepare_s")
+        ec, qc = e.best("convert_s"), q.best("convert_s")
+        diff = "–" if r.max_abs_diff_et_qnn is None else f"{r.max_abs_diff_et_qnn:.2e}"
+        lines.append(
+            _row(
+                r.name,
+                r.nodes,
+                _f(ep_),
+                _f(qp_),
+                _f(ec),
+                _f(qc),
+                _f(ep_ + ec),
+                _f(qp_ + qc),
+                _ratio(ep_ + ec, qp_ + qc),
+                _ratio(e.best("calib_s"), r.float_fwd_s),
+                _ratio(q.best("calib_s"), r.float_fwd_s),
+                _ms(e.best("qfwd_s")),
+                _ms(q.best("qfwd_s")),
+                f"{e.q_nodes}/{e.dq_nodes}",
+                f"{q.q_nodes}/{q.dq_nodes}",
+                diff,
+                f"{_f(e.mem.get('prepare_rss_mb'), 1)} / {_f(e.mem.get('convert_rss_mb'), 1)}",
+                f"{_f(q.mem.get('prepare_rss_mb'), 1)} / {_f(q.mem.get('convert_rss_mb'), 1)}",
+            )
+        )
+    return lines
 
 
 def plot(results: list[ModelResult], path: Path, log: Callable[[str], None]) -> bool:
@@ -547,7 +667,13 @@ def plot(results: list[ModelResult], path: Path, log: Callable[[str], None]) -> 
         log(f"matplotlib unavailable ({type(exc).__name__}); skipping the plot")
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"torchao": ("tab:red", "o"), "quantplug": ("tab:blue", "s"), "reference": ("tab:green", "^")}
+    styles = {
+        "torchao": ("tab:red", "o"),
+        "quantplug": ("tab:blue", "s"),
+        "reference": ("tab:green", "^"),
+        "executorch": ("tab:orange", "D"),
+        "qnn_htp": ("tab:purple", "v"),
+    }
     for flow, (color, marker) in styles.items():
         dec = [r for r in results if r.name.startswith("decoder-") and flow in r.flows]
         dec.sort(key=lambda r: r.nodes)
@@ -567,7 +693,10 @@ def plot(results: list[ModelResult], path: Path, log: Callable[[str], None]) -> 
     ax.set_xscale("log")
     ax.set_xlabel("exported graph nodes")
     ax.set_ylabel("prepare + convert, ms per node")
-    ax.set_title("prepare + convert per node (x = ResNet; reference = its own rules)", fontsize=10)
+    ax.set_title(
+        "prepare + convert per node (x = ResNet; torchao/quantplug: X86 rules; executorch/qnn_htp: 16a8w)",
+        fontsize=9,
+    )
     ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -673,8 +802,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         flows = make_flows(tuple(args.flows))
-    except ImportError as exc:
-        log(f"cannot import a peer ({exc}); run `bash bench/setup.sh` first")
+    except Exception as exc:
+        log(
+            f"cannot set up the flows {args.flows} ({type(exc).__name__}: {exc}); "
+            "run `bash bench/setup.sh` first"
+        )
         return 2
     machine = machine_description()
     log(f"machine: {machine['nproc']} CPUs, {machine['cpu_model']}, versions {machine['versions']}")

@@ -4,6 +4,7 @@ program (the numerical reference). Also the backend-neutral exporter
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections import Counter
@@ -32,8 +33,8 @@ def batches(shape: tuple[int, ...], n: int, seed: int) -> list[tuple[torch.Tenso
     return [(torch.randn(shape, generator=gen),) for _ in range(n)]
 
 
-def quantize(model: nn.Module, shape: tuple[int, ...], **options):  # type: ignore[no-untyped-def]
-    """(quantizer, converted program, artifact) of ``model`` through the reference backend."""
+def quantize(model: nn.Module, shape: tuple[int, ...], *, lower: bool = True, **options):  # type: ignore[no-untyped-def]
+    """(quantizer, converted program, artifact or None) of ``model`` through the reference backend."""
     options.setdefault("activation_observer", "minmax")
     ep = torch.export.export(model.eval(), batches(shape, 1, seed=0)[0])
     quantizer = quantplug.get_quantizer("reference", **options)
@@ -42,7 +43,7 @@ def quantize(model: nn.Module, shape: tuple[int, ...], **options):  # type: igno
         for batch in batches(shape, 8, seed=1):
             prepared(*batch)
     converted = quantplug.convert(prepared)
-    return quantizer, converted, quantplug.lower(converted, quantizer)
+    return quantizer, converted, quantplug.lower(converted, quantizer) if lower else None
 
 
 def output_scale(artifact) -> float:  # type: ignore[no-untyped-def]
@@ -79,13 +80,19 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def lowered(request):  # type: ignore[no-untyped-def]
-    ctor, shape = MODELS[request.param]
+@functools.lru_cache(maxsize=None)
+def lower_model(name: str):  # type: ignore[no-untyped-def]
+    """(name, float model, Q/DQ program, artifact) of one of MODELS (built once per session)."""
+    ctor, shape = MODELS[name]
     torch.manual_seed(0)
     model = ctor().eval()
-    quantizer, converted, artifact = quantize(model, shape)
-    return request.param, model, converted, artifact
+    _, converted, artifact = quantize(model, shape)
+    return name, model, converted, artifact
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def lowered(request):  # type: ignore[no-untyped-def]
+    return lower_model(request.param)
 
 
 # --- numerics -----------------------------------------------------------------------------------
@@ -160,8 +167,7 @@ def test_numpy_in_numpy_out(lowered) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_wrong_inputs_name_the_expected_shapes() -> None:
-    torch.manual_seed(0)
-    _, _, artifact = quantize(MLP(), MLP_SHAPE)
+    _, _, _, artifact = lower_model("mlp")
     from quantplug_reference.lowering import ArtifactInputError
 
     with pytest.raises(ArtifactInputError) as info:
@@ -302,7 +308,7 @@ def test_export_qdq_onnx_maps_every_encoding(tmp_path) -> None:  # type: ignore[
     from quantplug.lowering.onnx_export import export_qdq_onnx
 
     torch.manual_seed(0)
-    _, converted, _ = quantize(MLP(), MLP_SHAPE)
+    _, converted, _ = quantize(MLP(), MLP_SHAPE, lower=False)
     (x,) = batches(MLP_SHAPE, 1, seed=3)[0]
     result = export_qdq_onnx(converted, (x,), tmp_path / "m.onnx")
     assert result.path is not None and result.path.exists()
@@ -314,7 +320,7 @@ def test_export_qdq_onnx_maps_every_encoding(tmp_path) -> None:  # type: ignore[
     # the input's activation encoding sits on the graph input itself
     assert result.tensor_encodings["x"]["kind"] == "activation"
     # opset too old for 16-bit
-    _, converted16, _ = quantize(MLP(), MLP_SHAPE, preset="a16w8")
+    _, converted16, _ = quantize(MLP(), MLP_SHAPE, preset="a16w8", lower=False)
     with pytest.raises(quantplug.LoweringError, match="opset >= 21"):
         export_qdq_onnx(converted16, (x,), opset=17)
 

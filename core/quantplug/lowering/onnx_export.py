@@ -93,6 +93,9 @@ class OnnxExportResult:
     encodings: list[dict[str, Any]]
     tensor_encodings: dict[str, dict[str, Any]] = field(default_factory=dict)
     path: Path | None = None
+    #: the ``torch.export`` capture of the program that was exported, when it is the given
+    #: program unchanged (no per-block rewrite): a writer may save it instead of exporting again
+    exported_program: Any = None
 
     @property
     def input_names(self) -> list[str]:
@@ -198,6 +201,8 @@ def export_qdq_onnx(
         encodings=[dict(e) for e in table],
     )
     _map_encodings(result, name_map)
+    if program is quantized:
+        result.exported_program = exported
     if path is not None:
         result.path = result.save(path)
     return result

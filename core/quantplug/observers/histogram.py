@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from quantplug.errors import AnnotationError
@@ -20,8 +21,8 @@ _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
 # clipping search: coarse points per axis (1-D symmetric search, 2-D affine search), then each
 # refinement stage re-samples +-1 coarse step with _REFINE_POINTS points, shrinking the step 8x.
-_COARSE_1D = 1025
-_COARSE_2D = 129
+_COARSE_1D = 513
+_COARSE_2D = 33
 _REFINE_POINTS = 17
 
 
@@ -62,31 +63,32 @@ def rebin_histogram(
 class _HistStats:
     """Prefix sums of a histogram in bin units, so each candidate grid's error costs O(1).
 
-    The sums are laid out as rows (``[p0, p1, p2]`` per bin edge, ``[cdf, mass]`` per bin) so
-    each candidate reads what it needs with one ``index_select`` per table.
+    Kept as float64 NumPy arrays: the search evaluates a few hundred candidates per refinement
+    stage, where the per-call overhead of torch ops would dominate. The sums are laid out as
+    rows (``[p0, p1, p2]`` per bin edge, ``[mass left of bin, bin mass]`` per bin) so that
+    each candidate reads what it needs with one gather per table.
     """
 
     def __init__(self, hist: torch.Tensor) -> None:
-        h = hist.detach().to(device="cpu", dtype=torch.float64)
-        self.bins = h.numel()
-        centres = torch.arange(self.bins, dtype=torch.float64) + 0.5
-        zero = h.new_zeros(1)
+        h = hist.detach().to(device="cpu", dtype=torch.float64).numpy()
+        self.bins = h.size
+        centres = np.arange(self.bins, dtype=np.float64) + 0.5
         self.hist = h
-        self.p0 = torch.cat([zero, h.cumsum(0)])
-        self.p1 = torch.cat([zero, (h * centres).cumsum(0)])
-        self.p2 = torch.cat([zero, (h * centres * centres).cumsum(0)])
-        self.moments = torch.stack([self.p0, self.p1, self.p2], dim=1)  # [bins + 1, 3]
+        self.p0 = np.concatenate(([0.0], np.cumsum(h)))
+        p1 = np.concatenate(([0.0], np.cumsum(h * centres)))
+        p2 = np.concatenate(([0.0], np.cumsum(h * centres * centres)))
+        self.moments = np.stack([self.p0, p1, p2], axis=1)  # [bins + 1, 3]
         self.totals = self.moments[-1]
-        self.bin_table = torch.stack([self.p0[:-1], h], dim=1)  # [bins, 2]: mass left of bin, bin mass
+        self.bin_table = np.stack([self.p0[:-1], h], axis=1)  # [bins, 2]
 
-    def _cdf(self, positions: torch.Tensor) -> torch.Tensor:
-        """Mass left of ``positions`` (like ``_cdf_at``, one gather)."""
-        t = positions.clamp(0.0, float(self.bins))
-        j = t.floor().clamp_(max=self.bins - 1)
-        left, mass = self.bin_table.index_select(0, j.long()).unbind(1)
-        return left + mass * (t - j)
+    def _cdf(self, positions: np.ndarray) -> np.ndarray:
+        """Mass left of ``positions`` (bin units) under the piecewise-uniform histogram."""
+        t = np.clip(positions, 0.0, float(self.bins))
+        j = np.minimum(np.floor(t), self.bins - 1)
+        rows = self.bin_table[j.astype(np.int64)]
+        return rows[:, 0] + rows[:, 1] * (t - j)
 
-    def expected_error(self, lower: torch.Tensor, upper: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    def expected_error(self, lower: np.ndarray, upper: np.ndarray, step: np.ndarray) -> np.ndarray:
         """Summed squared error of quantizing the histogram onto grids ``[lower, upper]`` of ``step``.
 
         Everything is in bin units. Mass outside the grid is clipped to its edge (exact integral
@@ -96,31 +98,35 @@ class _HistStats:
         bins, h = self.bins, self.hist
 
         # below the grid: whole bins left of lower's bin, then the part of lower's own bin
-        jl = lower.floor()
-        p0, p1, p2 = self.moments.index_select(0, jl.clamp(0, bins).long()).unbind(1)
+        jl = np.floor(lower)
+        below = self.moments[np.clip(jl, 0, bins).astype(np.int64)]
+        p0, p1, p2 = below[:, 0], below[:, 1], below[:, 2]
         low = lower * lower * p0 - 2.0 * lower * p1 + p2 + p0 / 12.0
         inside_l = (jl >= 0) & (jl <= bins - 1)
-        part_l = h.index_select(0, jl.clamp(0, bins - 1).long()) * (lower - jl) ** 3 / 3.0
-        low = low + torch.where(inside_l, part_l, torch.zeros_like(part_l))
+        frac_l = lower - jl
+        part_l = h[np.clip(jl, 0, bins - 1).astype(np.int64)] * (frac_l * frac_l * frac_l) / 3.0
+        low = low + np.where(inside_l, part_l, 0.0)
 
         # above the grid: whole bins right of upper's bin, then the part of upper's own bin
-        ju = upper.floor()
-        m0, m1, m2 = (self.totals - self.moments.index_select(0, (ju + 1).clamp(0, bins).long())).unbind(1)
+        ju = np.floor(upper)
+        above = self.totals - self.moments[np.clip(ju + 1, 0, bins).astype(np.int64)]
+        m0, m1, m2 = above[:, 0], above[:, 1], above[:, 2]
         high = m2 - 2.0 * upper * m1 + upper * upper * m0 + m0 / 12.0
         inside_u = (ju >= 0) & (ju <= bins - 1)
-        part_u = h.index_select(0, ju.clamp(0, bins - 1).long()) * (ju + 1.0 - upper) ** 3 / 3.0
-        high = high + torch.where(inside_u, part_u, torch.zeros_like(part_u))
+        frac_u = ju + 1.0 - upper
+        part_u = h[np.clip(ju, 0, bins - 1).astype(np.int64)] * (frac_u * frac_u * frac_u) / 3.0
+        high = high + np.where(inside_u, part_u, 0.0)
 
-        mass_in = (self._cdf(upper) - self._cdf(lower)).clamp(min=0.0)
+        mass_in = np.maximum(self._cdf(upper) - self._cdf(lower), 0.0)
         return low + high + mass_in * step * step / 12.0
 
     def quantile(self, q: float) -> float:
         """Position (bin units) below which a fraction ``q`` of the mass lies."""
         total = float(self.p0[-1])
-        target = torch.tensor([q * total], dtype=torch.float64)
-        j = int(torch.searchsorted(self.p0[1:], target).clamp(max=self.bins - 1))
+        target = q * total
+        j = min(int(np.searchsorted(self.p0[1:], target)), self.bins - 1)
         mass = float(self.hist[j])
-        frac = (float(target) - float(self.p0[j])) / mass if mass > 0 else 0.0
+        frac = (target - float(self.p0[j])) / mass if mass > 0 else 0.0
         return j + min(max(frac, 0.0), 1.0)
 
 
@@ -229,21 +235,48 @@ class HistogramObserver(ObserverBase):
         return self._mse_search(stats, data_min, data_max)
 
     def _candidate_ranges(
-        self, fracs: list[torch.Tensor], data_min: float, data_max: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, fracs: list[np.ndarray], data_min: float, data_max: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Map search coordinates in [0, 1] to candidate ``(min, max)`` pairs."""
         if self.symmetric:
             bound = max(abs(data_min), abs(data_max))
             return -bound * fracs[0], bound * fracs[0]
         return min(data_min, 0.0) * fracs[0], max(data_max, 0.0) * fracs[1]
 
+    def _grids(
+        self, lo: np.ndarray, hi: np.ndarray, symmetric_zero_point: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``_qparams`` of each candidate range, in NumPy: the same float32 steps as
+        :func:`~quantplug.observers.base.qparams_from_range`, so the searched grids are the ones
+        ``calculate_qparams`` returns."""
+        f32 = np.float32
+        min_neg = np.minimum(lo.astype(f32), f32(0.0))
+        max_pos = np.maximum(hi.astype(f32), f32(0.0))
+        eps = f32(self.eps)
+        levels = float(self.quant_max - self.quant_min)
+        if self.symmetric:
+            max_pos = np.maximum(-min_neg, max_pos)
+            scale = np.maximum(max_pos / f32(levels / 2), eps)
+            zero_point = np.full(scale.shape, symmetric_zero_point, dtype=np.int64)
+        else:
+            scale = np.maximum((max_pos - min_neg) / f32(levels), eps)
+            zero_point = self.quant_min - np.round(min_neg / scale).astype(np.int32)
+            zero_point = np.clip(zero_point, self.quant_min, self.quant_max)
+        return scale, zero_point
+
     def _grid_error(
-        self, stats: _HistStats, lo: torch.Tensor, hi: torch.Tensor, data_min: float, width: float
-    ) -> torch.Tensor:
+        self,
+        stats: _HistStats,
+        lo: np.ndarray,
+        hi: np.ndarray,
+        data_min: float,
+        width: float,
+        symmetric_zero_point: int = 0,
+    ) -> np.ndarray:
         """Expected error of the grids ``_qparams`` would build from each candidate range."""
-        scale, zero_point = self._qparams(lo.float(), hi.float())
-        s = scale.double()
-        zp = zero_point.double()
+        scale, zero_point = self._grids(lo, hi, symmetric_zero_point)
+        s = scale.astype(np.float64)
+        zp = zero_point.astype(np.float64)
         lower = ((self.quant_min - zp) * s - data_min) / width
         upper = ((self.quant_max - zp) * s - data_min) / width
         return stats.expected_error(lower, upper, s / width)
@@ -263,15 +296,16 @@ class HistogramObserver(ObserverBase):
             active = [data_min < 0.0, data_max > 0.0]
             points = _COARSE_2D
         spans = [(0.0, 1.0) if a else (1.0, 1.0) for a in active]
+        # a symmetric grid's zero point does not depend on the range (0, or mid-grid if unsigned)
+        symmetric_zero_point = int(self._qparams(torch.tensor(-1.0), torch.tensor(1.0))[1].reshape(-1)[0])
         target_step = 1.0 / (self.bins * self.upsample_rate)
         best: list[float] = [1.0] * len(spans)
         while True:
-            axes = [torch.linspace(a, b, points if b > a else 1, dtype=torch.float64) for a, b in spans]
-            mesh = torch.meshgrid(*axes, indexing="ij")
-            flat = [m.reshape(-1) for m in mesh]
+            axes = [np.linspace(a, b, points if b > a else 1, dtype=np.float64) for a, b in spans]
+            flat = [m.reshape(-1) for m in np.meshgrid(*axes, indexing="ij")]
             lo, hi = self._candidate_ranges(flat, data_min, data_max)
-            err = self._grid_error(stats, lo, hi, data_min, width)
-            k = int(torch.argmin(err))
+            err = self._grid_error(stats, lo, hi, data_min, width, symmetric_zero_point)
+            k = int(np.argmin(err))
             best = [float(f[k]) for f in flat]
             step = max((b - a) / (points - 1) for a, b in spans)
             if step <= target_step:
@@ -283,9 +317,7 @@ class HistogramObserver(ObserverBase):
                 for v, (a, b) in zip(best, spans)
             ]
             points = _REFINE_POINTS
-        lo_t, hi_t = self._candidate_ranges(
-            [torch.tensor(v, dtype=torch.float64) for v in best], data_min, data_max
-        )
+        lo_t, hi_t = self._candidate_ranges([np.float64(v) for v in best], data_min, data_max)
         return float(lo_t), float(hi_t)
 
     def extra_repr(self) -> str:

@@ -148,7 +148,9 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
     if fused:
         _map_fused_weights(result, program, fused)
     disabled = _optimize_for_ort(result)
-    exported = torch.export.export(program, args)
+    exported = result.exported_program if for_onnx is program else None
+    if exported is None:
+        exported = torch.export.export(program, args)
     buffer = io.BytesIO()
     torch.export.save(exported, buffer)
     table = result.encodings
