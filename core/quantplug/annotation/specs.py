@@ -54,7 +54,13 @@ class QuantizationSpec(QuantizationSpecBase):
 
     def __post_init__(self) -> None:
         resolve_range(self.dtype, self.quant_min, self.quant_max)
-        if self.qscheme in PER_CHANNEL_QSCHEMES and self.ch_axis is None and self.block_size is None:
+        if self.is_dynamic and self.qscheme in PER_CHANNEL_QSCHEMES:
+            # dynamic per-channel means per-token (one scale per row of the last dimension)
+            if self.dtype != torch.int8:
+                raise AnnotationError(
+                    f"dynamic per-token quantization supports dtype torch.int8 only, got {self.dtype}"
+                )
+        elif self.qscheme in PER_CHANNEL_QSCHEMES and self.ch_axis is None and self.block_size is None:
             raise AnnotationError(f"per-channel qscheme {self.qscheme} needs ch_axis")
         if self.block_size is not None:
             object.__setattr__(self, "block_size", tuple(int(b) for b in self.block_size))
