@@ -26,7 +26,12 @@ def digits() -> dict[str, torch.Tensor]:
     y = torch.tensor(data.target, dtype=torch.int64)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
-    return {"x_train": x[:-TEST_SIZE], "y_train": y[:-TEST_SIZE], "x_test": x[-TEST_SIZE:], "y_test": y[-TEST_SIZE:]}
+    return {
+        "x_train": x[:-TEST_SIZE],
+        "y_train": y[:-TEST_SIZE],
+        "x_test": x[-TEST_SIZE:],
+        "y_test": y[-TEST_SIZE:],
+    }
 
 
 class DigitsMLP(nn.Module):

@@ -80,7 +80,7 @@ MODELS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lower_model(name: str):  # type: ignore[no-untyped-def]
     """(name, float model, Q/DQ program, artifact) of one of MODELS (built once per session)."""
     ctor, shape = MODELS[name]
@@ -112,7 +112,9 @@ def test_ort_is_within_one_step_of_the_qdq_program(lowered) -> None:  # type: ig
 def test_ort_runs_integer_kernels(lowered, tmp_path) -> None:  # type: ignore[no-untyped-def]
     name, _, _, artifact = lowered
     kernels = ort_kernels(artifact, tmp_path)
-    float_heavy = {k for k in ("Conv", "FusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMul") if kernels[k]}
+    float_heavy = {
+        k for k in ("Conv", "FusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMul") if kernels[k]
+    }
     assert not float_heavy, f"{name}: float kernels left: {kernels}"
     if name == "conv":
         assert kernels["QLinearConv"] == 3 and kernels["QLinearAdd"] == 1, kernels
@@ -129,7 +131,9 @@ def test_artifact_files_and_encodings(lowered, tmp_path) -> None:  # type: ignor
     assert {"model.onnx", "encodings.json", "model.pt2", "artifact.json"} <= written
     model = onnx.load(str(tmp_path / "out" / "model.onnx"))
     assert max(i.version for i in model.opset_import if i.domain in ("", "ai.onnx")) >= 21
-    names = {v for n in model.graph.node for v in (*n.input, *n.output)} | {t.name for t in model.graph.initializer}
+    names = {v for n in model.graph.node for v in (*n.input, *n.output)} | {
+        t.name for t in model.graph.initializer
+    }
     doc = json.loads((tmp_path / "out" / "encodings.json").read_text())
     assert len(doc["encodings"]) == len(encodings(converted))
     nodes = {n.name: n for n in model.graph.node}
@@ -270,8 +274,14 @@ def test_weight_only_and_dynamic_presets_match_through_onnx(preset: str, options
     if "group_size" in options or preset == "weight_only_int4":
         blocked = [n for n in dqs if any(a.name == "block_size" and a.i > 0 for a in n.attribute)]
         assert len(blocked) == 3, "embedding and both linears use blocked DequantizeLinear"
+    kernels = ort_kernels(artifact, tmp_path)
     if preset == "dynamic_int8":
         assert not any(n.op_type == "QuantizeLinear" for n in model_proto.graph.node)  # no static encodings
+        assert kernels["MatMulInteger"] == 2, kernels  # integer products on the per-token int8 input
+    elif preset == "weight_only_int4":
+        assert kernels["MatMulNBits"] == 2, kernels  # packed 4-bit weights read directly
+    else:
+        assert not kernels["DequantizeLinear"], kernels  # int8 weights dequantized once, at load
 
 
 def test_a16w8_uses_16_bit_qdq_in_onnx() -> None:
@@ -290,15 +300,25 @@ def test_a16w8_uses_16_bit_qdq_in_onnx() -> None:
         assert float((artifact.run(x) - converted(x)).abs().max()) <= step * 1.001
 
 
-def test_signed_activations_and_per_tensor_weights_through_onnx(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("ctor", "shape", "options"),
+    [
+        # int8 activations in 3-D linears: ORT's MatMulAddFusion breaks them (the session would
+        # not load); the artifact's sessions run without it
+        (AttentionBlock, ATTN_SHAPE, {"activation_dtype": "int8"}),
+        (MLP, MLP_SHAPE, {"preset": "int8_per_tensor"}),
+    ],
+    ids=["int8-activations", "per-tensor-weights"],
+)
+def test_signed_activations_and_per_tensor_weights_through_onnx(ctor, shape, options, tmp_path) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    for options in ({"activation_dtype": "int8"}, {"preset": "int8_per_tensor"}):
-        _, converted, artifact = quantize(MLP(), MLP_SHAPE, **options)
-        step = output_scale(artifact)
-        (x,) = batches(MLP_SHAPE, 1, seed=99)[0]
-        assert float((artifact.run(x) - converted(x)).abs().max()) <= step * 1.001
-        kernels = ort_kernels(artifact, tmp_path)
-        assert not kernels["Gemm"] and not kernels["FusedGemm"], kernels
+    _, converted, artifact = quantize(ctor(), shape, **options)
+    step = output_scale(artifact)
+    (x,) = batches(shape, 1, seed=99)[0]
+    assert float((artifact.run(x) - converted(x)).abs().max()) <= step * 1.001
+    kernels = ort_kernels(artifact, tmp_path)
+    integer = kernels["QGemm"] + kernels["QLinearMatMul"] + kernels["MatMulIntegerToFloat"]
+    assert integer >= 3, kernels
 
 
 # --- the exporter itself ------------------------------------------------------------------------
@@ -327,7 +347,14 @@ def test_export_qdq_onnx_maps_every_encoding(tmp_path) -> None:  # type: ignore[
 
 @pytest.mark.parametrize(
     ("shape", "block"),
-    [((8, 64), (1, 16)), ((8, 64), (2, 16)), ((8, 64), (8, 16)), ((8, 64), (1, 64)), ((8, 64), (8, 64)), ((4, 6, 8), (1, 3, 4))],
+    [
+        ((8, 64), (1, 16)),
+        ((8, 64), (2, 16)),
+        ((8, 64), (8, 16)),
+        ((8, 64), (1, 64)),
+        ((8, 64), (8, 64)),
+        ((4, 6, 8), (1, 3, 4)),
+    ],
 )
 def test_onnx_block_form_matches_quantplug_per_block(shape, block) -> None:  # type: ignore[no-untyped-def]
     """The ONNX form of per-block qparams (one blocked axis, others spread out) is exact."""

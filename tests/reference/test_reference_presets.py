@@ -143,9 +143,17 @@ def test_weight_only_presets(token_model, preset: str, group_size: int, dtype: s
     assert tail["granularity"] == "channel", "40 inputs are not a multiple of the group: per channel"
     # convs, biases and activations are untouched
     assert _weight_dq(converted, "conv1d").op == "get_attr"
-    assert not any(t in targets(converted) for t in (qd.quantize_per_tensor.default, qd.quantize_per_channel.default))
+    assert not any(
+        t in targets(converted) for t in (qd.quantize_per_tensor.default, qd.quantize_per_channel.default)
+    )
     report = q.coverage(ep)
-    assert {n.node for n in report.nodes if n.quantized} == {"embedding", "linear", "linear_1", "linear_2", "linear_3"}
+    assert {n.node for n in report.nodes if n.quantized} == {
+        "embedding",
+        "linear",
+        "linear_1",
+        "linear_2",
+        "linear_3",
+    }
     (idx,) = token_batches(1, seed=7)[0]
     expected_sqnr = 30 if "int8" in preset else 14
     assert sqnr(model(idx), converted(idx)) > expected_sqnr
@@ -267,7 +275,15 @@ def test_every_op_the_xnnpack_quantizer_annotates_has_a_rule() -> None:
         "aten.cat.default",
         "aten.adaptive_avg_pool2d.default",
     }
-    assert set(xnn.OP_TO_ANNOTATOR) >= {"linear", "conv", "conv_transpose_relu", "gru_io_only", "add_relu", "mul_relu", "cat"}
+    assert set(xnn.OP_TO_ANNOTATOR) >= {
+        "linear",
+        "conv",
+        "conv_transpose_relu",
+        "gru_io_only",
+        "add_relu",
+        "mul_relu",
+        "cat",
+    }
     assert (shared | annotated) - _reference_ops() == set()
 
 

@@ -83,8 +83,9 @@ def per_group_weight(dtype: torch.dtype, group: int) -> QuantizationSpec:
 
 
 def weight_only_spec(preset: str, group_size: int) -> QuantizationSpec:
-    dtype = torch.int4 if preset == "weight_only_int4" else torch.int8
-    if dtype == torch.int4 and not group_size:
+    int4: torch.dtype = torch.int4  # type: ignore[attr-defined]
+    dtype = int4 if preset == "weight_only_int4" else torch.int8
+    if dtype == int4 and not group_size:
         group_size = DEFAULT_INT4_GROUP
     return per_group_weight(dtype, group_size) if group_size else per_channel_weight(dtype)
 
@@ -106,11 +107,16 @@ def build_config(preset: str, options: Mapping[str, Any]) -> QuantizationConfig:
         return QuantizationConfig(input_activation=None, output_activation=None, weight=weight, bias=None)
     if preset == "dynamic_int8":
         return QuantizationConfig(
-            input_activation=dynamic_token_spec(), output_activation=None, weight=per_channel_weight(), bias=None
+            input_activation=dynamic_token_spec(),
+            output_activation=None,
+            weight=per_channel_weight(),
+            bias=None,
         )
     if preset not in STATIC_PRESETS:
         raise OptionError(f"reference backend has no preset {preset!r}; valid presets: {', '.join(PRESETS)}")
-    act_dtype = torch.uint16 if preset == "a16w8" else getattr(torch, options.get("activation_dtype") or "uint8")
+    act_dtype = (
+        torch.uint16 if preset == "a16w8" else getattr(torch, options.get("activation_dtype") or "uint8")
+    )
     if preset == "a16w8" and options.get("activation_dtype") == "int8":
         act_dtype = torch.int16
     act = QuantizationSpec(

@@ -36,7 +36,13 @@ def _dynamic_linear(
 ) -> torch.Tensor:
     x = qd.dequantize_per_token.default(q, scale, zero_point, -128, 127, torch.int8, torch.float32)
     w = qd.dequantize_per_channel.default(
-        weight_t.t().contiguous(), weight_scale, torch.zeros_like(weight_scale, dtype=torch.int64), 0, -127, 127, torch.int8
+        weight_t.t().contiguous(),
+        weight_scale,
+        torch.zeros_like(weight_scale, dtype=torch.int64),
+        0,
+        -127,
+        127,
+        torch.int8,
     )
     return torch.nn.functional.linear(x, w, bias)
 
@@ -95,7 +101,9 @@ def fuse_dynamic_linears(gm: GraphModule) -> dict[str, dict[str, str]]:
             new = gm.graph.call_function(
                 dynamic_linear, (q, scale, zero_point, wt_node, ws_node, sums_node, bias)
             )
-        new.meta.update({k: v for k, v in linear.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        new.meta.update(
+            {k: v for k, v in linear.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
+        )
         linear.replace_all_uses_with(new)
         gm.graph.erase_node(linear)
         fused[w.name] = {"quantized": name + "_t", "scale": name + "_wscale"}
@@ -114,7 +122,9 @@ def _t_dynamic_linear(
     """ONNX translation: integer product of the uint8-shifted activation and the int8 weight."""
     import numpy as np
     import onnx_ir as ir
-    from onnxscript import opset21 as op
+    import onnxscript
+
+    op: Any = onnxscript.opset21
 
     def const(value: Any, dtype: Any) -> Any:
         return op.Constant(value=ir.tensor(np.array(value, dtype=dtype)))
@@ -129,4 +139,3 @@ def _t_dynamic_linear(
 
 def translations() -> dict[Any, Any]:
     return {dynamic_linear: _t_dynamic_linear}
-

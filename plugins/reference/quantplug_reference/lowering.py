@@ -46,6 +46,7 @@ class ReferenceArtifact(Artifact):
     outputs: list[Any] = field(default_factory=list)
     threads: int = 0
     disabled_optimizers: list[str] = field(default_factory=list)
+    session_config: dict[str, str] = field(default_factory=dict)
     _session: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -80,6 +81,8 @@ class ReferenceArtifact(Artifact):
         # (4) then quantizes the *activations* to int8 on the fly, which the Q/DQ program does not
         # do. Level 1 keeps them float (the weights stay 4/8-bit): results match the program.
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+        for key, value in self.session_config.items():
+            options.add_session_config_entry(key, value)
         options.log_severity_level = 3
         extra = {"disabled_optimizers": list(self.disabled_optimizers)} if self.disabled_optimizers else {}
         return ort.InferenceSession(self.onnx_model, options, providers=[ORT_PROVIDER], **extra)
@@ -147,7 +150,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
     result = export_qdq_onnx(for_onnx, args, opset=opset, custom_translations=translations)
     if fused:
         _map_fused_weights(result, program, fused)
-    disabled = _optimize_for_ort(result)
+    disabled, config = _optimize_for_ort(result)
     exported = result.exported_program if for_onnx is program else None
     if exported is None:
         exported = torch.export.export(program, args)
@@ -160,7 +163,12 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
         for name in (info.get("tensor"), info.get("quantized"), *info.get("dequantized", ())):
             if name:
                 onnx_tensors.setdefault(name, i)
-    doc = {"version": 2, "model": "model.onnx", "encodings": table, "onnx_tensors": dict(sorted(onnx_tensors.items()))}
+    doc = {
+        "version": 2,
+        "model": "model.onnx",
+        "encodings": table,
+        "onnx_tensors": dict(sorted(onnx_tensors.items())),
+    }
     return ReferenceArtifact(
         backend=context.backend,
         files={
@@ -175,11 +183,13 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
             "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in result.inputs],
             "outputs": [{"name": o.name, "shape": list(o.shape), "dtype": o.dtype} for o in result.outputs],
             "ort_disabled_optimizers": list(disabled),
+            "ort_session_config": config,
         },
         inputs=list(result.inputs),
         outputs=list(result.outputs),
         threads=int(context.option("ort_threads", 0) or 0),
         disabled_optimizers=list(disabled),
+        session_config=dict(config),
     )
 
 
@@ -225,19 +235,37 @@ def _map_fused_weights(result: Any, program: GraphModule, fused: dict[str, dict[
     result.encodings = merged
 
 
-def _optimize_for_ort(result: Any) -> tuple[str, ...]:
-    """4-bit weights stored as INT4 and weight-only linears spelled for ``MatMulNBits``
-    (``ort_passes``); the encodings' ONNX names follow. Returns ORT optimizers to disable."""
+def _optimize_for_ort(result: Any) -> tuple[tuple[str, ...], dict[str, str]]:
+    """4-bit weights stored as INT4 and 4-bit weight-only linears spelled for ``MatMulNBits``
+    (``ort_passes``); the encodings' ONNX names follow. Returns the ORT optimizers to disable and
+    the session config entries the model runs best with."""
     from quantplug.lowering.onnx_export import pack_int4_constants
-    from quantplug_reference.ort_passes import DISABLED_OPTIMIZERS, weight_only_matmuls
+    from quantplug_reference.ort_passes import DISABLED_OPTIMIZERS, int4_weight_matmuls, session_config
 
     pack_int4_constants(result)
-    rewritten = weight_only_matmuls(result.model)
-    if not rewritten:
-        return ()
+    rewritten = int4_weight_matmuls(result.model)
+    disabled = DISABLED_OPTIMIZERS if rewritten or _signed_8bit_activations(result.model) else ()
     for entry in result.encodings:
         info = entry.get("onnx")
         if entry["kind"] == "constant" and info and info["tensor"] in rewritten:
             info.update(rewritten[info["tensor"]])
             info["transposed"] = True  # stored as W^T [in, out], scales on the matching axis
-    return DISABLED_OPTIMIZERS
+    return disabled, session_config(result.model)
+
+
+def _signed_8bit_activations(model: Any) -> bool:
+    """Whether some activation is quantized to int8. ORT 1.31's MatMulAddFusion breaks such models
+    when it reshapes a 3-D linear input (it writes an int8 QuantizeLinear with a uint8 zero point:
+    the session fails to load), so their sessions run without it."""
+    from onnx import TensorProto
+
+    typed = {t.name: t.data_type for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute:
+            typed[node.output[0]] = node.attribute[0].t.data_type
+    return any(
+        node.op_type == "QuantizeLinear"
+        and len(node.input) > 2
+        and typed.get(node.input[2]) == TensorProto.INT8
+        for node in model.graph.node
+    )

@@ -15,7 +15,11 @@ INFO = BackendInfo(
     options=(
         BackendOption("preset", str, "int8", "precision preset", choices=tuple(configs.PRESETS)),
         BackendOption(
-            "activation_dtype", str, "uint8", "8-bit activation grid (16-bit for a16w8)", choices=("uint8", "int8")
+            "activation_dtype",
+            str,
+            "uint8",
+            "8-bit activation grid (16-bit for a16w8)",
+            choices=("uint8", "int8"),
         ),
         BackendOption(
             "activation_observer",
@@ -33,7 +37,9 @@ INFO = BackendInfo(
             choices=configs.GROUP_SIZES,
         ),
         BackendOption("onnx_opset", int, 21, "ONNX opset of the lowered model (>= 21 for 16/4-bit)"),
-        BackendOption("ort_threads", int, 0, "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)"),
+        BackendOption(
+            "ort_threads", int, 0, "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)"
+        ),
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
     preset_option="preset",
@@ -51,7 +57,9 @@ def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]
 
 
 @quantplug.hookimpl
-def quantplug_quantization_config(preset: str | None, context: BackendContext) -> quantplug.QuantizationConfig:
+def quantplug_quantization_config(
+    preset: str | None, context: BackendContext
+) -> quantplug.QuantizationConfig:
     return configs.build_config(preset or "int8", context.options)
 
 

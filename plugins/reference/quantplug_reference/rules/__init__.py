@@ -83,6 +83,7 @@ RULE_MODULES: tuple[RulesModule, ...] = (
             "aten.mean.dim",
             "aten.mean.default",
             "aten.sum.dim_IntList",
+            "aten.sum.default",
         ],
     ),
     RulesModule(
@@ -157,5 +158,7 @@ RULE_MODULES: tuple[RulesModule, ...] = (
     ),
     RulesModule(_P + "embedding_rules", ["aten.embedding.default"]),
     RulesModule(_P + "attention_rules", ["aten.scaled_dot_product_attention.default"]),
-    RulesModule(_P + "rnn_rules", ["aten.gru.input", "aten.lstm.input", "aten.rnn_tanh.input", "aten.rnn_relu.input"]),
+    RulesModule(
+        _P + "rnn_rules", ["aten.gru.input", "aten.lstm.input", "aten.rnn_tanh.input", "aten.rnn_relu.input"]
+    ),
 )

@@ -82,7 +82,9 @@ def fixed_output_spec(
     )
 
 
-@register_annotator([aten.sigmoid.default, aten.sigmoid_.default, aten.hardsigmoid.default, aten.hardsigmoid_.default])
+@register_annotator(
+    [aten.sigmoid.default, aten.sigmoid_.default, aten.hardsigmoid.default, aten.hardsigmoid_.default]
+)
 def annotate_sigmoid(node: Node, config: QuantizationConfig) -> None:
     _annotate_fixed(node, config, 0.0, 1.0)
 

@@ -26,7 +26,9 @@ from quantplug_reference.rules.fusion import has_fused_activation
 
 aten = torch.ops.aten
 
-TRANSPOSED = frozenset({aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input})
+TRANSPOSED = frozenset(
+    {aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
+)
 #: position of ``groups`` in the transposed convolutions' schema
 _GROUPS_INDEX = 6
 

@@ -38,5 +38,3 @@ def annotate_embedding(node: Node, config: QuantizationConfig) -> None:
         annotate_node(node, {table: weight})  # type: ignore[dict-item]
     else:
         annotate_node(node, {table: weight}, SharedQuantizationSpec((table, node)))  # type: ignore[dict-item]
-
-

@@ -33,6 +33,7 @@ def annotate_max_pool(node: Node, config: QuantizationConfig) -> None:
         aten.mean.dim,
         aten.mean.default,
         aten.sum.dim_IntList,
+        aten.sum.default,
     ]
 )
 def annotate_average(node: Node, config: QuantizationConfig) -> None:
