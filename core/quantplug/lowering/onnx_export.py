@@ -153,7 +153,8 @@ def export_qdq_onnx(
         raise LoweringError(f"ONNX opset {opset} is too old for QDQ models; use opset >= {MIN_OPSET}")
     if not isinstance(quantized, GraphModule):
         raise LoweringError(
-            f"export_qdq_onnx expects the GraphModule returned by quantplug.convert(), got {type(quantized).__name__}"
+            "export_qdq_onnx expects the GraphModule returned by quantplug.convert(), "
+            f"got {type(quantized).__name__}"
         )
     from quantplug.flow.inspect import encodings as read_encodings
     from quantplug.flow.inspect import example_inputs as make_inputs
@@ -191,6 +192,8 @@ def export_qdq_onnx(
             )
         except Exception as exc:
             raise _export_error(exc, exported) from exc
+    if onnx_program is None:
+        raise LoweringError("torch.onnx.export returned no ONNX program")
     model = onnx_program.model_proto
     _fix_opset(model, opset)
     result = OnnxExportResult(
@@ -342,8 +345,8 @@ def _rewrite_block_node(gm: GraphModule, node: Node) -> None:
     scale, zero_point, axis, block = onnx_block_form(
         _attr(gm, scale_node),
         _attr(gm, zp_node),
-        list(block_size),
-        shape,  # type: ignore[arg-type]
+        [int(b) for b in block_size],  # type: ignore[union-attr,arg-type]
+        shape,
     )
     from quantplug.annotation.dtypes import storage_dtype
 
@@ -775,7 +778,7 @@ def pack_int4_constants(result: OnnxExportResult) -> list[str]:
     for node in graph.node:
         for name in node.input:
             users.setdefault(name, []).append(node)
-    wanted: dict[str, int] = {}  # initializer -> ONNX 4-bit type
+    wanted: dict[str, Any] = {}  # initializer -> ONNX 4-bit type
     for entry in result.encodings:
         info = entry.get("onnx")
         if entry["kind"] != "constant" or info is None:
