@@ -770,7 +770,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
     p.add_argument(
-        "--profile", type=int, default=None, metavar="N", help="also cProfile quantplug on decoder-N"
+        "--profile",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="N",
+        help="also cProfile quantplug prepare+convert (X86 annotations) on decoder-N, for each N",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
@@ -831,8 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
     if plot(results, out_dir / "prepare_convert_ms_per_node.png", log):
         log(f"plot written to {out_dir / 'prepare_convert_ms_per_node.png'}")
-    if args.profile:
-        profile_quantplug(args.profile, out_dir, log)
+    for n_blocks in args.profile:
+        profile_quantplug(n_blocks, out_dir, log)
     log(f"results written to {out_dir}")
     return 0
 

@@ -22,7 +22,7 @@ from quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
-from quantplug.flow.graph_copy import AttrNamer
+from quantplug.flow.graph_copy import AttrNamer, paused_gc
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
 from quantplug.observers.accelerated import fresh_copy
 from quantplug.observers.base import ObserverBase
@@ -299,6 +299,11 @@ def convert(prepared: GraphModule) -> GraphModule:
             f"{type(prepared).__name__} was not produced by quantplug.prepare(); "
             "prepare the exported program first"
         )
+    with paused_gc():
+        return _convert(prepared, state)
+
+
+def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     qparams = compute_qparams(prepared, state)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)
     graph._codegen = prepared.graph._codegen
@@ -354,8 +359,9 @@ def convert(prepared: GraphModule) -> GraphModule:
             new = graph.node_copy(node, lambda n, u=node: _lookup(env, n, u))
         env[node] = new
     _eliminate_dead_code(graph)
-    root = _build_root(prepared, graph, tensors)
-    converted = GraphModule(root, graph, class_name="QuantizedGraphModule")
+    converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
+    _populate(converted, prepared, graph, tensors)
+    converted.graph = graph  # the one code generation
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta["quantplug_qparams"] = {gid: qp for gid, qp in qparams.items()}
     return converted
@@ -453,30 +459,51 @@ def _quantize_per_channel(
     return out.to(dtype)
 
 
-def _build_root(prepared: GraphModule, graph: Graph, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """A fresh module holding exactly what the new graph references (no float weights left over)."""
-    root = nn.Module()
+def _populate(
+    module: GraphModule, prepared: GraphModule, graph: Graph, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Put on ``module`` exactly what ``graph`` references (no float weights left over).
+
+    The same objects GraphModule's own copying would install (tensors as buffers, parameters as
+    parameters, submodules as submodules), registered directly instead of being looked up
+    through a throw-away root module.
+    """
+    holders: dict[str, nn.Module] = {"": module}
+    sources: dict[str, nn.Module] = {"": prepared}
+
+    def holder_at(path: str) -> nn.Module:
+        found = holders.get(path)
+        if found is None:
+            outer, _, name = path.rpartition(".")
+            parent = holder_at(outer)
+            found = getattr(parent, name, None)
+            if not isinstance(found, nn.Module):
+                found = nn.Module()
+                parent.add_module(name, found)
+            holders[path] = found
+        return found
+
+    def source_at(path: str) -> nn.Module:
+        found = sources.get(path)
+        if found is None:
+            found = sources[path] = prepared.get_submodule(path)
+        return found
+
     for node in graph.nodes:
         if node.op not in ("get_attr", "call_module"):
             continue
         target = str(node.target)
         parent_path, _, attr = target.rpartition(".")
-        holder = root
-        for part in parent_path.split(".") if parent_path else ():
-            if not hasattr(holder, part):
-                holder.add_module(part, nn.Module())
-            holder = getattr(holder, part)
+        holder = holder_at(parent_path)
         if target in tensors:
             holder.register_buffer(attr, tensors[target])
             continue
-        value = _fetch(prepared, target)
-        src_parent = prepared.get_submodule(parent_path) if parent_path else prepared
+        value = getattr(source_at(parent_path), attr)
         if isinstance(value, nn.Module):
             holder.add_module(attr, value)
-        elif attr in src_parent._parameters:
+        elif isinstance(value, nn.Parameter):
             holder.register_parameter(attr, value)
-        elif attr in src_parent._buffers:
-            holder.register_buffer(attr, value, persistent=attr not in src_parent._non_persistent_buffers_set)
+        elif isinstance(value, torch.Tensor):
+            holder.register_buffer(attr, value)
         else:
             setattr(holder, attr, value)
-    return root

@@ -11,6 +11,10 @@ effect tokens, custom objects, higher-order-op submodules) go through ``ep.modul
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule
@@ -67,6 +71,25 @@ def compile_now(gm: GraphModule) -> None:
         gm.real_recompile()
     else:
         gm.recompile()
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Hold off Python's cyclic garbage collector while a graph is built.
+
+    Building a graph creates thousands of long-lived objects (nodes, their dicts, modules), and
+    every few hundred allocations the collector walks the young generation, every so often all
+    of memory: on a 5,000-node program with its observers that is up to a third of prepare or
+    convert. Reference counting still frees what it can meanwhile; cycles are collected as usual
+    once the block ends.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 _LIFTED_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")

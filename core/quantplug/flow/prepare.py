@@ -19,7 +19,7 @@ from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
 from quantplug.flow.fast_matching import fast_partition_matching
-from quantplug.flow.graph_copy import compile_now, working_copy
+from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
 from quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
@@ -94,6 +94,13 @@ def prepare(
             f"{type(quantizer).__name__} is not a quantizer (no annotate method); "
             "use quantplug.get_quantizer(name, ...) or a PT2E Quantizer"
         )
+    with paused_gc():
+        return _prepare(program, quantizer, qat=qat)
+
+
+def _prepare(
+    program: torch.export.ExportedProgram | GraphModule, quantizer: Any, *, qat: bool
+) -> GraphModule:
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
     for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
         node.meta.setdefault(DEBUG_HANDLE_KEY, node.name)

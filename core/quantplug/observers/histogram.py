@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from quantplug.errors import AnnotationError
+from quantplug.observers.accelerated import histc
 from quantplug.observers.base import ObserverBase
 
 _METHODS = ("mse", "percentile")
@@ -60,6 +61,11 @@ def rebin_histogram(
     return out.to(device=hist.device, dtype=hist.dtype)
 
 
+def _clip(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """``np.clip`` without its Python-level dispatch (a few microseconds a call, many calls)."""
+    return np.minimum(np.maximum(x, lo), hi)
+
+
 class _HistStats:
     """Prefix sums of a histogram in bin units, so each candidate grid's error costs O(1).
 
@@ -83,7 +89,7 @@ class _HistStats:
 
     def _cdf(self, positions: np.ndarray) -> np.ndarray:
         """Mass left of ``positions`` (bin units) under the piecewise-uniform histogram."""
-        t = np.clip(positions, 0.0, float(self.bins))
+        t = _clip(positions, 0.0, float(self.bins))
         j = np.minimum(np.floor(t), self.bins - 1)
         rows = self.bin_table[j.astype(np.int64)]
         return rows[:, 0] + rows[:, 1] * (t - j)
@@ -99,22 +105,22 @@ class _HistStats:
 
         # below the grid: whole bins left of lower's bin, then the part of lower's own bin
         jl = np.floor(lower)
-        below = self.moments[np.clip(jl, 0, bins).astype(np.int64)]
+        below = self.moments[_clip(jl, 0, bins).astype(np.int64)]
         p0, p1, p2 = below[:, 0], below[:, 1], below[:, 2]
         low = lower * lower * p0 - 2.0 * lower * p1 + p2 + p0 / 12.0
         inside_l = (jl >= 0) & (jl <= bins - 1)
         frac_l = lower - jl
-        part_l = h[np.clip(jl, 0, bins - 1).astype(np.int64)] * (frac_l * frac_l * frac_l) / 3.0
+        part_l = h[_clip(jl, 0, bins - 1).astype(np.int64)] * (frac_l * frac_l * frac_l) / 3.0
         low = low + np.where(inside_l, part_l, 0.0)
 
         # above the grid: whole bins right of upper's bin, then the part of upper's own bin
         ju = np.floor(upper)
-        above = self.totals - self.moments[np.clip(ju + 1, 0, bins).astype(np.int64)]
+        above = self.totals - self.moments[_clip(ju + 1, 0, bins).astype(np.int64)]
         m0, m1, m2 = above[:, 0], above[:, 1], above[:, 2]
         high = m2 - 2.0 * upper * m1 + upper * upper * m0 + m0 / 12.0
         inside_u = (ju >= 0) & (ju <= bins - 1)
         frac_u = ju + 1.0 - upper
-        part_u = h[np.clip(ju, 0, bins - 1).astype(np.int64)] * (frac_u * frac_u * frac_u) / 3.0
+        part_u = h[_clip(ju, 0, bins - 1).astype(np.int64)] * (frac_u * frac_u * frac_u) / 3.0
         high = high + np.where(inside_u, part_u, 0.0)
 
         mass_in = np.maximum(self._cdf(upper) - self._cdf(lower), 0.0)
@@ -203,7 +209,7 @@ class HistogramObserver(ObserverBase):
             if new_min != cur_min or new_max != cur_max:
                 self.histogram.copy_(rebin_histogram(self.histogram, cur_min, cur_max, new_min, new_max))
         if new_max > new_min:
-            self.histogram += torch.histc(data, self.bins, min=new_min, max=new_max).to(self.histogram)
+            self.histogram += histc(data, self.bins, new_min, new_max).to(self.histogram)  # = torch.histc
         else:
             self.histogram[0] += data.numel()
         self.min_val.fill_(new_min)
@@ -257,11 +263,11 @@ class HistogramObserver(ObserverBase):
         if self.symmetric:
             max_pos = np.maximum(-min_neg, max_pos)
             scale = np.maximum(max_pos / f32(levels / 2), eps)
-            zero_point = np.full(scale.shape, symmetric_zero_point, dtype=np.int64)
+            zero_point: np.ndarray = np.full(scale.shape, symmetric_zero_point, dtype=np.int64)
         else:
             scale = np.maximum((max_pos - min_neg) / f32(levels), eps)
             zero_point = self.quant_min - np.round(min_neg / scale).astype(np.int32)
-            zero_point = np.clip(zero_point, self.quant_min, self.quant_max)
+            zero_point = _clip(zero_point, self.quant_min, self.quant_max)
         return scale, zero_point
 
     def _grid_error(
@@ -317,7 +323,7 @@ class HistogramObserver(ObserverBase):
                 for v, (a, b) in zip(best, spans)
             ]
             points = _REFINE_POINTS
-        lo_t, hi_t = self._candidate_ranges([np.float64(v) for v in best], data_min, data_max)
+        lo_t, hi_t = self._candidate_ranges([np.array(v) for v in best], data_min, data_max)
         return float(lo_t), float(hi_t)
 
     def extra_repr(self) -> str:

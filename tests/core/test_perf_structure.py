@@ -1,0 +1,494 @@
+"""Structure that keeps prepare/convert/calibration fast; no wall-clock assertions.
+
+Each test pins down a property whose loss would show up as a slowdown in ``python -m bench``:
+one code generation per stage, no ``ep.module()`` on the way in, O(1) attribute naming,
+``calculate_qparams`` once per observer, constants observed only at convert (and into copies),
+and the exactness of every faster stand-in for a torch/torchao routine (so the speed does not
+cost parity with torchao).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+import quantplug
+from quantplug.flow.graph_copy import AttrNamer, working_copy
+from quantplug.flow.prepare import OBSERVERS, STATE_KEY
+from quantplug.observers.accelerated import accelerate, fresh_copy, histc
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """conv-bn-relu, then a few linear blocks: weights, biases, fusions, residual adds."""
+
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.blocks = nn.Sequential(*[Block() for _ in range(blocks)])
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return self.head(self.blocks(y))
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor]:
+    return (torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed)),)
+
+
+def _program() -> torch.export.ExportedProgram:
+    torch.manual_seed(0)
+    model = Net().eval()
+    mean, var = model.bn.running_mean, model.bn.running_var
+    assert mean is not None and var is not None
+    with torch.no_grad():  # non-trivial batch-norm statistics
+        mean.uniform_(-0.5, 0.5)
+        var.uniform_(0.5, 2.0)
+    return torch.export.export(model, _inputs(0))
+
+
+def _x86() -> Any:
+    x86 = pytest.importorskip("torchao.quantization.pt2e.quantizer.x86_inductor_quantizer")
+    return x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+
+
+def _xnnpack() -> Any:
+    xnn = pytest.importorskip("torchao.testing.pt2e._xnnpack_quantizer")
+    return xnn.XNNPACKQuantizer().set_global(xnn.get_symmetric_quantization_config(is_per_channel=True))
+
+
+QUANTIZERS = {
+    "reference": lambda: quantplug.get_quantizer("reference"),
+    "x86": _x86,
+    "xnnpack": _xnnpack,
+}
+
+
+def _calibrated(quantizer: Any, batches: int = 3) -> GraphModule:
+    prepared = quantplug.prepare(_program(), quantizer)
+    with torch.no_grad():
+        for seed in range(1, batches + 1):
+            prepared(*_inputs(seed))
+    return prepared
+
+
+@pytest.fixture
+def recompiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every real code generation of a non-empty graph (the lazy kind's too) while the test runs.
+
+    An empty graph (a shell GraphModule that receives its graph afterwards) generates a
+    two-line ``forward`` and is not counted.
+    """
+    calls: list[str] = []
+    original = GraphModule.recompile
+
+    def counting(self: GraphModule) -> Any:
+        if any(n.op != "output" for n in self.graph.nodes):
+            calls.append(type(self).__name__)
+        return original(self)
+
+    monkeypatch.setattr(GraphModule, "recompile", counting)
+    return calls
+
+
+# ----------------------------------------------------------------------------- one codegen per stage
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_prepare_and_convert_generate_code_once_each(name: str, recompiles: list[str]) -> None:
+    ep = _program()
+    quantizer = QUANTIZERS[name]()
+    recompiles.clear()
+    prepared = quantplug.prepare(ep, quantizer)
+    assert len(recompiles) == 1, f"prepare generated code {len(recompiles)} times"
+    with torch.no_grad():
+        prepared(*_inputs(1))  # already compiled: calling it generates nothing
+    assert len(recompiles) == 1
+    recompiles.clear()
+    quantplug.convert(prepared)
+    assert len(recompiles) == 1, f"convert generated code {len(recompiles)} times"
+
+
+def test_prepare_does_not_unlift_through_ep_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = _program()
+
+    def refuse(self: Any) -> Any:
+        raise AssertionError("ep.module() called (3 code generations and a deep copy)")
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "module", refuse)
+    prepared = quantplug.prepare(ep, quantplug.get_quantizer("reference"))
+    with torch.no_grad():
+        prepared(*_inputs(1))
+    quantplug.convert(prepared)
+
+
+def test_working_copy_is_ep_module_without_the_guard() -> None:
+    ep = _program()
+    ours, theirs = working_copy(ep), ep.module()
+
+    def described(gm: GraphModule) -> list[tuple[str, str, str]]:
+        return [(n.name, n.op, str(n.target)) for n in gm.graph.nodes if n.name != "_guards_fn"]
+
+    assert described(ours) == described(theirs)
+    assert not any(n.name == "_guards_fn" for n in ours.graph.nodes)
+    # the very same parameter and buffer objects, same persistence
+    for (name, a), (name_b, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert name == name_b and a is b
+    assert dict(ours.named_buffers()).keys() == dict(theirs.named_buffers()).keys()
+    for name, buf in ours.named_buffers():
+        assert buf is dict(theirs.named_buffers())[name]
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    for seed in (1, 2):
+        torch.testing.assert_close(ours(*_inputs(seed)), theirs(*_inputs(seed)), rtol=0, atol=0)
+    # keyword call and pytree outputs like ep.module()
+    assert ours.code.count("tree_flatten_spec") == 1
+
+
+class Counting(nn.Module):
+    count: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return self.fc(x)
+
+
+def test_working_copy_falls_back_for_buffer_mutations() -> None:
+    # functionalized, the mutation is a BUFFER_MUTATION output: ep.module() writes it back with
+    # copy_, and the direct copy leaves such programs to it
+    ep = torch.export.export(Counting(), (torch.randn(2, 4),)).run_decompositions({})
+    assert any(s.kind.name == "BUFFER_MUTATION" for s in ep.graph_signature.output_specs)
+    gm = working_copy(ep)
+    gm(torch.randn(2, 4))
+    assert float(gm.get_buffer("count")) == 1.0
+    assert any(n.op == "call_function" and "copy_" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_cyclic_gc_is_held_off_while_graphs_are_built() -> None:
+    import gc
+
+    seen: list[bool] = []
+
+    class Recording:
+        def __init__(self) -> None:
+            self.inner = quantplug.get_quantizer("reference")
+
+        def annotate(self, gm: GraphModule) -> GraphModule:
+            seen.append(gc.isenabled())
+            return self.inner.annotate(gm)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    assert gc.isenabled()
+    prepared = quantplug.prepare(_program(), Recording())
+    assert seen == [False] and gc.isenabled()
+    with torch.no_grad():
+        prepared(*_inputs(1))
+    quantplug.convert(prepared)
+    assert gc.isenabled()
+
+
+# ----------------------------------------------------------------------------- naming
+
+
+def test_observers_are_named_by_group_without_probing() -> None:
+    prepared = _calibrated(quantplug.get_quantizer("reference"), batches=1)
+    state = prepared.meta[STATE_KEY]
+    container = getattr(prepared, OBSERVERS)
+    assert [name for name, _ in container.named_children()] == [f"g{g.gid}" for g in state.groups]
+    targets = {str(n.target) for n in prepared.graph.nodes if n.op == "call_module"}
+    assert targets <= {f"{OBSERVERS}.g{g.gid}" for g in state.groups}
+
+
+class _Probed(nn.Module):
+    """Counts attribute lookups that miss the instance dict (what ``hasattr`` probing costs)."""
+
+    probes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        type(self).probes += 1
+        return super().__getattr__(name)
+
+
+def test_attr_namer_is_constant_time_per_name() -> None:
+    module = _Probed()
+    for i in range(300):  # a crowded namespace: prefix0 .. prefix299 taken
+        module.add_module(f"w_scale{i}", nn.Identity())
+    namer = AttrNamer(module)
+    _Probed.probes = 0
+    first = namer("w_scale")
+    first_probes = _Probed.probes
+    _Probed.probes = 0
+    names = [namer("w_scale") for _ in range(200)]
+    assert first == "w_scale300" and first_probes <= 301
+    assert _Probed.probes == 200  # one probe per later name, however many exist
+    assert len(set(names)) == 200 and first not in names
+
+
+# ----------------------------------------------------------------------------- calibration and convert
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_constant_observers_are_not_in_the_calibration_graph(name: str) -> None:
+    prepared = _calibrated(QUANTIZERS[name]())
+    state = prepared.meta[STATE_KEY]
+    called = Counter(str(n.target) for n in prepared.graph.nodes if n.op == "call_module")
+    constant = [g for g in state.groups if g.constant]
+    assert constant, "the model has weights: some groups must be constant"
+    for group in constant:
+        assert called[group.target] == 0
+    # and calibration left their observers untouched (they are fed at convert, into copies)
+    container = getattr(prepared, OBSERVERS)
+    for group in constant:
+        obs = getattr(container, f"g{group.gid}")
+        min_val = getattr(obs, "min_val", None)
+        if isinstance(min_val, torch.Tensor):
+            assert min_val.numel() == 0 or not torch.isfinite(min_val).any()
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_convert_computes_each_observers_qparams_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    prepared = _calibrated(QUANTIZERS[name]())
+    calls: Counter[int] = Counter()
+    classes = {type(m) for m in getattr(prepared, OBSERVERS).modules() if hasattr(m, "calculate_qparams")}
+    for cls in classes:
+        original = cls.__dict__.get("calculate_qparams") or cls.calculate_qparams
+
+        def counting(self: Any, _original: Any = original) -> Any:
+            calls[id(self)] += 1
+            return _original(self)
+
+        monkeypatch.setattr(cls, "calculate_qparams", counting)
+    quantplug.convert(prepared)
+    assert calls, "no observer computed qparams"
+    assert max(calls.values()) == 1, f"some observer computed its qparams {max(calls.values())} times"
+    # the cache is gone afterwards: the observers answer for themselves again
+    assert not any("calculate_qparams" in m.__dict__ for m in getattr(prepared, OBSERVERS).modules())
+
+
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_convert_twice_is_identical_and_leaves_prepared_as_it_was(name: str) -> None:
+    prepared = _calibrated(QUANTIZERS[name]())
+    before = _buffers(prepared)
+    code = prepared.code
+    first = quantplug.convert(prepared)
+    after = _buffers(prepared)
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), f"convert changed prepared state {key}"
+    assert prepared.code == code
+    second = quantplug.convert(prepared)
+    assert first.code == second.code
+    first_state, second_state = first.state_dict(), second.state_dict()
+    assert first_state.keys() == second_state.keys()
+    for key, value in first_state.items():
+        assert torch.equal(value, second_state[key]), key
+    for seed in (7, 8):
+        torch.testing.assert_close(first(*_inputs(seed)), second(*_inputs(seed)), rtol=0, atol=0)
+
+
+def test_fresh_copy_is_independent() -> None:
+    from quantplug.observers.minmax import PerChannelMinMaxObserver
+
+    obs = PerChannelMinMaxObserver()
+    copy: Any = fresh_copy(obs)
+    copy(torch.randn(4, 3))
+    assert int(copy.num_batches) == 1 and int(obs.num_batches) == 0
+    assert obs.min_val.numel() == 0 and copy.min_val.numel() == 4
+
+
+# ----------------------------------------------------------------------------- exact stand-ins
+
+
+def test_histc_is_torch_histc_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        bins = [2048, 256, 300, 1, 7][trial % 5]
+        n = int(torch.randint(1, 20_000, (1,), generator=g))
+        scale = float(10 ** torch.empty(1).uniform_(-5, 5, generator=g))
+        x = torch.randn(n, generator=g) * scale + float(torch.randn(1, generator=g)) * scale * (trial % 3)
+        lo, hi = (float(v) for v in torch.aminmax(x))
+        if trial % 4 == 0:  # values exactly on bin edges
+            edges = torch.linspace(lo, hi, bins + 1)
+            x[: n // 2] = edges[torch.randint(0, bins + 1, (n // 2,), generator=g)]
+        if trial % 5 == 1:  # a wider range than the data (a growing observer)
+            lo, hi = float(torch.tensor(lo - abs(lo) - 1e-3)), float(torch.tensor(hi * 1.5 + 1e-3))
+        if not lo < hi:
+            continue
+        assert torch.equal(histc(x, bins, lo, hi), torch.histc(x, bins, min=lo, max=hi)), trial
+
+
+def test_sorted_bucketize_is_torch_bucketize() -> None:
+    pytest.importorskip("torchao.quantization.pt2e.observer")
+    from quantplug.observers.torchao_fast import bucketize_sorted
+
+    g = torch.Generator().manual_seed(4)
+    for trial in range(200):
+        bins = [2048, 256, 7][trial % 3]
+        lo = torch.randn((), generator=g) * 10
+        hi = lo + torch.rand((), generator=g) * 10 + 1e-3
+        old_lo = lo + (hi - lo) * torch.rand((), generator=g) * 0.5
+        old_hi = old_lo + (hi - old_lo) * torch.rand((), generator=g)
+        mids = torch.linspace(old_lo, old_hi, bins * 16 + 1)[:-1] + 0.5 * ((old_hi - old_lo) / (bins * 16))
+        edges = torch.linspace(lo, hi, bins + 1)
+        if trial % 4 == 0:  # values on the edges, repeated values and repeated edges
+            mids = torch.sort(torch.cat([mids, edges, edges[:5]])).values
+            edges = torch.cat([edges[:3], edges[3:]]) if trial % 8 else torch.cat([edges[:4], edges[3:]])
+        expected = torch.bucketize(mids, edges, right=True)
+        assert torch.equal(bucketize_sorted(mids, edges), expected), trial
+    shuffled = torch.randn(100, generator=g)  # unsorted values: torch.bucketize decides
+    edges = torch.linspace(-1, 1, 9)
+    assert torch.equal(bucketize_sorted(shuffled, edges), torch.bucketize(shuffled, edges, right=True))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        return torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+HISTOGRAM_CONFIGS = [
+    {},
+    {"dtype": torch.qint8, "qscheme": torch.per_tensor_symmetric},
+    {"dtype": torch.quint8, "reduce_range": True},
+    {"bins": 256},
+    {"dtype": torch.int16, "quant_min": -32768, "quant_max": 32767, "qscheme": torch.per_tensor_symmetric},
+    {"dtype": torch.uint16, "quant_min": 0, "quant_max": 65535},
+]
+
+
+@pytest.mark.parametrize(
+    "config", HISTOGRAM_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default"
+)
+def test_accelerated_torchao_histogram_observer_is_bit_identical(config: dict[str, Any]) -> None:
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        ref, fast = ao.HistogramObserver(**config), accelerate(ao.HistogramObserver(**config))
+        assert type(fast) is not ao.HistogramObserver and isinstance(fast, ao.HistogramObserver)
+        for batch in range(int(torch.randint(1, 5, (1,), generator=g))):
+            n = int(torch.randint(1, 20_000, (1,), generator=g))
+            x = (
+                torch.randn(n, generator=g)
+                * float(10 ** torch.empty(1).uniform_(-3, 3, generator=g))
+                * (1 + batch)
+            )
+            kind = (trial + batch) % 6
+            if kind == 1:
+                x = x.relu()
+            elif kind == 2:
+                x = torch.full((n,), float(x[0]))
+            elif kind == 3:
+                x = x.reshape(-1, 1).expand(-1, 3)  # not contiguous
+            elif kind == 4 and batch:
+                x[0] = float("inf")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ref(x)
+                fast(x)
+            for buf in ("histogram", "min_val", "max_val"):
+                assert _same_bits(getattr(ref, buf), getattr(fast, buf)), (trial, batch, buf)
+        s_ref, z_ref = ref.calculate_qparams()
+        s_fast, z_fast = fast.calculate_qparams()
+        assert _same_bits(s_ref, s_fast) and torch.equal(z_ref, z_fast), trial
+
+
+def test_accelerated_torchao_per_channel_observer_is_bit_identical() -> None:
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    g = torch.Generator().manual_seed(2)
+    for trial in range(60):
+        kwargs = {"ch_axis": trial % 2, "dtype": torch.qint8, "qscheme": torch.per_channel_symmetric}
+        if trial % 3 == 0:
+            kwargs.update(dtype=torch.quint8, qscheme=torch.per_channel_affine)
+        ref = ao.PerChannelMinMaxObserver(**kwargs)
+        fast: Any = accelerate(ao.PerChannelMinMaxObserver(**kwargs))
+        w = torch.randn(int(torch.randint(1, 64, (1,), generator=g)), 9, generator=g)
+        for x in (w, w * 2 - 1):
+            ref(x)
+            fast(x)
+        assert torch.equal(ref.min_val, fast.min_val) and torch.equal(ref.max_val, fast.max_val)
+        (s_ref, z_ref), (s_fast, z_fast) = ref.calculate_qparams(), fast.calculate_qparams()
+        assert _same_bits(s_ref, s_fast) and torch.equal(z_ref, z_fast)
+
+
+def test_weight_quantization_matches_the_decomposed_op() -> None:
+    from quantplug.flow.convert import _quantize_per_channel
+
+    qd = torch.ops.quantized_decomposed
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        shape = [(64, 32), (16, 8, 3, 3), (7, 30)][trial % 3]
+        axis = trial % len(shape) if trial % 2 else 0
+        w = torch.randn(shape, generator=g) * 3
+        scale = torch.rand(shape[axis], generator=g) * 0.05 + 1e-4
+        zp = torch.randint(-10, 10, (shape[axis],), generator=g) * (trial % 2)
+        for qmin, qmax, dtype in ((-128, 127, torch.int8), (0, 255, torch.uint8)):
+            expected = qd.quantize_per_channel.default(w, scale, zp, axis, qmin, qmax, dtype)
+            assert torch.equal(_quantize_per_channel(w, scale, zp, axis, qmin, qmax, dtype), expected)
+
+
+@pytest.mark.parametrize("name", ["x86", "xnnpack"])
+def test_indexed_partition_matching_gives_the_same_annotations(name: str) -> None:
+    from quantplug.flow.fast_matching import fast_partition_matching
+
+    ep = _program()
+
+    def annotations(gm: GraphModule) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = []
+        for node in gm.graph.nodes:
+            ann = node.meta.get("quantization_annotation")
+            if ann is None:
+                out.append((node.name,))
+                continue
+            inputs = tuple((k.name, repr(v)) for k, v in ann.input_qspec_map.items())
+            out.append((node.name, inputs, repr(ann.output_qspec), ann._annotated))
+        return out
+
+    results = []
+    for fast in (False, True):
+        quantizer = QUANTIZERS[name]()
+        gm = working_copy(ep)
+        gm = quantizer.transform_for_annotation(gm) or gm
+        if fast:
+            with fast_partition_matching(gm):
+                quantizer.annotate(gm)
+        else:
+            quantizer.annotate(gm)
+        results.append(annotations(gm))
+    assert results[0] == results[1]
+    assert any(len(a) > 1 for a in results[1])
+    # and the originals are back in place
+    from torch.fx.passes.utils import source_matcher_utils
+
+    assert source_matcher_utils.get_source_partitions.__module__ == source_matcher_utils.__name__
