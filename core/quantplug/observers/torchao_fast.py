@@ -7,12 +7,16 @@ live at module level so that prepared modules holding them can be pickled.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
-import torchao.quantization.pt2e.observer as _ao
 
 from quantplug.observers.accelerated import MAX_EXACT_COUNT, float32, histc
+
+# Never imported here: accelerated.accelerate() loads this module only when the caller's own
+# torchao observers are already in sys.modules. torchao is not a quantplug dependency.
+_ao: Any = sys.modules["torchao.quantization.pt2e.observer"]
 
 
 class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-defined]
