@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import quantplug
@@ -18,28 +17,13 @@ pytest.importorskip("quantplug_qnn_htp")
 
 from quantplug_qnn_htp import soc
 from quantplug_qnn_htp.rules import RULE_MODULES
+from tests.qnn_htp.models import ConvNet
 
 Q_OPS = (torch.ops.quantized_decomposed.quantize_per_tensor.default,)
 DQ_OPS = (
     torch.ops.quantized_decomposed.dequantize_per_tensor.default,
     torch.ops.quantized_decomposed.dequantize_per_channel.default,
 )
-
-
-class ConvNet(nn.Module):
-    """conv->relu->maxpool ; conv(stride 2)->sigmoid ; cat ; 1x1 conv + cat (ExecuTorch study model)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(3, 16, 3, stride=2, padding=1)
-        self.conv3 = nn.Conv2d(32, 32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        b = torch.sigmoid(self.conv2(x))
-        c = torch.cat([a, b], dim=1)
-        return self.conv3(c) + c
 
 
 class AttnBlock(nn.Module):
