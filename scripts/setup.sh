@@ -15,7 +15,7 @@ PKGS=(-e ".[report]" -e plugins/reference)
 [ -f plugins/qnn_htp/pyproject.toml ] && PKGS+=(-e plugins/qnn_htp)
 pip_install "${PKGS[@]}"
 if [ "${1:-}" = "--test" ]; then
-  pip_install pytest hypothesis numpy scikit-learn jsonschema -e tests/example_plugin
+  pip_install pytest hypothesis numpy scikit-learn jsonschema ruff==0.17.6 mypy==2.4.1 -e tests/example_plugin
   # peers used only as test oracles, never as product dependencies
   pip_install torchao==0.18.0 --no-deps
   pip_install executorch==1.5.1 --no-deps

@@ -14,7 +14,9 @@ from quantplug import CalibrationError, ConversionError, QuantplugError
 from quantplug.demo.model import demo_calibration, demo_model
 
 
-def _prepared(qat: bool = False) -> tuple[torch.nn.Module, torch.export.ExportedProgram, torch.fx.GraphModule]:
+def _prepared(
+    qat: bool = False,
+) -> tuple[torch.nn.Module, torch.export.ExportedProgram, torch.fx.GraphModule]:
     model, example = demo_model()
     ep = torch.export.export(model, example)
     return model, ep, quantplug.prepare(ep, quantplug.get_quantizer("reference"), qat=qat)
@@ -28,13 +30,13 @@ def test_convert_without_calibration_names_the_node() -> None:
 
 def test_convert_of_an_unprepared_module() -> None:
     model, example = demo_model()
-    with pytest.raises(ConversionError, match="not produced by quantplug.prepare"):
+    with pytest.raises(ConversionError, match=r"not produced by quantplug\.prepare"):
         quantplug.convert(torch.export.export(model, example).module())
 
 
 def test_prepare_rejects_non_programs_and_non_quantizers() -> None:
     model, example = demo_model()
-    with pytest.raises(QuantplugError, match="torch.export.export"):
+    with pytest.raises(QuantplugError, match=r"torch\.export\.export"):
         quantplug.prepare(model, quantplug.get_quantizer("reference"))
     with pytest.raises(QuantplugError, match="not a quantizer"):
         quantplug.prepare(torch.export.export(model, example), object())
@@ -61,9 +63,13 @@ def test_caller_program_and_graph_module_untouched() -> None:
 
 
 def test_weights_are_stored_as_integers_and_observed_once() -> None:
-    model, ep, prepared = _prepared()
+    _, _, prepared = _prepared()
     # no observer on weights in the calibration graph
-    observed = [n.args[0] for n in prepared.graph.nodes if n.op == "call_module" and "quantplug_observers" in str(n.target)]
+    observed = [
+        n.args[0]
+        for n in prepared.graph.nodes
+        if n.op == "call_module" and "quantplug_observers" in str(n.target)
+    ]
     assert all(a.op != "get_attr" for a in observed)
     for batch in demo_calibration(4):
         prepared(*batch)
@@ -74,7 +80,7 @@ def test_weights_are_stored_as_integers_and_observed_once() -> None:
 
 
 def test_converted_program_exports_saves_and_loads() -> None:
-    model, ep, prepared = _prepared()
+    _, _, prepared = _prepared()
     example = demo_model()[1]
     for batch in demo_calibration(4):
         prepared(*batch)
@@ -91,7 +97,7 @@ def test_converted_program_exports_saves_and_loads() -> None:
 
 
 def test_qat_fake_quant_trains_and_converts() -> None:
-    model, ep, prepared = _prepared(qat=True)
+    _, _, prepared = _prepared(qat=True)
     opt = torch.optim.SGD([p for p in prepared.parameters() if p.requires_grad], lr=1e-3)
     for batch in demo_calibration(3):
         loss = prepared(*batch).pow(2).mean()

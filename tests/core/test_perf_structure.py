@@ -9,6 +9,7 @@ cost parity with torchao).
 
 from __future__ import annotations
 
+import struct
 import warnings
 from collections import Counter
 from typing import Any
@@ -21,7 +22,7 @@ from torch.fx import GraphModule
 import quantplug
 from quantplug.flow.graph_copy import AttrNamer, working_copy
 from quantplug.flow.prepare import OBSERVERS, STATE_KEY
-from quantplug.observers.accelerated import accelerate, fresh_copy, histc
+from quantplug.observers.accelerated import accelerate, calculate_qparams_many, fresh_copy, histc
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -273,17 +274,32 @@ def test_constant_observers_are_not_in_the_calibration_graph(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_convert_computes_each_observers_qparams_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import quantplug.flow.convert as convert_module
+
     prepared = _calibrated(QUANTIZERS[name]())
-    calls: Counter[int] = Counter()
+    calls: Counter[int] = Counter()  # observer -> computations, one at a time or in a batch
+    batching = []
     classes = {type(m) for m in getattr(prepared, OBSERVERS).modules() if hasattr(m, "calculate_qparams")}
     for cls in classes:
         original = cls.__dict__.get("calculate_qparams") or cls.calculate_qparams
 
         def counting(self: Any, _original: Any = original) -> Any:
-            calls[id(self)] += 1
+            if not batching:  # inside a batch, the batch is what counts
+                calls[id(self)] += 1
             return _original(self)
 
         monkeypatch.setattr(cls, "calculate_qparams", counting)
+    many = convert_module.calculate_qparams_many
+
+    def counting_many(observers: Any) -> Any:
+        calls.update(id(obs) for obs in observers)
+        batching.append(True)
+        try:
+            return many(observers)
+        finally:
+            batching.pop()
+
+    monkeypatch.setattr(convert_module, "calculate_qparams_many", counting_many)
     quantplug.convert(prepared)
     assert calls, "no observer computed qparams"
     assert max(calls.values()) == 1, f"some observer computed its qparams {max(calls.values())} times"
@@ -347,34 +363,36 @@ def test_histc_is_torch_histc_bit_for_bit() -> None:
         assert torch.equal(histc(x, bins, lo, hi), torch.histc(x, bins, min=lo, max=hi)), trial
 
 
-def test_sorted_bucketize_is_torch_bucketize() -> None:
-    pytest.importorskip("torchao.quantization.pt2e.observer")
-    from quantplug.observers.torchao_fast import bucketize_sorted
-
+def test_upscaled_histogram_is_torchaos_bit_for_bit() -> None:
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
     g = torch.Generator().manual_seed(4)
-    for trial in range(200):
-        bins = [2048, 256, 7][trial % 3]
-        lo = torch.randn((), generator=g) * 10
-        hi = lo + torch.rand((), generator=g) * 10 + 1e-3
+    for trial in range(300):
+        bins, rate = [(2048, 16), (256, 16), (7, 3), (300, 4), (1, 16)][trial % 5]
+        ref = ao.HistogramObserver(bins=bins)
+        fast: Any = accelerate(ao.HistogramObserver(bins=bins))
+        ref.upsample_rate = fast.upsample_rate = rate
+        magnitude = float(10 ** torch.empty(1).uniform_(-4, 4, generator=g))
+        width = magnitude * float(10 ** torch.empty(1).uniform_(-7, 1, generator=g))  # down to ulps
+        lo = torch.randn((), generator=g) * magnitude
+        hi = lo + torch.rand((), generator=g) * width + width * 1e-3
         old_lo = lo + (hi - lo) * torch.rand((), generator=g) * 0.5
         old_hi = old_lo + (hi - old_lo) * torch.rand((), generator=g)
-        mids = torch.linspace(old_lo, old_hi, bins * 16 + 1)[:-1] + 0.5 * ((old_hi - old_lo) / (bins * 16))
-        edges = torch.linspace(lo, hi, bins + 1)
-        if trial % 4 == 0:  # values on the edges, repeated values and repeated edges
-            mids = torch.sort(torch.cat([mids, edges, edges[:5]])).values
-            edges = torch.cat([edges[:3], edges[3:]]) if trial % 8 else torch.cat([edges[:4], edges[3:]])
-        expected = torch.bucketize(mids, edges, right=True)
-        assert torch.equal(bucketize_sorted(mids, edges), expected), trial
-    shuffled = torch.randn(100, generator=g)  # unsorted values: torch.bucketize decides
-    edges = torch.linspace(-1, 1, 9)
-    assert torch.equal(bucketize_sorted(shuffled, edges), torch.bucketize(shuffled, edges, right=True))
+        if trial % 7 == 0:
+            old_lo, old_hi = lo, hi  # the same range
+        # counts, then the fractions that earlier re-binnings leave
+        hist = torch.randint(0, 5000, (bins,), generator=g).float()
+        if trial % 2:
+            hist = hist * torch.rand(bins, generator=g) / 16
+        args = (hist, old_lo.clone(), old_hi.clone(), lo.clone(), hi.clone())
+        assert _same_bits(fast._upscale_histogram(*args), ref._upscale_histogram(*args)), trial
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.dtype.is_floating_point:
-        return torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b.view(torch.int32))
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.view(bits), b.view(bits))
     return torch.equal(a, b)
 
 
@@ -383,9 +401,29 @@ HISTOGRAM_CONFIGS = [
     {"dtype": torch.qint8, "qscheme": torch.per_tensor_symmetric},
     {"dtype": torch.quint8, "reduce_range": True},
     {"bins": 256},
+    {"bins": 300},
     {"dtype": torch.int16, "quant_min": -32768, "quant_max": 32767, "qscheme": torch.per_tensor_symmetric},
     {"dtype": torch.uint16, "quant_min": 0, "quant_max": 65535},
 ]
+
+
+def _histogram_batch(g: torch.Generator, kind: int, batch: int) -> torch.Tensor:
+    """A calibration batch: normal values of some magnitude, growing with ``batch``, or else
+    (by ``kind``) relu'd, constant, non-contiguous, with an inf (after the first batch) or, for
+    kind 6, spread over nearly all of float32's range."""
+    n = int(torch.randint(1, 20_000, (1,), generator=g))
+    x = torch.randn(n, generator=g) * float(10 ** torch.empty(1).uniform_(-3, 3, generator=g)) * (1 + batch)
+    if kind == 1:
+        x = x.relu()
+    elif kind == 2:
+        x = torch.full((n,), float(x[0]))
+    elif kind == 3:
+        x = x.reshape(-1, 1).expand(-1, 3)  # not contiguous
+    elif kind == 4 and batch:
+        x[0] = float("inf")
+    elif kind == 6:
+        x = (torch.rand(n, generator=g) * 2 - 1) * 1.5e38
+    return x
 
 
 @pytest.mark.parametrize(
@@ -397,22 +435,8 @@ def test_accelerated_torchao_histogram_observer_is_bit_identical(config: dict[st
     for trial in range(40):
         ref, fast = ao.HistogramObserver(**config), accelerate(ao.HistogramObserver(**config))
         assert type(fast) is not ao.HistogramObserver and isinstance(fast, ao.HistogramObserver)
-        for batch in range(int(torch.randint(1, 5, (1,), generator=g))):
-            n = int(torch.randint(1, 20_000, (1,), generator=g))
-            x = (
-                torch.randn(n, generator=g)
-                * float(10 ** torch.empty(1).uniform_(-3, 3, generator=g))
-                * (1 + batch)
-            )
-            kind = (trial + batch) % 6
-            if kind == 1:
-                x = x.relu()
-            elif kind == 2:
-                x = torch.full((n,), float(x[0]))
-            elif kind == 3:
-                x = x.reshape(-1, 1).expand(-1, 3)  # not contiguous
-            elif kind == 4 and batch:
-                x[0] = float("inf")
+        for batch in range(int(torch.randint(1, 9, (1,), generator=g))):
+            x = _histogram_batch(g, (trial + batch) % 6, batch)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 ref(x)
@@ -424,22 +448,218 @@ def test_accelerated_torchao_histogram_observer_is_bit_identical(config: dict[st
         assert _same_bits(s_ref, s_fast) and torch.equal(z_ref, z_fast), trial
 
 
+def test_calculate_qparams_many_is_each_observers_calculate_qparams(monkeypatch: pytest.MonkeyPatch) -> None:
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    from quantplug.observers import torchao_fast
+    from quantplug.observers.accelerated import calculate_qparams_many
+    from quantplug.observers.minmax import MinMaxObserver
+
+    g = torch.Generator().manual_seed(5)
+    observers: list[Any] = []
+    references: list[Any] = []  # torchao's own observer fed the same batches, or the observer itself
+    for trial in range(150):
+        config = HISTOGRAM_CONFIGS[trial % len(HISTOGRAM_CONFIGS)]
+        ref, fast = ao.HistogramObserver(**config), accelerate(ao.HistogramObserver(**config))
+        batches = 0 if trial % 23 == 0 else int(torch.randint(1, 5, (1,), generator=g))  # some unused
+        huge = trial % 37 == 5  # a range of nearly 2**128 (torchao's search takes ~0.5 s after more)
+        for batch in range(1 if huge else batches):
+            x = _histogram_batch(g, 6 if huge else (trial + batch) % 6, batch)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ref(x)
+                fast(x)
+        observers.append(fast)
+        references.append(ref)
+        if trial % 10 == 0:  # other observers, fed or not, among them
+            other = [
+                ao.MinMaxObserver(),
+                accelerate(ao.PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8)),
+                ao.PerChannelMinMaxObserver(ch_axis=1),
+                MinMaxObserver(),
+                ao.HistogramObserver(),  # not accelerated
+                accelerate(ao.HistogramObserver(bins=64, factory_kwargs={"dtype": torch.float64})),
+            ][trial // 10 % 6]
+            if trial % 20:
+                other(torch.randn(5, 7, generator=g))
+            observers.append(other)
+            references.append(other)
+    assert sum(type(o) is torchao_fast.HistogramObserver for o in observers) > 100
+
+    def run(compute: Any) -> tuple[list[Any], list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = compute()
+        return results, sorted(str(w.message) for w in caught)
+
+    expected, expected_warnings = run(lambda: [r.calculate_qparams() for r in references])
+    single, single_warnings = run(lambda: [o.calculate_qparams() for o in observers])
+    many, many_warnings = run(lambda: calculate_qparams_many(observers))
+    monkeypatch.setattr(torchao_fast, "_CHUNK_ELEMENTS", 3000)  # chunks of 1 to 11 rows
+    small_chunks, _ = run(lambda: calculate_qparams_many(observers))
+    assert expected_warnings and many_warnings == expected_warnings == single_warnings
+    assert len(expected) == len(single) == len(many) == len(small_chunks) == len(observers)
+    for i, (s_ref, z_ref) in enumerate(expected):
+        for s, z in (single[i], many[i], small_chunks[i]):
+            assert _same_bits(s, s_ref) and torch.equal(z, z_ref), (i, type(observers[i]))
+
+
+def test_batched_quantization_errors_are_torchaos_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    from quantplug.observers import torchao_fast
+
+    g = torch.Generator().manual_seed(8)
+    for config in HISTOGRAM_CONFIGS:
+        refs = []
+        for trial in range(12):
+            ref = ao.HistogramObserver(**config)
+            for batch in range(1 + trial % 3):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ref(_histogram_batch(g, 6 if trial == 11 else (trial + batch) % 6, batch))
+            if ref.min_val < ref.max_val:
+                refs.append(ref)
+        bins, dst_nbins = refs[0].bins, refs[0].dst_nbins
+        widths = [(r.max_val.item() - r.min_val.item()) / bins for r in refs]
+        searches = torchao_fast._Searches(torch.stack([r.histogram for r in refs]), widths, dst_nbins)
+        owners, starts, dst_widths, expected = [], [], [], []
+        for _ in range(150):
+            owner = int(torch.randint(0, len(refs), (1,), generator=g))
+            start, end = sorted(int(b) for b in torch.randint(0, bins, (2,), generator=g))
+            owners.append(owner)
+            starts.append(start)
+            dst_widths.append(widths[owner] * (end - start + 1) / dst_nbins)
+            expected.append(ao.HistogramObserver._compute_quantization_error(refs[owner], start, end))
+        for chunk_elements in (1 << 17, 5 * bins):
+            monkeypatch.setattr(torchao_fast, "_CHUNK_ELEMENTS", chunk_elements)
+            errors = searches.errors(owners, starts, dst_widths)
+            assert [struct.pack("d", e) for e in errors] == [struct.pack("d", e) for e in expected], config
+
+
+def test_search_walk_tries_torchaos_candidates() -> None:
+    """With every error accepted, the walk proposes torchao's ranges, in torchao's order."""
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    from quantplug.observers import torchao_fast
+
+    # torchao compares float32 cumulative counts with thresholds rounded to float32: here the
+    # first threshold rounds onto cSum[0] and cSum[1] (then the start bin stays, else it moves)
+    total = 1000001.0
+    c0 = float(torch.tensor(1e-5 * total, dtype=torch.float32))
+    assert c0 < 1e-5 * total
+    crafted = ao.HistogramObserver(bins=4)
+    crafted.histogram.copy_(torch.tensor([c0, c0 * 2**-30, total - 30.0, 20.0]))
+    crafted.min_val.fill_(0.0)
+    crafted.max_val.fill_(4.0)
+    assert crafted.histogram.sum().item() == total
+    refs = [crafted]
+    g = torch.Generator().manual_seed(9)
+    for trial in range(28):
+        ref = ao.HistogramObserver(**HISTOGRAM_CONFIGS[trial % len(HISTOGRAM_CONFIGS)])
+        for batch in range(1 + trial % 4):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # not constant: torchao's walk would take ~0.3 s
+                ref(_histogram_batch(g, [0, 1, 3, 4, 5][(trial + batch) % 5], batch))
+        refs.append(ref)
+    for i, ref in enumerate(refs):
+        tried: list[tuple[int, int]] = []
+        limit = 2 if ref is crafted else 40  # (its 3rd candidate is ~50000 steps away)
+
+        def error(start: int, end: int, tried: list[tuple[int, int]] = tried, limit: int = limit) -> float:
+            tried.append((start, end))
+            return -float(len(tried)) if len(tried) < limit else float("inf")
+
+        ref._compute_quantization_error = error  # accept limit - 1 candidates, reject the next
+        ao.HistogramObserver._non_linear_param_search(ref)
+        bin_width = (ref.max_val.item() - ref.min_val.item()) / ref.bins
+        walk = torchao_fast._Searches(ref.histogram[None], [bin_width], ref.dst_nbins).walks[0]
+        ours: list[tuple[int, int]] = []
+        while len(ours) < len(tried):
+            candidates = walk.peek(3)
+            if not candidates:
+                break
+            for candidate in candidates:
+                ours.append(candidate)
+                walk.accept()
+        assert ours[: len(tried)] == tried, i
+
+
+def test_row_sums_and_cumsums_are_those_of_each_row() -> None:
+    """The batched search sums [rows, bins] tensors along dim 1 where torchao sums 1-D tensors."""
+    g = torch.Generator().manual_seed(6)
+    for trial in range(2000):
+        bins = [2048, 300, 256, 7, 1, 4099, 32768][trial % 7]
+        rows = int(torch.randint(1, 10, (1,), generator=g)) if bins < 4099 else 2
+        x = torch.randn(rows, bins, generator=g) * float(10 ** torch.empty(1).uniform_(-6, 6, generator=g))
+        if trial % 3 == 0:
+            x = x.abs() * (torch.rand(rows, bins, generator=g) < 0.3)  # a sparse histogram
+        each = torch.stack([row.sum() for row in x])
+        assert _same_bits(x.sum(dim=1), each), trial
+        out = torch.empty(rows + 2)
+        torch.sum(x, dim=1, out=out[1 : rows + 1])
+        assert _same_bits(out[1 : rows + 1], each), trial
+        assert _same_bits(x.cumsum(dim=1), torch.stack([row.cumsum(dim=0) for row in x])), trial
+
+
+def test_float64_floor_division_is_torchs() -> None:
+    pytest.importorskip("torchao.quantization.pt2e.observer")
+    from quantplug.observers.torchao_fast import _FloorDiv
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(300):
+        top = [255, 65535, 127][trial % 3]
+        rows, bins = 6, 500
+        divisor = torch.rand(rows, 1, generator=g) * float(
+            10 ** torch.empty(1).uniform_(-30, 30, generator=g)
+        )
+        divisor[0] = 0.0 if trial % 5 == 0 else divisor[0]
+        q = (torch.rand(rows, bins, generator=g) * 2.2 - 0.1) * top  # quotients across [0, top]
+        if trial % 2:
+            q = q.round()  # on integers, then just below or above them
+            q = q + (torch.randint(-2, 3, (rows, bins), generator=g) * q.abs() * 2**-24)
+        x = (q * divisor).to(torch.float32)
+        x[:, :4] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])
+        expected = torch.div(x, divisor, rounding_mode="floor").clamp(0, top)
+        out = torch.empty(rows, bins)
+        floor_div = _FloorDiv(divisor, top, exact=True)
+        assert torch.allclose(floor_div(x, slice(None), out=out), expected, rtol=0, atol=0, equal_nan=True), (
+            trial
+        )
+
+
+PER_CHANNEL_CONFIGS: list[dict[str, Any]] = [
+    {"dtype": torch.qint8, "qscheme": torch.per_channel_symmetric},
+    {"dtype": torch.quint8, "qscheme": torch.per_channel_affine},
+    {"dtype": torch.quint8, "qscheme": torch.per_channel_affine, "reduce_range": True},
+    {"dtype": torch.quint8, "qscheme": torch.per_channel_symmetric},
+    {"dtype": torch.qint8, "qscheme": torch.per_channel_affine, "quant_min": -100, "quant_max": 100},
+    {"dtype": torch.qint8, "qscheme": torch.per_channel_symmetric, "eps": 1e-3},
+]
+
+
 def test_accelerated_torchao_per_channel_observer_is_bit_identical() -> None:
+    """One at a time and batched (``calculate_qparams_many`` groups observers of one config)."""
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
     g = torch.Generator().manual_seed(2)
-    for trial in range(60):
-        kwargs = {"ch_axis": trial % 2, "dtype": torch.qint8, "qscheme": torch.per_channel_symmetric}
-        if trial % 3 == 0:
-            kwargs.update(dtype=torch.quint8, qscheme=torch.per_channel_affine)
+    refs, fasts = [], []
+    for trial in range(80):
+        kwargs = {"ch_axis": trial % 2, **PER_CHANNEL_CONFIGS[trial % len(PER_CHANNEL_CONFIGS)]}
         ref = ao.PerChannelMinMaxObserver(**kwargs)
         fast: Any = accelerate(ao.PerChannelMinMaxObserver(**kwargs))
         w = torch.randn(int(torch.randint(1, 64, (1,), generator=g)), 9, generator=g)
+        if trial % 7 == 0:
+            w = w.abs() * 1e-9  # scales at eps
         for x in (w, w * 2 - 1):
             ref(x)
             fast(x)
         assert torch.equal(ref.min_val, fast.min_val) and torch.equal(ref.max_val, fast.max_val)
         (s_ref, z_ref), (s_fast, z_fast) = ref.calculate_qparams(), fast.calculate_qparams()
         assert _same_bits(s_ref, s_fast) and torch.equal(z_ref, z_fast)
+        refs.append(ref)
+        fasts.append(fast)
+    batched = calculate_qparams_many(fasts)
+    for ref, (s_fast, z_fast) in zip(refs, batched):
+        s_ref, z_ref = ref.calculate_qparams()
+        assert _same_bits(s_ref, s_fast) and torch.equal(z_ref, z_fast) and z_ref.dtype == z_fast.dtype
+        assert s_fast.untyped_storage().nbytes() == s_fast.numel() * s_fast.element_size()  # own storage
 
 
 def test_weight_quantization_matches_the_decomposed_op() -> None:

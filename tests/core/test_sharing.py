@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quantplug
-from quantplug.flow.inspect import encodings
 from quantplug import AnnotationError, QuantizationSpec, SharedQuantizationSpec
 from quantplug.annotation.specs import annotate_node
+from quantplug.flow.inspect import encodings
 from quantplug.sharing.resolution import Key, KeySpec, resolve_sharing
 
 # --- brute force ---------------------------------------------------------------------------------
@@ -145,7 +145,10 @@ def test_shared_spec_pointing_at_unannotated_key() -> None:
 
 
 def test_derived_spec_with_missing_sources() -> None:
-    specs = {("b", "conv"): KeySpec.derived("d", [("x", "conv"), ("w", "conv")]), ("x", "conv"): KeySpec.concrete("u8")}
+    specs = {
+        ("b", "conv"): KeySpec.derived("d", [("x", "conv"), ("w", "conv")]),
+        ("x", "conv"): KeySpec.concrete("u8"),
+    }
     with pytest.raises(AnnotationError, match=r"input 'w' of node 'conv'"):
         resolve_sharing(specs)
 
@@ -154,7 +157,14 @@ def test_extra_merge_of_disagreeing_groups_names_both() -> None:
     specs = {"a": KeySpec.concrete("u8"), "b": KeySpec.concrete("u16")}
     with pytest.raises(AnnotationError, match=r"'a'.*'b'.*disagree"):
         resolve_sharing(specs, extra_merges=[("a", "b")])
-    assert len(resolve_sharing({"a": KeySpec.concrete("u8"), "b": KeySpec.concrete("u8")}, extra_merges=[("a", "b")])) == 1
+    assert (
+        len(
+            resolve_sharing(
+                {"a": KeySpec.concrete("u8"), "b": KeySpec.concrete("u8")}, extra_merges=[("a", "b")]
+            )
+        )
+        == 1
+    )
 
 
 def test_implicit_sharing_respects_opt_out_and_signature() -> None:
@@ -170,7 +180,9 @@ def test_implicit_sharing_respects_opt_out_and_signature() -> None:
     assert g[("x", "q")] != g["x"]  # different grid: requantized, not merged
     # r opted out, but p's edge still reaches it (sharing is initiated by the allowing edge)
     assert g[("x", "r")] == g["x"]
-    groups = resolve_sharing({"x": KeySpec.concrete("u8"), ("x", "r"): KeySpec.concrete("u8")}, no_implicit_consumers={"r"})
+    groups = resolve_sharing(
+        {"x": KeySpec.concrete("u8"), ("x", "r"): KeySpec.concrete("u8")}, no_implicit_consumers={"r"}
+    )
     assert groups.group_of["x"] != groups.group_of[("x", "r")]
 
 
@@ -211,7 +223,11 @@ def test_cat_of_the_same_producer_twice_prepares_and_converts() -> None:
     def annotate(gm, spec):  # type: ignore[no-untyped-def]
         n = _nodes(gm)
         annotate_node(n["relu"], {n["x"]: spec}, spec)
-        annotate_node(n["cat"], {n["relu"]: SharedQuantizationSpec(n["relu"])}, SharedQuantizationSpec((n["relu"], n["cat"])))
+        annotate_node(
+            n["cat"],
+            {n["relu"]: SharedQuantizationSpec(n["relu"])},
+            SharedQuantizationSpec((n["relu"], n["cat"])),
+        )
 
     plugin, callback = _annotating_backend(annotate)
     ep = torch.export.export(CatTwice(), (torch.randn(2, 3),))

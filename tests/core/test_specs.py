@@ -15,7 +15,9 @@ def test_specs_are_frozen_values() -> None:
     spec = QuantizationSpec(dtype=torch.uint8)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.quant_min = 3  # type: ignore[misc]
-    assert spec == QuantizationSpec(dtype=torch.uint8) and hash(spec) == hash(QuantizationSpec(dtype=torch.uint8))
+    assert spec == QuantizationSpec(dtype=torch.uint8) and hash(spec) == hash(
+        QuantizationSpec(dtype=torch.uint8)
+    )
     config = QuantizationConfig(spec, spec, None, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.weight = spec  # type: ignore[misc]

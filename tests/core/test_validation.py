@@ -20,7 +20,9 @@ from quantplug import (
 )
 from quantplug.validation.constraints import OUTPUT
 
-RULES = RulesModule("tests.core._validation_rules", ["aten.linear.default", "aten.sigmoid.default", "aten.view.default"])
+RULES = RulesModule(
+    "tests.core._validation_rules", ["aten.linear.default", "aten.sigmoid.default", "aten.view.default"]
+)
 
 U8 = QuantizationSpec(dtype=torch.uint8, qscheme=torch.per_tensor_affine)
 W_AFFINE = QuantizationSpec(dtype=torch.int8, qscheme=torch.per_tensor_affine)
@@ -52,7 +54,9 @@ class Backend:
         return [RULES]
 
     @quantplug.hookimpl
-    def quantplug_quantization_config(self, preset: str | None, context: quantplug.BackendContext) -> QuantizationConfig:
+    def quantplug_quantization_config(
+        self, preset: str | None, context: quantplug.BackendContext
+    ) -> QuantizationConfig:
         return QuantizationConfig(U8, U8, self.weight, None)
 
     @quantplug.hookimpl
@@ -68,12 +72,23 @@ class Backend:
                 OpConstraint(
                     "FullyConnected",
                     ports={1: PortConstraint(dtypes=frozenset({torch.int8}), symmetric=True)},
-                    arch=(ArchRequirement(75, "per-channel weights", when=lambda ports: ports[1] is not None
-                                          and ports[1].qscheme == torch.per_channel_symmetric),),
+                    arch=(
+                        ArchRequirement(
+                            75,
+                            "per-channel weights",
+                            when=lambda ports: (
+                                ports[1] is not None and ports[1].qscheme == torch.per_channel_symmetric
+                            ),
+                        ),
+                    ),
                 )
             ]
         if backend_op == "Sigmoid":
-            return [OpConstraint("Sigmoid", ports={OUTPUT: PortConstraint(fixed_scale=1 / 256, fixed_zero_point=0)})]
+            return [
+                OpConstraint(
+                    "Sigmoid", ports={OUTPUT: PortConstraint(fixed_scale=1 / 256, fixed_zero_point=0)}
+                )
+            ]
         if backend_op == "Reshape":
             return [OpConstraint("Reshape", must_share_input_output=True)]
         return []
@@ -135,7 +150,9 @@ def test_arch_gate_applies_only_when_condition_holds() -> None:
 def test_fixed_sigmoid_and_shared_view_pass() -> None:
     from tests.core import _validation_rules
 
-    _validation_rules.SIGMOID_SPEC = FixedQParamsQuantizationSpec(dtype=torch.uint8, scale=1 / 256, zero_point=0)
+    _validation_rules.SIGMOID_SPEC = FixedQParamsQuantizationSpec(
+        dtype=torch.uint8, scale=1 / 256, zero_point=0
+    )
     try:
         with quantplug.registered_backend("t_valid", Backend(W_CHANNEL, arch=80)):
             q = quantplug.get_quantizer("t_valid")

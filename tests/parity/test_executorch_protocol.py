@@ -17,9 +17,7 @@ qnn = pytest.importorskip("executorch.backends.qualcomm.quantizer.quantizer")
 
 
 def _scales(gm: torch.fx.GraphModule) -> list[object]:
-    return sorted(
-        (e["kind"], e["dtype"], repr(e["scale"]), repr(e["zero_point"])) for e in encodings(gm)
-    )
+    return sorted((e["kind"], e["dtype"], repr(e["scale"]), repr(e["zero_point"])) for e in encodings(gm))
 
 
 @pytest.mark.executorch
@@ -31,7 +29,9 @@ def test_qnn_quantizer_is_accepted_and_matches_torchao() -> None:
     results = []
     for flow in ("torchao", "quantplug"):
         quantizer = qnn.QnnQuantizer()
-        prepared = prepare_pt2e(ep.module(), quantizer) if flow == "torchao" else quantplug.prepare(ep, quantizer)
+        prepared = (
+            prepare_pt2e(ep.module(), quantizer) if flow == "torchao" else quantplug.prepare(ep, quantizer)
+        )
         for batch in demo_calibration(4):
             prepared(*batch)
         results.append(convert_pt2e(prepared) if flow == "torchao" else quantplug.convert(prepared))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.fx import Node
@@ -76,7 +76,7 @@ def rules_in_module(module: Any) -> dict[str, AnnotatorRule]:
 # --- predicates -------------------------------------------------------------------------------
 
 
-def is_float_tensor(node: Any) -> bool:
+def is_float_tensor(node: Any) -> TypeGuard[Node]:
     """True for a node producing one floating-point tensor (what can be quantized)."""
     if not isinstance(node, Node):
         return False
@@ -168,10 +168,11 @@ def annotate_weighted(
         inputs[act] = config.input_activation
     if is_float_tensor(weight) and config.weight is not None:
         inputs[weight] = config.weight
-    if bias_index is not None and len(args) > bias_index and is_float_tensor(args[bias_index]):
+    bias = args[bias_index] if bias_index is not None and len(args) > bias_index else None
+    if is_float_tensor(bias):
         bias_spec = config.bias_spec(node)
         if bias_spec is not None:
-            inputs[args[bias_index]] = bias_spec
+            inputs[bias] = bias_spec
     out = config.output_activation if quantize_output and is_float_tensor(node) else None
     if inputs or out is not None:
         annotate_node(node, inputs, out)

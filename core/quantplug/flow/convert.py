@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,9 +23,9 @@ from quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
-from quantplug.flow.graph_copy import AttrNamer, paused_gc
+from quantplug.flow.graph_copy import AttrNamer, add_node, copy_node, paused_gc
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
-from quantplug.observers.accelerated import fresh_copy
+from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import observer_saw_data
 from quantplug.observers.fixed import DerivedObserver
@@ -112,20 +113,22 @@ class _Emitter:
     def quantize(self, x: Node, qp: QParams, prefix: str) -> Node:
         g = self.graph
         if qp.granularity == "tensor":
-            return g.call_function(
+            return _call_function(
+                g,
                 qd.quantize_per_tensor.default,
                 (x, float(qp.scale), int(qp.zero_point), qp.quant_min, qp.quant_max, qp.dtype),
             )
         if qp.granularity == "channel":
             s = self.constant(prefix + "_scale", qp.scale)
             z = self.constant(prefix + "_zero_point", qp.zero_point)
-            return g.call_function(
-                qd.quantize_per_channel.default, (x, s, z, qp.axis, qp.quant_min, qp.quant_max, qp.dtype)
+            return _call_function(
+                g, qd.quantize_per_channel.default, (x, s, z, qp.axis, qp.quant_min, qp.quant_max, qp.dtype)
             )
         if qp.granularity == "block":
             s = self.constant(prefix + "_scale", qp.scale)
             z = self.constant(prefix + "_zero_point", qp.zero_point)
-            return g.call_function(
+            return _call_function(
+                g,
                 qp_ops.quantize_per_block,
                 (x, s, z, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype),
             )
@@ -135,7 +138,8 @@ class _Emitter:
         g = self.graph
         kwargs = {"out_dtype": out_dtype} if out_dtype not in (None, torch.float32) else {}
         if qp.granularity == "tensor":
-            return g.call_function(
+            return _call_function(
+                g,
                 qd.dequantize_per_tensor.default,
                 (q, float(qp.scale), int(qp.zero_point), qp.quant_min, qp.quant_max, qp.dtype),
                 kwargs,
@@ -143,7 +147,8 @@ class _Emitter:
         if qp.granularity == "channel":
             s = self.constant(prefix + "_scale", qp.scale)
             z = self.constant(prefix + "_zero_point", qp.zero_point)
-            return g.call_function(
+            return _call_function(
+                g,
                 qd.dequantize_per_channel.default,
                 (q, s, z, qp.axis, qp.quant_min, qp.quant_max, qp.dtype),
                 kwargs,
@@ -151,7 +156,8 @@ class _Emitter:
         if qp.granularity == "block":
             s = self.constant(prefix + "_scale", qp.scale)
             z = self.constant(prefix + "_zero_point", qp.zero_point)
-            return g.call_function(
+            return _call_function(
+                g,
                 qp_ops.dequantize_per_block,
                 (q, s, z, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype),
             )
@@ -161,25 +167,33 @@ class _Emitter:
         """choose_qparams -> quantize -> dequantize, per tensor or per token, at run time."""
         g = self.graph
         if qp.granularity == "token":
-            cq = g.call_function(qd.choose_qparams_per_token_asymmetric.default, (x, qp.dtype))
-            s = g.call_function(operator.getitem, (cq, 0))
-            z = g.call_function(operator.getitem, (cq, 1))
-            q = g.call_function(
-                qd.quantize_per_token.default, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype)
+            cq = _call_function(g, qd.choose_qparams_per_token_asymmetric.default, (x, qp.dtype))
+            s = _call_function(g, operator.getitem, (cq, 0))
+            z = _call_function(g, operator.getitem, (cq, 1))
+            q = _call_function(
+                g, qd.quantize_per_token.default, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype)
             )
-            return g.call_function(
+            return _call_function(
+                g,
                 qd.dequantize_per_token.default,
                 (q, s, z, qp.quant_min, qp.quant_max, qp.dtype, torch.float32),
             )
         choose = qd.choose_qparams_symmetric.tensor if qp.symmetric else qd.choose_qparams.tensor
         eps = float(torch.finfo(torch.float32).eps)
-        cq = g.call_function(choose, (x, qp.quant_min, qp.quant_max, eps, qp.dtype))
-        s = g.call_function(operator.getitem, (cq, 0))
-        z = g.call_function(operator.getitem, (cq, 1))
-        q = g.call_function(qd.quantize_per_tensor.tensor, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype))
-        return g.call_function(
-            qd.dequantize_per_tensor.tensor, (q, s, z, qp.quant_min, qp.quant_max, qp.dtype)
+        cq = _call_function(g, choose, (x, qp.quant_min, qp.quant_max, eps, qp.dtype))
+        s = _call_function(g, operator.getitem, (cq, 0))
+        z = _call_function(g, operator.getitem, (cq, 1))
+        q = _call_function(g, qd.quantize_per_tensor.tensor, (x, s, z, qp.quant_min, qp.quant_max, qp.dtype))
+        return _call_function(
+            g, qd.dequantize_per_tensor.tensor, (q, s, z, qp.quant_min, qp.quant_max, qp.dtype)
         )
+
+
+def _call_function(
+    graph: Graph, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> Node:
+    """``graph.call_function(target, args, kwargs)`` through the faster :func:`add_node`."""
+    return add_node(graph, "call_function", target, args, kwargs)
 
 
 def _is_annotated(node: Node) -> bool:
@@ -257,6 +271,13 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
                 module.__dict__["calculate_qparams"] = _Cached(result)
                 patched.append(module)
 
+    # what needs no other observer's result is computed up front, many observers at once
+    independent = {
+        id(used[g.gid]): used[g.gid]
+        for g in state.groups
+        if not g.dynamic and not isinstance(used[g.gid], DerivedObserver)
+    }
+    by_observer.update(zip(independent, calculate_qparams_many(list(independent.values()))))
     try:
         derived = []
         for group in state.groups:
@@ -307,7 +328,7 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     qparams = compute_qparams(prepared, state)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)
     graph._codegen = prepared.graph._codegen
-    env: dict[Node, Node] = {}
+    env: dict[Node, Node | _Dequantized] = {}
     tensors: dict[str, torch.Tensor] = {}
     emit = _Emitter(graph, tensors, AttrNamer(prepared))
     observer_prefix = OBSERVERS + "."
@@ -343,7 +364,7 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             env[node] = _Dequantized(_dq_maker(emit, q, qp, gid, node), duplicate=True)
             continue
         if node.name in constant_inputs:
-            replacements = {}
+            replacements: dict[Node, Node] = {}
             for producer_name, gid in constant_inputs[node.name].items():
                 producer = old_nodes[producer_name]
                 q = quantized_constant(producer, gid)
@@ -352,11 +373,13 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
                 if "val" in producer.meta:
                     dq.meta["val"] = producer.meta["val"]
                 replacements[producer] = dq
-            new = graph.node_copy(
-                node, lambda n, r=replacements, u=node: r[n] if n in r else _lookup(env, n, u)
-            )
+
+            def transform(n: Node, r: dict[Node, Node] = replacements, u: Node = node) -> Node:
+                return r[n] if n in r else _lookup(env, n, u)
+
+            new = copy_node(graph, node, transform)
         else:
-            new = graph.node_copy(node, lambda n, u=node: _lookup(env, n, u))
+            new = copy_node(graph, node, partial(_lookup, env, user=node))
         env[node] = new
     _eliminate_dead_code(graph)
     converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
@@ -392,7 +415,7 @@ class _Dequantized:
         return self.shared
 
 
-def _lookup(env: dict[Node, Any], n: Node, user: Node) -> Node:
+def _lookup(env: dict[Node, Node | _Dequantized], n: Node, user: Node) -> Node:
     value = env[n]
     return value.for_user(user) if isinstance(value, _Dequantized) else value
 

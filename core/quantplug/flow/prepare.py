@@ -259,7 +259,7 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         if group.constant or state.group_of.get(producer_name) == gid:
             continue
         current = output_obs.get(producer_name, by_name[producer_name])
-        obs = edge_obs.get((producer_name, gid))
-        if obs is None:
-            obs = edge_obs[(producer_name, gid)] = new_observer(current, group)
-        by_name[consumer_name].replace_input_with(current, obs)
+        edge_observer = edge_obs.get((producer_name, gid))
+        if edge_observer is None:
+            edge_observer = edge_obs[(producer_name, gid)] = new_observer(current, group)
+        by_name[consumer_name].replace_input_with(current, edge_observer)

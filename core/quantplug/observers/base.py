@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from quantplug.annotation.dtypes import full_range, resolve_range
+from quantplug.annotation.dtypes import UINT2, UINT4, full_range, resolve_range
 from quantplug.annotation.specs import SYMMETRIC_QSCHEMES
 
 DEFAULT_EPS = float(torch.finfo(torch.float32).eps)
@@ -71,7 +71,7 @@ def qparams_from_range(
     if symmetric:
         max_pos = torch.max(-min_neg, max_pos)
         scale = torch.max(max_pos / (float(quant_max - quant_min) / 2), eps_t)
-        if dtype in (torch.uint8, torch.uint16, torch.uint4, torch.uint2):
+        if dtype in (torch.uint8, torch.uint16, UINT4, UINT2):
             if customized_range:
                 mid = (quant_min + quant_max) // 2
             else:

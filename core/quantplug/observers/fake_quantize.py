@@ -47,11 +47,12 @@ class FakeQuantize(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.activation_post_process.dtype
+        dtype: torch.dtype = self._observer.dtype
+        return dtype
 
     @property
     def observed(self) -> bool:
-        return bool(getattr(self.activation_post_process, "observed", True))
+        return bool(getattr(self._observer, "observed", True))
 
     def enable_observer(self, enabled: bool = True) -> None:
         self.observer_enabled = enabled
@@ -65,11 +66,17 @@ class FakeQuantize(nn.Module):
     def disable_fake_quant(self) -> None:
         self.fake_quant_enabled = False
 
+    @property
+    def _observer(self) -> Any:
+        """The wrapped observer, typed loosely: any PT2E observer module fits."""
+        return self._modules["activation_post_process"]
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.activation_post_process.calculate_qparams()
+        qparams: tuple[torch.Tensor, torch.Tensor] = self._observer.calculate_qparams()
+        return qparams
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        obs = self.activation_post_process
+        obs = self._observer
         if self.observer_enabled:
             obs(x.detach())
         if not self.fake_quant_enabled or not self.observed:

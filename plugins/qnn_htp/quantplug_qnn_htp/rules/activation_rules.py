@@ -45,11 +45,11 @@ def _fixed(node: Node, config: QuantizationConfig, fn) -> None:  # type: ignore[
         qmin, qmax = spec_range(act)
         scale, zp = fn(qmin, qmax)
         out = FixedQParamsQuantizationSpec(
-            dtype=act.dtype,
+            dtype=act.dtype,  # type: ignore[attr-defined]
             scale=scale,
             zero_point=zp,
             quant_min=qmin,
-            quant_max=qmax,  # type: ignore[attr-defined]
+            quant_max=qmax,
             qscheme=torch.per_tensor_affine,
         )
     if inputs or out is not None:

@@ -29,7 +29,7 @@ def annotate_conv2d(node: Node, config: QuantizationConfig, context: BackendCont
 def annotate_convolution(node: Node, config: QuantizationConfig, context: BackendContext) -> None:
     # convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     transposed = bool(node.args[6]) if len(node.args) > 6 else False
-    groups = int(node.args[8]) if len(node.args) > 8 else 1
+    groups = _int_arg(node, 8, "groups", 1)
     if transposed:
         annotate_weighted_op(node, config, "conv_transpose", groups=groups, context=context)
     else:
@@ -43,7 +43,13 @@ def annotate_conv3d(node: Node, config: QuantizationConfig, context: BackendCont
 
 def _transpose_groups(node: Node) -> int:
     # conv_transpose{1,2,3}d(input, weight, bias, stride, padding, output_padding, groups, dilation)
-    return int(node.args[6]) if len(node.args) > 6 else int(node.kwargs.get("groups", 1))
+    return _int_arg(node, 6, "groups", 1)
+
+
+def _int_arg(node: Node, index: int, name: str, default: int) -> int:
+    """An integer argument given by position or keyword (scalars in exported graphs are ints)."""
+    value = node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+    return int(value)  # type: ignore[arg-type]
 
 
 @register_annotator(
