@@ -32,6 +32,7 @@ import logging
 import os
 import platform
 import pstats
+import statistics
 import sys
 import time
 import tracemalloc
@@ -221,7 +222,7 @@ class PeakMemory:
 class FlowResult:
     prepare_s: list[float] = field(default_factory=list)
     convert_s: list[float] = field(default_factory=list)
-    calib_s: list[float] = field(default_factory=list)
+    calib_s: list[float] = field(default_factory=list)  # the first batch of each repeat
     calib_later_s: list[float] = field(default_factory=list)  # batches after the first of a repeat
     qfwd_s: list[float] = field(default_factory=list)
     mem: dict[str, float | None] = field(default_factory=dict)
@@ -234,6 +235,10 @@ class FlowResult:
     def best(self, attr: str) -> float:
         values = getattr(self, attr)
         return min(values) if values else float("nan")
+
+    def median(self, attr: str) -> float:
+        values = getattr(self, attr)
+        return statistics.median(values) if values else float("nan")
 
 
 @dataclass
@@ -274,9 +279,7 @@ def run_flow_once(
             inputs = batch(10 + i)
             t0 = _now()
             prepared(*inputs)
-            res.calib_s.append(_now() - t0)
-            if i:
-                res.calib_later_s.append(res.calib_s[-1])
+            (res.calib_later_s if i else res.calib_s).append(_now() - t0)
     gc.collect()
     converted, t = _timed(lambda: flow.convert(prepared))
     res.convert_s.append(t)
@@ -431,14 +434,14 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
         f"torch threads {machine['torch_threads']}; load average at start {load0}, at end {load1}. "
         f"{machine['date']}.",
         "",
-        f"Stage times: minimum over repeats (column `reps`); calibration: minimum over "
-        f"{args.calib_batches} batches × reps; forwards: minimum of {args.fwd_reps}. `nodes` = nodes of "
-        "the exported graph; ms/node = (prepare + convert) / nodes. torchao's prepare includes "
-        "`ep.module()`, the GraphModule prepare_pt2e needs (quantplug.prepare(ep) builds its own "
-        "working copy from the ExportedProgram, inside its prepare time; the `ep.module()` column "
-        "times ep.module() alone). × = torchao / quantplug. `later` calibration columns: the "
-        "minimum over the batches after the first of each repeat (observers whose range grows "
-        "re-bin their histograms there).",
+        f"Stage times: minimum over repeats (column `reps`); forwards: minimum of {args.fwd_reps}. "
+        "`nodes` = nodes of the exported graph; ms/node = (prepare + convert) / nodes. torchao's "
+        "prepare includes `ep.module()`, the GraphModule prepare_pt2e needs (quantplug.prepare(ep) "
+        "builds its own working copy from the ExportedProgram, inside its prepare time; the "
+        "`ep.module()` column times ep.module() alone). × = torchao / quantplug. Calibration: each "
+        f"repeat feeds {args.calib_batches} batches to a freshly prepared model; `calib` is its first "
+        "batch (minimum over repeats), `later` the median of the batches after the first (observers "
+        "whose range grows re-bin their histograms there; early batches grow most ranges).",
         "",
     ]
     if has["torchao"] and has["quantplug"]:
@@ -513,10 +516,10 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
                     _ratio(ac_, fl),
                     _ms(qc_),
                     _ratio(qc_, fl),
-                    _ms(a.best("calib_later_s")),
-                    _ratio(a.best("calib_later_s"), fl),
-                    _ms(q.best("calib_later_s")),
-                    _ratio(q.best("calib_later_s"), fl),
+                    _ms(a.median("calib_later_s")),
+                    _ratio(a.median("calib_later_s"), fl),
+                    _ms(q.median("calib_later_s")),
+                    _ratio(q.median("calib_later_s"), fl),
                     _ms(a.best("qfwd_s")),
                     _ms(q.best("qfwd_s")),
                     f"{a.q_nodes}/{a.dq_nodes}",
@@ -765,7 +768,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=120.0,
         help="stop repeating a model once it has taken this long",
     )
-    p.add_argument("--calib-batches", type=int, default=2)
+    p.add_argument("--calib-batches", type=int, default=4, help="calibration batches per repeat")
     p.add_argument("--fwd-reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass")

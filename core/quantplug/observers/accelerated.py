@@ -78,8 +78,8 @@ class LinearBinning:
 
     def __init__(self, bins: int, lo: float, hi: float, divisor: float, scale: int | None) -> None:
         self.bins, self.lo, self.hi = bins, lo, hi
-        self._lo = torch.tensor(lo, dtype=torch.float32)
-        self._divisor = torch.tensor(divisor, dtype=torch.float32)
+        self._lo = torch.scalar_tensor(lo, dtype=torch.float32)
+        self._divisor = torch.scalar_tensor(divisor, dtype=torch.float32)
         self._scale = scale
         self._last = float(bins - 1)
 

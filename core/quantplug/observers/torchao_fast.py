@@ -33,7 +33,7 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
         return _fast_state(self)
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        x = x_orig.detach()
+        x = x_orig.detach() if x_orig.requires_grad else x_orig  # as torchao, without a dispatch
         state = self._state(x)
         if state is None:
             return super().forward(x_orig)
