@@ -247,6 +247,7 @@ class ModelResult:
     nodes: int
     export_s: float
     float_fwd_s: float
+    float_first_s: float = float("nan")  # first forward of a freshly built ep.module()
     module_s: float = float("nan")  # ep.module() alone: the unlifted copy both flows start from
     repeats: int = 0
     flows: dict[str, FlowResult] = field(default_factory=dict)
@@ -322,7 +323,13 @@ def bench_model(name: str, flows: list[Flow], args: Any, log: Callable[[str], No
     ep, export_s = _timed(lambda: torch.export.export(model, batch(0)))
     float_fwd_s, _ = _forward_time(ep.module(), batch(1), args.fwd_reps)
     result = ModelResult(name, len(ep.graph.nodes), export_s, float_fwd_s)
-    result.module_s = min(_timed(ep.module)[1] for _ in range(3))
+    module_s, first_s = [], []
+    with torch.no_grad():
+        for _ in range(3):  # fresh modules: ep.module() time, then the module's first forward
+            module, t = _timed(ep.module)
+            module_s.append(t)
+            first_s.append(_timed(lambda m=module: m(*batch(10)))[1])
+    result.module_s, result.float_first_s = min(module_s), min(first_s)
     result.flows = {f.name: FlowResult() for f in flows}
     log(
         f"{name}: {result.nodes} exported nodes, export {export_s:.2f}s, float fwd {1e3 * float_fwd_s:.1f} ms"
@@ -403,10 +410,15 @@ def _f(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}f}"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
+def _ratio(a: float | None, b: float | None, digits: int = 1) -> str:
     if a is None or b is None or a != a or b != b or b == 0:
         return "–"
-    return f"{a / b:.1f}×"
+    return f"{a / b:.{digits}f}×"
+
+
+def _cal(a: float | None, b: float | None) -> str:
+    """A calibration ratio: two decimals, the target (1.3x) is close."""
+    return _ratio(a, b, 2)
 
 
 def _row(*cells: Any) -> str:
@@ -487,12 +499,23 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
                 )
             )
         lines += ["", "## calibration and forward (milliseconds)", ""]
+        lines += [
+            "`float fwd`: the float module, warm (minimum of repeated calls); `float 1st`: the first "
+            "call of a freshly built `ep.module()` (its generated code runs for the first time, as "
+            "a freshly prepared module's does in its first calibration batch). `calib` (the first "
+            "batch) is compared with both; `later` (median of the following batches) with the warm "
+            "forward.",
+            "",
+        ]
         lines += _header(
             "model",
             "float fwd",
+            "float 1st",
             "torchao calib",
+            "×float 1st",
             "×float",
             "quantplug calib",
+            "×float 1st",
             "×float",
             "torchao later",
             "×float",
@@ -506,20 +529,23 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
         )
         for r in results:
             a, q = r.flows["torchao"], r.flows["quantplug"]
-            fl, ac_, qc_ = r.float_fwd_s, a.best("calib_s"), q.best("calib_s")
+            fl, ff, ac_, qc_ = r.float_fwd_s, r.float_first_s, a.best("calib_s"), q.best("calib_s")
             diff = "–" if r.max_abs_diff_ao_qp is None else f"{r.max_abs_diff_ao_qp:.2e}"
             lines.append(
                 _row(
                     r.name,
                     _ms(fl),
+                    _ms(ff),
                     _ms(ac_),
-                    _ratio(ac_, fl),
+                    _cal(ac_, ff),
+                    _cal(ac_, fl),
                     _ms(qc_),
-                    _ratio(qc_, fl),
+                    _cal(qc_, ff),
+                    _cal(qc_, fl),
                     _ms(a.median("calib_later_s")),
-                    _ratio(a.median("calib_later_s"), fl),
+                    _cal(a.median("calib_later_s"), fl),
                     _ms(q.median("calib_later_s")),
-                    _ratio(q.median("calib_later_s"), fl),
+                    _cal(q.median("calib_later_s"), fl),
                     _ms(a.best("qfwd_s")),
                     _ms(q.best("qfwd_s")),
                     f"{a.q_nodes}/{a.dq_nodes}",
@@ -568,7 +594,7 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
             "p+c",
             "ms/node",
             "calib ms",
-            "×float",
+            "×float 1st",
             "Q/DQ fwd ms",
             "Q/DQ",
             "prepare RSS MiB",
@@ -586,7 +612,7 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
                     _f(p + c),
                     _f(1e3 * (p + c) / r.nodes),
                     _ms(cal),
-                    _ratio(cal, r.float_fwd_s),
+                    _cal(cal, r.float_first_s),
                     _ms(f.best("qfwd_s")),
                     f"{f.q_nodes}/{f.dq_nodes}",
                     _f(f.mem.get("prepare_rss_mb"), 1),
@@ -620,8 +646,8 @@ def _qnn_section(results: list[ModelResult], args: Any) -> list[str]:
         "ExecuTorch p+c",
         "qnn_htp p+c",
         "×",
-        "ExecuTorch calib ×float",
-        "qnn_htp calib ×float",
+        "ExecuTorch calib ×float 1st",
+        "qnn_htp calib ×float 1st",
         "ExecuTorch Q/DQ fwd ms",
         "qnn_htp Q/DQ fwd ms",
         "ExecuTorch Q/DQ",
@@ -646,8 +672,8 @@ def _qnn_section(results: list[ModelResult], args: Any) -> list[str]:
                 _f(ep_ + ec),
                 _f(qp_ + qc),
                 _ratio(ep_ + ec, qp_ + qc),
-                _ratio(e.best("calib_s"), r.float_fwd_s),
-                _ratio(q.best("calib_s"), r.float_fwd_s),
+                _cal(e.best("calib_s"), r.float_first_s),
+                _cal(q.best("calib_s"), r.float_first_s),
                 _ms(e.best("qfwd_s")),
                 _ms(q.best("qfwd_s")),
                 f"{e.q_nodes}/{e.dq_nodes}",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from quantplug.observers.accelerated import _FLOAT32_MAX, MAX_EXACT_COUNT, LinearBinning
+from quantplug.observers.accelerated import _FLOAT32_MAX, MAX_EXACT_COUNT, LinearBinning, float32
 
 # Never imported here: accelerated.accelerate() loads this module only when the caller's own
 # torchao observers are already in sys.modules. torchao is not a quantplug dependency.
@@ -60,10 +60,13 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
         new_min_t = min_val if new_min == cur_min else x_min
         new_max_t = max_val if new_max == cur_max else x_max
         update = update.to(_F32)
-        if cur_min == cur_max:  # a one-value histogram: torchao's own special case
+        # what _combine_histograms does, without re-reading the ranges (a one-value histogram
+        # is its special case)
+        rebinned = None if cur_min == cur_max else self._rebin(hist, cur_min, cur_max, new_min, new_max)
+        if rebinned is None:
             combined = self._combine_histograms(hist, min_val, max_val, update, new_min_t, new_max_t)
-        else:  # what _combine_histograms does here, without re-reading the ranges
-            combined = update + self._upscale_histogram(hist, min_val, max_val, new_min_t, new_max_t)
+        else:
+            combined = update + rebinned
         hist.copy_(combined)
         min_val.copy_(new_min_t)
         max_val.copy_(new_max_t)
@@ -85,32 +88,46 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
         update_min: torch.Tensor,
         update_max: torch.Tensor,
     ) -> torch.Tensor:
-        """torchao's re-binning of the old histogram onto a grown range, with the same float32 result.
+        """torchao's re-binning of the old histogram onto a grown range: :meth:`_rebin`."""
+        rebinned = None
+        if all(t.device.type == "cpu" for t in (histogram, orig_min, orig_max, update_min, update_max)):
+            ranges = (orig_min.item(), orig_max.item(), update_min.item(), update_max.item())
+            rebinned = self._rebin(histogram, *ranges)
+        if rebinned is None:
+            return super()._upscale_histogram(histogram, orig_min, orig_max, update_min, update_max)
+        return rebinned
+
+    def _rebin(
+        self, histogram: torch.Tensor, orig_min: float, orig_max: float, new_min: float, new_max: float
+    ) -> torch.Tensor | None:
+        """torchao's ``_upscale_histogram`` of a CPU histogram, the same float32 result (or None).
 
         torchao spreads each old bin over ``upsample_rate`` sub-bins, finds the new bin of each
         sub-bin's mid-point with ``bucketize`` (clamped into the end bins) and sums the sub-bins
         of each new bin with a weighted ``bincount``, in sub-bin order. When the mid-points and
-        the new edges are sorted (checked; torch's own code runs otherwise), the sub-bins of one
-        new bin are a run: a ``searchsorted`` of the edges finds where each run starts, and
-        ``segment_reduce`` adds up each run in the same order with the same float32 additions.
+        the new edges are sorted (checked; None otherwise, and torch's own code runs), the
+        sub-bins of one new bin are a run: a ``searchsorted`` of the edges finds where each run
+        starts, and ``segment_reduce`` adds up each run in the same order with the same float32
+        additions. The ranges come as the Python floats of the float32 range ends, and torchao's
+        0-dim float32 arithmetic on them is done on floats rounded to float32 after each step.
         """
         rate, bins = self.upsample_rate, self.bins
-        device = histogram.device
+        n = bins * rate
+        if not abs(orig_max - orig_min) <= _FLOAT32_MAX:
+            return None  # torch's float32 subtraction overflows: its code decides
         # torchao repeats, then divides: dividing first divides each value once, to the same result
         weights = (histogram / rate).repeat_interleave(rate)
-        bin_size = (orig_max - orig_min) / (bins * rate)
-        mids = (
-            torch.linspace(orig_min, orig_max, bins * rate + 1, device=orig_min.device)[:-1].to(device)
-            + 0.5 * bin_size
-        )
-        edges = torch.linspace(update_min, update_max, bins + 1, device=update_min.device).to(device)
-        if device.type != "cpu" or not (_sorted(mids) and _sorted(edges)):
-            return super()._upscale_histogram(histogram, orig_min, orig_max, update_min, update_max)
+        # torchao: bin_size = (orig_max - orig_min) / n, then + 0.5 * bin_size, as 0-dim float32
+        half = float32(0.5 * float32(float32(orig_max - orig_min) / n))
+        mids = torch.linspace(orig_min, orig_max, n + 1)[:-1].add_(half)
+        edges = torch.linspace(new_min, new_max, bins + 1)
+        if not (_sorted(mids) and _sorted(edges)):
+            return None
         # new bin b > 0 starts at the first mid-point >= edges[b]; bin 0 also takes what lies
         # below edges[0] and the last bin what lies at or above edges[bins] (torchao's clamp)
         starts = torch.searchsorted(mids, edges[1:bins], side="left")
-        bounds = torch.cat((_ZERO_INDEX, starts, starts.new_full((1,), mids.numel())))
-        return torch.segment_reduce(weights, "sum", lengths=bounds.diff(), unsafe=True)
+        lengths = torch.diff(starts, prepend=_ZERO_INDEX, append=_index(n))
+        return torch.segment_reduce(weights, "sum", lengths=lengths, unsafe=True)
 
     def calculate_qparams(self) -> Any:
         """torchao's qparams, bit for bit: :func:`histogram_qparams` for this one observer."""
@@ -447,6 +464,12 @@ def _sorted(values: torch.Tensor) -> bool:
 
 
 _ZERO_INDEX = torch.zeros(1, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=8)
+def _index(i: int) -> torch.Tensor:
+    """``torch.tensor([i])``, shared: only ever read."""
+    return torch.tensor([i], dtype=torch.int64)
 
 
 class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[misc,name-defined]
