@@ -275,6 +275,7 @@ def run_flow_once(
     prepared, t = _timed(lambda: flow.prepare(ep, quantizer))
     res.prepare_s.append(t)
     res.prepared_nodes = len(prepared.graph.nodes)
+    gc.collect()  # a full collection owed to prepare's garbage would otherwise land in a batch
     with torch.no_grad():
         for i in range(args.calib_batches):
             inputs = batch(10 + i)
@@ -328,6 +329,7 @@ def bench_model(name: str, flows: list[Flow], args: Any, log: Callable[[str], No
         for _ in range(3):  # fresh modules: ep.module() time, then the module's first forward
             module, t = _timed(ep.module)
             module_s.append(t)
+            gc.collect()
             first_s.append(_timed(lambda m=module: m(*batch(10)))[1])
     result.module_s, result.float_first_s = min(module_s), min(first_s)
     result.flows = {f.name: FlowResult() for f in flows}
