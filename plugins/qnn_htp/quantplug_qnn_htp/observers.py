@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from quantplug.observers.base import ObserverBase, ObserverFactory, qparams_from_range
+from quantplug.observers.base import ObserverBase, ObserverFactory
 from quantplug.observers.minmax import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
@@ -161,16 +161,7 @@ class MaskAwareObserver(ObserverBase):
             lo = min(lo, 0.0) - self.margin
         if bool(self.saw_positive_mask):
             hi = max(hi, 0.0) + self.margin
-        return qparams_from_range(
-            torch.tensor(lo),
-            torch.tensor(hi),
-            dtype=self.dtype,
-            quant_min=self.quant_min,
-            quant_max=self.quant_max,
-            symmetric=self.symmetric,
-            eps=self.eps,
-            customized_range=self.customized_range,
-        )
+        return self._qparams(torch.tensor(lo), torch.tensor(hi))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, margin={self.margin}"
