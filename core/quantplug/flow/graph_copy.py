@@ -57,9 +57,9 @@ def working_copy(program: torch.export.ExportedProgram | GraphModule, *, lazy: b
         if copied is not None:
             graph.output(copied[0])
         cls = _LazyGraphModule if lazy and _LazyGraphModule is not None else GraphModule
-        copy = cls(program, graph, class_name=type(program).__name__)
-        copy.meta.update({k: v for k, v in program.meta.items() if not k.startswith("quantplug")})
-        return copy
+        module = cls(program, graph, class_name=type(program).__name__)
+        module.meta.update({k: v for k, v in program.meta.items() if not k.startswith("quantplug")})
+        return module
     raise QuantplugError(
         f"expected a torch.export.ExportedProgram or a torch.fx.GraphModule, got {type(program).__name__}; "
         "capture the model with torch.export.export(model, example_inputs) first"
