@@ -18,9 +18,12 @@ from torch import nn
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, dim: int = 256, heads: int = 4, hidden: int = 1024) -> None:
+    """Pre-norm transformer block (attention with an optional causal mask, GELU MLP)."""
+
+    def __init__(self, dim: int = 256, heads: int = 4, hidden: int = 1024, causal: bool = False) -> None:
         super().__init__()
         self.heads = heads
+        self.causal = causal
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -35,7 +38,10 @@ class DecoderBlock(nn.Module):
         q = q.reshape(b, t, h, d // h).transpose(1, 2)
         k = k.reshape(b, t, h, d // h).transpose(1, 2)
         v = v.reshape(b, t, h, d // h).transpose(1, 2)
-        att = torch.softmax((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h)), dim=-1)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
+        if self.causal:
+            att = att + torch.full((t, t), float("-inf")).triu(1)
+        att = torch.softmax(att, dim=-1)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))

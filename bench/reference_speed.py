@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.models import BasicBlock
+from bench.models import BasicBlock, DecoderBlock
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "reference_speed.md"
@@ -54,34 +54,6 @@ class MLP(nn.Module):
         for layer in self.layers:
             x = F.relu(layer(x))
         return self.head(x)
-
-
-class DecoderBlock(nn.Module):
-    """Pre-norm transformer decoder block: causal self-attention and a GELU MLP."""
-
-    def __init__(self, dim: int = 512, heads: int = 8) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        hd = d // self.heads
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q = q.reshape(b, t, self.heads, hd).transpose(1, 2)
-        k = k.reshape(b, t, self.heads, hd).transpose(1, 2)
-        v = v.reshape(b, t, self.heads, hd).transpose(1, 2)
-        att = torch.matmul(q, k.transpose(-2, -1)) * (hd**-0.5)
-        mask = torch.full((t, t), float("-inf")).triu(1)
-        att = torch.softmax(att + mask, dim=-1)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class ResNetLike(nn.Module):
@@ -117,7 +89,7 @@ def _randomize_bn(model: nn.Module) -> nn.Module:
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], tuple[int, ...]], bool]] = {
     # name: (constructor, input shape for a batch size, linear-heavy)
     "mlp": (MLP, lambda b: (b, 1024), True),
-    "decoder": (DecoderBlock, lambda b: (b, 64, 512), True),
+    "decoder": (lambda: DecoderBlock(512, 8, 2048, causal=True), lambda b: (b, 64, 512), True),
     "resnet": (lambda: _randomize_bn(ResNetLike()), lambda b: (b, 3, 64, 64), False),
 }
 

@@ -39,6 +39,7 @@ pytest.importorskip("torchao.quantization.pt2e")
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 import quantplug
+from quantplug.flow.inspect import attr_value
 
 from .models import MODEL_CASES, ModelCase
 
@@ -139,15 +140,6 @@ def placement(gm: GraphModule) -> Counter[tuple[str, str, tuple[str, ...]]]:
     return found
 
 
-def _attr(gm: GraphModule, arg: Any) -> Any:
-    if isinstance(arg, Node) and arg.op == "get_attr":
-        value: Any = gm
-        for part in str(arg.target).split("."):
-            value = getattr(value, part)
-        return value
-    return arg
-
-
 @dataclass
 class Encoding:
     op: str
@@ -161,7 +153,7 @@ class Encoding:
 
 
 def _encoding(gm: GraphModule, node: Node) -> Encoding:
-    args = [_attr(gm, a) for a in node.args]
+    args = [attr_value(gm, a) for a in node.args]
     if node.target in (qd.quantize_per_channel.default, qd.dequantize_per_channel.default):
         scale, zp, axis, qmin, qmax, dtype = args[1:7]
     else:
@@ -205,7 +197,7 @@ def encodings(gm: GraphModule) -> dict[tuple[Any, ...], Encoding]:
                 index = next(i for i, a in enumerate(user.args) if a is node)
                 key = ("constant", user.name, index)
                 enc = _encoding(gm, node)
-                enc.integer_value = _attr(gm, src)
+                enc.integer_value = attr_value(gm, src)
                 assert key not in found, f"two constants feed {key}"
                 found[key] = enc
             continue

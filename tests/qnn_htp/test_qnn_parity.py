@@ -39,6 +39,7 @@ pytest.importorskip("quantplug_qnn_htp")
 pytest.importorskip("torchao.quantization.pt2e")
 qnn = pytest.importorskip("executorch.backends.qualcomm.quantizer.quantizer")
 
+from quantplug.flow.inspect import attr_value  # noqa: E402
 from quantplug_qnn_htp.observers import lpbq_effective_scales  # noqa: E402
 from quantplug_qnn_htp.plugin import set_block_size_map  # noqa: E402
 
@@ -67,20 +68,11 @@ def _kind(n: Any) -> str | None:
     return None
 
 
-def _value(gm: GraphModule, a: Any) -> Any:
-    if isinstance(a, Node) and a.op == "get_attr":
-        v: Any = gm
-        for part in str(a.target).split("."):
-            v = getattr(v, part)
-        return v
-    return a
-
-
 def _encoding(gm: GraphModule, n: Node) -> dict[str, Any]:
     """Scale, zero point and grid of a Q/DQ node; the container dtype is not compared
     (ExecuTorch stores 16-bit activations as int32 [0, 65535], we use uint16)."""
     text = str(n.target)
-    a = [_value(gm, x) for x in n.args]
+    a = [attr_value(gm, x) for x in n.args]
     if "per_tensor" in text:
         return {"g": "tensor", "scale": [float(a[1])], "zp": [int(a[2])], "range": (int(a[3]), int(a[4]))}
     if "per_channel" in text:

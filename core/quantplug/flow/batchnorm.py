@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
 from quantplug.flow.graph_copy import AttrNamer
+from quantplug.flow.inspect import attr_value
 
 aten = torch.ops.aten
 
@@ -30,9 +31,7 @@ _BN = (aten.batch_norm.default, aten._native_batch_norm_legit_no_training.defaul
 
 def _constant(gm: GraphModule, node: object) -> torch.Tensor | None:
     if isinstance(node, Node) and node.op == "get_attr":
-        value = gm
-        for part in str(node.target).split("."):
-            value = getattr(value, part)
+        value = attr_value(gm, node)
         return value if isinstance(value, torch.Tensor) else None
     return None
 

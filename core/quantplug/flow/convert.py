@@ -24,6 +24,7 @@ from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
 from quantplug.flow.graph_copy import AttrNamer, add_node, copy_node, paused_gc
+from quantplug.flow.inspect import fetch_attr
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
 from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
@@ -53,13 +54,6 @@ class QParams:
 def _container(dtype: torch.dtype) -> torch.dtype:
     dtype = _LEGACY_DTYPES.get(dtype, dtype)
     return storage_dtype(dtype) if dtype in SUPPORTED_DTYPES else dtype
-
-
-def _fetch(gm: nn.Module, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _qparams(group: Group, raw: tuple[Any, Any] | None) -> QParams:
@@ -248,7 +242,7 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
             for group in constants:
                 obs = used[group.gid] = fresh_copy(prepared_obs[group.gid])
                 for name in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
-                    obs(_fetch(prepared, str(nodes[name].target)))
+                    obs(fetch_attr(prepared, str(nodes[name].target)))
     for group in state.groups:
         if not group.dynamic and not observer_saw_data(used[group.gid]):
             raise CalibrationError(
@@ -345,7 +339,7 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
         q = qnode_of.get(key)
         if q is None:
             qp = qparams[gid]
-            value = _fetch(prepared, str(producer.target)).detach()
+            value = fetch_attr(prepared, str(producer.target)).detach()
             q = emit.constant(str(producer.target) + "_q", _quantize_tensor(value, qp))
             q.meta["quantplug_group"] = gid
             qnode_of[key] = q

@@ -23,12 +23,18 @@ DEQUANTIZE_OPS = {
 }
 
 
-def _value(gm: GraphModule, arg: Any) -> Any:
+def fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    """The attribute at dotted path ``target`` below ``module`` (what a get_attr node reads)."""
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def attr_value(gm: torch.nn.Module, arg: Any) -> Any:
+    """What ``arg`` stands for in ``gm``: the value a get_attr node reads, anything else as is."""
     if isinstance(arg, Node) and arg.op == "get_attr":
-        value: Any = gm
-        for part in str(arg.target).split("."):
-            value = getattr(value, part)
-        return value
+        return fetch_attr(gm, str(arg.target))
     return arg
 
 
@@ -55,7 +61,7 @@ def encodings(gm: GraphModule) -> list[dict[str, Any]]:
             if granularity is None or not (isinstance(src, Node) and src.op == "get_attr"):
                 continue
             kind = "constant"
-        args = [_value(gm, a) for a in node.args]
+        args = [attr_value(gm, a) for a in node.args]
         entry: dict[str, Any] = {
             "node": node.name,
             "tensor": _tensor_source(node),

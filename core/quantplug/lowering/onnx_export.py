@@ -39,6 +39,7 @@ from torch.fx import GraphModule, Node
 
 from quantplug import ops as qp_ops
 from quantplug.errors import LoweringError
+from quantplug.flow.inspect import fetch_attr
 
 qd = torch.ops.quantized_decomposed
 
@@ -286,10 +287,8 @@ def _for_export(gm: GraphModule) -> GraphModule:
 def _attr(gm: GraphModule, node: Any) -> torch.Tensor:
     if not (isinstance(node, Node) and node.op == "get_attr"):
         raise LoweringError(f"per-block qparams must be constants (get_attr), got {node}")
-    value: Any = gm
-    for part in str(node.target).split("."):
-        value = getattr(value, part)
-    return value  # type: ignore[no-any-return]
+    value: torch.Tensor = fetch_attr(gm, str(node.target))
+    return value
 
 
 def _shape_of(gm: GraphModule, node: Any) -> tuple[int, ...]:
