@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from bench.models import build
+from quantplug.observers import kernels
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results"
@@ -224,6 +225,8 @@ class FlowResult:
     convert_s: list[float] = field(default_factory=list)
     calib_s: list[float] = field(default_factory=list)  # the first batch of each repeat
     calib_later_s: list[float] = field(default_factory=list)  # batches after the first of a repeat
+    # quantplug only: the first batch again, with the native kernels off (the pure-torch code path)
+    calib_torch_path_s: list[float] = field(default_factory=list)
     qfwd_s: list[float] = field(default_factory=list)
     mem: dict[str, float | None] = field(default_factory=dict)
     prepared_nodes: int = 0
@@ -282,6 +285,12 @@ def run_flow_once(
             t0 = _now()
             prepared(*inputs)
             (res.calib_later_s if i else res.calib_s).append(_now() - t0)
+    if flow.name == "quantplug" and kernels.enabled():
+        again = flow.prepare(ep, flow.make_quantizer())
+        gc.collect()
+        with torch.no_grad(), kernels.disabled():
+            res.calib_torch_path_s.append(_timed(lambda: again(*batch(10)))[1])
+        del again
     gc.collect()
     converted, t = _timed(lambda: flow.convert(prepared))
     res.convert_s.append(t)
@@ -401,6 +410,7 @@ def machine_description() -> dict[str, Any]:
         "cpu_model": cpu,
         "mem_total_gib": round(int(mem_total) / 2**20, 1) if mem_total else None,
         "torch_threads": torch.get_num_threads(),
+        "quantplug_native_kernels": kernels.enabled(),
         "load_average_start": os.getloadavg(),
         "versions": versions,
     }
@@ -445,8 +455,9 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
         "",
         f"Machine: {machine['nproc']} CPUs, {machine['cpu_model']}, {machine['mem_total_gib']} GiB; "
         f"torch {v['torch']}, torchao {v['torchao']}, quantplug {v['quantplug']}, Python {v['python']}; "
-        f"torch threads {machine['torch_threads']}; load average at start {load0}, at end {load1}. "
-        f"{machine['date']}.",
+        f"torch threads {machine['torch_threads']}; quantplug native kernels "
+        f"{'on' if machine.get('quantplug_native_kernels') else 'off'}; load average at start {load0}, "
+        f"at end {load1}. {machine['date']}.",
         "",
         f"Stage times: minimum over repeats (column `reps`); forwards: minimum of {args.fwd_reps}. "
         "`nodes` = nodes of the exported graph; ms/node = (prepare + convert) / nodes. torchao's "
@@ -506,7 +517,9 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
             "call of a freshly built `ep.module()` (its generated code runs for the first time, as "
             "a freshly prepared module's does in its first calibration batch). `calib` (the first "
             "batch) is compared with both; `later` (median of the following batches) with the warm "
-            "forward.",
+            "forward. quantplug's histogram observers run native kernels (built with the package "
+            "where a C compiler is available); `torch path` is its first batch with them off "
+            "(`QUANTPLUG_NATIVE_KERNELS=0`), on another freshly prepared module.",
             "",
         ]
         lines += _header(
@@ -519,6 +532,8 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
             "quantplug calib",
             "×float 1st",
             "×float",
+            "quantplug calib, torch path",
+            "×float 1st",
             "torchao later",
             "×float",
             "quantplug later",
@@ -544,6 +559,8 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
                     _ms(qc_),
                     _cal(qc_, ff),
                     _cal(qc_, fl),
+                    _ms(q.best("calib_torch_path_s")),
+                    _cal(q.best("calib_torch_path_s"), ff),
                     _ms(a.median("calib_later_s")),
                     _cal(a.median("calib_later_s"), fl),
                     _ms(q.median("calib_later_s")),

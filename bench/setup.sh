@@ -19,4 +19,6 @@ pip_install executorch==1.5.1 --no-deps
 pip_install flatbuffers packaging pyyaml ruamel.yaml tabulate sympy typing-extensions expecttest parameterized
 pip_install matplotlib || echo "matplotlib could not be installed: the bench will skip its plot" >&2
 pip_install -e . -e plugins/reference -e plugins/qnn_htp
+"$VPY" -c "from quantplug.observers import kernels; assert kernels.available()" 2>/dev/null \
+  || echo "bench: quantplug's native kernels are not built (no C compiler?): calibration runs its torch path" >&2
 echo "ready: .venv/bin/python -m bench --help"

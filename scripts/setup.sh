@@ -11,6 +11,16 @@ VPY=.venv/bin/python
 pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
 "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
   || pip_install torch==2.13.0
+# quantplug's native histogram kernels (C) are built with the package where a compiler is
+# present; without one quantplug runs its torch code paths (same results, slower calibration)
+if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null; } \
+      || echo "setup: gcc could not be installed; quantplug's native kernels will not be built" >&2
+  else
+    echo "setup: no C compiler; quantplug's native kernels will not be built (calibration is slower)" >&2
+  fi
+fi
 PKGS=(-e ".[report]" -e plugins/reference)
 [ -f plugins/qnn_htp/pyproject.toml ] && PKGS+=(-e plugins/qnn_htp)
 pip_install "${PKGS[@]}"

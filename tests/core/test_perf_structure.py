@@ -9,6 +9,7 @@ cost parity with torchao).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import warnings
 from collections import Counter
@@ -22,7 +23,8 @@ from torch.fx import GraphModule
 import quantplug
 from quantplug.flow.graph_copy import AttrNamer, working_copy
 from quantplug.flow.prepare import OBSERVERS, STATE_KEY
-from quantplug.observers.accelerated import accelerate, calculate_qparams_many, fresh_copy, histc
+from quantplug.observers import kernels
+from quantplug.observers.accelerated import accelerate, calculate_qparams_many, fresh_copy
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -345,24 +347,6 @@ def test_fresh_copy_is_independent() -> None:
 # ----------------------------------------------------------------------------- exact stand-ins
 
 
-def test_histc_is_torch_histc_bit_for_bit() -> None:
-    g = torch.Generator().manual_seed(0)
-    for trial in range(300):
-        bins = [2048, 256, 300, 1, 7][trial % 5]
-        n = int(torch.randint(1, 20_000, (1,), generator=g))
-        scale = float(10 ** torch.empty(1).uniform_(-5, 5, generator=g))
-        x = torch.randn(n, generator=g) * scale + float(torch.randn(1, generator=g)) * scale * (trial % 3)
-        lo, hi = (float(v) for v in torch.aminmax(x))
-        if trial % 4 == 0:  # values exactly on bin edges
-            edges = torch.linspace(lo, hi, bins + 1)
-            x[: n // 2] = edges[torch.randint(0, bins + 1, (n // 2,), generator=g)]
-        if trial % 5 == 1:  # a wider range than the data (a growing observer)
-            lo, hi = float(torch.tensor(lo - abs(lo) - 1e-3)), float(torch.tensor(hi * 1.5 + 1e-3))
-        if not lo < hi:
-            continue
-        assert torch.equal(histc(x, bins, lo, hi), torch.histc(x, bins, min=lo, max=hi)), trial
-
-
 def test_upscaled_histogram_is_torchaos_bit_for_bit() -> None:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
     g = torch.Generator().manual_seed(4)
@@ -426,12 +410,22 @@ def _histogram_batch(g: torch.Generator, kind: int, batch: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize(
     "config", HISTOGRAM_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default"
 )
-def test_accelerated_torchao_histogram_observer_is_bit_identical(config: dict[str, Any]) -> None:
+def test_accelerated_torchao_histogram_observer_is_bit_identical(config: dict[str, Any], path: str) -> None:
+    """The same states under the native kernels and the torch code paths (quantplug.observers.kernels)."""
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    if path == "native" and not kernels.available():
+        pytest.skip("native kernels not built")
+    context = kernels.disabled() if path == "torch" else contextlib.nullcontext()
     g = torch.Generator().manual_seed(1)
+    with context:
+        _feed_and_compare(ao, config, g)
+
+
+def _feed_and_compare(ao: Any, config: dict[str, Any], g: torch.Generator) -> None:
     for trial in range(40):
         ref, fast = ao.HistogramObserver(**config), accelerate(ao.HistogramObserver(**config))
         assert type(fast) is not ao.HistogramObserver and isinstance(fast, ao.HistogramObserver)

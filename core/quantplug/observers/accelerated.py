@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantplug.observers import kernels
+
 _TORCHAO_OBSERVERS = "torchao.quantization.pt2e.observer"
 
 #: histc accumulates counts in float32: exact below 2**24 elements per call
@@ -39,23 +41,26 @@ MAX_EXACT_COUNT = 1 << 24
 
 
 def histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
-    """``torch.histc(x, bins, min=lo, max=hi)`` for ``x`` within ``[lo, hi]``, bit for bit, faster.
+    """``torch.histc(x, bins, min=lo, max=hi)`` for ``x`` within ``[lo, hi]``, bit for bit, faster."""
+    out = torch.zeros(bins, dtype=torch.float32)
+    add_histc(out, x, lo, hi)
+    return out
 
-    The counts come from :func:`bin_counts` where it applies, else from torch.histc itself.
+
+def add_histc(out: torch.Tensor, x: torch.Tensor, lo: float, hi: float) -> None:
+    """``out += torch.histc(x, out.numel(), min=lo, max=hi)`` for ``x`` within ``[lo, hi]``, faster.
+
+    Adding the counts to a float32 ``out`` rounds exactly as adding torch.histc's float32
+    counts does. :class:`LinearBinning` counts where it applies, else torch.histc does.
     """
-    counts = bin_counts(x, bins, lo, hi)
-    return torch.histc(x, bins, min=lo, max=hi) if counts is None else counts.to(torch.float32)
-
-
-def bin_counts(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor | None:
-    """The int64 counts ``torch.histc(x, bins, min=lo, max=hi)`` finds, or None off the fast path.
-
-    ``x`` must lie within ``[lo, hi]`` (an observer's running range always covers its batch).
-    """
-    if x.numel() >= MAX_EXACT_COUNT or x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    binning = LinearBinning.make(bins, lo, hi)
-    return None if binning is None else binning.counts(x)
+    bins = out.numel()
+    binning = None
+    if x.numel() < MAX_EXACT_COUNT and x.dtype == torch.float32 and x.device.type == "cpu":
+        binning = LinearBinning.make(bins, lo, hi)
+    if binning is not None and out.dtype == torch.float32 and out.device.type == "cpu":
+        binning.count_into(x, out, accumulate=True)
+    else:
+        out += torch.histc(x, bins, min=lo, max=hi).to(out)
 
 
 class LinearBinning:
@@ -64,24 +69,24 @@ class LinearBinning:
     torch.histc builds ``linspace(lo, hi, bins + 1)`` edges, whose first and last are ``lo`` and
     ``hi`` themselves for float32 values, and bins each element by
     ``int64((x - lo) * bins / (hi - lo))`` in float32 scalar code (6-7 ns an element), moving
-    what lands on the last edge into the last bin. The same float32 steps here are vectorised
-    tensor ops, a clamp for the last edge (no quotient exceeds ``bins`` when ``x <= hi``) and a
-    ``bincount``. Counts stay integers: adding them to a float32 histogram rounds exactly as
-    adding torch.histc's float32 counts does (both are exact below 2**24).
+    what lands on the last edge into the last bin. The same float32 steps run here in the
+    native kernel (:mod:`quantplug.observers.kernels`) or else as vectorised tensor operations,
+    a clamp for the last edge (no quotient exceeds ``bins`` when ``x <= hi``) and a
+    ``bincount``. Counts are exact integers either way, so adding them to a float32 histogram
+    rounds exactly as adding torch.histc's float32 counts does (both are exact below 2**24).
 
     One instance serves every batch binned over the same range (an observer's range stops
-    growing early in calibration): its operands are ready-made 0-dim tensors, which torch uses
-    directly where it would wrap a Python number into a new tensor on every call.
+    growing early in calibration); the torch path makes its operands into 0-dim tensors once,
+    which torch uses directly where it would wrap a Python number into a new tensor per call.
     """
 
-    __slots__ = ("_divisor", "_last", "_lo", "_scale", "bins", "hi", "lo")
+    __slots__ = ("_tensors", "bins", "divisor", "hi", "lo", "scale")
 
     def __init__(self, bins: int, lo: float, hi: float, divisor: float, scale: int | None) -> None:
         self.bins, self.lo, self.hi = bins, lo, hi
-        self._lo = torch.scalar_tensor(lo, dtype=torch.float32)
-        self._divisor = torch.scalar_tensor(divisor, dtype=torch.float32)
-        self._scale = scale
-        self._last = float(bins - 1)
+        self.divisor = divisor
+        self.scale = scale
+        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # (lo, divisor), made on first use
 
     @classmethod
     def make(cls, bins: int, lo: float, hi: float) -> LinearBinning | None:
@@ -98,11 +103,27 @@ class LinearBinning:
 
     def counts(self, x: torch.Tensor) -> torch.Tensor:
         """int64 counts of float32 CPU ``x`` (within ``[lo, hi]``, fewer than 2**24 elements)."""
-        t = torch.sub(x.reshape(-1), self._lo)
-        if self._scale is not None:
-            t.mul_(self._scale)
-        t.div_(self._divisor).clamp_max_(self._last)
+        if self._tensors is None:
+            self._tensors = (
+                torch.scalar_tensor(self.lo, dtype=torch.float32),
+                torch.scalar_tensor(self.divisor, dtype=torch.float32),
+            )
+        lo, divisor = self._tensors
+        t = torch.sub(x.reshape(-1), lo)
+        if self.scale is not None:
+            t.mul_(self.scale)
+        t.div_(divisor).clamp_max_(float(self.bins - 1))
         return torch.bincount(t.to(torch.int32), minlength=self.bins)
+
+    def count_into(self, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+        """Set (or add to) float32 CPU ``out`` the counts of ``x``: the native kernel, else :meth:`counts`."""
+        scale = 0.0 if self.scale is None else float(self.scale)
+        if kernels.bin_counts(x, self.lo, scale, self.divisor, self.bins, out, accumulate):
+            return
+        if accumulate:
+            out.add_(self.counts(x))
+        else:
+            out.copy_(self.counts(x))
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from quantplug.errors import AnnotationError
-from quantplug.observers.accelerated import histc
+from quantplug.observers import kernels
+from quantplug.observers.accelerated import add_histc
 from quantplug.observers.base import ObserverBase
 
 _METHODS = ("mse", "percentile")
@@ -190,9 +191,13 @@ class HistogramObserver(ObserverBase):
         if x.numel() == 0:
             return x
         data = x.detach().float().reshape(-1)
-        lo, hi = torch.aminmax(data)
-        # one host sync for the batch range and the running range together
-        lo_f, hi_f, cur_min, cur_max = torch.stack([lo, hi, self.min_val, self.max_val]).tolist()
+        extremes = kernels.minmax(data)
+        if extremes is None:
+            lo, hi = torch.aminmax(data)
+            # one host sync for the batch range and the running range together
+            lo_f, hi_f, cur_min, cur_max = torch.stack([lo, hi, self.min_val, self.max_val]).tolist()
+        else:
+            (lo_f, hi_f), cur_min, cur_max = extremes, self.min_val.item(), self.max_val.item()
         if not (abs(lo_f) < float("inf") and abs(hi_f) < float("inf")):
             # one inf (or nan) would make every bin infinitely wide; such values get clamped at
             # quantization time anyway, so they carry no range information
@@ -209,7 +214,7 @@ class HistogramObserver(ObserverBase):
             if new_min != cur_min or new_max != cur_max:
                 self.histogram.copy_(rebin_histogram(self.histogram, cur_min, cur_max, new_min, new_max))
         if new_max > new_min:
-            self.histogram += histc(data, self.bins, new_min, new_max).to(self.histogram)  # = torch.histc
+            add_histc(self.histogram, data, new_min, new_max)  # += torch.histc(data, bins, new_min, new_max)
         else:
             self.histogram[0] += data.numel()
         self.min_val.fill_(new_min)

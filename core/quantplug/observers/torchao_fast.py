@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from quantplug.observers import kernels
 from quantplug.observers.accelerated import _FLOAT32_MAX, MAX_EXACT_COUNT, LinearBinning, float32
 
 # Never imported here: accelerated.accelerate() loads this module only when the caller's own
@@ -38,47 +39,56 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
         if state is None:
             return super().forward(x_orig)
         hist, min_val, max_val = state
-        x_min, x_max = torch.aminmax(x)
-        lo, hi, cur_min, cur_max = x_min.item(), x_max.item(), min_val.item(), max_val.item()
+        if kernels.enabled() and not x.is_contiguous():
+            x = x.contiguous()  # one copy, then the native kernels instead of the torch code path
+        extremes = kernels.minmax(x)
+        if extremes is None:
+            x_min, x_max = torch.aminmax(x)
+            lo, hi = x_min.item(), x_max.item()
+        else:
+            lo, hi = extremes
+        cur_min, cur_max = min_val.item(), max_val.item()
         if not (math.isfinite(lo) and math.isfinite(hi)):
             return super().forward(x_orig)  # inf/NaN: torchao warns and filters
         if cur_min == math.inf or cur_max == -math.inf:  # uninitialized: reset_histogram
-            counts = self._histc(x, lo, hi)
-            min_val.copy_(x_min)
-            max_val.copy_(x_max)
-            hist.copy_(counts)
+            self._count(x, lo, hi, hist, accumulate=False)
+            min_val.fill_(lo)
+            max_val.fill_(hi)
             return x_orig
         if not (math.isfinite(cur_min) and math.isfinite(cur_max)):
             return super().forward(x_orig)
         # torch.min/max of the ranges, as values (their tensors are made below only if needed)
         new_min, new_max = min(cur_min, lo), max(cur_max, hi)
-        update = self._histc(x, new_min, new_max)
         if new_min == cur_min and new_max == cur_max:
-            hist.add_(update)
+            self._count(x, new_min, new_max, hist, accumulate=True)
             return x_orig
-        # the grown range, as tensors: torch.min(min_val, x_min) is one of the two
-        new_min_t = min_val if new_min == cur_min else x_min
-        new_max_t = max_val if new_max == cur_max else x_max
-        update = update.to(_F32)
+        update = torch.empty(self.bins, dtype=_F32)
+        self._count(x, new_min, new_max, update, accumulate=False)
         # what _combine_histograms does, without re-reading the ranges (a one-value histogram
         # is its special case)
         rebinned = None if cur_min == cur_max else self._rebin(hist, cur_min, cur_max, new_min, new_max)
         if rebinned is None:
+            new_min_t, new_max_t = (torch.scalar_tensor(v, dtype=_F32) for v in (new_min, new_max))
             combined = self._combine_histograms(hist, min_val, max_val, update, new_min_t, new_max_t)
         else:
             combined = update + rebinned
         hist.copy_(combined)
-        min_val.copy_(new_min_t)
-        max_val.copy_(new_max_t)
+        min_val.fill_(new_min)
+        max_val.fill_(new_max)
         return x_orig
 
-    def _histc(self, x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-        """torch.histc's counts of ``x`` over ``[lo, hi]``: int64 from the fast path, else float32."""
+    def _count(self, x: torch.Tensor, lo: float, hi: float, out: torch.Tensor, accumulate: bool) -> None:
+        """Set (or add to) float32 ``out`` ``torch.histc(x, self.bins, min=lo, max=hi)``."""
         binning = self.__dict__.get("_quantplug_binning")
         if binning is None or binning.lo != lo or binning.hi != hi or binning.bins != self.bins:
             binning = LinearBinning.make(self.bins, lo, hi)
             self.__dict__["_quantplug_binning"] = binning  # kept while the range stays put
-        return torch.histc(x, self.bins, min=lo, max=hi) if binning is None else binning.counts(x)
+        if binning is not None:
+            binning.count_into(x, out, accumulate)
+        elif accumulate:
+            out.add_(torch.histc(x, self.bins, min=lo, max=hi))
+        else:
+            out.copy_(torch.histc(x, self.bins, min=lo, max=hi))
 
     def _upscale_histogram(
         self,

@@ -1,0 +1,223 @@
+/*
+ * Native kernels for the histogram observers (optional; see quantplug/observers/kernels.py).
+ *
+ * A histogram observer's batch costs a min/max reduction and torch.histc's binning. Done with
+ * torch operations that is six kernels and four temporary tensors per batch, each operation
+ * dispatched with cold caches right after a weight-heavy layer; these two functions do the
+ * same work in two passes over the batch, on raw float32 memory handed over by address.
+ *
+ * Exactness: the binning evaluates the same float32 expression as quantplug's LinearBinning
+ * (itself torch.histc's arithmetic): (x - lo) [* scale] / divisor, clamped to the last bin,
+ * truncated. IEEE float32 operations round the same whether vectorised or not; the build
+ * disables floating-point contraction and fast-math. Counts are integers, so their order of
+ * accumulation does not matter.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#define QP_SSE2 1
+#endif
+
+/* bins counted per sub-histogram on the stack; more bins use the heap */
+#define STACK_BINS 4096
+/* elements whose bin indices are computed (vectorised) before they are counted */
+#define CHUNK 512
+/* independent sub-histograms, so that neighbouring equal bins do not serialise on one counter */
+#define LANES 4
+
+/* min and max of x[0..n); a NaN anywhere makes both NaN */
+static void minmax_f32(const float *x, int64_t n, float *out_min, float *out_max) {
+    float mn = INFINITY, mx = -INFINITY;
+    int64_t i = 0;
+    int nan = 0;
+#ifdef QP_SSE2
+    if (n >= 8) {
+        __m128 vmn = _mm_set1_ps(INFINITY), vmx = _mm_set1_ps(-INFINITY);
+        __m128 vmn2 = vmn, vmx2 = vmx, vnan = _mm_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            __m128 a = _mm_loadu_ps(x + i), b = _mm_loadu_ps(x + i + 4);
+            vnan = _mm_or_ps(vnan, _mm_or_ps(_mm_cmpunord_ps(a, a), _mm_cmpunord_ps(b, b)));
+            vmn = _mm_min_ps(a, vmn);
+            vmx = _mm_max_ps(a, vmx);
+            vmn2 = _mm_min_ps(b, vmn2);
+            vmx2 = _mm_max_ps(b, vmx2);
+        }
+        float lo[4], hi[4];
+        _mm_storeu_ps(lo, _mm_min_ps(vmn, vmn2));
+        _mm_storeu_ps(hi, _mm_max_ps(vmx, vmx2));
+        for (int k = 0; k < 4; k++) {
+            mn = lo[k] < mn ? lo[k] : mn;
+            mx = hi[k] > mx ? hi[k] : mx;
+        }
+        nan = _mm_movemask_ps(vnan) != 0;
+    }
+#endif
+    for (; i < n; i++) {
+        float v = x[i];
+        nan |= v != v;
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+    }
+    if (nan) {
+        mn = mx = NAN;
+    }
+    *out_min = mn;
+    *out_max = mx;
+}
+
+/* bin indices of x[0..m): (x - lo) [* scale] / divisor, clamped into [0, last], truncated */
+static void bin_indices(const float *restrict x, int64_t m, float lo, float scale, float divisor,
+                        float last, int32_t *restrict idx) {
+    if (scale != 0.0f) {
+        for (int64_t i = 0; i < m; i++) {
+            float t = (x[i] - lo) * scale;
+            t = t / divisor;
+            t = t < last ? t : last;
+            t = t > 0.0f ? t : 0.0f; /* only for memory safety: x >= lo by contract */
+            idx[i] = (int32_t)t;
+        }
+    } else {
+        for (int64_t i = 0; i < m; i++) {
+            float t = (x[i] - lo) / divisor;
+            t = t < last ? t : last;
+            t = t > 0.0f ? t : 0.0f;
+            idx[i] = (int32_t)t;
+        }
+    }
+}
+
+/* out[b] (= or +=) the number of x[i] in bin b, as float32; 0 on success, -1 out of memory */
+static int bin_counts_f32(const float *x, int64_t n, float lo, float scale, float divisor, int64_t bins,
+                          float *out, int accumulate) {
+    uint32_t stack_counts[LANES * STACK_BINS];
+    uint32_t *counts = stack_counts;
+    if (bins > STACK_BINS) {
+        counts = (uint32_t *)malloc(sizeof(uint32_t) * LANES * (size_t)bins);
+        if (counts == NULL) {
+            return -1;
+        }
+    }
+    memset(counts, 0, sizeof(uint32_t) * LANES * (size_t)bins);
+    uint32_t *c0 = counts, *c1 = counts + bins, *c2 = counts + 2 * bins, *c3 = counts + 3 * bins;
+    const float last = (float)(bins - 1);
+    int32_t idx[CHUNK];
+    for (int64_t start = 0; start < n; start += CHUNK) {
+        int64_t m = n - start < CHUNK ? n - start : CHUNK;
+        bin_indices(x + start, m, lo, scale, divisor, last, idx);
+        int64_t i = 0;
+        for (; i + LANES <= m; i += LANES) {
+            c0[idx[i]]++;
+            c1[idx[i + 1]]++;
+            c2[idx[i + 2]]++;
+            c3[idx[i + 3]]++;
+        }
+        for (; i < m; i++) {
+            c0[idx[i]]++;
+        }
+    }
+    for (int64_t b = 0; b < bins; b++) {
+        /* exact: callers keep n below 2**24 */
+        float total = (float)((uint64_t)c0[b] + c1[b] + c2[b] + c3[b]);
+        out[b] = accumulate ? out[b] + total : total;
+    }
+    if (counts != stack_counts) {
+        free(counts);
+    }
+    return 0;
+}
+
+static int as_address(PyObject *obj, void **out) {
+    *out = PyLong_AsVoidPtr(obj);
+    return *out == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
+PyDoc_STRVAR(minmax_doc,
+             "minmax(address, n) -> (min, max) of n contiguous float32 values; (nan, nan) if any is NaN.");
+
+static PyObject *minmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "minmax(address, n) takes 2 arguments");
+        return NULL;
+    }
+    void *x;
+    if (as_address(args[0], &x) < 0) {
+        return NULL;
+    }
+    int64_t n = PyLong_AsLongLong(args[1]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n <= 0 || x == NULL) {
+        PyErr_SetString(PyExc_ValueError, "minmax needs a non-null address and n > 0");
+        return NULL;
+    }
+    float mn, mx;
+    Py_BEGIN_ALLOW_THREADS
+    minmax_f32((const float *)x, n, &mn, &mx);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(dd)", (double)mn, (double)mx);
+}
+
+PyDoc_STRVAR(bin_counts_doc,
+             "bin_counts(address, n, lo, scale, divisor, bins, out_address, accumulate) -> None\n\n"
+             "Counts n contiguous float32 values into bins float32 counters at out_address (set them,\n"
+             "or add to them if accumulate): bin = int(min((x - lo) [* scale] / divisor, bins - 1)),\n"
+             "all in float32; a scale of 0 means none. The values must lie in [lo, hi].");
+
+static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "bin_counts(address, n, lo, scale, divisor, bins, out_address, accumulate) "
+                        "takes 8 arguments");
+        return NULL;
+    }
+    void *x, *out;
+    if (as_address(args[0], &x) < 0 || as_address(args[6], &out) < 0) {
+        return NULL;
+    }
+    int64_t n = PyLong_AsLongLong(args[1]);
+    double lo = PyFloat_AsDouble(args[2]);
+    double scale = PyFloat_AsDouble(args[3]);
+    double divisor = PyFloat_AsDouble(args[4]);
+    int64_t bins = PyLong_AsLongLong(args[5]);
+    int accumulate = PyObject_IsTrue(args[7]);
+    if (PyErr_Occurred() || accumulate < 0) {
+        return NULL;
+    }
+    if (n <= 0 || n >= (1 << 24) || bins <= 0 || bins > (1 << 24) || x == NULL || out == NULL) {
+        PyErr_SetString(PyExc_ValueError,
+                        "bin_counts needs non-null addresses, 0 < n < 2**24 and 0 < bins <= 2**24");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = bin_counts_f32((const float *)x, n, (float)lo, (float)scale, (float)divisor, bins,
+                            (float *)out, accumulate);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        return PyErr_NoMemory();
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"minmax", (PyCFunction)(void (*)(void))minmax, METH_FASTCALL, minmax_doc},
+    {"bin_counts", (PyCFunction)(void (*)(void))bin_counts, METH_FASTCALL, bin_counts_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_histogram_kernels",
+    "Native min/max and histogram binning for quantplug's histogram observers.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__histogram_kernels(void) { return PyModule_Create(&module); }

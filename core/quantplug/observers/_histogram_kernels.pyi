@@ -1,0 +1,14 @@
+# Native kernels built from _histogram_kernels.c (optional; see quantplug.observers.kernels).
+
+def minmax(address: int, n: int, /) -> tuple[float, float]: ...
+def bin_counts(
+    address: int,
+    n: int,
+    lo: float,
+    scale: float,
+    divisor: float,
+    bins: int,
+    out_address: int,
+    accumulate: bool,
+    /,
+) -> None: ...

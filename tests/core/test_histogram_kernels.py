@@ -1,0 +1,204 @@
+"""The native histogram kernels compute what torch computes, and decline what they cannot take.
+
+The observers' bit-identity with torchao under both code paths is tested in
+test_perf_structure.py; here the kernels are compared with torch.aminmax and torch.histc
+directly, including the edge cases (bin edges, NaN, infinities, signed zeros, many bins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantplug.observers import kernels
+from quantplug.observers.accelerated import LinearBinning, add_histc, histc
+
+native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built (no C compiler)")
+
+FLOAT32 = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
+
+
+def test_kernels_are_built_where_a_c_compiler_is() -> None:
+    """setup.py makes the extension optional; a broken build must not pass unnoticed."""
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler on this machine: the torch code paths are in use")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no Python headers (python3-dev) on this machine: the torch code paths are in use")
+    assert kernels.available(), "a C compiler is present but quantplug's native kernels were not built"
+    assert kernels.enabled() == (os.environ.get("QUANTPLUG_NATIVE_KERNELS", "1") != "0")
+
+
+def test_environment_variable_turns_the_kernels_off() -> None:
+    code = "from quantplug.observers import kernels; print(kernels.enabled())"
+    env = {**os.environ, "QUANTPLUG_NATIVE_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@native
+def test_disabled_runs_the_torch_path_and_restores() -> None:
+    x = torch.randn(100)
+    assert kernels.minmax(x) is not None
+    with kernels.disabled():
+        assert not kernels.enabled()
+        assert kernels.minmax(x) is None
+        assert not kernels.bin_counts(x, -5.0, 0.0, 0.1, 100, torch.zeros(100), False)
+    assert kernels.enabled()
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(FLOAT32, min_size=1, max_size=70), st.integers(0, 3))
+def test_minmax_is_torch_aminmax(values: list[float], offset: int) -> None:
+    x = torch.tensor([0.0] * offset + values, dtype=torch.float32)[offset:]  # any alignment
+    found = kernels.minmax(x)
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    if lo == 0.0 or hi == 0.0:
+        assert found is None  # torch may return either sign of zero
+    else:
+        assert found == (lo, hi)
+
+
+@native
+def test_minmax_of_nan_and_infinities() -> None:
+    for n in (1, 7, 8, 9, 1000):
+        for position in {0, n // 2, n - 1}:
+            x = torch.randn(n) + 3.0
+            x[position] = float("nan")
+            lo, hi = kernels.minmax(x) or (0.0, 0.0)
+            assert math.isnan(lo) and math.isnan(hi), (n, position)
+            x[position] = float("-inf")
+            assert kernels.minmax(x) == (-math.inf, float(x.max())), (n, position)
+
+
+@native
+def test_minmax_and_bin_counts_decline_what_they_cannot_read() -> None:
+    x = torch.rand(64, 4) + 3.0
+    out = torch.zeros(16)
+    assert kernels.minmax(x.t()) is None  # not contiguous
+    assert kernels.minmax(x.double()) is None
+    assert kernels.minmax(torch.empty(0)) is None
+    assert kernels.minmax(torch.nn.Parameter(x)) is None  # a subclass
+    lo, hi = kernels.minmax(x) or (0.0, 0.0)
+    assert lo > 0.0
+    args = (lo, 0.0, (hi - lo) / 16, 16)
+    assert not kernels.bin_counts(x.t(), *args, out, False)
+    assert not kernels.bin_counts(x, *args, torch.zeros(15), False)  # wrong size
+    assert not kernels.bin_counts(x, *args, torch.zeros(16, dtype=torch.float64), False)
+    assert not kernels.bin_counts(x, *args, torch.zeros(32)[::2], False)  # not contiguous
+    assert kernels.bin_counts(x, *args, out, False)
+
+
+@native
+def test_raw_kernels_reject_bad_arguments() -> None:
+    from quantplug.observers import _histogram_kernels as raw
+
+    x, out = torch.ones(8), torch.zeros(4)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        raw.minmax(x.data_ptr())
+    with pytest.raises(ValueError, match="n > 0"):
+        raw.minmax(x.data_ptr(), 0)
+    with pytest.raises(ValueError, match="non-null"):
+        raw.minmax(0, 8)
+    with pytest.raises(TypeError, match="takes 8 arguments"):
+        raw.bin_counts(x.data_ptr(), 8, 0.0, 0.0, 1.0, 4, out.data_ptr())
+    with pytest.raises(ValueError, match="2\\*\\*24"):
+        raw.bin_counts(x.data_ptr(), 1 << 24, 0.0, 0.0, 1.0, 4, out.data_ptr(), False)
+    with pytest.raises(ValueError, match="non-null"):
+        raw.bin_counts(x.data_ptr(), 8, 0.0, 0.0, 1.0, 4, 0, False)
+    with pytest.raises(TypeError):
+        raw.bin_counts(x.data_ptr(), 8, "0", 0.0, 1.0, 4, out.data_ptr(), False)
+
+
+def _histc_cases(seed: int, trials: int) -> list[tuple[torch.Tensor, int, float, float]]:
+    """Batches and ranges: edges hit exactly, wider ranges, tiny and huge spans, many bins."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for trial in range(trials):
+        bins = [2048, 256, 300, 1, 7, 4096, 5000, 65536][trial % 8]  # > 4096: the heap path
+        n = int(torch.randint(1, 20_000, (1,), generator=g))
+        scale = float(10 ** torch.empty(1).uniform_(-30, 30, generator=g))
+        x = torch.randn(n, generator=g) * scale + float(torch.randn(1, generator=g)) * scale * (trial % 3)
+        lo, hi = (float(v) for v in torch.aminmax(x))
+        if trial % 4 == 0:  # values exactly on bin edges
+            edges = torch.linspace(lo, hi, bins + 1)
+            x[: n // 2] = edges[torch.randint(0, bins + 1, (n // 2,), generator=g)]
+        if trial % 5 == 1:  # a wider range than the data (a growing observer)
+            lo, hi = float(torch.tensor(lo - abs(lo) - 1e-3)), float(torch.tensor(hi + abs(hi) * 0.5 + 1e-3))
+        if lo < hi:
+            cases.append((x, bins, lo, hi))
+    return cases
+
+
+@native
+def test_native_binning_is_torch_histc_bit_for_bit() -> None:
+    done = 0
+    for x, bins, lo, hi in _histc_cases(seed=3, trials=240):
+        expected = torch.histc(x, bins, min=lo, max=hi)
+        binning = LinearBinning.make(bins, lo, hi)
+        if binning is None:
+            continue
+        out = torch.full((bins,), -1.0)
+        binning.count_into(x, out)
+        assert torch.equal(out, expected), (bins, lo, hi)
+        start = torch.rand(bins) * 1000  # accumulating rounds as torch's float32 add does
+        accumulated = start.clone()
+        binning.count_into(x, accumulated, accumulate=True)
+        assert torch.equal(accumulated, start + expected), (bins, lo, hi)
+        with kernels.disabled():  # and the torch path agrees
+            torch_path = start.clone()
+            binning.count_into(x, torch_path, accumulate=True)
+        assert torch.equal(torch_path, accumulated)
+        done += 1
+    assert done > 150
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_histc_and_add_histc_are_torch_histc(path: str) -> None:
+    if path == "native" and not kernels.available():
+        pytest.skip("native kernels not built")
+    for x, bins, lo, hi in _histc_cases(seed=4, trials=80):
+        expected = torch.histc(x, bins, min=lo, max=hi)
+        with kernels.disabled() if path == "torch" else contextlib.nullcontext():
+            assert torch.equal(histc(x, bins, lo, hi), expected)
+            out = torch.ones(bins, dtype=torch.float64)  # off the fast path: torch.histc's counts
+            add_histc(out, x, lo, hi)
+            assert torch.equal(out, expected.double() + 1)
+
+
+def test_quantplug_histogram_observer_state_is_the_same_on_both_paths() -> None:
+    if not kernels.available():
+        pytest.skip("native kernels not built")
+    from quantplug.observers.histogram import HistogramObserver
+
+    g = torch.Generator().manual_seed(6)
+    for trial in range(30):
+        observers = (
+            HistogramObserver(bins=[2048, 300, 16][trial % 3]),
+            HistogramObserver(bins=[2048, 300, 16][trial % 3]),
+        )
+        for batch in range(1 + trial % 5):
+            x = torch.randn(int(torch.randint(1, 5000, (1,), generator=g)), generator=g) * (1 + batch) ** 2
+            if trial % 4 == 1:
+                x = x.relu()  # a zero minimum: torch's aminmax decides its sign
+            elif trial % 4 == 2 and batch:
+                x[0] = float("inf")
+            elif trial % 4 == 3:
+                x = x.reshape(-1, 1).expand(-1, 2)
+            observers[0](x)
+            with kernels.disabled():
+                observers[1](x)
+            native, torch_path = (o.state_dict() for o in observers)
+            for key, value in native.items():
+                assert torch.equal(value, torch_path[key]), (trial, batch, key)
