@@ -37,3 +37,28 @@ def raises():
 
 def not_a_model():
     return "model", (torch.randn(1),)
+
+
+class KeywordInputs(nn.Module):
+    """Takes its inputs by keyword, as exported language models do (``input_ids=..., mask=...``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, *, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc(x)) * mask)
+
+
+def keyword_inputs():
+    torch.manual_seed(0)
+    return KeywordInputs(), {"x": torch.randn(2, 8), "mask": torch.ones(2, 4)}
+
+
+def keyword_batches(count: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"x": torch.randn(2, 8, generator=g), "mask": (torch.rand(2, 4, generator=g) > 0.2).float()}
+        for _ in range(count)
+    ]

@@ -78,6 +78,11 @@ def demo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         torch.save(b, folder / f"batch{i}.pt")  # one tuple per file
     torch.save(torch.randn(1, 3, 16, 16), root / "wrong_shape.pt")
     torch.save([(torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32))], root / "wrong_arity.pt")
+    from tests.cli._models import keyword_batches
+
+    torch.save(keyword_batches(5), root / "keywords.pt")  # a list of dicts: keyword inputs
+    wrong = keyword_batches(1)[0]
+    torch.save({"x": wrong["x"], "masks": wrong["mask"]}, root / "wrong_keyword.pt")
     (root / "garbage.pt2").write_bytes(b"this is not a zip archive")
     (root / "garbage.pt").write_bytes(b"\x00\x01 nor a pickle")
     return {
@@ -90,6 +95,8 @@ def demo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "wrong_arity": root / "wrong_arity.pt",
         "garbage_pt2": root / "garbage.pt2",
         "garbage_pt": root / "garbage.pt",
+        "keywords": root / "keywords.pt",
+        "wrong_keyword": root / "wrong_keyword.pt",
     }
 
 

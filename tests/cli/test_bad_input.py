@@ -57,6 +57,10 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         ["wrong_shape.pt", "shape (1, 3, 16, 16)", "(1, 3, 32, 32)"],
     ),
     "calibration_wrong_arity": (["{pt2}", "--calibration", "{wrong_arity}"], ["2 input(s)", "takes 1"]),
+    "calibration_wrong_keyword": (
+        ["tests.cli._models:keyword_inputs", "--calibration", "{wrong_keyword}"],
+        ["wrong_keyword.pt", "keyword x, masks", "takes keyword x, mask"],
+    ),
     "calibration_missing": (["{pt2}", "--calibration", "nowhere.pt"], ["nowhere.pt", "not found"]),
     "calibration_unreadable": (["{pt2}", "--calibration", "{garbage_pt}"], ["garbage.pt", "cannot read"]),
     "unknown_option": (["--option", "colour=blue"], ["colour", "valid options", "preset"]),

@@ -130,3 +130,37 @@ def test_rejects_a_prepared_module(demo) -> None:
     prepared, _ = _quantize(program, "reference", batches[:1])
     with pytest.raises(quantplug.QuantplugError, match="prepared"):
         compare(program, prepared, batches[:1])
+
+
+def test_compare_takes_keyword_inputs() -> None:
+    """dicts, Calls and all-positional batches of a program with keyword inputs give one report."""
+    from quantplug.debug import Call
+    from quantplug.errors import QuantplugError
+    from tests.cli._models import keyword_batches, keyword_inputs
+
+    model, example = keyword_inputs()
+    program = torch.export.export(model, (), example)
+    batches = keyword_batches(4)
+    quantizer = quantplug.get_quantizer("reference")
+    prepared = quantplug.prepare(program, quantizer)
+    with torch.no_grad():
+        for b in batches:
+            prepared(**b)
+    quantized = quantplug.convert(prepared)
+    by_name = compare(program, quantized, batches)
+    as_calls = compare(program, quantized, [Call((), b) for b in batches])
+    by_position = compare(program, quantized, [(b["x"], b["mask"]) for b in batches])
+    from_module = compare(model, quantized, batches)  # exported again with the keyword example
+    for report in (as_calls, by_position, from_module):
+        assert [(n.node, n.sqnr_db) for n in report.nodes] == [(n.node, n.sqnr_db) for n in by_name.nodes]
+    assert {"linear", "linear_1"} <= {n.node for n in by_name.nodes}
+    assert by_name.output_sqnr_db is not None and by_name.output_sqnr_db > 15
+    with torch.no_grad():
+        expected = torch.cat([model(**b) for b in batches]).double()
+        got = torch.cat([quantized(**b) for b in batches]).double()
+    sqnr = 10 * math.log10(float(expected.pow(2).sum() / (got - expected).pow(2).sum()))
+    assert by_name.output_sqnr_db == pytest.approx(sqnr, abs=1e-6)
+    with pytest.raises(QuantplugError, match=r"keyword x, masks.*takes keyword x, mask"):
+        compare(program, quantized, [{"x": batches[0]["x"], "masks": batches[0]["mask"]}])
+    with pytest.raises(QuantplugError, match="keys must be the input names"):
+        compare(program, quantized, [{0: batches[0]["x"]}])

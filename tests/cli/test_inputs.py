@@ -7,8 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantplug.cli.inputs import InputError, InputSpec, check_batches, load_calibration, load_model
+from quantplug.cli.inputs import (
+    InputError,
+    InputSpec,
+    check_batches,
+    input_specs,
+    load_calibration,
+    load_model,
+)
 from quantplug.cli.options import describe_option, parse_pairs
+from quantplug.flow.calls import Call
 from quantplug.plugins.contract import BackendOption
 
 ONE = [InputSpec("x", (1, 3, 8, 8), torch.float32)]
@@ -39,7 +47,7 @@ def test_single_input_layouts(content: object, count: int, tmp_path: Path) -> No
 def test_two_input_layouts(tmp_path: Path) -> None:
     one = (torch.randn(2, 8), torch.randn(2, 4))
     batches, _ = load_calibration(_save(tmp_path / "one.pt", one), TWO)
-    assert len(batches) == 1 and len(batches[0]) == 2
+    assert len(batches) == 1 and len(batches[0].args) == 2
     batches, origins = load_calibration(_save(tmp_path / "many.pt", [one, one, one]), TWO)
     assert len(batches) == 3
     check_batches(batches, origins, TWO)
@@ -51,7 +59,7 @@ def test_folder_sorted_by_name(tmp_path: Path) -> None:
     (tmp_path / "README.txt").write_text("ignored")
     batches, origins = load_calibration(str(tmp_path), ONE)
     assert origins == ["b0.pt", "b1.pt", "b2.pt"]
-    assert [float(b[0][0, 0, 0, 0]) for b in batches] == [0.0, 1.0, 2.0]
+    assert [float(b.args[0][0, 0, 0, 0]) for b in batches] == [0.0, 1.0, 2.0]
 
 
 def test_dynamic_dimension_accepts_any_size() -> None:
@@ -78,9 +86,30 @@ def test_mismatch_messages(batches: list, message: str) -> None:
         check_batches(batches, ["f"] * len(batches), ONE)
 
 
+def test_keyword_layouts_and_messages(tmp_path: Path) -> None:
+    from tests.cli._models import keyword_batches, keyword_inputs
+
+    model, example = keyword_inputs()
+    program = torch.export.export(model, (), example)
+    specs = input_specs(program)
+    assert [s.name for s in specs] == ["x", "mask"]
+    one = keyword_batches(1)[0]
+    for content, count in ((one, 1), (keyword_batches(3), 3), ([one, (one["x"], one["mask"])], 2)):
+        batches, origins = load_calibration(_save(tmp_path / "k.pt", content), specs)
+        assert len(batches) == count
+        check_batches(batches, origins, specs, program)  # by name, or every input by position
+    assert load_calibration(_save(tmp_path / "k.pt", one), specs)[0][0].kwargs.keys() == {"x", "mask"}
+    with pytest.raises(InputError, match=r"batch 0 \(f\): keyword x input\(s\) do not match the model"):
+        check_batches([Call((), {"x": one["x"]})], ["f"], specs, program)
+    with pytest.raises(InputError, match=r"input 'mask' has shape \(2, 5\)"):
+        check_batches([Call((), {"x": one["x"], "mask": torch.ones(2, 5)})], ["f"], specs, program)
+    with pytest.raises(InputError, match="keys must be the input names"):
+        load_calibration(_save(tmp_path / "bad.pt", [{1: one["x"]}]), specs)
+
+
 def test_unsupported_content(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="holds a dict"):
-        load_calibration(_save(tmp_path / "d.pt", {"x": torch.randn(1)}), ONE)
+    with pytest.raises(InputError, match="holds a str"):
+        load_calibration(_save(tmp_path / "d.pt", "text"), ONE)
     with pytest.raises(InputError, match=r"no \.pt"):
         empty = tmp_path / "empty"
         empty.mkdir()

@@ -99,6 +99,23 @@ def test_factory_without_calibration_warns_about_random_data(runs: RunCache) -> 
     assert {r["op"] for r in data["layers"]} >= {"aten.linear.default", "aten.add.Tensor"}
 
 
+def test_keyword_inputs(demo_files: dict[str, Path], runs: RunCache) -> None:
+    """A factory whose example is a dict, calibrated on a list of dicts (keyword inputs)."""
+    import torch
+
+    from tests.cli._models import keyword_batches
+
+    result, out = runs.get("keywords", "tests.cli._models:keyword_inputs", "-c", str(demo_files["keywords"]))
+    assert result.returncode == 0, result.stderr
+    data = _report(out)
+    _check_report(data, backend="reference")
+    assert [i["name"] for i in data["model"]["inputs"]] == ["x", "mask"]
+    assert data["calibration"]["batches"] == 5
+    program = torch.export.load(str(out / "quantized.pt2"))
+    batch = keyword_batches(1, seed=9)[0]
+    assert program.module()(**batch).shape == (2, 3)
+
+
 def _installed_backends() -> list[str]:
     from quantplug import list_backends
 

@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from quantplug.errors import QuantplugError
+from quantplug.flow.calls import Call, in_spec_of, unflatten
+
 
 class InputError(Exception):
     """Bad input from the user: the CLI prints the message as one line and exits 2."""
@@ -52,8 +55,7 @@ class ModelInput:
     source: str  # what the user gave, for messages and the report
     kind: str  # "demo", "pt2" or "factory"
     name: str
-    example: tuple[Any, ...] | None = None  # real example inputs, when known
-    calibration: list[tuple[Any, ...]] | None = None  # built-in data (demo only)
+    calibration: list[Call] | None = None  # built-in data (demo only)
     inputs: list[InputSpec] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
@@ -110,11 +112,7 @@ def _model_from_pt2(path: Path) -> ModelInput:
         raise InputError(
             f"cannot load model file {str(path)!r} as a torch.export program (.pt2): {_first_line(exc)}"
         ) from exc
-    example = None
-    stored = getattr(program, "example_inputs", None)
-    if isinstance(stored, tuple) and len(stored) == 2 and not stored[1] and isinstance(stored[0], tuple):
-        example = tuple(stored[0])
-    return ModelInput(program, str(path), "pt2", path.stem, example=example, inputs=input_specs(program))
+    return ModelInput(program, str(path), "pt2", path.stem, inputs=input_specs(program))
 
 
 def _model_from_factory(spec: str) -> ModelInput:
@@ -139,20 +137,21 @@ def _model_from_factory(spec: str) -> ModelInput:
         raise InputError(f"factory {spec!r} raised {_first_line(exc)}") from exc
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise InputError(f"factory {spec!r} must return (model, example_inputs), got {type(result).__name__}")
-    model, example = result
-    if isinstance(example, torch.Tensor):
-        example = (example,)
-    if not isinstance(example, (tuple, list)):
+    model, given = result
+    if not isinstance(given, (torch.Tensor, tuple, list, dict, Call)):
         raise InputError(
-            f"factory {spec!r} returned example_inputs of type {type(example).__name__}; "
-            "expected a tuple of tensors"
+            f"factory {spec!r} returned example_inputs of type {type(given).__name__}; expected a "
+            "tuple of tensors, or a dict of keyword inputs"
         )
-    example = tuple(example)
+    try:
+        example = Call.of(given)
+    except QuantplugError as exc:
+        raise InputError(f"factory {spec!r}: {exc}") from exc
     if isinstance(model, torch.export.ExportedProgram):
         program = model
     elif isinstance(model, torch.nn.Module):
         try:
-            program = torch.export.export(model.eval(), example)
+            program = torch.export.export(model.eval(), example.args, dict(example.kwargs))
         except Exception as exc:
             raise InputError(
                 f"torch.export could not capture the model from factory {spec!r}: {_first_line(exc)}"
@@ -162,9 +161,7 @@ def _model_from_factory(spec: str) -> ModelInput:
             f"factory {spec!r} returned a {type(model).__name__} as the model; expected an nn.Module "
             "or an ExportedProgram"
         )
-    return ModelInput(
-        program, spec, "factory", attr.rsplit(".", 1)[-1], example=example, inputs=input_specs(program)
-    )
+    return ModelInput(program, spec, "factory", attr.rsplit(".", 1)[-1], inputs=input_specs(program))
 
 
 def load_model(spec: str | None) -> ModelInput:
@@ -179,8 +176,7 @@ def load_model(spec: str | None) -> ModelInput:
             "built-in demo (DemoNet: conv-bn-relu, residual block, pool, linear)",
             "demo",
             "DemoNet",
-            example=example,
-            calibration=demo_calibration(),
+            calibration=[Call.of(b) for b in demo_calibration()],
             inputs=input_specs(program),
         )
     path = Path(spec)
@@ -206,45 +202,57 @@ def _load_data_file(path: Path) -> Any:
         raise InputError(f"cannot read calibration file {str(path)!r}: {_first_line(exc)}") from exc
 
 
-def _batches_of(content: Any, inputs: Sequence[InputSpec], origin: str) -> list[tuple[Any, ...]]:
+def _batches_of(content: Any, inputs: Sequence[InputSpec], origin: str) -> list[Call]:
     """Interpret one file's content as calibration batches.
 
     A tensor is one batch of a single-input model (or, with one more leading dimension than the
     input, a stack of batches); a tuple of as many tensors as the model has inputs is one batch;
-    a list (or any other tuple) holds one batch per element.
+    a dict is one batch of keyword inputs (input name -> tensor); a list (or any other tuple)
+    holds one batch per element, each a tensor, a tuple of tensors or a dict.
     """
     count = len(inputs)
     if isinstance(content, torch.Tensor):
         if count == 1 and inputs[0].shape and content.dim() == len(inputs[0].shape) + 1:
-            return [(t,) for t in content.unbind(0)]
-        return [(content,)]
+            return [Call((t,)) for t in content.unbind(0)]
+        return [Call((content,))]
+    if isinstance(content, dict):
+        return [_keyword_batch(content, origin)]
     if (
         isinstance(content, tuple)
         and count > 1
         and len(content) == count
         and all(isinstance(t, torch.Tensor) for t in content)
     ):
-        return [content]
+        return [Call(content)]
     if isinstance(content, (list, tuple)):
         batches = []
         for i, item in enumerate(content):
             if isinstance(item, torch.Tensor):
-                batches.append((item,))
+                batches.append(Call((item,)))
             elif isinstance(item, (list, tuple)):
-                batches.append(tuple(item))
+                batches.append(Call(tuple(item)))
+            elif isinstance(item, dict):
+                batches.append(_keyword_batch(item, f"{origin}, element {i}"))
             else:
                 raise InputError(
                     f"calibration {origin}: element {i} is a {type(item).__name__}; "
-                    "expected a tensor or a tuple of tensors"
+                    "expected a tensor, a tuple of tensors or a dict of keyword inputs"
                 )
         return batches
     raise InputError(
         f"calibration {origin} holds a {type(content).__name__}; expected a tensor, a tuple of tensors "
-        "(one batch) or a list of them (one batch each)"
+        "(one batch), a dict of keyword inputs (one batch) or a list of them (one batch each)"
     )
 
 
-def load_calibration(spec: str, inputs: Sequence[InputSpec]) -> tuple[list[tuple[Any, ...]], list[str]]:
+def _keyword_batch(content: dict[Any, Any], origin: str) -> Call:
+    try:
+        return Call.of(content)
+    except QuantplugError as exc:
+        raise InputError(f"calibration {origin}: {exc}") from exc
+
+
+def load_calibration(spec: str, inputs: Sequence[InputSpec]) -> tuple[list[Call], list[str]]:
     """Batches from a .pt file or a folder of them (sorted by name); also each batch's origin."""
     path = Path(spec)
     if not path.exists():
@@ -255,7 +263,7 @@ def load_calibration(spec: str, inputs: Sequence[InputSpec]) -> tuple[list[tuple
             raise InputError(f"calibration folder {spec!r} has no {'/'.join(DATA_SUFFIXES)} files")
     else:
         files = [path]
-    batches: list[tuple[Any, ...]] = []
+    batches: list[Call] = []
     origins: list[str] = []
     for f in files:
         found = _batches_of(_load_data_file(f), inputs, f"file {str(f)!r}")
@@ -267,17 +275,30 @@ def load_calibration(spec: str, inputs: Sequence[InputSpec]) -> tuple[list[tuple
 
 
 def check_batches(
-    batches: Sequence[tuple[Any, ...]], origins: Sequence[str], inputs: Sequence[InputSpec]
+    batches: Sequence[Call | tuple[Any, ...]],
+    origins: Sequence[str],
+    inputs: Sequence[InputSpec],
+    program: torch.export.ExportedProgram | None = None,
 ) -> None:
-    """Every batch has the model's number of inputs, each with its dtype and (static) shape."""
-    for index, (batch, origin) in enumerate(zip(batches, origins)):
+    """Every batch matches the model's inputs (positional and keyword), each with its dtype and
+    (static) shape. Keyword inputs are matched by the calling convention of ``program``."""
+    in_spec = None if program is None else in_spec_of(program)
+    for index, (given, origin) in enumerate(zip(batches, origins)):
         where = f"calibration batch {index} ({origin})"
-        if len(batch) != len(inputs):
+        batch = Call.of(given)
+        if batch.kwargs:
+            try:
+                flat = batch.flat(in_spec, "the model")
+            except QuantplugError as exc:
+                raise InputError(f"{where}: {exc}") from exc
+        else:
+            flat = list(batch.args)
+        if len(flat) != len(inputs):
             raise InputError(
-                f"{where} has {len(batch)} input(s); the model takes {len(inputs)} "
+                f"{where} has {len(flat)} input(s); the model takes {len(inputs)} "
                 f"({', '.join(i.name for i in inputs)})"
             )
-        for value, spec in zip(batch, inputs):
+        for value, spec in zip(flat, inputs):
             if spec.dtype is None:
                 continue
             if not isinstance(value, torch.Tensor):
@@ -296,11 +317,12 @@ def check_batches(
                 )
 
 
-def random_batches(program: torch.export.ExportedProgram, count: int) -> list[tuple[Any, ...]]:
+def random_batches(program: torch.export.ExportedProgram, count: int) -> list[Call]:
     from quantplug.flow.inspect import example_inputs
 
     gm = program.module()
     try:
-        return [example_inputs(gm, seed=i) for i in range(count)]
+        flat = [example_inputs(gm, seed=i) for i in range(count)]
     except ValueError as exc:
         raise InputError(f"cannot make random calibration data: {exc}; pass --calibration") from exc
+    return [unflatten(list(values), in_spec_of(program)) for values in flat]

@@ -227,7 +227,7 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
             f"{len(batches)} batches of RANDOM data shaped like the model's inputs; quantization "
             "ranges and the SQNR figures will not reflect real inputs"
         )
-    check_batches(batches, origins, model.inputs)
+    check_batches(batches, origins, model.inputs, program)
     t = lap("load", t)
 
     with StagedOutput(out_dir) as stage:
@@ -237,7 +237,7 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
             with torch.no_grad():
                 for i, batch in enumerate(batches):
                     try:
-                        prepared(*batch)
+                        batch.run(prepared)
                     except quantplug.QuantplugError:
                         raise
                     except Exception as exc:
@@ -267,7 +267,7 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
 
         example = batches[0]
         try:
-            exported = torch.export.export(quantized, tuple(example))
+            exported = torch.export.export(quantized, example.args, dict(example.kwargs))
             torch.export.save(exported, str(stage.path / "quantized.pt2"))
         except Exception as exc:
             warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
@@ -398,8 +398,8 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         "-c",
         "--calibration",
         metavar="PATH",
-        help="a .pt file (torch.save of a tensor, a tuple of tensors, or a list of them: one batch each) "
-        "or a folder of .pt files; omitted: random data (with a warning)",
+        help="a .pt file (torch.save of a tensor, a tuple of tensors, a dict of keyword inputs, or a "
+        "list of them: one batch each) or a folder of .pt files; omitted: random data (with a warning)",
     )
     p.add_argument("-b", "--backend", default="reference", help="backend name (default: reference)")
     p.add_argument(

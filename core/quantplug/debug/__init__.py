@@ -19,8 +19,10 @@ from quantplug.debug.compare import (
     sharing_groups,
     tensor_bytes,
 )
+from quantplug.flow.calls import Call
 
 __all__ = [
+    "Call",
     "DebugReport",
     "FloatNode",
     "NodeComparison",

@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
 from quantplug.errors import QuantplugError
+from quantplug.flow.calls import Call, in_spec_of
 
 DEBUG_HANDLE_KEY = "quantplug_debug_handle"  # same value as quantplug.flow.prepare.DEBUG_HANDLE_KEY
 PREPARED_KEY = "quantplug_prepared"
@@ -281,24 +282,28 @@ class _Capture(Interpreter):
             self._sink(n.name, result)
         return result
 
+    def call(self, batch: Call, what: str) -> Any:
+        """Run one batch, keyword inputs matched to placeholders by the module's calling convention."""
+        flat = batch.flat(in_spec_of(self.module), what)
+        return self.run(*flat, enable_io_processing=False)
 
-def _as_batches(inputs: Any) -> list[tuple[Any, ...]]:
-    """A tuple is one call's arguments, a tensor one single-input call, a list several batches."""
-    if isinstance(inputs, torch.Tensor):
-        return [(inputs,)]
-    if isinstance(inputs, tuple):
-        return [inputs]
+
+def _as_batches(inputs: Any) -> list[Call]:
+    """A tuple is one call's positional arguments, a dict its keyword arguments, a tensor one
+    single-input call, a :class:`~quantplug.flow.calls.Call` both; a list holds several batches."""
+    if isinstance(inputs, (torch.Tensor, tuple, dict, Call)):
+        return [Call.of(inputs)]
     if isinstance(inputs, list):
-        return [b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,) for b in inputs]
+        return [Call.of(b) for b in inputs]
     if isinstance(inputs, Iterable):
         return _as_batches(list(inputs))
     raise QuantplugError(
-        "compare() expects inputs as a tuple of arguments or a list of such tuples, "
-        f"got {type(inputs).__name__}"
+        "compare() expects inputs as a tuple of arguments, a dict of keyword arguments or a list of "
+        f"such batches, got {type(inputs).__name__}"
     )
 
 
-def _float_graph_module(model: Any, example: tuple[Any, ...]) -> GraphModule:
+def _float_graph_module(model: Any, example: Call) -> GraphModule:
     """A GraphModule of the float program whose node names are the debug handles."""
     if isinstance(model, torch.export.ExportedProgram):
         return model.module()
@@ -308,7 +313,7 @@ def _float_graph_module(model: Any, example: tuple[Any, ...]) -> GraphModule:
         # export a copy so neither the user's module nor its train/eval flag is touched
         twin = copy.deepcopy(model).eval()
         try:
-            return torch.export.export(twin, example).module()
+            return torch.export.export(twin, example.args, dict(example.kwargs)).module()
         except Exception as exc:
             raise QuantplugError(
                 f"compare() could not export the float model ({type(exc).__name__}: {exc}); "
@@ -375,8 +380,9 @@ def compare(
         float_model: the float program that was quantized (``ExportedProgram``, its GraphModule,
             or the ``nn.Module`` it was exported from, which is exported again on a copy).
         quantized: the output of :func:`quantplug.convert`.
-        inputs: one call's arguments (a tuple, or a tensor for a single input) or a list of such
-            tuples (several batches; statistics are accumulated over all of them).
+        inputs: one call's arguments (a tuple, a dict of keyword arguments, a
+            :class:`~quantplug.flow.calls.Call` for both, or a tensor for a single input) or a
+            list of such batches (statistics are accumulated over all of them).
         prepared: optionally the prepared module, whose sharing groups (with every key) are then
             reported instead of those recovered from the quantized program.
         progress: called as ``progress(done, total)`` after each batch.
@@ -402,13 +408,15 @@ def compare(
     for index, batch in enumerate(batches):
         stored: dict[str, Any] = {}
         with torch.no_grad():
-            float_out = _Capture(float_gm, plan.float_wanted, stored.__setitem__).run(*batch)
+            float_out = _Capture(float_gm, plan.float_wanted, stored.__setitem__).call(
+                batch, "the float model"
+            )
 
             def sink(name: str, value: Any, stored: dict[str, Any] = stored) -> None:
                 for entry in plan.by_quant_node.get(name, ()):
                     _accumulate(entry, stored.get(entry.float_node or ""), value)
 
-            quant_out = _Capture(quantized, plan.quant_wanted, sink).run(*batch)
+            quant_out = _Capture(quantized, plan.quant_wanted, sink).call(batch, "the quantized program")
         del stored
         f_leaves = pytree.tree_leaves(float_out)
         q_leaves = pytree.tree_leaves(quant_out)

@@ -1,0 +1,108 @@
+"""One call's inputs to a program: positional and keyword arguments, as the user gives them.
+
+Programs exported from real models often take keyword inputs (``input_ids=..., attention_mask=...``).
+Calibration data, the numeric debugger and the CLI therefore take each batch as a tuple
+(positional arguments), a dict (keyword arguments) or a :class:`Call` (both), and run it the way
+the exported program's calling convention (its pytree ``in_spec``) says: by name for keywords.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx._pytree as fx_pytree
+from torch.utils import _pytree as pytree
+
+from quantplug.errors import QuantplugError
+
+
+@dataclass(frozen=True)
+class Call:
+    """Positional ``args`` and keyword ``kwargs`` of one call."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, batch: Any) -> Call:
+        """A batch as the user gave it: a Call, a dict (keywords), a tuple or list, or one value."""
+        if isinstance(batch, Call):
+            return batch
+        if isinstance(batch, dict):
+            if not all(isinstance(k, str) for k in batch):
+                raise QuantplugError(
+                    "a dict batch holds keyword inputs, so its keys must be the input names (strings); "
+                    f"got keys {list(batch)!r}"
+                )
+            return cls((), dict(batch))
+        if isinstance(batch, (tuple, list)):
+            return cls(tuple(batch))
+        return cls((batch,))
+
+    def run(self, fn: Callable[..., Any]) -> Any:
+        """``fn(*args, **kwargs)``."""
+        return fn(*self.args, **self.kwargs)
+
+    def describe(self) -> str:
+        """'2 positional', 'keyword a, b' or both: what a message says the caller gave."""
+        parts = [f"{len(self.args)} positional"] if self.args or not self.kwargs else []
+        if self.kwargs:
+            parts.append("keyword " + ", ".join(self.kwargs))
+        return " and ".join(parts)
+
+    def flat(self, in_spec: pytree.TreeSpec | None, what: str = "the program") -> list[Any]:
+        """The program's flat (placeholder-order) inputs for this call, per its ``in_spec``.
+
+        Without an ``in_spec`` (a plain traced GraphModule) only positional arguments can be
+        matched to placeholders.
+        """
+        if in_spec is None:
+            if self.kwargs:
+                raise QuantplugError(
+                    f"{what} takes its inputs by position only; got keyword inputs {sorted(self.kwargs)}"
+                )
+            return list(self.args)
+        if (
+            not self.kwargs
+            and len(self.args) == in_spec.num_leaves
+            and all(isinstance(a, torch.Tensor) for a in self.args)
+        ):
+            return list(self.args)  # every input by position, as the generated forward takes them
+        try:
+            return list(fx_pytree.tree_flatten_spec((self.args, dict(self.kwargs)), in_spec))
+        except Exception as exc:
+            raise QuantplugError(
+                f"{self.describe()} input(s) do not match {what}, which takes {signature(in_spec)} "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
+
+def in_spec_of(program: torch.export.ExportedProgram | torch.nn.Module) -> pytree.TreeSpec | None:
+    """The ``(args, kwargs)`` pytree spec a program's callers follow, if it records one."""
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.call_spec.in_spec
+    return getattr(program, "_in_spec", None)
+
+
+def signature(in_spec: pytree.TreeSpec | None) -> str:
+    """What a program with ``in_spec`` takes, for messages: 'N positional and keyword a, b'."""
+    if in_spec is None or in_spec.num_children != 2:
+        return "positional inputs"
+    args_spec, kwargs_spec = in_spec.children_specs
+    parts = (
+        [f"{args_spec.num_children} positional"] if args_spec.num_children or not kwargs_spec.context else []
+    )
+    if kwargs_spec.context:
+        parts.append("keyword " + ", ".join(str(k) for k in kwargs_spec.context))
+    return " and ".join(parts)
+
+
+def unflatten(flat: list[Any], in_spec: pytree.TreeSpec | None) -> Call:
+    """The Call whose flat inputs are ``flat`` (e.g. random values made per placeholder)."""
+    if in_spec is None:
+        return Call(tuple(flat))
+    args, kwargs = pytree.tree_unflatten(flat, in_spec)
+    return Call(tuple(args), dict(kwargs))
