@@ -225,6 +225,7 @@ class FlowResult:
     convert_s: list[float] = field(default_factory=list)
     calib_s: list[float] = field(default_factory=list)  # the first batch of each repeat
     calib_later_s: list[float] = field(default_factory=list)  # batches after the first of a repeat
+    calib_steady_s: list[float] = field(default_factory=list)  # the first batch fed again at the end
     # quantplug only: the first batch again, with the native kernels off (the pure-torch code path)
     calib_torch_path_s: list[float] = field(default_factory=list)
     qfwd_s: list[float] = field(default_factory=list)
@@ -285,6 +286,8 @@ def run_flow_once(
             t0 = _now()
             prepared(*inputs)
             (res.calib_later_s if i else res.calib_s).append(_now() - t0)
+        # the first batch again: no range grows, as in most batches of a long calibration
+        res.calib_steady_s.append(_timed(lambda: prepared(*batch(10)))[1])
     gc.collect()
     converted, t = _timed(lambda: flow.convert(prepared))
     res.convert_s.append(t)
@@ -541,8 +544,10 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
             "call of a freshly built `ep.module()` (its generated code runs for the first time, as "
             "a freshly prepared module's does in its first calibration batch; minimum over 3 calls "
             "and one per calibration round). `calib` (the first "
-            "batch) is compared with both; `later` (median of the following batches) with the warm "
-            "forward. quantplug's histogram observers run native kernels (built with the package "
+            "batch) is compared with both; `later` (median of the following batches) and `steady` "
+            "(the first batch fed again after them: no range grows, as in most batches of a long "
+            "calibration; minimum over repeats) with the warm forward. quantplug's histogram "
+            "observers run native kernels (built with the package "
             "where a C compiler is available); `torch path` is its first batch with them off "
             "(`QUANTPLUG_NATIVE_KERNELS=0`), on freshly prepared modules in the same rounds.",
             "",
@@ -562,6 +567,10 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
             "torchao later",
             "×float",
             "quantplug later",
+            "×float",
+            "torchao steady",
+            "×float",
+            "quantplug steady",
             "×float",
             "torchao Q/DQ fwd",
             "quantplug Q/DQ fwd",
@@ -590,6 +599,10 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
                     _cal(a.median("calib_later_s"), fl),
                     _ms(q.median("calib_later_s")),
                     _cal(q.median("calib_later_s"), fl),
+                    _ms(a.best("calib_steady_s")),
+                    _cal(a.best("calib_steady_s"), fl),
+                    _ms(q.best("calib_steady_s")),
+                    _cal(q.best("calib_steady_s"), fl),
                     _ms(a.best("qfwd_s")),
                     _ms(q.best("qfwd_s")),
                     f"{a.q_nodes}/{a.dq_nodes}",

@@ -119,6 +119,32 @@ def test_raw_kernels_reject_bad_arguments() -> None:
         raw.bin_counts(x.data_ptr(), 8, 0.0, 0.0, 1.0, 4, 0, False)
     with pytest.raises(TypeError):
         raw.bin_counts(x.data_ptr(), 8, "0", 0.0, 1.0, 4, out.data_ptr(), False)
+    mids, edges = torch.linspace(0, 1, 8), torch.linspace(0, 1, 5)
+    with pytest.raises(TypeError, match="takes 7 arguments"):
+        raw.rebin(out.data_ptr(), 4, 2, mids.data_ptr(), edges.data_ptr(), 0)
+    with pytest.raises(ValueError, match="bins \\* rate <= 2\\*\\*24"):
+        raw.rebin(out.data_ptr(), 1 << 13, 1 << 12, mids.data_ptr(), edges.data_ptr(), 0, out.data_ptr())
+    with pytest.raises(ValueError, match="non-null"):
+        raw.rebin(out.data_ptr(), 4, 2, 0, edges.data_ptr(), 0, out.data_ptr())
+
+
+@native
+def test_rebin_declines_unsorted_grids_and_writes_nothing() -> None:
+    hist = torch.arange(4.0)
+    mids, edges = torch.linspace(0, 1, 8), torch.linspace(-1, 2, 5)
+    out = torch.full((4,), 7.0)
+    assert kernels.rebin(hist, 2, mids, edges, out)
+    assert float(out.sum()) == float(hist.sum())
+    for bad_mids, bad_edges in (
+        (mids.flip(0), edges),
+        (mids, edges.flip(0)),
+        (mids, edges.clone().fill_(math.nan)),
+    ):
+        out = torch.full((4,), 7.0)
+        assert not kernels.rebin(hist, 2, bad_mids.contiguous(), bad_edges.contiguous(), out)
+        assert torch.equal(out, torch.full((4,), 7.0))
+    assert not kernels.rebin(hist, 3, mids, edges, out)  # sizes that do not fit
+    assert not kernels.rebin(hist, 2, mids, edges, torch.zeros(5))
 
 
 def _histc_cases(seed: int, trials: int) -> list[tuple[torch.Tensor, int, float, float]]:

@@ -347,8 +347,16 @@ def test_fresh_copy_is_independent() -> None:
 # ----------------------------------------------------------------------------- exact stand-ins
 
 
-def test_upscaled_histogram_is_torchaos_bit_for_bit() -> None:
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_upscaled_histogram_is_torchaos_bit_for_bit(path: str) -> None:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    if path == "native" and not kernels.available():
+        pytest.skip("native kernels not built")
+    with kernels.disabled() if path == "torch" else contextlib.nullcontext():
+        _upscale_and_compare(ao)
+
+
+def _upscale_and_compare(ao: Any) -> None:
     g = torch.Generator().manual_seed(4)
     for trial in range(300):
         bins, rate = [(2048, 16), (256, 16), (7, 3), (300, 4), (1, 16)][trial % 5]

@@ -1,10 +1,11 @@
 /*
  * Native kernels for the histogram observers (optional; see quantplug/observers/kernels.py).
  *
- * A histogram observer's batch costs a min/max reduction and torch.histc's binning. Done with
- * torch operations that is six kernels and four temporary tensors per batch, each operation
- * dispatched with cold caches right after a weight-heavy layer; these two functions do the
- * same work in two passes over the batch, on raw float32 memory handed over by address.
+ * A histogram observer's batch costs a min/max reduction and torch.histc's binning, and when
+ * its range grows, torchao's re-binning of the old histogram. Done with torch operations that
+ * is six to twenty kernels and several temporary tensors per batch, each operation dispatched
+ * with cold caches right after a weight-heavy layer; these functions do the same work in one
+ * call each, on raw float32 memory handed over by address.
  *
  * Exactness: the binning evaluates the same float32 expression as quantplug's LinearBinning
  * (itself torch.histc's arithmetic): (x - lo) [* scale] / divisor, clamped to the last bin,
@@ -137,6 +138,65 @@ static int bin_counts_f32(const float *x, int64_t n, float lo, float scale, floa
     return 0;
 }
 
+/*
+ * torchao's re-binning of a histogram onto a grown range: each old bin spread evenly over `rate`
+ * sub-bins, whose mid-points `mids` fall into the new bins bounded by `edges` (bins + 1 values;
+ * bucketize(right=True) - 1, clamped into the end bins), summed in sub-bin order in float32 as
+ * torch.bincount(weights=...) does. out[b] = base[b] + sum (or the sum when base is NULL);
+ * out may be hist. Returns 1 (writing nothing) unless mids and edges are sorted and NaN-free,
+ * -1 out of memory, 0 done.
+ */
+static int rebin_f32(const float *hist, int64_t bins, int64_t rate, const float *mids, const float *edges,
+                     const float *base, float *out) {
+    if (edges[0] != edges[0]) {
+        return 1;
+    }
+    for (int64_t b = 1; b <= bins; b++) {
+        if (!(edges[b] >= edges[b - 1])) {
+            return 1;
+        }
+    }
+    float stack_sums[STACK_BINS];
+    float *sums = stack_sums;
+    if (bins > STACK_BINS) {
+        sums = (float *)malloc(sizeof(float) * (size_t)bins);
+        if (sums == NULL) {
+            return -1;
+        }
+    }
+    memset(sums, 0, sizeof(float) * (size_t)bins);
+    const float divisor = (float)rate;
+    float previous = -INFINITY;
+    int64_t passed = 0; /* edges <= the current mid-point */
+    int status = 0;
+    for (int64_t b = 0; b < bins && status == 0; b++) {
+        const float weight = hist[b] / divisor;
+        for (int64_t k = 0; k < rate; k++) {
+            const float mid = mids[b * rate + k];
+            if (!(mid >= previous)) {
+                status = 1;
+                break;
+            }
+            previous = mid;
+            while (passed <= bins && edges[passed] <= mid) {
+                passed++;
+            }
+            int64_t bucket = passed - 1;
+            bucket = bucket < 0 ? 0 : (bucket >= bins ? bins - 1 : bucket);
+            sums[bucket] += weight;
+        }
+    }
+    if (status == 0) {
+        for (int64_t b = 0; b < bins; b++) {
+            out[b] = base != NULL ? base[b] + sums[b] : sums[b];
+        }
+    }
+    if (sums != stack_sums) {
+        free(sums);
+    }
+    return status;
+}
+
 static int as_address(PyObject *obj, void **out) {
     *out = PyLong_AsVoidPtr(obj);
     return *out == NULL && PyErr_Occurred() ? -1 : 0;
@@ -213,7 +273,50 @@ static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(rebin_doc,
+             "rebin(hist_address, bins, rate, mids_address, edges_address, base_address, out_address)"
+             " -> bool\n\n"
+             "torchao's re-binning of a float32 histogram onto new bin edges (see the C source); writes\n"
+             "out = base + rebinned (base_address 0: rebinned) and returns True, or returns False and\n"
+             "writes nothing when the mid-points or edges are not sorted or hold a NaN.");
+
+static PyObject *rebin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "rebin(hist_address, bins, rate, mids_address, edges_address, base_address, "
+                        "out_address) takes 7 arguments");
+        return NULL;
+    }
+    void *hist, *mids, *edges, *base, *out;
+    if (as_address(args[0], &hist) < 0 || as_address(args[3], &mids) < 0 || as_address(args[4], &edges) < 0 ||
+        as_address(args[5], &base) < 0 || as_address(args[6], &out) < 0) {
+        return NULL;
+    }
+    int64_t bins = PyLong_AsLongLong(args[1]);
+    int64_t rate = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bins <= 0 || rate <= 0 || bins > (1 << 24) || rate > (1 << 24) / bins || hist == NULL || mids == NULL ||
+        edges == NULL || out == NULL) {
+        PyErr_SetString(PyExc_ValueError,
+                        "rebin needs non-null addresses (but base) and bins, rate > 0 with bins * rate <= 2**24");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rebin_f32((const float *)hist, bins, rate, (const float *)mids, (const float *)edges,
+                       (const float *)base, (float *)out);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        return PyErr_NoMemory();
+    }
+    return PyBool_FromLong(status == 0);
+}
+
 static PyMethodDef methods[] = {
+    {"rebin", (PyCFunction)(void (*)(void))rebin, METH_FASTCALL, rebin_doc},
     {"minmax", (PyCFunction)(void (*)(void))minmax, METH_FASTCALL, minmax_doc},
     {"bin_counts", (PyCFunction)(void (*)(void))bin_counts, METH_FASTCALL, bin_counts_doc},
     {NULL, NULL, 0, NULL},

@@ -12,3 +12,13 @@ def bin_counts(
     accumulate: bool,
     /,
 ) -> None: ...
+def rebin(
+    hist_address: int,
+    bins: int,
+    rate: int,
+    mids_address: int,
+    edges_address: int,
+    base_address: int,
+    out_address: int,
+    /,
+) -> bool: ...

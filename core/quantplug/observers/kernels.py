@@ -101,3 +101,34 @@ def bin_counts(
         return False
     _native.bin_counts(x.data_ptr(), x.numel(), lo, scale, divisor, bins, out.data_ptr(), accumulate)
     return True
+
+
+def rebin(
+    hist: torch.Tensor,
+    rate: int,
+    mids: torch.Tensor,
+    edges: torch.Tensor,
+    out: torch.Tensor,
+    base: torch.Tensor | None = None,
+) -> bool:
+    """torchao's re-binning of ``hist`` onto ``edges``, written to ``out`` (plus ``base``); False if not done.
+
+    Each old bin's count is spread evenly over ``rate`` sub-bins whose mid-points ``mids``
+    (``bins * rate`` of them) fall into the new bins ``edges`` bounds (``bins + 1`` values),
+    and the sub-bins of each new bin are summed in order in float32, as torchao's
+    ``_upscale_histogram`` does with ``bucketize`` and a weighted ``bincount``. ``out`` may be
+    ``hist`` itself. False, with nothing written, also where ``mids`` or ``edges`` are not sorted.
+    """
+    if _native is None:
+        return False
+    bins = hist.numel()
+    if not (_plain(hist) and _plain(mids) and _plain(edges) and _plain(out)):
+        return False
+    if mids.numel() != bins * rate or edges.numel() != bins + 1 or out.numel() != bins:
+        return False
+    if base is not None and not (_plain(base) and base.numel() == bins):
+        return False
+    base_address = 0 if base is None else base.data_ptr()
+    return _native.rebin(
+        hist.data_ptr(), bins, rate, mids.data_ptr(), edges.data_ptr(), base_address, out.data_ptr()
+    )

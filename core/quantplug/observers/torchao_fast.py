@@ -65,14 +65,16 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
         update = torch.empty(self.bins, dtype=_F32)
         self._count(x, new_min, new_max, update, accumulate=False)
         # what _combine_histograms does, without re-reading the ranges (a one-value histogram
-        # is its special case)
-        rebinned = None if cur_min == cur_max else self._rebin(hist, cur_min, cur_max, new_min, new_max)
-        if rebinned is None:
-            new_min_t, new_max_t = (torch.scalar_tensor(v, dtype=_F32) for v in (new_min, new_max))
-            combined = self._combine_histograms(hist, min_val, max_val, update, new_min_t, new_max_t)
-        else:
-            combined = update + rebinned
-        hist.copy_(combined)
+        # is its special case): update + the old histogram re-binned, in place if native
+        grid = None if cur_min == cur_max else self._rebin_grid(cur_min, cur_max, new_min, new_max)
+        if grid is None or not kernels.rebin(hist, self.upsample_rate, *grid, out=hist, base=update):
+            rebinned = None if grid is None else _rebin_runs(hist, self.upsample_rate, *grid)
+            if rebinned is None:
+                new_min_t, new_max_t = (torch.scalar_tensor(v, dtype=_F32) for v in (new_min, new_max))
+                combined = self._combine_histograms(hist, min_val, max_val, update, new_min_t, new_max_t)
+            else:
+                combined = update + rebinned
+            hist.copy_(combined)
         min_val.fill_(new_min)
         max_val.fill_(new_max)
         return x_orig
@@ -114,30 +116,34 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
 
         torchao spreads each old bin over ``upsample_rate`` sub-bins, finds the new bin of each
         sub-bin's mid-point with ``bucketize`` (clamped into the end bins) and sums the sub-bins
-        of each new bin with a weighted ``bincount``, in sub-bin order. When the mid-points and
-        the new edges are sorted (checked; None otherwise, and torch's own code runs), the
-        sub-bins of one new bin are a run: a ``searchsorted`` of the edges finds where each run
-        starts, and ``segment_reduce`` adds up each run in the same order with the same float32
-        additions. The ranges come as the Python floats of the float32 range ends, and torchao's
-        0-dim float32 arithmetic on them is done on floats rounded to float32 after each step.
+        of each new bin with a weighted ``bincount``, in sub-bin order. The mid-points and new
+        edges come from torch's own ``linspace`` (:meth:`_rebin_grid`); the native kernel
+        (:func:`quantplug.observers.kernels.rebin`) or :func:`_rebin_runs` does the rest. None
+        where neither applies; then torch's code runs.
         """
-        rate, bins = self.upsample_rate, self.bins
-        n = bins * rate
+        grid = self._rebin_grid(orig_min, orig_max, new_min, new_max)
+        if grid is None:
+            return None
+        out = torch.empty(self.bins, dtype=_F32)
+        if kernels.rebin(histogram, self.upsample_rate, *grid, out=out):
+            return out
+        return _rebin_runs(histogram, self.upsample_rate, *grid)
+
+    def _rebin_grid(
+        self, orig_min: float, orig_max: float, new_min: float, new_max: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """torchao's sub-bin mid-points over the old range and bin edges over the new one.
+
+        The ranges come as the Python floats of the float32 range ends, and torchao's 0-dim
+        float32 arithmetic on them is done on floats rounded to float32 after each step.
+        """
+        n = self.bins * self.upsample_rate
         if not abs(orig_max - orig_min) <= _FLOAT32_MAX:
             return None  # torch's float32 subtraction overflows: its code decides
-        # torchao repeats, then divides: dividing first divides each value once, to the same result
-        weights = (histogram / rate).repeat_interleave(rate)
         # torchao: bin_size = (orig_max - orig_min) / n, then + 0.5 * bin_size, as 0-dim float32
         half = float32(0.5 * float32(float32(orig_max - orig_min) / n))
         mids = torch.linspace(orig_min, orig_max, n + 1)[:-1].add_(half)
-        edges = torch.linspace(new_min, new_max, bins + 1)
-        if not (_sorted(mids) and _sorted(edges)):
-            return None
-        # new bin b > 0 starts at the first mid-point >= edges[b]; bin 0 also takes what lies
-        # below edges[0] and the last bin what lies at or above edges[bins] (torchao's clamp)
-        starts = torch.searchsorted(mids, edges[1:bins], side="left")
-        lengths = torch.diff(starts, prepend=_ZERO_INDEX, append=_index(n))
-        return torch.segment_reduce(weights, "sum", lengths=lengths, unsafe=True)
+        return mids, torch.linspace(new_min, new_max, self.bins + 1)
 
     def calculate_qparams(self) -> Any:
         """torchao's qparams, bit for bit: :func:`histogram_qparams` for this one observer."""
@@ -466,6 +472,27 @@ class _Walk:
 
     def accept(self) -> None:
         self.alpha, self.beta, self.start_bin, self.end_bin = self._pending.pop(0)
+
+
+def _rebin_runs(
+    histogram: torch.Tensor, rate: int, mids: torch.Tensor, edges: torch.Tensor
+) -> torch.Tensor | None:
+    """:meth:`HistogramObserver._rebin` with torch operations (None unless ``mids``/``edges`` sort).
+
+    When the mid-points and the new edges are sorted, the sub-bins of one new bin are a run: a
+    ``searchsorted`` of the edges finds where each run starts, and ``segment_reduce`` adds up
+    each run in the same order with the same float32 additions as torchao's ``bincount``.
+    """
+    if not (_sorted(mids) and _sorted(edges)):
+        return None
+    bins, n = edges.numel() - 1, mids.numel()
+    # torchao repeats, then divides: dividing first divides each value once, to the same result
+    weights = (histogram / rate).repeat_interleave(rate)
+    # new bin b > 0 starts at the first mid-point >= edges[b]; bin 0 also takes what lies
+    # below edges[0] and the last bin what lies at or above edges[bins] (torchao's clamp)
+    starts = torch.searchsorted(mids, edges[1:bins], side="left")
+    lengths = torch.diff(starts, prepend=_ZERO_INDEX, append=_index(n))
+    return torch.segment_reduce(weights, "sum", lengths=lengths, unsafe=True)
 
 
 def _sorted(values: torch.Tensor) -> bool:
