@@ -48,10 +48,7 @@ class Call:
 
     def describe(self) -> str:
         """'2 positional', 'keyword a, b' or both: what a message says the caller gave."""
-        parts = [f"{len(self.args)} positional"] if self.args or not self.kwargs else []
-        if self.kwargs:
-            parts.append("keyword " + ", ".join(self.kwargs))
-        return " and ".join(parts)
+        return _inputs_phrase(len(self.args), list(self.kwargs))
 
     def flat(self, in_spec: pytree.TreeSpec | None, what: str = "the program") -> list[Any]:
         """The program's flat (placeholder-order) inputs for this call, per its ``in_spec``.
@@ -92,11 +89,13 @@ def signature(in_spec: pytree.TreeSpec | None) -> str:
     if in_spec is None or in_spec.num_children != 2:
         return "positional inputs"
     args_spec, kwargs_spec = in_spec.children_specs
-    parts = (
-        [f"{args_spec.num_children} positional"] if args_spec.num_children or not kwargs_spec.context else []
-    )
-    if kwargs_spec.context:
-        parts.append("keyword " + ", ".join(str(k) for k in kwargs_spec.context))
+    return _inputs_phrase(args_spec.num_children, [str(k) for k in kwargs_spec.context or ()])
+
+
+def _inputs_phrase(positional: int, keywords: list[str]) -> str:
+    parts = [f"{positional} positional"] if positional or not keywords else []
+    if keywords:
+        parts.append("keyword " + ", ".join(keywords))
     return " and ".join(parts)
 
 

@@ -202,13 +202,21 @@ static int as_address(PyObject *obj, void **out) {
     return *out == NULL && PyErr_Occurred() ? -1 : 0;
 }
 
+/* -1 with a TypeError naming the call unless nargs is as expected */
+static int check_count(Py_ssize_t nargs, Py_ssize_t expected, const char *signature) {
+    if (nargs == expected) {
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", signature, expected);
+    return -1;
+}
+
 PyDoc_STRVAR(minmax_doc,
              "minmax(address, n) -> (min, max) of n contiguous float32 values; (nan, nan) if any is NaN.");
 
 static PyObject *minmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "minmax(address, n) takes 2 arguments");
+    if (check_count(nargs, 2, "minmax(address, n)") < 0) {
         return NULL;
     }
     void *x;
@@ -238,10 +246,7 @@ PyDoc_STRVAR(bin_counts_doc,
 
 static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError,
-                        "bin_counts(address, n, lo, scale, divisor, bins, out_address, accumulate) "
-                        "takes 8 arguments");
+    if (check_count(nargs, 8, "bin_counts(address, n, lo, scale, divisor, bins, out_address, accumulate)") < 0) {
         return NULL;
     }
     void *x, *out;
@@ -282,10 +287,8 @@ PyDoc_STRVAR(rebin_doc,
 
 static PyObject *rebin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "rebin(hist_address, bins, rate, mids_address, edges_address, base_address, "
-                        "out_address) takes 7 arguments");
+    if (check_count(nargs, 7,
+                    "rebin(hist_address, bins, rate, mids_address, edges_address, base_address, out_address)") < 0) {
         return NULL;
     }
     void *hist, *mids, *edges, *base, *out;
