@@ -30,6 +30,7 @@ from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import observer_saw_data
 from quantplug.observers.fixed import DerivedObserver
+from quantplug.validation.calibrated import CALIBRATED_REPORT_KEY, check_calibrated
 
 qd = torch.ops.quantized_decomposed
 
@@ -320,6 +321,8 @@ def convert(prepared: GraphModule) -> GraphModule:
 
 def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     qparams = compute_qparams(prepared, state)
+    # constraints v2: limits and relations checked again on the calibrated encodings (strict raises)
+    calibrated = check_calibrated(state.calibrated_checks, qparams)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)
     graph._codegen = prepared.graph._codegen
     env: dict[Node, Node | _Dequantized] = {}
@@ -381,6 +384,8 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     converted.graph = graph  # the one code generation
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta["quantplug_qparams"] = {gid: qp for gid, qp in qparams.items()}
+    if calibrated is not None:
+        converted.meta[CALIBRATED_REPORT_KEY] = calibrated
     return converted
 
 

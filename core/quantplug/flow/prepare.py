@@ -22,9 +22,11 @@ from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
+from quantplug.quantizer.quantizer import Quantizer
 from quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from quantplug.sharing.problem import solve
 from quantplug.sharing.resolution import Key, SharingGroups, describe_key
+from quantplug.validation.engine import CalibratedPlan
 from quantplug.validation.report import ValidationReport
 
 STATE_KEY = "quantplug_prepared"
@@ -62,6 +64,8 @@ class PreparedState:
     qat: bool
     backend: str | None
     validation: ValidationReport | None = None
+    #: the constraint checks convert runs on the calibrated encodings (constraints v2)
+    calibrated_checks: CalibratedPlan | None = None
     #: constant edges measured at convert: (get_attr node name, consumer name, group id)
     constant_edges: list[tuple[str, str, int]] = field(default_factory=list)
 
@@ -113,13 +117,14 @@ def _prepare(
         gm = transformed
     with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
         _call(quantizer, "annotate", gm)
-    report = _call(quantizer, "validate", gm)
     keys = collect_keys(gm.graph)
     problem = keys.problem(gm.graph)
     resolver = getattr(quantizer, "resolve_sharing", None)
     groups = resolver(problem) if callable(resolver) else solve(problem)
+    report, checks = _validate(quantizer, gm, groups)
     state = _build_groups(gm, keys, groups, qat=qat, backend=getattr(quantizer, "backend", None))
     state.validation = report if isinstance(report, ValidationReport) else None
+    state.calibrated_checks = checks
     observers = _create_observers(state, keys)
     callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
     if callable(callback):
@@ -136,6 +141,15 @@ def _prepare(
     compile_now(gm)
     gm.meta[STATE_KEY] = state
     return gm
+
+
+def _validate(quantizer: Any, gm: GraphModule, groups: SharingGroups) -> tuple[Any, CalibratedPlan | None]:
+    """Constraint validation (raises when strict) and the checks convert repeats on calibrated
+    encodings. A quantplug Quantizer checks relations between ports against the resolved groups;
+    a foreign PT2E quantizer gets its own ``validate(model)``."""
+    if isinstance(quantizer, Quantizer):
+        return quantizer.validate(gm, sharing=groups), quantizer.calibrated_checks(gm, groups)
+    return _call(quantizer, "validate", gm), None
 
 
 def _own_parameters(gm: GraphModule) -> None:

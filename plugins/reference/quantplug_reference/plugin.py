@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import quantplug
 from quantplug import BackendContext, BackendInfo, BackendOption, NamedPass, Preset, RulesModule
+from quantplug.quantizer.fusion import FusionPattern
 from quantplug_reference import configs
 from quantplug_reference.rules import RULE_MODULES
 
@@ -61,6 +62,13 @@ def quantplug_quantization_config(
     preset: str | None, context: BackendContext
 ) -> quantplug.QuantizationConfig:
     return configs.build_config(preset or "int8", context.options)
+
+
+@quantplug.hookimpl
+def quantplug_fusion_patterns(context: BackendContext) -> Sequence[FusionPattern]:
+    from quantplug_reference.rules.fusion import PATTERNS
+
+    return PATTERNS
 
 
 @quantplug.hookimpl
