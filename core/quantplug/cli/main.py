@@ -30,6 +30,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 DEFAULT_OUT = "quantplug-out"
+COMMANDS = ("backends", "quantize", "report", "conformance", "new-backend")
 DEFAULT_RANDOM_BATCHES = 8
 DEFAULT_COMPARE_BATCHES = 4
 
@@ -358,7 +359,7 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 2 bad input or usage, 1 internal error",
     )
     _add_common(parser, sub=False)
-    sub = parser.add_subparsers(dest="command", metavar="{backends,quantize,report}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
 
     p = sub.add_parser(
         "backends",
@@ -437,6 +438,11 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("out", nargs="?", default=DEFAULT_OUT, help=f"the output folder (default: {DEFAULT_OUT})")
     _add_common(p, sub=True)
     p.set_defaults(func=cmd_report)
+
+    from quantplug.cli import conformance, scaffold  # backend authors' commands (no torch at import)
+
+    conformance.add_parser(sub, _add_common)
+    scaffold.add_parser(sub, _add_common)
     return parser
 
 
@@ -482,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     top_level = {"-q", "--quiet", "-v", "--verbose", "-h", "--help"}
     first = next((a for a in argv if a not in top_level), None)
     wants_help = any(a in ("-h", "--help") for a in argv)
-    if first in ("backends", "quantize", "report"):
+    if first in COMMANDS:
         command = first
     elif first is None and wants_help:
         command = None  # `quantplug --help`: the top-level help

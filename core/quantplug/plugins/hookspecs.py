@@ -23,9 +23,8 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from quantplug.conformance.profile import ConformanceProfile
-
     from quantplug.annotation.specs import QuantizationConfig
+    from quantplug.conformance.profile import ConformanceProfile
     from quantplug.lowering.artifact import Artifact
     from quantplug.plugins.contract import BackendInfo, NamedPass, RulesModule
     from quantplug.quantizer.context import BackendContext

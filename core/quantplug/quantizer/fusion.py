@@ -161,7 +161,12 @@ def remove_fused_encodings(graph: Graph, fused: Mapping[str, str]) -> None:
             removed.append(head_ann.output_qspec)
             head_ann.output_qspec = None
         out = None if tail_ann is None else tail_ann.output_qspec
-        if out is not None and spec_kind(out) is SpecKind.SHARED and out.edge_or_node in (head, (head, tail)):
+        if (
+            tail_ann is not None
+            and out is not None
+            and spec_kind(out) is SpecKind.SHARED
+            and out.edge_or_node in (head, (head, tail))
+        ):
             tail_ann.output_qspec = next(
                 (s for s in removed if s is not None and spec_kind(s) is not SpecKind.SHARED), None
             )

@@ -227,7 +227,7 @@ def _constrained_nodes(
     return found
 
 
-def port_facts(spec: Any, group: int | None, group_of: Mapping[Hashable, int] | None) -> PortFacts:
+def port_facts(spec: Any, group: int | None, group_of: Mapping[Any, int] | None) -> PortFacts:
     """The facts :func:`relations.check_static` needs about one port's concrete spec."""
     kind = spec_kind(spec)
     qmin, qmax = spec_range(spec)
@@ -282,7 +282,7 @@ def validate_graph(
     backend_ops: Mapping[str, str | None],
     *,
     arch: int | None = None,
-    sharing: Mapping[Hashable, int] | None = None,
+    sharing: Mapping[Any, int] | None = None,
 ) -> ValidationReport:
     """Check every annotated node whose op has a rule against the backend's constraints.
 
@@ -354,7 +354,7 @@ def validate_graph(
     return report
 
 
-def _facts_by_port(ports: _NodePorts, sharing: Mapping[Hashable, int] | None) -> dict[Port, PortFacts]:
+def _facts_by_port(ports: _NodePorts, sharing: Mapping[Any, int] | None) -> dict[Port, PortFacts]:
     facts: dict[Port, PortFacts] = {}
     for port, key in ports.keys.items():
         spec = ports.concrete.get(port)
@@ -422,7 +422,7 @@ def calibrated_plan(
     graph: Graph,
     lookup: ConstraintLookup,
     backend_ops: Mapping[str, str | None],
-    group_of: Mapping[Hashable, int],
+    group_of: Mapping[Any, int],
     *,
     strict: bool,
 ) -> CalibratedPlan:

@@ -45,5 +45,16 @@ def has_fused_activation(node: Node) -> bool:
 
 
 def is_fused_activation(node: Node) -> bool:
-    """``node`` is a relu-like op whose producer fuses it."""
-    return fused_head(node) is not None
+    """``node`` is a relu-like op right after a fusing producer: only its output is quantized.
+
+    True whether or not the producer is quantized: after a quantized producer the pair is fused
+    (the core's decision, ``fused_head``); after a float one the relu reads the float value
+    directly, which saves a quantize/dequantize pair on ONNX Runtime.
+    """
+    producer = node.args[0] if node.args else None
+    return fused_head(node) is not None or (
+        isinstance(producer, Node)
+        and producer.op == "call_function"
+        and producer.target in FUSING_PRODUCERS
+        and len(producer.users) == 1
+    )
