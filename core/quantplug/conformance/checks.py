@@ -658,15 +658,16 @@ def _captured(logger: str) -> Iterator[list[logging.LogRecord]]:
             records.append(record)
 
     log = logging.getLogger(logger)
-    handler = Handler(logging.WARNING)
-    log.addHandler(handler)
-    old = log.level
-    log.setLevel(min(old, logging.WARNING) if old else logging.WARNING)
+    saved = (log.handlers[:], log.level, log.propagate)
+    log.handlers[:] = [Handler(logging.WARNING)]  # the kit provokes these: keep them off the console
+    log.propagate = False
+    log.setLevel(logging.WARNING)
     try:
         yield records
     finally:
-        log.removeHandler(handler)
-        log.setLevel(old)
+        log.handlers[:] = saved[0]
+        log.setLevel(saved[1])
+        log.propagate = saved[2]
 
 
 def check_validation(session: Session, case: str) -> str:
