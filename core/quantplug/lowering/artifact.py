@@ -48,7 +48,8 @@ class Artifact:
         for name, content in contents.items():
             final = out / name
             final.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+            # the temporary name keeps the suffix (.model.XXXX.pt2): writers that check it accept it
+            fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.stem}.", suffix=final.suffix)
             os.close(fd)
             tmp = Path(tmp_name)
             try:
