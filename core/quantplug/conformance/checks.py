@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -620,12 +621,13 @@ _GRIDS = (torch.uint8, torch.int8, torch.uint16, torch.int16, torch.int32, getat
 
 
 def _violating_config(
-    constraints: list[Any], config: QuantizationConfig
+    constraints: list[Any], config: QuantizationConfig, ports: set[Any]
 ) -> tuple[QuantizationConfig, str] | None:
-    """A config breaking one port constraint of ``constraints`` through the activation specs."""
+    """A config breaking a constraint on one of ``ports`` (input 0 and/or the output, those the
+    node's default annotation quantizes) through the activation specs."""
     for c in constraints:
         for port, pc in c.ports.items():
-            if port not in (0, OUTPUT):
+            if port not in ports:
                 continue
             where = "output" if port == OUTPUT else "input 0"
             spec: QuantizationSpec | None = None
@@ -689,7 +691,7 @@ def check_validation(session: Session, case: str) -> str:
             if not constraints or config is None:
                 continue
             constrained.append(op)
-            found = _violating_config(constraints, config)
+            found = _violating_config(constraints, config, _activation_ports(node))
             if found is None:
                 continue
             bad_config, what = found
@@ -731,6 +733,20 @@ def check_validation(session: Session, case: str) -> str:
         f"{len(set(constrained))} constrained op(s), but no dtype or symmetry restriction on an activation "
         "port that a config could break"
     )
+
+
+def _activation_ports(node: Node) -> set[Any]:
+    """Which of input 0 and the output the node's annotation quantizes."""
+    ann = node.meta.get(Q_ANNOTATION_KEY)
+    if ann is None:
+        return set()
+    ports: set[Any] = set()
+    first = next((a for a in node.all_input_nodes), None)
+    if first is not None and ann.input_qspec_map.get(first) is not None:
+        ports.add(0)
+    if ann.output_qspec is not None:
+        ports.add(OUTPUT)
+    return ports
 
 
 def _copy(program: Any) -> GraphModule:
@@ -913,6 +929,11 @@ def _artifact_bytes(artifact: Any) -> dict[str, Any]:
         return {str(p.relative_to(tmp)): _content(p.read_bytes()) for p in files}
 
 
+#: in torch archives, what differs between two saves of the same program: a random
+#: serialization id, and the memory address of graphs recorded in each node's provenance
+_ARCHIVE_NOISE = re.compile(rb'(\\?"graph_id\\?": )\d+')
+
+
 def _content(data: bytes) -> Any:
     if not data.startswith(b"PK\x03\x04"):
         return data
@@ -922,7 +943,7 @@ def _content(data: bytes) -> Any:
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             return {
-                name: archive.read(name)
+                name: _ARCHIVE_NOISE.sub(rb"\1_", archive.read(name))
                 for name in archive.namelist()
                 if not name.endswith(".data/serialization_id")
             }

@@ -193,6 +193,13 @@ def quantplug_artifact_writer(context: BackendContext) -> Callable[[Any, Backend
     return write_artifact
 
 
+@quantplug.hookimpl
+def quantplug_conformance_profile(context: BackendContext) -> Any:
+    from quantplug_qnn_htp.conformance import PROFILE
+
+    return PROFILE
+
+
 def set_block_size_map(quantizer: Any, mapping: Any) -> Any:
     """Per-node LPBQ block sizes for a ``qnn_htp`` quantizer (merged over ``block_size_map``).
 

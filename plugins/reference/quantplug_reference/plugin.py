@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import quantplug
 from quantplug import BackendContext, BackendInfo, BackendOption, NamedPass, Preset, RulesModule
+from quantplug.conformance.profile import ConformanceProfile
 from quantplug.quantizer.fusion import FusionPattern
 from quantplug_reference import configs
 from quantplug_reference.rules import RULE_MODULES
@@ -74,6 +75,12 @@ def quantplug_fusion_patterns(context: BackendContext) -> Sequence[FusionPattern
 @quantplug.hookimpl
 def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[NamedPass]:
     return ()
+
+
+@quantplug.hookimpl
+def quantplug_conformance_profile(context: BackendContext) -> ConformanceProfile:
+    """What ``quantplug conformance reference`` checks the artifact for."""
+    return ConformanceProfile(artifact_files=("model.onnx", "encodings.json", "model.pt2"))
 
 
 @quantplug.hookimpl
