@@ -34,6 +34,7 @@ from quantplug.annotation.specs import (
     is_annotated,
 )
 from quantplug.api import get_quantizer, quantize
+from quantplug.conformance.profile import ConformanceProfile
 from quantplug.errors import (
     AnnotationError,
     BackendDisabledError,
@@ -69,10 +70,20 @@ from quantplug.plugins.registry import (
     unregister,
 )
 from quantplug.quantizer.context import BackendContext
+from quantplug.quantizer.fusion import FusionPattern, fused_head, fused_tail
 from quantplug.quantizer.quantizer import CoverageReport, Quantizer
 from quantplug.sharing.problem import SharingProblem
 from quantplug.sharing.resolution import KeySpec, SharingGroups
-from quantplug.validation.constraints import OUTPUT, ArchRequirement, OpConstraint, PortConstraint
+from quantplug.validation.constraints import (
+    OUTPUT,
+    ArchRequirement,
+    OpConstraint,
+    PortConstraint,
+    RequantRatio,
+    SameEncoding,
+    SameScale,
+    ScaleProduct,
+)
 from quantplug.validation.report import ValidationReport, Violation
 
 __version__ = "0.1.0"
@@ -102,6 +113,7 @@ __all__ = [
     "BackendLoadError",
     "BackendOption",
     "CalibrationError",
+    "ConformanceProfile",
     "ConstraintViolationError",
     "ConversionError",
     "CoverageReport",
@@ -109,6 +121,7 @@ __all__ = [
     "DuplicateBackendError",
     "EdgeOrNode",
     "FixedQParamsQuantizationSpec",
+    "FusionPattern",
     "KeySpec",
     "LoweringError",
     "LoweringPlan",
@@ -123,7 +136,11 @@ __all__ = [
     "QuantizationSpecBase",
     "Quantizer",
     "QuantplugError",
+    "RequantRatio",
     "RulesModule",
+    "SameEncoding",
+    "SameScale",
+    "ScaleProduct",
     "SharedQuantizationSpec",
     "SharingGroups",
     "SharingProblem",
@@ -138,6 +155,8 @@ __all__ = [
     "annotate_weighted",
     "convert",
     "derived_bias_spec",
+    "fused_head",
+    "fused_tail",
     "get_quantizer",
     "hookimpl",
     "is_annotated",
