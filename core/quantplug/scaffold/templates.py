@@ -103,13 +103,13 @@ from quantplug import (
     BackendContext,
     BackendInfo,
     BackendOption,
+    ConformanceProfile,
+    FusionPattern,
     OpConstraint,
     Preset,
     QuantizationConfig,
     RulesModule,
 )
-from quantplug.conformance.profile import ConformanceProfile
-from quantplug.quantizer.fusion import FusionPattern
 from {{package}} import configs
 from {{package}}.rules import RULE_MODULES
 
@@ -298,8 +298,7 @@ from __future__ import annotations
 
 import torch
 
-from quantplug import OpConstraint, PortConstraint
-from quantplug.validation.constraints import OUTPUT, SameScale, ScaleProduct
+from quantplug import OUTPUT, OpConstraint, PortConstraint, SameScale, ScaleProduct
 
 SOURCE = "{{dist}} built-in table"
 

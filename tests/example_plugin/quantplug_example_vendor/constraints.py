@@ -7,15 +7,16 @@ from collections.abc import Mapping
 
 import torch
 
-from quantplug import ArchRequirement, OpConstraint, PortConstraint
-from quantplug.validation.constraints import (
+from quantplug import (
     OUTPUT,
-    Port,
-    PortRelation,
+    ArchRequirement,
+    OpConstraint,
+    PortConstraint,
     RequantRatio,
     SameScale,
     ScaleProduct,
 )
+from quantplug.validation.constraints import Port, PortRelation
 from quantplug_example_vendor.configs import PER_BLOCK_MIN_ARCH
 
 SOURCE = "quantplug-example-vendor built-in table"

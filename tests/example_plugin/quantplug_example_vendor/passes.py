@@ -1,4 +1,4 @@
-"""Graph passes: one before annotation, one during lowering."""
+"""Graph passes: one before annotation, two during lowering (one rewrites, one checks)."""
 
 from __future__ import annotations
 

@@ -22,14 +22,14 @@ from quantplug import (
     BackendContext,
     BackendInfo,
     BackendOption,
+    ConformanceProfile,
+    FusionPattern,
     NamedPass,
     OpConstraint,
     Preset,
     QuantizationConfig,
     RulesModule,
 )
-from quantplug.conformance.profile import ConformanceProfile
-from quantplug.quantizer.fusion import FusionPattern
 from quantplug.sharing.problem import SharingProblem
 from quantplug.sharing.resolution import Key, SharingGroups
 from quantplug_example_vendor import configs
