@@ -1,4 +1,4 @@
-"""prepare(): annotate -> validate -> resolve sharing -> one observer per group.
+"""prepare(): annotate -> resolve sharing -> validate -> one observer per group.
 
 Works on a copy of the caller's graph, inserts observers with O(1) naming into one container
 module, and recompiles once. Groups whose tensors are all constants (weights, biases) get no
