@@ -99,7 +99,27 @@ def _check_ports(kind: str, ports: tuple[Port, ...], minimum: int) -> None:
 
 
 @dataclass(frozen=True)
-class SameEncoding:
+class _SameValue:
+    """Ports that must agree on a value (the subclasses say which)."""
+
+    ports: tuple[Port, ...]
+    enforce: str = "check"
+    rtol: float = 1e-6
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        kind = type(self).__name__
+        object.__setattr__(self, "ports", tuple(self.ports))
+        _check_ports(kind, self.ports, 2)
+        _check_enforce(kind, self.enforce)
+        _check_rtol(self.rtol)
+
+    def label(self) -> str:
+        return _ports_label(self.ports)
+
+
+@dataclass(frozen=True)
+class SameEncoding(_SameValue):
     """The ports carry one encoding: same grid, scale and zero point.
 
     Typical of ops that move bytes without rescaling (a concat, a select). With
@@ -108,27 +128,13 @@ class SameEncoding:
     violation at prepare and unequal calibrated encodings one at convert.
     """
 
-    ports: tuple[Port, ...]
-    enforce: str = "check"
-    rtol: float = 1e-6
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ports", tuple(self.ports))
-        _check_ports("SameEncoding", self.ports, 2)
-        _check_enforce("SameEncoding", self.enforce)
-        _check_rtol(self.rtol)
-
     @property
     def rule(self) -> str:
         return "same encoding"
 
-    def label(self) -> str:
-        return _ports_label(self.ports)
-
 
 @dataclass(frozen=True)
-class SameScale:
+class SameScale(_SameValue):
     """The ports carry one scale (zero points may differ): "both inputs of add share one scale".
 
     A relation that includes ``OUTPUT`` reads "output scale = input scale" in reports. With
@@ -136,23 +142,9 @@ class SameScale:
     the zero point); ports on different grids cannot share and are reported instead.
     """
 
-    ports: tuple[Port, ...]
-    enforce: str = "check"
-    rtol: float = 1e-6
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ports", tuple(self.ports))
-        _check_ports("SameScale", self.ports, 2)
-        _check_enforce("SameScale", self.enforce)
-        _check_rtol(self.rtol)
-
     @property
     def rule(self) -> str:
         return "output scale = input scale" if OUTPUT in self.ports else "same scale"
-
-    def label(self) -> str:
-        return _ports_label(self.ports)
 
 
 @dataclass(frozen=True)
