@@ -116,7 +116,6 @@ class Quantizer:
 
     def __init__(self, backend: LoadedBackend, options: dict[str, Any], *, strict: bool = True) -> None:
         self._backend = backend
-        self.strict = strict
         self.context = BackendContext(backend=backend.info.name, options={**options, "strict": strict})
         self.context.bind_configs(self.config_for)  # rules and hooks may ask for any node's config
         hook = backend.hook
@@ -140,6 +139,16 @@ class Quantizer:
     @property
     def info(self) -> BackendInfo:
         return self._backend.info
+
+    @property
+    def strict(self) -> bool:
+        """Raise on constraint violations (else warn); the same value every hook sees."""
+        return self.context.strict
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        strict = STRICT_OPTION.coerce(value, backend=self.backend)
+        self.context.options = {**self.context.options, "strict": strict}
 
     @property
     def options(self) -> dict[str, Any]:
