@@ -289,7 +289,10 @@ def test_weight_only_and_dynamic_presets_match_through_onnx(preset: str, options
         # the file says MatMulNBits with float products (accuracy level 1), not the session
         nbits = [n for n in model_proto.graph.node if n.op_type == "MatMulNBits"]
         assert len(nbits) == 2 and all(
-            onnx.helper.get_attribute_value(a) == 1 for n in nbits for a in n.attribute if a.name == "accuracy_level"
+            onnx.helper.get_attribute_value(a) == 1
+            for n in nbits
+            for a in n.attribute
+            if a.name == "accuracy_level"
         )
         assert len(blocked) == 1, "the embedding table keeps its blocked DequantizeLinear"
         assert kernels["MatMulNBits"] == 2, kernels  # packed 4-bit weights read directly

@@ -348,7 +348,16 @@ NO_PRODUCT_OPS = frozenset(
         "Mul",
     }
 )
-_ONNX_INT_TYPES = {2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 21: "uint4", 22: "int4"}
+_ONNX_INT_TYPES = {
+    2: "uint8",
+    3: "int8",
+    4: "uint16",
+    5: "int16",
+    6: "int32",
+    7: "int64",
+    21: "uint4",
+    22: "int4",
+}
 
 
 #: integer op -> index of the input holding its output's zero point (whose type the output has)
@@ -397,7 +406,9 @@ class _Types:
             self.types[node.output[0]] = 2
         elif node.op_type == "Cast" and "to" in attrs:
             self.types[node.output[0]] = int(attrs["to"])
-        elif node.input and node.input[0] in self.types and node.op_type in NO_PRODUCT_OPS - {"Shape", "Size"}:
+        elif (
+            node.input and node.input[0] in self.types and node.op_type in NO_PRODUCT_OPS - {"Shape", "Size"}
+        ):
             for out in node.output:
                 self.types.setdefault(out, self.types[node.input[0]])
 
@@ -472,7 +483,13 @@ def integer_products(model: Any) -> AccumulationReport:
             b_type = types.name(b_name)
             if a_type not in ("uint8", "int8") or b_type not in ("uint8", "int8"):
                 report.unverified.append(
-                    Finding(label, node.op_type, "model", "every CPU", f"operand types {a_type} x {b_type} not modeled")
+                    Finding(
+                        label,
+                        node.op_type,
+                        "model",
+                        "every CPU",
+                        f"operand types {a_type} x {b_type} not modeled",
+                    )
                 )
                 continue
             values = None
@@ -505,13 +522,17 @@ def integer_products(model: Any) -> AccumulationReport:
                     report.violations.append(Finding(label, node.op_type, path.name, path.cpus, problem))
             problem = check_int32(product)
             if problem is not None:
-                report.violations.append(Finding(label, node.op_type, "int32 accumulator", "every CPU", problem))
+                report.violations.append(
+                    Finding(label, node.op_type, "int32 accumulator", "every CPU", problem)
+                )
             continue
         if node.op_type in NO_PRODUCT_OPS:
             if node.op_type.startswith("QLinear"):
                 report.kernels[node.op_type] = report.kernels.get(node.op_type, 0) + 1
             continue
-        small_ints = [i for i in node.input if types.name(i) in ("uint8", "int8", "uint16", "int16", "uint4", "int4")]
+        small_ints = [
+            i for i in node.input if types.name(i) in ("uint8", "int8", "uint16", "int16", "uint4", "int4")
+        ]
         if small_ints:
             report.unverified.append(
                 Finding(
@@ -536,7 +557,9 @@ def _reduction_of(node: Any, types: _Types, model: Any) -> int:
     return 1 << 16  # unknown: assume a long reduction (the int32 bound then decides)
 
 
-def optimized_graph(model_bytes: bytes, session_factory: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
+def optimized_graph(
+    model_bytes: bytes, session_factory: Callable[[Any], Any] | None = None
+) -> tuple[Any, Any]:
     """(the graph a plain ORT CPU session runs, that session): ``SessionOptions()`` with only
     ``optimized_model_filepath`` set, as ``onnxruntime.InferenceSession(path)`` would optimize it."""
     import onnx

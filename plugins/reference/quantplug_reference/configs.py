@@ -27,12 +27,12 @@ import torch
 from quantplug import QuantizationConfig, QuantizationSpec, derived_bias_spec
 from quantplug.errors import OptionError
 from quantplug.observers.base import ObserverFactory
-from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
 from quantplug.observers.minmax import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     PerChannelMinMaxObserver,
 )
+from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
 
 PRESETS: dict[str, str] = {
     "int8": "uint8/int8 asymmetric activations, int8 per-channel symmetric weights, int32 bias",

@@ -99,7 +99,10 @@ def fuse_dynamic_linears(gm: GraphModule) -> dict[str, dict[str, str]]:
         weight_t = wq.t().contiguous()
         sums = weight_t.to(torch.int32).sum(dim=0, dtype=torch.int32)
         if weight_t.numel() and int(weight_t.to(torch.int16).abs().max()) > SATURATION_FREE_WEIGHT_MAX:
-            stored, wzp = (weight_t.to(torch.int16) + 128).to(torch.uint8), torch.tensor(128, dtype=torch.uint8)
+            stored, wzp = (
+                (weight_t.to(torch.int16) + 128).to(torch.uint8),
+                torch.tensor(128, dtype=torch.uint8),
+            )
         else:
             stored, wzp = weight_t, torch.tensor(0, dtype=torch.int8)
         gm.register_buffer(name + "_t", stored)

@@ -216,7 +216,7 @@ def _check_integer_kernels(model_bytes: bytes, artifact: ReferenceArtifact) -> d
 
     try:
         optimized, artifact._session = optimized_graph(model_bytes, plain)
-    except Exception as exc:  # noqa: BLE001 - ORT's own errors have no common type
+    except Exception as exc:
         raise LoweringError(f"ONNX Runtime cannot load the lowered model.onnx: {exc}") from exc
     report = integer_products(optimized)
     if report.violations:

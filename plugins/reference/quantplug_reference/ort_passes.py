@@ -76,7 +76,12 @@ class _Graph:
         if name in self.inits:
             return int(self.inits[name].data_type)
         node = self.producer.get(name)
-        if node is not None and node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+        if (
+            node is not None
+            and node.op_type == "Constant"
+            and node.attribute
+            and node.attribute[0].name == "value"
+        ):
             return int(node.attribute[0].t.data_type)
         return None
 
@@ -143,7 +148,9 @@ def retype_signed_activations(model: Any, encodings: list[dict[str, Any]]) -> li
         readers = g.users.get(out, [])
         if not readers or any(r.op_type != "DequantizeLinear" or len(r.input) < 3 for r in readers):
             continue
-        if any(g.constant(r.input[2]) is None or g.constant(r.input[2]).tolist() != zp.tolist() for r in readers):
+        if any(
+            g.constant(r.input[2]) is None or g.constant(r.input[2]).tolist() != zp.tolist() for r in readers
+        ):
             continue
         shifted = (zp.astype(np.int16) + 128).astype(np.uint8)
         new_zp = g.add_initializer(shifted, q.input[2] + "_as_uint8")
@@ -166,7 +173,9 @@ def retype_signed_activations(model: Any, encodings: list[dict[str, Any]]) -> li
 def _is_depthwise(g: _Graph, conv: Any, weight: Any) -> bool:
     """ORT's test: one input and one output channel per group."""
     group = int(_attrs(conv).get("group", 1))
-    return conv.op_type == "Conv" and weight.ndim >= 3 and weight.shape[1] == 1 and weight.shape[0] == group > 1
+    return (
+        conv.op_type == "Conv" and weight.ndim >= 3 and weight.shape[1] == 1 and weight.shape[0] == group > 1
+    )
 
 
 def _eight_bit_activation(g: _Graph, name: str) -> bool:
@@ -216,14 +225,17 @@ def retype_wide_product_weights(model: Any, encodings: list[dict[str, Any]]) -> 
         products = [
             (r, fed)
             for r, fed in _product_readers(g, dq.output[0])
-            if not _is_depthwise(g, r, weight) and any(_eight_bit_activation(g, i) for i in r.input if i and i != fed)
+            if not _is_depthwise(g, r, weight)
+            and any(_eight_bit_activation(g, i) for i in r.input if i and i != fed)
         ]
         if not products:
             continue
         zp = g.constant(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else np.zeros((), np.int8)
         stored = (weight.astype(np.int16) + 128).astype(np.uint8)
         new_w = g.add_initializer(stored, dq.input[0] + "_as_uint8")
-        new_zp = g.add_initializer((zp.astype(np.int16) + 128).astype(np.uint8), dq.input[0] + "_zero_point_as_uint8")
+        new_zp = g.add_initializer(
+            (zp.astype(np.int16) + 128).astype(np.uint8), dq.input[0] + "_zero_point_as_uint8"
+        )
         old_w = dq.input[0]
         dq.input[0] = new_w
         if len(dq.input) > 2:
@@ -273,7 +285,9 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
         out, base = dq.output[0], dq.name or dq.output[0]
         nodes: list[Any] = []
         cast_out = g.fresh(out + "_int")
-        nodes.append(helper.make_node("Cast", [dq.input[0]], [cast_out], to=TensorProto.FLOAT, name=base + "_cast"))
+        nodes.append(
+            helper.make_node("Cast", [dq.input[0]], [cast_out], to=TensorProto.FLOAT, name=base + "_cast")
+        )
         value = cast_out
         rank = weight.ndim
         if block and scale.ndim == rank:  # per block: split the blocked axis in (blocks, block)
@@ -327,7 +341,14 @@ def _matmulnbits_weight(weight: Any, scale: Any, attrs: dict[str, Any]) -> tuple
 
     n, k = weight.shape
     axis, block = int(attrs.get("axis", 1)) % 2, int(attrs.get("block_size", 0))
-    if block and scale.shape == (n, k // block) and axis == 1 and k % block == 0 and block >= 16 and block & (block - 1) == 0:
+    if (
+        block
+        and scale.shape == (n, k // block)
+        and axis == 1
+        and k % block == 0
+        and block >= 16
+        and block & (block - 1) == 0
+    ):
         scales = scale
     elif not block and (scale.size == 1 or (scale.shape == (n,) and axis == 0)):
         block = max(16, 1 << (k - 1).bit_length())  # one block spans the row (zero-padded)
@@ -423,7 +444,12 @@ def int4_linears_as_matmulnbits(model: Any, encodings: list[dict[str, Any]]) -> 
     for node in list(g.graph.node):
         if node.op_type == "Gemm" and len(node.input) >= 2 and float_input(node.input[0]):
             a = _attrs(node)
-            if (a.get("transA", 0), a.get("transB", 0), a.get("alpha", 1.0), a.get("beta", 1.0)) != (0, 1, 1.0, 1.0):
+            if (a.get("transA", 0), a.get("transB", 0), a.get("alpha", 1.0), a.get("beta", 1.0)) != (
+                0,
+                1,
+                1.0,
+                1.0,
+            ):
                 continue
             dq = weight_dq(node.input[1])
             if dq is not None:
@@ -431,7 +457,11 @@ def int4_linears_as_matmulnbits(model: Any, encodings: list[dict[str, Any]]) -> 
                 rewrite(node, node.input[0], dq, node.output[0], bias)
         elif node.op_type == "MatMul" and float_input(node.input[0]):
             transpose = g.producer.get(node.input[1])
-            if transpose is None or transpose.op_type != "Transpose" or len(g.users.get(transpose.output[0], [])) != 1:
+            if (
+                transpose is None
+                or transpose.op_type != "Transpose"
+                or len(g.users.get(transpose.output[0], [])) != 1
+            ):
                 continue
             if list(_attrs(transpose).get("perm", [])) != [1, 0]:
                 continue
