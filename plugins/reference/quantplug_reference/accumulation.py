@@ -324,6 +324,7 @@ NO_PRODUCT_OPS = frozenset(
         "Concat",
         "Split",
         "MaxPool",
+        "NhwcMaxPool",
         "Identity",
         "Expand",
         "Pad",
