@@ -204,7 +204,7 @@ def test_the_check_finds_the_old_scheme(tmp_path) -> None:  # type: ignore[no-un
     assert len(signed) == 3
     path = str(tmp_path / "old.onnx")
     onnx.save(model, path)
-    report = acc.verify_model(model.SerializeToString())
+    report, _ = acc.verify_model(model.SerializeToString())
     assert {f.path for f in report.violations} == {acc.ACCUMULATION_PATHS[0].name}
     assert len(report.violations) == 3
     assert "saturates" in report.violations[0].message and "AVX2" in report.violations[0].cpus
@@ -328,6 +328,21 @@ def test_unknown_integer_kernels_are_reported() -> None:
     )
     report = acc.integer_products(helper.make_model(graph))
     assert not report.exact and report.unverified[0].op_type == "MysteryQOp"
+    # an int8 activation left in the file: ARM builds would run a graph this check does not see
+    signed = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [onnx.numpy_helper.from_array(np.float32(0.1), "s"), onnx.numpy_helper.from_array(np.int8(3), "z")],
+    )
+    findings = acc.signed_activations(helper.make_model(signed))
+    assert len(findings) == 1 and findings[0].cpus == "ARM64"
+    _, _, artifact = lowered("attention", (("activation_dtype", "int8"), ("preset", "int8")))
+    assert acc.signed_activations(onnx.load_from_string(artifact.onnx_model)) == []
 
 
 # --- the model against emulations of the narrow paths ------------------------------------------

@@ -206,19 +206,18 @@ def _check_integer_kernels(model_bytes: bytes, artifact: ReferenceArtifact) -> d
     ``artifact.run``."""
     import warnings
 
-    from quantplug_reference.accumulation import integer_products, optimized_graph
+    from quantplug_reference.accumulation import verify_model
 
     ort = _onnxruntime()
 
     def plain(options: Any) -> Any:
         artifact._configure(options)
-        return ort.InferenceSession(model_bytes, options, providers=[ORT_PROVIDER])
+        try:
+            return ort.InferenceSession(model_bytes, options, providers=[ORT_PROVIDER])
+        except Exception as exc:  # ORT's own errors have no common type
+            raise LoweringError(f"ONNX Runtime cannot load the lowered model.onnx: {exc}") from exc
 
-    try:
-        optimized, artifact._session = optimized_graph(model_bytes, plain)
-    except Exception as exc:
-        raise LoweringError(f"ONNX Runtime cannot load the lowered model.onnx: {exc}") from exc
-    report = integer_products(optimized)
+    report, artifact._session = verify_model(model_bytes, plain)
     if report.violations:
         raise LoweringError(
             "model.onnx would not compute what the Q/DQ program computes on every CPU:\n  "
