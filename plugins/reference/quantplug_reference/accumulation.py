@@ -393,11 +393,9 @@ class _Types:
             self._infer(node)
 
     def _infer(self, node: Any) -> None:
-        from onnx import helper
-
         if not node.output or node.output[0] in self.types:
             return
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = _node_attrs(node)
         zp_index = _OUTPUT_ZERO_POINT.get(node.op_type)
         if node.op_type == "QuantizeLinear" and attrs.get("output_dtype"):
             self.types[node.output[0]] = int(attrs["output_dtype"])
@@ -453,69 +451,26 @@ _QUANTIZES_A = frozenset({"DynamicQuantizeMatMul"})
 
 def integer_products(model: Any) -> AccumulationReport:
     """Every integer kernel of an ONNX model (ORT's optimized graph), checked on every path."""
-    from onnx import helper, numpy_helper
-
-    graph = model.graph
-    types = _Types(graph)
-    inits = {t.name: t for t in graph.initializer}
+    types = _Types(model.graph)
+    inits = {t.name: t for t in model.graph.initializer}
     report = AccumulationReport()
-    for node in graph.node:
+    for node in model.graph.node:
         label = node.name or node.output[0]
+        if node.op_type == "MatMulNBits" or node.op_type in _PRODUCT_INPUTS:
+            report.kernels[node.op_type] = report.kernels.get(node.op_type, 0) + 1
         if node.op_type == "MatMulNBits":
-            report.kernels[node.op_type] = report.kernels.get(node.op_type, 0) + 1
-            level = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("accuracy_level", 0)
-            if int(level) != 1:
-                report.violations.append(
-                    Finding(
-                        label,
-                        node.op_type,
-                        "numerics",
-                        "every CPU",
-                        f"accuracy_level {level} computes in reduced precision (4: activations "
-                        "quantized to int8 on the fly); the Q/DQ program multiplies in float (level 1)",
-                    )
+            level = int(_node_attrs(node).get("accuracy_level", 0))
+            if level != 1:
+                message = (
+                    f"accuracy_level {level} computes in reduced precision (4: activations quantized "
+                    "to int8 on the fly); the Q/DQ program multiplies in float (level 1)"
                 )
-            continue
-        if node.op_type in _PRODUCT_INPUTS:
-            report.kernels[node.op_type] = report.kernels.get(node.op_type, 0) + 1
-            a_index, b_index, layout = _PRODUCT_INPUTS[node.op_type]
-            a_type = "uint8" if node.op_type in _QUANTIZES_A else types.name(node.input[a_index])
-            b_name = node.input[b_index]
-            b_type = types.name(b_name)
-            if a_type not in ("uint8", "int8") or b_type not in ("uint8", "int8"):
-                report.unverified.append(
-                    Finding(
-                        label,
-                        node.op_type,
-                        "model",
-                        "every CPU",
-                        f"operand types {a_type} x {b_type} not modeled",
-                    )
-                )
+                report.violations.append(Finding(label, node.op_type, "numerics", "every CPU", message))
+        elif node.op_type in _PRODUCT_INPUTS:
+            product = _product(node, label, types, inits, model)
+            if isinstance(product, str):
+                report.unverified.append(_unmodeled(label, node.op_type, product))
                 continue
-            values = None
-            depthwise = False
-            zp_index = _B_ZERO_POINT.get(node.op_type)
-            b_zp = None
-            if zp_index is not None and len(node.input) > zp_index and node.input[zp_index] in inits:
-                zp_values = numpy_helper.to_array(inits[node.input[zp_index]]).astype(np.int64)
-                b_zp = int(np.abs(zp_values).max(initial=0))
-            elif zp_index is not None and (len(node.input) <= zp_index or not node.input[zp_index]):
-                b_zp = 0
-            if b_name in inits:
-                raw = numpy_helper.to_array(inits[b_name])
-                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-                if layout == "conv":
-                    group = int(attrs.get("group", 1))
-                    depthwise = raw.ndim >= 3 and raw.shape[1] == 1 and raw.shape[0] == group > 1
-                    values = raw.reshape(raw.shape[0], -1).T
-                elif layout == "gemm":
-                    values = raw.T if attrs.get("transB", 0) else raw
-                else:
-                    values = _columns(raw, raw.ndim - 2) if raw.ndim >= 2 else raw.reshape(-1, 1)
-            k = int(values.shape[0]) if values is not None else _reduction_of(node, types, model)
-            b = Operand(b_type, values, b_zp if values is not None else None)
-            product = IntegerProduct(label, node.op_type, Operand(a_type), b, k, depthwise)
             report.products.append(product)
             for path in ACCUMULATION_PATHS:
                 problem = check_product(product, path)
@@ -526,25 +481,62 @@ def integer_products(model: Any) -> AccumulationReport:
                 report.violations.append(
                     Finding(label, node.op_type, "int32 accumulator", "every CPU", problem)
                 )
-            continue
-        if node.op_type in NO_PRODUCT_OPS:
+        elif node.op_type in NO_PRODUCT_OPS:
             if node.op_type.startswith("QLinear"):
                 report.kernels[node.op_type] = report.kernels.get(node.op_type, 0) + 1
-            continue
-        small_ints = [
-            i for i in node.input if types.name(i) in ("uint8", "int8", "uint16", "int16", "uint4", "int4")
-        ]
-        if small_ints:
-            report.unverified.append(
-                Finding(
-                    label,
-                    node.op_type,
-                    "model",
-                    "every CPU",
-                    f"reads integer tensor(s) {', '.join(small_ints)} in a kernel this model does not know",
-                )
-            )
+        else:
+            narrow = [i for i in node.input if types.name(i) in _NARROW_TYPES]
+            if narrow:
+                message = f"reads integer tensor(s) {', '.join(narrow)} in a kernel this model does not know"
+                report.unverified.append(_unmodeled(label, node.op_type, message))
     return report
+
+
+_NARROW_TYPES = ("uint8", "int8", "uint16", "int16", "uint4", "int4")
+
+
+def _node_attrs(node: Any) -> dict[str, Any]:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _unmodeled(label: str, op_type: str, message: str) -> Finding:
+    return Finding(label, op_type, "model", "every CPU", message)
+
+
+def _product(node: Any, label: str, types: _Types, inits: dict[str, Any], model: Any) -> IntegerProduct | str:
+    """The product a kernel node computes, with its constant operand's values; or why not modeled."""
+    from onnx import numpy_helper
+
+    a_index, b_index, layout = _PRODUCT_INPUTS[node.op_type]
+    a_type = "uint8" if node.op_type in _QUANTIZES_A else types.name(node.input[a_index])
+    b_name = node.input[b_index]
+    b_type = types.name(b_name)
+    if a_type not in ("uint8", "int8") or b_type not in ("uint8", "int8"):
+        return f"operand types {a_type} x {b_type} not modeled"
+    zp_index = _B_ZERO_POINT[node.op_type]
+    b_zp: int | None = None
+    if len(node.input) <= zp_index or not node.input[zp_index]:
+        b_zp = 0
+    elif node.input[zp_index] in inits:
+        b_zp = int(np.abs(numpy_helper.to_array(inits[node.input[zp_index]]).astype(np.int64)).max(initial=0))
+    if b_name not in inits:  # a second activation
+        return IntegerProduct(
+            label, node.op_type, Operand(a_type), Operand(b_type), _reduction_of(node, types, model)
+        )
+    raw = numpy_helper.to_array(inits[b_name])
+    attrs = _node_attrs(node)
+    depthwise = False
+    if layout == "conv":
+        depthwise = raw.ndim >= 3 and raw.shape[1] == 1 and raw.shape[0] == int(attrs.get("group", 1)) > 1
+        values = raw.reshape(raw.shape[0], -1).T
+    elif layout == "gemm":
+        values = raw.T if attrs.get("transB", 0) else raw
+    else:
+        values = _columns(raw, raw.ndim - 2) if raw.ndim >= 2 else raw.reshape(-1, 1)
+    b = Operand(b_type, values, b_zp)
+    return IntegerProduct(label, node.op_type, Operand(a_type), b, int(values.shape[0]), depthwise)
 
 
 def _reduction_of(node: Any, types: _Types, model: Any) -> int:

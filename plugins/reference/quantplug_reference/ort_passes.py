@@ -102,6 +102,15 @@ class _Graph:
         self.inits[name] = self.graph.initializer[-1]
         return name
 
+    def replace_nodes(self, replace: dict[int, list[Any]]) -> None:
+        """Each node whose ``id`` is a key of ``replace`` becomes those nodes ([] drops it)."""
+        nodes = []
+        for node in self.graph.node:
+            nodes.extend(replace.get(id(node), [node]))
+        del self.graph.node[:]
+        self.graph.node.extend(nodes)
+        self.drop_unused_initializers()
+
     def drop_unused_initializers(self) -> None:
         used = {name for node in self.graph.node for name in node.input} | self.outputs
         keep = [t for t in self.graph.initializer if t.name in used]
@@ -263,11 +272,7 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
     g = _Graph(model)
     if any(n.op_type == "QuantizeLinear" for n in g.graph.node):
         return []
-    by_node = {}
-    for entry in encodings:
-        info = entry.get("onnx")
-        if info and info.get("node"):
-            by_node[info["node"]] = info
+    by_node = _entries_by(encodings, "node")
     replace: dict[int, list[Any]] = {}
     changed = []
     for dq in g.graph.node:
@@ -317,17 +322,11 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
             back = g.add_initializer(np.array(weight.shape, np.int64), base + "_shape")
             nodes.append(helper.make_node("Reshape", [scaled, back], [out], name=base + "_merge"))
         replace[id(dq)] = nodes
-        info = by_node.get(dq.name)
-        if info is not None:
+        for info in by_node.get(dq.name, []):
             info.update(node=nodes[-1].name, scale=s_name, zero_point=None, spelled="Cast*scale")
         changed.append(dq.input[0])
     if replace:
-        new_nodes = []
-        for node in g.graph.node:
-            new_nodes.extend(replace.get(id(node), [node]))
-        del g.graph.node[:]
-        g.graph.node.extend(new_nodes)
-        g.drop_unused_initializers()
+        g.replace_nodes(replace)
     return changed
 
 
@@ -369,11 +368,7 @@ def int4_linears_as_matmulnbits(model: Any, encodings: list[dict[str, Any]]) -> 
     from onnx import TensorProto, helper
 
     g = _Graph(model)
-    by_node = {}
-    for entry in encodings:
-        info = entry.get("onnx")
-        if info and info.get("node"):
-            by_node[info["node"]] = info
+    by_node = _entries_by(encodings, "node")
 
     def weight_dq(name: str) -> Any:
         """The DequantizeLinear of a symmetric 4-bit initializer producing ``name``, read only there."""
@@ -426,8 +421,7 @@ def int4_linears_as_matmulnbits(model: Any, encodings: list[dict[str, Any]]) -> 
         replace[id(dq)] = []
         for other in extra:
             replace[id(other)] = []
-        info = by_node.get(dq.name)
-        if info is not None:
+        for info in by_node.get(dq.name, []):
             info.update(
                 tensor=None,
                 quantized=b_name,
@@ -469,12 +463,7 @@ def int4_linears_as_matmulnbits(model: Any, encodings: list[dict[str, Any]]) -> 
             if dq is not None:
                 rewrite(node, node.input[0], dq, node.output[0], None, extra=[transpose])
     if replace:
-        nodes = []
-        for node in g.graph.node:
-            nodes.extend(replace.get(id(node), [node]))
-        del g.graph.node[:]
-        g.graph.node.extend(nodes)
+        g.replace_nodes(replace)
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-        g.drop_unused_initializers()
     return changed
