@@ -40,4 +40,15 @@ if [ "${1:-}" = "--test" ]; then
         "the report rendering tests will be skipped" >&2
     fi
   fi
+  # tests/reference/test_reference_qemu.py: ONNX Runtime on an emulated AVX2 CPU without VNNI
+  # (qemu-x86_64 -cpu Haswell; Debian package qemu-user, QEMU >= 7.2)
+  if ! command -v qemu-x86_64 >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user >/dev/null; } \
+        || echo "setup: qemu-user could not be installed; the emulated-AVX2 test will be skipped" >&2
+    else
+      echo "setup: qemu-x86_64 is absent and needs root to install (apt-get install qemu-user);" \
+        "the emulated-AVX2 test will be skipped" >&2
+    fi
+  fi
 fi

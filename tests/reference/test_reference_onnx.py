@@ -265,23 +265,40 @@ def test_weight_only_and_dynamic_presets_match_through_onnx(preset: str, options
     quantizer = quantplug.get_quantizer("reference", preset=preset, **options)
     converted = quantplug.convert(quantplug.prepare(ep, quantizer))
     artifact = quantplug.lower(converted, quantizer)
+    artifact.save(tmp_path / "out")
+    # a user's own session of the saved file, with no option: the program's numbers
+    plain = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
     for seed in (1, 2):
         inputs = _token_inputs(seed)
         ref = converted(*inputs)
         torch.testing.assert_close(artifact.run(*inputs), ref, rtol=1e-4, atol=1e-5)
+        feeds = {i.name: x.numpy() for i, x in zip(plain.get_inputs(), inputs)}
+        torch.testing.assert_close(torch.from_numpy(plain.run(None, feeds)[0]), ref, rtol=1e-4, atol=1e-5)
     model_proto = onnx.load_from_string(artifact.onnx_model)
-    dqs = [n for n in model_proto.graph.node if n.op_type == "DequantizeLinear"]
-    if "group_size" in options or preset == "weight_only_int4":
-        blocked = [n for n in dqs if any(a.name == "block_size" and a.i > 0 for a in n.attribute)]
-        assert len(blocked) == 3, "embedding and both linears use blocked DequantizeLinear"
+    ops = Counter(n.op_type for n in model_proto.graph.node)
+    blocked = [
+        n
+        for n in model_proto.graph.node
+        if n.op_type == "DequantizeLinear" and any(a.name == "block_size" and a.i > 0 for a in n.attribute)
+    ]
     kernels = ort_kernels(artifact, tmp_path)
     if preset == "dynamic_int8":
-        assert not any(n.op_type == "QuantizeLinear" for n in model_proto.graph.node)  # no static encodings
+        assert not ops["QuantizeLinear"]  # no static encodings
         assert kernels["MatMulInteger"] == 2, kernels  # integer products on the per-token int8 input
     elif preset == "weight_only_int4":
+        # the file says MatMulNBits with float products (accuracy level 1), not the session
+        nbits = [n for n in model_proto.graph.node if n.op_type == "MatMulNBits"]
+        assert len(nbits) == 2 and all(
+            onnx.helper.get_attribute_value(a) == 1
+            for n in nbits
+            for a in n.attribute
+            if a.name == "accuracy_level"
+        )
+        assert len(blocked) == 1, "the embedding table keeps its blocked DequantizeLinear"
         assert kernels["MatMulNBits"] == 2, kernels  # packed 4-bit weights read directly
     else:
-        assert not kernels["DequantizeLinear"], kernels  # int8 weights dequantized once, at load
+        assert not ops["DequantizeLinear"], "int8 weights spelled Cast * scale"
+        assert not kernels["DequantizeLinear"] and not kernels["MatMulNBits"], kernels  # folded at load
 
 
 def test_a16w8_uses_16_bit_qdq_in_onnx() -> None:

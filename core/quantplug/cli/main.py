@@ -250,6 +250,7 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         quantized = quantplug.convert(prepared)
         t = lap("convert", t)
 
+        artifact = None  # measured beside the program by compare() when the backend can run it
         bar = console.progress("lowering", 0, "steps", done_label="lowered")
         lowering_quantizer = _LoweringWithProgress(quantizer, bar)
         if lowering_quantizer.plan.writer is None:
@@ -277,7 +278,12 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         compare_inputs = batches[: args.compare_batches]
         with console.progress("comparing", len(compare_inputs), "batches", done_label="compared") as bar:
             debug = compare(
-                program, quantized, compare_inputs, prepared=prepared, progress=lambda d, n: bar.advance()
+                program,
+                quantized,
+                compare_inputs,
+                prepared=prepared,
+                artifact=artifact,
+                progress=lambda d, n: bar.advance(),
             )
         t = lap("compare", t)
         state = prepared.meta.get(STATE_KEY)

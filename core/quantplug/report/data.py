@@ -91,6 +91,7 @@ def build_report(
             "size_ratio": ratio,
             "sharing_groups": len(d["sharing_groups"]),
             "validation_violations": len((validation or {}).get("violations", [])),
+            **_artifact_summary(d.get("artifact")),
         },
         "layers": nodes,
         "worst": ranked[:WORST_COUNT],
@@ -99,12 +100,26 @@ def build_report(
         "removed_nodes": d["removed_nodes"],
         "unmatched": d["unmatched"],
         "sharing_groups": d["sharing_groups"],
+        "artifact": d.get("artifact"),
         "validation": validation,
         "warnings": list(warnings),
         "files": [dict(f) for f in files],
         "timings": dict(timings or {}),
     }
     return _clean(data)
+
+
+def _artifact_summary(artifact: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The backend artifact's output SQNR beside the program's (what ships vs what was analysed)."""
+    if not artifact:
+        return {}
+    return {
+        "artifact_measured": bool(artifact.get("ran")),
+        "artifact_sqnr_db": artifact.get("sqnr_db"),
+        "artifact_identical": bool(artifact.get("identical")),
+        "artifact_gap_db": artifact.get("gap_db"),
+        "artifact_flagged": bool(artifact.get("flagged")),
+    }
 
 
 def write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:

@@ -38,6 +38,15 @@ INFO = BackendInfo(
             f"{configs.DEFAULT_INT4_GROUP} for weight_only_int4)",
             choices=configs.GROUP_SIZES,
         ),
+        BackendOption(
+            "weight_bits",
+            int,
+            7,
+            "grid of conv/linear weights multiplied as integers (int8, int8_per_tensor, dynamic_int8): "
+            "7 = [-64, 64], exact with ORT's fast U8S8 kernels on every CPU; 8 = [-127, 127], stored "
+            "as uint8 for ORT's U8U8 kernels (exact too, about half as fast on VNNI CPUs)",
+            choices=configs.WEIGHT_BITS,
+        ),
         BackendOption("onnx_opset", int, 21, "ONNX opset of the lowered model (>= 21 for 16/4-bit)"),
         BackendOption(
             "ort_threads", int, 0, "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)"
