@@ -56,7 +56,7 @@ def to_exported_program(
         rewrite(graph)
     graph.eliminate_dead_code()
     fake_mode = _fake_mode(graph)
-    lifted = _lift_constants(gm, graph, fake_mode)
+    lifted = _lift_constants(gm, graph)
     _fill_values(graph, fake_mode)
     user_inputs = [n for n in graph.nodes if n.op == "placeholder" and n not in lifted.nodes]
     signature = ExportGraphSignature(
@@ -133,7 +133,7 @@ class _Lifted:
         self.root = nn.Module()
 
 
-def _lift_constants(gm: GraphModule, graph: Graph, fake_mode: Any) -> _Lifted:
+def _lift_constants(gm: GraphModule, graph: Graph) -> _Lifted:
     """``get_attr`` tensors -> placeholders (parameters, buffers, constants), ahead of user inputs."""
     from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
@@ -164,8 +164,8 @@ def _lift_constants(gm: GraphModule, graph: Graph, fake_mode: Any) -> _Lifted:
                 lifted.constants[target] = value
             with graph.inserting_before(anchor):
                 placeholder = graph.placeholder(prefix + target.replace(".", "_"))
-            val = node.meta.get("val")
-            placeholder.meta["val"] = _as_fake(val if isinstance(val, torch.Tensor) else value, fake_mode)
+            val = node.meta.get("val")  # fake, or the tensor itself (convert's constants)
+            placeholder.meta["val"] = val if isinstance(val, torch.Tensor) else value
             by_target[target] = placeholder
             lifted.nodes.add(placeholder)
             persistent_flag = True if kind == InputKind.BUFFER else None

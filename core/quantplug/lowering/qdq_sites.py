@@ -51,9 +51,19 @@ qdq_site = torch.ops.quantplug.qdq_site.default
 
 
 def _t_qdq_site(x: Any, key: int, dtype: int) -> Any:
-    """ONNX translation of a site: a placeholder :func:`insert_qdq` replaces."""
-    from onnxscript import opset18
+    """ONNX translation of a site: a placeholder node :func:`insert_qdq` turns into Q/DQ nodes.
 
+    Added to the exporter's recorder directly when it exposes its node list (an ``Identity``
+    through onnxscript costs a schema conversion, half a millisecond per site)."""
+    import onnx_ir as ir
+    from onnxscript import evaluator, opset18
+
+    recorder = evaluator.default()
+    nodes = getattr(recorder, "nodes", None)
+    if isinstance(nodes, list):
+        node = ir.Node("", "Identity", [x], num_outputs=1)
+        nodes.append(node)
+        return node.outputs[0]
     return opset18.Identity(x)
 
 
@@ -155,10 +165,18 @@ def mark_sites(graph: Graph, sites: Sequence[Site]) -> None:
         node = by_name.get(site.node)
         if node is None:
             raise LoweringError(f"internal error: Q/DQ node {site.node!r} missing from the copied program")
+        x = node.args[0]
+        dtype = site.dtype if site.quantize else site.out_dtype
         node.target = qdq_site
-        node.args = (node.args[0], site.key, site.dtype if site.quantize else site.out_dtype)
+        node.args = (x, site.key, dtype)
         node.kwargs = {}
-        node.meta.pop("val", None)  # recomputed from the site op (a quantize's is often missing)
+        val, x_val = node.meta.get("val"), x.meta.get("val") if isinstance(x, Node) else None
+        if not (isinstance(val, torch.Tensor) and val.dtype == dtype):
+            node.meta.pop("val", None)
+            mode = getattr(x_val, "fake_mode", None)
+            if mode is not None:  # what qdq_site's fake kernel gives, without dispatching it
+                with mode:
+                    node.meta["val"] = torch.empty_like(x_val, dtype=dtype)
 
 
 # --------------------------------------------------------------------------------- in the ONNX graph
@@ -177,26 +195,19 @@ class PlacedSite:
 
 
 def insert_qdq(model: Any, sites: Sequence[Site]) -> dict[int, PlacedSite]:
-    """Replace each ``qdq_site`` placeholder of ``model`` (an ``onnx_ir.Model`` straight from
-    translation) with its Q/DQ nodes; return where each site is, by key."""
-    import onnx_ir as ir
+    """Turn each ``qdq_site`` placeholder of ``model`` (an ``onnx_ir.Model`` straight from
+    translation) into its Q/DQ nodes; return where each site is, by key.
 
-    graph = model.graph
-    names = _NameSource(graph)
+    The placeholder node itself becomes the last of them (so its output keeps its name, type
+    and readers); the others are inserted before it.
+    """
+    names = _NameSource(model.graph)
     placed: dict[int, PlacedSite] = {}
-    for node in list(graph):
+    for node in list(model.graph):
         fx_node = node.meta.get("node")
-        if fx_node is None or getattr(fx_node, "target", None) is not qdq_site:
-            continue
-        site = sites[int(fx_node.args[1])]
-        old_out = node.outputs[0]
-        new_nodes, result, info = _build(site, node.inputs[0], names)
-        _set_types(new_nodes, old_out)
-        graph.insert_before(node, new_nodes)
-        ir.convenience.replace_all_uses_with(old_out, result, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        result.name = names.take(site.node, old_out.name)
-        placed[site.key] = PlacedSite(site=site, output=result.name, **info)
+        if fx_node is not None and getattr(fx_node, "target", None) is qdq_site:
+            site = sites[int(fx_node.args[1])]
+            placed[site.key] = _place(model.graph, node, site, names)
     return placed
 
 
@@ -216,17 +227,11 @@ class _NameSource:
         self.taken.add(name)
         return name
 
-    def take(self, wanted: str, current: str | None) -> str:
-        """``wanted`` for a value now called ``current`` (its name is released first)."""
-        if current is not None:
-            self.taken.discard(current)
-        return self.new(wanted)
-
     def initializer(self, base: str, array: Any) -> Any:
         import onnx_ir as ir
 
         name = self.new(base)
-        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+        value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
         self.graph.register_initializer(value)
         return value
 
@@ -272,65 +277,82 @@ def _full_range(dtype: torch.dtype) -> tuple[int, int]:
     return int(info.min), int(info.max)
 
 
-def _set_types(nodes: Sequence[Any], old: Any) -> None:
-    """Every new value has the placeholder's shape; its element type follows from the op."""
-    import onnx_ir as ir
-
-    for node in nodes:
-        out = node.outputs[0]
-        out.shape = old.shape
-        if node.op_type == "Cast":
-            out.type = ir.TensorType(ir.DataType(node.attributes["to"].value))
-        elif node.op_type == "DequantizeLinear":
-            out.type = ir.TensorType(ir.DataType.FLOAT)
-        else:  # QuantizeLinear, Clip: the zero point's type
-            out.type = ir.TensorType(
-                node.inputs[2].const_value.dtype if node.op_type == "QuantizeLinear" else node.inputs[0].dtype
-            )
+@dataclass
+class _Step:
+    op_type: str
+    inputs: list[Any]  # ir.Value, or an int: the output of that earlier step
+    attrs: dict[str, Any]
+    name: str
+    dtype: Any  # the output's ir.DataType
 
 
-def _build(site: Site, x: Any, names: _NameSource) -> tuple[list[Any], Any, dict[str, str]]:
+def _place(graph: Any, marker: Any, site: Site, names: _NameSource) -> PlacedSite:
     import numpy as np
     import onnx_ir as ir
 
+    x = marker.inputs[0]
     scale, zero, attrs = _onnx_params(site)
     s = names.initializer(f"{site.node}_scale", scale)
     z = names.initializer(f"{site.node}_zero_point", zero)
-    nodes: list[Any] = []
+    steps: list[_Step] = []
     if site.quantize:
-        source = x
+        container = ir.DataType.from_numpy(zero.dtype)
+        source: Any = x
         if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
-            cast = ir.node("Cast", [x], {"to": ir.DataType.FLOAT}, name=names.new(f"{site.node}_cast"))
-            cast.outputs[0].name = cast.name
-            nodes.append(cast)
-            source = cast.outputs[0]
-        q = ir.node("QuantizeLinear", [source, s, z], attrs, name=names.new(site.node))
-        q.outputs[0].name = names.new(f"{site.node}_q")
-        nodes.append(q)
-        result = q.outputs[0]
+            steps.append(
+                _Step("Cast", [x], {"to": ir.DataType.FLOAT}, f"{site.node}_cast", ir.DataType.FLOAT)
+            )
+            source = 0
+        steps.append(_Step("QuantizeLinear", [source, s, z], attrs, site.node, container))
         if (site.quant_min, site.quant_max) != _full_range(site.dtype):
-            np_dtype = zero.dtype
-            lo = names.initializer(f"{site.node}_min", np.array(site.quant_min, np_dtype))
-            hi = names.initializer(f"{site.node}_max", np.array(site.quant_max, np_dtype))
-            clip = ir.node("Clip", [result, lo, hi], name=names.new(f"{site.node}_clip"))
-            nodes.append(clip)
-            result = clip.outputs[0]
-        info = {"node": q.name, "input": source.name, "scale": s.name, "zero_point": z.name}
+            lo = names.initializer(f"{site.node}_min", np.array(site.quant_min, zero.dtype))
+            hi = names.initializer(f"{site.node}_max", np.array(site.quant_max, zero.dtype))
+            steps.append(_Step("Clip", [len(steps) - 1, lo, hi], {}, f"{site.node}_clip", container))
     else:
-        dq = ir.node("DequantizeLinear", [x, s, z], attrs, name=names.new(site.node))
-        dq.outputs[0].name = names.new(f"{site.node}_dq")
-        nodes.append(dq)
-        result = dq.outputs[0]
+        steps.append(_Step("DequantizeLinear", [x, s, z], attrs, site.node, ir.DataType.FLOAT))
         if site.out_dtype != torch.float32:
             to = _FLOAT_TYPES.get(site.out_dtype)
             if to is None:
                 raise LoweringError(
                     f"dequantize node {site.node!r} outputs {site.out_dtype}, which ONNX lacks"
                 )
-            cast = ir.node(
-                "Cast", [result], {"to": getattr(ir.DataType, to)}, name=names.new(f"{site.node}_cast")
-            )
-            nodes.append(cast)
-            result = cast.outputs[0]
-        info = {"node": dq.name, "input": x.name, "scale": s.name, "zero_point": z.name}
-    return nodes, result, info
+            dtype = getattr(ir.DataType, to)
+            steps.append(_Step("Cast", [0], {"to": dtype}, f"{site.node}_cast", dtype))
+    made: list[Any] = []
+    for i, step in enumerate(steps):
+        inputs = [made[v].outputs[0] if isinstance(v, int) else v for v in step.inputs]
+        if i < len(steps) - 1:
+            node = ir.node(step.op_type, inputs, step.attrs, name=names.new(step.name))
+            out = node.outputs[0]
+            out.name = names.new(f"{node.name}_out")
+            out.type, out.shape = ir.TensorType(step.dtype), marker.outputs[0].shape
+            graph.insert_before(marker, node)
+        else:
+            node = _morph(marker, step.op_type, inputs, step.attrs, names.new(step.name))
+        made.append(node)
+    qdq = made[1] if steps[0].op_type == "Cast" and site.quantize else made[0]
+    return PlacedSite(
+        site=site,
+        node=qdq.name,
+        input=qdq.inputs[0].name,
+        output=marker.outputs[0].name,
+        scale=s.name,
+        zero_point=z.name,
+    )
+
+
+def _morph(node: Any, op_type: str, inputs: Sequence[Any], attrs: dict[str, Any], name: str) -> Any:
+    """Make ``node`` (the placeholder) an ``op_type`` node in place: its output stays as it is."""
+    import onnx_ir as ir
+
+    node.op_type = op_type
+    node.domain = ""
+    node.resize_inputs(len(inputs))
+    for i, value in enumerate(inputs):
+        if node.inputs[i] is not value:
+            node.replace_input_with(i, value)
+    for attr in ir.convenience.convert_attributes(attrs):
+        node.attributes.add(attr)
+    node.name = name
+    node.metadata_props.clear()  # the exporter's notes describe the placeholder op
+    return node
