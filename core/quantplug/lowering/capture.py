@@ -15,7 +15,7 @@ The result is what the ONNX exporter translates and what ``torch.export.save`` w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from quantplug.errors import LoweringError
-from quantplug.flow.graph_copy import copy_graph
+from quantplug.flow.graph_copy import RANGE_CONSTRAINTS, copy_graph
 from quantplug.flow.inspect import fetch_attr
 
 GraphRewrite = Callable[[Graph], None]
@@ -70,7 +70,7 @@ def to_exported_program(
             graph=graph,
             graph_signature=signature,
             state_dict=lifted.state_dict,
-            range_constraints=_range_constraints(user_inputs, fake_mode),
+            range_constraints=_range_constraints(user_inputs, fake_mode, gm.meta.get(RANGE_CONSTRAINTS)),
             module_call_graph=call_graph,
             constants=lifted.constants,
         )
@@ -241,19 +241,44 @@ def _module_call_graph(gm: GraphModule, signature: Any) -> list[Any]:
     return [ModuleCallEntry(fqn="", signature=entry)]
 
 
-def _range_constraints(user_inputs: list[Node], fake_mode: Any) -> dict[Any, Any]:
-    """Each symbolic dimension of the inputs with the range its ShapeEnv holds for it."""
+def _range_constraints(
+    user_inputs: list[Node], fake_mode: Any, given: Mapping[Any, Any] | None
+) -> dict[Any, Any]:
+    """Each symbol of the inputs' dynamic dimensions with its range: the one the source program
+    declared (``given``, what the user passed to ``torch.export.Dim``), else its ShapeEnv's."""
     shape_env = getattr(fake_mode, "shape_env", None)
-    if shape_env is None:
-        return {}
-    symbols: dict[Any, Any] = {}
+    ranges: dict[Any, Any] = {}
     for node in user_inputs:
         val = node.meta.get("val")
         dims = val.shape if isinstance(val, torch.Tensor) else (val,) if isinstance(val, torch.SymInt) else ()
         for dim in dims:
-            if isinstance(dim, torch.SymInt):
-                for sym in dim.node.expr.free_symbols:
+            if not isinstance(dim, torch.SymInt):
+                continue
+            for sym in dim.node.expr.free_symbols:
+                bound = (given or {}).get(sym)
+                if bound is None and shape_env is not None:
                     bound = shape_env.var_to_range.get(sym)
-                    if bound is not None:
-                        symbols[sym] = bound
-    return symbols
+                if bound is not None:
+                    ranges[sym] = bound
+    return ranges
+
+
+def dimension_names(program: torch.export.ExportedProgram) -> dict[str, str]:
+    """``{"s77": "batch"}``: each input symbol's name as the user gave it (``Dim("batch")``)."""
+    names: dict[str, str] = {}
+    for node in program.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
+        debug = getattr(shape_env, "source_name_to_debug_name", None) or {}
+        for dim in val.shape:
+            if not isinstance(dim, torch.SymInt) or not dim.node.expr.is_symbol:
+                continue
+            sym = dim.node.expr
+            for source in getattr(shape_env, "var_to_sources", {}).get(sym, []):
+                label = source.name() if callable(source.name) else source.name
+                name = debug.get(label)
+                if name and name.isidentifier():
+                    names.setdefault(str(sym), name)
+    return names

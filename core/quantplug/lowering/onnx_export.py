@@ -200,7 +200,7 @@ def export_qdq_onnx(
         )
     from quantplug.flow.inspect import encodings as read_encodings
     from quantplug.lowering import qdq_sites
-    from quantplug.lowering.capture import to_exported_program
+    from quantplug.lowering.capture import dimension_names, to_exported_program
     from quantplug.lowering.onnx_translate import translate
 
     _check_opset(quantized, opset)
@@ -222,6 +222,7 @@ def export_qdq_onnx(
     except Exception as exc:
         raise _export_error(exc, program) from exc
     placed = qdq_sites.insert_qdq(model, sites)
+    _name_dimensions(model, dimension_names(program))
     if optimize:
         _remove_unused(model)
     _rename(model.graph.inputs, input_names, "input")
@@ -309,6 +310,33 @@ def _remove_unused(model: Any) -> None:
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     RemoveUnusedNodesPass()(model)
+
+
+def _name_dimensions(model: Any, names: Mapping[str, str]) -> None:
+    """Dynamic dimensions named as the user named them (``batch``, not ``s77``), everywhere."""
+    import onnx_ir as ir
+
+    if not names:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")\b")
+
+    def rename(value: Any) -> None:
+        shape = value.shape
+        if shape is None or not any(isinstance(d, ir.SymbolicDim) and d.value for d in shape):
+            return
+        dims = [
+            ir.SymbolicDim(pattern.sub(lambda m: names[m.group(1)], d.value))
+            if isinstance(d, ir.SymbolicDim) and d.value
+            else d
+            for d in shape
+        ]
+        value.shape = ir.Shape(dims)
+
+    for value in model.graph.inputs:
+        rename(value)
+    for node in model.graph:
+        for value in node.outputs:
+            rename(value)
 
 
 def _rename(values: Sequence[Any], names: Sequence[str] | None, what: str) -> None:
