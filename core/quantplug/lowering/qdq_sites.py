@@ -212,19 +212,29 @@ def insert_qdq(model: Any, sites: Sequence[Site]) -> dict[int, PlacedSite]:
 
 
 class _NameSource:
-    """Fresh value names: ours must not clash with the exporter's."""
+    """Fresh value and node names (two namespaces): ours must not clash with the exporter's."""
 
     def __init__(self, graph: Any) -> None:
         self.graph = graph
         self.taken = {v.name for v in graph.inputs} | set(graph.initializers)
+        self.nodes: set[str] = set()
         for node in graph:
             self.taken.update(v.name for v in node.outputs if v.name)
+            if node.name and (fx := node.meta.get("node")) is not None and fx.target is not qdq_site:
+                self.nodes.add(node.name)
 
     def new(self, base: str) -> str:
+        return self._fresh(base, self.taken)
+
+    def node(self, base: str) -> str:
+        return self._fresh(base, self.nodes)
+
+    @staticmethod
+    def _fresh(base: str, taken: set[str]) -> str:
         name, i = base, 1
-        while name in self.taken:
+        while name in taken:
             name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
+        taken.add(name)
         return name
 
     def initializer(self, base: str, array: Any) -> Any:
@@ -322,13 +332,13 @@ def _place(graph: Any, marker: Any, site: Site, names: _NameSource) -> PlacedSit
     for i, step in enumerate(steps):
         inputs = [made[v].outputs[0] if isinstance(v, int) else v for v in step.inputs]
         if i < len(steps) - 1:
-            node = ir.node(step.op_type, inputs, step.attrs, name=names.new(step.name))
+            node = ir.node(step.op_type, inputs, step.attrs, name=names.node(step.name))
             out = node.outputs[0]
             out.name = names.new(f"{node.name}_out")
             out.type, out.shape = ir.TensorType(step.dtype), marker.outputs[0].shape
             graph.insert_before(marker, node)
         else:
-            node = _morph(marker, step.op_type, inputs, step.attrs, names.new(step.name))
+            node = _morph(marker, step.op_type, inputs, step.attrs, names.node(step.name))
         made.append(node)
     qdq = made[1] if steps[0].op_type == "Cast" and site.quantize else made[0]
     return PlacedSite(
