@@ -33,6 +33,7 @@ from torch.fx import GraphModule
 from quantplug import Artifact, BackendContext
 from quantplug.errors import LoweringError
 from quantplug.flow.inspect import encodings as program_encodings
+from quantplug.lowering.provenance import describe
 from quantplug_qnn_htp import encodings as qnn_enc
 
 META_KEY = "qnn_htp_encodings"
@@ -58,12 +59,13 @@ def check_encodings(program: GraphModule, context: BackendContext) -> None:
     act_symmetric = bool(context.option("act_symmetric", False))
     found: list[tuple[dict[str, Any], qnn_enc.QnnEncoding]] = []
     problems: list[str] = []
+    nodes = {n.name: n for n in program.graph.nodes}
     for entry in program_encodings(program):
         try:
             shape = _shape_of(program, entry["tensor"]) if entry["granularity"] == "block" else None
             enc = qnn_enc.from_entry(entry, shape=shape, act_symmetric=act_symmetric)
         except qnn_enc.EncodingError as exc:
-            problems.append(f"  {entry['node']} ({entry['tensor']}): {exc}")
+            problems.append(f"  {describe(nodes[entry['node']])} (node {entry['node']!r}): {exc}")
             continue
         found.append((entry, enc))
     if problems:
@@ -169,10 +171,10 @@ def onnx_encodings(
 
 
 def _missing_message(program: GraphModule, missing: Sequence[str]) -> str:
-    from quantplug.lowering.provenance import describe
-
     nodes = {n.name: n for n in program.graph.nodes}
-    lines = [f"  {describe(nodes[name]) if name in nodes else name} (node {name!r})" for name in sorted(missing)]
+    lines = [
+        f"  {describe(nodes[name]) if name in nodes else name} (node {name!r})" for name in sorted(missing)
+    ]
     return (
         f"{len(missing)} quantized tensor(s) are not in the exported ONNX model, so QNN would get no "
         "encoding for them:\n" + "\n".join(lines) + "\nA lowering pass removed them, or nothing reads them; "
