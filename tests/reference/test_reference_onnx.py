@@ -381,7 +381,10 @@ def test_onnx_block_form_matches_quantplug_per_block(shape, block) -> None:  # t
         "dq",
         [helper.make_tensor_value_info("q", TensorProto.INT8, list(shape))],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))],
-        [numpy_helper.from_array(s.float().numpy(), "s"), numpy_helper.from_array(z.to(torch.int8).numpy(), "z")],
+        [
+            numpy_helper.from_array(s.float().numpy(), "s"),
+            numpy_helper.from_array(z.to(torch.int8).numpy(), "z"),
+        ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     (got,) = ReferenceEvaluator(model).run(None, {"q": q.numpy()})

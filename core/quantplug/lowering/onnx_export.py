@@ -727,12 +727,6 @@ def pack_int4_constants(result: OnnxExportResult) -> list[str]:
 # --------------------------------------------------------------------------------- model helpers
 
 
-def _fix_opset(model: Any, opset: int) -> None:
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx") and imp.version < opset:
-            imp.version = opset
-
-
 def _value_infos(onnx: Any, values: Any, initializers: Any) -> list[OnnxTensorInfo]:
     init_names = {t.name for t in initializers}
     infos = []

@@ -115,7 +115,9 @@ def _site(gm: GraphModule, node: Node, granularity: str, key: int) -> Site:
     src_val = attr_value(gm, src) if isinstance(src, Node) and src.op == "get_attr" else None
     if src_val is None and isinstance(src, Node):
         src_val = src.meta.get("val")
-    shape = tuple(int(d) for d in src_val.shape) if _static(src_val) else ()
+    shape = (
+        tuple(int(d) for d in src_val.shape) if isinstance(src_val, torch.Tensor) and _static(src_val) else ()
+    )
     fields: dict[str, Any] = {"scale": args[1], "zero_point": args[2]}
     if granularity == "tensor":  # (x, scale, zero_point, qmin, qmax, dtype)
         fields.update(scale=float(args[1]), zero_point=int(args[2]))
@@ -137,7 +139,8 @@ def _site(gm: GraphModule, node: Node, granularity: str, key: int) -> Site:
         if isinstance(src_val, torch.Tensor) and not src_val.dtype.is_floating_point:
             container = src_val.dtype  # what the dequantize actually reads
         val = node.meta.get("val")
-        out_dtype = node.kwargs.get("out_dtype") or torch.float32
+        requested = node.kwargs.get("out_dtype")
+        out_dtype = requested if isinstance(requested, torch.dtype) else torch.float32
         if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
             out_dtype = val.dtype
     return Site(
@@ -174,7 +177,7 @@ def mark_sites(graph: Graph, sites: Sequence[Site]) -> None:
         if not (isinstance(val, torch.Tensor) and val.dtype == dtype):
             node.meta.pop("val", None)
             mode = getattr(x_val, "fake_mode", None)
-            if mode is not None:  # what qdq_site's fake kernel gives, without dispatching it
+            if mode is not None and isinstance(x_val, torch.Tensor):  # qdq_site's fake, undispatched
                 with mode:
                     node.meta["val"] = torch.empty_like(x_val, dtype=dtype)
 
