@@ -215,3 +215,12 @@ def test_example_inputs_must_fit_the_program() -> None:
     with pytest.raises(quantplug.LoweringError, match=r"example input 'x'.*\[2, 8, 31\].*\[2, 8, 32\]"):
         export_qdq_onnx(program, (torch.randn(2, 8, 31),))
     assert json.dumps(export_qdq_onnx(program, (torch.randn(2, 8, 32),)).unmapped) == "[]"
+
+
+def test_renamed_inputs_and_outputs_keep_the_mapping() -> None:
+    _, program = _program("sdpa", "reference")
+    result = export_qdq_onnx(program, input_names=["tokens"], output_names=["logits"])
+    assert result.input_names == ["tokens"] and result.output_names == ["logits"]
+    check_exact(program, result.model, result.encodings)
+    assert result.tensor_encodings["tokens"]["kind"] == "activation"
+    assert "logits" in result.tensor_encodings

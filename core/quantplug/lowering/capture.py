@@ -87,9 +87,12 @@ def _fake_mode(graph: Graph) -> Any:
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    vals = [n.meta.get("val") for n in graph.nodes if n.op in ("placeholder", "call_function")]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    return mode if mode is not None else FakeTensorMode()
+    for ops in (("placeholder",), ("call_function",)):  # the inputs' mode; else any node's
+        vals = [n.meta.get("val") for n in graph.nodes if n.op in ops]
+        mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+        if mode is not None:
+            return mode
+    return FakeTensorMode()
 
 
 def _as_fake(value: Any, fake_mode: Any) -> Any:

@@ -221,12 +221,12 @@ def export_qdq_onnx(
         raise
     except Exception as exc:
         raise _export_error(exc, program) from exc
+    _rename(model.graph.inputs, input_names, "input")
+    _rename(model.graph.outputs, output_names, "output")
     placed = qdq_sites.insert_qdq(model, sites)
     _name_dimensions(model, dimension_names(program))
     if optimize:
         _remove_unused(model)
-    _rename(model.graph.inputs, input_names, "input")
-    _rename(model.graph.outputs, output_names, "output")
     proto = _serialize(model)
     onnx = require_onnx()
     result = OnnxExportResult(

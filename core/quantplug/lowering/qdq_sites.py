@@ -223,7 +223,7 @@ class _NameSource:
         self.nodes: set[str] = set()
         for node in graph:
             self.taken.update(v.name for v in node.outputs if v.name)
-            if node.name and (fx := node.meta.get("node")) is not None and fx.target is not qdq_site:
+            if node.name and getattr(node.meta.get("node"), "target", None) is not qdq_site:
                 self.nodes.add(node.name)
 
     def new(self, base: str) -> str:
