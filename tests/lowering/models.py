@@ -106,6 +106,21 @@ class Constants(nn.Module):
         return torch.softmax(s.masked_fill(self.mask, float("-inf")), dim=-1) @ y
 
 
+class InPlace(nn.Module):
+    """In-place activations (``relu_``, ``hardswish_``): not functional, so the program is checked
+    as torch.export's own IR and the exporter functionalizes it (a decomposition)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.act = nn.Sequential(nn.ReLU(inplace=True), nn.Hardswish(inplace=True))
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.act(self.bn(self.conv(x))).mean((2, 3)))
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "transformer_block": (TransformerBlock, (2, 8, D)),
     "encoder_fast_path": (lambda: encoder(True), (2, 8, D)),
@@ -115,6 +130,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "sdpa": (Attention, (2, 8, D)),
     "decomposed": (Decomposed, (2, 8, D)),
     "constants": (Constants, (2, 8, D)),
+    "in_place": (InPlace, (2, 3, 8, 8)),
 }
 
 #: (backend, options) of every preset the lowering tests run

@@ -73,11 +73,21 @@ def to_exported_program(
             range_constraints=_range_constraints(user_inputs, fake_mode, gm.meta.get(RANGE_CONSTRAINTS)),
             module_call_graph=call_graph,
             constants=lifted.constants,
+            verifiers=_verifiers(),
         )
     except Exception as exc:
         raise LoweringError(
             f"the converted program cannot be wrapped as an ExportedProgram: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _verifiers() -> list[Any] | None:
+    """``torch.export``'s checks for its own IR (in-place ops on intermediates included)."""
+    try:
+        from torch._export.verifier import TrainingIRVerifier
+    except ImportError:  # pragma: no cover - depends on the torch version
+        return None
+    return [TrainingIRVerifier]
 
 
 # --------------------------------------------------------------------------------- fake values
