@@ -175,3 +175,42 @@ def test_narrowed_range_is_a_clip_after_quantize() -> None:
     (x,) = batches(shape, 1, seed=9)[0]
     (out,) = session.run(None, {"x": x.numpy()})
     np.testing.assert_array_equal(out, program(x).numpy())
+
+
+def _transformers_model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    if name == "llama":  # rotary embeddings under no_grad: a higher-order op with a submodule
+        config = transformers.LlamaConfig(**small, num_key_value_heads=2, vocab_size=100, use_cache=False)
+        model = transformers.LlamaModel(config)
+    else:
+        model = transformers.BertModel(transformers.BertConfig(**small, vocab_size=100))
+
+    class Hidden(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids).last_hidden_state
+
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    return Hidden().eval(), (ids,)
+
+
+@pytest.mark.parametrize("backend,options", [("reference", {}), ("qnn_htp", {"precision": "16a8w"})])
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_transformers_models_lower_exactly(name: str, backend: str, options: dict[str, Any]) -> None:
+    from quantplug.lowering.onnx_export import export_qdq_onnx
+
+    model, args = _transformers_model(name)
+    quantizer, program = quantize(torch.export.export(model, args), backend, options, [args])
+    result = export_qdq_onnx(program)
+    check_exact(program, result.model, result.encodings)
+    artifact = quantplug.lower(program, quantizer)
+    if backend == "reference":
+        with torch.no_grad():
+            expected = program(*args)
+        step = max(e["scale"] for e in result.encodings if e["kind"] == "activation")
+        assert float((artifact.run(*args) - expected).abs().max()) <= step * 1.001

@@ -45,13 +45,14 @@ def to_exported_program(
     """
     from torch.export.graph_signature import ExportGraphSignature
 
-    graph = Graph()
+    graph = Graph(owning_module=gm)  # dead-code elimination asks it about submodules
     copied = copy_graph(graph, gm.graph)
     if copied is None:
         raise LoweringError("the program has no output node")
     outputs, old_output = copied
     out_node = graph.output(outputs)
     out_node.meta = dict(old_output.meta)
+    _drop_input_guards(graph)
     if rewrite is not None:
         rewrite(graph)
     graph.eliminate_dead_code()
@@ -88,6 +89,19 @@ def _verifiers() -> list[Any] | None:
     except ImportError:  # pragma: no cover - depends on the torch version
         return None
     return [TrainingIRVerifier]
+
+
+def _drop_input_guards(graph: Graph) -> None:
+    """``ep.module()`` (what prepare starts from for programs with higher-order ops) calls an input
+    guard submodule first; an ExportedProgram checks its inputs itself and holds no submodules."""
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target) == "_guards_fn" and not node.users:
+            graph.erase_node(node)
+        elif node.op == "call_module":
+            raise LoweringError(
+                f"the converted program calls submodule {node.target!r} (node {node.name!r}); "
+                "lowering takes programs of functions only: pass the output of quantplug.convert()"
+            )
 
 
 # --------------------------------------------------------------------------------- fake values
