@@ -62,6 +62,7 @@ def check_exact(program: GraphModule, model: Any, entries: list[dict[str, Any]])
     nodes = {n.name: n for n in model.graph.node}
     assert len(nodes) == len(model.graph.node), "node names are unique"
     consumers: dict[str, list[Any]] = {}
+    producers = {o: n for n in model.graph.node for o in n.output}
     for n in model.graph.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
@@ -73,17 +74,23 @@ def check_exact(program: GraphModule, model: Any, entries: list[dict[str, Any]])
         scale = inits[info["scale"]]
         if entry["kind"] == "activation":
             assert node.op_type == "QuantizeLinear" and node.input[0] == info["tensor"]
+            if producers.get(info["tensor"]) is not None and producers[info["tensor"]].op_type == "Cast":
+                pass  # a float16/bfloat16 activation, cast to float32 for QuantizeLinear
             narrowed = consumers[node.output[0]][0] if info["quantized"] != node.output[0] else None
             if narrowed is not None:  # a narrowed range: QuantizeLinear -> Clip
                 assert narrowed.op_type == "Clip" and narrowed.output[0] == info["quantized"]
                 lo, hi = inits[narrowed.input[1]], inits[narrowed.input[2]]
                 assert (int(lo), int(hi)) == (entry["quant_min"], entry["quant_max"])
             for dq in info["dequantized"]:
-                reader = next(n for n in model.graph.node if dq in n.output)
+                reader = producers[dq]
+                if reader.op_type == "Cast":  # to the program's float type (bfloat16...)
+                    reader = producers[reader.input[0]]
                 assert reader.op_type == "DequantizeLinear" and reader.input[0] == info["quantized"]
         else:
             assert node.op_type == "DequantizeLinear" and node.input[0] == info["quantized"]
-            assert info["quantized"] in inits and info["tensor"] == node.output[0]
+            assert info["quantized"] in inits
+            tensor = producers[info["tensor"]]
+            assert tensor is node or (tensor.op_type == "Cast" and tensor.input[0] == node.output[0])
         if entry["granularity"] == "tensor":
             assert scale.shape == () and float(scale) == np.float32(entry["scale"])
             assert int(inits[info["zero_point"]]) == entry["zero_point"]

@@ -224,3 +224,21 @@ def test_renamed_inputs_and_outputs_keep_the_mapping() -> None:
     check_exact(program, result.model, result.encodings)
     assert result.tensor_encodings["tokens"]["kind"] == "activation"
     assert "logits" in result.tensor_encodings
+
+
+def test_half_precision_programs_cast_around_their_qdq() -> None:
+    """A float16 program: QuantizeLinear reads a float32 Cast of the activation, DequantizeLinear
+    is followed by a Cast back; the encodings name what the model's ops read."""
+    net, shape = build("sdpa")
+    net = net.half()
+    x = torch.randn(shape).half()
+    _, program = quantize(torch.export.export(net, (x,)), "reference", {}, [(x,)])
+    result = export_qdq_onnx(program)
+    check_exact(program, result.model, result.encodings)
+    ops = Counter(n.op_type for n in result.model.graph.node)
+    assert ops["Cast"] >= ops["QuantizeLinear"] + ops["DequantizeLinear"]
+    session = ort.InferenceSession(result.model_bytes(), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"x": x.numpy()})
+    assert out.dtype == np.float16
+    step = max(e["scale"] for e in result.encodings if e["kind"] == "activation")
+    assert float(np.abs(out.astype(np.float32) - program(x).float().numpy()).max()) <= 2 * step

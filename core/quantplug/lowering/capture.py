@@ -25,6 +25,7 @@ from torch.fx import Graph, GraphModule, Node
 from quantplug.errors import LoweringError
 from quantplug.flow.graph_copy import RANGE_CONSTRAINTS, copy_graph
 from quantplug.flow.inspect import fetch_attr
+from quantplug.lowering.provenance import where
 
 GraphRewrite = Callable[[Graph], None]
 
@@ -78,7 +79,8 @@ def to_exported_program(
         )
     except Exception as exc:
         raise LoweringError(
-            f"the converted program cannot be wrapped as an ExportedProgram: {type(exc).__name__}: {exc}"
+            f"the converted program cannot be wrapped as an ExportedProgram ({type(exc).__name__}: {exc}); "
+            "lower the GraphModule quantplug.convert() returned, with passes that keep it an ATen graph"
         ) from exc
 
 
@@ -143,8 +145,9 @@ def _fill_values(graph: Graph, fake_mode: Any) -> None:
                 node.meta["val"] = node.target(*args, **kwargs)  # type: ignore[operator]
         except Exception as exc:
             raise LoweringError(
-                f"cannot compute the value of node {node.name!r} ({node.target}) for export: "
-                f"{type(exc).__name__}: {exc}"
+                f"cannot compute the output of node {node.name!r} ({node.target}{where(node)}) for export: "
+                f"{type(exc).__name__}: {exc}. Nodes added to a converted program must be ops with a "
+                "fake (meta) kernel, or carry node.meta['val']"
             ) from exc
 
 

@@ -97,7 +97,9 @@ class OnnxExportResult:
       for activations, the output of the ``DequantizeLinear`` for constants (weights, biases);
     * ``quantized``: the integer tensor: the ``QuantizeLinear`` output (after its ``Clip`` when
       the range is narrowed), or the integer initializer of a constant;
-    * ``dequantized``: the outputs of the ``DequantizeLinear`` nodes that read ``quantized``;
+    * ``dequantized``: the outputs of the ``DequantizeLinear`` nodes that read ``quantized``
+      (of the ``Cast`` after one, for a float16/bfloat16 program: what their readers read; the
+      same holds for a constant's ``tensor``);
     * ``scale`` / ``zero_point``: the names of the scale and zero-point initializers of the Q
       (or DQ), private to that node;
     * ``node``: the ``QuantizeLinear`` (activations) or ``DequantizeLinear`` (constants) node,

@@ -143,6 +143,17 @@ def _site(gm: GraphModule, node: Node, granularity: str, key: int) -> Site:
         out_dtype = requested if isinstance(requested, torch.dtype) else torch.float32
         if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
             out_dtype = val.dtype
+    if container not in _INT_TYPES:
+        raise LoweringError(
+            f"{describe(node)} is quantized to {container} (node {node.name!r}), which ONNX "
+            f"QuantizeLinear/DequantizeLinear cannot hold; use an 8- or 16-bit grid (or 4/2-bit in an "
+            "8-bit container) for it"
+        )
+    if out_dtype != torch.float32 and out_dtype not in _FLOAT_TYPES:
+        raise LoweringError(
+            f"{describe(node)} is dequantized to {out_dtype} (node {node.name!r}), which ONNX lacks; "
+            "run that part of the model in float32, float16 or bfloat16"
+        )
     return Site(
         key=key,
         node=node.name,
@@ -265,8 +276,6 @@ def _onnx_params(site: Site) -> tuple[Any, Any, dict[str, int]]:
 
     from quantplug.lowering.onnx_export import onnx_block_form
 
-    if site.dtype not in _INT_TYPES:
-        raise LoweringError(f"Q/DQ node {site.node!r} uses {site.dtype}, which ONNX Q/DQ cannot store")
     np_dtype = np.dtype(_INT_TYPES[site.dtype])
     if site.granularity == "tensor":
         return np.array(site.scale, np.float32), np.array(site.zero_point, np_dtype), {}
@@ -324,12 +333,7 @@ def _place(graph: Any, marker: Any, site: Site, names: _NameSource) -> PlacedSit
     else:
         steps.append(_Step("DequantizeLinear", [x, s, z], attrs, site.node, ir.DataType.FLOAT))
         if site.out_dtype != torch.float32:
-            to = _FLOAT_TYPES.get(site.out_dtype)
-            if to is None:
-                raise LoweringError(
-                    f"dequantize node {site.node!r} outputs {site.out_dtype}, which ONNX lacks"
-                )
-            dtype = getattr(ir.DataType, to)
+            dtype = getattr(ir.DataType, _FLOAT_TYPES[site.out_dtype])
             steps.append(_Step("Cast", [0], {"to": dtype}, f"{site.node}_cast", dtype))
     made: list[Any] = []
     for i, step in enumerate(steps):
