@@ -242,3 +242,18 @@ def test_half_precision_programs_cast_around_their_qdq() -> None:
     assert out.dtype == np.float16
     step = max(e["scale"] for e in result.encodings if e["kind"] == "activation")
     assert float(np.abs(out.astype(np.float32) - program(x).float().numpy()).max()) <= 2 * step
+
+
+def test_opsets_from_18() -> None:
+    """torch's translations are opset-18 ONNX: converted up exactly; down, they would not load."""
+    _, program = _program("sdpa", "reference")
+    (x,) = batches((2, 8, 32), 1, seed=5)[0]
+    expected = program(x).numpy()
+    for opset in (18, 19, 21, 23):
+        result = export_qdq_onnx(program, opset=opset)
+        assert [i.version for i in result.model.opset_import if i.domain == ""] == [opset]
+        check_exact(program, result.model, result.encodings)
+        session = ort.InferenceSession(result.model_bytes(), providers=["CPUExecutionProvider"])
+        np.testing.assert_array_equal(session.run(None, {"x": x.numpy()})[0], expected)
+    with pytest.raises(quantplug.LoweringError, match="opset 17 is not supported: use 18 to"):
+        export_qdq_onnx(program, opset=17)

@@ -52,7 +52,8 @@ qd = torch.ops.quantized_decomposed
 
 #: opset that has 16-bit and 4-bit Q/DQ types and blocked quantization
 DEFAULT_OPSET = 21
-MIN_OPSET = 13
+#: torch's ONNX translations (torchlib) are written for opset 18; converting them down fails
+MIN_OPSET = 18
 _NEEDS_21 = "16-bit, 4-bit and per-block Q/DQ need ONNX opset >= 21"
 
 __all__ = [
@@ -181,7 +182,8 @@ def export_qdq_onnx(
             where it was exported with ``torch.export.Dim``). When given, they are checked
             against those shapes (a clear error instead of a model for other inputs).
         path: where to write the ``.onnx`` file (optional; the model is returned either way).
-        opset: ONNX opset (>= 21 when the program has 16-bit, 4-bit or per-block tensors).
+        opset: ONNX opset, 18 or later (21 or later when the program has 16-bit, 4-bit or
+            per-block tensors).
         optimize: drop nodes and initializers nothing reads (Q/DQ nodes included only when their
             output is unused).
         input_names / output_names: ONNX graph input/output names (default: the program's).
@@ -192,9 +194,7 @@ def export_qdq_onnx(
             not fit the program, or an op has no ONNX translation (the message names the op,
             the node and the module it belongs to).
     """
-    require_onnx()
-    if opset < MIN_OPSET:
-        raise LoweringError(f"ONNX opset {opset} is too old for QDQ models; use opset >= {MIN_OPSET}")
+    onnx = require_onnx()
     if not isinstance(quantized, GraphModule):
         raise LoweringError(
             "export_qdq_onnx expects the GraphModule returned by quantplug.convert(), "
@@ -206,6 +206,13 @@ def export_qdq_onnx(
     from quantplug.lowering.onnx_translate import translate
 
     _check_opset(quantized, opset)
+    newest = int(onnx.defs.onnx_opset_version())
+    if not MIN_OPSET <= opset <= newest:
+        raise LoweringError(
+            f"ONNX opset {opset} is not supported: use {MIN_OPSET} to {newest} (the installed onnx's "
+            f"newest; torch's ONNX translations are written for {MIN_OPSET}; {DEFAULT_OPSET}, the default, "
+            "has 16-bit, 4-bit and blocked Q/DQ)"
+        )
     if example_inputs is not None:
         _check_example_inputs(quantized, example_inputs)
     table = read_encodings(quantized)
@@ -230,7 +237,6 @@ def export_qdq_onnx(
     if optimize:
         _remove_unused(model)
     proto = _serialize(model)
-    onnx = require_onnx()
     result = OnnxExportResult(
         model=proto,
         opset=opset,

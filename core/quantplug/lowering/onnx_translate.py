@@ -183,10 +183,9 @@ def _convert_version(model: Any, opset: int) -> None:
     """Bring the default domain to ``opset`` (torchlib writes opset 18 ops)."""
     from onnxscript import version_converter
 
-    current = model.opset_imports.get("", opset)
-    if current < opset:
+    if model.opset_imports.get("", opset) != opset:
         version_converter.convert_version(model, opset, fallback=True)
-    model.opset_imports[""] = max(model.opset_imports.get("", opset), opset)
+    model.opset_imports[""] = opset
 
 
 def _translate_public(
