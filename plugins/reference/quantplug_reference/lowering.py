@@ -15,6 +15,7 @@ The artifact holds
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -196,7 +197,9 @@ def _program_writer(program: GraphModule) -> Callable[[Path], None]:
     def write(path: Path) -> None:
         from quantplug.lowering.capture import to_exported_program
 
-        torch.export.save(to_exported_program(program), str(path))
+        buffer = io.BytesIO()  # named after the file, the archive's folder would be the temp name
+        torch.export.save(to_exported_program(program), buffer)
+        path.write_bytes(buffer.getvalue())
 
     return write
 
