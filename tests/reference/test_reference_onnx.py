@@ -374,8 +374,12 @@ def test_export_qdq_onnx_maps_every_encoding(tmp_path) -> None:  # type: ignore[
     ],
 )
 def test_onnx_block_form_matches_quantplug_per_block(shape, block) -> None:  # type: ignore[no-untyped-def]
-    """The ONNX form of per-block qparams (one blocked axis, others spread out) is exact."""
-    from quantplug.lowering.onnx_export import _onnx_dequantize, onnx_block_form
+    """The ONNX form of per-block qparams (one blocked axis, others spread out) is exact: a
+    DequantizeLinear with it, run by ONNX's reference evaluator, gives quantplug's dequantize."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from quantplug.lowering.onnx_export import onnx_block_form
     from quantplug.observers.per_block import block_grid_shape, dequantize_per_block
 
     grid = block_grid_shape(block, shape)
@@ -387,9 +391,22 @@ def test_onnx_block_form_matches_quantplug_per_block(shape, block) -> None:  # t
     if b:
         assert s.dim() == len(shape)
         assert all(s.shape[i] == shape[i] for i in range(len(shape)) if i != axis)
+    attrs = {"axis": axis, "block_size": b} if b else ({"axis": axis} if s.dim() else {})
+    node = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], **attrs)
+    graph = helper.make_graph(
+        [node],
+        "dq",
+        [helper.make_tensor_value_info("q", TensorProto.INT8, list(shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))],
+        [
+            numpy_helper.from_array(s.float().numpy(), "s"),
+            numpy_helper.from_array(z.to(torch.int8).numpy(), "z"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    (got,) = ReferenceEvaluator(model).run(None, {"q": q.numpy()})
     expected = dequantize_per_block(q, scale, zero_point, block)
-    got = _onnx_dequantize(q, s, z.to(torch.int8), axis, b, -8, 7, torch.float32)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(torch.from_numpy(got), expected, rtol=0, atol=0)
 
 
 def test_converted_program_is_not_modified_by_export() -> None:

@@ -33,6 +33,11 @@ except ImportError:  # pragma: no cover - depends on the torch version
     _LazyGraphModule = None  # type: ignore[assignment,misc]
 
 
+#: ``GraphModule.meta`` key: the source ExportedProgram's ``range_constraints`` (lowering re-wraps
+#: the converted program as an ExportedProgram with them)
+RANGE_CONSTRAINTS = "export_range_constraints"
+
+
 def working_copy(program: torch.export.ExportedProgram | GraphModule, *, lazy: bool = False) -> GraphModule:
     """A GraphModule with its own graph; parameters are shared, never written.
 
@@ -49,7 +54,10 @@ def working_copy(program: torch.export.ExportedProgram | GraphModule, *, lazy: b
     """
     if isinstance(program, torch.export.ExportedProgram):
         gm = _unlift_directly(program, lazy=lazy)
-        return gm if gm is not None else program.module()
+        gm = gm if gm is not None else program.module()
+        # the ranges the user gave torch.export.Dim (the ShapeEnv keeps >= 2 for 0/1 specialization)
+        gm.meta[RANGE_CONSTRAINTS] = dict(program.range_constraints)
+        return gm
     if isinstance(program, GraphModule):
         graph = Graph(owning_module=None, tracer_cls=program.graph._tracer_cls)
         graph._codegen = program.graph._codegen

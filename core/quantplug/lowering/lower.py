@@ -33,7 +33,8 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
         raise LoweringError(f"backend {quantizer.backend!r} provides no artifact writer")
     from quantplug.flow.graph_copy import working_copy
 
-    program: GraphModule = working_copy(quantized)  # passes may edit in place; the user's copy stays
+    # passes may edit in place; the user's copy stays. Its code is generated only if a pass runs it.
+    program: GraphModule = working_copy(quantized, lazy=True)
     for p in plan.passes:
         try:
             out = p.fn(program, quantizer.context)

@@ -7,7 +7,7 @@ The artifact holds
   ``QGemm``, ``QLinearMatMul``...) at session creation, which is where the int8 speed-up comes from;
 * ``encodings.json``: every quantized tensor's encoding (``quantplug.flow.inspect.encodings``),
   each with the names of its tensors in ``model.onnx``;
-* ``model.pt2``: the Q/DQ program itself, re-exported (the numerical reference, loadable with
+* ``model.pt2``: the Q/DQ program itself, exported (the numerical reference, loadable with
   ``torch.export.load``).
 
 ``artifact.run(*inputs)`` runs ``model.onnx`` in an ONNX Runtime CPU session. The file needs no
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
 from quantplug import Artifact, BackendContext, LoweringError, QuantplugError
-from quantplug.flow.inspect import example_inputs
 
 ORT_PROVIDER = "CPUExecutionProvider"
 
@@ -42,7 +42,8 @@ class ReferenceArtifact(Artifact):
     """The reference backend's artifact: a QDQ ONNX model plus encodings, runnable on the CPU.
 
     ``inputs`` / ``outputs`` describe the ONNX graph's tensors (name, shape, dtype). Shapes are
-    those of the example inputs the program was captured with.
+    the program's: an ``int`` per static dimension, a name (``"batch"``) per dimension exported
+    as dynamic (``torch.export.Dim``), which takes any size.
     """
 
     inputs: list[Any] = field(default_factory=list)
@@ -114,13 +115,15 @@ class ReferenceArtifact(Artifact):
         arrays = []
         for i, (spec, value) in enumerate(zip(self.inputs, inputs)):
             arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-            fixed = all(isinstance(d, int) for d in spec.shape)
-            if (fixed and tuple(arr.shape) != tuple(spec.shape)) or arr.ndim != len(spec.shape):
+            fits = arr.ndim == len(spec.shape) and all(
+                not isinstance(d, int) or d == n for d, n in zip(spec.shape, arr.shape)
+            )
+            if not fits:
                 raise ArtifactInputError(
                     f"input {i} ({spec.name!r}) has shape {list(arr.shape)}, the model expects "
-                    f"{list(spec.shape)}; expected inputs: {self.expected_inputs()}. Shapes are fixed "
-                    "by the example inputs the model was exported with: export and quantize it again "
-                    "with inputs of the shape you need"
+                    f"{list(spec.shape)} (named dimensions take any size); expected inputs: "
+                    f"{self.expected_inputs()}. Other dimensions are fixed by the program: export the "
+                    "model again with torch.export.Dim for those you want dynamic"
                 )
             if arr.dtype.name != spec.dtype:
                 if arr.dtype.kind == np.dtype(spec.dtype).kind:
@@ -145,22 +148,16 @@ def _onnxruntime() -> Any:
 
 
 def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceArtifact:
-    """Export the Q/DQ program to QDQ ONNX, keep a re-exported ``model.pt2``, list the encodings,
-    and check that ORT's integer kernels reproduce the program on every CPU."""
+    """Export the Q/DQ program to QDQ ONNX, keep it as ``model.pt2``, list the encodings, and
+    check that ORT's integer kernels reproduce the program on every CPU."""
     from quantplug.lowering.onnx_export import export_qdq_onnx
 
-    args = example_inputs(program)
     opset = int(context.option("onnx_opset", 21) or 21)
     for_onnx, translations, fused = _for_ort(program)
-    result = export_qdq_onnx(for_onnx, args, opset=opset, custom_translations=translations)
+    result = export_qdq_onnx(for_onnx, opset=opset, custom_translations=translations)
     if fused:
         _map_fused_weights(result, program, fused)
     _spell_for_ort(result)
-    exported = result.exported_program if for_onnx is program else None
-    if exported is None:
-        exported = torch.export.export(program, args)
-    buffer = io.BytesIO()
-    torch.export.save(exported, buffer)
     table = result.encodings
     onnx_tensors: dict[str, int] = {}  # ONNX tensor name -> index of its entry in "encodings"
     for i, entry in enumerate(table):
@@ -185,7 +182,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
     artifact.files = {
         "model.onnx": model_bytes,
         "encodings.json": json.dumps(doc, indent=2),
-        "model.pt2": buffer.getvalue(),
+        "model.pt2": _program_writer(program),
     }
     artifact.metadata = {
         "options": dict(context.options),
@@ -232,6 +229,20 @@ def _check_integer_kernels(model_bytes: bytes, artifact: ReferenceArtifact) -> d
             stacklevel=3,
         )
     return report.summary()
+
+
+def _program_writer(program: GraphModule) -> Callable[[Path], None]:
+    """Writes ``model.pt2`` when the artifact is saved (torch takes longer to serialize a program
+    than quantplug to lower it): the Q/DQ program as an ExportedProgram, dynamic shapes kept."""
+
+    def write(path: Path) -> None:
+        from quantplug.lowering.capture import to_exported_program
+
+        buffer = io.BytesIO()  # named after the file, the archive's folder would be the temp name
+        torch.export.save(to_exported_program(program), buffer)
+        path.write_bytes(buffer.getvalue())
+
+    return write
 
 
 def _for_ort(program: GraphModule) -> tuple[GraphModule, dict[Any, Any], dict[str, dict[str, str]]]:
