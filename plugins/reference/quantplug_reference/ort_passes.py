@@ -16,8 +16,8 @@ way they are stored or spelled changes. ``encodings.json`` follows (``stored_as`
   an 8-bit integer product (``weight_bits=8``) is stored as uint8 (``w + 128``, zero point 128):
   ORT then runs its U8U8 kernels, which widen to 16 bits and are exact on every CPU, instead of
   the U8S8 ones whose AVX2 / AVX-512BW form saturates (see ``accumulation``).
-* ``dequantize_weights_as_arithmetic``: in a model without quantized activations (weight-only
-  int8, dynamic int8), each int8 weight's ``DequantizeLinear`` is spelled ``Cast`` + ``Mul``
+* ``dequantize_weights_as_arithmetic``: an int8 weight that feeds no 8-bit integer product
+  (weight-only int8, dynamic int8, 16-bit activations) has its ``DequantizeLinear`` spelled ``Cast`` + ``Mul``
   (with ``Reshape`` for per-group scales). ORT folds those into float constants once, at load,
   in every session; a ``DequantizeLinear`` would instead be fused into ``MatMulNBits``, whose
   default accuracy level quantizes the float activations to int8 (not what the program does).
@@ -264,14 +264,13 @@ def retype_wide_product_weights(model: Any, encodings: list[dict[str, Any]]) -> 
 
 
 def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]) -> list[str]:
-    """In a model without QuantizeLinear, int8 weights' DequantizeLinear spelled Cast + Mul
+    """int8 weights that feed no 8-bit integer product (weight-only and dynamic presets, and
+    products with 16-bit activations: ``a16w8``) have their DequantizeLinear spelled Cast + Mul
     (module docstring). Returns the weights rewritten."""
     import numpy as np
     from onnx import TensorProto, helper
 
     g = _Graph(model)
-    if any(n.op_type == "QuantizeLinear" for n in g.graph.node):
-        return []
     by_node = _entries_by(encodings, "node")
     replace: dict[int, list[Any]] = {}
     changed = []
@@ -280,6 +279,13 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
             continue
         if int(g.inits[dq.input[0]].data_type) != TensorProto.INT8:
             continue
+        if any(
+            _eight_bit_activation(g, i)
+            for r, fed in _product_readers(g, dq.output[0])
+            for i in r.input
+            if i and i != fed
+        ):
+            continue  # ORT fuses it into an integer product (QLinearConv, QGemm...): keep the DQ
         weight = g.constant(dq.input[0])
         scale = g.constant(dq.input[1])
         zero = g.constant(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
