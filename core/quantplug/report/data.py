@@ -108,7 +108,10 @@ def build_report(
 
 
 def write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    Path(path).write_text(json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
+    """report.json, strict JSON (non-finite numbers become null), replaced in one rename."""
+    from quantplug.files import write_atomic
+
+    write_atomic(path, json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
 
 
 def load_report(location: str | os.PathLike[str]) -> dict[str, Any]:

@@ -36,9 +36,22 @@ INFO = BackendInfo(
             f"{configs.DEFAULT_INT4_GROUP} for weight_only_int4)",
             choices=configs.GROUP_SIZES,
         ),
-        BackendOption("onnx_opset", int, 21, "ONNX opset of the lowered model (>= 21 for 16/4-bit)"),
         BackendOption(
-            "ort_threads", int, 0, "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)"
+            "onnx_opset",
+            int,
+            21,
+            "ONNX opset of the lowered model (Q/DQ of 16/4-bit grids needs 21; ONNX Runtime 1.32 runs "
+            "up to 27)",
+            minimum=21,
+            maximum=27,
+        ),
+        BackendOption(
+            "ort_threads",
+            int,
+            0,
+            "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)",
+            minimum=0,
+            maximum=1024,
         ),
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
