@@ -382,14 +382,18 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     folder = Path(args.out)
     if not folder.is_dir():
         folder = folder.parent
-    page = render_html(data)
+    try:
+        page, summary = render_html(data), format_summary(data)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        # a hand-edited report.json that load_report's checks let through: still the file's fault
+        raise InputError(f"{folder / 'report.json'} cannot be rendered: {type(exc).__name__}: {exc}") from exc
     target = folder / "report.html"
     try:
         write_atomic(target, page)
     except OSError as exc:
         raise InputError(f"cannot write {target}: {exc.strerror or exc}") from exc
     if not console.quiet:
-        print(format_summary(data))
+        print(summary)
         print(f"report:      {target}")
     return EXIT_OK
 

@@ -173,6 +173,7 @@ class StagedOutput:
                     os.rename(self.path / name, self.target / name)
         except BaseException:
             _roll_back(self.anchor, journal)
+            self._journal_path.unlink()  # (kept if the rollback itself failed: the next run retries)
             raise
         self._journal_path.unlink()
         shutil.rmtree(old, ignore_errors=True)

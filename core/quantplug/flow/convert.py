@@ -23,7 +23,14 @@ from quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
-from quantplug.flow.graph_copy import AttrNamer, add_node, copy_node, paused_gc, release_code_with
+from quantplug.flow.graph_copy import (
+    AttrNamer,
+    add_node,
+    code_counter,
+    copy_node,
+    paused_gc,
+    release_code_with,
+)
 from quantplug.flow.inspect import fetch_attr
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
 from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
@@ -385,10 +392,11 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             new = copy_node(graph, node, partial(_lookup, env, user=node))
         env[node] = new
     _eliminate_dead_code(graph)
+    since = code_counter()
     converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
     _populate(converted, prepared, graph, tensors)
     converted.graph = graph  # the one code generation
-    release_code_with(converted)
+    release_code_with(converted, since=since)
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta["quantplug_qparams"] = {gid: qp for gid, qp in qparams.items()}
     return converted

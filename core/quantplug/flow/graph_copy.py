@@ -50,10 +50,11 @@ def working_copy(program: torch.export.ExportedProgram | GraphModule, *, lazy: b
             when done editing the graph) instead of compiling it here.
     """
     if isinstance(program, torch.export.ExportedProgram):
+        since = code_counter()
         gm = _unlift_directly(program, lazy=lazy)
         if gm is None:
-            gm = program.module()
-        release_code_with(gm)
+            gm = program.module()  # compiles a few times, some of them for modules it discards
+        release_code_with(gm, since=since)
         own_written_state(gm)
         return gm
     if isinstance(program, GraphModule):
@@ -84,27 +85,51 @@ def compile_now(gm: GraphModule) -> None:
     release_code_with(gm)
 
 
-def release_code_with(gm: GraphModule) -> None:
+def release_code_with(gm: GraphModule, *, since: int | None = None) -> None:
     """Forget ``gm``'s generated Python source when ``gm`` is garbage collected.
 
     torch.fx keeps the source of every module it compiles, for tracebacks, in ``linecache`` and
     in its loader's cache, for the life of the process: tens of KiB per module, which grow
     without bound when a service prepares and converts models in a loop. Call after each
-    compile (a recompile makes a new entry).
+    compile (a recompile makes a new entry); ``since`` (a :func:`code_counter` value) also
+    ties to ``gm`` every source compiled since then (torch's own intermediate modules).
     """
+    keys = set()
     forward = type(gm).__dict__.get("forward")
     key = getattr(getattr(forward, "__code__", None), "co_filename", None)
-    if not isinstance(key, str) or not key.startswith("<eval_with_key>"):
-        return  # not compiled yet (a lazy module), or not by torch.fx's loader
-    weakref.finalize(gm, _forget_source, key)
+    if isinstance(key, str) and key.startswith(_KEY_PREFIX):
+        keys.add(key)
+    loader = _fx_loader()
+    if since is not None and loader is not None:
+        keys.update(k for k in list(loader.eval_cache) if since <= _key_number(k) < loader.next_id)
+    if keys:
+        weakref.finalize(gm, _forget_sources, tuple(keys))
 
 
-def _forget_source(key: str) -> None:
-    linecache.cache.pop(key, None)
+_KEY_PREFIX = "<eval_with_key>."
+
+
+def _fx_loader() -> Any:
     loader = getattr(torch.fx.graph_module, "_loader", None)
-    cache = getattr(loader, "eval_cache", None)
-    if isinstance(cache, dict):
-        cache.pop(key, None)
+    return loader if isinstance(getattr(loader, "eval_cache", None), dict) else None
+
+
+def code_counter() -> int:
+    loader = _fx_loader()
+    return int(getattr(loader, "next_id", 0)) if loader is not None else 0
+
+
+def _key_number(key: str) -> int:
+    digits = key[len(_KEY_PREFIX) :].split(" ", 1)[0] if key.startswith(_KEY_PREFIX) else ""
+    return int(digits) if digits.isdigit() else -1
+
+
+def _forget_sources(keys: tuple[str, ...]) -> None:
+    loader = _fx_loader()
+    for key in keys:
+        linecache.cache.pop(key, None)
+        if loader is not None:
+            loader.eval_cache.pop(key, None)
 
 
 #: ops that write arguments their schema does not mark as written, when a flag argument is

@@ -26,6 +26,7 @@ from quantplug.quantizer.rules import RuleSet
 from quantplug.quantizer.selection import ConfigSelector
 from quantplug.sharing.problem import SharingProblem, solve
 from quantplug.sharing.resolution import SharingGroups
+from quantplug.suggest import did_you_mean
 from quantplug.validation.constraints import OpConstraint
 from quantplug.validation.engine import validate_graph
 from quantplug.validation.report import ValidationReport
@@ -172,6 +173,7 @@ class Quantizer:
     def annotate(self, model: GraphModule) -> GraphModule:
         """Apply each node's rule with the config selected for it; record why others stay float."""
         graph = model.graph
+        self._check_module_names(graph)
         present = {op_name(n.target) for n in graph.nodes if n.op == "call_function"}
         rules = self.rules.for_ops(present)
         for node in graph.nodes:
@@ -196,6 +198,24 @@ class Quantizer:
             elif node.op == "call_function" and RULE_KEY in node.meta and not _has_specs(node):
                 node.meta.setdefault(FLOAT_REASON_KEY, "its rule left it float (non-float tensors, or fused)")
         return model
+
+    def _check_module_names(self, graph: torch.fx.Graph) -> None:
+        """Every ``set_module_name`` names a module of the program: a typo must not silently
+        leave the override unused."""
+        wanted = [name for name in self.selector.module_names if name]
+        if not wanted:
+            return
+        modules = {
+            str(fqn) for n in graph.nodes for fqn, _ in (n.meta.get("nn_module_stack") or {}).values() if fqn
+        }
+        for name in wanted:
+            if name in modules or any(m.startswith(name + ".") for m in modules):
+                continue
+            shown = ", ".join(sorted(modules)[:8]) + (", ..." if len(modules) > 8 else "")
+            raise OptionError(
+                f"set_module_name({name!r}) names no module of this program{did_you_mean(name, modules)}; "
+                f"its modules: {shown or 'none (no module information in the graph)'}"
+            )
 
     def _apply(self, rule: AnnotatorRule, node: Node, config: QuantizationConfig) -> None:
         try:
