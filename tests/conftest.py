@@ -55,6 +55,10 @@ def make_dist_info(project_dir: Path, site: Path) -> Path:
 
 def pytest_configure(config: pytest.Config) -> None:
     global _site
+    # ``import quantplug`` no longer imports torch, so it no longer registers the standard Q/DQ
+    # ops as a side effect; test modules read them (torch.ops.quantized_decomposed) at import
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
+
     if os.environ.get("QUANTPLUG_TEST_SITE"):  # a nested pytest: the outer session set it up
         return
     _site = Path(tempfile.mkdtemp(prefix="quantplug-test-site-"))

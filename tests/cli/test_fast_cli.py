@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from quantplug.plugins import metadata
 from tests.cli.conftest import REPO, clean_env
 
 PLUGIN_PACKAGES = ("quantplug_reference", "quantplug_qnn_htp", "quantplug_example_vendor")
@@ -139,6 +138,7 @@ def test_a_misspelt_command_is_not_taken_for_a_model(tmp_path: Path) -> None:
 
 
 def test_shipped_metadata_files_match_the_plugins() -> None:
+    from quantplug.plugins import metadata
     from quantplug.plugins.registry import load_backend
 
     for name in ("reference", "qnn_htp", "example_vendor"):
@@ -150,6 +150,8 @@ def test_shipped_metadata_files_match_the_plugins() -> None:
 
 def test_a_stale_metadata_file_is_reported(tmp_path: Path) -> None:
     """A third-party backend whose file no longer matches its plugin: a warning names the fix."""
+    from quantplug.plugins import metadata
+
     site = tmp_path / "site"
     pkg = site / "stale_vendor"
     pkg.mkdir(parents=True)

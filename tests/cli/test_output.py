@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from quantplug.cli import output as output_module
-from quantplug.cli.errors import InputError
+from quantplug.cli.inputs import InputError
 from quantplug.cli.output import StagedOutput
 from tests.cli.conftest import REPO, clean_env
 

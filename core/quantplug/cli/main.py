@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -650,4 +651,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # `python -m` puts the working folder first on sys.path (the `quantplug` script does not): a
+    # matplotlib.py or torch.py there must not shadow the real ones. The factory import gets the
+    # folder back for itself (quantplug.cli.inputs).
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     sys.exit(main())
