@@ -143,3 +143,13 @@ def test_repeated_cycles_do_not_grow_python_memory() -> None:
     finally:
         tracemalloc.stop()
     assert (last - first) / 15 < 8 * 1024  # bytes per cycle (was 65-78 KiB, all generated code)
+
+
+def test_quantize_leaves_the_callers_train_flags() -> None:
+    torch.manual_seed(0)
+    model = Stateful().train()
+    model.fc.eval()
+    state = _snapshot(dict(model.state_dict(keep_vars=True)))
+    quantplug.quantize(model, (torch.randn(2, 3, 8, 8),), backend="reference")
+    assert model.training and model.bn.training and not model.fc.training
+    assert _same(state, dict(model.state_dict(keep_vars=True))) == []

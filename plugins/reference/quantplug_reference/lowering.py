@@ -173,7 +173,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
         backend=context.backend,
         files={
             "model.onnx": result.model_bytes(),
-            "encodings.json": json.dumps(doc, indent=2),
+            "encodings.json": json.dumps(doc, indent=2, allow_nan=False),
             "model.pt2": buffer.getvalue(),
         },
         metadata={
