@@ -211,7 +211,7 @@ def _pickled_entries(archive: zipfile.ZipFile, local: dict[str, str]) -> list[st
         elif name.startswith(("data/weights/", "data/constants/")) and name.endswith(".pt"):
             found.append(f"{name} is a pickled legacy weights file")
         elif name.startswith(("data/weights/", "data/constants/")) and name.endswith("_config.json"):
-            doc = json.loads(archive.read(full))
+            doc = _read_json(archive, full, archive.filename or "the archive")
             for fqn, meta in ((doc.get("config") or {}) if isinstance(doc, dict) else {}).items():
                 path_name = str(meta.get("path_name", "")) if isinstance(meta, dict) else ""
                 if isinstance(meta, dict) and meta.get("use_pickle"):

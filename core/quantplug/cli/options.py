@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
-from typing import Any
 
 from quantplug.cli.checks import COMMON_OPTIONS
 from quantplug.cli.errors import InputError
+from quantplug.plugins.contract import BackendOption
 
 
 def parse_pairs(pairs: Sequence[str]) -> dict[str, str]:
@@ -24,24 +24,19 @@ def parse_pairs(pairs: Sequence[str]) -> dict[str, str]:
     return options
 
 
-def _type_name(option: Any) -> str:
-    return getattr(option.type, "__name__", str(option.type))
-
-
-def describe_option(option: Any) -> str:
+def describe_option(option: BackendOption) -> str:
     default = option.default
     default = (
         "none" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
     )
-    text = f"{option.name}={_type_name(option)} (default {default})"
+    text = f"{option.name}={getattr(option.type, '__name__', option.type)} (default {default})"
     if option.help:
         text += f": {option.help}"
     if option.choices:
         text += "; one of " + ", ".join(map(str, option.choices))
-    valid_range = option.valid_range() if hasattr(option, "valid_range") else ""
-    if valid_range:
-        text += f"; {valid_range}"
-    for other, allowed in getattr(option, "applies_with", {}).items():
+    if option.valid_range():
+        text += f"; {option.valid_range()}"
+    for other, allowed in option.applies_with.items():
         text += f"; only with {other}=" + "|".join(map(str, allowed))
     return text
 
