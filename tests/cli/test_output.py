@@ -142,7 +142,7 @@ def test_a_run_killed_during_an_entry_by_entry_commit_is_rolled_back_by_the_next
     stage.mkdir()
     old.mkdir()
     _write_output(stage, "two")
-    journal = {"target": str(out), "stage": stage.name, "old": old.name, "entries": {}}
+    journal = {"kind": "entries", "stage": stage.name, "old": old.name, "entries": {}}
     for name in ("artifact", "quantized.pt2", "report.html", "report.json"):
         journal["entries"][name] = True
     (tmp_path / ".out.quantplug-journal").write_text(json.dumps(journal))
@@ -160,10 +160,27 @@ def test_a_run_killed_between_the_two_renames_of_a_folder_swap(tmp_path: Path) -
     """Without renameat2: --out renamed aside, the staged folder not yet in place."""
     out = tmp_path / "out"
     _run(out, "one")
+    (tmp_path / ".out.quantplug-journal").write_text(
+        json.dumps({"kind": "swap", "old": ".out.quantplug-old-dead"})
+    )
     os.rename(out, tmp_path / ".out.quantplug-old-dead")
     (tmp_path / ".out.quantplug-stage-dead").mkdir()
     with StagedOutput(out):
         assert _tags(out) == {"one"}
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_planted_journal_is_not_obeyed(tmp_path: Path) -> None:
+    """In a shared folder, a journal naming paths outside the anchor is ignored (and removed)."""
+    out = tmp_path / "out"
+    _run(out, "one")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    planted = {"kind": "entries", "stage": "../victim", "old": "../victim", "entries": {"keep.txt": True}}
+    (tmp_path / ".out.quantplug-journal").write_text(json.dumps(planted))
+    _run(out, "two")
+    assert (victim / "keep.txt").read_text() == "mine" and _tags(out) == {"two"}
     assert _leftovers(tmp_path) == []
 
 

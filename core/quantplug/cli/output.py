@@ -30,6 +30,7 @@ import ctypes.util
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -151,19 +152,22 @@ class StagedOutput:
             return  # the previous output is now at self.path, removed on exit
         old = Path(tempfile.mkdtemp(prefix=f"{self.prefix}old-", dir=self.anchor))
         os.rmdir(old)  # a unique name for the previous output
+        write_atomic(self._journal_path, json.dumps({"kind": "swap", "old": old.name}))
         os.rename(self.target, old)
         try:
             os.rename(self.path, self.target)
         except BaseException:
             os.rename(old, self.target)
+            self._journal_path.unlink()
             raise
+        self._journal_path.unlink()
         shutil.rmtree(old, ignore_errors=True)
 
     def _replace_entries(self) -> None:
         names = sorted({p.name for p in self.path.iterdir()} | OUTPUT_NAMES)
         old = Path(tempfile.mkdtemp(prefix=f"{self.prefix}old-", dir=self.anchor))
         existed = {n: os.path.lexists(self.target / n) for n in names}
-        journal = {"target": str(self.target), "stage": self.path.name, "old": old.name, "entries": existed}
+        journal = {"kind": "entries", "stage": self.path.name, "old": old.name, "entries": existed}
         write_atomic(self._journal_path, json.dumps(journal))
         try:
             for name in names:
@@ -172,7 +176,7 @@ class StagedOutput:
                 if os.path.lexists(self.path / name):
                     os.rename(self.path / name, self.target / name)
         except BaseException:
-            _roll_back(self.anchor, journal)
+            _roll_back(self.target, self.path, old, existed)
             self._journal_path.unlink()  # (kept if the rollback itself failed: the next run retries)
             raise
         self._journal_path.unlink()
@@ -185,28 +189,64 @@ class StagedOutput:
         return self.anchor / f"{self.prefix}journal"
 
     def _recover(self) -> None:
-        """Roll back a commit a killed run left half done, then drop its staging folders."""
-        if self._journal_path.exists():
-            journal = json.loads(self._journal_path.read_text())
-            _roll_back(self.anchor, journal)
+        """Roll back a commit a killed run left half done, then drop its staging folders.
+
+        Only what this user's runs wrote is trusted (the anchor may be a shared folder): a
+        journal of someone else's, or naming more than plain entry names, is ignored.
+        """
+        journal = _own_journal(self._journal_path)
+        if journal is not None:
+            old = self.anchor / journal["old"]
+            if journal["kind"] == "swap":  # killed between the two renames of a folder swap
+                if not self.target.exists() and _owned(old):
+                    os.rename(old, self.target)
+            else:
+                _roll_back(self.target, self.anchor / journal["stage"], old, journal["entries"])
+        if os.path.lexists(self._journal_path) and _owned(self._journal_path):
             self._journal_path.unlink()
-        olds = sorted(self.anchor.glob(f"{self.prefix}old-*"))
-        if olds and not self.target.exists():  # killed between the two renames of a folder swap
-            os.rename(olds.pop(), self.target)
         self._remove_leftovers()
 
     def _remove_leftovers(self) -> None:
         """Staging and previous-output folders of this run, or of runs that died (we hold the lock)."""
         for kind in ("stage-", "old-"):
             for p in self.anchor.glob(f"{self.prefix}{kind}*"):
-                if p != getattr(self, "path", None) or self.committed:
+                if (p != getattr(self, "path", None) or self.committed) and _owned(p):
                     shutil.rmtree(p, ignore_errors=True)
 
 
-def _roll_back(anchor: Path, journal: dict[str, Any]) -> None:
+def _owned(path: Path) -> bool:
+    """Whether ``path`` (not followed) belongs to this user (always true where uids do not exist)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return not hasattr(os, "getuid") or info.st_uid == os.getuid()
+
+
+def _own_journal(path: Path) -> dict[str, Any] | None:
+    """A previous run's journal, if it is this user's and well formed."""
+    if not os.path.lexists(path) or path.is_symlink() or not _owned(path):
+        return None
+    try:
+        journal = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(journal, dict) or not isinstance(journal.get("entries", {}), dict):
+        return None
+    plain = re.compile(r"^[^/\\]+$")
+    names = [journal.get("old"), *journal.get("entries", {})]
+    if journal.get("kind") == "entries":
+        names.append(journal.get("stage"))
+    if journal.get("kind") not in ("swap", "entries") or not all(
+        isinstance(n, str) and plain.match(n) and n not in (".", "..") for n in names
+    ):
+        return None
+    return journal
+
+
+def _roll_back(target: Path, stage: Path, old: Path, entries: dict[str, bool]) -> None:
     """Undo an entry-by-entry commit: every entry back as it was before it started."""
-    target, stage, old = Path(journal["target"]), anchor / journal["stage"], anchor / journal["old"]
-    for name, existed in journal["entries"].items():
+    for name, existed in entries.items():
         current, saved, staged = target / name, old / name, stage / name
         if existed:
             if os.path.lexists(saved):  # moved aside; what is in place now (if anything) is new

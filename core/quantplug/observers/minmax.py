@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from quantplug.observers import kernels, nonfinite
@@ -72,10 +73,13 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         if int(self.num_batches) == 0:
             self.min_val.fill_(lo)
             self.max_val.fill_(hi)
-        else:  # min + c * (lo - min): the same float32 steps as torch's observers, in place
-            c = self.averaging_constant
-            self.min_val.add_(torch.rsub(self.min_val, lo).mul_(c))
-            self.max_val.add_(torch.rsub(self.max_val, hi).mul_(c))
+        else:
+            # min + c * (lo - min) in float32 scalars: the very roundings of torch's 0-dim float32
+            # arithmetic (torch's observers), without a tensor operation per step
+            c = np.float32(self.averaging_constant)
+            low, high = np.float32(self.min_val.item()), np.float32(self.max_val.item())
+            self.min_val.fill_(float(low + np.float32(np.float32(lo) - low) * c))
+            self.max_val.fill_(float(high + np.float32(np.float32(hi) - high) * c))
 
 
 def _per_channel_extremes(observer: Any, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
