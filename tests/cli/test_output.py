@@ -251,7 +251,7 @@ def test_a_signal_leaves_the_previous_output_and_no_staging_folder(
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run never staged its output"
         time.sleep(0.02)
-    time.sleep(0.5)  # well into the run (importing torch, loading the model)
+    time.sleep(0.2)  # into the run: importing torch, loading the model
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, stderr

@@ -572,20 +572,25 @@ class Terminated(BaseException):
 
 
 @contextmanager
-def _terminate_as_exception() -> Iterator[None]:
-    """While the command runs, SIGTERM and SIGHUP raise :class:`Terminated` (default: die at once,
-    leaving the staging folder behind); the previous handlers are restored afterwards."""
+def _signals_as_exceptions(received: list[int]) -> Iterator[None]:
+    """While the command runs, SIGTERM and SIGHUP raise :class:`Terminated` (by default they kill
+    the process at once, leaving the staging folder behind) and SIGINT raises KeyboardInterrupt;
+    each signal is also recorded in ``received``, because the code it interrupts (an exporter, say)
+    may turn the exception into another error. The previous handlers are restored afterwards."""
 
-    def raise_terminated(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Terminated(signum)
 
     previous = {}
-    for name in ("SIGTERM", "SIGHUP"):
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         signum = getattr(signal, name, None)
         if signum is None:
             continue
         try:
-            previous[signum] = signal.signal(signum, raise_terminated)
+            previous[signum] = signal.signal(signum, on_signal)
         except ValueError:  # not the main thread: leave signals alone
             pass
     try:
@@ -626,21 +631,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from quantplug.errors import QuantplugError
 
+    received: list[int] = []
     try:
-        with _terminate_as_exception():
+        with _signals_as_exceptions(received):
             return int(args.func(args, console))
-    except (InputError, QuantplugError) as exc:
-        if console.verbose:
-            traceback.print_exc(file=console.stream)
-        console.error(_error_line(exc))
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        console.error("interrupted")
-        return EXIT_INTERRUPTED
-    except Terminated as exc:
-        console.error(f"terminated by signal {exc.signum}")
-        return 128 + exc.signum
-    except Exception as exc:
+    except BaseException as exc:
+        if received:  # whatever the interrupted code made of the signal
+            signum = received[0]
+            console.error("interrupted" if signum == signal.SIGINT else f"terminated by signal {signum}")
+            return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+        if isinstance(exc, (InputError, QuantplugError)):
+            if console.verbose:
+                traceback.print_exc(file=console.stream)
+            console.error(_error_line(exc))
+            return EXIT_USAGE
+        if isinstance(exc, KeyboardInterrupt):
+            console.error("interrupted")
+            return EXIT_INTERRUPTED
+        if not isinstance(exc, Exception):
+            raise
         if console.verbose:
             traceback.print_exc(file=console.stream)
         console.error(
