@@ -75,7 +75,8 @@ def _check_lowerable(quantized: Any, quantizer: Any) -> None:
         raise LoweringError(
             "lower() got a prepared module: calibrate it, then lower quantplug.convert(prepared)"
         )
-    if not any(
+    converted = "quantplug_qparams" in gm.meta  # quantplug.convert's output, even with nothing quantized
+    if not converted and not any(
         n.op == "call_function" and getattr(n.target, "namespace", None) in _QDQ_NAMESPACES
         for n in gm.graph.nodes
     ):
