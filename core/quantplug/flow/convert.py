@@ -37,7 +37,7 @@ from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import observer_saw_data
 from quantplug.observers.fixed import DerivedObserver
-from quantplug.observers.nonfinite import check_qparams, check_state
+from quantplug.observers.nonfinite import check_all_qparams, check_state
 from quantplug.observers.nonfinite import configure as configure_nonfinite
 
 qd = torch.ops.quantized_decomposed
@@ -301,10 +301,8 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
     finally:
         for module in patched:
             module.__dict__.pop("calculate_qparams", None)
-    for group in state.groups:
-        found = raw[group.gid]
-        if found is not None:
-            check_qparams(group.describe(), *found)  # no NaN/inf scale reaches any file
+    # no NaN/inf scale reaches any file
+    check_all_qparams([(g.describe(), *found) for g in state.groups if (found := raw[g.gid]) is not None])
     return {group.gid: _qparams(group, raw[group.gid]) for group in state.groups}
 
 

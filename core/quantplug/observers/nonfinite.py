@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from quantplug.errors import NonFiniteError
+from quantplug.observers.base import ObserverBase
 
 POLICIES = ("error", "ignore")
 #: where prepare keeps the policy and the node names on an observer
@@ -125,7 +126,10 @@ def _observers(prepared: nn.Module) -> Iterator[nn.Module]:
 
 def check_state(where: str, observer: Any) -> None:
     """Refuse an observer whose recorded range holds NaN or a +-inf end (a third-party observer
-    that recorded NaN/inf values), before its ``calculate_qparams`` asserts or returns NaN."""
+    that recorded NaN/inf values), before its ``calculate_qparams`` asserts or returns NaN.
+    quantplug's own observers never record them (they apply the policy as data arrives)."""
+    if isinstance(observer, ObserverBase) or hasattr(type(observer), POLICY_ATTR):
+        return
     for name in ("min_val", "max_val"):
         value = getattr(observer, name, None)
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
@@ -137,6 +141,21 @@ def check_state(where: str, observer: Any) -> None:
                     "observer cannot leave them out); fix the calibration data or the model",
                     where=where,
                 )
+
+
+def check_all_qparams(found: Sequence[tuple[str, Any, Any]]) -> None:
+    """:func:`check_qparams` of each ``(where, scale, zero_point)``, in one pass over them all
+    (convert has thousands on a large model)."""
+    floats = [
+        t.reshape(-1)
+        for _, scale, zero_point in found
+        for t in (torch.as_tensor(scale), torch.as_tensor(zero_point))
+        if t.is_floating_point() and t.numel()
+    ]
+    if floats and bool(torch.isfinite(torch.cat([f.float() for f in floats])).all()):
+        return
+    for where, scale, zero_point in found:
+        check_qparams(where, scale, zero_point)
 
 
 def check_qparams(where: str, scale: Any, zero_point: Any) -> None:
