@@ -27,7 +27,8 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
 from quantplug.errors import QuantplugError
-from quantplug.flow.calls import Call, in_spec_of
+from quantplug.flow.calls import Call, check_flat_inputs, in_spec_of
+from quantplug.flow.graph_copy import working_copy
 
 DEBUG_HANDLE_KEY = "quantplug_debug_handle"  # same value as quantplug.flow.prepare.DEBUG_HANDLE_KEY
 PREPARED_KEY = "quantplug_prepared"
@@ -290,6 +291,7 @@ class _Capture(Interpreter):
     def call(self, batch: Call, what: str) -> Any:
         """Run one batch, keyword inputs matched to placeholders by the module's calling convention."""
         flat = batch.flat(in_spec_of(self.module), what)
+        check_flat_inputs(self.module, flat, what)  # a clear error, not torch's shape guard
         return self.run(*flat, enable_io_processing=False)
 
 
@@ -311,7 +313,7 @@ def _as_batches(inputs: Any) -> list[Call]:
 def _float_graph_module(model: Any, example: Call) -> GraphModule:
     """A GraphModule of the float program whose node names are the debug handles."""
     if isinstance(model, torch.export.ExportedProgram):
-        return model.module()
+        return working_copy(model)  # ep.module() shares (and would update) training-mode state
     if isinstance(model, GraphModule):
         return model
     if isinstance(model, torch.nn.Module):

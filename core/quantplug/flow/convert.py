@@ -23,13 +23,22 @@ from quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
-from quantplug.flow.graph_copy import AttrNamer, add_node, copy_node, paused_gc
+from quantplug.flow.graph_copy import (
+    AttrNamer,
+    add_node,
+    code_counter,
+    copy_node,
+    paused_gc,
+    release_code_with,
+)
 from quantplug.flow.inspect import fetch_attr
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
 from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import observer_saw_data
 from quantplug.observers.fixed import DerivedObserver
+from quantplug.observers.nonfinite import check_all_qparams, check_state
+from quantplug.observers.nonfinite import configure as configure_nonfinite
 from quantplug.validation.calibrated import CALIBRATED_REPORT_KEY, check_calibrated
 
 qd = torch.ops.quantized_decomposed
@@ -242,9 +251,12 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
         with torch.no_grad():
             for group in constants:
                 obs = used[group.gid] = fresh_copy(prepared_obs[group.gid])
+                configure_nonfinite(obs, "error", group.describe())  # NaN weights: a broken model
                 for name in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
                     obs(fetch_attr(prepared, str(nodes[name].target)))
     for group in state.groups:
+        if not group.dynamic:
+            check_state(group.describe(), used[group.gid])
         if not group.dynamic and not observer_saw_data(used[group.gid]):
             raise CalibrationError(
                 f"the observer of {group.describe()} never saw data; run calibration batches through the "
@@ -290,6 +302,8 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
     finally:
         for module in patched:
             module.__dict__.pop("calculate_qparams", None)
+    # no NaN/inf scale reaches any file
+    check_all_qparams([(g.describe(), *found) for g in state.groups if (found := raw[g.gid]) is not None])
     return {group.gid: _qparams(group, raw[group.gid]) for group in state.groups}
 
 
@@ -379,9 +393,11 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             new = copy_node(graph, node, partial(_lookup, env, user=node))
         env[node] = new
     _eliminate_dead_code(graph)
+    since = code_counter()
     converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
     _populate(converted, prepared, graph, tensors)
     converted.graph = graph  # the one code generation
+    release_code_with(converted, since=since)
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta["quantplug_qparams"] = {gid: qp for gid, qp in qparams.items()}
     if calibrated is not None:

@@ -22,6 +22,8 @@ from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
+from quantplug.observers.nonfinite import check_policy
+from quantplug.observers.nonfinite import configure as configure_nonfinite
 from quantplug.quantizer.quantizer import Quantizer
 from quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from quantplug.sharing.problem import solve
@@ -30,6 +32,8 @@ from quantplug.validation.engine import CalibratedPlan
 from quantplug.validation.report import ValidationReport
 
 STATE_KEY = "quantplug_prepared"
+#: meta naming the backend a program was prepared for (kept by convert; lower checks it)
+BACKEND_KEY = "quantplug_backend"
 OBSERVERS = "quantplug_observers"
 #: node meta naming the float-program node a node descends from (kept through prepare/convert)
 DEBUG_HANDLE_KEY = "quantplug_debug_handle"
@@ -79,16 +83,25 @@ def _call(quantizer: Any, method: str, gm: GraphModule) -> Any:
 
 
 def prepare(
-    program: torch.export.ExportedProgram | GraphModule, quantizer: Any, *, qat: bool = False
+    program: torch.export.ExportedProgram | GraphModule,
+    quantizer: Any,
+    *,
+    qat: bool = False,
+    nonfinite: str = "error",
 ) -> GraphModule:
     """Annotate ``program`` with ``quantizer`` and insert observers (or fake-quants if ``qat``).
 
     Args:
-        program: an ``ExportedProgram`` or its ``GraphModule``; never modified.
+        program: an ``ExportedProgram`` or its ``GraphModule``; never modified (nor are its
+            tensors, by calibration: state the program writes, such as training-mode batch-norm
+            statistics, is copied).
         quantizer: a quantplug ``Quantizer`` or any PT2E quantizer (``annotate``, ``validate``,
             optional ``transform_for_annotation``), e.g. torchao's X86InductorQuantizer or
             ExecuTorch's QnnQuantizer.
         qat: insert fake-quantize modules for quantization-aware training.
+        nonfinite: what NaN/inf values reaching an observer do: ``"error"`` raises
+            :class:`~quantplug.errors.NonFiniteError` naming the node(s); ``"ignore"`` leaves them
+            out of the statistics and counts them (see :mod:`quantplug.observers.nonfinite`).
 
     Returns:
         A GraphModule to calibrate (or train) and pass to :func:`quantplug.convert`.
@@ -98,12 +111,53 @@ def prepare(
             f"{type(quantizer).__name__} is not a quantizer (no annotate method); "
             "use quantplug.get_quantizer(name, ...) or a PT2E Quantizer"
         )
+    _check_float_program(program)
+    _check_qat_agrees(quantizer, qat)
+    check_policy(nonfinite)
     with paused_gc():
-        return _prepare(program, quantizer, qat=qat)
+        return _prepare(program, quantizer, qat=qat, nonfinite=nonfinite)
+
+
+def _check_float_program(program: Any) -> None:
+    """A prepared or converted program given again fails here, not deep inside annotation."""
+    gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
+    if isinstance(gm, GraphModule) and (STATE_KEY in gm.meta or hasattr(gm, OBSERVERS)):
+        raise QuantplugError(
+            "this module is already prepared (it holds quantplug observers); prepare the float program "
+            "(the ExportedProgram you exported), then calibrate and convert the result"
+        )
+    if isinstance(gm, GraphModule) and any(
+        n.op == "call_function" and getattr(n.target, "namespace", None) == "quantized_decomposed"
+        for n in gm.graph.nodes
+    ):
+        raise QuantplugError(
+            "this program is already quantized (it holds quantize/dequantize ops); prepare the float program"
+        )
+
+
+def _check_qat_agrees(quantizer: Any, qat: bool) -> None:
+    """A quantizer built with its backend's QAT option wants prepare(qat=True), and vice versa."""
+    info = getattr(quantizer, "info", None)
+    option = getattr(info, "qat_option", None)
+    options = getattr(quantizer, "options", None)
+    if not option or not isinstance(options, dict) or not isinstance(options.get(option), bool):
+        return
+    if options[option] != qat:
+        backend = getattr(quantizer, "backend", "?")
+        if qat:
+            raise QuantplugError(
+                f"prepare(..., qat=True) with a {backend!r} quantizer built without {option}=True: its "
+                f"configs are the post-training ones; build it with get_quantizer({backend!r}, {option}=True)"
+            )
+        raise QuantplugError(
+            f"the {backend!r} quantizer was built with {option}=True (quantization-aware training configs) "
+            f"but prepare() was called without qat=True; call prepare(program, quantizer, qat=True), or "
+            f"drop {option}=True for post-training quantization"
+        )
 
 
 def _prepare(
-    program: torch.export.ExportedProgram | GraphModule, quantizer: Any, *, qat: bool
+    program: torch.export.ExportedProgram | GraphModule, quantizer: Any, *, qat: bool, nonfinite: str
 ) -> GraphModule:
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
     for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
@@ -131,15 +185,14 @@ def _prepare(
         observers = _run_pt2e_callback(gm, callback, state, observers)
     container = nn.Module()
     for gid, obs in observers.items():
-        container.add_module(f"g{gid}", accelerate(obs))
-    if hasattr(gm, OBSERVERS):
-        raise QuantplugError(
-            "this model is already prepared (it has quantplug observers); prepare the float program"
-        )
+        obs = accelerate(obs)
+        configure_nonfinite(obs, nonfinite, state.groups[gid].describe())
+        container.add_module(f"g{gid}", obs)
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
     compile_now(gm)
     gm.meta[STATE_KEY] = state
+    gm.meta[BACKEND_KEY] = state.backend
     return gm
 
 

@@ -35,6 +35,7 @@ from quantplug.quantizer.rules import RuleSet
 from quantplug.quantizer.selection import ConfigSelector
 from quantplug.sharing.problem import SharingProblem, solve
 from quantplug.sharing.resolution import SharingGroups
+from quantplug.suggest import did_you_mean
 from quantplug.validation.constraints import OpConstraint
 from quantplug.validation.engine import CalibratedPlan, calibrated_plan, relation_merges, validate_graph
 from quantplug.validation.report import ValidationReport
@@ -227,6 +228,7 @@ class Quantizer:
         tail the user keeps float falls back as the backend declares.
         """
         graph = model.graph
+        self._check_module_names(graph)
         present = {op_name(n.target) for n in graph.nodes if n.op == "call_function"}
         rules = self.rules.for_ops(present)
         selected: dict[str, tuple[QuantizationConfig | None, str]] = {}
@@ -303,6 +305,24 @@ class Quantizer:
         """The config the user's overrides select for ``node`` (None: kept float). Also
         ``context.config_for(node)`` inside hooks and rules."""
         return self.selector.select(node)[0]
+
+    def _check_module_names(self, graph: torch.fx.Graph) -> None:
+        """Every ``set_module_name`` names a module of the program: a typo must not silently
+        leave the override unused."""
+        wanted = [name for name in self.selector.module_names if name]
+        if not wanted:
+            return
+        modules = {
+            str(fqn) for n in graph.nodes for fqn, _ in (n.meta.get("nn_module_stack") or {}).values() if fqn
+        }
+        for name in wanted:
+            if name in modules or any(m.startswith(name + ".") for m in modules):
+                continue
+            shown = ", ".join(sorted(modules)[:8]) + (", ..." if len(modules) > 8 else "")
+            raise OptionError(
+                f"set_module_name({name!r}) names no module of this program{did_you_mean(name, modules)}; "
+                f"its modules: {shown or 'none (no module information in the graph)'}"
+            )
 
     def _apply(self, rule: AnnotatorRule, node: Node, config: QuantizationConfig) -> None:
         try:

@@ -218,7 +218,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
         backend=context.backend,
         files={
             qnn_enc.MODEL_FILE: bytes(model.SerializeToString()),
-            qnn_enc.ENCODINGS_FILE: json.dumps(document, indent=2),
+            qnn_enc.ENCODINGS_FILE: json.dumps(document, indent=2, allow_nan=False),
         },
         metadata={
             "options": dict(context.options),

@@ -181,7 +181,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
     }
     artifact.files = {
         "model.onnx": model_bytes,
-        "encodings.json": json.dumps(doc, indent=2),
+        "encodings.json": json.dumps(doc, indent=2, allow_nan=False),
         "model.pt2": _program_writer(program),
     }
     artifact.metadata = {

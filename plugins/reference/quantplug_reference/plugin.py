@@ -47,9 +47,22 @@ INFO = BackendInfo(
             "as uint8 for ORT's U8U8 kernels (exact too, about half as fast on VNNI CPUs)",
             choices=configs.WEIGHT_BITS,
         ),
-        BackendOption("onnx_opset", int, 21, "ONNX opset of the lowered model (>= 21 for 16/4-bit)"),
         BackendOption(
-            "ort_threads", int, 0, "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)"
+            "onnx_opset",
+            int,
+            21,
+            "ONNX opset of the lowered model (18 and later; Q/DQ of 16/4-bit and per-block grids needs "
+            "21; ONNX Runtime 1.32 runs up to 27)",
+            minimum=18,
+            maximum=27,
+        ),
+        BackendOption(
+            "ort_threads",
+            int,
+            0,
+            "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)",
+            minimum=0,
+            maximum=1024,
         ),
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
