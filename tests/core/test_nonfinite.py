@@ -1,6 +1,7 @@
 """NaN/inf calibration data (issue 12.1): every observer kind raises by default, naming the node,
-or leaves the values out and counts them with ``nonfinite="ignore"``; no NaN/inf scale ever
-reaches a converted program or a written file; finite batches pay nothing for the check."""
+or leaves the values out and counts them with ``nonfinite="ignore"``; infinities the model
+computes itself (attention masks) are masks, not bad data; no NaN/inf scale ever reaches a
+converted program or a written file; finite batches pay nothing for the check."""
 
 from __future__ import annotations
 
@@ -284,5 +285,63 @@ def test_artifact_save_refuses_non_finite_json(tmp_path: Any) -> None:
 
 
 def test_unknown_policy_is_rejected(program: torch.export.ExportedProgram) -> None:
-    with pytest.raises(quantplug.OptionError, match="nonfinite must be one of error, ignore"):
+    with pytest.raises(quantplug.OptionError, match="nonfinite must be one of error, strict, ignore"):
         quantplug.prepare(program, quantplug.get_quantizer("reference"), nonfinite="skip")
+
+
+class MaskedScores(nn.Module):
+    """Causal attention scores masked with ``-inf`` (``masked_fill``), then softmax: the model
+    itself computes the infinities, from finite inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.register_buffer("causal", torch.ones(6, 6).triu(1).bool())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(-1, -2)
+        return torch.softmax(scores.masked_fill(self.causal, float("-inf")), dim=-1) @ x
+
+
+@pytest.fixture(scope="module")
+def masked_program() -> torch.export.ExportedProgram:
+    torch.manual_seed(0)
+    return torch.export.export(MaskedScores().eval(), (torch.randn(2, 6, 8),))
+
+
+@pytest.mark.parametrize("observer", ["histogram", "minmax", "moving_average"])
+def test_infinities_the_model_computes_are_masks_left_out_and_counted(
+    masked_program: torch.export.ExportedProgram, observer: str
+) -> None:
+    from quantplug.observers.nonfinite import ignored_counts, masked_counts
+
+    quantizer = quantplug.get_quantizer("reference", activation_observer=observer)
+    prepared = quantplug.prepare(masked_program, quantizer)
+    for seed in range(3):
+        prepared(torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(seed)))
+    masked = masked_counts(prepared)
+    assert masked == {"input 'masked_fill' of node 'softmax'": 3 * 2 * 15}  # 15 masked entries of 6x6
+    assert ignored_counts(prepared) == {}
+    quantized = quantplug.convert(prepared)
+    for qp in quantized.meta["quantplug_qparams"].values():
+        assert bool(torch.isfinite(qp.scale).all())
+    x = torch.randn(2, 6, 8)
+    y = quantized(x)
+    assert bool(torch.isfinite(y).all())
+    # the masked entries get (almost) no weight: close to the float model's output
+    ref = masked_program.module()(x)
+    assert float((y - ref).abs().max()) < 0.15 * float(ref.abs().max())
+
+
+def test_strict_policy_refuses_masks_too(masked_program: torch.export.ExportedProgram) -> None:
+    prepared = quantplug.prepare(masked_program, quantplug.get_quantizer("reference"), nonfinite="strict")
+    with pytest.raises(NonFiniteError, match=r"input 'masked_fill' of node 'softmax'.*strict"):
+        prepared(torch.randn(2, 6, 8))
+
+
+def test_infinities_in_the_inputs_are_bad_data_even_where_the_model_masks(
+    masked_program: torch.export.ExportedProgram,
+) -> None:
+    prepared = quantplug.prepare(masked_program, quantplug.get_quantizer("reference"))
+    with pytest.raises(NonFiniteError, match=r"input 'x' of node .*model's inputs"):
+        prepared(_batch(-INF, (2, 6, 8)))

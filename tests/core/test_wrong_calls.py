@@ -51,7 +51,7 @@ OUT_OF_RANGE = [
     ("qnn_htp", {"block_size": -2}, "block_size.*>= 0"),
     ("qnn_htp", {"block_size_map": "linear:16"}, "block_size_map.*only when precision is 16a4w_block"),
     ("reference", {"onnx_opset": 999}, "onnx_opset.*<= 27"),
-    ("reference", {"onnx_opset": 12}, "onnx_opset.*>= 21"),
+    ("reference", {"onnx_opset": 12}, "onnx_opset.*>= 18"),
     ("reference", {"ort_threads": -3}, "ort_threads.*>= 0"),
 ]
 

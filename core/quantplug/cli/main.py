@@ -237,7 +237,7 @@ def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], 
     )
     from quantplug.debug import compare, tensor_bytes
     from quantplug.flow.prepare import STATE_KEY
-    from quantplug.observers.nonfinite import ignored_counts
+    from quantplug.observers.nonfinite import ignored_counts, masked_counts
     from quantplug.plugins.registry import load_backend
     from quantplug.report import build_report, write_report
 
@@ -284,7 +284,7 @@ def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], 
             f"{len(batches)} batches of RANDOM data shaped like the model's inputs; quantization "
             "ranges and the SQNR figures will not reflect real inputs"
         )
-    check_batches(batches, origins, model.inputs, program, finite=args.nonfinite == "error")
+    check_batches(batches, origins, model.inputs, program, finite=args.nonfinite != "ignore")
     calibration["nonfinite"] = args.nonfinite
     t = lap("load", t)
 
@@ -304,6 +304,9 @@ def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], 
                         f"calibration batch {i} ({origins[i]}) failed: {_first_line(exc)}"
                     ) from exc
                 bar.advance()
+    masked = masked_counts(prepared)
+    if masked:  # infinities the model computes (attention masks), left out of the statistics
+        calibration["infinities_masked"] = masked
     ignored = ignored_counts(prepared)
     if ignored:
         calibration["nonfinite_ignored"] = ignored
@@ -488,11 +491,13 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--nonfinite",
-        choices=("error", "ignore"),
+        choices=("error", "strict", "ignore"),
         default="error",
         help="NaN/inf values reaching an observer during calibration: 'error' (default) stops at the "
-        "first batch holding them, naming the file, batch, input and node; 'ignore' leaves them out of "
-        "the statistics and counts them in the report",
+        "first batch holding a NaN, or an infinity in the inputs, naming the file, batch, input and "
+        "node (infinities the model computes, attention masks, are left out of the statistics); "
+        "'strict' stops at any NaN/inf; 'ignore' leaves them all out of the statistics and counts "
+        "them in the report",
     )
     p.add_argument(
         "--allow-pickle",

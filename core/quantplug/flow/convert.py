@@ -37,7 +37,7 @@ from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import observer_saw_data
 from quantplug.observers.fixed import DerivedObserver
-from quantplug.observers.nonfinite import check_all_qparams, check_state
+from quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from quantplug.observers.nonfinite import configure as configure_nonfinite
 from quantplug.validation.calibrated import CALIBRATED_REPORT_KEY, check_calibrated
 
@@ -285,6 +285,8 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
         if not g.dynamic and not isinstance(used[g.gid], DerivedObserver)
     }
     by_observer.update(zip(independent, calculate_qparams_many(list(independent.values()))))
+    for key, obs in independent.items():  # tensors carrying attention masks (-inf) keep them masked
+        by_observer[key] = widen_for_masks(obs, by_observer[key])
     try:
         derived = []
         for group in state.groups:

@@ -100,8 +100,10 @@ def prepare(
             ExecuTorch's QnnQuantizer.
         qat: insert fake-quantize modules for quantization-aware training.
         nonfinite: what NaN/inf values reaching an observer do: ``"error"`` raises
-            :class:`~quantplug.errors.NonFiniteError` naming the node(s); ``"ignore"`` leaves them
-            out of the statistics and counts them (see :mod:`quantplug.observers.nonfinite`).
+            :class:`~quantplug.errors.NonFiniteError` naming the node(s) for a NaN, or an
+            infinity in the model's inputs, and leaves infinities the model computes (attention
+            masks) out of the statistics; ``"strict"`` raises for every NaN/inf; ``"ignore"``
+            leaves them all out and counts them (see :mod:`quantplug.observers.nonfinite`).
 
     Returns:
         A GraphModule to calibrate (or train) and pass to :func:`quantplug.convert`.
@@ -186,7 +188,8 @@ def _prepare(
     container = nn.Module()
     for gid, obs in observers.items():
         obs = accelerate(obs)
-        configure_nonfinite(obs, nonfinite, state.groups[gid].describe())
+        group = state.groups[gid]
+        configure_nonfinite(obs, nonfinite, group.describe(), observes_input=_observes_input(gm, group))
         container.add_module(f"g{gid}", obs)
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
@@ -214,6 +217,13 @@ def _own_parameters(gm: GraphModule) -> None:
         for name, buf in list(module._buffers.items()):
             if buf is not None:  # batch-norm statistics move during training too
                 module._buffers[name] = buf.detach().clone()
+
+
+def _observes_input(gm: GraphModule, group: Group) -> bool:
+    """Whether a group measures a model input (a user input placeholder), where an infinity is
+    bad calibration data rather than a mask the model computed."""
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    return any((k[0] if isinstance(k, tuple) else k) in nodes for k in group.keys)
 
 
 def _build_groups(

@@ -4,10 +4,19 @@ One NaN or inf in a range observer's input makes its range, hence the scale, NaN
 the converted program then outputs NaN and the encodings files hold non-JSON ``NaN`` tokens.
 The policy, chosen with ``prepare(..., nonfinite=...)``:
 
-* ``"error"`` (the default): the first observer that sees such a value raises
-  :class:`~quantplug.errors.NonFiniteError` naming its node(s) and counting the values, during
-  the very batch that brought them (the command line adds the file, batch and input);
-* ``"ignore"``: the values are left out of the statistics and counted per observer
+* ``"error"`` (the default): a NaN anywhere, or an infinity in the model's inputs (calibration
+  data), raises :class:`~quantplug.errors.NonFiniteError` at the first observer that sees it,
+  naming its node(s) and counting the values, during the very batch that brought them (the
+  command line adds the file, batch and input). Infinities the model computes itself from finite
+  inputs are attention masks (``masked_fill(mask, -inf)``, ``generate_square_subsequent_mask``):
+  they are left out of the statistics and counted per observer (``infinities_masked``;
+  :func:`masked_counts` gathers them), and at convert the grid is extended :data:`MASK_MARGIN`
+  below the smallest real value (above the largest for ``+inf``; :func:`widen_for_masks`), so that
+  a masked entry, which quantize clamps to the grid's end, keeps its meaning: after a softmax its
+  weight is below ``exp(-MASK_MARGIN)``, where a grid ending at the real values would give it
+  the weight of the smallest score;
+* ``"strict"``: any NaN or infinity raises, masks included;
+* ``"ignore"``: every NaN and infinity is left out of the statistics and counted per observer
   (``nonfinite_ignored``; :func:`ignored_counts` gathers them for the report).
 
 Observers find out for free: they compute each batch's min and max anyway, and a NaN or infinite
@@ -30,11 +39,19 @@ from torch import nn
 from quantplug.errors import NonFiniteError
 from quantplug.observers.base import ObserverBase
 
-POLICIES = ("error", "ignore")
+POLICIES = ("error", "strict", "ignore")
 #: where prepare keeps the policy and the node names on an observer
 POLICY_ATTR = "nonfinite"
 WHERE_ATTR = "where"
+#: whether the observer measures a model input (calibration data: an infinity there is bad data)
+INPUT_ATTR = "observes_input"
 COUNT_ATTR = "nonfinite_ignored"
+MASKED_ATTR = "infinities_masked"
+#: which ends saw mask infinities: "-inf" and/or "+inf" (a set on the observer)
+MASK_ENDS_ATTR = "mask_ends"
+#: how far below the smallest real value a ``-inf`` mask entry dequantizes (above for ``+inf``):
+#: the softmax weight of a masked entry is then below exp(-16) ~ 1e-7
+MASK_MARGIN = 16.0
 
 
 def check_policy(policy: str) -> str:
@@ -45,12 +62,14 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def configure(observer: nn.Module, policy: str, where: str) -> None:
-    """Give ``observer`` (and the observers it wraps) the policy and the node names it serves."""
+def configure(observer: nn.Module, policy: str, where: str, *, observes_input: bool = True) -> None:
+    """Give ``observer`` (and the observers it wraps) the policy, the node names it serves and
+    whether one of them is a model input."""
     for module in observer.modules():
         if hasattr(module, POLICY_ATTR):
             setattr(module, POLICY_ATTR, policy)
             setattr(module, WHERE_ATTR, where)
+            setattr(module, INPUT_ATTR, observes_input)
 
 
 def finite(lo: float, hi: float) -> bool:
@@ -61,25 +80,39 @@ def finite(lo: float, hi: float) -> bool:
 def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     """``data``'s finite-element mask, once its extremes were found non-finite.
 
-    Under the "error" policy raises NonFiniteError; under "ignore" counts the other elements on
-    the observer and returns the mask of those to keep.
+    Raises NonFiniteError where the policy says so (module docstring); otherwise counts the other
+    elements on the observer (as ignored, or as masks) and returns the mask of those to keep.
     """
     keep = torch.isfinite(data)
     nan = int(torch.isnan(data).sum())
     inf = data.numel() - int(keep.sum()) - nan
-    if getattr(observer, POLICY_ATTR, "error") != "ignore":
-        where = getattr(observer, WHERE_ATTR, "") or f"a {type(observer).__name__}"
-        counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
-        raise NonFiniteError(
-            f"{counts} value(s) reached the observer of {where}: a range (and the scale) computed from "
-            "them would not be finite; fix the data (or the model), or prepare(..., nonfinite='ignore') "
-            "to leave such values out of the statistics",
-            where=where,
-            nan=nan,
-            inf=inf,
-        )
-    setattr(observer, COUNT_ATTR, getattr(observer, COUNT_ATTR, 0) + nan + inf)
-    return keep
+    policy = getattr(observer, POLICY_ATTR, "error")
+    if policy == "ignore":
+        setattr(observer, COUNT_ATTR, getattr(observer, COUNT_ATTR, 0) + nan + inf)
+        return keep
+    if policy == "error" and not nan and not getattr(observer, INPUT_ATTR, True):
+        setattr(observer, MASKED_ATTR, getattr(observer, MASKED_ATTR, 0) + inf)
+        ends = set(getattr(observer, MASK_ENDS_ATTR, ()))
+        ends |= {"-inf"} if bool((data == -math.inf).any()) else set()
+        ends |= {"+inf"} if bool((data == math.inf).any()) else set()
+        setattr(observer, MASK_ENDS_ATTR, frozenset(ends))
+        return keep
+    where = getattr(observer, WHERE_ATTR, "") or f"a {type(observer).__name__}"
+    counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
+    if nan:
+        cause = "NaN is never a valid value; fix the data (or the model)"
+    elif policy == "strict":
+        cause = "nonfinite='strict' refuses infinities, attention masks included"
+    else:
+        cause = "infinities in the model's inputs are bad calibration data; fix the data"
+    raise NonFiniteError(
+        f"{counts} value(s) reached the observer of {where}: a range (and the scale) computed from "
+        f"them would not be finite ({cause}), or prepare(..., nonfinite='ignore') to leave such values "
+        "out of the statistics",
+        where=where,
+        nan=nan,
+        inf=inf,
+    )
 
 
 def finite_extremes(
@@ -104,12 +137,54 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
 
 
+def widen_for_masks(observer: nn.Module, qparams: tuple[Any, Any]) -> tuple[Any, Any]:
+    """``qparams`` of a per-tensor grid extended :data:`MASK_MARGIN` past the real values on each
+    end where the observer saw mask infinities (module docstring); unchanged otherwise."""
+    ends: set[str] = set()
+    for module in observer.modules():
+        ends |= set(vars(module).get(MASK_ENDS_ATTR, ()))
+    scale, zero_point = qparams
+    scale_t, zp_t = torch.as_tensor(scale), torch.as_tensor(zero_point)
+    if not ends or scale_t.numel() != 1:
+        return qparams
+    from quantplug.annotation.specs import SYMMETRIC_QSCHEMES
+    from quantplug.observers.base import qparams_from_range
+
+    fields: Any = observer  # an observer's grid: quantplug's or torchao's fields
+    qmin, qmax = int(fields.quant_min), int(fields.quant_max)
+    s, z = float(scale_t.reshape(-1)[0]), int(zp_t.reshape(-1)[0])
+    lo, hi = (qmin - z) * s, (qmax - z) * s
+    if "-inf" in ends:
+        lo = min(lo, 0.0) - MASK_MARGIN
+    if "+inf" in ends:
+        hi = max(hi, 0.0) + MASK_MARGIN
+    new_scale, new_zp = qparams_from_range(
+        torch.tensor(lo),
+        torch.tensor(hi),
+        dtype=fields.dtype,
+        quant_min=qmin,
+        quant_max=qmax,
+        symmetric=getattr(observer, "qscheme", None) in SYMMETRIC_QSCHEMES,
+        eps=float(getattr(observer, "eps", torch.finfo(torch.float32).eps)),
+    )
+    return new_scale.reshape(scale_t.shape).to(scale_t.dtype), new_zp.reshape(zp_t.shape).to(zp_t.dtype)
+
+
 def ignored_counts(prepared: nn.Module) -> dict[str, int]:
     """Node(s) -> how many NaN/inf values their observer left out (``nonfinite="ignore"``)."""
+    return _counts(prepared, COUNT_ATTR)
+
+
+def masked_counts(prepared: nn.Module) -> dict[str, int]:
+    """Node(s) -> how many infinities the model computed (masks) their observer left out."""
+    return _counts(prepared, MASKED_ATTR)
+
+
+def _counts(prepared: nn.Module, attr: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     for observer in _observers(prepared):
         # the instances' own counters (a wrapper such as FakeQuantize forwards attribute reads)
-        total = sum(int(vars(m).get(COUNT_ATTR, 0)) for m in observer.modules())
+        total = sum(int(vars(m).get(attr, 0)) for m in observer.modules())
         if total:
             where = str(getattr(observer, WHERE_ATTR, "") or "?")
             counts[where] = counts.get(where, 0) + total
