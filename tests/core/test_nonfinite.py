@@ -290,8 +290,8 @@ def test_unknown_policy_is_rejected(program: torch.export.ExportedProgram) -> No
 
 
 class MaskedScores(nn.Module):
-    """Causal attention scores masked with ``-inf`` (``masked_fill``), then softmax: the model
-    itself computes the infinities, from finite inputs."""
+    """Causal attention probabilities, the scores masked with ``-inf`` (``masked_fill``): the
+    model itself computes the infinities, from finite inputs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -300,7 +300,7 @@ class MaskedScores(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = self.q(x) @ x.transpose(-1, -2)
-        return torch.softmax(scores.masked_fill(self.causal, float("-inf")), dim=-1) @ x
+        return torch.softmax(scores.masked_fill(self.causal, float("-inf")), dim=-1)
 
 
 @pytest.fixture(scope="module")
@@ -325,12 +325,13 @@ def test_infinities_the_model_computes_are_masks_left_out_and_counted(
     quantized = quantplug.convert(prepared)
     for qp in quantized.meta["quantplug_qparams"].values():
         assert bool(torch.isfinite(qp.scale).all())
-    x = torch.randn(2, 6, 8)
-    y = quantized(x)
-    assert bool(torch.isfinite(y).all())
-    # the masked entries get (almost) no weight: close to the float model's output
-    ref = masked_program.module()(x)
-    assert float((y - ref).abs().max()) < 0.15 * float(ref.abs().max())
+    with torch.no_grad():
+        probs = quantized(torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1)))
+    # a masked entry keeps (almost) no weight: the grid reaches 16 below the smallest real score,
+    # where a grid ending at the real scores would give it the weight of the smallest one
+    causal = torch.ones(6, 6).triu(1).bool().expand(2, 6, 6)
+    assert float(probs[causal].max()) == 0.0
+    assert torch.allclose(probs.sum(-1), torch.ones(2, 6), atol=0.05)
 
 
 def test_strict_policy_refuses_masks_too(masked_program: torch.export.ExportedProgram) -> None:
