@@ -97,7 +97,9 @@ def _flows(name: str, batches: int = 3) -> tuple[torch.fx.GraphModule, torch.fx.
         for flow in ("torchao", "quantplug"):
             quantizer = qnn.QnnQuantizer()
             prepared = (
-                prepare_pt2e(ep.module(), quantizer) if flow == "torchao" else quantplug.prepare(ep, quantizer)
+                prepare_pt2e(ep.module(), quantizer)
+                if flow == "torchao"
+                else quantplug.prepare(ep, quantizer)
             )
             with torch.no_grad():
                 for x in data[:batches]:
