@@ -8,6 +8,7 @@ missing.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from types import ModuleType
 from typing import Any
@@ -66,6 +67,9 @@ def small_vit(num_classes: int = 10, hidden: int = 32, layers: int = 2) -> nn.Mo
 
 
 def _transformers() -> ModuleType:
+    """transformers, which imports torchvision where it is installed (hence the fix above first)."""
+    if importlib.util.find_spec("torchvision") is not None:
+        torchvision_models()
     return pytest.importorskip("transformers")
 
 

@@ -56,6 +56,7 @@ import torch
 from torch.fx import Node
 
 from quantplug import DerivedQuantizationSpec, QuantizationConfig, QuantizationSpec
+from quantplug.annotation.annotators import constant_value, floor_bias_scale
 from quantplug.annotation.dtypes import INT2, INT4
 from quantplug.annotation.specs import QuantizationSpecBase
 from quantplug.errors import AnnotationError, OptionError
@@ -400,8 +401,15 @@ def _block_fallback(config: QnnQuantizationConfig) -> QuantizationSpecBase:
     return dataclasses.replace(spec, block_size=None, observer_or_fake_quant_ctr=ctr.with_args(**kwargs))
 
 
-def _derive_bias(observers: list[Any], *, block: bool, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 bias qparams: input scale x weight scale per output channel, zero point 0."""
+def _derive_bias(
+    observers: list[Any], *, block: bool, groups: int, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 bias qparams: input scale x weight scale per output channel, zero point 0.
+
+    Channels whose bias does not fit int32 on that scale (all-zero, denormal or pruned weights:
+    their weight scale is eps) get the scale floor ``max|bias| / (2^31 - 1)``
+    (``quantplug.annotation.annotators.floor_bias_scale``); the others keep the exact product.
+    """
     act_scale, _ = observers[0].calculate_qparams()
     w_scale, _ = observers[1].calculate_qparams()
     w_scale = w_scale.to(torch.float32)
@@ -412,6 +420,7 @@ def _derive_bias(observers: list[Any], *, block: bool, groups: int) -> tuple[tor
     if groups > 1 and w_scale.numel() > 1:
         w_scale = w_scale.repeat(groups)  # grouped transpose conv: weight axis 1 holds out/groups channels
     scale = (act_scale.reshape(-1)[0].to(torch.float32) * w_scale).reshape(-1)
+    scale = floor_bias_scale(scale, bias)
     return scale, torch.zeros(scale.shape, dtype=torch.int64)
 
 
@@ -422,11 +431,13 @@ def bias_spec_for(
     weight_spec: QuantizationSpecBase | None,
     config: QuantizationConfig,
     *,
+    bias: Node | None = None,
     groups: int = 1,
 ) -> QuantizationSpecBase | None:
     """The int32 bias spec derived from ``node``'s input and weight observers.
 
-    A plain (non-HTP) config's own ``bias`` wins when it sets one.
+    ``bias`` (the bias node) floors degenerate channels' scales when it is a constant. A plain
+    (non-HTP) config's own ``bias`` wins when it sets one.
     """
     if not isinstance(config, QnnQuantizationConfig):
         return config.bias_spec(node)
@@ -436,7 +447,9 @@ def bias_spec_for(
     per_channel = block or getattr(weight_spec, "qscheme", None) == torch.per_channel_symmetric
     return DerivedQuantizationSpec(
         derived_from=((act, node), (weight, node)),
-        derive_qparams_fn=functools.partial(_derive_bias, block=block, groups=groups),
+        derive_qparams_fn=functools.partial(
+            _derive_bias, block=block, groups=groups, bias=constant_value(bias)
+        ),
         dtype=torch.int32,
         qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
         ch_axis=0 if per_channel else None,

@@ -63,7 +63,7 @@ def annotate_weighted_op(
         and is_float_tensor(args[bias_index])
         and act in inputs
     ):
-        b = bias_spec_for(node, act, weight, w_spec, config, groups=groups)  # type: ignore[arg-type]
+        b = bias_spec_for(node, act, weight, w_spec, config, bias=args[bias_index], groups=groups)  # type: ignore[arg-type]
         if b is not None:
             inputs[args[bias_index]] = b  # type: ignore[index]
     out = out_spec(config, node)
