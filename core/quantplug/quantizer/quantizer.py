@@ -34,6 +34,9 @@ logger = logging.getLogger("quantplug")
 
 FLOAT_REASON_KEY = "quantplug_float_reason"
 RULE_KEY = "quantplug_rule"
+#: node meta a rule may set on a node it quantizes differently from what the options asked for
+#: (e.g. a smaller LPBQ block): shown by ``coverage()`` next to the node
+NOTE_KEY = "quantplug_coverage_note"
 
 AnnotationCallback = Callable[[GraphModule, BackendContext], None]
 
@@ -46,6 +49,8 @@ class NodeCoverage:
     op: str
     quantized: bool
     reason: str
+    #: how a quantized node departs from the requested options (empty when it does not)
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,11 @@ class CoverageReport:
     def quantized_nodes(self) -> list[NodeCoverage]:
         return [n for n in self.nodes if n.quantized]
 
+    @property
+    def noted_nodes(self) -> list[NodeCoverage]:
+        """Quantized nodes with a note (quantized otherwise than the options asked)."""
+        return [n for n in self.nodes if n.quantized and n.note]
+
     def float_ops(self) -> Counter[str]:
         return Counter(n.op for n in self.float_nodes)
 
@@ -69,6 +79,8 @@ class CoverageReport:
         lines = [f"{len(self.quantized_nodes)} node(s) quantized, {len(self.float_nodes)} float"]
         for n in self.float_nodes:
             lines.append(f"  float {n.node} [{n.op}]: {n.reason}")
+        for n in self.noted_nodes:
+            lines.append(f"  note  {n.node} [{n.op}]: {n.note}")
         return "\n".join(lines)
 
 
@@ -280,7 +292,8 @@ def coverage_of(gm: GraphModule) -> CoverageReport:
             continue
         quantized = _has_specs(node)
         reason = "" if quantized else node.meta.get(FLOAT_REASON_KEY, "not annotated")
-        entries.append(NodeCoverage(node.name, op_name(node.target), quantized, reason))
+        note = str(node.meta.get(NOTE_KEY, "")) if quantized else ""
+        entries.append(NodeCoverage(node.name, op_name(node.target), quantized, reason, note))
     return CoverageReport(tuple(entries))
 
 

@@ -55,7 +55,15 @@ INFO = BackendInfo(
             "block_size",
             int,
             configs.DEFAULT_BLOCK_SIZE,
-            "16a4w_block: LPBQ block size along input channels (0: only nodes in block_size_map)",
+            "16a4w_block: largest LPBQ block along input channels, fitted per layer "
+            "(0: only nodes in block_size_map)",
+        ),
+        BackendOption(
+            "exact_block_size",
+            bool,
+            False,
+            "16a4w_block: use block_size as given on every layer (a layer whose input channels it "
+            "does not divide fails) instead of fitting the block per layer",
         ),
         BackendOption(
             "block_size_map",
