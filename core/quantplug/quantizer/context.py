@@ -18,6 +18,9 @@ class BackendContext:
     backend: str
     options: Mapping[str, Any]
     state: dict[str, Any] = field(default_factory=dict)
+    #: the quantizer's ``strict``: hooks that find something the hardware cannot run (a
+    #: constraint violation, an incomplete artifact) raise when True and warn when False
+    strict: bool = True
 
     def option(self, name: str, default: Any = None) -> Any:
         return self.options.get(name, default)

@@ -89,8 +89,7 @@ class Quantizer:
 
     def __init__(self, backend: LoadedBackend, options: dict[str, Any], *, strict: bool = True) -> None:
         self._backend = backend
-        self.strict = strict
-        self.context = BackendContext(backend=backend.info.name, options=options)
+        self.context = BackendContext(backend=backend.info.name, options=options, strict=strict)
         hook = backend.hook
         preset = options.get(backend.info.preset_option) if backend.info.preset_option else None
         config = hook.quantplug_quantization_config(preset=preset, context=self.context)
@@ -104,6 +103,15 @@ class Quantizer:
         self._constraint_cache: dict[tuple[str, str | None], list[OpConstraint]] = {}
 
     # -- description -------------------------------------------------------------------------
+    @property
+    def strict(self) -> bool:
+        """Raise on constraint violations and incomplete artifacts (False: warn)."""
+        return self.context.strict
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self.context.strict = bool(value)
+
     @property
     def backend(self) -> str:
         return self._backend.info.name

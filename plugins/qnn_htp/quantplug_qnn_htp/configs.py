@@ -117,8 +117,9 @@ class QnnQuantizationConfig(QuantizationConfig):
     """A ``QuantizationConfig`` plus the op-specific weight grids HTP rules pick from.
 
     ``weight`` is the per-tensor weight spec (what ops without a more specific field use);
-    ``conv_weight`` / ``conv_transpose_weight`` / ``linear_weight`` / ``embedding_weight`` are the
-    per-channel specs (None: per-tensor; embedding: the table takes the activation grid);
+    ``conv_weight`` / ``conv_transpose_weight`` / ``linear_weight`` / ``addmm_weight`` /
+    ``embedding_weight`` are the per-channel specs (None: per-tensor; embedding: the table takes
+    the activation grid; ``addmm``'s ``[in, out]`` weight has its channels on axis 1);
     ``block_weight`` with ``block_size`` turns conv/linear weights into LPBQ blocks along the input
     channels (the largest block up to ``block_size`` that divides a layer's input channels, or
     exactly ``block_size`` with ``exact_block_size``); ``norm_weight`` is the layer/batch-norm
@@ -132,6 +133,7 @@ class QnnQuantizationConfig(QuantizationConfig):
     conv_weight: QuantizationSpecBase | None = None
     conv_transpose_weight: QuantizationSpecBase | None = None
     linear_weight: QuantizationSpecBase | None = None
+    addmm_weight: QuantizationSpecBase | None = None
     embedding_weight: QuantizationSpecBase | None = None
     block_weight: QuantizationSpecBase | None = None
     block_size: int | None = None
@@ -274,6 +276,7 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
         conv_weight=per_channel(0) if pc_conv else None,
         conv_transpose_weight=per_channel(1) if pc_conv else None,
         linear_weight=per_channel(0) if pc_linear else None,
+        addmm_weight=per_channel(1) if pc_linear else None,
         embedding_weight=per_channel(0) if pc_embedding else None,
         block_weight=block_weight,
         block_size=block_size,
@@ -344,7 +347,7 @@ def parse_block_size_map(value: Any) -> dict[str, int]:
 
 # --- per-node weight and bias specs ----------------------------------------------------------
 
-WEIGHT_KINDS = ("conv", "conv_transpose", "linear")
+WEIGHT_KINDS = ("conv", "conv_transpose", "linear", "addmm")
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
@@ -434,6 +437,13 @@ def weight_spec_for(
         return specific if specific is not None else config.weight
     if kind == "conv_transpose":
         return config.conv_transpose_weight if config.conv_transpose_weight is not None else config.weight
+    if kind == "addmm":
+        if config.block_weight is not None:
+            node.meta[NOTE_KEY] = (
+                "per-channel 4-bit weights: LPBQ blocks need FullyConnected's [out, in] weight layout "
+                "and addmm's weight is [in, out]"
+            )
+        return config.addmm_weight if config.addmm_weight is not None else config.weight
     raise ValueError(f"unknown weight kind {kind!r}; valid: {', '.join(WEIGHT_KINDS)}")
 
 

@@ -33,6 +33,7 @@ from torch.fx import GraphModule, Node
 from quantplug import BackendContext
 from quantplug.errors import OptionError
 from quantplug_qnn_htp.configs import BLOCK_MAP_STATE
+from quantplug_qnn_htp.decompositions import decompose_composites
 from quantplug_qnn_htp.observers import MASK_THRESHOLD
 from quantplug_qnn_htp.rules.common import MASK_ARGS_KEY
 
@@ -338,6 +339,7 @@ PassFn = Callable[[GraphModule, "BackendContext | None"], None]
 #: in order (ExecuTorch runs its decompositions before LiftConstantScalarOperands)
 PASSES: tuple[tuple[str, PassFn], ...] = (
     ("qnn_htp.remove_asserts", remove_asserts),
+    ("qnn_htp.decompose_composites", decompose_composites),
     ("qnn_htp.decompose", decompose),
     ("qnn_htp.lift_scalars", lift_scalars),
     ("qnn_htp.mark_masks", mark_masks),

@@ -189,9 +189,12 @@ def quantplug_resolve_sharing(problem: Any, resolve: Callable[[Any], Any], conte
 
 @quantplug.hookimpl
 def quantplug_lowering_passes(context: BackendContext) -> Sequence[NamedPass]:
+    """``qnn_htp.linear_to_2d`` (N-D linears as 2-D FullyConnected layers, exact), then the
+    writer's own passes (``check_encodings``)."""
+    from quantplug_qnn_htp.fully_connected import linear_to_2d
     from quantplug_qnn_htp.lowering import LOWERING_PASSES
 
-    return [NamedPass(name, fn) for name, fn in LOWERING_PASSES]
+    return [NamedPass("qnn_htp.linear_to_2d", linear_to_2d), *(NamedPass(n, fn) for n, fn in LOWERING_PASSES)]
 
 
 @quantplug.hookimpl

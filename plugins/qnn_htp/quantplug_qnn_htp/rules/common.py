@@ -39,16 +39,19 @@ def annotate_weighted_op(
     config: QuantizationConfig,
     kind: str,
     *,
+    input_index: int = 0,
+    weight_index: int = 1,
     bias_index: int | None = 2,
     groups: int = 1,
     context: BackendContext | None = None,
 ) -> None:
-    """Conv / transpose conv / linear: input, weight (per-tensor/channel or LPBQ), derived bias, output."""
+    """Conv / transpose conv / linear / addmm: input, weight (per-tensor/channel or LPBQ),
+    derived bias, output."""
     if is_annotated(node):
         return
     args = node.args
-    act = args[0] if args else None
-    weight = args[1] if len(args) > 1 else None
+    act = args[input_index] if len(args) > input_index else None
+    weight = args[weight_index] if len(args) > weight_index else None
     inputs: dict[Node, QuantizationSpecBase | None] = {}
     if is_float_tensor(act) and config.input_activation is not None:
         inputs[act] = config.input_activation  # type: ignore[index]
