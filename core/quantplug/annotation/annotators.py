@@ -244,18 +244,21 @@ def derived_bias_spec(
     bias_index: int | None = 2,
     weight_spec: QuantizationSpecBase | None = None,
     dtype: torch.dtype = torch.int32,
+    bias: Node | None = None,
 ) -> DerivedQuantizationSpec:
     """The int32 bias spec of a conv/linear ``node``, derived from its input and weight observers.
 
     Built per node (its ``derived_from`` names this node's edges), so pass it as
     ``QuantizationConfig(bias=lambda n: derived_bias_spec(n, weight_spec=...))``. The bias at
-    ``bias_index``, when it is a constant, sets the scale floor of degenerate (all-zero) weight
-    channels (:func:`floor_bias_scale`).
+    ``bias_index`` (or ``bias``, a bias node that is not one of ``node``'s arguments, as in
+    ``matmul`` + ``add``), when it is a constant, sets the scale floor of degenerate (all-zero)
+    weight channels (:func:`floor_bias_scale`).
     """
     act, weight = node.args[input_index], node.args[weight_index]
     per_channel = getattr(weight_spec, "qscheme", None) in PER_CHANNEL_QSCHEMES
     info = torch.iinfo(dtype)
-    bias = node.args[bias_index] if bias_index is not None and len(node.args) > bias_index else None
+    if bias is None and bias_index is not None and len(node.args) > bias_index:
+        bias = node.args[bias_index]  # type: ignore[assignment]
     return DerivedQuantizationSpec(
         derived_from=((act, node), (weight, node)),  # type: ignore[arg-type]
         derive_qparams_fn=functools.partial(derive_bias_qparams, bias=constant_value(bias), qmax=info.max),

@@ -14,8 +14,8 @@ the written ONNX model and the names written to ``model.encodings`` and classifi
 A tensor counts as encoded when ``model.encodings`` names it, when it is the dequantized copy of
 an encoded tensor (``x -> QuantizeLinear -> DequantizeLinear``, the converter's view), or when a
 data-movement op (reshape, transpose, slice... QNN's math-invariant ops, AIMET's
-``is_output_quantized: False``) produced it from encoded inputs: QNN gives such outputs their
-input's encoding.
+``is_output_quantized: False``; also a cast to the input's own type) produced it from encoded
+inputs: QNN gives such outputs their input's encoding.
 
 ``check`` returns a :class:`CompletenessReport` (counts, missing and float tensors with reasons)
 that the writer stores in ``artifact.json``; ``check_completeness`` also raises
@@ -69,6 +69,11 @@ PARAMETER_INPUTS: dict[str, frozenset[int]] = {
 }
 #: ONNX tensor element types that hold real numbers (float, float16, double, bfloat16)
 _FLOAT_TYPES = frozenset({1, 10, 11, 16})
+_NOT_A_TENSOR = -1
+#: ONNX ops whose input 2 is a bias derived from the input and weight scales
+_WEIGHTED = frozenset({"Gemm", "Conv", "ConvTranspose"})
+#: ONNX ops that are identities when their output type equals their input type
+_SAME_TYPE_IDENTITIES = frozenset({"Cast", "CastLike"})
 _FX_NODE = re.compile(r"%([\w.]+)\s*:")
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
 #: node meta set by ``Quantizer.annotate`` on nodes left float (quantplug.quantizer.quantizer)
@@ -184,6 +189,8 @@ def _element_types(model: Any) -> dict[str, int]:
     for vi in (*graph.input, *graph.output, *graph.value_info):
         if vi.type.HasField("tensor_type"):
             types[vi.name] = vi.type.tensor_type.elem_type
+        else:  # a sequence (SplitToSequence...), map or optional: not a tensor an encoding describes
+            types[vi.name] = _NOT_A_TENSOR
     for init in graph.initializer:
         types[init.name] = init.data_type
     for node in graph.node:
@@ -213,6 +220,10 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
     graph = model.graph
     types = _element_types(model)
     producer = {out: node for node in graph.node for out in node.output if out}
+    consumers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
     encoded = set(encoded_names)
     fx_nodes = {n.name: n for n in program.graph.nodes} if program is not None else {}
 
@@ -240,8 +251,10 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
         memo[name] = False  # cycles cannot occur in ONNX; this only guards the recursion
         result = through_qdq(name)
         node = producer.get(name)
-        if not result and node is not None and node.op_type in DATA_MOVEMENT:
-            data = [i for i in node.input if is_float(i)]
+        if not result and node is not None and _moves_data(node, types):
+            data = [
+                i for i in node.input[: 1 if node.op_type in _SAME_TYPE_IDENTITIES else None] if is_float(i)
+            ]
             result = bool(data) and all(state(i) for i in data)
             if result:
                 inherited.add(name)
@@ -272,7 +285,7 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
                     report.encoded += 1
                     report.inherited += t in inherited
                 else:
-                    why = _missing_reason(t, node, producer, source, fx_nodes)
+                    why = _missing_reason(t, node, producer, consumers, fx_nodes)
                     report.missing.append(TensorStatus(t, node.op_type, node.name, source, why))
         else:
             report.float_ops += 1
@@ -286,6 +299,15 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
     return report
 
 
+def _moves_data(node: Any, types: dict[str, int]) -> bool:
+    """Data movement (the output takes its input's encoding), or a cast to the input's own type."""
+    if node.op_type in DATA_MOVEMENT:
+        return True
+    if node.op_type in _SAME_TYPE_IDENTITIES and node.input and node.output:
+        return types.get(node.input[0]) == types.get(node.output[0]) in _FLOAT_TYPES
+    return False
+
+
 def _is_qdq_clip(node: Any, producer: dict[str, Any]) -> bool:
     """The Clip a narrowed-range quantize exports as (``QuantizeLinear -> Clip``)."""
     if node.op_type != "Clip" or not node.input:
@@ -295,8 +317,13 @@ def _is_qdq_clip(node: Any, producer: dict[str, Any]) -> bool:
 
 
 def _missing_reason(
-    tensor: str, node: Any, producer: dict[str, Any], source: str, fx_nodes: dict[str, Any]
+    tensor: str,
+    node: Any,
+    producer: dict[str, Any],
+    consumers: dict[str, list[Any]],
+    fx_nodes: dict[str, Any],
 ) -> str:
+    source = _fx_source(node)
     fx = fx_nodes.get(source)
     made_by = producer.get(tensor)
     inside = made_by is node or (made_by is not None and _fx_source(made_by) == source)
@@ -306,9 +333,18 @@ def _missing_reason(
             f"intermediate tensor of {target}: the ONNX exporter expanded this quantized op into "
             "several ONNX ops and no quantize/dequantize sits between them"
         )
-    reason = fx.meta.get(FLOAT_REASON_KEY) if fx is not None else None
-    if reason:
-        return f"an input or output of a quantized op left float ({reason})"
+    if made_by is None and node.op_type in _WEIGHTED and list(node.input)[2:3] == [tensor]:
+        return (
+            "the bias of a layer whose input has no encoding (an int32 bias is derived from the input scale)"
+        )
+    # a neighbour left float (discarded, no rule...) takes the edge with it
+    neighbours = [made_by] if made_by is not None else []
+    neighbours += consumers.get(tensor, [])
+    for other in neighbours:
+        name = _fx_source(other)
+        reason = fx_nodes[name].meta.get(FLOAT_REASON_KEY) if name in fx_nodes else None
+        if reason:
+            return f"the edge to {name!r}, which stays float ({reason})"
     return "a float input or output of a quantized op (no quantize/dequantize on this edge)"
 
 

@@ -125,8 +125,9 @@ class QnnQuantizationConfig(QuantizationConfig):
     exactly ``block_size`` with ``exact_block_size``); ``norm_weight`` is the layer/batch-norm
     weight grid; ``matmul_in1`` the second MatMul operand's grid (None: the activation spec);
     ``norm_bias`` an int32 symmetric grid for biases that are not derived (norms); ``concat`` the
-    output grid of ``cat`` (absolute range); ``mask_margin`` where ``-inf`` mask values land
-    below the data (see ``observers``).
+    output grid of ``cat`` (absolute range); ``statistic`` the grid of per-row statistics
+    (variance, 1/rms: absolute range too); ``mask_margin`` where ``-inf`` mask values land below
+    the data (see ``observers``).
     """
 
     precision: str = DEFAULT_PRECISION
@@ -142,6 +143,7 @@ class QnnQuantizationConfig(QuantizationConfig):
     matmul_in1: QuantizationSpecBase | None = None
     norm_bias: QuantizationSpecBase | None = None
     concat: QuantizationSpecBase | None = None
+    statistic: QuantizationSpecBase | None = None
     mask_margin: float = DEFAULT_MASK_MARGIN
 
     def masked(self, spec: QuantizationSpecBase | None) -> QuantizationSpecBase | None:
@@ -285,6 +287,7 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
         matmul_in1=int16_sym(MinMaxObserver) if sixteen else None,
         norm_bias=norm_bias,
         concat=concat,
+        statistic=concat,  # the same absolute-range observer (rules.common.observe_absolute_range)
         mask_margin=margin,
     )
 

@@ -17,7 +17,7 @@ the precision's quantization and each op's HTP constraints apply:
   ``alpha``/``beta`` other than 1) -> ``mm`` + ``add`` (+ ``mul``), ExecuTorch's
   ``DecomposeAddmm``; ``baddbmm`` -> ``bmm`` + ``add`` (+ ``mul``).
 * ``rsqrt`` -> ``sqrt`` + ``reciprocal`` (ONNX has no Rsqrt); ``floor_divide`` -> ``div`` + ``floor``;
-  ``square`` and ``pow(x, 2)`` -> ``mul(x, x)``; ``rms_norm`` -> ``mul/mean/add/rsqrt/mul`` (ONNX
+  ``square`` and ``pow(x, 2)``/``pow(x, 3)`` -> ``mul``s; ``rms_norm`` -> ``mul/mean/add/rsqrt/mul`` (ONNX
   opset 21 has no RMSNormalization).
 
 Every new node carries the original's stack and debug handle; shapes and dtypes (``meta["val"]``)
@@ -41,6 +41,10 @@ aten = torch.ops.aten
 
 #: node meta naming the decomposition a node was created by (kept through prepare and convert)
 DECOMPOSED_FROM_KEY = "qnn_htp_decomposed_from"
+#: node meta marking a per-row statistic (mean square, variance, rms, 1/rms): its rule observes
+#: the absolute range, since a moving average clips the rows with the smallest or largest values
+#: and the clipped factor then scales the whole row wrongly
+ABSOLUTE_RANGE_KEY = "qnn_htp_absolute_range"
 _KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "quantplug_debug_handle", "from_node")
 
 
@@ -219,8 +223,18 @@ def decompose_baddbmm(b: _Builder, node: Node) -> Node | None:
 # --- elementwise ----------------------------------------------------------------------------------
 
 
+def _statistic(node: Any) -> Any:
+    if isinstance(node, Node) and node.op == "call_function":
+        node.meta[ABSOLUTE_RANGE_KEY] = True
+    return node
+
+
 def decompose_rsqrt(b: _Builder, node: Node) -> Node | None:
-    return b.call(aten.reciprocal.default, b.call(aten.sqrt.default, node.args[0]))
+    """``rsqrt(v)`` -> ``reciprocal(sqrt(v))``; ``v`` (a variance, in RMSNorm and LayerNorm
+    written out by hand, as in HF Llama) and both results are per-row statistics."""
+    _statistic(node.args[0])
+    root = _statistic(b.call(aten.sqrt.default, node.args[0]))
+    return _statistic(b.call(aten.reciprocal.default, root))
 
 
 def decompose_floor_divide(b: _Builder, node: Node) -> Node | None:
@@ -232,7 +246,13 @@ def decompose_square(b: _Builder, node: Node) -> Node | None:
 
 
 def decompose_pow(b: _Builder, node: Node) -> Node | None:
-    return b.call(aten.mul.Tensor, node.args[0], node.args[0]) if node.args[1] == 2 else None
+    """``x ** 2`` -> ``x * x``, ``x ** 3`` -> ``x * x * x`` (GELU's tanh form): exact, and no
+    quantized exponent."""
+    x, exponent = node.args[0], node.args[1]
+    if exponent not in (2, 3):
+        return None
+    square = b.call(aten.mul.Tensor, x, x)
+    return square if exponent == 2 else b.call(aten.mul.Tensor, square, x)
 
 
 def decompose_rms_norm(b: _Builder, node: Node) -> Node | None:
@@ -245,10 +265,9 @@ def decompose_rms_norm(b: _Builder, node: Node) -> Node | None:
     if eps is None:
         eps = torch.finfo(_val(x).dtype).eps
     axes = list(range(-len(dims), 0))
-    mean_sq = b.call(aten.mean.dim, b.call(aten.mul.Tensor, x, x), axes, True)
-    inv = b.call(
-        aten.reciprocal.default, b.call(aten.sqrt.default, b.call(aten.add.Tensor, mean_sq, float(eps)))
-    )
+    mean_sq = _statistic(b.call(aten.mean.dim, b.call(aten.mul.Tensor, x, x), axes, True))
+    variance = _statistic(b.call(aten.add.Tensor, mean_sq, float(eps)))
+    inv = _statistic(b.call(aten.reciprocal.default, _statistic(b.call(aten.sqrt.default, variance))))
     out = b.call(aten.mul.Tensor, x, inv)
     return b.call(aten.mul.Tensor, out, weight) if isinstance(weight, Node) else out
 
