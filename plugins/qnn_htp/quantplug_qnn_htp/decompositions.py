@@ -13,6 +13,8 @@ the precision's quantization and each op's HTP constraints apply:
   ``-inf`` constants then go through ``lift_scalars`` and ``mark_masks``, so the 16-bit mask
   handling (``MaskAwareObserver``) applies to them. The scale multiplies ``q`` once (ExecuTorch
   multiplies both ``q`` and ``k^T`` by its square root: one more quantized tensor).
+* ``x @ W + b`` (``matmul``/``mm`` with a constant ``[in, out]`` weight, then the add of a constant
+  bias) -> ``addmm``, a FullyConnected quantized as a linear (the rule in ``linear_rules``);
 * ``addmm`` that is not a fully connected layer (a non-constant ``mat2`` or bias, or
   ``alpha``/``beta`` other than 1) -> ``mm`` + ``add`` (+ ``mul``), ExecuTorch's
   ``DecomposeAddmm``; ``baddbmm`` -> ``bmm`` + ``add`` (+ ``mul``).
@@ -220,6 +222,30 @@ def decompose_baddbmm(b: _Builder, node: Node) -> Node | None:
     return b.call(aten.add.Tensor, product, _scaled(b, bias, node.kwargs.get("beta", 1)))  # type: ignore[arg-type]
 
 
+def recompose_linear_add(b: _Builder, node: Node) -> Node | None:
+    """``add(matmul(x, W), bias)`` with a constant ``W [in, out]`` and a constant bias of ``out``
+    values (``x @ W + b``) -> ``addmm(bias, x2d, W)``, a FullyConnected quantized as a linear
+    (``reshape`` around it for inputs of rank > 2); the product must have no other user."""
+    product, bias = node.args[0], node.args[1]
+    if not (isinstance(product, Node) and product.target in (aten.matmul.default, aten.mm.default)):
+        return None
+    if len(product.users) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    x, weight = product.args[0], product.args[1]
+    w_shape, x_shape = _shape(weight), _shape(x)
+    if not (_is_constant(weight) and _is_constant(bias) and len(w_shape) == 2 and len(x_shape) >= 2):
+        return None
+    b_shape = _shape(bias)
+    if not b_shape or b_shape[-1] != w_shape[1] or math.prod(b_shape) != w_shape[1]:
+        return None
+    lead = x_shape[:-1]
+    if not _static(lead):
+        return None
+    flat = x if len(x_shape) == 2 else b.call(aten.reshape.default, x, [-1, w_shape[0]])
+    out = b.call(aten.addmm.default, bias, flat, weight)
+    return out if len(x_shape) == 2 else b.call(aten.view.default, out, [*lead, w_shape[1]])
+
+
 # --- elementwise ----------------------------------------------------------------------------------
 
 
@@ -278,6 +304,7 @@ Decomposition = Callable[[_Builder, Node], "Node | None"]
 DECOMPOSITIONS: dict[Any, Decomposition] = {
     aten.scaled_dot_product_attention.default: decompose_sdpa,
     aten.addmm.default: decompose_addmm,
+    aten.add.Tensor: recompose_linear_add,
     aten.baddbmm.default: decompose_baddbmm,
     aten.rsqrt.default: decompose_rsqrt,
     aten.floor_divide.default: decompose_floor_divide,
