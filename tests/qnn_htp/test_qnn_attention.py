@@ -28,7 +28,7 @@ import quantplug
 from quantplug.flow.graph_copy import working_copy
 
 from .attention_models import CrossMhaBlock, MhaBlock, SdpaBlock
-from .real_models import tiny_llama
+from .real_models import tiny_gpt2, tiny_llama
 
 pytest.importorskip("quantplug_qnn_htp")
 
@@ -64,6 +64,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Inpu
     "mha": (lambda: MhaBlock(), _x(), []),
     "mha_cross": (lambda: CrossMhaBlock(), _cross, []),
     "llama_gqa": (lambda: tiny_llama(), _tokens, [LOWERING_DEDUP]),
+    "gpt2": (lambda: tiny_gpt2(), _tokens, [LOWERING_DEDUP]),
 }
 
 
