@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
@@ -193,3 +195,47 @@ def test_masked_scores_keep_their_resolution(precision: str) -> None:
         for e in masked:
             lowest = (e["quant_min"] - e["zero_point"]) * e["scale"]
             assert -16.0 - 12.0 < lowest < -16.0, (name, e)
+
+
+class _Sdpa(nn.Module):
+    def __init__(self, mask: torch.Tensor | None, causal: bool, scale: float | None, gqa: bool) -> None:
+        super().__init__()
+        self.mask, self.causal, self.scale, self.gqa = mask, causal, scale, gqa
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, is_causal=self.causal, scale=self.scale, enable_gqa=self.gqa
+        )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    q_len=st.integers(1, 6),
+    kv_len=st.integers(1, 6),
+    dim=st.sampled_from([4, 8]),
+    mask=st.sampled_from(["none", "bool", "float", "causal"]),
+    scale=st.sampled_from([None, 0.3]),
+)
+def test_sdpa_decomposition_is_exact_for_any_shape(
+    batch: int, kv_heads: int, group: int, q_len: int, kv_len: int, dim: int, mask: str, scale: float | None
+) -> None:
+    from quantplug_qnn_htp.decompositions import decompose_composites
+
+    g = torch.Generator().manual_seed(batch * 100 + q_len * 10 + kv_len)
+    heads = kv_heads * group
+    q = torch.randn(batch, heads, q_len, dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, kv_len, dim, generator=g) for _ in range(2))
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(q_len, kv_len, generator=g) > 0.4
+        attn_mask[:, 0] = True  # no fully masked row (softmax of all -inf is NaN in both forms)
+    elif mask == "float":
+        attn_mask = torch.randn(q_len, kv_len, generator=g)
+    model = _Sdpa(attn_mask, mask == "causal", scale, group > 1).eval()
+    gm = working_copy(torch.export.export(model, (q, k, v)))
+    decompose_composites(gm)
+    assert not any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(q, k, v), model(q, k, v), rtol=1e-5, atol=1e-5, equal_nan=True)
