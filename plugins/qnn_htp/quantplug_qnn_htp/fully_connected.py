@@ -61,6 +61,7 @@ class _Emitter:
 
 
 def _reshaped(val: Any, shape: list[Any]) -> Any:
+    """``val.reshape(shape)`` on the fake tensor (``-1`` keeps dynamic dims symbolic)."""
     if not isinstance(val, torch.Tensor):
         return None
     from torch._guards import detect_fake_mode
@@ -85,12 +86,16 @@ def linear_to_2d(program: GraphModule, context: BackendContext | None = None) ->
         if not isinstance(x, Node) or not isinstance(x_val, torch.Tensor) or x_val.dim() <= 2:
             continue
         in_features, out_features = x_val.shape[-1], y_val.shape[-1]
-        lead = (
-            [int(d) for d in x_val.shape[:-1]] if all(isinstance(d, int) for d in x_val.shape[:-1]) else None
-        )
-        if lead is None or not isinstance(in_features, int) or not isinstance(out_features, int):
-            continue  # dynamic leading dims: left to the exporter
+        if not isinstance(in_features, int) or not isinstance(out_features, int):
+            continue
         emit = _Emitter(program, node)
+        lead: list[Any] = []  # the leading dims to restore: ints, or sym_size nodes where dynamic
+        for i, dim in enumerate(x_val.shape[:-1]):
+            if isinstance(dim, int):
+                lead.append(dim)
+            else:
+                with graph.inserting_before(node):
+                    lead.append(emit.call(aten.sym_size.int, (x, i), dim))
         quantized = x.op == "call_function" and x.target in _PAIRS
         key = (x.args[0], *x.args[1:]) if quantized else (x,)
         flat = flat_inputs.get(key)
