@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -17,34 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-_NMS_SCHEMAS = (
-    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-)
-_torchvision_ops: Any = None  # the Library declaring the schemas below, kept alive
+from ..torchvision_compat import ensure_importable
 
 
 def torchvision_models() -> ModuleType:
-    """``torchvision.models``, also where torchvision's compiled ops cannot load.
-
-    PyPI's torchvision 0.28.0 wheel is built against CUDA torch; next to the CPU torch its ``_C``
-    extension does not load, and ``import torchvision`` then fails registering fake kernels for
-    ``torchvision::nms``/``qnms``. Declaring those two schemas lets the pure-Python models import
-    (no test calls a detection op).
-    """
-    global _torchvision_ops
-    try:
-        return importlib.import_module("torchvision.models")
-    except ImportError:
+    """``torchvision.models`` (skips the test where torchvision is not installed)."""
+    if importlib.util.find_spec("torchvision") is None:
         pytest.skip("torchvision is not installed (scripts/setup.sh --test installs it)")
-    except RuntimeError as exc:
-        if "torchvision::" not in str(exc) or _torchvision_ops is not None:
-            raise
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]
-    _torchvision_ops = torch.library.Library("torchvision", "DEF")
-    for schema in _NMS_SCHEMAS:
-        _torchvision_ops.define(schema)
+    ensure_importable()
     return importlib.import_module("torchvision.models")
 
 
@@ -67,9 +46,7 @@ def small_vit(num_classes: int = 10, hidden: int = 32, layers: int = 2) -> nn.Mo
 
 
 def _transformers() -> ModuleType:
-    """transformers, which imports torchvision where it is installed (hence the fix above first)."""
-    if importlib.util.find_spec("torchvision") is not None:
-        torchvision_models()
+    ensure_importable()  # transformers imports torchvision where it is installed
     return pytest.importorskip("transformers")
 
 

@@ -8,8 +8,10 @@ the written ONNX model and the names written to ``model.encodings`` and classifi
 * a **quantized op** touches at least one encoded float tensor; each of its float tensors without
   an encoding is **missing** -- typically an intermediate of a PyTorch op the ONNX exporter
   expanded into several ONNX ops (no Q/DQ between them);
-* a **float op** touches no encoded tensor: left float on purpose (discarded, no rule...), each
-  such tensor is listed with the reason recorded at annotation.
+* a **float op** is one quantplug left float (no rule, discarded: the reason recorded at
+  annotation), or one that touches no encoded tensor; its unencoded tensors are listed with that
+  reason. Constant subgraphs (ops computing from constants only) are skipped: the converter folds
+  them into the static tensors they make.
 
 A tensor counts as encoded when ``model.encodings`` names it, when it is the dequantized copy of
 an encoded tensor (``x -> QuantizeLinear -> DequantizeLinear``, the converter's view), or when a
@@ -203,6 +205,17 @@ def _element_types(model: Any) -> dict[str, int]:
     return types
 
 
+_FX_TARGET = re.compile(r"target=([\w.]+)")
+
+
+def _fx_target(node: Any) -> str:
+    for prop in node.metadata_props:
+        if prop.key == FX_NODE_KEY:
+            found = _FX_TARGET.search(prop.value)
+            return found.group(1) if found else ""
+    return ""
+
+
 def _fx_source(node: Any) -> str:
     for prop in node.metadata_props:
         if prop.key == FX_NODE_KEY:
@@ -225,7 +238,7 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
         for name in node.input:
             consumers.setdefault(name, []).append(node)
     encoded = set(encoded_names)
-    fx_nodes = {n.name: n for n in program.graph.nodes} if program is not None else {}
+    fx_nodes = {n.name: n for n in program.graph.nodes} if program is not None else {}  # by name
 
     def is_float(name: str) -> bool:
         return bool(name) and types.get(name, 1 if name in producer else 0) in _FLOAT_TYPES
@@ -261,20 +274,28 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
         memo[name] = result
         return result
 
+    constant = _constant_tensors(graph)
+    origin = _Origins(graph, program)
     report = CompletenessReport()
     counted: set[str] = set()
     seen_float: set[str] = set()
     for node in graph.node:
         if node.op_type in _QDQ or node.op_type == "Constant" or _is_qdq_clip(node, producer):
             continue
+        if node.input and all(i in constant for i in node.input if i):
+            continue  # a constant subgraph: the converter folds it into the static tensor it makes
         params = PARAMETER_INPUTS.get(node.op_type, frozenset())
         inputs = [t for i, t in enumerate(node.input) if i not in params]
         tensors = [t for t in (*inputs, *node.output) if is_float(t)]
         if not tensors:
             continue
         status = {t: state(t) for t in tensors}
-        source = _fx_source(node)
-        if any(status.values()):
+        fx = origin(node)
+        source = fx.name if fx is not None else _fx_source(node)
+        left_float = fx is not None and fx.op == "call_function" and FLOAT_REASON_KEY in fx.meta
+        if left_float:  # quantplug kept this op float (no rule, discarded...): its encoded
+            status = {t: ok for t, ok in status.items() if not ok}  # inputs are dequantized ones
+        if not left_float and any(status.values()):
             report.quantized_ops += 1
             for t, ok in status.items():
                 if t in counted:
@@ -289,14 +310,60 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
                     report.missing.append(TensorStatus(t, node.op_type, node.name, source, why))
         else:
             report.float_ops += 1
-            for t in tensors:
+            for t in status:
                 if t in seen_float:
                     continue
                 seen_float.add(t)
                 report.float_tensors.append(
-                    TensorStatus(t, node.op_type, node.name, source, _float_reason(source, fx_nodes))
+                    TensorStatus(t, node.op_type, node.name, source, _float_reason(fx))
                 )
     return report
+
+
+_STACK_KEY = "pkg.torch.onnx.stack_trace"
+
+
+class _Origins:
+    """The program node an ONNX node comes from.
+
+    Usually the exporter names it (``pkg.torch.onnx.fx_node``). An op the exporter decomposed
+    before translating (no ONNX function for it: hardshrink, var...) leaves nodes named after its
+    pieces instead, and an exporter that renames nodes leaves other names: both are matched by
+    source line to the program nodes that have no ONNX node of their own -- the one with the same
+    op (a renamed node), else the op left float on that line (whose pieces are float too).
+    """
+
+    def __init__(self, graph: Any, program: GraphModule | None) -> None:
+        self.nodes = {n.name: n for n in program.graph.nodes} if program is not None else {}
+        named = {_fx_source(n) for n in graph.node}
+        self.vanished: dict[str, list[Any]] = {}
+        for n in self.nodes.values():
+            trace = n.meta.get("stack_trace")
+            if n.op == "call_function" and n.name not in named and trace and "quantize" not in str(n.target):
+                self.vanished.setdefault(str(trace).strip(), []).append(n)
+
+    def __call__(self, node: Any) -> Any:
+        found = self.nodes.get(_fx_source(node))
+        if found is not None or not self.vanished:
+            return found
+        trace = next((p.value for p in node.metadata_props if p.key == _STACK_KEY), "")
+        candidates = self.vanished.get(trace.strip(), [])
+        target = _fx_target(node)
+        same_op = [c for c in candidates if target and target.endswith(str(c.target))]
+        if same_op:  # the program node itself, under another name
+            return same_op[0]
+        # a piece of a decomposed op: attribute it to the op left float on that line, if any
+        return next((c for c in candidates if FLOAT_REASON_KEY in c.meta), None)
+
+
+def _constant_tensors(graph: Any) -> set[str]:
+    """Initializers, Constant outputs, and what ops compute from nothing else (in graph order)."""
+    constant = {i.name for i in graph.initializer}
+    for node in graph.node:
+        inputs = [i for i in node.input if i]
+        if node.op_type == "Constant" or (inputs and all(i in constant for i in inputs)):
+            constant.update(o for o in node.output if o)
+    return constant
 
 
 def _moves_data(node: Any, types: dict[str, int]) -> bool:
@@ -348,8 +415,7 @@ def _missing_reason(
     return "a float input or output of a quantized op (no quantize/dequantize on this edge)"
 
 
-def _float_reason(source: str, fx_nodes: dict[str, Any]) -> str:
-    fx = fx_nodes.get(source)
+def _float_reason(fx: Any) -> str:
     reason = fx.meta.get(FLOAT_REASON_KEY) if fx is not None else None
     if reason:
         return str(reason)

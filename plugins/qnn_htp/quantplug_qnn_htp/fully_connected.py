@@ -7,14 +7,13 @@ instead of its ``FullyConnected`` (which is 2-D on HTP; ExecuTorch reshapes arou
 2-D linear exports as one ``Gemm``. This pass, run on the quantized program before export,
 rewrites
 
-    DQ(x) -> linear -> Q(y)     into
-    DQ(x) -> reshape(-1, in) -> Q -> DQ -> linear -> Q -> DQ -> view(*lead, out) -> Q(y)
+    DQ(x) -> linear -> Q -> DQ -> consumer     into
+    DQ(x) -> reshape(-1, in) -> linear -> Q -> DQ -> view(*lead, out) -> consumer
 
-repeating ``x``'s and ``y``'s own quantization parameters around the reshapes, so the program's
-numbers do not change (requantizing on the same grid is exact) and every ONNX tensor of the
-layer has an encoding. It runs at lowering, not before annotation, so the quantized program --
-and its parity with ExecuTorch -- is untouched (an observer added before calibration would move
-the moving-average statistics of the groups it joins).
+The quantize of the output moves onto the 2-D result (same parameters, same values), and the
+reshapes only move values, so the numbers do not change, no encoding is added, and QNN gives
+each reshape output its input's encoding (data movement). It runs at lowering, not before
+annotation, so the quantized program -- and its parity with ExecuTorch -- is untouched.
 """
 
 from __future__ import annotations
@@ -27,37 +26,18 @@ from torch.fx import GraphModule, Node
 from quantplug import BackendContext
 
 aten = torch.ops.aten
-_qd = torch.ops.quantized_decomposed
-#: per-tensor quantize/dequantize pairs whose parameters can be repeated around a reshape
-_PAIRS = {
-    _qd.dequantize_per_tensor.default: _qd.quantize_per_tensor.default,
-    _qd.dequantize_per_tensor.tensor: _qd.quantize_per_tensor.tensor,
-}
-_QUANTIZE = frozenset(_PAIRS.values())
 _KEEP_META = ("nn_module_stack", "stack_trace", "quantplug_debug_handle")
+_QDQ_NAMESPACES = frozenset({"quantized_decomposed", "quantplug"})
 
 
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, Node) else node
 
 
-class _Emitter:
-    def __init__(self, gm: GraphModule, like: Node) -> None:
-        self.graph = gm.graph
-        self.meta = {k: like.meta[k] for k in _KEEP_META if k in like.meta}
-
-    def call(self, target: Any, args: tuple[Any, ...], val: Any) -> Node:
-        node = self.graph.call_function(target, args)
-        node.meta.update(self.meta)
-        if val is not None:
-            node.meta["val"] = val
-        return node
-
-    def requantized(self, x: Node, dq_like: Node) -> Node:
-        """``DQ(Q(x))`` on the grid of the per-tensor dequantize ``dq_like``."""
-        params = dq_like.args[1:]
-        q = self.call(_PAIRS[dq_like.target], (x, *params), None)  # type: ignore[index]
-        return self.call(dq_like.target, (q, *params), _val(x))
+def _is_qdq(node: Node) -> bool:
+    """A quantize or dequantize node of the program (torch's decomposed ops or quantplug's)."""
+    namespace = getattr(node.target, "namespace", None)
+    return node.op == "call_function" and namespace in _QDQ_NAMESPACES and "quantize" in str(node.target)
 
 
 def _reshaped(val: Any, shape: list[Any]) -> Any:
@@ -73,10 +53,39 @@ def _reshaped(val: Any, shape: list[Any]) -> Any:
         return val.reshape(shape)
 
 
+class _Rewrite:
+    """One linear's rewrite: the flattened input, the 2-D output chain, the views back."""
+
+    def __init__(self, gm: GraphModule, node: Node, lead: list[Any], out_features: int) -> None:
+        self.graph = gm.graph
+        self.meta = {k: node.meta[k] for k in _KEEP_META if k in node.meta}
+        self.lead = lead
+        self.out_features = out_features
+
+    def call(self, target: Any, args: tuple[Any, ...], val: Any) -> Node:
+        node = self.graph.call_function(target, args)
+        node.meta.update(self.meta)
+        node.meta["val"] = val
+        return node
+
+    def restore(self, producer: Node, val_3d: Any) -> None:
+        """Make ``producer`` (and the Q/DQ chain after it) 2-D, with a view back to 3-D for every
+        consumer outside that chain."""
+        producer.meta["val"] = _reshaped(val_3d, [-1, self.out_features])
+        outside = [u for u in producer.users if not _is_qdq(u)]
+        for user in [u for u in producer.users if _is_qdq(u)]:
+            self.restore(user, val_3d)
+        if outside:
+            with self.graph.inserting_after(producer):
+                view = self.call(aten.view.default, (producer, [*self.lead, self.out_features]), val_3d)
+            for user in outside:
+                user.replace_input_with(producer, view)
+
+
 def linear_to_2d(program: GraphModule, context: BackendContext | None = None) -> None:
     """Rewrite every linear with a rank > 2 input around a 2-D linear (see the module docstring)."""
     graph = program.graph
-    flat_inputs: dict[tuple[Any, ...], Node] = {}  # one reshape per quantized source and grid
+    flat_inputs: dict[Node, Node] = {}  # linears reading one tensor share one reshape
     changed = False
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default:
@@ -88,41 +97,22 @@ def linear_to_2d(program: GraphModule, context: BackendContext | None = None) ->
         in_features, out_features = x_val.shape[-1], y_val.shape[-1]
         if not isinstance(in_features, int) or not isinstance(out_features, int):
             continue
-        emit = _Emitter(program, node)
-        lead: list[Any] = []  # the leading dims to restore: ints, or sym_size nodes where dynamic
-        for i, dim in enumerate(x_val.shape[:-1]):
+        rewrite = _Rewrite(program, node, [], out_features)
+        for i, dim in enumerate(x_val.shape[:-1]):  # ints, or sym_size nodes where dynamic
             if isinstance(dim, int):
-                lead.append(dim)
+                rewrite.lead.append(dim)
             else:
                 with graph.inserting_before(node):
-                    lead.append(emit.call(aten.sym_size.int, (x, i), dim))
-        quantized = x.op == "call_function" and x.target in _PAIRS
-        key = (x.args[0], *x.args[1:]) if quantized else (x,)
-        flat = flat_inputs.get(key)
+                    rewrite.lead.append(rewrite.call(aten.sym_size.int, (x, i), dim))
+        flat = flat_inputs.get(x)
         if flat is None:
             with graph.inserting_before(node):
-                flat = emit.call(
+                flat = rewrite.call(
                     aten.reshape.default, (x, [-1, in_features]), _reshaped(x_val, [-1, in_features])
                 )
-                if quantized:
-                    flat = emit.requantized(flat, x)
-            flat_inputs[key] = flat
+            flat_inputs[x] = flat
         node.args = (flat, *node.args[1:])
-        node.meta["val"] = _reshaped(y_val, [-1, out_features])
-        users = list(node.users)
-        quantizes = [u for u in users if u.op == "call_function" and u.target in _QUANTIZE]
-        out: Node = node
-        if len(quantizes) == 1 and len(users) == 1:
-            q = quantizes[0]
-            dq_target = next(d for d, qt in _PAIRS.items() if qt is q.target)
-            with graph.inserting_after(node):
-                q2 = emit.call(q.target, (node, *q.args[1:]), None)
-            with graph.inserting_after(q2):
-                out = emit.call(dq_target, (q2, *q.args[1:]), node.meta["val"])
-        with graph.inserting_after(out):
-            restored = emit.call(aten.view.default, (out, [*lead, out_features]), y_val)
-        for user in users:
-            user.replace_input_with(node, restored)
+        rewrite.restore(node, y_val)
         changed = True
     if changed:
         graph.lint()
