@@ -76,7 +76,7 @@ def _block_sizes(gm: torch.fx.GraphModule) -> dict[str, int | None]:
     """Weight tensor -> its LPBQ block along the input channels (None: per-channel)."""
     out: dict[str, int | None] = {}
     for e in encodings(gm):
-        if e["kind"] == "constant" and e["dtype"] != torch.int32:
+        if e["kind"] == "constant" and e["dtype"] != "int32":  # weights, not biases
             out[e["tensor"]] = int(e["block_size"][1]) if e["granularity"] == "block" else None
     return out
 
