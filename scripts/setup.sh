@@ -50,6 +50,9 @@ if [ "${1:-}" = "--test" ]; then
   pip_install torchao==0.18.0 --no-deps
   pip_install executorch==1.5.1 --no-deps
   pip_install flatbuffers packaging pyyaml ruamel.yaml tabulate sympy typing-extensions expecttest parameterized
+  # real architectures for the tests (random weights, no downloads): torchvision without its torch pin
+  pip_install torchvision==0.28.0 --no-deps
+  pip_install transformers==5.23.0
   # tests/cli: rendering report.html in headless Chromium (Debian package)
   if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
     system_install chromium "headless rendering of report.html in tests/cli" \

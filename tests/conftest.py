@@ -59,6 +59,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # ops as a side effect; test modules read them (torch.ops.quantized_decomposed) at import
     import torch.ao.quantization.fx._decomposed  # noqa: F401
 
+    from tests.torchvision_compat import ensure_importable
+
+    ensure_importable()  # torchvision (and transformers, which imports it) next to CPU torch
+
     if os.environ.get("QUANTPLUG_TEST_SITE"):  # a nested pytest: the outer session set it up
         return
     _site = Path(tempfile.mkdtemp(prefix="quantplug-test-site-"))

@@ -332,6 +332,8 @@ def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], 
         bar.total = lowering_quantizer.steps + 1  # passes, the writer, saving the files
         with bar:
             artifact = quantplug.lower(quantized, lowering_quantizer)
+            for line in artifact.metadata.get("warnings", ()):  # the backend's findings
+                warn(str(line))
             bar.step("saving")
             artifact.save(stage.path / "artifact")
             bar.advance(detail="saved")

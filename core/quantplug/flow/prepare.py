@@ -77,6 +77,51 @@ class PreparedState:
         return getattr(getattr(gm, OBSERVERS), f"g{gid}")
 
 
+class PreparedModule(GraphModule):
+    """What :func:`prepare` returns: a GraphModule whose observer nodes also resolve by name.
+
+    quantplug keeps every observer in one container (``quantplug_observers.gN``: O(1) naming, one
+    module tree), so an observer node is named ``quantplug_observers_gN`` while its module lives
+    at ``quantplug_observers.gN``. Observers written for torchao's prepare, where a node's name is
+    its module's attribute name, look their peers up as ``getattr(gm, node.name)`` (ExecuTorch's
+    ``ConcatObserver`` does, to widen its inputs' observers): here any attribute that is not found
+    otherwise and names a ``call_module`` node resolves to the module that node calls. The lookup
+    only runs on a miss and builds its name table once (again if the graph changed).
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            target = self._module_name_table(name)
+            if target is None:
+                raise
+            return self.get_submodule(target)
+
+    def _module_name_table(self, name: str) -> str | None:
+        table = self.__dict__.get("_quantplug_call_module_names")
+        if table is None or name not in table:  # first miss, or the graph changed since
+            graph = self.__dict__.get("_graph")
+            if graph is None:
+                return None
+            table = {n.name: str(n.target) for n in graph.nodes if n.op == "call_module"}
+            self.__dict__["_quantplug_call_module_names"] = table
+        return table.get(name)
+
+
+def _as_prepared_module(gm: GraphModule) -> None:
+    """Make ``gm`` a :class:`PreparedModule` in place (before its code is generated).
+
+    GraphModule gives every instance its own class (its ``forward`` is installed on it); the
+    per-instance class here is named like torch's, whose copying finds ``PreparedModule`` beneath it.
+    """
+
+    class GraphModuleImpl(PreparedModule):
+        pass
+
+    gm.__class__ = GraphModuleImpl
+
+
 def _call(quantizer: Any, method: str, gm: GraphModule) -> Any:
     fn = getattr(quantizer, method, None)
     return fn(gm) if callable(fn) else None
@@ -193,6 +238,7 @@ def _prepare(
         container.add_module(f"g{gid}", obs)
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
+    _as_prepared_module(gm)
     compile_now(gm)
     gm.meta[STATE_KEY] = state
     gm.meta[BACKEND_KEY] = state.backend

@@ -44,6 +44,9 @@ logger = logging.getLogger("quantplug")
 
 FLOAT_REASON_KEY = "quantplug_float_reason"
 RULE_KEY = "quantplug_rule"
+#: node meta a rule may set on a node it quantizes differently from what the options asked for
+#: (e.g. a smaller LPBQ block): shown by ``coverage()`` next to the node
+NOTE_KEY = "quantplug_coverage_note"
 
 AnnotationCallback = Callable[[GraphModule, BackendContext], None]
 
@@ -83,6 +86,11 @@ class CoverageReport:
     @property
     def quantized_nodes(self) -> list[NodeCoverage]:
         return [n for n in self.nodes if n.quantized]
+
+    @property
+    def noted_nodes(self) -> list[NodeCoverage]:
+        """Quantized nodes with a note (quantized otherwise than the options asked)."""
+        return [n for n in self.nodes if n.quantized and n.note]
 
     def float_ops(self) -> Counter[str]:
         return Counter(n.op for n in self.float_nodes)
@@ -133,6 +141,15 @@ class Quantizer:
         self._fusion_patterns: tuple[FusionPattern, ...] | None = None
 
     # -- description -------------------------------------------------------------------------
+    @property
+    def strict(self) -> bool:
+        """Raise on constraint violations and incomplete artifacts (False: warn)."""
+        return self.context.strict
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self.context.strict = bool(value)
+
     @property
     def backend(self) -> str:
         return self._backend.info.name
@@ -448,7 +465,7 @@ def coverage_of(gm: GraphModule, groups: SharingGroups | None = None, *, backend
         fused_with = node.meta.get(FUSED_TAIL_KEY) or node.meta.get(FUSED_HEAD_KEY)
         quantized = _has_specs(node)
         reason = "" if quantized else node.meta.get(FLOAT_REASON_KEY, "not annotated")
-        note = ""
+        note = str(node.meta.get(NOTE_KEY, "")) if quantized else ""
         if quantized and kept is not None:
             keys = _annotated_keys(node)
             survivors = [k for k in keys if k in kept]

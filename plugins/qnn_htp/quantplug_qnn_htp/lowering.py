@@ -35,6 +35,7 @@ from quantplug.errors import LoweringError
 from quantplug.flow.inspect import encodings as program_encodings
 from quantplug.lowering.provenance import describe
 from quantplug_qnn_htp import encodings as qnn_enc
+from quantplug_qnn_htp.completeness import check_completeness
 
 META_KEY = "qnn_htp_encodings"
 
@@ -197,6 +198,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
     """``model.onnx`` + ``model.encodings`` (AIMET ``encodings_version``) for QNN converters."""
     version = context.option("encodings_version") or qnn_enc.DEFAULT_VERSION
     model, encs, conflicts = onnx_encodings(program, context)
+    completeness = check_completeness(model, [e.name for e in encs], program, strict=context.strict)
     try:
         document = qnn_enc.to_aimet(encs, version, quantizer_args=_quantizer_args(context, encs))
     except qnn_enc.EncodingError as exc:
@@ -229,5 +231,6 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
             "quantized_tensors": len(encs),
             "encoding_conflicts": conflicts,
             "tensors": summary,
+            **completeness.metadata(),
         },
     )

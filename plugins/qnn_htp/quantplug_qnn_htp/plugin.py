@@ -60,9 +60,18 @@ INFO = BackendInfo(
             "block_size",
             int,
             configs.DEFAULT_BLOCK_SIZE,
-            "16a4w_block: LPBQ block size along input channels (0: only nodes in block_size_map)",
+            "16a4w_block: largest LPBQ block along input channels, fitted per layer "
+            "(0: only nodes in block_size_map)",
             minimum=0,
             maximum=65536,
+        ),
+        BackendOption(
+            "exact_block_size",
+            bool,
+            False,
+            "16a4w_block: use block_size as given on every layer (a layer whose input channels it "
+            "does not divide fails) instead of fitting the block per layer",
+            applies_with={"precision": ("16a4w_block",)},
         ),
         BackendOption(
             "block_size_map",
@@ -192,9 +201,12 @@ def quantplug_resolve_sharing(problem: Any, resolve: Callable[[Any], Any], conte
 
 @quantplug.hookimpl
 def quantplug_lowering_passes(context: BackendContext) -> Sequence[NamedPass]:
+    """``qnn_htp.linear_to_2d`` (N-D linears as 2-D FullyConnected layers, exact), then the
+    writer's own passes (``check_encodings``)."""
+    from quantplug_qnn_htp.fully_connected import linear_to_2d
     from quantplug_qnn_htp.lowering import LOWERING_PASSES
 
-    return [NamedPass(name, fn) for name, fn in LOWERING_PASSES]
+    return [NamedPass("qnn_htp.linear_to_2d", linear_to_2d), *(NamedPass(n, fn) for n, fn in LOWERING_PASSES)]
 
 
 @quantplug.hookimpl
