@@ -254,7 +254,11 @@ def test_a_signal_leaves_the_previous_output_and_no_staging_folder(
     time.sleep(0.2)  # into the run: importing torch, loading the model
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == code, stderr
+    # CPython remembers a KeyboardInterrupt raised inside code a C extension ran (PyRun_*, as
+    # during torch's import) and then ends the process by SIGINT itself, whatever the exit code:
+    # a shell sees 130 for both, so both are the documented outcome.
+    assert proc.returncode in {code, -signum}, stderr
     assert "Traceback" not in stderr
+    assert "interrupted" in stderr or "terminated" in stderr
     assert _tags(out) == {"one"}
     assert _leftovers(tmp_path) == []

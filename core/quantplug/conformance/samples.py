@@ -382,6 +382,8 @@ _add(
     Call(aten.matmul.default, (X, In((8, 4)))),
     Call(aten.mm.default, (X, In((8, 4)))),
     Call(aten.bmm.default, (In((2, 3, 4)), In((2, 4, 5)))),
+    Call(aten.addmm.default, (Const((4,), -0.1, 0.1), X, Const((8, 4), -0.4, 0.4))),
+    Call(aten.baddbmm.default, (In((2, 3, 5)), In((2, 3, 4)), In((2, 4, 5)))),
     Call(aten.cdist.default, (In((2, 4, 3)), In((2, 5, 3)))),
     # convolutions
     Call(aten.conv1d.default, (SEQ, Const((4, 2, 3), -0.4, 0.4), Const((4,), -0.1, 0.1))),

@@ -108,7 +108,7 @@ class CoverageReport:
             if not n.quantized:
                 lines.append(f"  float {n.node} [{n.op}]: {n.reason}")
             elif n.note:
-                lines.append(f"  partly {n.node} [{n.op}]: {n.note}")
+                lines.append(f"  note {n.node} [{n.op}]: {n.note}")
         pairs: list[str] = []
         shown: set[str] = set()
         for n in self.nodes:  # graph order: the head of a pair comes first
@@ -142,15 +142,6 @@ class Quantizer:
 
     # -- description -------------------------------------------------------------------------
     @property
-    def strict(self) -> bool:
-        """Raise on constraint violations and incomplete artifacts (False: warn)."""
-        return self.context.strict
-
-    @strict.setter
-    def strict(self, value: bool) -> None:
-        self.context.strict = bool(value)
-
-    @property
     def backend(self) -> str:
         return self._backend.info.name
 
@@ -160,7 +151,7 @@ class Quantizer:
 
     @property
     def strict(self) -> bool:
-        """Raise on constraint violations (else warn); the same value every hook sees."""
+        """Raise on constraint violations and incomplete artifacts (else warn); every hook sees it."""
         return self.context.strict
 
     @strict.setter

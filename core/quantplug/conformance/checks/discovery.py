@@ -15,6 +15,7 @@ from quantplug.conformance.checks.session import (
     Session,
 )
 from quantplug.errors import OptionError
+from quantplug.plugins.contract import BackendInfo, BackendOption
 from quantplug.plugins.registry import load_backend
 from quantplug.quantizer.quantizer import Quantizer
 
@@ -145,24 +146,38 @@ def check_options(session: Session, case: str) -> str:
     for o in info.options:
         if o.type not in _OPTION_TYPES:
             continue
+        # an option that applies only with others set (``applies_with``) is tried in that company
+        company = {other: allowed[0] for other, allowed in o.applies_with.items() if allowed}
+        if company:
+            outside = _outside_company(info, o)
+            if outside is not None:
+                example = o.default if o.default is not None else (o.choices or [True])[0]
+                # any value given outside its company is refused, even a valid one
+                attempt(
+                    {o.name: example, **outside},
+                    expect_error=True,
+                    what=f"{o.name} with {', '.join(f'{k}={v!r}' for k, v in outside.items())}",
+                )
         if o.type is not str:
             attempt(
-                {o.name: f"not-a-{o.type.__name__}"},
+                {o.name: f"not-a-{o.type.__name__}", **company},
                 expect_error=True,
                 what=f"{o.name}='not-a-{o.type.__name__}'",
             )
         elif o.choices is not None:
             attempt(
-                {o.name: "conformance-not-a-choice"}, expect_error=True, what=f"{o.name} outside its choices"
+                {o.name: "conformance-not-a-choice", **company},
+                expect_error=True,
+                what=f"{o.name} outside its choices",
             )
         values = list(o.choices) if o.choices is not None else ([True, False] if o.type is bool else [])
         for value in values:
-            q = attempt({o.name: value}, expect_error=False, what=f"{o.name}={value!r}")
+            q = attempt({o.name: value, **company}, expect_error=False, what=f"{o.name}={value!r}")
             if q is not None and q.options[o.name] != value:
                 problems.append(f"{o.name}={value!r} resolved to {q.options[o.name]!r}")
             if o.type is not str:
                 text = str(value).lower() if isinstance(value, bool) else str(value)
-                q = attempt({o.name: text}, expect_error=False, what=f"{o.name}={text!r} (text)")
+                q = attempt({o.name: text, **company}, expect_error=False, what=f"{o.name}={text!r} (text)")
                 if q is not None and q.options[o.name] != value:
                     problems.append(f"{o.name}={text!r} (text) resolved to {q.options[o.name]!r}")
     q = attempt({"strict": "false"}, expect_error=False, what="strict='false'")
@@ -174,6 +189,18 @@ def check_options(session: Session, case: str) -> str:
     return (
         f"{len(info.options)} option(s): defaults, types, choices and text forms ({tried} quantizers built)"
     )
+
+
+def _outside_company(info: BackendInfo, option: BackendOption) -> dict[str, Any] | None:
+    """Settings of the options ``option`` depends on that it does not apply with, if any exist."""
+    for other, allowed in option.applies_with.items():
+        declared = info.option(other)
+        if declared is None or declared.choices is None:
+            continue
+        rest = [c for c in declared.choices if c not in allowed]
+        if rest:
+            return {other: rest[0]}
+    return None
 
 
 def _is_type(value: Any, typ: type) -> bool:
