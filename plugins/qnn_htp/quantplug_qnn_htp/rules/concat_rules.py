@@ -1,10 +1,9 @@
 """Concat, stack, split/chunk/unbind and ``getitem`` (tuple pieces).
 
-Concat: one encoding for all inputs and the output (ExecuTorch's ConcatObserver widens every
-input observer to the concat range): the output gets the config's ``concat`` spec (absolute
-running range, :class:`~quantplug_qnn_htp.observers.ConcatMinMaxObserver`) and every input edge
-shares it, so the producers join the group and the concat observer governs it (the sharing hook
-picks it by priority). Inputs with a fixed encoding (sigmoid...) keep it, as in ExecuTorch.
+Concat and Pack (stack): one encoding for all inputs and the output (ExecuTorch's ConcatObserver
+widens every input observer to the concat range; for Pack it shares the first input's moving
+average, which clips wider inputs: quantplug observes Pack as Concat). See
+:func:`annotate_one_encoding`.
 """
 
 from __future__ import annotations
@@ -21,42 +20,50 @@ from quantplug_qnn_htp.rules.common import SHARED_PIECE_OPS, annotate_input_shar
 aten = torch.ops.aten
 
 
-@register_annotator([aten.cat.default, aten.concat.default], backend_op="Concat")
-def annotate_cat(node: Node, config: QuantizationConfig) -> None:
-    if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
-        return
-    inputs = []
-    for a in node.args[0]:  # type: ignore[union-attr]
-        if is_float_tensor(a) and a not in inputs:
-            inputs.append(a)
-    if not inputs:
-        return
+def annotate_one_encoding(node: Node, config: QuantizationConfig, inputs: list[Node]) -> None:
+    """``inputs`` and the output on one encoding, observed over the range of all of them.
+
+    The output takes the config's ``concat`` spec (an absolute running range,
+    :class:`~quantplug_qnn_htp.observers.ConcatMinMaxObserver`) and every input edge shares it,
+    so the producers join the group and the concat observer governs it. A moving average
+    initialised by the first input (ExecuTorch's choice for Pack) clips inputs of wider range.
+    Inputs with a fixed encoding (sigmoid...) keep it, as in ExecuTorch.
+    """
     out = getattr(config, "concat", None) or config.output_activation
     if out is None:
         return
     specs: dict[Node, QuantizationSpecBase | None] = {}
     for a in inputs:
-        # a fixed-encoding input keeps its producer's grid (no requantization in front of Concat)
+        # a fixed-encoding input keeps its producer's grid (no requantization in front of the op)
         specs[a] = SharedQuantizationSpec(a) if is_fixed_output(a) else SharedQuantizationSpec(node)
     annotate_node(node, specs, out)
 
 
-@register_annotator([aten.stack.default], backend_op="Pack")
-def annotate_stack(node: Node, config: QuantizationConfig) -> None:
-    """First input gets the activation spec; other inputs and the output share it."""
-    if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
-        return
-    inputs = []
+def _float_inputs(node: Node) -> list[Node]:
+    inputs: list[Node] = []
     for a in node.args[0]:  # type: ignore[union-attr]
         if is_float_tensor(a) and a not in inputs:
             inputs.append(a)
-    if not inputs:
+    return inputs
+
+
+@register_annotator([aten.cat.default, aten.concat.default], backend_op="Concat")
+def annotate_cat(node: Node, config: QuantizationConfig) -> None:
+    if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
         return
-    first = inputs[0]
-    specs: dict[Node, QuantizationSpecBase | None] = {first: config.input_activation}
-    for other in inputs[1:]:
-        specs[other] = SharedQuantizationSpec((first, node))
-    annotate_node(node, specs, SharedQuantizationSpec((first, node)))
+    inputs = _float_inputs(node)
+    if inputs:
+        annotate_one_encoding(node, config, inputs)
+
+
+@register_annotator([aten.stack.default], backend_op="Pack")
+def annotate_stack(node: Node, config: QuantizationConfig) -> None:
+    """Pack needs one encoding for its inputs and output: the range of all of them, as Concat."""
+    if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
+        return
+    inputs = _float_inputs(node)
+    if inputs:
+        annotate_one_encoding(node, config, inputs)
 
 
 @register_annotator(

@@ -15,6 +15,7 @@ from quantplug import (
     register_annotator,
 )
 from quantplug.annotation.specs import annotate_node, is_annotated
+from quantplug_qnn_htp.rules.concat_rules import annotate_one_encoding
 
 aten = torch.ops.aten
 
@@ -98,8 +99,22 @@ def _self_shared(node: Node, config: QuantizationConfig, other_index: int | None
 
 @register_annotator([aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two])
 def annotate_scatter(node: Node, config: QuantizationConfig) -> None:
-    # scatter(self, dim, index, src/value, ...)
-    _self_shared(node, config, 3)
+    """scatter(self, dim, index, src/value, ...): ``self``, ``src`` and the output on one encoding.
+
+    ScatterElements keeps one encoding through; an accumulating scatter (add, sum, prod) leaves
+    the range of ``self``, so the group is observed over the output too (ExecuTorch observes
+    ``self`` only and clips every accumulated value beyond it).
+    """
+    if is_annotated(node) or config.input_activation is None or not is_float_tensor(node):
+        return
+    base = node.args[0]
+    if not is_float_tensor(base):
+        return
+    inputs = [base]
+    src = node.args[3] if len(node.args) > 3 else None
+    if is_float_tensor(src) and src is not base:
+        inputs.append(src)  # type: ignore[arg-type]
+    annotate_one_encoding(node, config, inputs)  # type: ignore[arg-type]
 
 
 @register_annotator([aten.slice_scatter.default])
