@@ -26,6 +26,8 @@ class Stack(nn.Module):
 
 
 class ScatterAdd(nn.Module):
+    index: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("index", torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]).repeat(4, 1))
