@@ -1,0 +1,110 @@
+"""Which values of a graph are constants, and what they are.
+
+A constant is a value that does not depend on the program's inputs: a parameter, a buffer or a
+lifted tensor constant (``get_attr``), and any pure ATen op computed only from constants (a
+transposed weight, the rows an embedding looks up at fixed positions, the ``zeros`` initial state
+of an LSTM). prepare() observes groups made only of constants once, at convert, instead of at
+every calibration batch; convert() stores every quantized constant as integers, so no float
+weight is quantized at run time, whatever the group it shares its encoding with (an embedding
+table and its looked-up rows, weights in QAT).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node, map_arg
+
+from quantplug.flow.inspect import fetch_attr
+
+
+def _mutated_attrs(graph: Graph) -> set[Node]:
+    """get_attr nodes an op writes into (``copy_``, in-place updates): their value changes."""
+    written: set[Node] = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, Node):
+                written.add(value)
+        for name, value in node.kwargs.items():
+            info = next((a.alias_info for a in schema.arguments if a.name == name), None)
+            if info is not None and info.is_write and isinstance(value, Node):
+                written.add(value)
+    return written
+
+
+def _foldable(node: Node) -> bool:
+    """An op whose result is a function of its arguments only (no randomness, no side effect)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and not node.is_impure()
+
+
+def constant_nodes(
+    graph: Graph, attr: Callable[[str], Any], *, transparent: Iterable[Node] = ()
+) -> set[Node]:
+    """The nodes of ``graph`` whose value is a constant tensor (or a tuple of them).
+
+    Args:
+        graph: the graph.
+        attr: reads the value of a ``get_attr`` target (only tensors are constants).
+        transparent: nodes that pass their single input through unchanged for this purpose
+            (observers: during calibration they return their input).
+    """
+    through = set(transparent)
+    written = _mutated_attrs(graph)
+    found: set[Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            if node not in written and isinstance(attr(str(node.target)), torch.Tensor):
+                found.add(node)
+        elif node in through:
+            if node.args and node.args[0] in found:
+                found.add(node)
+        elif _foldable(node) and all(n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+class ConstantValues:
+    """Computes constant nodes' values on demand, each once (an interpreter over constants only)."""
+
+    def __init__(self, attr: Callable[[str], Any], *, transparent: Iterable[Node] = ()) -> None:
+        self._attr = attr
+        self._through = set(transparent)
+        self._values: dict[Node, Any] = {}
+
+    def __call__(self, node: Node) -> Any:
+        value = self._values.get(node)
+        if value is None:
+            value = self._values[node] = self._compute(node)
+        return value
+
+    def _compute(self, node: Node) -> Any:
+        if node.op == "get_attr":
+            return self._attr(str(node.target)).detach()
+        if node in self._through:
+            return self(node.args[0])  # type: ignore[arg-type]
+        args = map_arg(node.args, self)
+        kwargs = map_arg(node.kwargs, self)
+        with torch.no_grad():
+            return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def module_attr(module: torch.nn.Module) -> Callable[[str], Any]:
+    """A ``get_attr`` reader over ``module`` (missing attributes read as None: not constants)."""
+
+    def read(target: str) -> Any:
+        try:
+            return fetch_attr(module, target)
+        except AttributeError:
+            return None
+
+    return read

@@ -1,0 +1,177 @@
+"""Issue 11.5: every quantized constant of a converted program is stored as integers.
+
+Reproductions of what stayed float and was quantized at every forward: an embedding table whose
+looked-up rows share its encoding (one sharing group holding a weight and an activation), every
+weight after ``prepare(..., qat=True)``, per-block weights under QAT, and constants computed from
+weights or created in the graph (a transposed weight, an LSTM's ``zeros`` initial state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import quantplug
+from quantplug.flow.inspect import encodings, fetch_attr
+from tests.zoo.integer_weights import (
+    constants_quantized_at_run_time,
+    float_quantized_constants,
+    integer_constants,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+class EmbeddingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(idx))
+
+
+def _ids(gen: torch.Generator) -> tuple[torch.Tensor]:
+    return (torch.randint(0, 20, (2, 5), generator=gen),)
+
+
+def _quantize(model: nn.Module, draw: Any, quantizer: Any, *, qat: bool = False, batches: int = 4) -> Any:
+    gen = _gen()
+    ep = torch.export.export(model.eval(), draw(gen))
+    prepared = quantplug.prepare(ep, quantizer, qat=qat)
+    for _ in range(batches):
+        prepared(*draw(gen))
+    return prepared, quantplug.convert(prepared)
+
+
+def _assert_integer_constants(converted: torch.fx.GraphModule) -> None:
+    assert constants_quantized_at_run_time(converted) == []
+    assert float_quantized_constants(converted) == []
+
+
+SHARED_TABLE = {
+    "qnn_htp-8a8w": ("qnn_htp", {"precision": "8a8w"}),
+    "qnn_htp-16a8w": ("qnn_htp", {"precision": "16a8w"}),
+    "reference-int8_per_tensor": ("reference", {"preset": "int8_per_tensor"}),
+}
+
+
+@pytest.mark.parametrize(("backend", "options"), SHARED_TABLE.values(), ids=SHARED_TABLE.keys())
+def test_embedding_table_sharing_its_output_encoding_is_stored_as_integers(
+    backend: str, options: dict[str, Any]
+) -> None:
+    torch.manual_seed(0)
+    model = EmbeddingNet().eval()
+    _, converted = _quantize(model, _ids, quantplug.get_quantizer(backend, **options))
+    _assert_integer_constants(converted)
+    table = next(t for t in integer_constants(converted) if fetch_attr(converted, t).shape == (20, 16))
+    entries = encodings(converted)
+    stored = next(e for e in entries if e["tensor"] == table.replace(".", "_") or e["tensor"] == table)
+    looked_up = next(e for e in entries if e["tensor"] == "embedding" and e["kind"] == "activation")
+    # one encoding for both: the table's integers and the looked-up rows' quantize agree
+    assert stored["kind"] == "constant"
+    assert stored["group"] == looked_up["group"]
+    assert (stored["scale"], stored["zero_point"], stored["dtype"]) == (
+        looked_up["scale"],
+        looked_up["zero_point"],
+        looked_up["dtype"],
+    )
+    # the stored integers are the table on that grid, and the program still computes the model
+    scale, zero_point = stored["scale"], stored["zero_point"]
+    expected = torch.clamp(
+        torch.round(model.emb.weight.detach() / scale) + zero_point, stored["quant_min"], stored["quant_max"]
+    )
+    assert torch.equal(fetch_attr(converted, table).to(torch.int64), expected.to(torch.int64))
+    idx = _ids(_gen(7))
+    with torch.no_grad():
+        ref, out = model(*idx), converted(*idx)
+    assert float((ref - out).pow(2).mean() / ref.pow(2).mean()) < 0.1
+
+
+class ConvLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x)).mean((2, 3))
+        return self.head(torch.relu(self.fc(y)))
+
+
+def _image(gen: torch.Generator) -> tuple[torch.Tensor]:
+    return (torch.randn(2, 3, 8, 8, generator=gen),)
+
+
+QAT = {
+    "reference-int8": ("reference", {"preset": "int8"}),
+    "reference-weight_only_int4": ("reference", {"preset": "weight_only_int4", "group_size": 16}),
+    "qnn_htp-8a8w": ("qnn_htp", {"precision": "8a8w", "qat": True}),
+    "qnn_htp-16a8w-per_tensor": ("qnn_htp", {"precision": "16a8w", "qat": True, "per_channel_conv": False}),
+    "qnn_htp-16a4w_block": ("qnn_htp", {"precision": "16a4w_block", "qat": True, "block_size": 16}),
+}
+
+
+@pytest.mark.parametrize(("backend", "options"), QAT.values(), ids=QAT.keys())
+def test_qat_weights_are_integers_after_convert(backend: str, options: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = ConvLinear()
+    prepared, converted = _quantize(model, _image, quantplug.get_quantizer(backend, **options), qat=True)
+    _assert_integer_constants(converted)
+    stored = integer_constants(converted)
+    weights = [t for t in stored if fetch_attr(converted, t).dim() >= 2]
+    assert len(weights) >= (3 if backend == "qnn_htp" or options["preset"] == "int8" else 2), stored
+    kinds = {e["tensor"]: e["kind"] for e in encodings(converted)}
+    for target in weights:
+        assert kinds[target.replace(".", "_")] == "constant", target
+    if "16a4w_block" in options.values():  # per-block weights too
+        assert any(e["granularity"] == "block" and e["kind"] == "constant" for e in encodings(converted))
+    # the integers are those the fake-quantized training graph computed with: the same outputs
+    # up to the rounding of the int32 bias and of the output's step (1/256 of its range)
+    x = _image(_gen(9))
+    with torch.no_grad():
+        fake, real = prepared(*x), converted(*x)
+    assert float((fake - real).abs().max()) < 4 / 256 * float(fake.abs().max() + 1)
+
+
+class ConstantSubgraphs(nn.Module):
+    """A weight used transposed by a matmul, and an LSTM whose initial state is ``zeros``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16) / 4)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.w.t())
+        out, _ = self.lstm(y)
+        return out
+
+
+def _sequence(gen: torch.Generator) -> tuple[torch.Tensor]:
+    return (torch.randn(2, 6, 16, generator=gen),)
+
+
+@pytest.mark.parametrize("precision", ["8a8w", "16a16w"])
+def test_constants_computed_in_the_graph_are_folded(precision: str) -> None:
+    torch.manual_seed(0)
+    model = ConstantSubgraphs().eval()
+    q = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision=precision)
+    prepared, converted = _quantize(model, _sequence, q)
+    assert constants_quantized_at_run_time(prepared) == [], "prepare quantized nothing yet"
+    _assert_integer_constants(converted)
+    transposed = [t for t in integer_constants(converted) if fetch_attr(converted, t).shape == (16, 8)]
+    assert transposed, integer_constants(converted)
+    x = _sequence(_gen(3))
+    with torch.no_grad():
+        ref, out = model(*x), converted(*x)
+    assert float((ref - out).pow(2).mean() / ref.pow(2).mean()) < 1e-2
