@@ -30,6 +30,11 @@ if [ "${1:-}" = "--test" ]; then
   pip_install torchao==0.18.0 --no-deps
   pip_install executorch==1.5.1 --no-deps
   pip_install flatbuffers packaging pyyaml ruamel.yaml tabulate sympy typing-extensions expecttest parameterized
+  # model zoo (tests/zoo), random weights, nothing downloaded: torchvision's model definitions
+  # (--no-deps: it depends on torch) and transformers (its dependencies do not include torch;
+  # naming torch==2.13.0 beside it keeps pip from ever replacing it)
+  pip_install torchvision==0.28.0 --no-deps
+  pip_install transformers==5.23.0 torch==2.13.0
   # tests/cli: rendering report.html in headless Chromium (Debian package)
   if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
