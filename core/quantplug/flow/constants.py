@@ -3,16 +3,15 @@
 A constant is a value that does not depend on the program's inputs: a parameter, a buffer or a
 lifted tensor constant (``get_attr``), and any pure ATen op computed only from constants (a
 transposed weight, the rows an embedding looks up at fixed positions, the ``zeros`` initial state
-of an LSTM). prepare() observes groups made only of constants once, at convert, instead of at
-every calibration batch; convert() stores every quantized constant as integers, so no float
-weight is quantized at run time, whatever the group it shares its encoding with (an embedding
-table and its looked-up rows, weights in QAT).
+of an LSTM). convert() stores every quantized constant as integers, so no weight is quantized
+again at every forward, whatever the group it shares its encoding with (an embedding table and
+its looked-up rows, weights in QAT).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,26 +46,18 @@ def _foldable(node: Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and not node.is_impure()
 
 
-def constant_nodes(
-    graph: Graph, attr: Callable[[str], Any], *, transparent: Iterable[Node] = ()
-) -> set[Node]:
+def constant_nodes(graph: Graph, attr: Callable[[str], Any]) -> set[Node]:
     """The nodes of ``graph`` whose value is a constant tensor (or a tuple of them).
 
     Args:
         graph: the graph.
         attr: reads the value of a ``get_attr`` target (only tensors are constants).
-        transparent: nodes that pass their single input through unchanged for this purpose
-            (observers: during calibration they return their input).
     """
-    through = set(transparent)
     written = _mutated_attrs(graph)
     found: set[Node] = set()
     for node in graph.nodes:
         if node.op == "get_attr":
             if node not in written and isinstance(attr(str(node.target)), torch.Tensor):
-                found.add(node)
-        elif node in through:
-            if node.args and node.args[0] in found:
                 found.add(node)
         elif _foldable(node) and all(n in found for n in node.all_input_nodes):
             found.add(node)
@@ -76,9 +67,8 @@ def constant_nodes(
 class ConstantValues:
     """Computes constant nodes' values on demand, each once (an interpreter over constants only)."""
 
-    def __init__(self, attr: Callable[[str], Any], *, transparent: Iterable[Node] = ()) -> None:
+    def __init__(self, attr: Callable[[str], Any]) -> None:
         self._attr = attr
-        self._through = set(transparent)
         self._values: dict[Node, Any] = {}
 
     def __call__(self, node: Node) -> Any:
@@ -90,8 +80,6 @@ class ConstantValues:
     def _compute(self, node: Node) -> Any:
         if node.op == "get_attr":
             return self._attr(str(node.target)).detach()
-        if node in self._through:
-            return self(node.args[0])  # type: ignore[arg-type]
         args = map_arg(node.args, self)
         kwargs = map_arg(node.kwargs, self)
         with torch.no_grad():

@@ -25,7 +25,7 @@ from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
 from quantplug.flow.constants import ConstantValues, constant_nodes, module_attr
 from quantplug.flow.graph_copy import AttrNamer, add_node, copy_node, paused_gc
-from quantplug.flow.inspect import QUANTIZE_OPS
+from quantplug.flow.inspect import QUANTIZE_OPS, fetch_attr
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
 from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
@@ -239,15 +239,11 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
     ]
     if constants:
         nodes = {n.name: n for n in prepared.graph.nodes}
-        observers = [
-            n for n in prepared.graph.nodes if n.op == "call_module" and str(n.target).startswith(OBSERVERS)
-        ]
-        value = ConstantValues(module_attr(prepared), transparent=observers)  # what calibration saw
         with torch.no_grad():
             for group in constants:
                 obs = used[group.gid] = fresh_copy(prepared_obs[group.gid])
                 for name in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
-                    obs(value(nodes[name]))
+                    obs(fetch_attr(prepared, str(nodes[name].target)))
     for group in state.groups:
         if not group.dynamic and not observer_saw_data(used[group.gid]):
             raise CalibrationError(

@@ -1,12 +1,14 @@
 """prepare(): annotate -> validate -> resolve sharing -> one observer per group.
 
 Works on a copy of the caller's graph, inserts observers with O(1) naming into one container
-module, and recompiles once. Groups whose tensors are all constants (weights, biases, and values
-computed from them only, see ``flow.constants``) get no observer in the graph: convert() measures
-them once, so calibration runs at float speed for weights instead of re-observing them every
-batch. A group mixing constants and activations (an embedding table whose looked-up rows share
-its encoding) is observed during calibration like any activation, the table included, as
-torchao's prepare_pt2e does; convert() still stores the table as integers.
+module, and recompiles once. Groups whose tensors are all parameters or buffers (weights,
+biases) get no observer in the graph: convert() measures them once, so calibration runs at float
+speed for weights instead of re-observing them every batch. Every other group keeps an observer
+per key, as torchao's prepare_pt2e gives it, because foreign observers may look for one (ExecuTorch's
+ConcatObserver finds each concat input's observer in the graph): a group mixing a weight and
+activations (an embedding table whose looked-up rows share its encoding), values computed from
+weights only (a transposed weight, an LSTM's ``zeros`` state) and QAT weights. convert() still
+stores all of them as integers (see ``flow.constants``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from torch.fx import GraphModule, Node
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
-from quantplug.flow.constants import constant_nodes, module_attr
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
@@ -39,9 +40,9 @@ DEBUG_HANDLE_KEY = "quantplug_debug_handle"
 
 @dataclass
 class Group:
-    """One sharing group: its spec, its keys, and whether only constants flow through it.
+    """One sharing group: its spec, its keys, and whether only parameters/buffers flow through it.
 
-    ``constant`` groups are quantized at convert from the constants' values (no observer runs
+    ``constant`` groups are quantized at convert from the parameters' values (no observer runs
     during calibration); in QAT no group is, since training changes the weights.
     """
 
@@ -162,10 +163,10 @@ def _own_parameters(gm: GraphModule) -> None:
 def _build_groups(
     gm: GraphModule, keys: AnnotatedKeys, groups: SharingGroups, *, qat: bool, backend: str | None
 ) -> PreparedState:
-    constants = {n.name for n in constant_nodes(gm.graph, module_attr(gm))} if not qat else set()
+    attrs = {n.name for n in gm.graph.nodes if n.op == "get_attr"} if not qat else set()
 
     def from_constant(key: Key) -> bool:
-        return (key[0] if isinstance(key, tuple) else key) in constants
+        return (key[0] if isinstance(key, tuple) else key) in attrs
 
     result: list[Group] = []
     for gid, members in enumerate(groups.members):
