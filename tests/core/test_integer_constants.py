@@ -175,3 +175,50 @@ def test_constants_computed_in_the_graph_are_folded(precision: str) -> None:
     with torch.no_grad():
         ref, out = model(*x), converted(*x)
     assert float((ref - out).pow(2).mean() / ref.pow(2).mean()) < 1e-2
+
+
+class AddBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+class OutputOfBuffer:
+    """A PT2E-style quantizer annotating only a buffer's output (its consumer stays float)."""
+
+    def annotate(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        from quantplug import QuantizationSpec, annotate_node
+        from quantplug.observers.minmax import MinMaxObserver
+
+        spec = QuantizationSpec(
+            dtype=torch.int8,
+            quant_min=-127,
+            quant_max=127,
+            qscheme=torch.per_tensor_symmetric,
+            observer_or_fake_quant_ctr=MinMaxObserver.with_args(),
+        )
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                annotate_node(node, output_qspec=spec)
+        return gm
+
+    def validate(self, gm: torch.fx.GraphModule) -> None:
+        pass
+
+
+def test_a_quantized_buffer_output_reaches_its_unannotated_consumers() -> None:
+    """A constant group's node key (a buffer annotated with an output spec) is quantized for every
+    consumer, not only for annotated edges (it used to reach an unannotated add as float)."""
+    model = AddBuffer().eval()
+    prepared, converted = _quantize(model, lambda g: (torch.randn(2, 8, generator=g),), OutputOfBuffer())
+    _assert_integer_constants(converted)
+    (stored,) = integer_constants(converted)
+    assert fetch_attr(converted, stored).dtype == torch.int8
+    add = next(n for n in converted.graph.nodes if n.target == torch.ops.aten.add.Tensor)
+    assert "dequantize" in str(add.args[1].target)
+    x = torch.zeros(1, 8)
+    expected = torch.round(model.offset / (1 / 127)) * (1 / 127)  # symmetric, max |offset| = 1
+    torch.testing.assert_close(converted(x)[0], expected, rtol=0, atol=1e-6)
