@@ -222,3 +222,31 @@ def test_a_quantized_buffer_output_reaches_its_unannotated_consumers() -> None:
     x = torch.zeros(1, 8)
     expected = torch.round(model.offset / (1 / 127)) * (1 / 127)  # symmetric, max |offset| = 1
     torch.testing.assert_close(converted(x)[0], expected, rtol=0, atol=1e-6)
+
+
+class NoGradTable(nn.Module):
+    """A table computed from a buffer and fixed positions in a no-grad region (Llama's rotary
+    embeddings): torch.export wraps it in a ``wrap_with_set_grad_enabled`` subgraph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            table = torch.cos(torch.arange(6, dtype=torch.float32)[:, None] * self.freq)
+        return x * table
+
+
+def test_constants_computed_in_a_no_grad_region_are_folded() -> None:
+    torch.manual_seed(0)
+    model = NoGradTable().eval()
+    q = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="8a8w")
+    prepared, converted = _quantize(model, _sequence, q)
+    assert any("wrap_with_set_grad_enabled" in str(n.target) for n in prepared.graph.nodes)
+    _assert_integer_constants(converted)
+    assert not any("wrap_with_set_grad_enabled" in str(n.target) for n in converted.graph.nodes)
+    x = _sequence(_gen(3))
+    with torch.no_grad():
+        ref, out = model(*x), converted(*x)
+    assert float((ref - out).pow(2).mean() / ref.pow(2).mean()) < 1e-2

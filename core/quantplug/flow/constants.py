@@ -3,9 +3,10 @@
 A constant is a value that does not depend on the program's inputs: a parameter, a buffer or a
 lifted tensor constant (``get_attr``), and any pure ATen op computed only from constants (a
 transposed weight, the rows an embedding looks up at fixed positions, the ``zeros`` initial state
-of an LSTM). convert() stores every quantized constant as integers, so no weight is quantized
-again at every forward, whatever the group it shares its encoding with (an embedding table and
-its looked-up rows, weights in QAT).
+of an LSTM), including what torch.export wraps in a no-grad region (Llama's rotary ``cos``/``sin``
+tables, computed from a buffer and fixed positions). convert() stores every quantized constant as
+integers, so no weight is quantized again at every forward, whatever the group it shares its
+encoding with (an embedding table and its looked-up rows, weights in QAT).
 """
 
 from __future__ import annotations
@@ -37,13 +38,27 @@ def _mutated_attrs(graph: Graph) -> set[Node]:
     return written
 
 
-def _foldable(node: Node) -> bool:
+#: higher-order ops that only run their subgraph under a grad/autocast setting (torch.export
+#: records ``with torch.no_grad():`` regions this way): as pure as the subgraph they run
+_REGION_OPS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")
+
+
+def _foldable(node: Node, attr: Callable[[str], Any]) -> bool:
     """An op whose result is a function of its arguments only (no randomness, no side effect)."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         return True
-    return isinstance(node.target, torch._ops.OpOverload) and not node.is_impure()
+    if isinstance(node.target, torch._ops.OpOverload):
+        # asserts (tensor metadata, scalars) have an effect only when they fail
+        return not node.is_impure() or node.target.__name__.startswith("_assert")
+    if getattr(node.target, "__name__", None) in _REGION_OPS:
+        region = next((a for a in node.args if isinstance(a, Node) and a.op == "get_attr"), None)
+        body = attr(str(region.target)) if region is not None else None
+        return isinstance(body, torch.fx.GraphModule) and all(
+            _foldable(n, module_attr(body)) for n in body.graph.nodes if n.op == "call_function"
+        )
+    return False
 
 
 def constant_nodes(graph: Graph, attr: Callable[[str], Any]) -> set[Node]:
@@ -51,15 +66,18 @@ def constant_nodes(graph: Graph, attr: Callable[[str], Any]) -> set[Node]:
 
     Args:
         graph: the graph.
-        attr: reads the value of a ``get_attr`` target (only tensors are constants).
+        attr: reads the value of a ``get_attr`` target (tensors are constants, and so are the
+            subgraphs that higher-order ops run).
     """
     written = _mutated_attrs(graph)
     found: set[Node] = set()
     for node in graph.nodes:
         if node.op == "get_attr":
-            if node not in written and isinstance(attr(str(node.target)), torch.Tensor):
+            if node not in written and isinstance(
+                attr(str(node.target)), (torch.Tensor, torch.fx.GraphModule)
+            ):
                 found.add(node)
-        elif _foldable(node) and all(n in found for n in node.all_input_nodes):
+        elif _foldable(node, attr) and all(n in found for n in node.all_input_nodes):
             found.add(node)
     return found
 
@@ -79,7 +97,8 @@ class ConstantValues:
 
     def _compute(self, node: Node) -> Any:
         if node.op == "get_attr":
-            return self._attr(str(node.target)).detach()
+            value = self._attr(str(node.target))
+            return value.detach() if isinstance(value, torch.Tensor) else value
         args = map_arg(node.args, self)
         kwargs = map_arg(node.kwargs, self)
         with torch.no_grad():
