@@ -213,7 +213,7 @@ def test_a_quantized_buffer_output_reaches_its_unannotated_consumers() -> None:
     """A constant group's node key (a buffer annotated with an output spec) is quantized for every
     consumer, not only for annotated edges (it used to reach an unannotated add as float)."""
     model = AddBuffer().eval()
-    prepared, converted = _quantize(model, lambda g: (torch.randn(2, 8, generator=g),), OutputOfBuffer())
+    _, converted = _quantize(model, lambda g: (torch.randn(2, 8, generator=g),), OutputOfBuffer())
     _assert_integer_constants(converted)
     (stored,) = integer_constants(converted)
     assert fetch_attr(converted, stored).dtype == torch.int8
