@@ -21,21 +21,20 @@ from torch.fx import Graph, Node, map_arg
 from quantplug.flow.inspect import fetch_attr
 
 
-def _mutated_attrs(graph: Graph) -> set[Node]:
-    """get_attr nodes an op writes into (``copy_``, in-place updates): their value changes."""
-    written: set[Node] = set()
-    for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+def _written(attr_node: Node) -> bool:
+    """Whether an op writes into this parameter/buffer (``copy_``, in-place updates)."""
+    for user in attr_node.users:
+        schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
         if schema is None or not schema.is_mutable:
             continue
-        for arg, value in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, Node):
-                written.add(value)
-        for name, value in node.kwargs.items():
-            info = next((a.alias_info for a in schema.arguments if a.name == name), None)
-            if info is not None and info.is_write and isinstance(value, Node):
-                written.add(value)
-    return written
+        for arg, value in zip(schema.arguments, user.args):
+            if value is attr_node and arg.alias_info is not None and arg.alias_info.is_write:
+                return True
+        for arg in schema.arguments:
+            info = arg.alias_info
+            if user.kwargs.get(arg.name) is attr_node and info is not None and info.is_write:
+                return True
+    return False
 
 
 #: higher-order ops that only run their subgraph under a grad/autocast setting (torch.export
@@ -69,15 +68,17 @@ def constant_nodes(graph: Graph, attr: Callable[[str], Any]) -> set[Node]:
         attr: reads the value of a ``get_attr`` target (tensors are constants, and so are the
             subgraphs that higher-order ops run).
     """
-    written = _mutated_attrs(graph)
     found: set[Node] = set()
     for node in graph.nodes:
         if node.op == "get_attr":
-            if node not in written and isinstance(
-                attr(str(node.target)), (torch.Tensor, torch.fx.GraphModule)
-            ):
+            value = attr(str(node.target))
+            if isinstance(value, (torch.Tensor, torch.fx.GraphModule)) and not _written(node):
                 found.add(node)
-        elif _foldable(node, attr) and all(n in found for n in node.all_input_nodes):
+        elif (
+            node.op == "call_function"
+            and all(n in found for n in node.all_input_nodes)
+            and _foldable(node, attr)
+        ):
             found.add(node)
     return found
 

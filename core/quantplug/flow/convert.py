@@ -335,12 +335,16 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     old_nodes = {n.name: n for n in prepared.graph.nodes}
 
     def quantized_edge(producer: Node, gid: int, user: Node) -> Node:
+        """The integer tensor of a parameter (or the quantize node of an already quantized one)."""
         q = edge_q.get((producer.name, gid))
         if q is None:
-            q = edge_q[(producer.name, gid)] = emit.quantize(
-                _lookup(env, producer, user), qparams[gid], f"g{gid}"
-            )
+            if producer.name in state.constant_outputs:  # requantized: folded below, exactly
+                q = emit.quantize(_lookup(env, producer, user), qparams[gid], f"g{gid}")
+            else:
+                value = fetch_attr(prepared, str(producer.target)).detach()
+                q = emit.constant(str(producer.target) + "_q", _quantize_tensor(value, qparams[gid]))
             q.meta["quantplug_group"] = gid
+            edge_q[(producer.name, gid)] = q
         return q
 
     for node in prepared.graph.nodes:
