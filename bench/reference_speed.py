@@ -128,13 +128,17 @@ def _time_all(fns: dict[str, Callable[[], Any]], args: argparse.Namespace) -> di
     return best
 
 
-def _quantize(model: nn.Module, shape: tuple[int, ...], preset: str, calib: int) -> tuple[Any, Any, Any]:
+def _quantize(
+    model: nn.Module, shape: tuple[int, ...], preset: str, calib: int, weight_bits: int = 7
+) -> tuple[Any, Any, Any]:
     import quantplug
 
     gen = torch.Generator().manual_seed(0)
     example = torch.randn(shape, generator=gen)
     ep = torch.export.export(model, (example,))
-    quantizer = quantplug.get_quantizer("reference", preset=preset, activation_observer="minmax")
+    quantizer = quantplug.get_quantizer(
+        "reference", preset=preset, activation_observer="minmax", weight_bits=weight_bits
+    )
     prepared = quantplug.prepare(ep, quantizer)
     with torch.no_grad():
         for _ in range(calib):
@@ -163,7 +167,7 @@ def bench_one(name: str, batch: int, args: argparse.Namespace) -> list[dict[str,
     torch.manual_seed(0)
     model = ctor().eval()
     shape = shape_of(batch)
-    _, converted, artifact = _quantize(model, shape, args.preset, args.calib_batches)
+    _, converted, artifact = _quantize(model, shape, args.preset, args.calib_batches, args.weight_bits)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     feeds = {artifact.inputs[0].name: x.numpy()}
     step = _output_step(artifact)
@@ -227,7 +231,8 @@ def _format(rows: list[dict[str, Any]], args: argparse.Namespace, load: tuple[fl
         "# reference backend: int8 ONNX Runtime artifact vs float PyTorch",
         "",
         f"{_dt.datetime.now().isoformat(timespec='seconds')}: "
-        f"`python -m bench.reference_speed --threads {threads} --preset {args.preset}`; "
+        f"`python -m bench.reference_speed --threads {threads} --preset {args.preset} "
+        f"--weight-bits {args.weight_bits}`; "
         f"torch {torch.__version__}, onnxruntime {_ort_version()}, "
         f"{platform.machine()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}); "
         f"1-minute load average {load[0]:.2f} at start, {load[1]:.2f} at end.",
@@ -300,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", nargs="+", type=int, default=[2, 1], help="intra-op thread counts to run"
     )
     parser.add_argument("--preset", default="int8")
+    parser.add_argument(
+        "--weight-bits",
+        type=int,
+        default=7,
+        choices=(7, 8),
+        help="the reference backend's weight_bits: 7 (default, U8S8 kernels) or 8 (U8U8 kernels)",
+    )
     parser.add_argument("--calib-batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="timing blocks per function, taken in turn")
     parser.add_argument("--min-reps", type=int, default=5)

@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install quantplug, its plugins and, with --test, the test tools.
 # torch==2.13.0 is installed FIRST: a bare torch requirement would pull the CUDA build.
+#
+# What it installs outside .venv (only as root, with apt-get, and it says so first):
+#   gcc       when no C compiler is present (quantplug's optional native kernels)
+#   chromium  with --test, when absent (the report rendering tests; Debian pulls ~130 packages)
+#   qemu-user with --test, when absent (ONNX Runtime on an emulated AVX2 CPU without VNNI)
+# QUANTPLUG_NO_SYSTEM_PACKAGES=1 installs nothing outside .venv (those tests are then skipped).
+# The example vendor plugin (tests/example_plugin) is never installed: the test session makes
+# it visible to the tests only (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -13,9 +21,17 @@ pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
   || pip_install torch==2.13.0
 # quantplug's native histogram kernels (C) are built with the package where a compiler is
 # present; without one quantplug runs its torch code paths (same results, slower calibration)
+system_install() {  # system_install PACKAGE WHY: apt-get install, announced, where allowed
+  if [ -n "${QUANTPLUG_NO_SYSTEM_PACKAGES:-}" ] || [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    return 1
+  fi
+  echo "setup: installing the Debian package $1 and its dependencies on this system ($2);" \
+    "QUANTPLUG_NO_SYSTEM_PACKAGES=1 skips it" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null; }
+}
 if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null; } \
+  if [ -z "${QUANTPLUG_NO_SYSTEM_PACKAGES:-}" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    system_install gcc "a C compiler for quantplug's native kernels" \
       || echo "setup: gcc could not be installed; quantplug's native kernels will not be built" >&2
   else
     echo "setup: no C compiler; quantplug's native kernels will not be built (calibration is slower)" >&2
@@ -25,24 +41,29 @@ PKGS=(-e ".[report]" -e plugins/reference)
 [ -f plugins/qnn_htp/pyproject.toml ] && PKGS+=(-e plugins/qnn_htp)
 pip_install "${PKGS[@]}"
 if [ "${1:-}" = "--test" ]; then
-  pip_install pytest hypothesis numpy scikit-learn jsonschema ruff==0.17.6 mypy==2.4.1 -e tests/example_plugin
+  pip_install pytest hypothesis numpy scikit-learn jsonschema ruff==0.17.6 mypy==2.4.1
+  # earlier versions of this script installed the example plugin into .venv: take it out again
+  if "$VPY" -m pip show -q quantplug-example-vendor >/dev/null 2>&1; then
+    "$VPY" -m pip uninstall -y -q quantplug-example-vendor
+  fi
   # peers used only as test oracles, never as product dependencies
   pip_install torchao==0.18.0 --no-deps
   pip_install executorch==1.5.1 --no-deps
   pip_install flatbuffers packaging pyyaml ruamel.yaml tabulate sympy typing-extensions expecttest parameterized
-  # model zoo (tests/zoo), random weights, nothing downloaded: torchvision's model definitions
-  # (--no-deps: it depends on torch) and transformers (its dependencies do not include torch;
-  # naming torch==2.13.0 beside it keeps pip from ever replacing it)
+  # real architectures for the tests (random weights, no downloads): torchvision without its torch pin
   pip_install torchvision==0.28.0 --no-deps
-  pip_install transformers==5.23.0 torch==2.13.0
+  pip_install transformers==5.23.0
   # tests/cli: rendering report.html in headless Chromium (Debian package)
   if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
-        || echo "setup: chromium could not be installed; the report rendering tests will be skipped" >&2
-    else
-      echo "setup: chromium is absent and needs root to install (apt-get install chromium);" \
+    system_install chromium "headless rendering of report.html in tests/cli" \
+      || echo "setup: chromium is absent (root: apt-get install chromium);" \
         "the report rendering tests will be skipped" >&2
-    fi
+  fi
+  # tests/reference/test_reference_qemu.py: ONNX Runtime on an emulated AVX2 CPU without VNNI
+  # (qemu-x86_64 -cpu Haswell; Debian package qemu-user, QEMU >= 7.2)
+  if ! command -v qemu-x86_64 >/dev/null 2>&1; then
+    system_install qemu-user "ONNX Runtime on an emulated AVX2 CPU without VNNI in tests/reference" \
+      || echo "setup: qemu-x86_64 is absent (root: apt-get install qemu-user);" \
+        "the emulated-AVX2 test will be skipped" >&2
   fi
 fi

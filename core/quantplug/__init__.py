@@ -6,88 +6,115 @@ prepared = quantplug.prepare(ep, quantizer)
 for batch in data: prepared(*batch)
 quantized = quantplug.convert(prepared)
 artifact = quantplug.lower(quantized, quantizer)
+
+``import quantplug`` imports neither torch nor any plugin: each public name is imported from its
+module on first use (PEP 562), so ``quantplug --help`` and ``list_backends()`` answer at once.
+``from quantplug import X`` and ``quantplug.X`` work as usual; type checkers and IDEs read the
+imports below.
 """
 
 from __future__ import annotations
 
-from quantplug.annotation.annotators import (
-    annotate_binary,
-    annotate_shared_in_out,
-    annotate_single_in,
-    annotate_single_in_single_out,
-    annotate_weighted,
-    derived_bias_spec,
-    is_float_tensor,
-    register_annotator,
-)
-from quantplug.annotation.specs import (
-    Q_ANNOTATION_KEY,
-    DerivedQuantizationSpec,
-    EdgeOrNode,
-    FixedQParamsQuantizationSpec,
-    QuantizationAnnotation,
-    QuantizationConfig,
-    QuantizationSpec,
-    QuantizationSpecBase,
-    SharedQuantizationSpec,
-    annotate_node,
-    is_annotated,
-)
-from quantplug.api import get_quantizer, quantize
-from quantplug.errors import (
-    AnnotationError,
-    BackendDisabledError,
-    BackendLoadError,
-    CalibrationError,
-    ConstraintViolationError,
-    ConversionError,
-    DuplicateBackendError,
-    LoweringError,
-    OptionError,
-    QuantplugError,
-    UnknownBackendError,
-)
-from quantplug.flow.convert import convert
-from quantplug.flow.prepare import prepare
-from quantplug.lowering.artifact import Artifact
-from quantplug.lowering.lower import lower
-from quantplug.plugins.contract import (
-    BackendInfo,
-    BackendOption,
-    LoweringPlan,
-    NamedPass,
-    Preset,
-    RulesModule,
-)
-from quantplug.plugins.hookspecs import hookimpl
-from quantplug.plugins.registry import (
-    BackendEntry,
-    list_backends,
-    register_backend,
-    register_extension,
-    registered_backend,
-    unregister,
-)
-from quantplug.quantizer.context import BackendContext
-from quantplug.quantizer.quantizer import CoverageReport, Quantizer
-from quantplug.sharing.problem import SharingProblem
-from quantplug.sharing.resolution import KeySpec, SharingGroups
-from quantplug.validation.constraints import OUTPUT, ArchRequirement, OpConstraint, PortConstraint
-from quantplug.validation.report import ValidationReport, Violation
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+#: public name -> the module defining it
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "annotate_binary",
+            "annotate_shared_in_out",
+            "annotate_single_in",
+            "annotate_single_in_single_out",
+            "annotate_weighted",
+            "derived_bias_spec",
+            "is_float_tensor",
+            "register_annotator",
+        ),
+        "quantplug.annotation.annotators",
+    ),
+    **dict.fromkeys(
+        (
+            "Q_ANNOTATION_KEY",
+            "DerivedQuantizationSpec",
+            "EdgeOrNode",
+            "FixedQParamsQuantizationSpec",
+            "QuantizationAnnotation",
+            "QuantizationConfig",
+            "QuantizationSpec",
+            "QuantizationSpecBase",
+            "SharedQuantizationSpec",
+            "annotate_node",
+            "is_annotated",
+        ),
+        "quantplug.annotation.specs",
+    ),
+    **dict.fromkeys(("get_quantizer", "quantize"), "quantplug.api"),
+    "ConformanceProfile": "quantplug.conformance.profile",
+    **dict.fromkeys(("load_program",), "quantplug.archive"),
+    **dict.fromkeys(
+        (
+            "AnnotationError",
+            "BackendDisabledError",
+            "BackendLoadError",
+            "CalibrationError",
+            "ConstraintViolationError",
+            "ConversionError",
+            "DuplicateBackendError",
+            "LoweringError",
+            "NonFiniteError",
+            "OptionError",
+            "QuantplugError",
+            "UnknownBackendError",
+            "UnsafeArchiveError",
+        ),
+        "quantplug.errors",
+    ),
+    "convert": "quantplug.flow.convert",
+    "prepare": "quantplug.flow.prepare",
+    "Artifact": "quantplug.lowering.artifact",
+    "lower": "quantplug.lowering.lower",
+    **dict.fromkeys(
+        ("BackendInfo", "BackendOption", "LoweringPlan", "NamedPass", "Preset", "RulesModule"),
+        "quantplug.plugins.contract",
+    ),
+    "hookimpl": "quantplug.plugins.hookspecs",
+    **dict.fromkeys(
+        (
+            "BackendEntry",
+            "list_backends",
+            "register_backend",
+            "register_extension",
+            "registered_backend",
+            "unregister",
+        ),
+        "quantplug.plugins.registry",
+    ),
+    "BackendContext": "quantplug.quantizer.context",
+    **dict.fromkeys(("FusionPattern", "fused_head", "fused_tail"), "quantplug.quantizer.fusion"),
+    **dict.fromkeys(("CoverageReport", "Quantizer"), "quantplug.quantizer.quantizer"),
+    "SharingProblem": "quantplug.sharing.problem",
+    **dict.fromkeys(("KeySpec", "SharingGroups"), "quantplug.sharing.resolution"),
+    **dict.fromkeys(
+        (
+            "OUTPUT",
+            "ArchRequirement",
+            "OpConstraint",
+            "PortConstraint",
+            "RequantRatio",
+            "SameEncoding",
+            "SameScale",
+            "ScaleProduct",
+        ),
+        "quantplug.validation.constraints",
+    ),
+    **dict.fromkeys(("ValidationReport", "Violation"), "quantplug.validation.report"),
+}
+
+#: subpackages reachable as attributes (``quantplug.debug.compare``), imported on first use
 _SUBPACKAGES = ("debug", "report", "cli", "demo", "observers", "flow")
-
-
-def __getattr__(name: str) -> object:
-    """``quantplug.debug`` and other heavier subpackages import on first use."""
-    if name in _SUBPACKAGES:
-        import importlib
-
-        return importlib.import_module(f"quantplug.{name}")
-    raise AttributeError(f"module 'quantplug' has no attribute {name!r}")
-
 
 __all__ = [
     "OUTPUT",
@@ -102,6 +129,7 @@ __all__ = [
     "BackendLoadError",
     "BackendOption",
     "CalibrationError",
+    "ConformanceProfile",
     "ConstraintViolationError",
     "ConversionError",
     "CoverageReport",
@@ -109,10 +137,12 @@ __all__ = [
     "DuplicateBackendError",
     "EdgeOrNode",
     "FixedQParamsQuantizationSpec",
+    "FusionPattern",
     "KeySpec",
     "LoweringError",
     "LoweringPlan",
     "NamedPass",
+    "NonFiniteError",
     "OpConstraint",
     "OptionError",
     "PortConstraint",
@@ -123,11 +153,16 @@ __all__ = [
     "QuantizationSpecBase",
     "Quantizer",
     "QuantplugError",
+    "RequantRatio",
     "RulesModule",
+    "SameEncoding",
+    "SameScale",
+    "ScaleProduct",
     "SharedQuantizationSpec",
     "SharingGroups",
     "SharingProblem",
     "UnknownBackendError",
+    "UnsafeArchiveError",
     "ValidationReport",
     "Violation",
     "annotate_binary",
@@ -138,11 +173,14 @@ __all__ = [
     "annotate_weighted",
     "convert",
     "derived_bias_spec",
+    "fused_head",
+    "fused_tail",
     "get_quantizer",
     "hookimpl",
     "is_annotated",
     "is_float_tensor",
     "list_backends",
+    "load_program",
     "lower",
     "prepare",
     "quantize",
@@ -152,3 +190,99 @@ __all__ = [
     "registered_backend",
     "unregister",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"quantplug.{name}")
+    raise AttributeError(f"module 'quantplug' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})
+
+
+if TYPE_CHECKING:
+    from quantplug.annotation.annotators import (
+        annotate_binary,
+        annotate_shared_in_out,
+        annotate_single_in,
+        annotate_single_in_single_out,
+        annotate_weighted,
+        derived_bias_spec,
+        is_float_tensor,
+        register_annotator,
+    )
+    from quantplug.annotation.specs import (
+        Q_ANNOTATION_KEY,
+        DerivedQuantizationSpec,
+        EdgeOrNode,
+        FixedQParamsQuantizationSpec,
+        QuantizationAnnotation,
+        QuantizationConfig,
+        QuantizationSpec,
+        QuantizationSpecBase,
+        SharedQuantizationSpec,
+        annotate_node,
+        is_annotated,
+    )
+    from quantplug.api import get_quantizer, quantize
+    from quantplug.archive import load_program
+    from quantplug.conformance.profile import ConformanceProfile
+    from quantplug.errors import (
+        AnnotationError,
+        BackendDisabledError,
+        BackendLoadError,
+        CalibrationError,
+        ConstraintViolationError,
+        ConversionError,
+        DuplicateBackendError,
+        LoweringError,
+        NonFiniteError,
+        OptionError,
+        QuantplugError,
+        UnknownBackendError,
+        UnsafeArchiveError,
+    )
+    from quantplug.flow.convert import convert
+    from quantplug.flow.prepare import prepare
+    from quantplug.lowering.artifact import Artifact
+    from quantplug.lowering.lower import lower
+    from quantplug.plugins.contract import (
+        BackendInfo,
+        BackendOption,
+        LoweringPlan,
+        NamedPass,
+        Preset,
+        RulesModule,
+    )
+    from quantplug.plugins.hookspecs import hookimpl
+    from quantplug.plugins.registry import (
+        BackendEntry,
+        list_backends,
+        register_backend,
+        register_extension,
+        registered_backend,
+        unregister,
+    )
+    from quantplug.quantizer.context import BackendContext
+    from quantplug.quantizer.fusion import FusionPattern, fused_head, fused_tail
+    from quantplug.quantizer.quantizer import CoverageReport, Quantizer
+    from quantplug.sharing.problem import SharingProblem
+    from quantplug.sharing.resolution import KeySpec, SharingGroups
+    from quantplug.validation.constraints import (
+        OUTPUT,
+        ArchRequirement,
+        OpConstraint,
+        PortConstraint,
+        RequantRatio,
+        SameEncoding,
+        SameScale,
+        ScaleProduct,
+    )
+    from quantplug.validation.report import ValidationReport, Violation

@@ -37,15 +37,19 @@ def quantize(
     *,
     backend: str,
     calibration: Iterable[Any] | None = None,
+    nonfinite: str = "error",
     **options: Any,
 ) -> torch.fx.GraphModule:
     """Export (if needed), prepare, calibrate and convert in one call.
 
     Args:
-        model: an ``nn.Module`` (exported with ``example_inputs``) or an ``ExportedProgram``.
+        model: an ``nn.Module`` (exported in eval mode with ``example_inputs``; its own
+            train/eval flags are left as they were) or an ``ExportedProgram``.
         example_inputs: a tuple of inputs, needed when ``model`` is a module.
         backend: the backend name.
         calibration: batches (a tensor or a tuple of tensors each); defaults to the example inputs.
+        nonfinite: NaN/inf values in calibration data: ``"error"`` or ``"ignore"`` (see
+            :func:`quantplug.prepare`).
         **options: backend options.
 
     Returns:
@@ -56,9 +60,14 @@ def quantize(
     else:
         if example_inputs is None:
             raise QuantplugError("quantize() needs example_inputs to export an nn.Module")
-        program = torch.export.export(model.eval(), tuple(example_inputs))
+        flags = {m: m.training for m in model.modules()}
+        try:
+            program = torch.export.export(model.eval(), tuple(example_inputs))
+        finally:
+            for module, training in flags.items():
+                module.training = training
     quantizer = get_quantizer(backend, **options)
-    prepared = prepare(program, quantizer)
+    prepared = prepare(program, quantizer, nonfinite=nonfinite)
     batches = calibration if calibration is not None else [tuple(example_inputs or ())]
     with torch.no_grad():
         for batch in batches:

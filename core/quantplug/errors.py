@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from quantplug.suggest import did_you_mean
+
 if TYPE_CHECKING:
     from quantplug.validation.report import ValidationReport
 
@@ -26,7 +28,7 @@ class UnknownBackendError(QuantplugError, LookupError):
         self.installed = sorted(installed)
         listed = ", ".join(self.installed) if self.installed else "none"
         super().__init__(
-            f"unknown backend {name!r}; installed backends: {listed}. "
+            f"unknown backend {name!r}{did_you_mean(name, self.installed)}; installed backends: {listed}. "
             "Install the plugin distribution that provides it (e.g. `pip install quantplug-<name>`)."
         )
 
@@ -74,6 +76,24 @@ class AnnotationError(QuantplugError, ValueError):
 
 class CalibrationError(QuantplugError, RuntimeError):
     """convert() was asked for qparams an observer cannot give (it never saw data)."""
+
+
+class NonFiniteError(CalibrationError):
+    """NaN or infinite values reached an observer (or a weight) that measures a range from them.
+
+    ``where`` names the node(s) whose observer saw them; ``nan`` and ``inf`` count what that
+    tensor held. The command line adds the calibration file, batch and input.
+    """
+
+    def __init__(self, message: str, *, where: str = "", nan: int = 0, inf: int = 0) -> None:
+        super().__init__(message)
+        self.where = where
+        self.nan = nan
+        self.inf = inf
+
+
+class UnsafeArchiveError(QuantplugError, ValueError):
+    """A ``.pt2`` archive that would run code when loaded (pickled entries, code in names)."""
 
 
 class ConversionError(QuantplugError, RuntimeError):

@@ -52,7 +52,12 @@ def test_no_arguments_quantizes_the_demo(tmp_path: Path) -> None:
     data = _report(out)
     _check_report(data, backend="reference")
     assert data["model"]["kind"] == "demo"
-    assert data["calibration"] == {"source": "built-in synthetic data", "batches": 16, "random": False}
+    assert data["calibration"] == {
+        "source": "built-in synthetic data",
+        "batches": 16,
+        "random": False,
+        "nonfinite": "error",
+    }
     assert data["options"]["preset"] == "int8"
     # batch norms were folded: the conv is compared with the batch norm's float output
     conv = next(r for r in data["layers"] if r["node"] == "conv2d")
@@ -77,7 +82,12 @@ def test_calibration_folder_and_options(demo_files: dict[str, Path], runs: RunCa
     data = _report(out)
     _check_report(data, backend="reference")
     assert data["model"]["kind"] == "pt2"
-    assert data["calibration"] == {"source": str(demo_files["folder"]), "batches": 3, "random": False}
+    assert data["calibration"] == {
+        "source": str(demo_files["folder"]),
+        "batches": 3,
+        "random": False,
+        "nonfinite": "error",
+    }
     assert "warning" not in result.stderr
     assert data["options"]["activation_dtype"] == "int8"
     assert data["options"]["activation_observer"] == "minmax"

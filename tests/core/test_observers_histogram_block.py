@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantplug.errors import AnnotationError
+from quantplug.errors import AnnotationError, NonFiniteError
 from quantplug.observers.histogram import HistogramObserver, rebin_histogram
 from quantplug.observers.minmax import MinMaxObserver
 from quantplug.observers.per_block import (
@@ -195,11 +195,16 @@ def test_constant_zero_and_empty_tensors() -> None:
     assert empty.observed
 
 
-def test_non_finite_values_are_ignored() -> None:
+def test_non_finite_values_raise_or_are_ignored_and_counted() -> None:
+    batch = torch.tensor([1.0, float("inf"), -2.0, float("nan"), float("-inf")])
+    with pytest.raises(NonFiniteError, match=r"1 NaN and 2 inf value\(s\)"):
+        HistogramObserver()(batch)
     obs = HistogramObserver()
-    obs(torch.tensor([1.0, float("inf"), -2.0, float("nan"), float("-inf")]))
+    obs.nonfinite = "ignore"
+    obs(batch)
     assert float(obs.min_val) == -2.0 and float(obs.max_val) == 1.0
     assert float(obs.histogram.sum()) == 2.0
+    assert obs.nonfinite_ignored == 3
 
 
 def test_forward_returns_input_and_state_dict_round_trips() -> None:

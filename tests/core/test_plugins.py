@@ -48,9 +48,11 @@ from quantplug import (
     RulesModule,
     derived_bias_spec,
 )
+from quantplug.conformance.profile import ConformanceProfile
 from quantplug.flow.inspect import encodings
 from quantplug.flow.prepare import STATE_KEY
 from quantplug.plugins import hookspecs, registry
+from quantplug.quantizer.fusion import FusionPattern
 from quantplug.quantizer.quantizer import RULE_KEY
 from quantplug.sharing.problem import SharingProblem
 from quantplug.sharing.resolution import SharingGroups
@@ -344,6 +346,14 @@ class ToyBackend:
         return [NamedPass("mul_by_two_to_add", mul_by_two_to_add)]
 
     @quantplug.hookimpl
+    def quantplug_fusion_patterns(self, context: BackendContext) -> Sequence[FusionPattern]:
+        return ()  # fusion: tests/core/test_fusion.py
+
+    @quantplug.hookimpl
+    def quantplug_conformance_profile(self, context: BackendContext) -> ConformanceProfile:
+        return ConformanceProfile(artifact_files=("toy.json",))  # the kit: tests/conformance/
+
+    @quantplug.hookimpl
     def quantplug_lowering_passes(self, context: BackendContext) -> Sequence[NamedPass]:
         self.lowering_hook_calls += 1
 
@@ -423,6 +433,14 @@ class ToyExtension:
             ctx.state.setdefault("before", []).append("extension")
 
         return [NamedPass("record_extension_before", record)]
+
+    @quantplug.hookimpl
+    def quantplug_fusion_patterns(self, context: BackendContext) -> Sequence[FusionPattern]:
+        return ()
+
+    @quantplug.hookimpl
+    def quantplug_conformance_profile(self, context: BackendContext) -> ConformanceProfile | None:
+        return None
 
     @quantplug.hookimpl
     def quantplug_lowering_passes(self, context: BackendContext) -> Sequence[NamedPass]:
@@ -597,7 +615,7 @@ def test_entry_point_backend_is_listed_then_loaded(site: FakeSite) -> None:
     )
     assert module not in sys.modules
     q = quantplug.get_quantizer("tmp_ok", level="7")  # text from a command line is converted
-    assert q.backend == "tmp_ok" and q.options == {"level": 7}
+    assert q.backend == "tmp_ok" and q.options == {"level": 7, "strict": True}
     assert _names(quantplug.list_backends())["tmp_ok"].status == "loaded"
 
 
@@ -762,6 +780,7 @@ def test_backend_info_options_and_presets(toy_rules: ToyRules) -> None:
             "weight_symmetric": True,
             "unify_cat": True,
             "gain": 1.0,
+            "strict": True,  # reserved, accepted by every backend, visible to every hook
         }
         assert q.info.name == "toy" and q.info.preset_option == "precision"
         q = quantplug.get_quantizer("toy", weight_symmetric="false", gain=2, chip="A1")
@@ -1021,9 +1040,11 @@ def test_example_vendor_end_to_end(tmp_path: Path) -> None:
     converted = quantplug.convert(prepared)
     assert not q.coverage(ep).float_nodes
 
-    # the scalar of `fc2(x) + 0.5` was lifted to a constant and quantized
+    # the scalar of `fc2(x) + 0.5` was lifted to a constant and quantized, on the scale of the
+    # adder's other input (the example's SameScale(enforce="share") constraint)
     table = encodings(converted)
-    assert any(e["kind"] == "constant" and e["tensor"].startswith("_example_vendor_scalar") for e in table)
+    scalar = next(e for e in table if e["tensor"].startswith("_example_vendor_scalar"))
+    assert scalar["scale"] == next(e for e in table if e["tensor"] == "linear_1")["scale"]
     first, second = _cat_input_scales(converted)
     assert first == second
 

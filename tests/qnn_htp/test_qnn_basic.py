@@ -101,7 +101,10 @@ def test_rule_modules_list_exactly_what_they_register() -> None:
         assert registered == set(rm.ops), rm.module
         total |= registered
     aten_ops = {o for o in total if o.startswith("aten.")}
-    assert len(aten_ops) == 175  # every ATen overload of ExecuTorch 1.5.1's HTP rules
+    # every ATen overload of ExecuTorch 1.5.1's HTP rules, plus addmm with constant weights (a
+    # FullyConnected; ExecuTorch decomposes it) and relu6 (ReluMinMax; ExecuTorch sees hardtanh)
+    assert len(aten_ops) == 175 + 2
+    assert {"aten.addmm.default", "aten.relu6.default"} <= aten_ops
 
 
 def test_soc_table_matches_anchor() -> None:
@@ -281,7 +284,13 @@ def test_block_size_not_dividing_channels_names_node_and_shapes() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.fc(x)
 
+    # only a block size the user fixes is an error: exact_block_size, or a block_size_map entry
     with pytest.raises(AnnotationError) as err:
-        _prepare(Lin(), (2, 40), soc_model="SM8650", precision="16a4w_block", block_size=16)
+        _prepare(
+            Lin(), (2, 40), soc_model="SM8650", precision="16a4w_block", block_size=16, exact_block_size=True
+        )
     text = str(err.value)
-    assert "linear" in text and "(8, 40)" in text and "16" in text
+    assert "linear" in text and "(8, 40)" in text and "16" in text and "exact_block_size" in text
+    with pytest.raises(AnnotationError) as err:
+        _prepare(Lin(), (2, 40), soc_model="SM8650", precision="16a4w_block", block_size_map="linear:16")
+    assert "linear" in str(err.value) and "(8, 40)" in str(err.value)

@@ -163,7 +163,10 @@ def test_annotation_callback_overrides_rules() -> None:
         for node in gm.graph.nodes:
             if node.target == torch.ops.aten.softmax.int:
                 node.meta.pop("quantization_annotation", None)
-                annotate_node(node, {node.args[0]: sixteen.input_activation}, sixteen.output_activation)
+                # its input carries the causal -inf mask: observed mask-aware, as the rules do
+                # (a plain observer's range would be infinite: prepare rejects it as NaN/inf data)
+                masked_input = sixteen.masked(sixteen.input_activation)
+                annotate_node(node, {node.args[0]: masked_input}, sixteen.output_activation)
 
     q = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="8a8w").add_annotation_callback(
         softmax_16bit

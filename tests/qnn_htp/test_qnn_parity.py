@@ -412,3 +412,82 @@ def test_mask_handling_keeps_attention_accurate() -> None:
             errors[flow] = float((gm(*example) - model(*example)).abs().max())
     assert errors["quantplug"] < errors["executorch"] / 5, errors
     assert errors["quantplug"] < 0.02, errors
+
+
+class _DeadChannels(torch.nn.Module):
+    """A conv with two all-zero output channels (pruned) and a zero-initialised linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 4)
+        with torch.no_grad():
+            self.conv.weight[2:4].zero_()
+            self.conv.bias.copy_(torch.linspace(-1.0, 1.0, 8))
+            self.head.weight.zero_()
+            self.head.bias.copy_(torch.tensor([0.5, -0.25, 1.0, 0.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("preset", ["8a8w_per_channel", "16a8w", "16a4w"])
+def test_degenerate_weights_floor_only_the_clipping_bias_channels(preset: str) -> None:
+    """README row 13: where input scale x weight scale cannot hold a bias channel (its weights
+    are all zero), ExecuTorch's derived bias clips it to ~0; ours floors that channel's scale at
+    max|bias| / 2^30. Every other key, and every other channel, is identical."""
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    torch.manual_seed(0)
+    model = _DeadChannels().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(1, 3, 8, 8, generator=g),) for _ in range(4)]
+    ep = torch.export.export(model, batches[0])
+    dtype, per_channel, options = PRESETS[preset]
+    quantizer = qnn.QnnQuantizer(soc_model=QcomChipset.SM8650)
+    quantizer.set_default_quant_config(
+        getattr(qnn.QuantDtype, dtype), is_conv_per_channel=per_channel, is_linear_per_channel=per_channel
+    )
+    prepared = _silently(lambda: prepare_pt2e(ep.module(), quantizer))
+    for b in batches:
+        prepared(*b)
+    theirs = canonical(_silently(lambda: convert_pt2e(prepared)))
+    ours_prepared = quantplug.prepare(ep, quantplug.get_quantizer("qnn_htp", soc_model="SM8650", **options))
+    for b in batches:
+        ours_prepared(*b)
+    ours = canonical(quantplug.convert(ours_prepared))
+    assert set(ours) == set(theirs)
+    biases = {"conv2d": model.conv.bias, "linear": model.head.bias}
+    floored = 0
+    for key, why in differences(ours, theirs).items():
+        node, port = key
+        if port == "in1" and preset == "8a8w_per_channel":  # README row 11: eps of the zero channels
+            o, t = ours[key][0], theirs[key][0]
+            for ours_s, theirs_s in zip(o["scale"], t["scale"]):
+                assert abs(ours_s - theirs_s) <= REL * theirs_s or (
+                    abs(ours_s - 0.0001 / 255) < 1e-12 and abs(theirs_s - EPS_16BIT) < 1e-15
+                ), key
+            continue
+        if port != "in2" or node not in biases:
+            pytest.fail(f"{key}: {why}")
+        o, t = ours[key][0], theirs[key][0]
+        if t["g"] == "tensor" and o["g"] == "tensor":  # per-tensor configs: README row 1 first
+            expected = ours[(node, "in0")][0]["scale"][0] * ours[(node, "in1")][0]["scale"][0]
+            floor = float(biases[node].abs().max()) / (2**31 - 1) * 2
+            assert _rel(o["scale"], [max(expected, floor)]) < 1e-5, key
+            floored += expected < floor
+            continue
+        floor = [float(v) / (2**31 - 1) * 2 for v in biases[node].abs()]
+        x_scale = ours[(node, "in0")][0]["scale"][0]
+        products = [x_scale * w for w in ours[(node, "in1")][0]["scale"]]
+        for ours_s, theirs_s, product, f in zip(o["scale"], t["scale"], products, floor):
+            assert abs(ours_s - max(product, f)) <= 1e-5 * max(product, f), key
+            if product < f:
+                floored += 1
+                assert theirs_s < f  # ExecuTorch's scale cannot hold this channel's bias
+            else:  # a channel that fits: ExecuTorch's derived scale, unless row 11's eps differs
+                assert abs(ours_s - theirs_s) <= REL * theirs_s or preset == "8a8w_per_channel", key
+    # 16-bit activations: the zero head and the dead channels need the floor; at 8a8w our 8-bit
+    # eps (row 11) already keeps those biases representable where ExecuTorch's 16-bit eps does not
+    assert floored >= (1 if preset != "8a8w_per_channel" else 0)

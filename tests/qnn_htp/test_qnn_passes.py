@@ -194,6 +194,8 @@ def test_block_size_map_check_pass_is_registered() -> None:
     names = [n for n, _ in passes.PASSES]
     assert names == [
         "qnn_htp.remove_asserts",
+        "qnn_htp.fold_constant_views",
+        "qnn_htp.decompose_composites",
         "qnn_htp.decompose",
         "qnn_htp.lift_scalars",
         "qnn_htp.mark_masks",

@@ -265,23 +265,40 @@ def test_weight_only_and_dynamic_presets_match_through_onnx(preset: str, options
     quantizer = quantplug.get_quantizer("reference", preset=preset, **options)
     converted = quantplug.convert(quantplug.prepare(ep, quantizer))
     artifact = quantplug.lower(converted, quantizer)
+    artifact.save(tmp_path / "out")
+    # a user's own session of the saved file, with no option: the program's numbers
+    plain = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
     for seed in (1, 2):
         inputs = _token_inputs(seed)
         ref = converted(*inputs)
         torch.testing.assert_close(artifact.run(*inputs), ref, rtol=1e-4, atol=1e-5)
+        feeds = {i.name: x.numpy() for i, x in zip(plain.get_inputs(), inputs)}
+        torch.testing.assert_close(torch.from_numpy(plain.run(None, feeds)[0]), ref, rtol=1e-4, atol=1e-5)
     model_proto = onnx.load_from_string(artifact.onnx_model)
-    dqs = [n for n in model_proto.graph.node if n.op_type == "DequantizeLinear"]
-    if "group_size" in options or preset == "weight_only_int4":
-        blocked = [n for n in dqs if any(a.name == "block_size" and a.i > 0 for a in n.attribute)]
-        assert len(blocked) == 3, "embedding and both linears use blocked DequantizeLinear"
+    ops = Counter(n.op_type for n in model_proto.graph.node)
+    blocked = [
+        n
+        for n in model_proto.graph.node
+        if n.op_type == "DequantizeLinear" and any(a.name == "block_size" and a.i > 0 for a in n.attribute)
+    ]
     kernels = ort_kernels(artifact, tmp_path)
     if preset == "dynamic_int8":
-        assert not any(n.op_type == "QuantizeLinear" for n in model_proto.graph.node)  # no static encodings
+        assert not ops["QuantizeLinear"]  # no static encodings
         assert kernels["MatMulInteger"] == 2, kernels  # integer products on the per-token int8 input
     elif preset == "weight_only_int4":
+        # the file says MatMulNBits with float products (accuracy level 1), not the session
+        nbits = [n for n in model_proto.graph.node if n.op_type == "MatMulNBits"]
+        assert len(nbits) == 2 and all(
+            onnx.helper.get_attribute_value(a) == 1
+            for n in nbits
+            for a in n.attribute
+            if a.name == "accuracy_level"
+        )
+        assert len(blocked) == 1, "the embedding table keeps its blocked DequantizeLinear"
         assert kernels["MatMulNBits"] == 2, kernels  # packed 4-bit weights read directly
     else:
-        assert not kernels["DequantizeLinear"], kernels  # int8 weights dequantized once, at load
+        assert not ops["DequantizeLinear"], "int8 weights spelled Cast * scale"
+        assert not kernels["DequantizeLinear"] and not kernels["MatMulNBits"], kernels  # folded at load
 
 
 def test_a16w8_uses_16_bit_qdq_in_onnx() -> None:
@@ -357,8 +374,12 @@ def test_export_qdq_onnx_maps_every_encoding(tmp_path) -> None:  # type: ignore[
     ],
 )
 def test_onnx_block_form_matches_quantplug_per_block(shape, block) -> None:  # type: ignore[no-untyped-def]
-    """The ONNX form of per-block qparams (one blocked axis, others spread out) is exact."""
-    from quantplug.lowering.onnx_export import _onnx_dequantize, onnx_block_form
+    """The ONNX form of per-block qparams (one blocked axis, others spread out) is exact: a
+    DequantizeLinear with it, run by ONNX's reference evaluator, gives quantplug's dequantize."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from quantplug.lowering.onnx_export import onnx_block_form
     from quantplug.observers.per_block import block_grid_shape, dequantize_per_block
 
     grid = block_grid_shape(block, shape)
@@ -370,9 +391,22 @@ def test_onnx_block_form_matches_quantplug_per_block(shape, block) -> None:  # t
     if b:
         assert s.dim() == len(shape)
         assert all(s.shape[i] == shape[i] for i in range(len(shape)) if i != axis)
+    attrs = {"axis": axis, "block_size": b} if b else ({"axis": axis} if s.dim() else {})
+    node = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], **attrs)
+    graph = helper.make_graph(
+        [node],
+        "dq",
+        [helper.make_tensor_value_info("q", TensorProto.INT8, list(shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))],
+        [
+            numpy_helper.from_array(s.float().numpy(), "s"),
+            numpy_helper.from_array(z.to(torch.int8).numpy(), "z"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    (got,) = ReferenceEvaluator(model).run(None, {"q": q.numpy()})
     expected = dequantize_per_block(q, scale, zero_point, block)
-    got = _onnx_dequantize(q, s, z.to(torch.int8), axis, b, -8, 7, torch.float32)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(torch.from_numpy(got), expected, rtol=0, atol=0)
 
 
 def test_converted_program_is_not_modified_by_export() -> None:

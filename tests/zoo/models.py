@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.zoo._torchvision_compat import ensure_importable
+from tests.torchvision_compat import ensure_importable
 
 Inputs = tuple[torch.Tensor, ...]
 
@@ -65,8 +65,6 @@ class ZooModel:
     def available(self) -> bool:
         if self.needs is None:
             return True
-        if self.needs == "torchvision":
-            return ensure_importable()
         ensure_importable()  # transformers imports torchvision when it is installed
         return importlib.util.find_spec(self.needs) is not None
 

@@ -8,6 +8,7 @@ imports it, so importing a rules module has no global side effects.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -178,11 +179,60 @@ def annotate_weighted(
         annotate_node(node, inputs, out)
 
 
-def derive_bias_qparams(observers: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bias scale = input scale x weight scale (per weight channel), zero point 0."""
+def constant_value(node: Any) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node reads from its graph's module (None for anything else).
+
+    The tensor object itself, not a copy: a derive function holding it sees the values the
+    prepared module holds when qparams are computed (QAT trains them in place).
+    """
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    value: Any = node.graph.owning_module
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def floor_bias_scale(
+    scale: torch.Tensor, bias: torch.Tensor | None, qmax: int = torch.iinfo(torch.int32).max
+) -> torch.Tensor:
+    """``scale``, raised where the bias would not fit its integer grid.
+
+    A derived bias scale is input scale x weight scale. Where a weight (channel) is all zero,
+    denormal or pruned, its scale sits at eps and every bias value of that channel would clip to
+    about zero; there the scale becomes ``max|bias| / (qmax / 2)`` instead, so the bias stays
+    representable with half the grid to spare: float32 cannot hold ``2^31 - 1``, and a code
+    computed as ``2^31`` would wrap around when cast to int32. Every other channel keeps the
+    exact product (what QNN and ONNX Runtime's fused integer kernels expect; ONNX Runtime runs a
+    floored layer unfused, with the bias on its own scale).
+    """
+    if bias is None or bias.numel() == 0:
+        return scale
+    values = bias.detach().to(torch.float32)
+    if scale.numel() == 1:
+        amax = values.abs().amax().reshape(scale.shape)
+    elif values.numel() == scale.numel():
+        amax = values.abs().reshape(scale.shape)
+    else:
+        return scale
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))  # the NaN policy is not ours
+    return torch.maximum(scale, (amax / (qmax / 2)).to(scale.dtype))
+
+
+def derive_bias_qparams(
+    observers: Sequence[Any], bias: torch.Tensor | None = None, qmax: int = torch.iinfo(torch.int32).max
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bias scale = input scale x weight scale (per weight channel), zero point 0.
+
+    With ``bias`` (the bias tensor), channels whose bias would not fit ``[-qmax, qmax]`` on that
+    scale get the :func:`floor_bias_scale` floor.
+    """
     act_scale, _ = observers[0].calculate_qparams()
     weight_scale, _ = observers[1].calculate_qparams()
     scale = (act_scale.reshape(-1)[0] * weight_scale).to(torch.float32).reshape(-1)
+    scale = floor_bias_scale(scale, bias, qmax)
     return scale, torch.zeros(scale.shape, dtype=torch.int64)
 
 
@@ -191,20 +241,27 @@ def derived_bias_spec(
     *,
     input_index: int = 0,
     weight_index: int = 1,
+    bias_index: int | None = 2,
     weight_spec: QuantizationSpecBase | None = None,
     dtype: torch.dtype = torch.int32,
+    bias: Node | None = None,
 ) -> DerivedQuantizationSpec:
     """The int32 bias spec of a conv/linear ``node``, derived from its input and weight observers.
 
     Built per node (its ``derived_from`` names this node's edges), so pass it as
-    ``QuantizationConfig(bias=lambda n: derived_bias_spec(n, weight_spec=...))``.
+    ``QuantizationConfig(bias=lambda n: derived_bias_spec(n, weight_spec=...))``. The bias at
+    ``bias_index`` (or ``bias``, a bias node that is not one of ``node``'s arguments, as in
+    ``matmul`` + ``add``), when it is a constant, sets the scale floor of degenerate (all-zero)
+    weight channels (:func:`floor_bias_scale`).
     """
     act, weight = node.args[input_index], node.args[weight_index]
     per_channel = getattr(weight_spec, "qscheme", None) in PER_CHANNEL_QSCHEMES
     info = torch.iinfo(dtype)
+    if bias is None and bias_index is not None and len(node.args) > bias_index:
+        bias = node.args[bias_index]  # type: ignore[assignment]
     return DerivedQuantizationSpec(
         derived_from=((act, node), (weight, node)),  # type: ignore[arg-type]
-        derive_qparams_fn=derive_bias_qparams,
+        derive_qparams_fn=functools.partial(derive_bias_qparams, bias=constant_value(bias), qmax=info.max),
         dtype=dtype,
         quant_min=info.min,
         quant_max=info.max,

@@ -4,9 +4,7 @@ demo) and the calibration data (a .pt file or a folder of them), checked against
 from __future__ import annotations
 
 import importlib
-import logging
 import os
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,15 +14,13 @@ from typing import Any
 
 import torch
 
-from quantplug.errors import QuantplugError
+from quantplug.cli.checks import FACTORY
+from quantplug.cli.errors import InputError
+from quantplug.errors import NonFiniteError, QuantplugError, UnsafeArchiveError
 from quantplug.flow.calls import Call, in_spec_of, unflatten
 
+__all__ = ["InputError", "InputSpec", "ModelInput", "check_batches", "load_calibration", "load_model"]
 
-class InputError(Exception):
-    """Bad input from the user: the CLI prints the message as one line and exits 2."""
-
-
-_FACTORY = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 DATA_SUFFIXES = (".pt", ".pth")
 
 
@@ -89,39 +85,45 @@ def input_specs(program: torch.export.ExportedProgram) -> list[InputSpec]:
     return specs
 
 
-@contextmanager
-def _torch_logs_quiet(enabled: bool = True) -> Iterator[None]:
-    """torch.export.load logs a full traceback (WARNING) before raising; the CLI says it in one line."""
-    logger = logging.getLogger("torch.export")
-    level = logger.level
-    if enabled and not logging.getLogger("quantplug").isEnabledFor(logging.DEBUG):
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+def _model_from_pt2(path: Path, *, allow_pickle: bool) -> ModelInput:
+    from quantplug.archive import load_program
 
-
-def _model_from_pt2(path: Path) -> ModelInput:
     if path.is_dir():
         raise InputError(f"model {str(path)!r} is a folder; expected a torch.export.save()d .pt2 file")
     try:
-        with _torch_logs_quiet():
-            program = torch.export.load(str(path))
-    except Exception as exc:
-        raise InputError(
-            f"cannot load model file {str(path)!r} as a torch.export program (.pt2): {_first_line(exc)}"
-        ) from exc
+        program = load_program(path, allow_pickle=allow_pickle)
+    except UnsafeArchiveError:
+        raise
+    except QuantplugError as exc:
+        raise InputError(f"cannot load model file {str(path)!r}: {exc}") from exc
     return ModelInput(program, str(path), "pt2", path.stem, inputs=input_specs(program))
+
+
+@contextmanager
+def _working_folder_importable() -> Iterator[None]:
+    """Modules in the current folder resolve (like ``python -m``), for this import only: the rest
+    of the run must not pick up a ``matplotlib.py`` that happens to sit there."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _exit_call(exc: SystemExit) -> str:
+    return "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
 
 
 def _model_from_factory(spec: str) -> ModelInput:
     module_name, _, attr = spec.partition(":")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)  # like `python -m`: modules next to the user resolve
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as exc:
+        raise InputError(f"importing {module_name!r} for factory {spec!r} called {_exit_call(exc)}") from exc
     except Exception as exc:
         raise InputError(f"cannot import {module_name!r} for factory {spec!r}: {_first_line(exc)}") from exc
     target: Any = module
@@ -133,6 +135,10 @@ def _model_from_factory(spec: str) -> ModelInput:
         raise InputError(f"factory {spec!r} is not callable ({type(target).__name__})")
     try:
         result = target()
+    except SystemExit as exc:
+        raise InputError(
+            f"factory {spec!r} called {_exit_call(exc)} instead of returning (model, example_inputs)"
+        ) from exc
     except Exception as exc:
         raise InputError(f"factory {spec!r} raised {_first_line(exc)}") from exc
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
@@ -164,8 +170,12 @@ def _model_from_factory(spec: str) -> ModelInput:
     return ModelInput(program, spec, "factory", attr.rsplit(".", 1)[-1], inputs=input_specs(program))
 
 
-def load_model(spec: str | None) -> ModelInput:
-    """The program to quantize: a .pt2 path, a ``package.module:factory``, or None for the demo."""
+def load_model(spec: str | None, *, allow_pickle: bool = False) -> ModelInput:
+    """The program to quantize: a .pt2 path, a ``package.module:factory``, or None for the demo.
+
+    Both run code (see :mod:`quantplug.archive`); a .pt2 holding pickled data is refused unless
+    ``allow_pickle``.
+    """
     if spec is None:
         from quantplug.demo.model import demo_calibration, demo_model
 
@@ -181,9 +191,10 @@ def load_model(spec: str | None) -> ModelInput:
         )
     path = Path(spec)
     if path.exists():
-        return _model_from_pt2(path)
-    if _FACTORY.match(spec):
-        return _model_from_factory(spec)
+        return _model_from_pt2(path, allow_pickle=allow_pickle)
+    if FACTORY.match(spec):
+        with _working_folder_importable():  # the factory and the model it builds may import more
+            return _model_from_factory(spec)
     raise InputError(
         f"model file {spec!r} not found (give a torch.export.save()d .pt2 file or a "
         "package.module:factory returning (model, example_inputs))"
@@ -279,20 +290,16 @@ def check_batches(
     origins: Sequence[str],
     inputs: Sequence[InputSpec],
     program: torch.export.ExportedProgram | None = None,
+    *,
+    finite: bool = False,
 ) -> None:
     """Every batch matches the model's inputs (positional and keyword), each with its dtype and
-    (static) shape. Keyword inputs are matched by the calling convention of ``program``."""
+    (static) shape, and with ``finite``, holds no NaN or infinite values. Keyword inputs are
+    matched by the calling convention of ``program``."""
     in_spec = None if program is None else in_spec_of(program)
     for index, (given, origin) in enumerate(zip(batches, origins)):
         where = f"calibration batch {index} ({origin})"
-        batch = Call.of(given)
-        if batch.kwargs:
-            try:
-                flat = batch.flat(in_spec, "the model")
-            except QuantplugError as exc:
-                raise InputError(f"{where}: {exc}") from exc
-        else:
-            flat = list(batch.args)
+        flat = _flat_inputs(Call.of(given), in_spec, where)
         if len(flat) != len(inputs):
             raise InputError(
                 f"{where} has {len(flat)} input(s); the model takes {len(inputs)} "
@@ -315,6 +322,62 @@ def check_batches(
                     f"{where}: input {spec.name!r} has dtype {str(value.dtype).removeprefix('torch.')}; "
                     f"the model expects {spec.describe()}"
                 )
+            if finite:
+                found = _nonfinite_text(value)
+                if found:
+                    raise InputError(
+                        f"{where}: input {spec.name!r} holds {found}; remove them from the data, or pass "
+                        "--nonfinite ignore to leave them out of the calibration statistics"
+                    )
+
+
+def _flat_inputs(batch: Call, in_spec: Any, where: str) -> list[Any]:
+    if not batch.kwargs:
+        return list(batch.args)
+    try:
+        return batch.flat(in_spec, "the model")
+    except QuantplugError as exc:
+        raise InputError(f"{where}: {exc}") from exc
+
+
+def _nonfinite_text(value: torch.Tensor) -> str:
+    """``"3 NaN and 1 inf value(s), the first at index (0, 2)"``, or "" when all are finite."""
+    if not value.dtype.is_floating_point and not value.dtype.is_complex:
+        return ""
+    bad = ~torch.isfinite(value)
+    if not bool(bad.any()):
+        return ""
+    nan = int(torch.isnan(value).sum())
+    inf = int(bad.sum()) - nan
+    first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+    counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
+    return f"{counts} value(s), the first at index {first}"
+
+
+def nonfinite_input_error(
+    exc: NonFiniteError,
+    index: int,
+    origin: str,
+    batch: Call,
+    inputs: Sequence[InputSpec],
+    program: torch.export.ExportedProgram,
+) -> InputError:
+    """The observer's NaN/inf error, with the batch, its file and the inputs that held them."""
+    where = f"calibration batch {index} ({origin})"
+    try:
+        flat = _flat_inputs(batch, in_spec_of(program), where)
+    except InputError:
+        flat = []
+    held = [
+        f"input {spec.name!r} holds {text}"
+        for value, spec in zip(flat, inputs)
+        if isinstance(value, torch.Tensor) and (text := _nonfinite_text(value))
+    ]
+    source = "; ".join(held) if held else "its inputs are finite: the model computes them"
+    return InputError(
+        f"{where}: NaN/inf values reached the observer of {exc.where} ({source}); fix the data or the "
+        "model, or pass --nonfinite ignore to leave them out of the calibration statistics"
+    )
 
 
 def random_batches(program: torch.export.ExportedProgram, count: int) -> list[Call]:

@@ -6,23 +6,37 @@
     quantplug                                  = quantplug quantize (the built-in demo)
 
 Exit codes: 0 success, 2 bad input or usage (one line on stderr, the traceback with --verbose),
-1 an unexpected internal error, 130 interrupted.
+1 an unexpected internal error, 130 interrupted (SIGINT), 128 + N terminated by signal N.
+
+Help, ``backends`` and every argument error answer without importing torch or any plugin (they
+read package metadata); ``quantize`` imports them once its arguments are checked.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from quantplug.cli.checks import (
+    COMMANDS,
+    check_backend_options,
+    check_calibration_path,
+    check_model_spec,
+    looks_like_model,
+    unknown_command,
+)
 from quantplug.cli.console import Console
-from quantplug.cli.inputs import InputError
+from quantplug.cli.errors import InputError
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -32,6 +46,13 @@ EXIT_INTERRUPTED = 130
 DEFAULT_OUT = "quantplug-out"
 DEFAULT_RANDOM_BATCHES = 8
 DEFAULT_COMPARE_BATCHES = 4
+
+RUNS_CODE = (
+    "Loading a model runs code, as unpickling does: only load models you trust. A package.module:factory "
+    "is imported and called. A .pt2 file is checked first and refused if it holds pickled data "
+    "(--allow-pickle accepts it: then loading it may run any code) or names that are not plain "
+    "identifiers (code torch would paste into the program it builds)."
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -73,6 +94,7 @@ def cmd_backends(args: argparse.Namespace, console: Console) -> int:
         if entry.claimants:
             row["claimants"] = list(entry.claimants)
         if args.check and entry.status in ("available", "loaded", "error"):
+            _quiet_torch(console)  # plugins import torch
             try:
                 loaded = load_backend(entry.name)
             except QuantplugError as exc:
@@ -164,17 +186,60 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+def check_quantize_arguments(args: argparse.Namespace) -> dict[str, str]:
+    """Everything about ``quantize``'s arguments that can be checked without torch or a plugin.
+
+    Returns the parsed ``--option`` pairs. A misspelt backend, option, preset or command, a
+    value out of its declared range or a missing file fails here in a fraction of a second.
+    """
+    from quantplug.cli.options import parse_pairs
+
+    if args.random_batches < 1:
+        raise InputError("--random-batches must be at least 1")
+    if args.compare_batches < 1:
+        raise InputError("--compare-batches must be at least 1")
+    pairs = parse_pairs(args.option)
+    check_backend_options(args.backend, pairs)
+    check_model_spec(args.model)
+    check_calibration_path(args.calibration)
+    return pairs
+
+
 def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
+    from quantplug.cli.output import StagedOutput
+
+    pairs = check_quantize_arguments(args)
+    out_dir = Path(args.out)
+    with StagedOutput(out_dir) as stage:  # takes the lock: a second run on --out fails now
+        data, debug = _quantize_into(stage, args, pairs, console)
+        stage.commit()
+    if not console.quiet:
+        from quantplug.report import format_summary
+
+        print(format_summary(data, out_dir=str(out_dir)))
+        if console.verbose:
+            print(debug.format())
+    return EXIT_OK
+
+
+def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], console: Console) -> Any:
+    """The run itself: every file goes into ``stage.path``; returns the report data and comparison."""
     import torch
 
+    _quiet_torch(console)
     import quantplug
-    from quantplug.cli.inputs import check_batches, load_calibration, load_model, random_batches
-    from quantplug.cli.options import parse_pairs
-    from quantplug.cli.output import StagedOutput
+    from quantplug.cli.inputs import (
+        check_batches,
+        load_calibration,
+        load_model,
+        nonfinite_input_error,
+        random_batches,
+    )
     from quantplug.debug import compare, tensor_bytes
     from quantplug.flow.prepare import STATE_KEY
+    from quantplug.observers.nonfinite import ignored_counts, masked_counts
     from quantplug.plugins.registry import load_backend
-    from quantplug.report import build_report, format_summary, write_report
+    from quantplug.report import build_report, write_report
 
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -189,12 +254,7 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         timings[name] = round(now - since, 3)
         return now
 
-    if args.random_batches < 1:
-        raise InputError("--random-batches must be at least 1")
-    if args.compare_batches < 1:
-        raise InputError("--compare-batches must be at least 1")
-    # the backend and its options first: a typo fails in a second, before any model work
-    quantizer = quantplug.get_quantizer(args.backend, **parse_pairs(args.option))
+    quantizer = quantplug.get_quantizer(args.backend, **pairs)
     loaded = load_backend(args.backend)
     backend = {
         "name": quantizer.backend,
@@ -203,13 +263,10 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         "description": loaded.info.description,
     }
     options = {**quantizer.options, "strict": quantizer.strict}
-    out_dir = Path(args.out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out {args.out!r} exists and is not a folder")
 
     t = time.perf_counter()
     console.info("loading model: " + (args.model or "built-in demo"))
-    model = load_model(args.model)
+    model = load_model(args.model, allow_pickle=args.allow_pickle)
     program = model.program
     if args.calibration:
         batches, origins = load_calibration(args.calibration, model.inputs)
@@ -227,85 +284,101 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
             f"{len(batches)} batches of RANDOM data shaped like the model's inputs; quantization "
             "ranges and the SQNR figures will not reflect real inputs"
         )
-    check_batches(batches, origins, model.inputs, program)
+    check_batches(batches, origins, model.inputs, program, finite=args.nonfinite != "ignore")
+    calibration["nonfinite"] = args.nonfinite
     t = lap("load", t)
 
-    with StagedOutput(out_dir) as stage:
-        prepared = quantplug.prepare(program, quantizer)
-        t = lap("prepare", t)
-        with console.progress("calibrating", len(batches), "batches", done_label="calibrated") as bar:
-            with torch.no_grad():
-                for i, batch in enumerate(batches):
-                    try:
-                        batch.run(prepared)
-                    except quantplug.QuantplugError:
-                        raise
-                    except Exception as exc:
-                        raise InputError(
-                            f"calibration batch {i} ({origins[i]}) failed: {_first_line(exc)}"
-                        ) from exc
-                    bar.advance()
-        t = lap("calibrate", t)
-        quantized = quantplug.convert(prepared)
-        t = lap("convert", t)
-
-        bar = console.progress("lowering", 0, "steps", done_label="lowered")
-        lowering_quantizer = _LoweringWithProgress(quantizer, bar)
-        if lowering_quantizer.plan.writer is None:
-            warn(
-                f"backend {quantizer.backend!r} provides no artifact writer: no backend artifact written "
-                "(the quantized program and the report are)"
-            )
-        else:
-            bar.total = lowering_quantizer.steps + 1  # passes, the writer, saving the files
-            with bar:
-                artifact = quantplug.lower(quantized, lowering_quantizer)
-                bar.step("saving")
-                artifact.save(stage.path / "artifact")
-                bar.advance(detail="saved")
-        t = lap("lower", t)
-
-        example = batches[0]
-        try:
-            exported = torch.export.export(quantized, example.args, dict(example.kwargs))
-            torch.export.save(exported, str(stage.path / "quantized.pt2"))
-        except Exception as exc:
-            warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
-        t = lap("save", t)
-
-        compare_inputs = batches[: args.compare_batches]
-        with console.progress("comparing", len(compare_inputs), "batches", done_label="compared") as bar:
-            debug = compare(
-                program, quantized, compare_inputs, prepared=prepared, progress=lambda d, n: bar.advance()
-            )
-        t = lap("compare", t)
-        state = prepared.meta.get(STATE_KEY)
-        timings["total"] = round(time.perf_counter() - started, 3)
-        data = build_report(
-            debug,
-            backend=backend,
-            options=options,
-            model=model.describe(),
-            calibration=calibration,
-            float_bytes=tensor_bytes(program),
-            quantized_bytes=tensor_bytes(quantized),
-            validation=getattr(state, "validation", None),
-            warnings=run_warnings,
-            files=[
-                *({"path": p, "bytes": n} for p, n in stage.files()),
-                {"path": "report.html", "bytes": None},
-                {"path": "report.json", "bytes": None},
-            ],
-            timings=timings,
+    prepared = quantplug.prepare(program, quantizer, nonfinite=args.nonfinite)
+    t = lap("prepare", t)
+    with console.progress("calibrating", len(batches), "batches", done_label="calibrated") as bar:
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                try:
+                    batch.run(prepared)
+                except quantplug.NonFiniteError as exc:
+                    raise nonfinite_input_error(exc, i, origins[i], batch, model.inputs, program) from exc
+                except quantplug.QuantplugError:
+                    raise
+                except Exception as exc:
+                    raise InputError(
+                        f"calibration batch {i} ({origins[i]}) failed: {_first_line(exc)}"
+                    ) from exc
+                bar.advance()
+    masked = masked_counts(prepared)
+    if masked:  # infinities the model computes (attention masks), left out of the statistics
+        calibration["infinities_masked"] = masked
+    ignored = ignored_counts(prepared)
+    if ignored:
+        calibration["nonfinite_ignored"] = ignored
+        shown = ", ".join(f"{where}: {n}" for where, n in list(ignored.items())[:3])
+        more = f" and {len(ignored) - 3} more" if len(ignored) > 3 else ""
+        warn(
+            f"--nonfinite ignore: {sum(ignored.values())} NaN/inf value(s) left out of the calibration "
+            f"statistics ({shown}{more})"
         )
-        write_report(data, stage.path)
-        stage.commit()
+    t = lap("calibrate", t)
+    quantized = quantplug.convert(prepared)
+    t = lap("convert", t)
 
-    if not console.quiet:
-        print(format_summary(data, out_dir=str(out_dir)))
-        if console.verbose:
-            print(debug.format())
-    return EXIT_OK
+    artifact = None  # measured beside the program by compare() when the backend can run it
+    bar = console.progress("lowering", 0, "steps", done_label="lowered")
+    lowering_quantizer = _LoweringWithProgress(quantizer, bar)
+    if lowering_quantizer.plan.writer is None:
+        warn(
+            f"backend {quantizer.backend!r} provides no artifact writer: no backend artifact written "
+            "(the quantized program and the report are)"
+        )
+    else:
+        bar.total = lowering_quantizer.steps + 1  # passes, the writer, saving the files
+        with bar:
+            artifact = quantplug.lower(quantized, lowering_quantizer)
+            for line in artifact.metadata.get("warnings", ()):  # the backend's findings
+                warn(str(line))
+            bar.step("saving")
+            artifact.save(stage.path / "artifact")
+            bar.advance(detail="saved")
+    t = lap("lower", t)
+
+    example = batches[0]
+    try:
+        exported = torch.export.export(quantized, example.args, dict(example.kwargs))
+        torch.export.save(exported, str(stage.path / "quantized.pt2"))
+    except Exception as exc:
+        warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
+    t = lap("save", t)
+
+    compare_inputs = batches[: args.compare_batches]
+    with console.progress("comparing", len(compare_inputs), "batches", done_label="compared") as bar:
+        debug = compare(
+            program,
+            quantized,
+            compare_inputs,
+            prepared=prepared,
+            artifact=artifact,
+            progress=lambda d, n: bar.advance(),
+        )
+    t = lap("compare", t)
+    state = prepared.meta.get(STATE_KEY)
+    timings["total"] = round(time.perf_counter() - started, 3)
+    data = build_report(
+        debug,
+        backend=backend,
+        options=options,
+        model=model.describe(),
+        calibration=calibration,
+        float_bytes=tensor_bytes(program),
+        quantized_bytes=tensor_bytes(quantized),
+        validation=getattr(state, "validation", None),
+        warnings=run_warnings,
+        files=[
+            *({"path": p, "bytes": n} for p, n in stage.files()),
+            {"path": "report.html", "bytes": None},
+            {"path": "report.json", "bytes": None},
+        ],
+        timings=timings,
+    )
+    write_report(data, stage.path)
+    return data, debug
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,24 +387,25 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from quantplug.files import write_atomic
     from quantplug.report import format_summary, load_report, render_html
 
     data = load_report(args.out)
     folder = Path(args.out)
     if not folder.is_dir():
         folder = folder.parent
-    page = render_html(data)
-    target = folder / "report.html"
-    tmp = folder / ".report.html.tmp"
     try:
-        tmp.write_text(page, encoding="utf-8")
-        tmp.replace(target)
+        page, summary = render_html(data), format_summary(data)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        # a hand-edited report.json that load_report's checks let through: still the file's fault
+        raise InputError(f"{folder / 'report.json'} cannot be rendered: {type(exc).__name__}: {exc}") from exc
+    target = folder / "report.html"
+    try:
+        write_atomic(target, page)
     except OSError as exc:
         raise InputError(f"cannot write {target}: {exc.strerror or exc}") from exc
-    finally:
-        tmp.unlink(missing_ok=True)
     if not console.quiet:
-        print(format_summary(data))
+        print(summary)
         print(f"report:      {target}")
     return EXIT_OK
 
@@ -358,7 +432,7 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 2 bad input or usage, 1 internal error",
     )
     _add_common(parser, sub=False)
-    sub = parser.add_subparsers(dest="command", metavar="{backends,quantize,report}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
 
     p = sub.add_parser(
         "backends",
@@ -384,7 +458,7 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         help="quantize a program (default: the built-in demo)",
         description="Prepare, calibrate, convert and lower a program for a backend, compare it with the "
         "float program node by node, and write OUT/quantized.pt2, OUT/artifact/, OUT/report.html "
-        "and OUT/report.json.",
+        "and OUT/report.json.\n\n" + RUNS_CODE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=epilog,
     )
@@ -392,7 +466,8 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         "model",
         nargs="?",
         help="a torch.export.save()d program (.pt2), or package.module:factory returning "
-        "(model, example_inputs); omitted: the built-in demo model and data",
+        "(model, example_inputs), imported from the current folder first; omitted: the built-in demo "
+        "model and data. Loading a model runs code: only load models you trust",
     )
     p.add_argument(
         "-c",
@@ -410,7 +485,28 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="backend option, repeatable; checked against the backend's declared options (listed below)",
     )
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    p.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"output folder (default: {DEFAULT_OUT}), replaced as a whole when the run succeeds; "
+        "files of yours in it are kept",
+    )
+    p.add_argument(
+        "--nonfinite",
+        choices=("error", "strict", "ignore"),
+        default="error",
+        help="NaN/inf values reaching an observer during calibration: 'error' (default) stops at the "
+        "first batch holding a NaN, or an infinity in the inputs, naming the file, batch, input and "
+        "node (infinities the model computes, attention masks, are left out of the statistics); "
+        "'strict' stops at any NaN/inf; 'ignore' leaves them all out of the statistics and counts "
+        "them in the report",
+    )
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="load a .pt2 that holds pickled data (weights, constants, example inputs): unpickling runs "
+        "any code the file contains; only for files you trust",
+    )
     p.add_argument(
         "--random-batches",
         type=int,
@@ -437,6 +533,11 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("out", nargs="?", default=DEFAULT_OUT, help=f"the output folder (default: {DEFAULT_OUT})")
     _add_common(p, sub=True)
     p.set_defaults(func=cmd_report)
+
+    from quantplug.cli import conformance, scaffold  # backend authors' commands (no torch at import)
+
+    conformance.add_parser(sub, _add_common)
+    scaffold.add_parser(sub, _add_common)
     return parser
 
 
@@ -466,29 +567,79 @@ def _configure_logging(console: Console) -> None:
     logger.handlers[:] = [handler]
     logger.propagate = False
     logger.setLevel(logging.DEBUG if console.verbose else logging.WARNING)
-    if not console.verbose:
-        # torch's own chatter during export/lowering (warnings and WARNING log records, e.g. the
-        # ONNX exporter's registry) is noise for CLI users; --verbose shows it
-        import torch  # noqa: F401  (torch configures its loggers on import; override after)
 
-        logging.getLogger("torch").setLevel(logging.ERROR)
-        warnings.filterwarnings("ignore", module=r"torch(\.|$)")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+def _quiet_torch(console: Console) -> None:
+    """Without --verbose, silence torch's own chatter (warnings and WARNING log records, e.g. the
+    ONNX exporter's registry): noise for CLI users. Called once torch is imported (it configures
+    its loggers on import)."""
+    if console.verbose:
+        return
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+class Terminated(BaseException):
+    """SIGTERM/SIGHUP as an exception, so the run cleans up (a BaseException: nothing swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_as_exceptions(received: list[int]) -> Iterator[None]:
+    """While the command runs, SIGTERM and SIGHUP raise :class:`Terminated` (by default they kill
+    the process at once, leaving the staging folder behind) and SIGINT raises KeyboardInterrupt;
+    each signal is also recorded in ``received``, because the code it interrupts (an exporter, say)
+    may turn the exception into another error. The previous handlers are restored afterwards."""
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(signum)
+
+    previous = {}
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signum = getattr(signal, name, None)
+        if signum is None:
+            continue
+        try:
+            previous[signum] = signal.signal(signum, on_signal)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _route(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The command and the argument list argparse sees (``quantplug [options]`` = ``quantize``)."""
+    top_level = {"-q", "--quiet", "-v", "--verbose", "-h", "--help"}
+    first = next((a for a in argv if a not in top_level), None)
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    if first in COMMANDS:
+        return first, argv
+    if first is None and wants_help:
+        return None, argv  # `quantplug --help`: the top-level help
+    if first is not None and not first.startswith("-") and not looks_like_model(first):
+        raise unknown_command(first)  # `quantplug backend` is a misspelt command, not a model path
+    return "quantize", ["quantize", *argv]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    top_level = {"-q", "--quiet", "-v", "--verbose", "-h", "--help"}
-    first = next((a for a in argv if a not in top_level), None)
+    try:
+        command, argv = _route(argv)
+    except InputError as exc:
+        Console().error(str(exc))
+        return EXIT_USAGE
     wants_help = any(a in ("-h", "--help") for a in argv)
-    if first in ("backends", "quantize", "report"):
-        command = first
-    elif first is None and wants_help:
-        command = None  # `quantplug --help`: the top-level help
-    else:
-        command = "quantize"  # `quantplug [options]` = `quantplug quantize [options]`
-        argv = ["quantize", *argv]
     parser = build_parser(backend_help=wants_help and command == "quantize")
     args = parser.parse_args(argv)
     console = Console(
@@ -498,17 +649,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from quantplug.errors import QuantplugError
 
+    received: list[int] = []
     try:
-        return int(args.func(args, console))
-    except (InputError, QuantplugError) as exc:
-        if console.verbose:
-            traceback.print_exc(file=console.stream)
-        console.error(_error_line(exc))
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        console.error("interrupted")
-        return EXIT_INTERRUPTED
-    except Exception as exc:
+        with _signals_as_exceptions(received):
+            return int(args.func(args, console))
+    except BaseException as exc:
+        if received:  # whatever the interrupted code made of the signal
+            signum = received[0]
+            console.error("interrupted" if signum == signal.SIGINT else f"terminated by signal {signum}")
+            return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+        if isinstance(exc, (InputError, QuantplugError)):
+            if console.verbose:
+                traceback.print_exc(file=console.stream)
+            console.error(_error_line(exc))
+            return EXIT_USAGE
+        if isinstance(exc, KeyboardInterrupt):
+            console.error("interrupted")
+            return EXIT_INTERRUPTED
+        if not isinstance(exc, Exception):
+            raise
         if console.verbose:
             traceback.print_exc(file=console.stream)
         console.error(
@@ -519,4 +678,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # `python -m` puts the working folder first on sys.path (the `quantplug` script does not): a
+    # matplotlib.py or torch.py there must not shadow the real ones. The factory import gets the
+    # folder back for itself (quantplug.cli.inputs).
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     sys.exit(main())

@@ -1,15 +1,14 @@
-"""``--option key=value``: parsing, checking against a backend's declared options, and the
-per-backend option listing shown by ``quantplug quantize --help``."""
+"""``--option key=value``: parsing, and the per-backend option listing shown by
+``quantplug quantize --help``, read from the backends' metadata files (no plugin is imported)."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
-from typing import Any
 
-from quantplug.cli.inputs import InputError
-
-#: accepted by every backend (see quantplug.get_quantizer)
-COMMON_OPTIONS = (("strict", "bool", "true", "fail on backend constraint violations (false: only warn)"),)
+from quantplug.cli.checks import COMMON_OPTIONS
+from quantplug.cli.errors import InputError
+from quantplug.plugins.contract import BackendOption
 
 
 def parse_pairs(pairs: Sequence[str]) -> dict[str, str]:
@@ -25,29 +24,38 @@ def parse_pairs(pairs: Sequence[str]) -> dict[str, str]:
     return options
 
 
-def _type_name(option: Any) -> str:
-    return getattr(option.type, "__name__", str(option.type))
-
-
-def describe_option(option: Any) -> str:
+def describe_option(option: BackendOption) -> str:
     default = option.default
     default = (
         "none" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
     )
-    text = f"{option.name}={_type_name(option)} (default {default})"
+    text = f"{option.name}={getattr(option.type, '__name__', option.type)} (default {default})"
     if option.help:
         text += f": {option.help}"
     if option.choices:
         text += "; one of " + ", ".join(map(str, option.choices))
+    if option.valid_range():
+        text += f"; {option.valid_range()}"
+    for other, allowed in option.applies_with.items():
+        text += f"; only with {other}=" + "|".join(map(str, allowed))
     return text
 
 
-def backends_epilog() -> str:
-    """Every installed backend with its options; imports the plugins (only used by --help)."""
-    import textwrap
+def _wrapped(text: str) -> list[str]:
+    return textwrap.wrap(
+        text,
+        width=100,
+        initial_indent="    ",
+        subsequent_indent="        ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
-    from quantplug.errors import QuantplugError
-    from quantplug.plugins.registry import list_backends, load_backend
+
+def backends_epilog() -> str:
+    """Every installed backend with its options, from metadata files (imports no plugin)."""
+    from quantplug.plugins.metadata import MetadataError
+    from quantplug.plugins.registry import declared_info, list_backends
 
     lines = ["backend options (--option KEY=VALUE):"]
     entries = list_backends()
@@ -59,23 +67,18 @@ def backends_epilog() -> str:
             lines.append(f"  {entry.name}{dist}: {entry.status}")
             continue
         try:
-            info = load_backend(entry.name).info
-        except QuantplugError as exc:
-            lines.append(f"  {entry.name}{dist}: cannot load: {str(exc).splitlines()[0]}")
+            info = declared_info(entry.name)
+        except MetadataError as exc:
+            lines.append(f"  {entry.name}{dist}: unreadable metadata ({exc})")
+            continue
+        if info is None:
+            lines.append(
+                f"  {entry.name}{dist}: its plugin declares no options metadata; "
+                "`quantplug backends --check` imports it and lists them"
+            )
             continue
         lines.append(f"  {entry.name}{dist}: {info.description}")
         for option in info.options:
-            lines.extend(
-                textwrap.wrap(
-                    describe_option(option),
-                    width=100,
-                    initial_indent="    ",
-                    subsequent_indent="        ",
-                    break_long_words=False,
-                    break_on_hyphens=False,
-                )
-            )
-    lines.append(
-        "  every backend: " + "; ".join(f"{n}={t} (default {d}): {h}" for n, t, d, h in COMMON_OPTIONS)
-    )
+            lines.extend(_wrapped(describe_option(option)))
+    lines.append("  every backend: " + "; ".join(describe_option(o) for o in COMMON_OPTIONS))
     return "\n".join(lines)

@@ -27,7 +27,8 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
 from quantplug.errors import QuantplugError
-from quantplug.flow.calls import Call, in_spec_of
+from quantplug.flow.calls import Call, check_flat_inputs, in_spec_of
+from quantplug.flow.graph_copy import working_copy
 
 DEBUG_HANDLE_KEY = "quantplug_debug_handle"  # same value as quantplug.flow.prepare.DEBUG_HANDLE_KEY
 PREPARED_KEY = "quantplug_prepared"
@@ -170,6 +171,8 @@ class DebugReport:
     unmatched: list[str]  # quantized-program ops with no float counterpart
     batches: int
     quantized_ops: list[str] = field(default_factory=list)  # every annotated op of the program
+    #: the backend's artifact against float and the program (``compare(..., artifact=...)``)
+    artifact: Any = None  # quantplug.debug.artifact.ArtifactComparison
 
     @property
     def coverage(self) -> tuple[int, int]:
@@ -216,6 +219,7 @@ class DebugReport:
             "sharing_groups": [g.to_dict() for g in self.sharing_groups],
             "unmatched": list(self.unmatched),
             "quantized_ops": list(self.quantized_ops),
+            "artifact": None if self.artifact is None else self.artifact.to_dict(),
         }
 
     def format(self, worst: int = 10) -> str:
@@ -226,6 +230,8 @@ class DebugReport:
             f"model output SQNR {_fmt_db(out_sqnr)}",
             f"{len(self.quantized_ops)} op(s) quantized, {len(self.float_nodes)} float",
         ]
+        if self.artifact is not None:
+            lines.insert(1, f"backend artifact output SQNR {self.artifact.describe()}")
         for f in self.float_nodes:
             lines.append(f"  float {f.node} [{f.op}]: {f.reason}")
         bad = self.worst(worst)
@@ -285,6 +291,7 @@ class _Capture(Interpreter):
     def call(self, batch: Call, what: str) -> Any:
         """Run one batch, keyword inputs matched to placeholders by the module's calling convention."""
         flat = batch.flat(in_spec_of(self.module), what)
+        check_flat_inputs(self.module, flat, what)  # a clear error, not torch's shape guard
         return self.run(*flat, enable_io_processing=False)
 
 
@@ -306,7 +313,7 @@ def _as_batches(inputs: Any) -> list[Call]:
 def _float_graph_module(model: Any, example: Call) -> GraphModule:
     """A GraphModule of the float program whose node names are the debug handles."""
     if isinstance(model, torch.export.ExportedProgram):
-        return model.module()
+        return working_copy(model)  # ep.module() shares (and would update) training-mode state
     if isinstance(model, GraphModule):
         return model
     if isinstance(model, torch.nn.Module):
@@ -372,6 +379,7 @@ def compare(
     inputs: Any,
     *,
     prepared: GraphModule | None = None,
+    artifact: Any = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> DebugReport:
     """Compare every node of ``quantized`` with its float counterpart on the same inputs.
@@ -385,6 +393,11 @@ def compare(
             list of such batches (statistics are accumulated over all of them).
         prepared: optionally the prepared module, whose sharing groups (with every key) are then
             reported instead of those recovered from the quantized program.
+        artifact: optionally what ``quantplug.lower`` made of ``quantized``: when it has a
+            ``run`` method, it runs on every batch (``artifact.run(*flat_inputs)``, see
+            :mod:`quantplug.debug.artifact`) and the report gives its output SQNR against float
+            beside the program's (``report.artifact``), flagging a gap over 1 dB. An artifact
+            that cannot run here is reported as not measured, with the reason.
         progress: called as ``progress(done, total)`` after each batch.
 
     Returns:
@@ -404,6 +417,11 @@ def compare(
         raise QuantplugError("compare() needs at least one input batch")
     float_gm = _float_graph_module(float_model, batches[0])
     plan = _plan(float_gm, quantized)
+    runner = None
+    if artifact is not None:
+        from quantplug.debug.artifact import ArtifactRunner
+
+        runner = ArtifactRunner(artifact)
 
     for index, batch in enumerate(batches):
         stored: dict[str, Any] = {}
@@ -434,6 +452,9 @@ def compare(
             ]
         for entry, f, q in zip(plan.outputs, f_leaves, q_leaves):
             _accumulate(entry, f, q)
+        if runner is not None and runner.active:
+            flat = batch.flat(in_spec_of(quantized), "the quantized program")
+            runner.add(flat, float_out, quant_out, index)
         if progress is not None:
             progress(index + 1, len(batches))
 
@@ -442,7 +463,7 @@ def compare(
             entry.sqnr_db = _sqnr(entry._signal, entry._noise)
         elif not entry.note:
             entry.note = "no tensor output to compare"
-    return DebugReport(
+    report = DebugReport(
         nodes=plan.entries,
         outputs=plan.outputs,
         float_nodes=plan.float_nodes,
@@ -452,6 +473,9 @@ def compare(
         batches=len(batches),
         quantized_ops=plan.quantized_ops,
     )
+    if runner is not None:
+        report.artifact = runner.finish(report.output_sqnr_db)
+    return report
 
 
 @dataclass

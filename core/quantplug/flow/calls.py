@@ -105,3 +105,33 @@ def unflatten(flat: list[Any], in_spec: pytree.TreeSpec | None) -> Call:
         return Call(tuple(flat))
     args, kwargs = pytree.tree_unflatten(flat, in_spec)
     return Call(tuple(args), dict(kwargs))
+
+
+def check_flat_inputs(module: torch.nn.Module, flat: list[Any], what: str = "the program") -> None:
+    """Each flat input matches its placeholder's recorded dtype and static shape.
+
+    A program run on a wrong shape fails deep inside torch (an exported module's shape guard
+    raises a bare AssertionError); this names the input and both shapes instead.
+    """
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(flat) != len(placeholders):
+        raise QuantplugError(f"{what} takes {len(placeholders)} input(s), got {len(flat)}")
+    for node, value in zip(placeholders, flat):
+        expected = node.meta.get("val")
+        if not isinstance(expected, torch.Tensor):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise QuantplugError(f"{what}: input {node.name!r} must be a tensor, got {type(value).__name__}")
+        dims = tuple(d if isinstance(d, int) else None for d in expected.shape)
+        shape_ok = value.dim() == len(dims) and all(e is None or e == d for e, d in zip(dims, value.shape))
+        if not shape_ok or value.dtype != expected.dtype:
+            wanted = "(" + ", ".join("?" if d is None else str(d) for d in dims) + ")"
+            got = "(" + ", ".join(map(str, value.shape)) + ")"
+            dtype = str(expected.dtype).removeprefix("torch.")
+            raise QuantplugError(
+                f"{what}: input {node.name!r} has shape {got} and dtype "
+                f"{str(value.dtype).removeprefix('torch.')}; the program expects {wanted} {dtype}"
+            )

@@ -24,13 +24,23 @@ from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
 from quantplug.flow.constants import ConstantValues, constant_nodes, module_attr
-from quantplug.flow.graph_copy import AttrNamer, add_node, copy_node, paused_gc
+from quantplug.flow.graph_copy import (
+    AttrNamer,
+    add_node,
+    code_counter,
+    copy_node,
+    paused_gc,
+    release_code_with,
+)
 from quantplug.flow.inspect import QUANTIZE_OPS, fetch_attr
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
 from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import observer_saw_data
 from quantplug.observers.fixed import DerivedObserver
+from quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
+from quantplug.observers.nonfinite import configure as configure_nonfinite
+from quantplug.validation.calibrated import CALIBRATED_REPORT_KEY, check_calibrated
 
 qd = torch.ops.quantized_decomposed
 
@@ -242,9 +252,12 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
         with torch.no_grad():
             for group in constants:
                 obs = used[group.gid] = fresh_copy(prepared_obs[group.gid])
+                configure_nonfinite(obs, "error", group.describe())  # NaN weights: a broken model
                 for name in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
                     obs(fetch_attr(prepared, str(nodes[name].target)))
     for group in state.groups:
+        if not group.dynamic:
+            check_state(group.describe(), used[group.gid])
         if not group.dynamic and not observer_saw_data(used[group.gid]):
             raise CalibrationError(
                 f"the observer of {group.describe()} never saw data; run calibration batches through the "
@@ -273,6 +286,8 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
         if not g.dynamic and not isinstance(used[g.gid], DerivedObserver)
     }
     by_observer.update(zip(independent, calculate_qparams_many(list(independent.values()))))
+    for key, obs in independent.items():  # tensors carrying attention masks (-inf) keep them masked
+        by_observer[key] = widen_for_masks(obs, by_observer[key])
     try:
         derived = []
         for group in state.groups:
@@ -290,6 +305,8 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
     finally:
         for module in patched:
             module.__dict__.pop("calculate_qparams", None)
+    # no NaN/inf scale reaches any file
+    check_all_qparams([(g.describe(), *found) for g in state.groups if (found := raw[g.gid]) is not None])
     return {group.gid: _qparams(group, raw[group.gid]) for group in state.groups}
 
 
@@ -321,6 +338,8 @@ def convert(prepared: GraphModule) -> GraphModule:
 
 def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     qparams = compute_qparams(prepared, state)
+    # constraints v2: limits and relations checked again on the calibrated encodings (strict raises)
+    calibrated = check_calibrated(state.calibrated_checks, qparams)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)
     graph._codegen = prepared.graph._codegen
     env: dict[Node, Node | _Dequantized] = {}
@@ -376,11 +395,15 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             env[node] = _quantized(emit, new, qparams[out_gid], out_gid, node)
     _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
+    since = code_counter()
     converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
     _populate(converted, prepared, graph, tensors)
     converted.graph = graph  # the one code generation
+    release_code_with(converted, since=since)
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta["quantplug_qparams"] = {gid: qp for gid, qp in qparams.items()}
+    if calibrated is not None:
+        converted.meta[CALIBRATED_REPORT_KEY] = calibrated
     return converted
 
 

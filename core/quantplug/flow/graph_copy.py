@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import linecache
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +35,11 @@ except ImportError:  # pragma: no cover - depends on the torch version
     _LazyGraphModule = None  # type: ignore[assignment,misc]
 
 
+#: ``GraphModule.meta`` key: the source ExportedProgram's ``range_constraints`` (lowering re-wraps
+#: the converted program as an ExportedProgram with them)
+RANGE_CONSTRAINTS = "export_range_constraints"
+
+
 def working_copy(program: torch.export.ExportedProgram | GraphModule, *, lazy: bool = False) -> GraphModule:
     """A GraphModule with its own graph; parameters are shared, never written.
 
@@ -48,8 +55,15 @@ def working_copy(program: torch.export.ExportedProgram | GraphModule, *, lazy: b
             when done editing the graph) instead of compiling it here.
     """
     if isinstance(program, torch.export.ExportedProgram):
+        since = code_counter()
         gm = _unlift_directly(program, lazy=lazy)
-        return gm if gm is not None else program.module()
+        if gm is None:
+            gm = program.module()  # compiles a few times, some of them for modules it discards
+        release_code_with(gm, since=since)
+        own_written_state(gm)
+        # the ranges the user gave torch.export.Dim (the ShapeEnv keeps >= 2 for 0/1 specialization)
+        gm.meta[RANGE_CONSTRAINTS] = dict(program.range_constraints)
+        return gm
     if isinstance(program, GraphModule):
         graph = Graph(owning_module=None, tracer_cls=program.graph._tracer_cls)
         graph._codegen = program.graph._codegen
@@ -59,6 +73,8 @@ def working_copy(program: torch.export.ExportedProgram | GraphModule, *, lazy: b
         cls = _LazyGraphModule if lazy and _LazyGraphModule is not None else GraphModule
         module = cls(program, graph, class_name=type(program).__name__)
         module.meta.update({k: v for k, v in program.meta.items() if not k.startswith("quantplug")})
+        release_code_with(module)
+        own_written_state(module)
         return module
     raise QuantplugError(
         f"expected a torch.export.ExportedProgram or a torch.fx.GraphModule, got {type(program).__name__}; "
@@ -73,6 +89,120 @@ def compile_now(gm: GraphModule) -> None:
         gm.real_recompile()
     else:
         gm.recompile()
+    release_code_with(gm)
+
+
+def release_code_with(gm: GraphModule, *, since: int | None = None) -> None:
+    """Forget ``gm``'s generated Python source when ``gm`` is garbage collected.
+
+    torch.fx keeps the source of every module it compiles, for tracebacks, in ``linecache`` and
+    in its loader's cache, for the life of the process: tens of KiB per module, which grow
+    without bound when a service prepares and converts models in a loop. Call after each
+    compile (a recompile makes a new entry); ``since`` (a :func:`code_counter` value) also
+    ties to ``gm`` every source compiled since then (torch's own intermediate modules).
+    """
+    keys = set()
+    forward = type(gm).__dict__.get("forward")
+    key = getattr(getattr(forward, "__code__", None), "co_filename", None)
+    if isinstance(key, str) and key.startswith(_KEY_PREFIX):
+        keys.add(key)
+    loader = _fx_loader()
+    if since is not None and loader is not None:
+        keys.update(k for k in list(loader.eval_cache) if since <= _key_number(k) < loader.next_id)
+    if keys:
+        weakref.finalize(gm, _forget_sources, tuple(keys))
+
+
+_KEY_PREFIX = "<eval_with_key>."
+
+
+def _fx_loader() -> Any:
+    loader = getattr(torch.fx.graph_module, "_loader", None)
+    return loader if isinstance(getattr(loader, "eval_cache", None), dict) else None
+
+
+def code_counter() -> int:
+    loader = _fx_loader()
+    return int(getattr(loader, "next_id", 0)) if loader is not None else 0
+
+
+def _key_number(key: str) -> int:
+    digits = key[len(_KEY_PREFIX) :].split(" ", 1)[0] if key.startswith(_KEY_PREFIX) else ""
+    return int(digits) if digits.isdigit() else -1
+
+
+def _forget_sources(keys: tuple[str, ...]) -> None:
+    loader = _fx_loader()
+    for key in keys:
+        linecache.cache.pop(key, None)
+        if loader is not None:
+            loader.eval_cache.pop(key, None)
+
+
+#: ops that write arguments their schema does not mark as written, when a flag argument is
+#: true: batch norm in training mode updates its running statistics (positions 3, 4) in place
+_IMPLICIT_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+    "aten::batch_norm": ((3, 4), 5),
+    "aten::instance_norm": ((3, 4), 5),
+    "aten::_batch_norm_impl_index": ((3, 4), 5),
+}
+
+
+def own_written_state(gm: GraphModule) -> list[str]:
+    """Give ``gm`` private copies of the tensors its forward writes in place; returns their names.
+
+    Working copies share the caller's parameters and buffers; a forward that updates one (batch
+    norm in training mode, a counter buffer, ``copy_`` into a buffer) would change the caller's
+    model during calibration. Only written tensors are copied, so inference programs cost nothing.
+    """
+    written: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        positions, (implicit, flag) = _written_positions(node.target)
+        if flag < len(node.args) and node.args[flag] is True:
+            positions += implicit
+        for position in positions:
+            arg = node.args[position] if position < len(node.args) else None
+            if isinstance(arg, Node) and arg.op == "get_attr":
+                written[str(arg.target)] = None
+    for target in written:
+        holder_path, _, name = target.rpartition(".")
+        holder = gm.get_submodule(holder_path)
+        value = getattr(holder, name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        copy_ = value.detach().clone()
+        if name in holder._parameters:
+            holder._parameters[name] = nn.Parameter(copy_, requires_grad=value.requires_grad)
+        elif name in holder._buffers:
+            holder._buffers[name] = copy_
+        else:
+            setattr(holder, name, copy_)
+    return list(written)
+
+
+_NO_WRITES: tuple[tuple[int, ...], tuple[tuple[int, ...], int]] = ((), ((), 1 << 30))
+_written_cache: dict[Any, tuple[tuple[int, ...], tuple[tuple[int, ...], int]]] = {}
+
+
+def _written_positions(target: Any) -> tuple[tuple[int, ...], tuple[tuple[int, ...], int]]:
+    """(positions the schema marks as written, (positions written when the flag at the given
+    position is True))."""
+    found = _written_cache.get(target)
+    if found is None:
+        schema = getattr(target, "_schema", None)
+        if schema is None:
+            found = _NO_WRITES
+        else:
+            marked = tuple(
+                i
+                for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+            found = (marked, _IMPLICIT_WRITES.get(schema.name, _NO_WRITES[1]))
+        _written_cache[target] = found
+    return found
 
 
 @contextmanager

@@ -43,6 +43,24 @@ def _tensor_source(node: Node) -> str:
     return src.name if isinstance(src, Node) else str(src)
 
 
+def _requantized_edge(quantize: Node) -> dict[str, Any]:
+    """For a quantize that re-encodes an already quantized tensor for some consumers (an edge
+    whose group differs from its producer's): ``tensor`` named ``"producer->consumer"`` (consumers
+    joined by ``,``) instead of after the dequantize it reads, plus ``producer`` and
+    ``consumers``. Empty for any other quantize."""
+    source = quantize.args[0]
+    if not (isinstance(source, Node) and source.target in DEQUANTIZE_OPS):
+        return {}
+    upstream = source.args[0]
+    if isinstance(upstream, Node) and upstream.target in QUANTIZE_OPS:
+        upstream = upstream.args[0]
+    producer = upstream.name if isinstance(upstream, Node) else str(upstream)
+    consumers = sorted(
+        {u.name for dq in quantize.users for u in (dq.users if dq.target in DEQUANTIZE_OPS else [dq])}
+    )
+    return {"tensor": f"{producer}->{','.join(consumers)}", "producer": producer, "consumers": consumers}
+
+
 def encodings(gm: GraphModule) -> list[dict[str, Any]]:
     """One entry per quantized tensor: what it is, and its scale/zero point/grid.
 
@@ -69,6 +87,8 @@ def encodings(gm: GraphModule) -> list[dict[str, Any]]:
             "granularity": granularity,
             "group": node.meta.get("quantplug_group"),
         }
+        if kind == "activation":
+            entry.update(_requantized_edge(node))
         if granularity == "tensor":
             entry.update(scale=float(args[1]), zero_point=int(args[2]), quant_min=args[3], quant_max=args[4])
             entry["dtype"] = str(args[5]).removeprefix("torch.")

@@ -1,4 +1,4 @@
-"""prepare(): annotate -> validate -> resolve sharing -> one observer per group.
+"""prepare(): annotate -> resolve sharing -> validate -> one observer per group.
 
 Works on a copy of the caller's graph, inserts observers with O(1) naming into one container
 module, and recompiles once. Groups whose tensors are all parameters or buffers (weights,
@@ -27,12 +27,18 @@ from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
+from quantplug.observers.nonfinite import check_policy
+from quantplug.observers.nonfinite import configure as configure_nonfinite
+from quantplug.quantizer.quantizer import Quantizer
 from quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from quantplug.sharing.problem import solve
 from quantplug.sharing.resolution import Key, SharingGroups, describe_key
+from quantplug.validation.engine import CalibratedPlan
 from quantplug.validation.report import ValidationReport
 
 STATE_KEY = "quantplug_prepared"
+#: meta naming the backend a program was prepared for (kept by convert; lower checks it)
+BACKEND_KEY = "quantplug_backend"
 OBSERVERS = "quantplug_observers"
 #: node meta naming the float-program node a node descends from (kept through prepare/convert)
 DEBUG_HANDLE_KEY = "quantplug_debug_handle"
@@ -71,6 +77,8 @@ class PreparedState:
     qat: bool
     backend: str | None
     validation: ValidationReport | None = None
+    #: the constraint checks convert runs on the calibrated encodings (constraints v2)
+    calibrated_checks: CalibratedPlan | None = None
     #: keys of constant groups, quantized by convert as observers would have been:
     #: node outputs (name -> group id) and input edges ((producer, consumer) -> group id)
     constant_outputs: dict[str, int] = field(default_factory=dict)
@@ -80,22 +88,78 @@ class PreparedState:
         return getattr(getattr(gm, OBSERVERS), f"g{gid}")
 
 
+class PreparedModule(GraphModule):
+    """What :func:`prepare` returns: a GraphModule whose observer nodes also resolve by name.
+
+    quantplug keeps every observer in one container (``quantplug_observers.gN``: O(1) naming, one
+    module tree), so an observer node is named ``quantplug_observers_gN`` while its module lives
+    at ``quantplug_observers.gN``. Observers written for torchao's prepare, where a node's name is
+    its module's attribute name, look their peers up as ``getattr(gm, node.name)`` (ExecuTorch's
+    ``ConcatObserver`` does, to widen its inputs' observers): here any attribute that is not found
+    otherwise and names a ``call_module`` node resolves to the module that node calls. The lookup
+    only runs on a miss and builds its name table once (again if the graph changed).
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            target = self._module_name_table(name)
+            if target is None:
+                raise
+            return self.get_submodule(target)
+
+    def _module_name_table(self, name: str) -> str | None:
+        table = self.__dict__.get("_quantplug_call_module_names")
+        if table is None or name not in table:  # first miss, or the graph changed since
+            graph = self.__dict__.get("_graph")
+            if graph is None:
+                return None
+            table = {n.name: str(n.target) for n in graph.nodes if n.op == "call_module"}
+            self.__dict__["_quantplug_call_module_names"] = table
+        return table.get(name)
+
+
+def _as_prepared_module(gm: GraphModule) -> None:
+    """Make ``gm`` a :class:`PreparedModule` in place (before its code is generated).
+
+    GraphModule gives every instance its own class (its ``forward`` is installed on it); the
+    per-instance class here is named like torch's, whose copying finds ``PreparedModule`` beneath it.
+    """
+
+    class GraphModuleImpl(PreparedModule):
+        pass
+
+    gm.__class__ = GraphModuleImpl
+
+
 def _call(quantizer: Any, method: str, gm: GraphModule) -> Any:
     fn = getattr(quantizer, method, None)
     return fn(gm) if callable(fn) else None
 
 
 def prepare(
-    program: torch.export.ExportedProgram | GraphModule, quantizer: Any, *, qat: bool = False
+    program: torch.export.ExportedProgram | GraphModule,
+    quantizer: Any,
+    *,
+    qat: bool = False,
+    nonfinite: str = "error",
 ) -> GraphModule:
     """Annotate ``program`` with ``quantizer`` and insert observers (or fake-quants if ``qat``).
 
     Args:
-        program: an ``ExportedProgram`` or its ``GraphModule``; never modified.
+        program: an ``ExportedProgram`` or its ``GraphModule``; never modified (nor are its
+            tensors, by calibration: state the program writes, such as training-mode batch-norm
+            statistics, is copied).
         quantizer: a quantplug ``Quantizer`` or any PT2E quantizer (``annotate``, ``validate``,
             optional ``transform_for_annotation``), e.g. torchao's X86InductorQuantizer or
             ExecuTorch's QnnQuantizer.
         qat: insert fake-quantize modules for quantization-aware training.
+        nonfinite: what NaN/inf values reaching an observer do: ``"error"`` raises
+            :class:`~quantplug.errors.NonFiniteError` naming the node(s) for a NaN, or an
+            infinity in the model's inputs, and leaves infinities the model computes (attention
+            masks) out of the statistics; ``"strict"`` raises for every NaN/inf; ``"ignore"``
+            leaves them all out and counts them (see :mod:`quantplug.observers.nonfinite`).
 
     Returns:
         A GraphModule to calibrate (or train) and pass to :func:`quantplug.convert`.
@@ -105,12 +169,53 @@ def prepare(
             f"{type(quantizer).__name__} is not a quantizer (no annotate method); "
             "use quantplug.get_quantizer(name, ...) or a PT2E Quantizer"
         )
+    _check_float_program(program)
+    _check_qat_agrees(quantizer, qat)
+    check_policy(nonfinite)
     with paused_gc():
-        return _prepare(program, quantizer, qat=qat)
+        return _prepare(program, quantizer, qat=qat, nonfinite=nonfinite)
+
+
+def _check_float_program(program: Any) -> None:
+    """A prepared or converted program given again fails here, not deep inside annotation."""
+    gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
+    if isinstance(gm, GraphModule) and (STATE_KEY in gm.meta or hasattr(gm, OBSERVERS)):
+        raise QuantplugError(
+            "this module is already prepared (it holds quantplug observers); prepare the float program "
+            "(the ExportedProgram you exported), then calibrate and convert the result"
+        )
+    if isinstance(gm, GraphModule) and any(
+        n.op == "call_function" and getattr(n.target, "namespace", None) == "quantized_decomposed"
+        for n in gm.graph.nodes
+    ):
+        raise QuantplugError(
+            "this program is already quantized (it holds quantize/dequantize ops); prepare the float program"
+        )
+
+
+def _check_qat_agrees(quantizer: Any, qat: bool) -> None:
+    """A quantizer built with its backend's QAT option wants prepare(qat=True), and vice versa."""
+    info = getattr(quantizer, "info", None)
+    option = getattr(info, "qat_option", None)
+    options = getattr(quantizer, "options", None)
+    if not option or not isinstance(options, dict) or not isinstance(options.get(option), bool):
+        return
+    if options[option] != qat:
+        backend = getattr(quantizer, "backend", "?")
+        if qat:
+            raise QuantplugError(
+                f"prepare(..., qat=True) with a {backend!r} quantizer built without {option}=True: its "
+                f"configs are the post-training ones; build it with get_quantizer({backend!r}, {option}=True)"
+            )
+        raise QuantplugError(
+            f"the {backend!r} quantizer was built with {option}=True (quantization-aware training configs) "
+            f"but prepare() was called without qat=True; call prepare(program, quantizer, qat=True), or "
+            f"drop {option}=True for post-training quantization"
+        )
 
 
 def _prepare(
-    program: torch.export.ExportedProgram | GraphModule, quantizer: Any, *, qat: bool
+    program: torch.export.ExportedProgram | GraphModule, quantizer: Any, *, qat: bool, nonfinite: str
 ) -> GraphModule:
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
     for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
@@ -124,29 +229,40 @@ def _prepare(
         gm = transformed
     with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
         _call(quantizer, "annotate", gm)
-    report = _call(quantizer, "validate", gm)
     keys = collect_keys(gm.graph)
     problem = keys.problem(gm.graph)
     resolver = getattr(quantizer, "resolve_sharing", None)
     groups = resolver(problem) if callable(resolver) else solve(problem)
+    report, checks = _validate(quantizer, gm, groups)
     state = _build_groups(gm, keys, groups, qat=qat, backend=getattr(quantizer, "backend", None))
     state.validation = report if isinstance(report, ValidationReport) else None
+    state.calibrated_checks = checks
     observers = _create_observers(state, keys)
     callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
     if callable(callback):
         observers = _run_pt2e_callback(gm, callback, state, observers)
     container = nn.Module()
     for gid, obs in observers.items():
-        container.add_module(f"g{gid}", accelerate(obs))
-    if hasattr(gm, OBSERVERS):
-        raise QuantplugError(
-            "this model is already prepared (it has quantplug observers); prepare the float program"
-        )
+        obs = accelerate(obs)
+        group = state.groups[gid]
+        configure_nonfinite(obs, nonfinite, group.describe(), observes_input=_observes_input(gm, group))
+        container.add_module(f"g{gid}", obs)
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
+    _as_prepared_module(gm)
     compile_now(gm)
     gm.meta[STATE_KEY] = state
+    gm.meta[BACKEND_KEY] = state.backend
     return gm
+
+
+def _validate(quantizer: Any, gm: GraphModule, groups: SharingGroups) -> tuple[Any, CalibratedPlan | None]:
+    """Constraint validation (raises when strict) and the checks convert repeats on calibrated
+    encodings. A quantplug Quantizer checks relations between ports against the resolved groups;
+    a foreign PT2E quantizer gets its own ``validate(model)``."""
+    if isinstance(quantizer, Quantizer):
+        return quantizer.validate(gm, sharing=groups), quantizer.calibrated_checks(gm, groups)
+    return _call(quantizer, "validate", gm), None
 
 
 def _own_parameters(gm: GraphModule) -> None:
@@ -158,6 +274,13 @@ def _own_parameters(gm: GraphModule) -> None:
         for name, buf in list(module._buffers.items()):
             if buf is not None:  # batch-norm statistics move during training too
                 module._buffers[name] = buf.detach().clone()
+
+
+def _observes_input(gm: GraphModule, group: Group) -> bool:
+    """Whether a group measures a model input (a user input placeholder), where an infinity is
+    bad calibration data rather than a mask the model computed."""
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    return any((k[0] if isinstance(k, tuple) else k) in nodes for k in group.keys)
 
 
 def _build_groups(

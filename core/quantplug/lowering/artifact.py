@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-FileContent = Union[bytes, str, Callable[[Path], None]]
+from quantplug.errors import LoweringError
+from quantplug.files import FileContent, write_atomic
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+#: files checked to be strict JSON before anything is written (encodings must never hold NaN)
+JSON_SUFFIXES = (".json", ".encodings")
 
 
 @dataclass
@@ -35,33 +32,42 @@ class Artifact:
     def save(self, directory: str | os.PathLike[str]) -> list[Path]:
         """Write every file into ``directory`` (created if needed); returns the paths written.
 
-        Files are written to temporary names first and renamed, so an error leaves no
-        half-written file behind.
+        JSON files (``.json``, ``.encodings``) must be strict JSON: a NaN or infinite number in
+        one (a non-finite encoding) is refused before anything is written. Each file is written
+        to a fresh temporary name created exclusively and renamed over its final name (see
+        :func:`quantplug.files.write_atomic`): an error leaves no half-written file, and no
+        symbolic link planted in ``directory`` is followed.
         """
         out = Path(directory)
+        try:
+            metadata = json.dumps(
+                {"backend": self.backend, **self.metadata}, indent=2, default=str, allow_nan=False
+            )
+        except ValueError as exc:
+            raise LoweringError(
+                f"artifact.json of backend {self.backend!r} would hold a NaN or infinite number ({exc})"
+            ) from None
+        contents: Mapping[str, FileContent] = {**self.files, "artifact.json": metadata}
+        for name, content in contents.items():
+            if name.endswith(JSON_SUFFIXES) and isinstance(content, (str, bytes)):
+                _check_strict_json(name, content, self.backend)
         out.mkdir(parents=True, exist_ok=True)
         written: list[Path] = []
-        contents: Mapping[str, FileContent] = {
-            **self.files,
-            "artifact.json": json.dumps({"backend": self.backend, **self.metadata}, indent=2, default=str),
-        }
         for name, content in contents.items():
             final = out / name
             final.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-            os.close(fd)
-            tmp = Path(tmp_name)
-            try:
-                if isinstance(content, bytes):
-                    tmp.write_bytes(content)
-                elif isinstance(content, str):
-                    tmp.write_text(content)
-                else:
-                    content(tmp)
-                os.chmod(tmp, 0o644 & ~_umask())  # mkstemp creates 0600; saved files are ordinary files
-                tmp.replace(final)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            written.append(final)
+            written += write_atomic(final, content)
         return written
+
+
+def _check_strict_json(name: str, content: str | bytes, backend: str) -> None:
+    def refuse(token: str) -> Any:
+        raise LoweringError(
+            f"{name} written by backend {backend!r} holds {token}: a non-finite encoding (the calibration "
+            "data or the model held NaN/inf values); nothing was written"
+        )
+
+    try:
+        json.loads(content, parse_constant=refuse)
+    except ValueError:
+        pass  # not JSON at all (another format with that suffix): the backend's business

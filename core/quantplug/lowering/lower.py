@@ -22,6 +22,7 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
         LoweringError: the backend has no artifact writer, or a pass/writer failed (the message
             names the pass).
     """
+    _check_lowerable(quantized, quantizer)
     plan_fn = getattr(quantizer, "lowering_plan", None)
     if not callable(plan_fn):
         raise LoweringError(
@@ -33,7 +34,8 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
         raise LoweringError(f"backend {quantizer.backend!r} provides no artifact writer")
     from quantplug.flow.graph_copy import working_copy
 
-    program: GraphModule = working_copy(quantized)  # passes may edit in place; the user's copy stays
+    # passes may edit in place; the user's copy stays. Its code is generated only if a pass runs it.
+    program: GraphModule = working_copy(quantized, lazy=True)
     for p in plan.passes:
         try:
             out = p.fn(program, quantizer.context)
@@ -56,3 +58,37 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
             f"artifact writer of backend {quantizer.backend!r} returned {type(artifact).__name__}"
         )
     return artifact
+
+
+_QDQ_NAMESPACES = ("quantized_decomposed", "quantplug")
+
+
+def _check_lowerable(quantized: Any, quantizer: Any) -> None:
+    """A converted program, lowered by the backend it was quantized for."""
+    from quantplug.flow.prepare import BACKEND_KEY, STATE_KEY
+
+    gm = quantized.graph_module if isinstance(quantized, torch.export.ExportedProgram) else quantized
+    if not isinstance(gm, GraphModule):
+        raise LoweringError(
+            f"lower() expects the GraphModule from quantplug.convert(), got {type(quantized).__name__}"
+        )
+    if STATE_KEY in gm.meta:
+        raise LoweringError(
+            "lower() got a prepared module: calibrate it, then lower quantplug.convert(prepared)"
+        )
+    converted = "quantplug_qparams" in gm.meta  # quantplug.convert's output, even with nothing quantized
+    if not converted and not any(
+        n.op == "call_function" and getattr(n.target, "namespace", None) in _QDQ_NAMESPACES
+        for n in gm.graph.nodes
+    ):
+        raise LoweringError(
+            "lower() got a float program (no quantize/dequantize op in it): prepare, calibrate and convert "
+            "it first (quantplug.convert(prepared))"
+        )
+    made_for = gm.meta.get(BACKEND_KEY)
+    backend = getattr(quantizer, "backend", None)
+    if made_for is not None and backend is not None and made_for != backend:
+        raise LoweringError(
+            f"this program was quantized for backend {made_for!r}; lower it with that quantizer "
+            f"(lower() got a {backend!r} quantizer)"
+        )

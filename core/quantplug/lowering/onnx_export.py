@@ -1,23 +1,32 @@
 """Exporting a converted (Q/DQ) program to a QDQ ONNX model, for any backend.
 
-``export_qdq_onnx(quantized, example_inputs, path)`` re-exports the reference quantized program
-with ``torch.export`` and turns it into ONNX with ``torch.onnx.export(..., dynamo=True)``: every
+``export_qdq_onnx(quantized, path=None)`` turns the reference quantized program into ONNX: every
 ``quantize``/``dequantize`` node becomes a ``QuantizeLinear``/``DequantizeLinear`` node (opset 21
-by default, needed for 16-bit, 4-bit and blocked grids) and every quantized weight is stored as an
-integer initializer. The result maps the ONNX tensor names back to quantplug's encodings
-(``quantplug.flow.inspect.encodings``), which is what backends writing an encodings file beside
-the model need.
+by default, needed for 16-bit, 4-bit and blocked grids), every quantized weight an integer
+initializer, and the result says where each of quantplug's encodings
+(``quantplug.flow.inspect.encodings``) lives in the model, which is what backends writing an
+encodings file beside the model need.
 
-What the stock exporter lacks, this module adds as ONNX translations:
+How, in three steps, each linear in the program's size:
 
-* quantplug's per-block ops (``quantplug::quantize_per_block`` / ``dequantize_per_block``):
-  rewritten first into ONNX's own form (one blocked axis, the scale spread over the other axes;
-  or per axis / per tensor when that is what the blocks amount to), then exported as
-  ``DequantizeLinear(..., axis, block_size)``;
+1. the program is wrapped as an ``ExportedProgram`` as it is (``lowering.capture``), with the
+   dynamic dimensions it was exported with (``torch.export.Dim``): no second trace;
+2. its Q/DQ nodes are replaced by opaque *sites* and the rest is translated by torch's ONNX
+   exporter (``lowering.onnx_translate``: the exporter's own translations, without its quadratic
+   optimizer);
+3. each site becomes the Q/DQ nodes it stands for, built here from the program's qparams
+   (``lowering.qdq_sites``): nothing the exporter does can merge, fold or rename them, so the
+   mapping from encodings to ONNX tensors is exact by construction.
+
+What the stock exporter lacks, this module adds:
+
+* quantplug's per-block grids in ONNX's form (one blocked axis, the scale spread over the other
+  axes; or per axis / per tensor when that is what the blocks amount to): ``DequantizeLinear(...,
+  axis, block_size)``;
 * dynamic quantization (``choose_qparams*``, per-token ``quantize``/``dequantize``): spelled out
   with reductions and elementwise ops, with the arithmetic of ``quantized_decomposed``;
-* per-tensor ``quantize`` on a narrowed range (e.g. ``[-127, 127]``): a ``Clip`` after
-  ``QuantizeLinear`` (which saturates to the whole dtype).
+* a narrowed range (e.g. ``[-127, 127]``): a ``Clip`` after ``QuantizeLinear`` (which saturates to
+  the whole dtype).
 
 The core does not depend on ONNX: ``onnx`` and ``onnxscript`` are imported when this module's
 functions run, and their absence is a ``LoweringError`` saying what to install.
@@ -25,11 +34,8 @@ functions run, and their absence is a ``LoweringError`` saying what to install.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,21 +45,29 @@ from torch.fx import GraphModule, Node
 
 from quantplug import ops as qp_ops
 from quantplug.errors import LoweringError
-from quantplug.flow.inspect import fetch_attr
+from quantplug.lowering.provenance import where
+from quantplug.lowering.qdq_sites import STATIC_DEQUANTIZE, STATIC_QUANTIZE
 
 qd = torch.ops.quantized_decomposed
 
 #: opset that has 16-bit and 4-bit Q/DQ types and blocked quantization
 DEFAULT_OPSET = 21
-MIN_OPSET = 13
+#: torch's ONNX translations (torchlib) are written for opset 18; converting them down fails
+MIN_OPSET = 18
 _NEEDS_21 = "16-bit, 4-bit and per-block Q/DQ need ONNX opset >= 21"
 
-STATIC_QUANTIZE = (qd.quantize_per_tensor.default, qd.quantize_per_channel.default, qp_ops.quantize_per_block)
-STATIC_DEQUANTIZE = (
-    qd.dequantize_per_tensor.default,
-    qd.dequantize_per_channel.default,
-    qp_ops.dequantize_per_block,
-)
+__all__ = [
+    "DEFAULT_OPSET",
+    "STATIC_DEQUANTIZE",
+    "STATIC_QUANTIZE",
+    "OnnxExportResult",
+    "OnnxTensorInfo",
+    "export_qdq_onnx",
+    "onnx_block_form",
+    "pack_int4_constants",
+    "require_onnx",
+    "translation_table",
+]
 
 
 # --------------------------------------------------------------------------------- results
@@ -61,7 +75,11 @@ STATIC_DEQUANTIZE = (
 
 @dataclass(frozen=True)
 class OnnxTensorInfo:
-    """A graph input or output of the ONNX model."""
+    """A graph input or output of the ONNX model.
+
+    ``shape`` holds an ``int`` per static dimension and a ``str`` (the dimension's name, e.g.
+    ``"batch"`` for ``torch.export.Dim("batch")``) per dynamic one.
+    """
 
     name: str
     shape: tuple[int | str, ...]
@@ -73,18 +91,24 @@ class OnnxExportResult:
     """The exported model and where each quantplug encoding lives in it.
 
     ``encodings`` is ``quantplug.flow.inspect.encodings(program)`` with an ``"onnx"`` entry added
-    to each item (``None`` when the tensor did not survive export, e.g. dead code):
+    to each item (``None`` when the tensor is not in the model: a quantize or dequantize node
+    nothing reads):
 
     * ``tensor``: the float tensor the encoding describes: the input of the ``QuantizeLinear``
       for activations, the output of the ``DequantizeLinear`` for constants (weights, biases);
-    * ``quantized``: the integer tensor: the ``QuantizeLinear`` output, or the integer
-      initializer of a constant;
-    * ``dequantized``: the outputs of the ``DequantizeLinear`` nodes that read ``quantized``;
-    * ``scale`` / ``zero_point``: the names of the scale and zero-point inputs of the Q (or DQ);
-    * ``node``: the ``QuantizeLinear`` (activations) or ``DequantizeLinear`` (constants) node.
+    * ``quantized``: the integer tensor: the ``QuantizeLinear`` output (after its ``Clip`` when
+      the range is narrowed), or the integer initializer of a constant;
+    * ``dequantized``: the outputs of the ``DequantizeLinear`` nodes that read ``quantized``
+      (of the ``Cast`` after one, for a float16/bfloat16 program: what their readers read; the
+      same holds for a constant's ``tensor``);
+    * ``scale`` / ``zero_point``: the names of the scale and zero-point initializers of the Q
+      (or DQ), private to that node;
+    * ``node``: the ``QuantizeLinear`` (activations) or ``DequantizeLinear`` (constants) node,
+      named like the program's node.
 
     ``tensor_encodings`` maps every one of those tensor names (``tensor``, ``quantized`` and each
-    ``dequantized``) to its entry.
+    ``dequantized``) to its entry. ``dynamic_axes`` maps each input/output with dynamic
+    dimensions to ``{axis: name}``.
     """
 
     model: Any  # onnx.ModelProto
@@ -94,9 +118,18 @@ class OnnxExportResult:
     encodings: list[dict[str, Any]]
     tensor_encodings: dict[str, dict[str, Any]] = field(default_factory=dict)
     path: Path | None = None
-    #: the ``torch.export`` capture of the program that was exported, when it is the given
-    #: program unchanged (no per-block rewrite): a writer may save it instead of exporting again
-    exported_program: Any = None
+    _program: GraphModule | None = field(default=None, repr=False)
+    _exported: Any = field(default=None, repr=False)
+
+    @property
+    def exported_program(self) -> Any:
+        """The exported Q/DQ program as a ``torch.export.ExportedProgram`` (built on first use,
+        with the same dynamic dimensions), e.g. for ``torch.export.save``."""
+        if self._exported is None and self._program is not None:
+            from quantplug.lowering.capture import to_exported_program
+
+            self._exported = to_exported_program(self._program)
+        return self._exported
 
     @property
     def input_names(self) -> list[str]:
@@ -105,6 +138,14 @@ class OnnxExportResult:
     @property
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]
+
+    @property
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        return {
+            t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)}
+            for t in (*self.inputs, *self.outputs)
+            if any(isinstance(d, str) for d in t.shape)
+        }
 
     @property
     def unmapped(self) -> list[str]:
@@ -137,91 +178,77 @@ def export_qdq_onnx(
 
     Args:
         quantized: the output of :func:`quantplug.convert` (or a lowering pass's rewrite of it).
-        example_inputs: inputs to trace with; default: random tensors shaped like the program's
-            inputs (``quantplug.flow.inspect.example_inputs``). Shapes are fixed by these.
+        example_inputs: optional; the model's shapes are the program's own (static, or dynamic
+            where it was exported with ``torch.export.Dim``). When given, they are checked
+            against those shapes (a clear error instead of a model for other inputs).
         path: where to write the ``.onnx`` file (optional; the model is returned either way).
-        opset: ONNX opset (>= 21 when the program has 16-bit, 4-bit or per-block tensors).
-        optimize: let the exporter fold constants and drop dead nodes (Q/DQ nodes are kept).
+        opset: ONNX opset, 18 or later (21 or later when the program has 16-bit, 4-bit or
+            per-block tensors).
+        optimize: drop nodes and initializers nothing reads (Q/DQ nodes included only when their
+            output is unused).
         input_names / output_names: ONNX graph input/output names (default: the program's).
         custom_translations: extra ``{torch op: onnxscript function}`` for ops of your own.
 
     Raises:
-        LoweringError: ``onnx``/``onnxscript`` are missing, the opset is too low, or an op has no
-            ONNX translation (the message names the op and the node).
+        LoweringError: ``onnx``/``onnxscript`` are missing, the opset is too low, an input does
+            not fit the program, or an op has no ONNX translation (the message names the op,
+            the node and the module it belongs to).
     """
     onnx = require_onnx()
-    if opset < MIN_OPSET:
-        raise LoweringError(f"ONNX opset {opset} is too old for QDQ models; use opset >= {MIN_OPSET}")
     if not isinstance(quantized, GraphModule):
         raise LoweringError(
             "export_qdq_onnx expects the GraphModule returned by quantplug.convert(), "
             f"got {type(quantized).__name__}"
         )
     from quantplug.flow.inspect import encodings as read_encodings
-    from quantplug.flow.inspect import example_inputs as make_inputs
+    from quantplug.lowering import qdq_sites
+    from quantplug.lowering.capture import dimension_names, to_exported_program
+    from quantplug.lowering.onnx_translate import translate
 
-    args = tuple(example_inputs) if example_inputs is not None else make_inputs(quantized)
     _check_opset(quantized, opset)
+    newest = int(onnx.defs.onnx_opset_version())
+    if not MIN_OPSET <= opset <= newest:
+        raise LoweringError(
+            f"ONNX opset {opset} is not supported: use {MIN_OPSET} to {newest} (the installed onnx's "
+            f"newest; torch's ONNX translations are written for {MIN_OPSET}; {DEFAULT_OPSET}, the default, "
+            "has 16-bit, 4-bit and blocked Q/DQ)"
+        )
+    if example_inputs is not None:
+        _check_example_inputs(quantized, example_inputs)
     table = read_encodings(quantized)
-    program = _for_export(quantized)
-    with warnings.catch_warnings(), _quiet_exporter_logs():
-        warnings.simplefilter("ignore")
-        try:
-            exported = torch.export.export(program, args)
-        except Exception as exc:
-            raise LoweringError(
-                f"torch.export could not re-capture the quantized program for ONNX export: "
-                f"{type(exc).__name__}: {_first_line(exc)}"
-            ) from exc
-        name_map = _match_qdq_names(program, exported.graph_module)
-        translations: dict[Callable[..., Any], Callable[..., Any]] = {
-            **translation_table(),
-            **(custom_translations or {}),
-        }
-        _check_translatable(exported, translations, opset)
-        try:
-            onnx_program = torch.onnx.export(
-                exported,
-                args,
-                dynamo=True,
-                opset_version=opset,
-                custom_translation_table=translations,
-                optimize=optimize,
-                input_names=list(input_names) if input_names is not None else None,
-                output_names=list(output_names) if output_names is not None else None,
-                verbose=False,
-            )
-        except Exception as exc:
-            raise _export_error(exc, exported) from exc
-    if onnx_program is None:
-        raise LoweringError("torch.onnx.export returned no ONNX program")
-    model = onnx_program.model_proto
-    _fix_opset(model, opset)
+    sites = qdq_sites.find_sites(quantized)
+    program = to_exported_program(quantized, rewrite=lambda graph: qdq_sites.mark_sites(graph, sites))
+    translations: dict[Callable[..., Any], Callable[..., Any]] = {
+        **translation_table(),
+        **(custom_translations or {}),
+        qdq_sites.qdq_site: qdq_sites._t_qdq_site,
+    }
+    _check_translatable(program, translations, opset)
+    try:
+        model = translate(program, opset=opset, translations=translations)
+    except LoweringError:
+        raise
+    except Exception as exc:
+        raise _export_error(exc, program) from exc
+    _rename(model.graph.inputs, input_names, "input")
+    _rename(model.graph.outputs, output_names, "output")
+    placed = qdq_sites.insert_qdq(model, sites)
+    _name_dimensions(model, dimension_names(program))
+    if optimize:
+        _remove_unused(model)
+    proto = _serialize(model)
     result = OnnxExportResult(
-        model=model,
+        model=proto,
         opset=opset,
-        inputs=_value_infos(onnx, model.graph.input, model.graph.initializer),
-        outputs=_value_infos(onnx, model.graph.output, ()),
+        inputs=_value_infos(onnx, proto.graph.input, proto.graph.initializer),
+        outputs=_value_infos(onnx, proto.graph.output, ()),
         encodings=[dict(e) for e in table],
+        _program=quantized,
     )
-    _map_encodings(result, name_map)
-    if program is quantized:
-        result.exported_program = exported
+    _map_encodings(result, placed)
     if path is not None:
         result.path = result.save(path)
     return result
-
-
-@contextlib.contextmanager
-def _quiet_exporter_logs() -> Iterator[None]:
-    """The exporter logs warnings about optional packages (torchvision) it skips: not ours to show."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def require_onnx() -> Any:
@@ -237,7 +264,7 @@ def require_onnx() -> Any:
     return onnx
 
 
-# --------------------------------------------------------------------------------- preparing the program
+# --------------------------------------------------------------------------------- checking the program
 
 
 def _check_opset(gm: GraphModule, opset: int) -> None:
@@ -261,43 +288,103 @@ def _qdq_dtype(node: Node) -> torch.dtype | None:
     return None
 
 
-def _for_export(gm: GraphModule) -> GraphModule:
-    """A copy of ``gm`` with per-block Q/DQ rewritten into ONNX's form (others untouched)."""
-    blocks = [
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_function" and n.target in (qp_ops.quantize_per_block, qp_ops.dequantize_per_block)
-    ]
-    if not blocks:
-        return gm
-    from quantplug.flow.graph_copy import working_copy
-
-    program = working_copy(gm)
-    for node in program.graph.nodes:
-        if node.op == "call_function" and node.target in (
-            qp_ops.quantize_per_block,
-            qp_ops.dequantize_per_block,
-        ):
-            _rewrite_block_node(program, node)
-    program.graph.eliminate_dead_code()
-    program.recompile()
-    return program
-
-
-def _attr(gm: GraphModule, node: Any) -> torch.Tensor:
-    if not (isinstance(node, Node) and node.op == "get_attr"):
-        raise LoweringError(f"per-block qparams must be constants (get_attr), got {node}")
-    value: torch.Tensor = fetch_attr(gm, str(node.target))
-    return value
+def _check_example_inputs(gm: GraphModule, inputs: Sequence[Any]) -> None:
+    """Example inputs must fit the program's inputs (dtype, rank, every static dimension)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != len(placeholders):
+        raise LoweringError(
+            f"{len(inputs)} example input(s) given; the program takes {len(placeholders)} "
+            f"({', '.join(p.name for p in placeholders)})"
+        )
+    for node, value in zip(placeholders, inputs):
+        val = node.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(value, torch.Tensor)):
+            continue
+        expected = [d if isinstance(d, int) else "*" for d in val.shape]
+        fits = value.dim() == val.dim() and all(e == "*" or e == s for e, s in zip(expected, value.shape))
+        if not fits or value.dtype != val.dtype:
+            raise LoweringError(
+                f"example input {node.name!r} is {value.dtype}{list(value.shape)}; the program takes "
+                f"{val.dtype}{expected} (* = dynamic). The ONNX model has the program's shapes: to "
+                "change them, export the model again (torch.export.Dim for dynamic dimensions)"
+            )
 
 
-def _shape_of(gm: GraphModule, node: Any) -> tuple[int, ...]:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape)
-    if isinstance(node, Node) and node.op == "get_attr":
-        return tuple(_attr(gm, node).shape)
-    raise LoweringError(f"cannot tell the shape of {node} (no recorded value)")
+# --------------------------------------------------------------------------------- after translation
+
+
+def _remove_unused(model: Any) -> None:
+    """Drop nodes and initializers nothing reads (one backward pass)."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)
+
+
+def _name_dimensions(model: Any, names: Mapping[str, str]) -> None:
+    """Dynamic dimensions named as the user named them (``batch``, not ``s77``), everywhere."""
+    import onnx_ir as ir
+
+    if not names:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")\b")
+
+    def rename(value: Any) -> None:
+        shape = value.shape
+        if shape is None or not any(isinstance(d, ir.SymbolicDim) and d.value for d in shape):
+            return
+        dims = [
+            ir.SymbolicDim(pattern.sub(lambda m: names[m.group(1)], d.value))
+            if isinstance(d, ir.SymbolicDim) and d.value
+            else d
+            for d in shape
+        ]
+        value.shape = ir.Shape(dims)
+
+    for value in model.graph.inputs:
+        rename(value)
+    for node in model.graph:
+        for value in node.outputs:
+            rename(value)
+
+
+def _rename(values: Sequence[Any], names: Sequence[str] | None, what: str) -> None:
+    if names is None:
+        return
+    if len(names) != len(values):
+        raise LoweringError(f"{len(names)} {what} name(s) given; the model has {len(values)} {what}(s)")
+    for value, name in zip(values, names):
+        value.name = str(name)
+
+
+def _serialize(model: Any) -> Any:
+    import onnx_ir as ir
+
+    return ir.serde.serialize_model(model)
+
+
+def _map_encodings(result: OnnxExportResult, placed: Mapping[int, Any]) -> None:
+    """Each encoding's ONNX tensors, from where its Q/DQ site was placed."""
+    by_node = {p.site.node: p for p in placed.values()}
+    present = {n.name for n in result.model.graph.node}
+    readers: dict[str, list[str]] = {}  # quantized tensor -> outputs of the dequantize sites reading it
+    for p in placed.values():
+        if not p.site.quantize and p.node in present:
+            readers.setdefault(p.input, []).append(p.output)
+    for entry in result.encodings:
+        p = by_node.get(entry["node"])
+        info: dict[str, Any] | None = None
+        if p is not None and p.node in present:
+            if p.site.quantize:
+                info = {"tensor": p.input, "quantized": p.output, "dequantized": readers.get(p.output, [])}
+            else:
+                info = {"tensor": p.output, "quantized": p.input, "dequantized": [p.output]}
+            info.update(node=p.node, scale=p.scale, zero_point=p.zero_point)
+            for name in (info["tensor"], info["quantized"], *info["dequantized"]):
+                result.tensor_encodings.setdefault(name, entry)
+        entry["onnx"] = info
+
+
+# --------------------------------------------------------------------------------- per-block grids
 
 
 def onnx_block_form(
@@ -338,106 +425,13 @@ def onnx_block_form(
     return spread_s.contiguous(), spread_z.contiguous(), axis, block[axis] if blocked else 1
 
 
-def _rewrite_block_node(gm: GraphModule, node: Node) -> None:
-    x, scale_node, zp_node, block_size, qmin, qmax, dtype = node.args[:7]
-    shape = _shape_of(gm, x)
-    scale, zero_point, axis, block = onnx_block_form(
-        _attr(gm, scale_node),
-        _attr(gm, zp_node),
-        [int(b) for b in block_size],  # type: ignore[union-attr,arg-type]
-        shape,
-    )
-    from quantplug.annotation.dtypes import storage_dtype
-
-    container = storage_dtype(dtype) if isinstance(dtype, torch.dtype) else torch.int8
-    names = []
-    for prefix, value in (
-        ("onnx_scale", scale.to(torch.float32)),
-        ("onnx_zero_point", zero_point.to(container)),
-    ):
-        i = 0
-        while hasattr(gm, f"{scale_node.name}_{prefix}{i}"):  # type: ignore[union-attr]
-            i += 1
-        name = f"{scale_node.name}_{prefix}{i}"  # type: ignore[union-attr]
-        gm.register_buffer(name, value)
-        names.append(name)
-    with gm.graph.inserting_before(node):
-        s = gm.graph.get_attr(names[0])
-        z = gm.graph.get_attr(names[1])
-    target = _onnx_dequantize if node.target == qp_ops.dequantize_per_block else _onnx_quantize
-    node.target = target
-    node.args = (x, s, z, axis, block, qmin, qmax, dtype if node.target == _onnx_quantize else torch.float32)
-    node.kwargs = {}
-
-
-# ONNX-shaped Q/DQ as torch ops (so the rewritten program still runs and exports)
-
-
-def _expand_onnx_param(param: torch.Tensor, x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
-    if param.dim() == 0:
-        return param
-    if block == 0:
-        shape = [1] * x.dim()
-        shape[axis] = -1
-        return param.reshape(shape)
-    return param.repeat_interleave(block, dim=axis).narrow(axis, 0, x.shape[axis])
-
-
-@torch.library.custom_op("quantplug::onnx_quantize_linear", mutates_args=())
-def _onnx_quantize_op(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    axis: int,
-    block: int,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    s = _expand_onnx_param(scale.float(), x, axis, block)
-    z = _expand_onnx_param(zero_point.float(), x, axis, block)
-    return torch.clamp(torch.round(x.float() / s) + z, quant_min, quant_max).to(zero_point.dtype)
-
-
-@_onnx_quantize_op.register_fake
-def _(x, scale, zero_point, axis, block, quant_min, quant_max, dtype):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x, dtype=zero_point.dtype)
-
-
-@torch.library.custom_op("quantplug::onnx_dequantize_linear", mutates_args=())
-def _onnx_dequantize_op(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    axis: int,
-    block: int,
-    quant_min: int,
-    quant_max: int,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    s = _expand_onnx_param(scale.float(), q, axis, block)
-    z = _expand_onnx_param(zero_point.float(), q, axis, block)
-    return ((q.float() - z) * s).to(out_dtype)
-
-
-@_onnx_dequantize_op.register_fake
-def _(q, scale, zero_point, axis, block, quant_min, quant_max, out_dtype):  # type: ignore[no-untyped-def]
-    return torch.empty_like(q, dtype=out_dtype)
-
-
-_onnx_quantize = torch.ops.quantplug.onnx_quantize_linear.default
-_onnx_dequantize = torch.ops.quantplug.onnx_dequantize_linear.default
-
-
 # --------------------------------------------------------------------------------- translations
 
 
 def translation_table() -> dict[Callable[..., Any], Callable[..., Any]]:
-    """The ONNX translations this module adds to the stock exporter's (torch op -> function)."""
+    """The ONNX translations this module adds to the stock exporter's (torch op -> function):
+    dynamic quantization, whose qparams are computed at run time (static Q/DQ nodes are sites)."""
     return {
-        _onnx_quantize: _t_onnx_quantize_linear,
-        _onnx_dequantize: _t_onnx_dequantize_linear,
-        qd.quantize_per_tensor.default: _t_quantize_per_tensor,
         qd.quantize_per_tensor.tensor: _t_quantize_per_tensor_tensor,
         qd.dequantize_per_tensor.tensor: _t_dequantize_per_tensor_tensor,
         qd.choose_qparams.tensor: _t_choose_qparams_tensor,
@@ -490,35 +484,6 @@ def _scalar(value: Any, onnx_dtype: int) -> Any:
     """A 1-element tensor as a float/int scalar of ``onnx_dtype``."""
     op = _op()
     return op.Reshape(op.Cast(value, to=onnx_dtype), _const([], _INT64))
-
-
-def _t_onnx_quantize_linear(
-    x: Any, scale: Any, zero_point: Any, axis: int, block: int, quant_min: int, quant_max: int, dtype: int
-) -> Any:
-    op = _op()
-    if block:
-        q = op.QuantizeLinear(x, scale, zero_point, axis=axis, block_size=block)
-    else:
-        q = op.QuantizeLinear(x, scale, zero_point, axis=axis)
-    return _clip_to_range(q, quant_min, quant_max, dtype)
-
-
-def _t_onnx_dequantize_linear(
-    q: Any, scale: Any, zero_point: Any, axis: int, block: int, quant_min: int, quant_max: int, out_dtype: int
-) -> Any:
-    op = _op()
-    if block:
-        y = op.DequantizeLinear(q, scale, zero_point, axis=axis, block_size=block)
-    else:
-        y = op.DequantizeLinear(q, scale, zero_point, axis=axis)
-    return y if out_dtype in (-1, _FLOAT) else op.Cast(y, to=out_dtype)
-
-
-def _t_quantize_per_tensor(
-    x: Any, scale: float, zero_point: int, quant_min: int, quant_max: int, dtype: int
-) -> Any:
-    q = _op().QuantizeLinear(x, _const(scale, _FLOAT), _const(zero_point, dtype))
-    return _clip_to_range(q, quant_min, quant_max, dtype)
 
 
 def _t_quantize_per_tensor_tensor(
@@ -639,29 +604,28 @@ def _check_translatable(exported: torch.export.ExportedProgram, table: Mapping[A
     ATen ops the stock exporter lacks are usually decomposed by it; those errors are reported
     after the export attempt (``_export_error``).
     """
-    try:
-        from torch.onnx._internal.exporter import _registration
+    from quantplug.lowering.onnx_translate import registered
 
-        registry = _registration.ONNXRegistry.from_torchlib(opset_version=max(opset, 18))
-    except Exception:  # private API moved: rely on the export error instead
+    is_registered = registered(opset)
+    if is_registered is None:  # private API moved: rely on the export error instead
         return
     for node in exported.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         if node.target in table or node.target.namespace in ("aten", "prims"):
             continue
-        if registry.is_registered(node.target):
+        if is_registered(node.target):
             continue
         if torch._C._dispatch_has_kernel_for_dispatch_key(node.target.name(), "CompositeImplicitAutograd"):
             continue
         raise LoweringError(
-            f"op {_op_label(node.target)} (node {node.name!r}) has no ONNX translation; "
+            f"op {_op_label(node.target)} (node {node.name!r}{where(node)}) has no ONNX translation; "
             "pass custom_translations={op: onnxscript_function} or keep that op out of the model"
         )
 
 
 def _export_error(exc: Exception, exported: torch.export.ExportedProgram) -> LoweringError:
-    """A LoweringError naming the op (and node) the exporter could not translate, when it can tell."""
+    """A LoweringError naming the op, node and module the exporter could not translate, when it can tell."""
     chain = _chain(exc)
     cause = chain[-1]
     reason = f"{type(cause).__name__}: {_first_line(cause)}"
@@ -680,12 +644,14 @@ def _export_error(exc: Exception, exported: torch.export.ExportedProgram) -> Low
             op = f"{parts[0]}.{parts[1]}.{parts[2]}"
             culprit = culprit or by_op.get(op)
             named_op = named_op or op
+    advice = "; pass custom_translations={op: onnxscript_function} for it, or keep that op out of the model"
     if culprit is not None:
         return LoweringError(
-            f"ONNX export failed at op {_op_label(culprit.target)} (node {culprit.name!r}): {reason}"
+            f"ONNX export failed at op {_op_label(culprit.target)} (node {culprit.name!r}{where(culprit)}): "
+            f"{reason}{advice}"
         )
     if named_op is not None:
-        return LoweringError(f"ONNX export failed at op {named_op} (from a decomposition): {reason}")
+        return LoweringError(f"ONNX export failed at op {named_op} (from a decomposition): {reason}{advice}")
     return LoweringError(f"ONNX export failed: {reason}")
 
 
@@ -701,61 +667,6 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:500] if text else type(exc).__name__
-
-
-# --------------------------------------------------------------------------------- mapping encodings
-
-
-def _qdq_nodes(gm: GraphModule) -> list[Node]:
-    targets = (*STATIC_QUANTIZE, *STATIC_DEQUANTIZE, _onnx_quantize, _onnx_dequantize)
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
-
-
-def _match_qdq_names(program: GraphModule, exported: GraphModule) -> dict[str, str]:
-    """Program Q/DQ node name -> the re-exported node's name (export traces them in order)."""
-    mine, theirs = _qdq_nodes(program), _qdq_nodes(exported)
-    if len(mine) != len(theirs) or any(a.target != b.target for a, b in zip(mine, theirs)):
-        return {n.name: n.name for n in mine}
-    return {a.name: b.name for a, b in zip(mine, theirs)}
-
-
-def _map_encodings(result: OnnxExportResult, name_map: Mapping[str, str]) -> None:
-    graph = result.model.graph
-    producer: dict[str, Any] = {}
-    consumers: dict[str, list[Any]] = {}
-    for node in graph.node:
-        for out in node.output:
-            producer[out] = node
-        for inp in node.input:
-            consumers.setdefault(inp, []).append(node)
-    for entry in result.encodings:
-        onnx_name = name_map.get(entry["node"], entry["node"])
-        # a rewritten per-block node keeps its name
-        node = producer.get(onnx_name)
-        info: dict[str, Any] | None = None
-        if node is not None and entry["kind"] == "activation" and node.op_type == "QuantizeLinear":
-            quantized = node.output[0]
-            info = {
-                "tensor": node.input[0],
-                "quantized": quantized,
-                "dequantized": [
-                    c.output[0] for c in consumers.get(quantized, []) if c.op_type == "DequantizeLinear"
-                ],
-                "node": node.name,
-            }
-        elif node is not None and entry["kind"] == "constant" and node.op_type == "DequantizeLinear":
-            info = {
-                "tensor": node.output[0],
-                "quantized": node.input[0],
-                "dequantized": [node.output[0]],
-                "node": node.name,
-            }
-        if info is not None:
-            info["scale"] = node.input[1]  # type: ignore[union-attr]
-            info["zero_point"] = node.input[2] if len(node.input) > 2 else None  # type: ignore[union-attr]
-            for name in {info["tensor"], info["quantized"], *info["dequantized"]}:
-                result.tensor_encodings.setdefault(name, entry)
-        entry["onnx"] = info
 
 
 # --------------------------------------------------------------------------------- 4-bit storage
@@ -822,12 +733,6 @@ def pack_int4_constants(result: OnnxExportResult) -> list[str]:
 
 
 # --------------------------------------------------------------------------------- model helpers
-
-
-def _fix_opset(model: Any, opset: int) -> None:
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx") and imp.version < opset:
-            imp.version = opset
 
 
 def _value_infos(onnx: Any, values: Any, initializers: Any) -> list[OnnxTensorInfo]:

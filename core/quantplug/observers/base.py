@@ -93,6 +93,12 @@ class ObserverBase(nn.Module):
 
     #: True for observers that need no data (fixed qparams, derived).
     needs_data: ClassVar[bool] = True
+    #: NaN/inf values: "error" raises NonFiniteError, "ignore" leaves them out and counts them in
+    #: ``nonfinite_ignored``; ``where`` names the node(s) observed. Both are set by
+    #: ``prepare(..., nonfinite=...)`` (see quantplug.observers.nonfinite).
+    nonfinite: str = "error"
+    where: str = ""
+    nonfinite_ignored: int = 0
     num_batches: torch.Tensor
 
     def __init__(

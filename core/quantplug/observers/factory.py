@@ -120,6 +120,6 @@ def observer_saw_data(obs: nn.Module) -> bool:
     if getattr(obs, "is_dynamic", False):
         return True
     min_val = getattr(obs, "min_val", None)
-    if isinstance(min_val, torch.Tensor):
-        return min_val.numel() > 0 and bool(torch.isfinite(min_val).any())
+    if isinstance(min_val, torch.Tensor):  # +inf: never updated; NaN: saw data (convert refuses it)
+        return min_val.numel() > 0 and not bool((min_val == float("inf")).all())
     return True

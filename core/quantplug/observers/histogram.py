@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from quantplug.errors import AnnotationError
-from quantplug.observers import kernels
+from quantplug.observers import kernels, nonfinite
 from quantplug.observers.accelerated import add_histc
 from quantplug.observers.base import ObserverBase
 
@@ -198,10 +198,10 @@ class HistogramObserver(ObserverBase):
             lo_f, hi_f, cur_min, cur_max = torch.stack([lo, hi, self.min_val, self.max_val]).tolist()
         else:
             (lo_f, hi_f), cur_min, cur_max = extremes, self.min_val.item(), self.max_val.item()
-        if not (abs(lo_f) < float("inf") and abs(hi_f) < float("inf")):
-            # one inf (or nan) would make every bin infinitely wide; such values get clamped at
-            # quantization time anyway, so they carry no range information
-            data = data[torch.isfinite(data)]
+        if not nonfinite.finite(lo_f, hi_f):
+            # one inf (or nan) would make every bin infinitely wide: the calibration's policy
+            # decides (raise, or leave them out and count them)
+            data = data[nonfinite.handle(self, data)]
             if data.numel() == 0:
                 return x
             lo_f, hi_f = torch.stack(list(torch.aminmax(data))).tolist()

@@ -79,6 +79,18 @@ def minmax(x: torch.Tensor) -> tuple[float, float] | None:
     return None if lo == 0.0 or hi == 0.0 else (lo, hi)
 
 
+def extremes(x: torch.Tensor) -> tuple[float, float] | None:
+    """``torch.aminmax(x)`` as Python floats (NaN, NaN with a NaN in ``x``), or None.
+
+    Unlike :func:`minmax` this keeps an extreme of zero with whichever sign the kernel met first:
+    for observers whose qparams do not depend on the sign of a zero extreme (quantplug's own).
+    """
+    if _native is None or not 0 < x.numel() < MAX_ELEMENTS or not _plain(x):
+        return None
+    lo, hi = _native.minmax(x.data_ptr(), x.numel())
+    return lo, hi
+
+
 def bin_counts(
     x: torch.Tensor,
     lo: float,

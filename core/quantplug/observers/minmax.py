@@ -1,12 +1,35 @@
-"""Range observers from running extremes: global, moving-average, per channel."""
+"""Range observers from running extremes: global, moving-average, per channel.
+
+Each batch's min and max come as two Python floats from one pass of the native kernel where it
+applies (else from ``torch.aminmax``): that also tells, for free, whether the batch held NaN or
+infinite values (then :mod:`quantplug.observers.nonfinite` applies the calibration's policy).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
+from quantplug.observers import kernels, nonfinite
 from quantplug.observers.base import ObserverBase
+
+
+def batch_extremes(observer: Any, x: torch.Tensor) -> tuple[float, float] | None:
+    """The min and max of ``x`` as floats (None: no finite element to record), NaN/inf handled."""
+    data = x.detach()
+    found = kernels.extremes(data)
+    if found is None:
+        data = data.float()
+        lo, hi = torch.stack(list(torch.aminmax(data))).tolist()
+    else:
+        lo, hi = found
+    if nonfinite.finite(lo, hi):
+        return lo, hi
+    lo_t, hi_t = nonfinite.finite_extremes(observer, data.float())
+    lo, hi = lo_t.item(), hi_t.item()
+    return (lo, hi) if lo <= hi else None
 
 
 class MinMaxObserver(ObserverBase):
@@ -23,14 +46,17 @@ class MinMaxObserver(ObserverBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             return x
-        lo, hi = torch.aminmax(x.detach().float())
-        self._update(lo, hi)
-        self.num_batches += 1
+        found = batch_extremes(self, x)
+        if found is not None:
+            self._update(*found)
+            self.num_batches += 1
         return x
 
-    def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        torch.minimum(self.min_val, lo, out=self.min_val)
-        torch.maximum(self.max_val, hi, out=self.max_val)
+    def _update(self, lo: float, hi: float) -> None:
+        if lo < self.min_val.item():
+            self.min_val.fill_(lo)
+        if hi > self.max_val.item():
+            self.max_val.fill_(hi)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._qparams(self.min_val, self.max_val)
@@ -43,20 +69,26 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         super().__init__(**kwargs)
         self.averaging_constant = float(averaging_constant)
 
-    def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    def _update(self, lo: float, hi: float) -> None:
         if int(self.num_batches) == 0:
-            self.min_val.copy_(lo)
-            self.max_val.copy_(hi)
-        else:  # min + c * (lo - min), the same float32 steps, updated in place
-            c = self.averaging_constant
-            self.min_val.add_(torch.sub(lo, self.min_val).mul_(c))
-            self.max_val.add_(torch.sub(hi, self.max_val).mul_(c))
+            self.min_val.fill_(lo)
+            self.max_val.fill_(hi)
+        else:
+            # min + c * (lo - min) in float32 scalars: the very roundings of torch's 0-dim float32
+            # arithmetic (torch's observers), without a tensor operation per step
+            c = np.float32(self.averaging_constant)
+            low, high = np.float32(self.min_val.item()), np.float32(self.max_val.item())
+            self.min_val.fill_(float(low + np.float32(np.float32(lo) - low) * c))
+            self.max_val.fill_(float(high + np.float32(np.float32(hi) - high) * c))
 
 
-def _per_channel_extremes(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_channel_extremes(observer: Any, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
     flat = x.detach().float().movedim(axis, 0).reshape(x.shape[axis], -1)
     # amin + amax: two passes, yet about 10x faster than aminmax(dim=1) on CPU
-    return torch.amin(flat, dim=1), torch.amax(flat, dim=1)
+    lo, hi = torch.amin(flat, dim=1), torch.amax(flat, dim=1)
+    if not nonfinite.all_finite(lo, hi):  # amin/amax propagate NaN; an inf shows as an extreme
+        lo, hi = nonfinite.finite_extremes(observer, flat, dims=(1,))
+    return lo, hi
 
 
 class PerChannelMinMaxObserver(ObserverBase):
@@ -75,7 +107,7 @@ class PerChannelMinMaxObserver(ObserverBase):
         if x.numel() == 0:
             return x
         axis = self.ch_axis if self.ch_axis is not None else 0
-        lo, hi = _per_channel_extremes(x, axis if axis >= 0 else x.dim() + axis)
+        lo, hi = _per_channel_extremes(self, x, axis if axis >= 0 else x.dim() + axis)
         if self.min_val.numel() == 0:
             self.min_val = lo.clone()
             self.max_val = hi.clone()

@@ -15,6 +15,7 @@ import torch
 
 from quantplug.annotation.dtypes import storage_dtype
 from quantplug.errors import AnnotationError
+from quantplug.observers import nonfinite
 from quantplug.observers.base import ObserverBase
 from quantplug.observers.fake_quantize import fake_quantize as _fake_quantize
 
@@ -162,7 +163,10 @@ class PerBlockMinMaxObserver(ObserverBase):
         grid = block_grid_shape(resolved, shape)
         blocks = x.detach().float().reshape(_interleaved(grid, resolved))
         inner = tuple(range(1, 2 * len(grid), 2))
-        return blocks.amin(dim=inner), blocks.amax(dim=inner)
+        lo, hi = blocks.amin(dim=inner), blocks.amax(dim=inner)
+        if not nonfinite.all_finite(lo, hi):  # amin/amax propagate NaN; an inf shows as an extreme
+            lo, hi = nonfinite.finite_extremes(self, blocks, dims=inner)
+        return lo, hi
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._qparams(self.min_val, self.max_val)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from quantplug.observers import kernels
+from quantplug.observers import kernels, nonfinite
 from quantplug.observers.accelerated import _FLOAT32_MAX, MAX_EXACT_COUNT, LinearBinning, float32
 
 # Never imported here: accelerated.accelerate() loads this module only when the caller's own
@@ -25,7 +25,15 @@ _F32 = torch.float32
 
 
 class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-defined]
-    """torchao's HistogramObserver with a faster forward and clipping search (same results)."""
+    """torchao's HistogramObserver with a faster forward and clipping search (same results).
+
+    NaN/inf values follow the calibration's policy (quantplug.observers.nonfinite): an error by
+    default; with "ignore", torchao's own filtering, counted.
+    """
+
+    nonfinite: str = "error"
+    where: str = ""
+    nonfinite_ignored: int = 0
 
     def _state(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(histogram, min_val, max_val) if ``x`` and the state suit the fast path, else None."""
@@ -37,6 +45,8 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
         x = x_orig.detach() if x_orig.requires_grad else x_orig  # as torchao, without a dispatch
         state = self._state(x)
         if state is None:
+            if x.is_floating_point() and not nonfinite.all_finite(x):  # off the fast path: a scan
+                return self._forward_finite(x, x_orig)
             return super().forward(x_orig)
         hist, min_val, max_val = state
         if kernels.enabled() and not x.is_contiguous():
@@ -49,7 +59,7 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
             lo, hi = extremes
         cur_min, cur_max = min_val.item(), max_val.item()
         if not (math.isfinite(lo) and math.isfinite(hi)):
-            return super().forward(x_orig)  # inf/NaN: torchao warns and filters
+            return self._forward_finite(x, x_orig)
         if cur_min == math.inf or cur_max == -math.inf:  # uninitialized: reset_histogram
             self._count(x, lo, hi, hist, accumulate=False)
             min_val.fill_(lo)
@@ -77,6 +87,14 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
             hist.copy_(combined)
         min_val.fill_(new_min)
         max_val.fill_(new_max)
+        return x_orig
+
+    def _forward_finite(self, x: torch.Tensor, x_orig: torch.Tensor) -> torch.Tensor:
+        """A batch holding NaN/inf: raise, or (policy "ignore") record its finite values only
+        (torchao drops a batch with an inf in it, and fails on NaN)."""
+        kept = x[nonfinite.handle(self, x)]
+        if kept.numel():
+            self.forward(kept)
         return x_orig
 
     def _count(self, x: torch.Tensor, lo: float, hi: float, out: torch.Tensor, accumulate: bool) -> None:
@@ -510,7 +528,15 @@ def _index(i: int) -> torch.Tensor:
 
 
 class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[misc,name-defined]
-    """torchao's PerChannelMinMaxObserver with ``amin``/``amax`` instead of ``aminmax(dim=1)``."""
+    """torchao's PerChannelMinMaxObserver with ``amin``/``amax`` instead of ``aminmax(dim=1)``.
+
+    NaN/inf values raise under the calibration's default policy; with "ignore" each channel's
+    range is that of its finite values.
+    """
+
+    nonfinite: str = "error"
+    where: str = ""
+    nonfinite_ignored: int = 0
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel() == 0:
@@ -523,6 +549,8 @@ class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[mi
         axes[0] = self.ch_axis
         y = torch.flatten(x.permute(axes), start_dim=1)
         lo, hi = torch.amin(y, dim=1), torch.amax(y, dim=1)
+        if not nonfinite.all_finite(lo, hi):
+            lo, hi = nonfinite.finite_extremes(self, y, dims=(1,))
         if self.min_val.numel() == 0 or self.max_val.numel() == 0:
             min_val, max_val = lo, hi
         else:

@@ -24,9 +24,11 @@ if TYPE_CHECKING:
     import torch
 
     from quantplug.annotation.specs import QuantizationConfig
+    from quantplug.conformance.profile import ConformanceProfile
     from quantplug.lowering.artifact import Artifact
     from quantplug.plugins.contract import BackendInfo, NamedPass, RulesModule
     from quantplug.quantizer.context import BackendContext
+    from quantplug.quantizer.fusion import FusionPattern
     from quantplug.sharing.problem import SharingProblem
     from quantplug.sharing.resolution import SharingGroups
     from quantplug.validation.constraints import OpConstraint
@@ -104,6 +106,23 @@ def quantplug_op_constraints(
     """
 
 
+@hookspec
+def quantplug_fusion_patterns(context: BackendContext) -> Sequence[FusionPattern]:
+    """Declare which producer/consumer pairs run as one kernel (conv + relu...).
+
+    Args:
+        context: the backend name and resolved options.
+
+    Returns:
+        ``FusionPattern(heads, tails, when_tail_float=...)`` entries. The core decides each
+        matching pair from the configs selected for both nodes: fused (no encoding between
+        them; rules see ``fused_tail``/``fused_head``), or, when the user keeps the tail float,
+        the head quantized on its own (``"quantize_head"``) or the whole pair float
+        (``"float"``). ``coverage()`` reports the decision. When several patterns match one
+        head, the last declared (an extension's) wins.
+    """
+
+
 @hookspec(firstresult=True)
 def quantplug_resolve_sharing(
     problem: SharingProblem,
@@ -160,4 +179,18 @@ def quantplug_artifact_writer(
 
     Returns:
         ``writer(program, context) -> Artifact``, or None to defer.
+    """
+
+
+@hookspec(firstresult=True)
+def quantplug_conformance_profile(context: BackendContext) -> ConformanceProfile | None:
+    """Declare what the conformance kit may expect (``quantplug conformance NAME``).
+
+    Args:
+        context: the backend name and resolved options.
+
+    Returns:
+        A ``ConformanceProfile``: capabilities the backend lacks (their checks are skipped with
+        the reason given), SQNR floors, samples for ops the kit has none for, the files
+        ``Artifact.save`` must write. None: the kit's defaults.
     """

@@ -14,6 +14,7 @@ Environment:
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 from collections import defaultdict
@@ -21,9 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
-
-import pluggy
+from typing import TYPE_CHECKING, Any
 
 from quantplug.errors import (
     BackendDisabledError,
@@ -31,8 +30,12 @@ from quantplug.errors import (
     DuplicateBackendError,
     UnknownBackendError,
 )
-from quantplug.plugins import hookspecs
 from quantplug.plugins.contract import BackendInfo
+
+if TYPE_CHECKING:  # pluggy is imported when a backend is loaded, not to list them
+    import pluggy
+
+logger = logging.getLogger("quantplug")
 
 BACKENDS_GROUP = "quantplug.backends"
 EXTENSIONS_GROUP = "quantplug.extensions"
@@ -145,6 +148,52 @@ def list_backends() -> list[BackendEntry]:
         return result
 
 
+def entry_for(name: str) -> BackendEntry:
+    """The entry of a backend that can be loaded (nothing is imported).
+
+    Raises:
+        UnknownBackendError: no backend of that name (the message lists installed ones and the
+            closest names).
+        DuplicateBackendError: two distributions claim the name.
+        BackendDisabledError: the environment excludes it.
+    """
+    with _lock:
+        entries = {e.name: e for e in list_backends()}
+    entry = entries.get(name)
+    if entry is None:
+        raise UnknownBackendError(name, [n for n, e in entries.items() if e.status != "disabled"])
+    if entry.status == "conflict":
+        raise DuplicateBackendError(name, entry.claimants)
+    if entry.status == "disabled":
+        raise BackendDisabledError(
+            f"backend {name!r} is installed but disabled by {ENV_DISABLE_AUTOLOAD}/{ENV_BACKENDS}; "
+            f"unset them or add {name!r} to {ENV_BACKENDS}"
+        )
+    return entry
+
+
+def declared_info(name: str) -> BackendInfo | None:
+    """Backend ``name``'s options and presets without importing its plugin, or None if unknown.
+
+    Installed backends describe themselves in a metadata file (:mod:`quantplug.plugins.metadata`);
+    in-process ones are already imported and asked directly.
+
+    Raises:
+        MetadataError: the backend's metadata file is malformed.
+    """
+    with _lock:
+        if name in _in_process:
+            return load_backend(name).info
+        if name in _loaded:
+            return _loaded[name].info
+        entry = next((e for e in list_backends() if e.name == name), None)
+    if entry is None or entry.status in ("disabled", "conflict"):
+        return None
+    from quantplug.plugins.metadata import read_declared
+
+    return read_declared(entry.module, name)
+
+
 def _with(entry: BackendEntry, **changes: Any) -> BackendEntry:
     fields = {**entry.__dict__, **changes}
     return BackendEntry(**fields)
@@ -162,17 +211,7 @@ def load_backend(name: str) -> LoadedBackend:
     with _lock:
         if name in _loaded:
             return _loaded[name]
-        entries = {e.name: e for e in list_backends()}
-        entry = entries.get(name)
-        if entry is None:
-            raise UnknownBackendError(name, [n for n, e in entries.items() if e.status != "disabled"])
-        if entry.status == "conflict":
-            raise DuplicateBackendError(name, entry.claimants)
-        if entry.status == "disabled":
-            raise BackendDisabledError(
-                f"backend {name!r} is installed but disabled by {ENV_DISABLE_AUTOLOAD}/{ENV_BACKENDS}; "
-                f"unset them or add {name!r} to {ENV_BACKENDS}"
-            )
+        entry = entry_for(name)
         try:
             loaded = _load(entry)
         except BackendLoadError as exc:
@@ -184,6 +223,10 @@ def load_backend(name: str) -> LoadedBackend:
 
 
 def _new_manager() -> pluggy.PluginManager:
+    import pluggy
+
+    from quantplug.plugins import hookspecs
+
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     return pm
@@ -202,6 +245,8 @@ def _import(value: str, *, name: str, distribution: str | None) -> Any:
 
 
 def _load(entry: BackendEntry) -> LoadedBackend:
+    import pluggy
+
     pm = _new_manager()
     if entry.source == "in-process":
         plugin = _in_process[entry.name][1]
@@ -228,6 +273,12 @@ def _load(entry: BackendEntry) -> LoadedBackend:
             f"its quantplug_backend_info() declares the name {info.name!r}; the entry point (or "
             f"register_backend) must use the same name",
         )
+    if entry.source == "entry-point":
+        from quantplug.plugins.metadata import stale_reason
+
+        stale = stale_reason(entry.module, info)
+        if stale is not None:
+            logger.warning("backend %r: %s", entry.name, stale)
     loaded = LoadedBackend(entry=entry, manager=pm, info=info)
     for ext in _extensions_for(entry.name):
         plugin = ext.plugin

@@ -19,33 +19,58 @@ from torch.fx import GraphModule, Node
 from quantplug.annotation.annotators import AnnotatorRule
 from quantplug.annotation.specs import Q_ANNOTATION_KEY, QuantizationConfig
 from quantplug.errors import BackendLoadError, ConstraintViolationError, OptionError
-from quantplug.plugins.contract import BackendInfo, LoweringPlan, NamedPass, op_name
+from quantplug.plugins.contract import BackendInfo, BackendOption, LoweringPlan, NamedPass, op_name
 from quantplug.plugins.registry import LoadedBackend
 from quantplug.quantizer.context import BackendContext
+from quantplug.quantizer.fusion import (
+    FUSED_HEAD_KEY,
+    FUSED_TAIL_KEY,
+    FusionPattern,
+    FusionPlan,
+    OpNode,
+    plan_fusions,
+    remove_fused_encodings,
+)
 from quantplug.quantizer.rules import RuleSet
 from quantplug.quantizer.selection import ConfigSelector
 from quantplug.sharing.problem import SharingProblem, solve
 from quantplug.sharing.resolution import SharingGroups
+from quantplug.suggest import did_you_mean
 from quantplug.validation.constraints import OpConstraint
-from quantplug.validation.engine import validate_graph
+from quantplug.validation.engine import CalibratedPlan, calibrated_plan, relation_merges, validate_graph
 from quantplug.validation.report import ValidationReport
 
 logger = logging.getLogger("quantplug")
 
 FLOAT_REASON_KEY = "quantplug_float_reason"
 RULE_KEY = "quantplug_rule"
+#: node meta a rule may set on a node it quantizes differently from what the options asked for
+#: (e.g. a smaller LPBQ block): shown by ``coverage()`` next to the node
+NOTE_KEY = "quantplug_coverage_note"
 
 AnnotationCallback = Callable[[GraphModule, BackendContext], None]
+
+#: accepted by every backend and resolved like a declared bool option (text "false"/"off"/"0"
+#: works); visible to every hook as ``context.options["strict"]``
+STRICT_OPTION = BackendOption(
+    "strict", bool, True, "raise ConstraintViolationError on constraint violations (false: only warn)"
+)
 
 
 @dataclass(frozen=True)
 class NodeCoverage:
-    """Whether one op node is quantized, and why not when it stays float."""
+    """Whether one op node is quantized, and why not when it stays float.
+
+    ``fused_with`` names the node it runs fused with (no encoding between them); ``note`` says
+    what is only partly quantized (an output left float because every consumer stays float).
+    """
 
     node: str
     op: str
     quantized: bool
     reason: str
+    fused_with: str | None = None
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,13 +87,36 @@ class CoverageReport:
     def quantized_nodes(self) -> list[NodeCoverage]:
         return [n for n in self.nodes if n.quantized]
 
+    @property
+    def noted_nodes(self) -> list[NodeCoverage]:
+        """Quantized nodes with a note (quantized otherwise than the options asked)."""
+        return [n for n in self.nodes if n.quantized and n.note]
+
     def float_ops(self) -> Counter[str]:
         return Counter(n.op for n in self.float_nodes)
 
+    def node(self, name: str) -> NodeCoverage:
+        """The entry of one node (KeyError naming the known nodes if absent)."""
+        for n in self.nodes:
+            if n.node == name:
+                return n
+        raise KeyError(f"no op node {name!r}; nodes: {', '.join(n.node for n in self.nodes)}")
+
     def format(self) -> str:
         lines = [f"{len(self.quantized_nodes)} node(s) quantized, {len(self.float_nodes)} float"]
-        for n in self.float_nodes:
-            lines.append(f"  float {n.node} [{n.op}]: {n.reason}")
+        for n in self.nodes:
+            if not n.quantized:
+                lines.append(f"  float {n.node} [{n.op}]: {n.reason}")
+            elif n.note:
+                lines.append(f"  note {n.node} [{n.op}]: {n.note}")
+        pairs: list[str] = []
+        shown: set[str] = set()
+        for n in self.nodes:  # graph order: the head of a pair comes first
+            if n.fused_with is not None and n.node not in shown:
+                shown.update((n.node, n.fused_with))
+                pairs.append(f"{n.node}+{n.fused_with}")
+        if pairs:
+            lines.append("  fused (one kernel, no encoding between): " + ", ".join(pairs))
         return "\n".join(lines)
 
 
@@ -77,8 +125,8 @@ class Quantizer:
 
     def __init__(self, backend: LoadedBackend, options: dict[str, Any], *, strict: bool = True) -> None:
         self._backend = backend
-        self.strict = strict
-        self.context = BackendContext(backend=backend.info.name, options=options)
+        self.context = BackendContext(backend=backend.info.name, options={**options, "strict": strict})
+        self.context.bind_configs(self.config_for)  # rules and hooks may ask for any node's config
         hook = backend.hook
         preset = options.get(backend.info.preset_option) if backend.info.preset_option else None
         config = hook.quantplug_quantization_config(preset=preset, context=self.context)
@@ -90,6 +138,7 @@ class Quantizer:
         self.arch: int | None = hook.quantplug_target_arch(context=self.context)
         self._callbacks: list[AnnotationCallback] = []
         self._constraint_cache: dict[tuple[str, str | None], list[OpConstraint]] = {}
+        self._fusion_patterns: tuple[FusionPattern, ...] | None = None
 
     # -- description -------------------------------------------------------------------------
     @property
@@ -99,6 +148,16 @@ class Quantizer:
     @property
     def info(self) -> BackendInfo:
         return self._backend.info
+
+    @property
+    def strict(self) -> bool:
+        """Raise on constraint violations and incomplete artifacts (else warn); every hook sees it."""
+        return self.context.strict
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        strict = STRICT_OPTION.coerce(value, backend=self.backend)
+        self.context.options = {**self.context.options, "strict": strict}
 
     @property
     def options(self) -> dict[str, Any]:
@@ -170,10 +229,29 @@ class Quantizer:
         return model
 
     def annotate(self, model: GraphModule) -> GraphModule:
-        """Apply each node's rule with the config selected for it; record why others stay float."""
+        """Apply each node's rule with the config selected for it; record why others stay float.
+
+        Fused pairs (the backend's ``FusionPattern``s) are decided first, from the configs
+        selected for both nodes, so the head's rule sees ``fused_tail(node)`` and a pattern whose
+        tail the user keeps float falls back as the backend declares.
+        """
         graph = model.graph
+        self._check_module_names(graph)
         present = {op_name(n.target) for n in graph.nodes if n.op == "call_function"}
         rules = self.rules.for_ops(present)
+        selected: dict[str, tuple[QuantizationConfig | None, str]] = {}
+        for node in graph.nodes:
+            if node.op == "call_function":
+                node.meta.pop(FUSED_TAIL_KEY, None)
+                node.meta.pop(FUSED_HEAD_KEY, None)
+                if op_name(node.target) in rules:
+                    selected[node.name] = self.selector.select(node)
+        plan = self._plan_fusions(graph, selected)
+        if plan.fused:
+            by_name = {n.name: n for n in graph.nodes}
+            for head, tail in plan.fused.items():
+                by_name[head].meta[FUSED_TAIL_KEY] = tail
+                by_name[tail].meta[FUSED_HEAD_KEY] = head
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
@@ -183,19 +261,76 @@ class Quantizer:
                 node.meta.setdefault(FLOAT_REASON_KEY, f"backend {self.backend!r} has no rule for {name}")
                 continue
             node.meta[RULE_KEY] = rule
-            config, why = self.selector.select(node)
+            config, why = selected[node.name]
             if config is None:
                 node.meta[FLOAT_REASON_KEY] = f"discarded by override ({why})"
+                continue
+            if node.name in plan.float_heads:
+                node.meta[FLOAT_REASON_KEY] = (
+                    f"fused with {plan.float_heads[node.name]!r}, which stays float: backend "
+                    f"{self.backend!r} runs this pattern only as a whole (when_tail_float='float')"
+                )
                 continue
             self._apply(rule, node, config)
         for callback in self._callbacks:
             callback(model, self.context)
+        if plan.fused:
+            remove_fused_encodings(graph, plan.fused)
         for node in graph.nodes:
             if node.op == "call_function" and _has_specs(node) and FLOAT_REASON_KEY in node.meta:
                 del node.meta[FLOAT_REASON_KEY]
             elif node.op == "call_function" and RULE_KEY in node.meta and not _has_specs(node):
-                node.meta.setdefault(FLOAT_REASON_KEY, "its rule left it float (non-float tensors, or fused)")
+                node.meta.setdefault(FLOAT_REASON_KEY, "its rule left it float (non-float tensors)")
         return model
+
+    @property
+    def fusion_patterns(self) -> tuple[FusionPattern, ...]:
+        """The backend's and its extensions' fused pairs (hook ``quantplug_fusion_patterns``)."""
+        if self._fusion_patterns is None:
+            results = self._backend.hook.quantplug_fusion_patterns(context=self.context)
+            self._fusion_patterns = tuple(p for r in reversed(results) for p in r)
+        return self._fusion_patterns
+
+    def _plan_fusions(
+        self, graph: torch.fx.Graph, selected: dict[str, tuple[QuantizationConfig | None, str]]
+    ) -> FusionPlan:
+        patterns = self.fusion_patterns
+        if not patterns:
+            return FusionPlan()
+        nodes = [
+            OpNode(
+                n.name,
+                op_name(n.target),
+                tuple(u.name for u in n.users),
+                n.args[0].name if n.args and isinstance(n.args[0], Node) else None,
+            )
+            for n in graph.nodes
+            if n.op == "call_function"
+        ]
+        return plan_fusions(nodes, patterns, lambda name: selected.get(name, (None, ""))[0] is not None)
+
+    def config_for(self, node: Node) -> QuantizationConfig | None:
+        """The config the user's overrides select for ``node`` (None: kept float). Also
+        ``context.config_for(node)`` inside hooks and rules."""
+        return self.selector.select(node)[0]
+
+    def _check_module_names(self, graph: torch.fx.Graph) -> None:
+        """Every ``set_module_name`` names a module of the program: a typo must not silently
+        leave the override unused."""
+        wanted = [name for name in self.selector.module_names if name]
+        if not wanted:
+            return
+        modules = {
+            str(fqn) for n in graph.nodes for fqn, _ in (n.meta.get("nn_module_stack") or {}).values() if fqn
+        }
+        for name in wanted:
+            if name in modules or any(m.startswith(name + ".") for m in modules):
+                continue
+            shown = ", ".join(sorted(modules)[:8]) + (", ..." if len(modules) > 8 else "")
+            raise OptionError(
+                f"set_module_name({name!r}) names no module of this program{did_you_mean(name, modules)}; "
+                f"its modules: {shown or 'none (no module information in the graph)'}"
+            )
 
     def _apply(self, rule: AnnotatorRule, node: Node, config: QuantizationConfig) -> None:
         try:
@@ -226,22 +361,37 @@ class Quantizer:
             found = self._constraint_cache[key] = [c for r in reversed(results) for c in r]
         return found
 
-    def validate(self, model: GraphModule) -> ValidationReport:
-        """Check annotations against the backend's constraints; raise if strict, else warn."""
-        backend_ops = {
-            op_name(n.target): n.meta[RULE_KEY].backend_op
-            for n in model.graph.nodes
-            if n.op == "call_function" and RULE_KEY in n.meta
-        }
-        report = validate_graph(model, self.constraints, backend_ops, arch=self.arch)
-        if not report.ok:
-            if self.strict:
-                raise ConstraintViolationError(report)
-            report.log_warnings()
-        return report
+    def validate(self, model: GraphModule, *, sharing: SharingGroups | None = None) -> ValidationReport:
+        """Check annotations against the backend's constraints; raise if strict, else warn.
+
+        Relations between ports (same scale, bias = input x weight scale...) are checked against
+        the sharing groups: ``prepare`` passes the groups it resolved; without them they are
+        resolved here as ``prepare`` would (with the backend's sharing hook).
+        """
+        if sharing is None:
+            from quantplug.sharing.keys import collect_keys
+
+            sharing = self.resolve_sharing(collect_keys(model.graph).problem(model.graph))
+        report = validate_graph(
+            model, self.constraints, _backend_ops(model.graph), arch=self.arch, sharing=sharing.group_of
+        )
+        return report.enforce(self.strict)
+
+    def calibrated_checks(self, model: GraphModule, sharing: SharingGroups) -> CalibratedPlan:
+        """What ``convert`` checks on the calibrated encodings (limits, relations), as plain data."""
+        return calibrated_plan(
+            model.graph, self.constraints, _backend_ops(model.graph), sharing.group_of, strict=self.strict
+        )
 
     # -- quantplug extras ---------------------------------------------------------------------
     def resolve_sharing(self, problem: SharingProblem) -> SharingGroups:
+        """The backend's sharing (hook, else the core), after the merges that ``enforce="share"``
+        relations ask for."""
+        if problem.graph is not None:
+            merges = relation_merges(problem.graph, self.constraints, _backend_ops(problem.graph))
+            merges = [(a, b) for a, b in merges if a in problem.specs and b in problem.specs]
+            if merges:
+                problem = problem.with_merges(merges)  # type: ignore[arg-type]
         groups = self._backend.hook.quantplug_resolve_sharing(
             problem=problem, resolve=solve, context=self.context
         )
@@ -254,15 +404,34 @@ class Quantizer:
         return LoweringPlan(passes=passes, writer=writer)
 
     def coverage(self, program: torch.export.ExportedProgram | GraphModule) -> CoverageReport:
-        """Which op nodes this quantizer quantizes and why the others stay float (no side effects)."""
+        """Which op nodes this quantizer quantizes and why the others stay float (no side effects).
+
+        Runs what ``prepare`` runs up to observer sharing (passes, annotation with fusion,
+        sharing with the backend's hook), so an encoding the sharing hook drops counts as float.
+        """
+        from quantplug.errors import AnnotationError
         from quantplug.flow.batchnorm import fold_batch_norm
         from quantplug.flow.graph_copy import working_copy
+        from quantplug.sharing.keys import collect_keys
 
         gm = working_copy(program)
         fold_batch_norm(gm)
         gm = self.transform_for_annotation(gm)
         self.annotate(gm)
-        return coverage_of(gm)
+        try:
+            groups: SharingGroups | None = self.resolve_sharing(collect_keys(gm.graph).problem(gm.graph))
+        except AnnotationError:
+            groups = None  # prepare would refuse these annotations; report them as written
+        return coverage_of(gm, groups, backend=self.backend)
+
+
+def _backend_ops(graph: torch.fx.Graph) -> dict[str, str | None]:
+    """ATen op name -> backend op of the rule that annotated it, for the ops with a rule."""
+    return {
+        op_name(n.target): n.meta[RULE_KEY].backend_op
+        for n in graph.nodes
+        if n.op == "call_function" and RULE_KEY in n.meta
+    }
 
 
 def _has_specs(node: Node) -> bool:
@@ -272,23 +441,45 @@ def _has_specs(node: Node) -> bool:
     return any(s is not None for s in ann.input_qspec_map.values()) or ann.output_qspec is not None
 
 
-def coverage_of(gm: GraphModule) -> CoverageReport:
-    """Coverage of an annotated graph (reasons recorded by ``Quantizer.annotate``)."""
+def coverage_of(gm: GraphModule, groups: SharingGroups | None = None, *, backend: str = "") -> CoverageReport:
+    """Coverage of an annotated graph (reasons recorded by ``Quantizer.annotate``).
+
+    With ``groups`` (the resolved sharing), annotated keys missing from them (dropped by a
+    backend's sharing hook) count as float: a node left with none is float, a node whose output
+    was dropped is quantized with a note.
+    """
+    kept = None if groups is None else groups.group_of
     entries = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        fused_with = node.meta.get(FUSED_TAIL_KEY) or node.meta.get(FUSED_HEAD_KEY)
         quantized = _has_specs(node)
         reason = "" if quantized else node.meta.get(FLOAT_REASON_KEY, "not annotated")
-        entries.append(NodeCoverage(node.name, op_name(node.target), quantized, reason))
+        note = str(node.meta.get(NOTE_KEY, "")) if quantized else ""
+        if quantized and kept is not None:
+            keys = _annotated_keys(node)
+            survivors = [k for k in keys if k in kept]
+            by = f"backend {backend!r}" if backend else "the backend"
+            if not survivors:
+                quantized = False
+                reason = f"its encodings were dropped by {by}'s observer sharing (its neighbours stay float)"
+            elif node.name in keys and node.name not in kept:
+                note = f"output float: its encoding was dropped by {by}'s observer sharing"
+        entries.append(NodeCoverage(node.name, op_name(node.target), quantized, reason, fused_with, note))
     return CoverageReport(tuple(entries))
 
 
+def _annotated_keys(node: Node) -> list[Any]:
+    ann = node.meta[Q_ANNOTATION_KEY]
+    keys: list[Any] = [(a.name, node.name) for a, s in ann.input_qspec_map.items() if s is not None]
+    if ann.output_qspec is not None:
+        keys.append(node.name)
+    return keys
+
+
 def make_quantizer(backend: LoadedBackend, options: dict[str, Any]) -> Quantizer:
-    strict = options.pop("strict", True)
-    if isinstance(strict, str) and strict.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-        strict = strict.strip().lower() in ("true", "1", "yes")
-    if not isinstance(strict, bool):
-        raise OptionError(f"option 'strict' must be bool, got {strict!r}")
+    """Resolve ``options`` (``strict`` like any bool option, the rest against the backend's)."""
+    strict = STRICT_OPTION.coerce(options.pop("strict", True), backend=backend.info.name)
     resolved = backend.info.resolve_options(options)
     return Quantizer(backend, resolved, strict=strict)

@@ -91,6 +91,7 @@ def build_report(
             "size_ratio": ratio,
             "sharing_groups": len(d["sharing_groups"]),
             "validation_violations": len((validation or {}).get("violations", [])),
+            **_artifact_summary(d.get("artifact")),
         },
         "layers": nodes,
         "worst": ranked[:WORST_COUNT],
@@ -99,6 +100,7 @@ def build_report(
         "removed_nodes": d["removed_nodes"],
         "unmatched": d["unmatched"],
         "sharing_groups": d["sharing_groups"],
+        "artifact": d.get("artifact"),
         "validation": validation,
         "warnings": list(warnings),
         "files": [dict(f) for f in files],
@@ -107,8 +109,24 @@ def build_report(
     return _clean(data)
 
 
+def _artifact_summary(artifact: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The backend artifact's output SQNR beside the program's (what ships vs what was analysed)."""
+    if not artifact:
+        return {}
+    return {
+        "artifact_measured": bool(artifact.get("ran")),
+        "artifact_sqnr_db": artifact.get("sqnr_db"),
+        "artifact_identical": bool(artifact.get("identical")),
+        "artifact_gap_db": artifact.get("gap_db"),
+        "artifact_flagged": bool(artifact.get("flagged")),
+    }
+
+
 def write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    Path(path).write_text(json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
+    """report.json, strict JSON (non-finite numbers become null), replaced in one rename."""
+    from quantplug.files import write_atomic
+
+    write_atomic(path, json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
 
 
 def load_report(location: str | os.PathLike[str]) -> dict[str, Any]:
@@ -124,4 +142,73 @@ def load_report(location: str | os.PathLike[str]) -> dict[str, Any]:
         raise ReportError(f"cannot read {path}: {exc}") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ReportError(f"{path} is not a quantplug report (expected schema {SCHEMA!r})")
+    problem = _check(data, _REPORT, "")
+    if problem is not None:
+        raise ReportError(f"{path} is damaged: {problem}; write it again with `quantplug quantize --out DIR`")
     return data
+
+
+# ------------------------------------------------------------------------------------------------
+# what the renderers read, and of which type (other fields are free: later versions add some)
+# ------------------------------------------------------------------------------------------------
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_OPT_STR = (str, type(None))
+_SCALAR = (str, int, float, bool, type(None))
+_ROW = {
+    "node": _OPT_STR,
+    "op": _OPT_STR,
+    "sqnr_db": _OPT_NUM,
+    "identical": (bool, type(None)),
+    "max_abs_error": _OPT_NUM,
+    "shape": (list, type(None)),
+    "note": _OPT_STR,
+    "quantized": (bool, type(None)),
+}
+_REASON = {"node": _OPT_STR, "op": _OPT_STR, "reason": _OPT_STR}
+_GROUP = {"members": [str], "scale": _OPT_NUM, "channels": _OPT_NUM}
+_REPORT: dict[str, Any] = {
+    "created": _OPT_STR,
+    "summary": {"*": (int, float, bool, type(None))},
+    "backend": {"*": _SCALAR},
+    "model": {"source": _OPT_STR, "name": _OPT_STR},
+    "calibration": {"source": _SCALAR, "batches": _SCALAR, "random": (bool, type(None))},
+    "options": {"*": (str, int, float, bool, type(None), list, dict)},
+    "layers": [_ROW],
+    "worst": [_ROW],
+    "outputs": [_ROW],
+    "float_nodes": [_REASON],
+    "removed_nodes": [_REASON],
+    "sharing_groups": [_GROUP],
+    "validation": (dict, type(None)),
+    "warnings": [str],
+    "files": [{"path": str, "bytes": _OPT_NUM}],
+    "timings": {"*": _OPT_NUM},
+}
+
+
+def _check(value: Any, spec: Any, where: str) -> str | None:
+    """Why ``value`` does not fit ``spec`` (a type or types, ``{field: spec}`` with ``"*"`` for
+    every field, or ``[item spec]``), naming the field; None when it fits."""
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return f"{where or 'the report'} must be an object, not {type(value).__name__}"
+        for key, item in value.items():
+            sub = spec.get(key, spec.get("*"))
+            if sub is not None:
+                problem = _check(item, sub, f"{where}.{key}" if where else key)
+                if problem:
+                    return problem
+        return None
+    if isinstance(spec, list):
+        if not isinstance(value, list):
+            return f"{where} must be a list, not {type(value).__name__}"
+        for i, item in enumerate(value):
+            problem = _check(item, spec[0], f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if not isinstance(value, spec):
+        return f"{where} holds {json.dumps(value)[:40]} ({type(value).__name__})"
+    return None

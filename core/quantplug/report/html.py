@@ -182,6 +182,40 @@ def _group_cells(g: Mapping[str, Any]) -> list[Cell]:
     ]
 
 
+def _artifact_card(artifact: Mapping[str, Any] | None) -> list[str]:
+    """The backend artifact's output SQNR, beside the program's card (none without an artifact)."""
+    if not artifact:
+        return []
+    if not artifact.get("ran"):
+        note = str(artifact.get("note", ""))
+        return [_card("artifact output SQNR", "not measured", note, ident="card-artifact")]
+    gap = artifact.get("gap_db")
+    sub = "what ships (the backend's artifact) vs float"
+    if isinstance(gap, (int, float)):
+        sub += f" · {abs(gap):.1f} dB {'below' if gap > 0 else 'above'} the Q/DQ program"
+    return [
+        _card(
+            "artifact output SQNR",
+            _db_chip(artifact.get("sqnr_db"), bool(artifact.get("identical"))),
+            sub,
+            raw=True,
+            ident="card-artifact",
+        )
+    ]
+
+
+def _artifact_warning(artifact: Mapping[str, Any] | None) -> str:
+    if not artifact or not artifact.get("flagged"):
+        return ""
+    gap = artifact.get("gap_db") or 0.0
+    return (
+        '<div class="warn error" id="artifact-gap">The backend artifact\'s output SQNR is '
+        f"{abs(gap):.1f} dB {'below' if gap > 0 else 'above'} the Q/DQ program's (threshold "
+        f"{_e(artifact.get('threshold_db', 1.0))} dB): the per-layer analysis below describes the "
+        "program, not what ships.</div>"
+    )
+
+
 def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> str:
     """The report page. The plot is drawn from ``data["layers"]`` unless ``plot_png`` is given."""
     s = data.get("summary", {})
@@ -219,6 +253,7 @@ def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> st
             raw=True,
             ident="card-sqnr",
         ),
+        *_artifact_card(data.get("artifact")),
         _card(
             "nodes",
             f"{s.get('nodes_quantized', 0)} quantized · {s.get('nodes_float', 0)} float",
@@ -254,7 +289,7 @@ def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> st
     violations = validation.get("violations", []) if isinstance(validation, Mapping) else []
     run_warnings = data.get("warnings", [])
     parts.append('<h2>Validation and warnings</h2><div id="warnings">')
-    if not violations and not run_warnings:
+    if not violations and not run_warnings and not (data.get("artifact") or {}).get("flagged"):
         checked = validation.get("checked_nodes") if isinstance(validation, Mapping) else None
         if checked:
             text = f"{checked} node(s) checked against the backend's constraints: no violations."
@@ -265,6 +300,9 @@ def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> st
         parts.append(f'<div class="ok">{_e(text)}</div>')
     for w in run_warnings:
         parts.append(f'<div class="warn">{_e(w)}</div>')
+    gap_warning = _artifact_warning(data.get("artifact"))
+    if gap_warning:
+        parts.append(gap_warning)
     for v in violations:
         target = f"{v.get('op')} ({v.get('backend_op')})" if v.get("backend_op") else v.get("op")
         parts.append(

@@ -41,6 +41,9 @@ def format_summary(data: Mapping[str, Any], *, worst: int = 5, out_dir: str | No
         "(model output, quantized vs float)"
         + (f", max |error| {err:.4g}" if isinstance(err, (int, float)) else "")
     )
+    shipped = _artifact_line(data.get("artifact"))
+    if shipped:
+        lines.append(shipped)
     bad = data.get("worst", [])[:worst]
     if bad:
         lines.append(
@@ -70,3 +73,19 @@ def format_summary(data: Mapping[str, Any], *, worst: int = 5, out_dir: str | No
     if isinstance(total, (int, float)):
         lines.append(f"time:        {total:.1f} s")
     return "\n".join(lines)
+
+
+def _artifact_line(artifact: Mapping[str, Any] | None) -> str:
+    """'artifact:    38.1 dB (backend artifact vs float), 0.2 dB below the program' (+ the flag)."""
+    if not artifact:
+        return ""
+    if not artifact.get("ran"):
+        return f"artifact:    not measured ({artifact.get('note') or 'it cannot run here'})"
+    sqnr = _db(artifact.get("sqnr_db"), bool(artifact.get("identical")))
+    line = f"artifact:    {sqnr} (backend artifact vs float)"
+    gap = artifact.get("gap_db")
+    if isinstance(gap, (int, float)) and abs(gap) >= 0.05:
+        line += f", {abs(gap):.1f} dB {'below' if gap > 0 else 'above'} the Q/DQ program"
+    if artifact.get("flagged"):
+        line += f"  [GAP > {artifact.get('threshold_db', 1.0):g} dB: what ships is not what was measured]"
+    return line

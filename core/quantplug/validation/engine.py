@@ -1,24 +1,39 @@
-"""Checking annotations against op constraints, before any observer exists.
+"""Checking annotations against op constraints: the torch-facing side of validation.
 
 Ports are numbered by the order of tensor inputs in the node's flattened arguments (``cat``'s
 list counts element by element); the output port is ``"output"``. A shared spec is followed to
 the concrete spec it points at, so a view whose output shares its input is checked against the
 producer's grid.
+
+At prepare, :func:`validate_graph` checks each port and, given the sharing groups, each relation
+(``relations.check_static``); :func:`relation_merges` turns ``enforce="share"`` relations into
+sharing merges; :func:`calibrated_plan` keeps, as plain data, what must be checked again on the
+calibrated encodings at convert (``calibrated.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 from quantplug.annotation.dtypes import INT2, INT4, UINT2, UINT4, bit_width
-from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
+from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range, spec_signature
 from quantplug.annotation.specs import Q_ANNOTATION_KEY, SYMMETRIC_QSCHEMES
 from quantplug.plugins.contract import op_name
-from quantplug.validation.constraints import OUTPUT, OpConstraint, Port, PortConstraint
+from quantplug.validation.constraints import OUTPUT, OpConstraint, Port, PortConstraint, PortRelation
+from quantplug.validation.relations import (
+    Encoding,
+    PortFacts,
+    Problem,
+    check_port_values,
+    check_static,
+    port_label,
+    share_merges,
+)
 from quantplug.validation.report import ValidationReport, Violation
 
 ConstraintLookup = Callable[[str, "str | None"], Sequence[OpConstraint]]
@@ -43,9 +58,9 @@ def tensor_inputs(node: Node) -> list[Node]:
 class _SpecResolver:
     """Follows shared specs to the concrete one, over all annotations of a graph."""
 
-    def __init__(self, gm: GraphModule) -> None:
+    def __init__(self, graph: Graph) -> None:
         self.by_key: dict[Any, Any] = {}
-        for n in gm.graph.nodes:
+        for n in graph.nodes:
             ann = n.meta.get(Q_ANNOTATION_KEY)
             if ann is None:
                 continue
@@ -158,24 +173,42 @@ def _narrowed_match(allowed: torch.dtype, dtype: torch.dtype, bits: int | None) 
     return False
 
 
-def validate_graph(
-    gm: GraphModule,
+@dataclass
+class _NodePorts:
+    """One annotated node's ports: the spec each carries (raw and concrete) and its sharing key."""
+
+    node: Node
+    inputs: list[Node]
+    raw: dict[Port, Any]
+    concrete: dict[Port, Any]
+    keys: dict[Port, Hashable]
+
+
+def _node_ports(node: Node, ann: Any, resolver: _SpecResolver) -> _NodePorts:
+    inputs = tensor_inputs(node)
+    raw: dict[Port, Any] = {}
+    keys: dict[Port, Hashable] = {}
+    for index, arg in enumerate(inputs):
+        if arg in ann.input_qspec_map and index not in raw:
+            raw[index] = ann.input_qspec_map[arg]
+            if raw[index] is not None:
+                keys[index] = (arg.name, node.name)
+    raw[OUTPUT] = ann.output_qspec
+    if ann.output_qspec is not None:
+        keys[OUTPUT] = node.name
+    concrete = {port: resolver.concrete(spec) for port, spec in raw.items()}
+    return _NodePorts(node, inputs, raw, concrete, keys)
+
+
+def _constrained_nodes(
+    graph: Graph,
     lookup: ConstraintLookup,
     backend_ops: Mapping[str, str | None],
-    *,
-    arch: int | None = None,
-) -> ValidationReport:
-    """Check every annotated node whose op has a rule against the backend's constraints.
-
-    Args:
-        gm: the annotated graph.
-        lookup: ``(op, backend_op) -> constraints`` (the backend hook, cached by the caller).
-        backend_ops: ATen op name -> backend op name, for ops with a rule.
-        arch: the target architecture, for ``ArchRequirement`` gates (None: gates are skipped).
-    """
-    report = ValidationReport()
-    resolver = _SpecResolver(gm)
-    for node in gm.graph.nodes:
+    report: ValidationReport | None = None,
+) -> list[tuple[Node, Any, str, str | None, Sequence[OpConstraint]]]:
+    """(node, annotation, op, backend_op, constraints) for each annotated node with constraints."""
+    found = []
+    for node in graph.nodes:
         if node.op != "call_function":
             continue
         ann = node.meta.get(Q_ANNOTATION_KEY)
@@ -187,65 +220,228 @@ def validate_graph(
         backend_op = backend_ops[op]
         constraints = lookup(op, backend_op)
         if not constraints:
-            report.unconstrained_ops.add(op)
+            if report is not None:
+                report.unconstrained_ops.add(op)
             continue
+        found.append((node, ann, op, backend_op, constraints))
+    return found
+
+
+def port_facts(spec: Any, group: int | None, group_of: Mapping[Any, int] | None) -> PortFacts:
+    """The facts :func:`relations.check_static` needs about one port's concrete spec."""
+    kind = spec_kind(spec)
+    qmin, qmax = spec_range(spec)
+    grid = (_fmt_dtype(spec.dtype), qmin, qmax)
+    if getattr(spec, "is_dynamic", False):
+        return PortFacts(group, "dynamic", grid)
+    if kind is SpecKind.FIXED:
+        encoding = Encoding((float(spec.scale),), (int(spec.zero_point),), grid[0], qmin, qmax)
+        return PortFacts(group, "fixed", grid, encoding=encoding)
+    if kind is SpecKind.DERIVED:
+        sources: set[int] = set()
+        for source in spec.derived_from:
+            key = (
+                (source[0].name, source[1].name)
+                if isinstance(source, tuple)
+                else getattr(source, "name", None)
+            )
+            gid = None if group_of is None else group_of.get(key)
+            if gid is not None:
+                sources.add(gid)
+        return PortFacts(group, "derived", grid, derived_from=frozenset(sources))
+    return PortFacts(group, "plain", grid)
+
+
+def violation_of(
+    node: str, op: str, backend_op: str | None, problem: Problem, *, stage: str, detail: str
+) -> Violation:
+    """A report entry for a problem found on ``node``."""
+    return Violation(
+        node=node,
+        op=op,
+        backend_op=backend_op,
+        port=problem.ports,
+        expected=problem.expected,
+        actual=problem.actual,
+        rule=problem.rule,
+        stage=stage,
+        detail=detail,
+    )
+
+
+def _detail(description: str, c: OpConstraint) -> str:
+    parts = [description] if description else []
+    if c.source and c.source != "built-in":
+        parts.append(f"source: {c.source}")
+    return "; ".join(parts)
+
+
+def validate_graph(
+    gm: GraphModule,
+    lookup: ConstraintLookup,
+    backend_ops: Mapping[str, str | None],
+    *,
+    arch: int | None = None,
+    sharing: Mapping[Any, int] | None = None,
+) -> ValidationReport:
+    """Check every annotated node whose op has a rule against the backend's constraints.
+
+    Args:
+        gm: the annotated graph.
+        lookup: ``(op, backend_op) -> constraints`` (the backend hook, cached by the caller).
+        backend_ops: ATen op name -> backend op name, for ops with a rule.
+        arch: the target architecture, for ``ArchRequirement`` gates (None: gates are skipped).
+        sharing: key -> sharing group, once resolved; relations between ports that depend on the
+            groups (same scale, same encoding) are checked only when it is given. A key missing
+            from it (dropped by a backend's sharing hook) counts as unquantized.
+    """
+    report = ValidationReport()
+    resolver = _SpecResolver(gm.graph)
+    for node, ann, op, backend_op, constraints in _constrained_nodes(gm.graph, lookup, backend_ops, report):
         report.checked_nodes += 1
-        inputs = tensor_inputs(node)
-        port_specs: dict[Port, Any] = {}
-        raw: dict[Port, Any] = {}
-        for index, arg in enumerate(inputs):
-            if arg in ann.input_qspec_map and index not in raw:
-                raw[index] = ann.input_qspec_map[arg]
-                port_specs[index] = resolver.concrete(raw[index])
-        raw[OUTPUT] = ann.output_qspec
-        port_specs[OUTPUT] = resolver.concrete(ann.output_qspec)
+        ports = _node_ports(node, ann, resolver)
 
         def add(
-            port: Port,
-            rule: str,
-            expected: str,
-            actual: str,
-            c: OpConstraint,
-            node: Node = node,
-            op: str = op,
-            backend_op: str | None = backend_op,
+            problem: Problem, detail: str, node: Node = node, op: str = op, bop: str | None = backend_op
         ) -> None:
             report.violations.append(
-                Violation(
-                    node=node.name,
-                    op=op,
-                    backend_op=backend_op,
-                    port="output" if port == OUTPUT else f"input {port}",
-                    expected=expected,
-                    actual=actual,
-                    rule=rule,
-                )
+                violation_of(node.name, op, bop, problem, stage="prepare", detail=detail)
             )
 
         for c in constraints:
             for port, pc in c.ports.items():
-                for rule, expected, actual in _check_port(pc, port_specs.get(port)):
-                    add(port, rule, expected, actual, c)
-            if c.must_share_input_output and raw.get(OUTPUT) is not None and inputs:
-                out = raw[OUTPUT]
-                first = inputs[0]
+                spec = ports.concrete.get(port)
+                for rule, expected, actual in _check_port(pc, spec):
+                    add(Problem(rule, port_label(port), expected, actual), _detail(pc.description, c))
+                if spec is not None and spec_kind(spec) is SpecKind.FIXED:
+                    facts = port_facts(spec, None, None)
+                    if facts.encoding is not None:
+                        for problem in check_port_values(
+                            port, facts.encoding, pc.scale_range, pc.zero_point_range
+                        ):
+                            add(problem, _detail(pc.description, c))
+            if c.must_share_input_output and ports.raw.get(OUTPUT) is not None and ports.inputs:
+                out = ports.raw[OUTPUT]
+                first = ports.inputs[0]
                 shares = spec_kind(out) is SpecKind.SHARED and out.edge_or_node in (first, (first, node))
                 if not shares:
                     add(
-                        OUTPUT,
-                        "must share input encoding",
-                        f"SharedQuantizationSpec of input {first.name!r}",
-                        f"{spec_kind(out).value} spec",
-                        c,
+                        Problem(
+                            "must share input encoding",
+                            "output",
+                            f"SharedQuantizationSpec of input {first.name!r}",
+                            f"{spec_kind(out).value} spec",
+                        ),
+                        _detail("", c),
                     )
+            if c.relations:
+                facts_by_port = _facts_by_port(ports, sharing)
+                for relation in c.relations:
+                    for problem in check_static(relation, facts_by_port):
+                        add(problem, _detail(relation.description, c))
             if arch is not None:
                 for req in c.arch:
-                    if arch < req.min_arch and (req.when is None or req.when(port_specs)):
+                    if arch < req.min_arch and (req.when is None or req.when(ports.concrete)):
                         add(
-                            OUTPUT,
-                            "architecture",
-                            f"arch >= {req.min_arch} ({req.reason})",
-                            f"arch {arch}",
-                            c,
+                            Problem(
+                                "architecture",
+                                "output",
+                                f"arch >= {req.min_arch} ({req.reason})",
+                                f"arch {arch}",
+                            ),
+                            _detail("", c),
                         )
     return report
+
+
+def _facts_by_port(ports: _NodePorts, sharing: Mapping[Any, int] | None) -> dict[Port, PortFacts]:
+    facts: dict[Port, PortFacts] = {}
+    for port, key in ports.keys.items():
+        spec = ports.concrete.get(port)
+        if spec is None:
+            continue
+        if sharing is not None and key not in sharing:
+            continue  # dropped by the backend's sharing: the port stays float
+        facts[port] = port_facts(spec, None if sharing is None else sharing[key], sharing)
+    return facts
+
+
+def relation_merges(
+    graph: Graph, lookup: ConstraintLookup, backend_ops: Mapping[str, str | None]
+) -> list[tuple[Hashable, Hashable]]:
+    """Sharing merges requested by ``enforce="share"`` relations, over every constrained node."""
+    merges: list[tuple[Hashable, Hashable]] = []
+    resolver: _SpecResolver | None = None
+    for node, ann, _op, _bop, constraints in _constrained_nodes(graph, lookup, backend_ops):
+        relations = [r for c in constraints for r in c.relations if r.enforce == "share"]
+        if not relations:
+            continue
+        if resolver is None:
+            resolver = _SpecResolver(graph)
+        ports = _node_ports(node, ann, resolver)
+        signatures = {
+            port: _signature(ports.concrete[port])
+            for port in ports.keys
+            if ports.concrete.get(port) is not None
+        }
+        keys = {port: key for port, key in ports.keys.items() if port in signatures}
+        for relation in relations:
+            merges.extend(share_merges(relation, keys, signatures))
+    return merges
+
+
+def _signature(spec: Any) -> Hashable:
+    """What the resolution compares; a derived spec never merges (its qparams are its sources')."""
+    return spec_signature(spec) if spec_kind(spec) is not SpecKind.DERIVED else ("derived", object())
+
+
+# --- what convert checks again, as plain data ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeValueChecks:
+    """One node's checks on calibrated encodings: its ports' groups, port limits, relations."""
+
+    node: str
+    op: str
+    backend_op: str | None
+    groups: Mapping[Port, int]
+    limits: tuple[tuple[Port, tuple[float, float] | None, tuple[int, int] | None, str], ...] = ()
+    relations: tuple[tuple[PortRelation, str], ...] = ()
+
+
+@dataclass
+class CalibratedPlan:
+    """Everything convert checks on calibrated encodings (no graph objects: it survives copies)."""
+
+    strict: bool = True
+    nodes: list[NodeValueChecks] = field(default_factory=list)
+
+
+def calibrated_plan(
+    graph: Graph,
+    lookup: ConstraintLookup,
+    backend_ops: Mapping[str, str | None],
+    group_of: Mapping[Any, int],
+    *,
+    strict: bool,
+) -> CalibratedPlan:
+    """The value checks (scale/zero-point limits, relations) of every constrained node."""
+    plan = CalibratedPlan(strict=strict)
+    resolver: _SpecResolver | None = None
+    for node, ann, op, backend_op, constraints in _constrained_nodes(graph, lookup, backend_ops):
+        limits = [
+            (port, pc.scale_range, pc.zero_point_range, _detail(pc.description, c))
+            for c in constraints
+            for port, pc in c.ports.items()
+            if pc.scale_range is not None or pc.zero_point_range is not None
+        ]
+        relations = [(r, _detail(r.description, c)) for c in constraints for r in c.relations]
+        if not limits and not relations:
+            continue
+        if resolver is None:
+            resolver = _SpecResolver(graph)
+        ports = _node_ports(node, ann, resolver)
+        groups = {port: group_of[key] for port, key in ports.keys.items() if key in group_of}
+        plan.nodes.append(NodeValueChecks(node.name, op, backend_op, groups, tuple(limits), tuple(relations)))
+    return plan

@@ -56,6 +56,7 @@ import torch
 from torch.fx import Node
 
 from quantplug import DerivedQuantizationSpec, QuantizationConfig, QuantizationSpec
+from quantplug.annotation.annotators import constant_value, floor_bias_scale
 from quantplug.annotation.dtypes import INT2, INT4
 from quantplug.annotation.specs import QuantizationSpecBase
 from quantplug.errors import AnnotationError, OptionError
@@ -65,6 +66,7 @@ from quantplug.observers.minmax import (
     MovingAverageMinMaxObserver,
     PerChannelMinMaxObserver,
 )
+from quantplug.quantizer.quantizer import NOTE_KEY
 from quantplug_qnn_htp.observers import (
     DEFAULT_MASK_MARGIN,
     LPBQ_SCALE_STEPS,
@@ -91,6 +93,9 @@ PRECISIONS: dict[str, str] = {
 DEFAULT_PRECISION = "8a8w"
 ACT_OBSERVERS = ("moving_average", "minmax", "histogram")
 DEFAULT_BLOCK_SIZE = 64
+#: the smallest LPBQ block chosen automatically (a smaller requested block_size lowers it): below
+#: it a 4-bit block scale per few weights costs more memory than per-channel weights lose
+MIN_FITTED_BLOCK = 16
 
 # precision -> (activation dtype, weight grid (dtype, qmin, qmax), eps)
 _GRIDS: dict[str, tuple[torch.dtype, tuple[torch.dtype, int, int], float]] = {
@@ -112,26 +117,33 @@ class QnnQuantizationConfig(QuantizationConfig):
     """A ``QuantizationConfig`` plus the op-specific weight grids HTP rules pick from.
 
     ``weight`` is the per-tensor weight spec (what ops without a more specific field use);
-    ``conv_weight`` / ``conv_transpose_weight`` / ``linear_weight`` / ``embedding_weight`` are the
-    per-channel specs (None: per-tensor; embedding: the table takes the activation grid);
+    ``conv_weight`` / ``conv_transpose_weight`` / ``linear_weight`` / ``addmm_weight`` /
+    ``embedding_weight`` are the per-channel specs (None: per-tensor; embedding: the table takes
+    the activation grid; ``addmm``'s ``[in, out]`` weight has its channels on axis 1);
     ``block_weight`` with ``block_size`` turns conv/linear weights into LPBQ blocks along the input
-    channels; ``norm_weight`` is the layer/batch-norm weight grid; ``matmul_in1`` the second MatMul
-    operand's grid (None: the activation spec); ``norm_bias`` an int32 symmetric grid for biases
-    that are not derived (norms); ``concat`` the output grid of ``cat`` (absolute range);
-    ``mask_margin`` where ``-inf`` mask values land below the data (see ``observers``).
+    channels (the largest block up to ``block_size`` that divides a layer's input channels, or
+    exactly ``block_size`` with ``exact_block_size``); ``norm_weight`` is the layer/batch-norm
+    weight grid; ``matmul_in1`` the second MatMul operand's grid (None: the activation spec);
+    ``norm_bias`` an int32 symmetric grid for biases that are not derived (norms); ``concat`` the
+    output grid of ``cat`` (absolute range); ``statistic`` the grid of per-row statistics
+    (variance, 1/rms: absolute range too); ``mask_margin`` where ``-inf`` mask values land below
+    the data (see ``observers``).
     """
 
     precision: str = DEFAULT_PRECISION
     conv_weight: QuantizationSpecBase | None = None
     conv_transpose_weight: QuantizationSpecBase | None = None
     linear_weight: QuantizationSpecBase | None = None
+    addmm_weight: QuantizationSpecBase | None = None
     embedding_weight: QuantizationSpecBase | None = None
     block_weight: QuantizationSpecBase | None = None
     block_size: int | None = None
+    exact_block_size: bool = False
     norm_weight: QuantizationSpecBase | None = None
     matmul_in1: QuantizationSpecBase | None = None
     norm_bias: QuantizationSpecBase | None = None
     concat: QuantizationSpecBase | None = None
+    statistic: QuantizationSpecBase | None = None
     mask_margin: float = DEFAULT_MASK_MARGIN
 
     def masked(self, spec: QuantizationSpecBase | None) -> QuantizationSpecBase | None:
@@ -266,13 +278,16 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
         conv_weight=per_channel(0) if pc_conv else None,
         conv_transpose_weight=per_channel(1) if pc_conv else None,
         linear_weight=per_channel(0) if pc_linear else None,
+        addmm_weight=per_channel(1) if pc_linear else None,
         embedding_weight=per_channel(0) if pc_embedding else None,
         block_weight=block_weight,
         block_size=block_size,
+        exact_block_size=bool(options.get("exact_block_size", False)),
         norm_weight=int16_sym(tensor_obs) if sixteen else act,
         matmul_in1=int16_sym(MinMaxObserver) if sixteen else None,
         norm_bias=norm_bias,
         concat=concat,
+        statistic=concat,  # the same absolute-range observer (rules.common.observe_absolute_range)
         mask_margin=margin,
     )
 
@@ -335,7 +350,7 @@ def parse_block_size_map(value: Any) -> dict[str, int]:
 
 # --- per-node weight and bias specs ----------------------------------------------------------
 
-WEIGHT_KINDS = ("conv", "conv_transpose", "linear")
+WEIGHT_KINDS = ("conv", "conv_transpose", "linear", "addmm")
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
@@ -349,6 +364,37 @@ def block_size_for(node: Node, config: QnnQuantizationConfig, block_map: Mapping
     return int(config.block_size or 0)
 
 
+@dataclass(frozen=True)
+class BlockChoice:
+    """The LPBQ block of one weight: ``block`` input channels, or None for per-channel weights."""
+
+    block: int | None
+    note: str = ""
+
+
+def fit_block(in_channels: int, requested: int) -> BlockChoice:
+    """The largest LPBQ block up to ``requested`` that tiles ``in_channels`` input channels.
+
+    No block (per-channel 4-bit weights) where ``in_channels <= requested`` (one block per
+    channel is per-channel) or where no divisor between ``min(MIN_FITTED_BLOCK, requested)`` and
+    ``requested`` exists; a note says why whenever the result is not ``requested`` itself.
+    """
+    if requested <= 0 or in_channels <= requested:
+        return BlockChoice(None)
+    if in_channels % requested == 0:
+        return BlockChoice(requested)
+    smallest = min(MIN_FITTED_BLOCK, requested)
+    for block in range(requested - 1, smallest - 1, -1):
+        if in_channels % block == 0:
+            why = f"block_size {requested} does not divide {in_channels} input channels"
+            return BlockChoice(block, f"LPBQ block {block}: {why}")
+    return BlockChoice(
+        None,
+        f"per-channel 4-bit weights: no LPBQ block from {smallest} to {requested} divides "
+        f"{in_channels} input channels",
+    )
+
+
 def weight_spec_for(
     node: Node,
     weight: Node,
@@ -358,11 +404,13 @@ def weight_spec_for(
 ) -> QuantizationSpecBase | None:
     """The weight spec of conv/linear ``node`` under ``config`` (per-block specs built per node).
 
-    LPBQ blocks run along the input channels (dim 1) and span the kernel window. A weight with no
-    more input channels than the block size gets the per-channel grid instead (one block per
-    channel is per-channel); a block size that does not divide the input channels is an
-    ``AnnotationError`` naming the node and both shapes. ``block_map`` (node name -> block size)
-    overrides ``config.block_size`` for single nodes.
+    LPBQ blocks run along the input channels (dim 1) and span the kernel window. The block is
+    fitted per node (:func:`fit_block`, the choice noted in ``node.meta`` for ``coverage()``):
+    ``block_size`` is the largest block wanted. A block size the user fixes -- a
+    ``block_size_map`` entry, or ``block_size`` with ``exact_block_size=True`` -- is used as
+    given, and one that does not divide the input channels is an ``AnnotationError`` naming the
+    node and both shapes. A weight with no more input channels than the block gets the
+    per-channel grid (one block per channel is per-channel).
     """
     if not isinstance(config, QnnQuantizationConfig):
         return config.weight
@@ -371,21 +419,34 @@ def weight_spec_for(
             bs = block_size_for(node, config, block_map)
             shape = _shape(weight)
             if bs and shape is not None and len(shape) >= 2 and shape[1] > bs:
-                if shape[1] % bs != 0:
+                exact = config.exact_block_size or bool(block_map and node.name in block_map)
+                if exact and shape[1] % bs != 0:
                     raise AnnotationError(
                         f"LPBQ block_size {bs} does not divide the {shape[1]} input channels "
                         f"of node {node.name!r} ({node.target}): weight shape {shape}, block shape "
-                        f"{(1, bs, *shape[2:])}; pick a block_size that divides "
-                        f"{shape[1]} (or keep this node per-channel with block_size_map={{{node.name!r}: 0}})"
+                        f"{(1, bs, *shape[2:])}; pick a block_size that divides {shape[1]}, keep this "
+                        f"node per-channel with block_size_map={{{node.name!r}: 0}}, or let qnn_htp fit "
+                        "the block per node (exact_block_size=False, no block_size_map entry)"
                     )
-                block_weight: Any = config.block_weight
-                return dataclasses.replace(block_weight, block_size=(1, bs, *shape[2:]))
+                choice = BlockChoice(bs) if exact else fit_block(shape[1], bs)
+                if choice.note:
+                    node.meta[NOTE_KEY] = choice.note
+                if choice.block is not None:
+                    block_weight: Any = config.block_weight
+                    return dataclasses.replace(block_weight, block_size=(1, choice.block, *shape[2:]))
         specific = config.linear_weight if kind == "linear" else config.conv_weight
         if config.block_weight is not None and specific is None:
             specific = _block_fallback(config)
         return specific if specific is not None else config.weight
     if kind == "conv_transpose":
         return config.conv_transpose_weight if config.conv_transpose_weight is not None else config.weight
+    if kind == "addmm":
+        if config.block_weight is not None:
+            node.meta[NOTE_KEY] = (
+                "per-channel 4-bit weights: LPBQ blocks need FullyConnected's [out, in] weight layout "
+                "and addmm's weight is [in, out]"
+            )
+        return config.addmm_weight if config.addmm_weight is not None else config.weight
     raise ValueError(f"unknown weight kind {kind!r}; valid: {', '.join(WEIGHT_KINDS)}")
 
 
@@ -400,8 +461,15 @@ def _block_fallback(config: QnnQuantizationConfig) -> QuantizationSpecBase:
     return dataclasses.replace(spec, block_size=None, observer_or_fake_quant_ctr=ctr.with_args(**kwargs))
 
 
-def _derive_bias(observers: list[Any], *, block: bool, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 bias qparams: input scale x weight scale per output channel, zero point 0."""
+def _derive_bias(
+    observers: list[Any], *, block: bool, groups: int, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 bias qparams: input scale x weight scale per output channel, zero point 0.
+
+    Channels whose bias does not fit int32 on that scale (all-zero, denormal or pruned weights:
+    their weight scale is eps) get the scale floor ``max|bias| / (2^31 - 1)``
+    (``quantplug.annotation.annotators.floor_bias_scale``); the others keep the exact product.
+    """
     act_scale, _ = observers[0].calculate_qparams()
     w_scale, _ = observers[1].calculate_qparams()
     w_scale = w_scale.to(torch.float32)
@@ -412,6 +480,7 @@ def _derive_bias(observers: list[Any], *, block: bool, groups: int) -> tuple[tor
     if groups > 1 and w_scale.numel() > 1:
         w_scale = w_scale.repeat(groups)  # grouped transpose conv: weight axis 1 holds out/groups channels
     scale = (act_scale.reshape(-1)[0].to(torch.float32) * w_scale).reshape(-1)
+    scale = floor_bias_scale(scale, bias)
     return scale, torch.zeros(scale.shape, dtype=torch.int64)
 
 
@@ -422,11 +491,13 @@ def bias_spec_for(
     weight_spec: QuantizationSpecBase | None,
     config: QuantizationConfig,
     *,
+    bias: Node | None = None,
     groups: int = 1,
 ) -> QuantizationSpecBase | None:
     """The int32 bias spec derived from ``node``'s input and weight observers.
 
-    A plain (non-HTP) config's own ``bias`` wins when it sets one.
+    ``bias`` (the bias node) floors degenerate channels' scales when it is a constant. A plain
+    (non-HTP) config's own ``bias`` wins when it sets one.
     """
     if not isinstance(config, QnnQuantizationConfig):
         return config.bias_spec(node)
@@ -436,7 +507,9 @@ def bias_spec_for(
     per_channel = block or getattr(weight_spec, "qscheme", None) == torch.per_channel_symmetric
     return DerivedQuantizationSpec(
         derived_from=((act, node), (weight, node)),
-        derive_qparams_fn=functools.partial(_derive_bias, block=block, groups=groups),
+        derive_qparams_fn=functools.partial(
+            _derive_bias, block=block, groups=groups, bias=constant_value(bias)
+        ),
         dtype=torch.int32,
         qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
         ch_axis=0 if per_channel else None,

@@ -7,7 +7,8 @@ SDK's BackendOpInfo is importable):
 
 * LPBQ (per-block weights) needs HTP V69+ (Conv2d, Conv3d, FullyConnected, transpose convs);
 * 16-bit activations with 16-bit weights need V73+ (Conv2d, Conv3d, FullyConnected, MatMul,
-  TransposeConv2d/3d) -- ExecuTorch's conv/linear checks test ``int32`` weights and never fire.
+  TransposeConv2d/3d, and ``Gemm``: ``addmm`` with constant weights, a FullyConnected on HTP)
+  -- ExecuTorch's conv/linear checks test ``int32`` weights and never fire.
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def _is_16x16(ports: Mapping[Port, object]) -> bool:
     return _bits(ports.get(0)) == 16 and _bits(ports.get(1)) == 16
 
 
+def _is_16x16_gemm(ports: Mapping[Port, object]) -> bool:
+    return _bits(ports.get(1)) == 16 and _bits(ports.get(2)) == 16
+
+
 LPBQ = ArchRequirement(V69, "LPBQ (16a4w block-wise weights) requires HTP V69 or newer", _is_block)
 A16W16 = ArchRequirement(V73, "16-bit activations with 16-bit weights require HTP V73 or newer", _is_16x16)
+#: ``addmm(bias, x, W)`` (ONNX Gemm, a FullyConnected on HTP): activation port 1, weight port 2
+A16W16_GEMM = ArchRequirement(V73, A16W16.reason, _is_16x16_gemm)
 
 _act = PortConstraint(dtypes=ACT, description="UFIXED/SFIXED 8 or 16-bit activation")
 _weight = PortConstraint(dtypes=WEIGHT, symmetric=True, description="symmetric weights (offset 0)")
@@ -59,6 +66,8 @@ def arch_requirements(backend_op: str | None) -> tuple[ArchRequirement, ...]:
         return (LPBQ, A16W16)
     if backend_op in ("TransposeConv2d", "TransposeConv3d", "MatMul"):
         return (A16W16,)
+    if backend_op == "Gemm":
+        return (A16W16_GEMM,)
     return ()
 
 
@@ -90,6 +99,13 @@ def _table() -> dict[str, OpConstraint]:
     t: dict[str, OpConstraint] = {}
     for op in ("Conv2d", "Conv3d", "FullyConnected", "TransposeConv2d", "TransposeConv3d"):
         t[op] = _weighted(op)
+    # addmm(bias, x, W): the converter turns Gemm into FullyConnected (ports in addmm's order)
+    t["Gemm"] = OpConstraint(
+        "Gemm",
+        ports={0: _bias, 1: _act, 2: _weight, OUTPUT: _act},
+        arch=arch_requirements("Gemm"),
+        source=SOURCE,
+    )
     per_tensor_act = PortConstraint(dtypes=ACT, per_tensor_only=True, description="MatMul: per-tensor only")
     t["MatMul"] = OpConstraint(
         "MatMul",

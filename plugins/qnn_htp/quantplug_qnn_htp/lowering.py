@@ -33,7 +33,9 @@ from torch.fx import GraphModule
 from quantplug import Artifact, BackendContext
 from quantplug.errors import LoweringError
 from quantplug.flow.inspect import encodings as program_encodings
+from quantplug.lowering.provenance import describe
 from quantplug_qnn_htp import encodings as qnn_enc
+from quantplug_qnn_htp.completeness import check_completeness
 
 META_KEY = "qnn_htp_encodings"
 
@@ -58,12 +60,13 @@ def check_encodings(program: GraphModule, context: BackendContext) -> None:
     act_symmetric = bool(context.option("act_symmetric", False))
     found: list[tuple[dict[str, Any], qnn_enc.QnnEncoding]] = []
     problems: list[str] = []
+    nodes = {n.name: n for n in program.graph.nodes}
     for entry in program_encodings(program):
         try:
             shape = _shape_of(program, entry["tensor"]) if entry["granularity"] == "block" else None
             enc = qnn_enc.from_entry(entry, shape=shape, act_symmetric=act_symmetric)
         except qnn_enc.EncodingError as exc:
-            problems.append(f"  {entry['node']} ({entry['tensor']}): {exc}")
+            problems.append(f"  {describe(nodes[entry['node']])} (node {entry['node']!r}): {exc}")
             continue
         found.append((entry, enc))
     if problems:
@@ -115,68 +118,6 @@ def _rename_param_tensors(model: Any, result: Any) -> dict[str, str]:
     return renames
 
 
-def _constants(model: Any) -> dict[str, Any]:
-    from onnx import numpy_helper
-
-    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant":
-            for attr in node.attribute:
-                if attr.name == "value":
-                    values[node.output[0]] = numpy_helper.to_array(attr.t)
-    return values
-
-
-def _recover_clipped(model: Any, result: Any) -> None:
-    """Map activation entries the exporter left unmapped: narrowed-range quantizes.
-
-    A per-tensor quantize on a narrowed range (int16 ``[-32767, 32767]``) exports as
-    ``QuantizeLinear -> Clip`` and the Clip output carries the quantize's name, so the shared
-    exporter (``onnx_export._map_encodings``) finds a Clip where it expects a QuantizeLinear and
-    leaves ``entry["onnx"]`` empty. Match those entries to the remaining QuantizeLinear nodes that
-    feed a Clip, in graph order, checking scale and zero point.
-    """
-    pending = [e for e in result.encodings if e.get("onnx") is None and e["kind"] == "activation"]
-    if not pending:
-        return
-    claimed = {e["onnx"]["node"] for e in result.encodings if e.get("onnx")}
-    consumers: dict[str, list[Any]] = {}
-    for node in model.graph.node:
-        for inp in node.input:
-            consumers.setdefault(inp, []).append(node)
-    values = _constants(model)
-    candidates = [
-        n
-        for n in model.graph.node
-        if n.op_type == "QuantizeLinear"
-        and n.name not in claimed
-        and any(c.op_type == "Clip" for c in consumers.get(n.output[0], []))
-    ]
-    for entry in pending:
-        for cand in candidates:
-            scale = values.get(cand.input[1])
-            zp = values.get(cand.input[2]) if len(cand.input) > 2 else 0
-            if scale is None or zp is None or scale.size != 1:
-                continue
-            if abs(float(scale.reshape(-1)[0]) - float(entry["scale"])) > 1e-12 * abs(float(entry["scale"])):
-                continue
-            if int(zp.reshape(-1)[0] if hasattr(zp, "reshape") else zp) != int(entry["zero_point"]):
-                continue
-            clip = next(c for c in consumers[cand.output[0]] if c.op_type == "Clip")
-            entry["onnx"] = {
-                "tensor": cand.input[0],
-                "quantized": clip.output[0],
-                "dequantized": [
-                    c.output[0] for c in consumers.get(clip.output[0], []) if c.op_type == "DequantizeLinear"
-                ],
-                "node": cand.name,
-                "scale": cand.input[1],
-                "zero_point": cand.input[2] if len(cand.input) > 2 else None,
-            }
-            candidates.remove(cand)
-            break
-
-
 def _initializer_names(model: Any) -> set[str]:
     names = {i.name for i in model.graph.initializer}
     for node in model.graph.node:  # constants the exporter kept as Constant nodes
@@ -200,12 +141,11 @@ def onnx_encodings(
     by_node = {entry["node"]: enc for entry, enc in found}
     result = export_qdq_onnx(program, example_inputs)
     model = result.model
-    _recover_clipped(model, result)
     renames = _rename_param_tensors(model, result)
     initializers = _initializer_names(model)
     names: dict[str, qnn_enc.QnnEncoding] = {}
     conflicts: list[str] = []
-    missing: list[str] = []
+    missing: list[str] = []  # program nodes whose tensor is not in the model
     for entry in result.encodings:
         enc = by_node.get(entry["node"])
         info = entry.get("onnx")
@@ -227,10 +167,20 @@ def onnx_encodings(
             continue
         names.setdefault(tensor, named)
     if missing:
-        raise LoweringError(
-            "quantized tensors without an ONNX counterpart after export: " + ", ".join(sorted(missing))
-        )
+        raise LoweringError(_missing_message(program, missing))
     return model, list(names.values()), conflicts
+
+
+def _missing_message(program: GraphModule, missing: Sequence[str]) -> str:
+    nodes = {n.name: n for n in program.graph.nodes}
+    lines = [
+        f"  {describe(nodes[name]) if name in nodes else name} (node {name!r})" for name in sorted(missing)
+    ]
+    return (
+        f"{len(missing)} quantized tensor(s) are not in the exported ONNX model, so QNN would get no "
+        "encoding for them:\n" + "\n".join(lines) + "\nA lowering pass removed them, or nothing reads them; "
+        "report this with the model if neither is the case"
+    )
 
 
 def _quantizer_args(context: BackendContext, encs: Sequence[qnn_enc.QnnEncoding]) -> qnn_enc.QuantizerArgs:
@@ -248,6 +198,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
     """``model.onnx`` + ``model.encodings`` (AIMET ``encodings_version``) for QNN converters."""
     version = context.option("encodings_version") or qnn_enc.DEFAULT_VERSION
     model, encs, conflicts = onnx_encodings(program, context)
+    completeness = check_completeness(model, [e.name for e in encs], program, strict=context.strict)
     try:
         document = qnn_enc.to_aimet(encs, version, quantizer_args=_quantizer_args(context, encs))
     except qnn_enc.EncodingError as exc:
@@ -269,7 +220,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
         backend=context.backend,
         files={
             qnn_enc.MODEL_FILE: bytes(model.SerializeToString()),
-            qnn_enc.ENCODINGS_FILE: json.dumps(document, indent=2),
+            qnn_enc.ENCODINGS_FILE: json.dumps(document, indent=2, allow_nan=False),
         },
         metadata={
             "options": dict(context.options),
@@ -280,5 +231,6 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
             "quantized_tensors": len(encs),
             "encoding_conflicts": conflicts,
             "tensors": summary,
+            **completeness.metadata(),
         },
     )

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from quantplug.observers import nonfinite
 from quantplug.observers.base import ObserverBase, ObserverFactory
 from quantplug.observers.minmax import (
     MinMaxObserver,
@@ -138,6 +139,9 @@ class MaskAwareObserver(ObserverBase):
         real = data.abs() < MASK_THRESHOLD  # False for ±inf, NaN and huge mask constants
         if not bool(real.all()):
             masked = data[~real]
+            if bool(torch.isnan(masked).any()):  # NaN is no mask: the calibration's policy decides
+                nonfinite.handle(self, masked[torch.isnan(masked)])
+                masked = masked[~torch.isnan(masked)]
             if bool((masked < 0).any()):
                 self.saw_negative_mask.fill_(True)
             if bool((masked > 0).any()):

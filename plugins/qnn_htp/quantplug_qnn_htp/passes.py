@@ -5,7 +5,12 @@ They mirror the part of ExecuTorch's ``QnnHtpPassManager.transform_for_annotatio
 the same node names:
 
 1. ``remove_asserts`` -- drop ``_assert_tensor_metadata`` (ExecuTorch ``RemoveRedundancy`` in
-   annotation mode);
+   annotation mode), inference-mode ``dropout`` and casts to a tensor's own dtype;
+1b. ``fold_constant_views`` -- slices and views of constants (``in_proj_weight.chunk(3)``) become
+   constants, so the weights they are get weight quantization;
+1c. ``decompose_composites`` -- ops the ONNX exporter would expand into several ONNX ops
+   (attention, addmm, rsqrt, rms_norm...), rewritten into ops HTP runs one by one, each quantized
+   (``quantplug_qnn_htp.decompositions``);
 2. ``decompose`` -- ops HTP has no rule for, rewritten into ops it has (``DecomposeSilu``,
    ``DecomposeReciprocal``, ``DecomposeExpM1``, ``DecomposeBinaryAlpha``);
 3. ``lift_scalars`` -- scalar operands of binary/compare/select ops become 0-d tensor constants
@@ -22,6 +27,7 @@ Every pass edits the working copy ``prepare`` made (never the caller's program) 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Number
@@ -33,10 +39,36 @@ from torch.fx import GraphModule, Node
 from quantplug import BackendContext
 from quantplug.errors import OptionError
 from quantplug_qnn_htp.configs import BLOCK_MAP_STATE
+from quantplug_qnn_htp.decompositions import decompose_composites
 from quantplug_qnn_htp.observers import MASK_THRESHOLD
 from quantplug_qnn_htp.rules.common import MASK_ARGS_KEY
 
 aten = torch.ops.aten
+
+
+def _arg(node: Node, index: int, name: str, default: Any) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+#: casts that only change a dtype (and device) and take no layout or memory-format arguments
+_CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default})
+
+
+def _same_dtype_cast(node: Node) -> bool:
+    """A cast to the dtype its input already has (``x.to(torch.float32)`` on float32 data): an
+    identity that would otherwise be quantized as a Cast op of its own (a requantization)."""
+    if node.target not in _CASTS or not isinstance(node.args[0] if node.args else None, Node):
+        return False
+    if set(node.kwargs) - {"dtype", "layout", "device", "copy", "non_blocking", "pin_memory"}:
+        return False  # memory_format and friends change more than the dtype
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")  # type: ignore[union-attr]
+    return (
+        isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.dtype == after.dtype
+        and before.device == after.device
+        and before.shape == after.shape
+    )
 
 
 def _copy_meta(meta: dict[str, Any]) -> dict[str, Any]:
@@ -52,12 +84,86 @@ def _finish(gm: GraphModule) -> None:
 
 
 def remove_asserts(gm: GraphModule, context: BackendContext | None = None) -> None:
-    """Drop ``aten._assert_tensor_metadata`` nodes (they pin dtypes the quantized graph changes)."""
+    """Drop ``aten._assert_tensor_metadata`` nodes (they pin dtypes the quantized graph changes),
+    inference-mode ``dropout`` (an identity no HTP op runs: left in, it would sit unquantized
+    between two encodings) and casts to the dtype a tensor already has (HF's RMSNorm
+    ``x.to(torch.float32)``: quantized as a Cast, each would requantize its tensor)."""
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default:
             gm.graph.erase_node(node)
             changed = True
+        elif (node.target is aten.dropout.default and not _arg(node, 2, "train", True)) or _same_dtype_cast(
+            node
+        ):
+            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        _finish(gm)
+
+
+# --- 1c. constants sliced from constants ------------------------------------------------------------
+
+#: ops that only select or rearrange values: applied to a constant, their result is a constant
+_VIEW_OPS = frozenset(
+    {
+        aten.chunk.default,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.unbind.int,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.narrow.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.view.default,
+        aten.reshape.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.contiguous.default,
+        aten.clone.default,
+    }
+)
+
+
+def fold_constant_views(gm: GraphModule, context: BackendContext | None = None) -> None:
+    """Replace slices and views of constants by constants (``nn.MultiheadAttention``'s
+    ``in_proj_weight.chunk(3)`` when query, key and value differ): a weight reached through
+    ``chunk`` + ``getitem`` is a computed tensor to the annotator, so it would be quantized at run
+    time (and its derived bias, a 32-bit activation, could not be encoded at all)."""
+    graph = gm.graph
+    values: dict[Node, Any] = {}
+    changed = False
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            value = _constant_value(gm, node)
+            if value is not None:
+                values[node] = value
+            continue
+        if node.op != "call_function" or not node.users:
+            continue
+        foldable = node.target in _VIEW_OPS or (node.target is operator.getitem and node.args[0] in values)
+        sources = [a for a in node.all_input_nodes]
+        if not foldable or not sources or any(a not in values for a in sources):
+            continue
+        args = torch.fx.node.map_arg(node.args, lambda a: values[a])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: values[a])
+        result = node.target(*args, **kwargs)  # type: ignore[operator]
+        if not isinstance(result, torch.Tensor):
+            values[node] = result  # a tuple of pieces: its getitems fold next
+            continue
+        name = _new_constant_name(gm, "_qnn_folded_")
+        gm.register_buffer(name, result.detach().clone().contiguous())
+        with graph.inserting_before(node):
+            attr = graph.get_attr(name)
+        attr.meta = _copy_meta(node.meta)
+        node.replace_all_uses_with(attr)
+        values[attr] = getattr(gm, name)
+        changed = True
     if changed:
         _finish(gm)
 
@@ -338,6 +444,8 @@ PassFn = Callable[[GraphModule, "BackendContext | None"], None]
 #: in order (ExecuTorch runs its decompositions before LiftConstantScalarOperands)
 PASSES: tuple[tuple[str, PassFn], ...] = (
     ("qnn_htp.remove_asserts", remove_asserts),
+    ("qnn_htp.fold_constant_views", fold_constant_views),
+    ("qnn_htp.decompose_composites", decompose_composites),
     ("qnn_htp.decompose", decompose),
     ("qnn_htp.lift_scalars", lift_scalars),
     ("qnn_htp.mark_masks", mark_masks),

@@ -49,19 +49,36 @@ INFO = BackendInfo(
         ),
         BackendOption("act_symmetric", bool, False, "symmetric activations (zero point at the grid middle)"),
         BackendOption(
-            "eps", float, None, "smallest scale (default 1e-4/255 for 8-bit, 1e-4/65535 for 16-bit)"
+            "eps",
+            float,
+            None,
+            "smallest scale (default 1e-4/255 for 8-bit, 1e-4/65535 for 16-bit)",
+            exclusive_minimum=0.0,
+            maximum=1.0,
         ),
         BackendOption(
             "block_size",
             int,
             configs.DEFAULT_BLOCK_SIZE,
-            "16a4w_block: LPBQ block size along input channels (0: only nodes in block_size_map)",
+            "16a4w_block: largest LPBQ block along input channels, fitted per layer "
+            "(0: only nodes in block_size_map)",
+            minimum=0,
+            maximum=65536,
+        ),
+        BackendOption(
+            "exact_block_size",
+            bool,
+            False,
+            "16a4w_block: use block_size as given on every layer (a layer whose input channels it "
+            "does not divide fails) instead of fitting the block per layer",
+            applies_with={"precision": ("16a4w_block",)},
         ),
         BackendOption(
             "block_size_map",
             str,
             None,
             "16a4w_block: per-node block sizes 'node:size,...' (or set_block_size_map(quantizer, {...}))",
+            applies_with={"precision": ("16a4w_block",)},
         ),
         BackendOption(
             "qat", bool, False, "QAT variant of the preset (use with quantplug.prepare(..., qat=True))"
@@ -71,6 +88,8 @@ INFO = BackendInfo(
             float,
             16.0,
             "-inf masks dequantize this far below the masked tensor's smallest real value",
+            exclusive_minimum=0.0,
+            maximum=65504.0,
         ),
         BackendOption(
             "encodings_version",
@@ -90,6 +109,7 @@ INFO = BackendInfo(
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRECISIONS.items()),
     preset_option="precision",
+    qat_option="qat",
 )
 
 #: context.state key of the loaded SDK op info (or None: built-in table)
@@ -181,9 +201,12 @@ def quantplug_resolve_sharing(problem: Any, resolve: Callable[[Any], Any], conte
 
 @quantplug.hookimpl
 def quantplug_lowering_passes(context: BackendContext) -> Sequence[NamedPass]:
+    """``qnn_htp.linear_to_2d`` (N-D linears as 2-D FullyConnected layers, exact), then the
+    writer's own passes (``check_encodings``)."""
+    from quantplug_qnn_htp.fully_connected import linear_to_2d
     from quantplug_qnn_htp.lowering import LOWERING_PASSES
 
-    return [NamedPass(name, fn) for name, fn in LOWERING_PASSES]
+    return [NamedPass("qnn_htp.linear_to_2d", linear_to_2d), *(NamedPass(n, fn) for n, fn in LOWERING_PASSES)]
 
 
 @quantplug.hookimpl
@@ -191,6 +214,13 @@ def quantplug_artifact_writer(context: BackendContext) -> Callable[[Any, Backend
     from quantplug_qnn_htp.lowering import write_artifact
 
     return write_artifact
+
+
+@quantplug.hookimpl
+def quantplug_conformance_profile(context: BackendContext) -> Any:
+    from quantplug_qnn_htp.conformance import PROFILE
+
+    return PROFILE
 
 
 def set_block_size_map(quantizer: Any, mapping: Any) -> Any:
@@ -203,6 +233,12 @@ def set_block_size_map(quantizer: Any, mapping: Any) -> Any:
     if getattr(quantizer, "backend", None) != INFO.name:
         raise quantplug.OptionError(
             f"set_block_size_map needs a qnn_htp quantizer, got {getattr(quantizer, 'backend', quantizer)!r}"
+        )
+    precision = quantizer.options.get("precision")
+    if precision != "16a4w_block":
+        raise quantplug.OptionError(
+            f"set_block_size_map applies only to precision 16a4w_block (this quantizer has precision "
+            f"{precision!r}): build it with get_quantizer('qnn_htp', precision='16a4w_block')"
         )
     state = quantizer.context.state
     merged = dict(state.get(configs.BLOCK_MAP_STATE) or {})

@@ -4,10 +4,21 @@ Static presets quantize activations (measured during calibration), weights and b
 weight-only presets quantize only the weights of linear layers and embedding tables (activations
 stay float). ``dynamic_int8`` quantizes each linear layer's input at run time, one scale and zero
 point per token (row), with int8 per-channel weights.
+
+The weights of integer products (convolutions and linears whose input is 8-bit) sit on the
+``[-64, 64]`` grid by default (``weight_bits=7``): ONNX Runtime multiplies them with its U8S8
+kernels, whose AVX2 / AVX-512BW form (VPMADDUBSW) adds two u8 x s8 products in a saturating
+int16; with |w| <= 64 that sum is at most 2 * 255 * 64 = 32640 and never saturates, so the
+artifact is exact on every CPU at full speed. ``weight_bits=8`` keeps ``[-127, 127]``; the
+lowering then stores those weights as uint8 (``w + 128``, zero point 128) so that ORT runs its
+U8U8 kernels, exact everywhere but about half as fast on CPUs with VNNI. Depthwise convolutions
+(whose kernels widen to 16 bits on every CPU) and embedding tables (no products) always keep
+``[-127, 127]``. See the plugin README for the measured costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +32,7 @@ from quantplug.observers.minmax import (
     MovingAverageMinMaxObserver,
     PerChannelMinMaxObserver,
 )
+from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
 
 PRESETS: dict[str, str] = {
     "int8": "uint8/int8 asymmetric activations, int8 per-channel symmetric weights, int32 bias",
@@ -40,6 +52,10 @@ ACTIVATION_OBSERVERS = ("minmax", "moving_average", "histogram")
 GROUP_SIZES = (0, 16, 32, 64, 128, 256)
 DEFAULT_INT4_GROUP = 32
 EPS = 2**-12
+#: presets whose linears/convs multiply 8-bit integers in ORT (weight_bits applies to them)
+INTEGER_PRODUCT_PRESETS = ("int8", "int8_per_tensor", "dynamic_int8")
+WEIGHT_BITS = (7, 8)
+INT8_WEIGHT_MAX = 127
 
 
 def activation_observer(name: str) -> ObserverFactory:
@@ -54,9 +70,9 @@ def activation_observer(name: str) -> ObserverFactory:
     raise OptionError(f"unknown activation_observer {name!r}; valid: {', '.join(ACTIVATION_OBSERVERS)}")
 
 
-def per_channel_weight(dtype: torch.dtype = torch.int8) -> QuantizationSpec:
-    """Symmetric weights, one scale per output channel (axis 0)."""
-    qmin, qmax = (-127, 127) if dtype == torch.int8 else (-8, 7)
+def per_channel_weight(dtype: torch.dtype = torch.int8, int8_max: int = INT8_WEIGHT_MAX) -> QuantizationSpec:
+    """Symmetric weights, one scale per output channel (axis 0); int8 ones on ``[-int8_max, int8_max]``."""
+    qmin, qmax = (-int8_max, int8_max) if dtype == torch.int8 else (-8, 7)
     return QuantizationSpec(
         dtype=dtype,
         quant_min=qmin,
@@ -100,6 +116,22 @@ def dynamic_token_spec() -> QuantizationSpec:
     )
 
 
+def full_int8_range(spec: Any) -> Any:
+    """``spec`` on the whole symmetric int8 grid ``[-127, 127]`` (for weights that feed no
+    saturating product: depthwise convolutions, embedding tables); other specs unchanged."""
+    if isinstance(spec, QuantizationSpec) and spec.dtype == torch.int8 and spec.quant_max != INT8_WEIGHT_MAX:
+        return dataclasses.replace(spec, quant_min=-INT8_WEIGHT_MAX, quant_max=INT8_WEIGHT_MAX)
+    return spec
+
+
+def integer_product_weight_max(options: Mapping[str, Any]) -> int:
+    """Largest |weight| of a conv/linear that ORT runs as an integer product (``weight_bits``)."""
+    bits = int(options.get("weight_bits") or 7)
+    if bits not in WEIGHT_BITS:
+        raise OptionError(f"weight_bits must be one of {WEIGHT_BITS}, got {bits}")
+    return SATURATION_FREE_WEIGHT_MAX if bits == 7 else INT8_WEIGHT_MAX
+
+
 def build_config(preset: str, options: Mapping[str, Any]) -> QuantizationConfig:
     """The global config of a preset (see PRESETS)."""
     if preset in WEIGHT_ONLY_PRESETS:
@@ -109,7 +141,7 @@ def build_config(preset: str, options: Mapping[str, Any]) -> QuantizationConfig:
         return QuantizationConfig(
             input_activation=dynamic_token_spec(),
             output_activation=None,
-            weight=per_channel_weight(),
+            weight=per_channel_weight(int8_max=integer_product_weight_max(options)),
             bias=None,
         )
     if preset not in STATIC_PRESETS:
@@ -124,16 +156,18 @@ def build_config(preset: str, options: Mapping[str, Any]) -> QuantizationConfig:
         observer_or_fake_quant_ctr=activation_observer(options.get("activation_observer") or "histogram"),
         qscheme=torch.per_tensor_affine,
     )
+    # 16-bit activations never reach ORT's integer kernels: their weights keep all 8 bits
+    weight_max = INT8_WEIGHT_MAX if preset == "a16w8" else integer_product_weight_max(options)
     if preset == "int8_per_tensor":
         weight = QuantizationSpec(
             dtype=torch.int8,
-            quant_min=-127,
-            quant_max=127,
+            quant_min=-weight_max,
+            quant_max=weight_max,
             qscheme=torch.per_tensor_symmetric,
             observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=EPS),
         )
     else:
-        weight = per_channel_weight()
+        weight = per_channel_weight(int8_max=weight_max)
 
     def bias(node: torch.fx.Node) -> Any:
         return derived_bias_spec(node, weight_spec=weight)

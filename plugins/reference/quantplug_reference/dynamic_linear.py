@@ -6,12 +6,15 @@ Exported as such, ONNX Runtime dequantizes both and multiplies in float: no fast
 float model. ``fuse_dynamic_linears`` replaces each such linear (on a copy made for the ONNX
 export only) with ``quantplug_reference::dynamic_linear``, whose ONNX translation is
 
-    acc = MatMulInteger(q + 128 as uint8, W^T)          # int32, ORT's u8s8 kernel
+    acc = MatMulInteger(q + 128 as uint8, W^T [, 128])  # int32, ORT's U8S8 (or U8U8) kernel
     acc -= (z + 128) * column_sums(W^T)                 # = sum_k (q_k - z) W_kn, exactly
     y = float(acc) * (s * w_scale) + bias
 
-The integer part is exact; the result differs from the program's float arithmetic by float
-rounding only. In PyTorch the op computes exactly what the replaced nodes computed.
+A weight past ``[-64, 64]`` (``weight_bits=8``) is stored as uint8 ``W + 128`` with zero point
+128, so that ORT multiplies with its U8U8 kernels: its U8S8 ones saturate pairs of products on
+AVX2 / AVX-512BW CPUs without VNNI (see ``accumulation``). The integer part is exact; the result
+differs from the program's float arithmetic by float rounding only. In PyTorch the op computes
+exactly what the replaced nodes computed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+
+from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
 
 qd = torch.ops.quantized_decomposed
 
@@ -30,13 +35,15 @@ def _dynamic_linear(
     scale: torch.Tensor,
     zero_point: torch.Tensor,
     weight_t: torch.Tensor,
+    weight_zero_point: torch.Tensor,
     weight_scale: torch.Tensor,
     column_sums: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     x = qd.dequantize_per_token.default(q, scale, zero_point, -128, 127, torch.int8, torch.float32)
+    signed = (weight_t.to(torch.int16) - weight_zero_point.to(torch.int16)).to(torch.int8)
     w = qd.dequantize_per_channel.default(
-        weight_t.t().contiguous(),
+        signed.t().contiguous(),
         weight_scale,
         torch.zeros_like(weight_scale, dtype=torch.int64),
         0,
@@ -48,7 +55,7 @@ def _dynamic_linear(
 
 
 @_dynamic_linear.register_fake
-def _(q, scale, zero_point, weight_t, weight_scale, column_sums, bias):  # type: ignore[no-untyped-def]
+def _(q, scale, zero_point, weight_t, weight_zero_point, weight_scale, column_sums, bias):  # type: ignore[no-untyped-def]
     return q.new_empty((*q.shape[:-1], weight_t.shape[1]), dtype=torch.float32)
 
 
@@ -91,15 +98,24 @@ def fuse_dynamic_linears(gm: GraphModule) -> dict[str, dict[str, str]]:
         name = str(w.args[0].target).replace(".", "_")  # type: ignore[union-attr]
         weight_t = wq.t().contiguous()
         sums = weight_t.to(torch.int32).sum(dim=0, dtype=torch.int32)
-        gm.register_buffer(name + "_t", weight_t)
+        if weight_t.numel() and int(weight_t.to(torch.int16).abs().max()) > SATURATION_FREE_WEIGHT_MAX:
+            stored, wzp = (
+                (weight_t.to(torch.int16) + 128).to(torch.uint8),
+                torch.tensor(128, dtype=torch.uint8),
+            )
+        else:
+            stored, wzp = weight_t, torch.tensor(0, dtype=torch.int8)
+        gm.register_buffer(name + "_t", stored)
+        gm.register_buffer(name + "_wzp", wzp)
         gm.register_buffer(name + "_colsum", sums)
         gm.register_buffer(name + "_wscale", ws.to(torch.float32).contiguous())
         with gm.graph.inserting_before(linear):
             wt_node = gm.graph.get_attr(name + "_t")
+            wzp_node = gm.graph.get_attr(name + "_wzp")
             sums_node = gm.graph.get_attr(name + "_colsum")
             ws_node = gm.graph.get_attr(name + "_wscale")
             new = gm.graph.call_function(
-                dynamic_linear, (q, scale, zero_point, wt_node, ws_node, sums_node, bias)
+                dynamic_linear, (q, scale, zero_point, wt_node, wzp_node, ws_node, sums_node, bias)
             )
         new.meta.update(
             {k: v for k, v in linear.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
@@ -107,6 +123,8 @@ def fuse_dynamic_linears(gm: GraphModule) -> dict[str, dict[str, str]]:
         linear.replace_all_uses_with(new)
         gm.graph.erase_node(linear)
         fused[w.name] = {"quantized": name + "_t", "scale": name + "_wscale"}
+        if wzp.dtype == torch.uint8:
+            fused[w.name]["zero_point"] = name + "_wzp"
     if fused:
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -117,9 +135,16 @@ _INT32, _INT64, _UINT8, _FLOAT = 6, 7, 2, 1
 
 
 def _t_dynamic_linear(
-    q: Any, scale: Any, zero_point: Any, weight_t: Any, weight_scale: Any, column_sums: Any, bias: Any = None
+    q: Any,
+    scale: Any,
+    zero_point: Any,
+    weight_t: Any,
+    weight_zero_point: Any,
+    weight_scale: Any,
+    column_sums: Any,
+    bias: Any = None,
 ) -> Any:
-    """ONNX translation: integer product of the uint8-shifted activation and the int8 weight."""
+    """ONNX translation: integer product of the uint8-shifted activation and the stored weight."""
     import numpy as np
     import onnx_ir as ir
     import onnxscript
@@ -130,7 +155,7 @@ def _t_dynamic_linear(
         return op.Constant(value=ir.tensor(np.array(value, dtype=dtype)))
 
     shifted = op.Cast(op.Add(op.Cast(q, to=_INT32), const(128, np.int32)), to=_UINT8)
-    acc = op.MatMulInteger(shifted, weight_t)
+    acc = op.MatMulInteger(shifted, weight_t, None, weight_zero_point)
     zero = op.Add(op.Cast(zero_point, to=_INT32), const(128, np.int32))
     acc = op.Sub(acc, op.Mul(zero, op.Cast(column_sums, to=_INT32)))
     y = op.Mul(op.Cast(acc, to=_FLOAT), op.Mul(op.Cast(scale, to=_FLOAT), weight_scale))

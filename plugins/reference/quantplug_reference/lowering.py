@@ -7,25 +7,28 @@ The artifact holds
   ``QGemm``, ``QLinearMatMul``...) at session creation, which is where the int8 speed-up comes from;
 * ``encodings.json``: every quantized tensor's encoding (``quantplug.flow.inspect.encodings``),
   each with the names of its tensors in ``model.onnx``;
-* ``model.pt2``: the Q/DQ program itself, re-exported (the numerical reference, loadable with
+* ``model.pt2``: the Q/DQ program itself, exported (the numerical reference, loadable with
   ``torch.export.load``).
 
-``artifact.run(*inputs)`` runs ``model.onnx`` in an ONNX Runtime CPU session.
+``artifact.run(*inputs)`` runs ``model.onnx`` in an ONNX Runtime CPU session. The file needs no
+session option: ``onnxruntime.InferenceSession("model.onnx")`` computes what the Q/DQ program
+computes on every CPU (``ort_passes`` spells it so, ``accumulation`` checks ORT's optimized graph
+at lowering; ``metadata["ort_integer_kernels"]`` records the result).
 """
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
 from quantplug import Artifact, BackendContext, LoweringError, QuantplugError
-from quantplug.flow.inspect import example_inputs
 
 ORT_PROVIDER = "CPUExecutionProvider"
 
@@ -39,14 +42,13 @@ class ReferenceArtifact(Artifact):
     """The reference backend's artifact: a QDQ ONNX model plus encodings, runnable on the CPU.
 
     ``inputs`` / ``outputs`` describe the ONNX graph's tensors (name, shape, dtype). Shapes are
-    those of the example inputs the program was captured with.
+    the program's: an ``int`` per static dimension, a name (``"batch"``) per dimension exported
+    as dynamic (``torch.export.Dim``), which takes any size.
     """
 
     inputs: list[Any] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     threads: int = 0
-    disabled_optimizers: list[str] = field(default_factory=list)
-    session_config: dict[str, str] = field(default_factory=dict)
     _session: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -56,36 +58,29 @@ class ReferenceArtifact(Artifact):
         return model
 
     def session(self, *, threads: int | None = None, optimized_model_path: str | None = None) -> Any:
-        """A new ONNX Runtime CPU session over ``model.onnx`` (all graph optimizations on).
+        """A new ONNX Runtime CPU session over ``model.onnx``: ORT's defaults (all graph
+        optimizations), as in ``onnxruntime.InferenceSession("model.onnx")``; the file needs no
+        session option to compute what the Q/DQ program computes.
 
         Args:
             threads: intra-op threads (default: the ``ort_threads`` option; 0 lets ORT decide).
             optimized_model_path: where ORT should write the graph it actually runs (after its
                 QDQ fusions), to check which integer kernels it picked.
         """
-        try:
-            import onnxruntime as ort
-        except ImportError as exc:
-            raise LoweringError(
-                f"running the reference artifact needs onnxruntime ({exc}); `pip install onnxruntime`"
-            ) from exc
+        ort = _onnxruntime()
         options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self._configure(options, threads)
+        if optimized_model_path is not None:
+            options.optimized_model_filepath = str(optimized_model_path)
+        return ort.InferenceSession(self.onnx_model, options, providers=[ORT_PROVIDER])
+
+    def _configure(self, options: Any, threads: int | None = None) -> None:
+        """Thread counts and log level only: nothing that changes the numbers."""
         n = self.threads if threads is None else threads
         if n:
             options.intra_op_num_threads = n
             options.inter_op_num_threads = 1
-        if optimized_model_path is not None:
-            options.optimized_model_filepath = str(optimized_model_path)
-        # ORT turns DequantizeLinear(weight) -> MatMul into MatMulNBits; its default accuracy level
-        # (4) then quantizes the *activations* to int8 on the fly, which the Q/DQ program does not
-        # do. Level 1 keeps them float (the weights stay 4/8-bit): results match the program.
-        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
-        for key, value in self.session_config.items():
-            options.add_session_config_entry(key, value)
         options.log_severity_level = 3
-        extra = {"disabled_optimizers": list(self.disabled_optimizers)} if self.disabled_optimizers else {}
-        return ort.InferenceSession(self.onnx_model, options, providers=[ORT_PROVIDER], **extra)
 
     def run(self, *inputs: Any) -> Any:
         """Run the model on ``inputs`` (torch tensors or numpy arrays, in the program's order).
@@ -120,13 +115,15 @@ class ReferenceArtifact(Artifact):
         arrays = []
         for i, (spec, value) in enumerate(zip(self.inputs, inputs)):
             arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-            fixed = all(isinstance(d, int) for d in spec.shape)
-            if (fixed and tuple(arr.shape) != tuple(spec.shape)) or arr.ndim != len(spec.shape):
+            fits = arr.ndim == len(spec.shape) and all(
+                not isinstance(d, int) or d == n for d, n in zip(spec.shape, arr.shape)
+            )
+            if not fits:
                 raise ArtifactInputError(
                     f"input {i} ({spec.name!r}) has shape {list(arr.shape)}, the model expects "
-                    f"{list(spec.shape)}; expected inputs: {self.expected_inputs()}. Shapes are fixed "
-                    "by the example inputs the model was exported with: export and quantize it again "
-                    "with inputs of the shape you need"
+                    f"{list(spec.shape)} (named dimensions take any size); expected inputs: "
+                    f"{self.expected_inputs()}. Other dimensions are fixed by the program: export the "
+                    "model again with torch.export.Dim for those you want dynamic"
                 )
             if arr.dtype.name != spec.dtype:
                 if arr.dtype.kind == np.dtype(spec.dtype).kind:
@@ -140,22 +137,27 @@ class ReferenceArtifact(Artifact):
         return arrays
 
 
+def _onnxruntime() -> Any:
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise LoweringError(
+            f"running the reference artifact needs onnxruntime ({exc}); `pip install onnxruntime`"
+        ) from exc
+    return ort
+
+
 def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceArtifact:
-    """Export the Q/DQ program to QDQ ONNX, keep a re-exported ``model.pt2``, list the encodings."""
+    """Export the Q/DQ program to QDQ ONNX, keep it as ``model.pt2``, list the encodings, and
+    check that ORT's integer kernels reproduce the program on every CPU."""
     from quantplug.lowering.onnx_export import export_qdq_onnx
 
-    args = example_inputs(program)
     opset = int(context.option("onnx_opset", 21) or 21)
     for_onnx, translations, fused = _for_ort(program)
-    result = export_qdq_onnx(for_onnx, args, opset=opset, custom_translations=translations)
+    result = export_qdq_onnx(for_onnx, opset=opset, custom_translations=translations)
     if fused:
         _map_fused_weights(result, program, fused)
-    disabled, config = _optimize_for_ort(result)
-    exported = result.exported_program if for_onnx is program else None
-    if exported is None:
-        exported = torch.export.export(program, args)
-    buffer = io.BytesIO()
-    torch.export.save(exported, buffer)
+    _spell_for_ort(result)
     table = result.encodings
     onnx_tensors: dict[str, int] = {}  # ONNX tensor name -> index of its entry in "encodings"
     for i, entry in enumerate(table):
@@ -163,34 +165,84 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
         for name in (info.get("tensor"), info.get("quantized"), *info.get("dequantized", ())):
             if name:
                 onnx_tensors.setdefault(name, i)
+    model_bytes = result.model_bytes()
+    artifact = ReferenceArtifact(
+        backend=context.backend,
+        inputs=list(result.inputs),
+        outputs=list(result.outputs),
+        threads=int(context.option("ort_threads", 0) or 0),
+    )
+    checked = _check_integer_kernels(model_bytes, artifact)
     doc = {
         "version": 2,
         "model": "model.onnx",
         "encodings": table,
         "onnx_tensors": dict(sorted(onnx_tensors.items())),
     }
-    return ReferenceArtifact(
-        backend=context.backend,
-        files={
-            "model.onnx": result.model_bytes(),
-            "encodings.json": json.dumps(doc, indent=2),
-            "model.pt2": buffer.getvalue(),
-        },
-        metadata={
-            "options": dict(context.options),
-            "quantized_tensors": len(table),
-            "onnx_opset": opset,
-            "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in result.inputs],
-            "outputs": [{"name": o.name, "shape": list(o.shape), "dtype": o.dtype} for o in result.outputs],
-            "ort_disabled_optimizers": list(disabled),
-            "ort_session_config": config,
-        },
-        inputs=list(result.inputs),
-        outputs=list(result.outputs),
-        threads=int(context.option("ort_threads", 0) or 0),
-        disabled_optimizers=list(disabled),
-        session_config=dict(config),
-    )
+    artifact.files = {
+        "model.onnx": model_bytes,
+        "encodings.json": json.dumps(doc, indent=2, allow_nan=False),
+        "model.pt2": _program_writer(program),
+    }
+    artifact.metadata = {
+        "options": dict(context.options),
+        "quantized_tensors": len(table),
+        "onnx_opset": opset,
+        "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in result.inputs],
+        "outputs": [{"name": o.name, "shape": list(o.shape), "dtype": o.dtype} for o in result.outputs],
+        "ort_integer_kernels": checked,
+    }
+    return artifact
+
+
+def _check_integer_kernels(model_bytes: bytes, artifact: ReferenceArtifact) -> dict[str, Any]:
+    """Build the session ORT builds for ``model.onnx`` and check every integer kernel of the graph
+    it runs on every CPU's accumulation path (``accumulation``). A product that can overflow is a
+    ``LoweringError`` (the artifact would silently differ from the program on some CPUs); an
+    integer kernel the model does not know is recorded and warned about. The session is kept for
+    ``artifact.run``."""
+    import warnings
+
+    from quantplug_reference.accumulation import verify_model
+
+    ort = _onnxruntime()
+
+    def plain(options: Any) -> Any:
+        artifact._configure(options)
+        try:
+            return ort.InferenceSession(model_bytes, options, providers=[ORT_PROVIDER])
+        except Exception as exc:  # ORT's own errors have no common type
+            raise LoweringError(f"ONNX Runtime cannot load the lowered model.onnx: {exc}") from exc
+
+    report, artifact._session = verify_model(model_bytes, plain)
+    if report.violations:
+        raise LoweringError(
+            "model.onnx would not compute what the Q/DQ program computes on every CPU:\n  "
+            + "\n  ".join(f.format() for f in report.violations)
+            + "\nquantize conv/linear weights on [-64, 64] (the reference backend's weight_bits=7) or "
+            "report this as a quantplug bug"
+        )
+    if report.unverified:
+        warnings.warn(
+            "model.onnx has integer kernels whose accumulation quantplug does not model: "
+            + "; ".join(f.format() for f in report.unverified),
+            stacklevel=3,
+        )
+    return report.summary()
+
+
+def _program_writer(program: GraphModule) -> Callable[[Path], None]:
+    """Writes ``model.pt2`` when the artifact is saved (torch takes longer to serialize a program
+    than quantplug to lower it): the Q/DQ program as an ExportedProgram, dynamic shapes kept."""
+
+    def write(path: Path) -> None:
+        from quantplug.lowering.capture import to_exported_program
+
+        buffer = io.BytesIO()  # named after the file, the archive's folder would be the temp name
+        torch.export.save(to_exported_program(program), buffer)
+        path.write_bytes(buffer.getvalue())
+
+    return write
 
 
 def _for_ort(program: GraphModule) -> tuple[GraphModule, dict[Any, Any], dict[str, dict[str, str]]]:
@@ -228,44 +280,22 @@ def _map_fused_weights(result: Any, program: GraphModule, fused: dict[str, dict[
                 "dequantized": [],
                 "node": None,
                 "scale": names["scale"] if names["scale"] in initializers else None,
-                "zero_point": None,
+                "zero_point": names.get("zero_point"),
                 "transposed": True,
             }
+            if names.get("zero_point"):  # stored as uint8 w + 128 (see dynamic_linear)
+                entry["onnx"].update(stored_as="uint8", stored_offset=128)
         merged.append(entry)
     result.encodings = merged
 
 
-def _optimize_for_ort(result: Any) -> tuple[tuple[str, ...], dict[str, str]]:
-    """4-bit weights stored as INT4 and 4-bit weight-only linears spelled for ``MatMulNBits``
-    (``ort_passes``); the encodings' ONNX names follow. Returns the ORT optimizers to disable and
-    the session config entries the model runs best with."""
+def _spell_for_ort(result: Any) -> None:
+    """The ``ort_passes`` rewrites, in order; the encodings' ONNX names follow."""
     from quantplug.lowering.onnx_export import pack_int4_constants
-    from quantplug_reference.ort_passes import DISABLED_OPTIMIZERS, int4_weight_matmuls, session_config
+    from quantplug_reference import ort_passes
 
     pack_int4_constants(result)
-    rewritten = int4_weight_matmuls(result.model)
-    disabled = DISABLED_OPTIMIZERS if rewritten or _signed_8bit_activations(result.model) else ()
-    for entry in result.encodings:
-        info = entry.get("onnx")
-        if entry["kind"] == "constant" and info and info["tensor"] in rewritten:
-            info.update(rewritten[info["tensor"]])
-            info["transposed"] = True  # stored as W^T [in, out], scales on the matching axis
-    return disabled, session_config(result.model)
-
-
-def _signed_8bit_activations(model: Any) -> bool:
-    """Whether some activation is quantized to int8. ORT 1.31's MatMulAddFusion breaks such models
-    when it reshapes a 3-D linear input (it writes an int8 QuantizeLinear with a uint8 zero point:
-    the session fails to load), so their sessions run without it."""
-    from onnx import TensorProto
-
-    typed = {t.name: t.data_type for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.attribute:
-            typed[node.output[0]] = node.attribute[0].t.data_type
-    return any(
-        node.op_type == "QuantizeLinear"
-        and len(node.input) > 2
-        and typed.get(node.input[2]) == TensorProto.INT8
-        for node in model.graph.node
-    )
+    ort_passes.int4_linears_as_matmulnbits(result.model, result.encodings)
+    ort_passes.dequantize_weights_as_arithmetic(result.model, result.encodings)
+    ort_passes.retype_signed_activations(result.model, result.encodings)
+    ort_passes.retype_wide_product_weights(result.model, result.encodings)

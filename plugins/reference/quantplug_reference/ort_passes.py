@@ -1,29 +1,122 @@
-"""Rewrites of the exported QDQ ONNX model, and session settings, that let ONNX Runtime pick
-faster kernels.
+"""Rewrites of the exported QDQ ONNX model so that any ONNX Runtime session of the saved file,
+``onnxruntime.InferenceSession("model.onnx")`` with no option at all, computes what the Q/DQ
+program computes, on every CPU, and fast.
 
-Each keeps the model standard ONNX and its results unchanged (the Q/DQ program stays the
-reference); they only change how the computation is spelled or prepared.
+Each keeps the numbers the program defines (the same integer grids, the same scales); only the
+way they are stored or spelled changes. ``encodings.json`` follows (``stored_as`` /
+``stored_offset`` when ONNX holds an int8 grid as uint8, the new tensor names otherwise).
 
-* ``int4_weight_matmuls``: a linear with a float input and a 4-bit weight (``weight_only_int4``)
-  is exported as ``Gemm(x, DequantizeLinear(W), b, transB=1)`` (2-D input) or
-  ``MatMul(x, Transpose(DequantizeLinear(W))) + b`` (3-D), which ORT runs by dequantizing the
-  whole weight on every call. Spelled ``MatMul(x, DequantizeLinear(W^T)) + b`` (weight stored
-  transposed, scales moved to the matching axis), ORT fuses it into ``MatMulNBits``, which reads
-  the packed 4-bit weight directly. ORT would fold ``MatMul + Add`` into a ``Gemm`` first, so such
-  models run with its ``MatMulAddFusion`` off (``DISABLED_OPTIMIZERS``).
-* ``session_config``: a model without quantized activations or 4-bit weights (weight-only int8,
-  dynamic int8) gains nothing from ORT's QDQ fusions; with them off, ORT folds each weight's
-  ``DequantizeLinear`` into a float constant once, at load, instead of running it on every call
-  (``MatMulNBits`` on 8-bit weights, the alternative, is slower than float on x86). The file
-  keeps the int8 weights.
+* ``retype_signed_activations``: int8 activation ``QuantizeLinear``/``DequantizeLinear`` pairs
+  become uint8 ones with the zero point moved by 128: the same grid (``q + 128``). x86 builds of
+  ORT do this themselves before fusing (``QDQS8ToU8Transformer``); doing it in the file makes ARM
+  builds run the same unsigned kernels (no int8 x int8 product of two ``-128`` can wrap in the
+  int16 pair sums of ARMv8.0 NEON), and avoids ORT's ``MatMulAddFusion`` defect that made such
+  files fail to load (a uint8 zero point on an int8 ``QuantizeLinear``).
+* ``retype_wide_product_weights``: an int8 weight with values outside ``[-64, 64]`` that feeds
+  an 8-bit integer product (``weight_bits=8``) is stored as uint8 (``w + 128``, zero point 128):
+  ORT then runs its U8U8 kernels, which widen to 16 bits and are exact on every CPU, instead of
+  the U8S8 ones whose AVX2 / AVX-512BW form saturates (see ``accumulation``).
+* ``dequantize_weights_as_arithmetic``: an int8 weight that feeds no 8-bit integer product
+  (weight-only int8, dynamic int8, 16-bit activations) has its ``DequantizeLinear`` spelled ``Cast`` + ``Mul``
+  (with ``Reshape`` for per-group scales). ORT folds those into float constants once, at load,
+  in every session; a ``DequantizeLinear`` would instead be fused into ``MatMulNBits``, whose
+  default accuracy level quantizes the float activations to int8 (not what the program does).
+* ``int4_linears_as_matmulnbits``: a linear with a float input and a 4-bit weight is written as
+  ORT's ``MatMulNBits`` (domain ``com.microsoft``) with ``accuracy_level=1``: the packed 4-bit
+  weight is read directly and the products are float, as in the program. Left as
+  ``DequantizeLinear -> MatMul``, ORT would fuse it with the session's accuracy level (4 by
+  default: int8 activations), which a user's own session would not set.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-#: ORT graph optimizers to switch off for models rewritten by ``int4_weight_matmuls``
-DISABLED_OPTIMIZERS = ("MatMulAddFusion",)
+from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
+
+#: operators ORT fuses with the dequantized weight into an integer product
+PRODUCT_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+MS_DOMAIN = "com.microsoft"
+#: MatMulNBits accuracy level 1: float products (the program's), whatever the session says
+MATMULNBITS_FLOAT_ACCURACY = 1
+
+
+class _Graph:
+    """Index of one ONNX graph: producers, consumers, initializers, constant values."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.reindex()
+
+    def reindex(self) -> None:
+        self.inits = {t.name: t for t in self.graph.initializer}
+        self.producer = {o: n for n in self.graph.node for o in n.output}
+        self.users: dict[str, list[Any]] = {}
+        for node in self.graph.node:
+            for name in node.input:
+                self.users.setdefault(name, []).append(node)
+        self.outputs = {o.name for o in self.graph.output}
+
+    def constant(self, name: str) -> Any:
+        """The numpy value of an initializer or ``Constant`` output, else None."""
+        from onnx import numpy_helper
+
+        if name in self.inits:
+            return numpy_helper.to_array(self.inits[name])
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant" and node.attribute:
+            attr = node.attribute[0]
+            if attr.name == "value":
+                return numpy_helper.to_array(attr.t)
+        return None
+
+    def constant_type(self, name: str) -> int | None:
+        if name in self.inits:
+            return int(self.inits[name].data_type)
+        node = self.producer.get(name)
+        if (
+            node is not None
+            and node.op_type == "Constant"
+            and node.attribute
+            and node.attribute[0].name == "value"
+        ):
+            return int(node.attribute[0].t.data_type)
+        return None
+
+    def fresh(self, base: str) -> str:
+        taken = set(self.inits) | set(self.producer) | {i.name for i in self.graph.input}
+        name, i = base, 0
+        while name in taken:
+            i += 1
+            name = f"{base}_{i}"
+        return name
+
+    def add_initializer(self, array: Any, base: str) -> str:
+        from onnx import numpy_helper
+
+        name = self.fresh(base)
+        tensor = numpy_helper.from_array(array, name)
+        self.graph.initializer.append(tensor)
+        self.inits[name] = self.graph.initializer[-1]
+        return name
+
+    def replace_nodes(self, replace: dict[int, list[Any]]) -> None:
+        """Each node whose ``id`` is a key of ``replace`` becomes those nodes ([] drops it)."""
+        nodes = []
+        for node in self.graph.node:
+            nodes.extend(replace.get(id(node), [node]))
+        del self.graph.node[:]
+        self.graph.node.extend(nodes)
+        self.drop_unused_initializers()
+
+    def drop_unused_initializers(self) -> None:
+        used = {name for node in self.graph.node for name in node.input} | self.outputs
+        keep = [t for t in self.graph.initializer if t.name in used]
+        del self.graph.initializer[:]
+        self.graph.initializer.extend(keep)
+        self.reindex()
 
 
 def _attrs(node: Any) -> dict[str, Any]:
@@ -32,54 +125,323 @@ def _attrs(node: Any) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def session_config(model: Any) -> dict[str, str]:
-    """ORT session config entries for ``model`` (see the module docstring)."""
+def _entries_by(encodings: Iterable[dict[str, Any]], key: str) -> dict[str, list[dict[str, Any]]]:
+    """Encodings' ONNX info dicts by the tensor name under ``key``."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for entry in encodings:
+        info = entry.get("onnx")
+        if info and info.get(key):
+            found.setdefault(info[key], []).append(info)
+    return found
+
+
+# --------------------------------------------------------------------------- int8 activations
+
+
+def retype_signed_activations(model: Any, encodings: list[dict[str, Any]]) -> list[str]:
+    """int8 activation Q/DQ pairs stored as uint8 (module docstring). Returns the retyped tensors."""
+    import numpy as np
     from onnx import TensorProto
 
-    inits = {t.name: t.data_type for t in model.graph.initializer}
-    activations = any(n.op_type == "QuantizeLinear" for n in model.graph.node)
-    four_bit = any(
-        n.op_type == "DequantizeLinear" and inits.get(n.input[0]) in (TensorProto.INT4, TensorProto.UINT4)
-        for n in model.graph.node
+    g = _Graph(model)
+    by_quantized = _entries_by(encodings, "quantized")
+    value_info = {v.name: v for v in g.graph.value_info}
+    changed = []
+    for q in list(g.graph.node):
+        if q.op_type != "QuantizeLinear" or len(q.input) < 3 or _attrs(q).get("output_dtype", 0):
+            continue
+        out = q.output[0]
+        zp = g.constant(q.input[2])
+        if g.constant_type(q.input[2]) != TensorProto.INT8 or zp is None or zp.size != 1 or out in g.outputs:
+            continue
+        readers = g.users.get(out, [])
+        if not readers or any(r.op_type != "DequantizeLinear" or len(r.input) < 3 for r in readers):
+            continue
+        if any(
+            g.constant(r.input[2]) is None or g.constant(r.input[2]).tolist() != zp.tolist() for r in readers
+        ):
+            continue
+        shifted = (zp.astype(np.int16) + 128).astype(np.uint8)
+        new_zp = g.add_initializer(shifted, q.input[2] + "_as_uint8")
+        q.input[2] = new_zp
+        for r in readers:
+            r.input[2] = new_zp
+        if out in value_info:
+            value_info[out].type.tensor_type.elem_type = TensorProto.UINT8
+        for info in by_quantized.get(out, []):
+            info.update(zero_point=new_zp, stored_as="uint8", stored_offset=128)
+        changed.append(out)
+    if changed:
+        g.drop_unused_initializers()
+    return changed
+
+
+# --------------------------------------------------------------------------- 8-bit product weights
+
+
+def _is_depthwise(g: _Graph, conv: Any, weight: Any) -> bool:
+    """ORT's test: one input and one output channel per group."""
+    group = int(_attrs(conv).get("group", 1))
+    return (
+        conv.op_type == "Conv" and weight.ndim >= 3 and weight.shape[1] == 1 and weight.shape[0] == group > 1
     )
-    return {} if activations or four_bit else {"session.disable_quant_qdq": "1"}
 
 
-def int4_weight_matmuls(model: Any) -> dict[str, dict[str, str]]:
-    """Rewrite linears with float inputs and 4-bit weights in place (module docstring).
+def _eight_bit_activation(g: _Graph, name: str) -> bool:
+    """``name`` is the output of a DequantizeLinear of an 8-bit tensor (an integer product's input)."""
+    from onnx import TensorProto
 
-    Returns, per rewritten weight (the output name of its ``DequantizeLinear``), the new names of
-    its ``quantized`` data, ``scale`` and ``zero_point`` initializers (stored transposed).
-    """
+    dq = g.producer.get(name)
+    if dq is None or dq.op_type != "DequantizeLinear":
+        return False
+    if dq.input[0] in g.inits:
+        return int(g.inits[dq.input[0]].data_type) in (TensorProto.UINT8, TensorProto.INT8)
+    return len(dq.input) > 2 and g.constant_type(dq.input[2]) in (TensorProto.UINT8, TensorProto.INT8)
+
+
+#: ops that move a weight on its way to a product (``MatMul(x, Transpose(DQ(W)))``)
+_MOVES = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
+
+
+def _product_readers(g: _Graph, name: str) -> list[tuple[Any, str]]:
+    """(product node, the input it reads) for each product reached from ``name`` through moves."""
+    found = []
+    for reader in g.users.get(name, []):
+        if reader.op_type in PRODUCT_OPS:
+            found.append((reader, name))
+        elif reader.op_type in _MOVES and reader.input and reader.input[0] == name:
+            found.extend(_product_readers(g, reader.output[0]))
+    return found
+
+
+def retype_wide_product_weights(model: Any, encodings: list[dict[str, Any]]) -> list[str]:
+    """int8 weights past ``[-64, 64]`` of 8-bit integer products stored as uint8 (module
+    docstring). Returns the names of the new uint8 initializers."""
+    import numpy as np
+    from onnx import TensorProto
+
+    g = _Graph(model)
+    by_quantized = _entries_by(encodings, "quantized")
+    changed = []
+    for dq in list(g.graph.node):
+        if dq.op_type != "DequantizeLinear" or dq.input[0] not in g.inits:
+            continue
+        if int(g.inits[dq.input[0]].data_type) != TensorProto.INT8:
+            continue
+        weight = g.constant(dq.input[0])
+        if weight.size == 0 or int(np.abs(weight.astype(np.int16)).max()) <= SATURATION_FREE_WEIGHT_MAX:
+            continue
+        products = [
+            (r, fed)
+            for r, fed in _product_readers(g, dq.output[0])
+            if not _is_depthwise(g, r, weight)
+            and any(_eight_bit_activation(g, i) for i in r.input if i and i != fed)
+        ]
+        if not products:
+            continue
+        zp = g.constant(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else np.zeros((), np.int8)
+        stored = (weight.astype(np.int16) + 128).astype(np.uint8)
+        new_w = g.add_initializer(stored, dq.input[0] + "_as_uint8")
+        new_zp = g.add_initializer(
+            (zp.astype(np.int16) + 128).astype(np.uint8), dq.input[0] + "_zero_point_as_uint8"
+        )
+        old_w = dq.input[0]
+        dq.input[0] = new_w
+        if len(dq.input) > 2:
+            dq.input[2] = new_zp
+        else:
+            dq.input.append(new_zp)
+        for info in by_quantized.get(old_w, []):
+            if info.get("node") == dq.name:
+                info.update(quantized=new_w, zero_point=new_zp, stored_as="uint8", stored_offset=128)
+        changed.append(new_w)
+    if changed:
+        g.drop_unused_initializers()
+    return changed
+
+
+# --------------------------------------------------------------------------- weight-only int8
+
+
+def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]) -> list[str]:
+    """int8 weights that feed no 8-bit integer product (weight-only and dynamic presets, and
+    products with 16-bit activations: ``a16w8``) have their DequantizeLinear spelled Cast + Mul
+    (module docstring). Returns the weights rewritten."""
+    import numpy as np
     from onnx import TensorProto, helper
 
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    users: dict[str, list[Any]] = {}
-    for node in graph.node:
-        for name in node.input:
-            users.setdefault(name, []).append(node)
+    g = _Graph(model)
+    by_node = _entries_by(encodings, "node")
+    replace: dict[int, list[Any]] = {}
+    changed = []
+    for dq in g.graph.node:
+        if dq.op_type != "DequantizeLinear" or dq.input[0] not in g.inits:
+            continue
+        if int(g.inits[dq.input[0]].data_type) != TensorProto.INT8:
+            continue
+        if any(
+            _eight_bit_activation(g, i)
+            for r, fed in _product_readers(g, dq.output[0])
+            for i in r.input
+            if i and i != fed
+        ):
+            continue  # ORT fuses it into an integer product (QLinearConv, QGemm...): keep the DQ
+        weight = g.constant(dq.input[0])
+        scale = g.constant(dq.input[1])
+        zero = g.constant(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
+        if scale is None or (len(dq.input) > 2 and dq.input[2] and zero is None):
+            continue
+        attrs = _attrs(dq)
+        axis, block = int(attrs.get("axis", 1)) % max(weight.ndim, 1), int(attrs.get("block_size", 0))
+        out, base = dq.output[0], dq.name or dq.output[0]
+        nodes: list[Any] = []
+        cast_out = g.fresh(out + "_int")
+        nodes.append(
+            helper.make_node("Cast", [dq.input[0]], [cast_out], to=TensorProto.FLOAT, name=base + "_cast")
+        )
+        value = cast_out
+        rank = weight.ndim
+        if block and scale.ndim == rank:  # per block: split the blocked axis in (blocks, block)
+            n = weight.shape[axis] // block
+            split = [*weight.shape[:axis], n, block, *weight.shape[axis + 1 :]]
+            param_shape = [*weight.shape[:axis], n, 1, *weight.shape[axis + 1 :]]
+        elif scale.size > 1:  # per axis
+            split = None
+            param_shape = [1] * rank
+            param_shape[axis] = scale.size
+        else:
+            split, param_shape = None, []
+        if split is not None:
+            shape_name = g.add_initializer(np.array(split, np.int64), base + "_blocks")
+            reshaped = g.fresh(out + "_blocks")
+            nodes.append(helper.make_node("Reshape", [value, shape_name], [reshaped], name=base + "_split"))
+            value = reshaped
+        if zero is not None and np.any(zero != 0):
+            z_name = g.add_initializer(zero.astype(np.float32).reshape(param_shape), base + "_zero_point_f")
+            centered = g.fresh(out + "_centered")
+            nodes.append(helper.make_node("Sub", [value, z_name], [centered], name=base + "_center"))
+            value = centered
+        s_name = g.add_initializer(scale.astype(np.float32).reshape(param_shape), base + "_scale_b")
+        scaled = out if split is None else g.fresh(out + "_scaled")
+        nodes.append(helper.make_node("Mul", [value, s_name], [scaled], name=base + "_scale"))
+        if split is not None:
+            back = g.add_initializer(np.array(weight.shape, np.int64), base + "_shape")
+            nodes.append(helper.make_node("Reshape", [scaled, back], [out], name=base + "_merge"))
+        replace[id(dq)] = nodes
+        for info in by_node.get(dq.name, []):
+            info.update(node=nodes[-1].name, scale=s_name, zero_point=None, spelled="Cast*scale")
+        changed.append(dq.input[0])
+    if replace:
+        g.replace_nodes(replace)
+    return changed
+
+
+# --------------------------------------------------------------------------- int4 linears
+
+
+def _matmulnbits_weight(weight: Any, scale: Any, attrs: dict[str, Any]) -> tuple[Any, Any, int] | None:
+    """(packed B ``[N, blocks, block / 2]``, scales ``[N * blocks]``, block size) of a 4-bit
+    weight ``[N, K]`` (int values in ``[-8, 7]``) and its DequantizeLinear scales, or None."""
+    import numpy as np
+
+    n, k = weight.shape
+    axis, block = int(attrs.get("axis", 1)) % 2, int(attrs.get("block_size", 0))
+    if (
+        block
+        and scale.shape == (n, k // block)
+        and axis == 1
+        and k % block == 0
+        and block >= 16
+        and block & (block - 1) == 0
+    ):
+        scales = scale
+    elif not block and (scale.size == 1 or (scale.shape == (n,) and axis == 0)):
+        block = max(16, 1 << (k - 1).bit_length())  # one block spans the row (zero-padded)
+        scales = np.broadcast_to(scale.reshape(-1, 1), (n, 1))
+    else:
+        return None
+    blocks = -(-k // block)
+    unsigned = np.full((n, blocks * block), 8, np.uint8)  # 8 = MatMulNBits' default zero point
+    unsigned[:, :k] = (weight.astype(np.int16) + 8).astype(np.uint8)
+    pairs = unsigned.reshape(n, blocks, block // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+    return packed, np.ascontiguousarray(scales, dtype=np.float32).reshape(-1), block
+
+
+def int4_linears_as_matmulnbits(model: Any, encodings: list[dict[str, Any]]) -> list[str]:
+    """Linears with a float input and a 4-bit symmetric weight written as ``MatMulNBits``
+    (module docstring). Returns the weights rewritten."""
+    from onnx import TensorProto, helper
+
+    g = _Graph(model)
+    by_node = _entries_by(encodings, "node")
 
     def weight_dq(name: str) -> Any:
-        """The DequantizeLinear of a 4-bit initializer producing ``name``, read only there."""
-        dq = producer.get(name)
-        if dq is None or dq.op_type != "DequantizeLinear" or len(users.get(dq.output[0], [])) != 1:
+        """The DequantizeLinear of a symmetric 4-bit initializer producing ``name``, read only there."""
+        dq = g.producer.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear" or len(g.users.get(dq.output[0], [])) != 1:
             return None
-        data = inits.get(dq.input[0])
-        if data is None or data.data_type not in (TensorProto.INT4, TensorProto.UINT4) or len(data.dims) != 2:
+        data = g.inits.get(dq.input[0])
+        if data is None or data.data_type != TensorProto.INT4 or len(data.dims) != 2:
             return None
-        if len(users.get(dq.input[0], [])) != 1 or any(n and n not in inits for n in dq.input[1:]):
-            return None
-        return dq
+        if len(dq.input) > 2 and dq.input[2]:
+            zero = g.constant(dq.input[2])
+            if zero is None or zero.any():
+                return None
+        return dq if g.constant(dq.input[1]) is not None else None
 
     def float_input(name: str) -> bool:
-        src = producer.get(name)
+        src = g.producer.get(name)
         return src is None or src.op_type != "DequantizeLinear"
 
-    rewritten: dict[str, dict[str, str]] = {}
-    replace: dict[int, list[Any]] = {}  # id(node) -> replacement nodes ([] drops it)
-    for node in graph.node:
+    replace: dict[int, list[Any]] = {}
+    changed = []
+
+    def rewrite(anchor: Any, x: str, dq: Any, out: str, bias: str | None, extra: Iterable[Any] = ()) -> bool:
+        weight = g.constant(dq.input[0])
+        spelled = _matmulnbits_weight(weight, g.constant(dq.input[1]), _attrs(dq))
+        if spelled is None:
+            return False
+        packed, scales, block = spelled
+        n, k = weight.shape
+        base = dq.name or dq.output[0]
+        b_name = g.add_initializer(packed, dq.input[0] + "_nbits")
+        s_name = g.add_initializer(scales, dq.input[1] + "_nbits")
+        product = out if bias is None else g.fresh(out + "_matmul")
+        node = helper.make_node(
+            "MatMulNBits",
+            [x, b_name, s_name],
+            [product],
+            name=(anchor.name or out) + "_nbits",
+            domain=MS_DOMAIN,
+            K=k,
+            N=n,
+            bits=4,
+            block_size=block,
+            accuracy_level=MATMULNBITS_FLOAT_ACCURACY,
+        )
+        nodes = [node]
+        if bias is not None:
+            nodes.append(helper.make_node("Add", [product, bias], [out], name=(anchor.name or out) + "_bias"))
+        replace[id(anchor)] = nodes
+        replace[id(dq)] = []
+        for other in extra:
+            replace[id(other)] = []
+        for info in by_node.get(dq.name, []):
+            info.update(
+                tensor=None,
+                quantized=b_name,
+                dequantized=[],
+                scale=s_name,
+                zero_point=None,
+                node=node.name,
+                layout="MatMulNBits: uint8 [N, blocks, block/2], two 4-bit values per byte (low nibble "
+                "first), stored w + 8; scales [N * blocks]",
+            )
+        changed.append(base)
+        return True
+
+    for node in list(g.graph.node):
         if node.op_type == "Gemm" and len(node.input) >= 2 and float_input(node.input[0]):
             a = _attrs(node)
             if (a.get("transA", 0), a.get("transB", 0), a.get("alpha", 1.0), a.get("beta", 1.0)) != (
@@ -90,94 +452,24 @@ def int4_weight_matmuls(model: Any) -> dict[str, dict[str, str]]:
             ):
                 continue
             dq = weight_dq(node.input[1])
-            if dq is None:
-                continue
-            _transpose_weight(graph, inits, users, dq, rewritten)
-            out = node.output[0]
-            if len(node.input) > 2 and node.input[2]:
-                replace[id(node)] = [
-                    helper.make_node(
-                        "MatMul", [node.input[0], dq.output[0]], [out + "_matmul"], name=node.name + "_matmul"
-                    ),
-                    helper.make_node(
-                        "Add", [out + "_matmul", node.input[2]], [out], name=node.name + "_bias"
-                    ),
-                ]
-            else:
-                replace[id(node)] = [
-                    helper.make_node("MatMul", [node.input[0], dq.output[0]], [out], name=node.name)
-                ]
-        elif node.op_type == "Transpose" and _attrs(node).get("perm") in ([1, 0], (1, 0)):
-            dq = weight_dq(node.input[0])
-            readers = users.get(node.output[0], [])
-            if dq is None or not readers:
-                continue
-            if not all(
-                r.op_type == "MatMul" and list(r.input).index(node.output[0]) == 1 and float_input(r.input[0])
-                for r in readers
+            if dq is not None:
+                bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+                rewrite(node, node.input[0], dq, node.output[0], bias)
+        elif node.op_type == "MatMul" and float_input(node.input[0]):
+            transpose = g.producer.get(node.input[1])
+            if (
+                transpose is None
+                or transpose.op_type != "Transpose"
+                or len(g.users.get(transpose.output[0], [])) != 1
             ):
                 continue
-            _transpose_weight(graph, inits, users, dq, rewritten)
-            for r in readers:
-                r.input[1] = dq.output[0]
-            replace[id(node)] = []
+            if list(_attrs(transpose).get("perm", [])) != [1, 0]:
+                continue
+            dq = weight_dq(transpose.input[0])
+            if dq is not None:
+                rewrite(node, node.input[0], dq, node.output[0], None, extra=[transpose])
     if replace:
-        nodes = []
-        for node in graph.node:
-            nodes.extend(replace.get(id(node), [node]))
-        del graph.node[:]
-        graph.node.extend(nodes)
-        used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-        keep = [t for t in graph.initializer if t.name in used]
-        del graph.initializer[:]
-        graph.initializer.extend(keep)
-    return rewritten
-
-
-def _transpose_weight(
-    graph: Any,
-    inits: dict[str, Any],
-    users: dict[str, list[Any]],
-    dq: Any,
-    rewritten: dict[str, dict[str, str]],
-) -> None:
-    """Store ``dq``'s 2-D weight as W^T, its per-axis/blocked qparams moved to match."""
-    import numpy as np
-    from onnx import helper, numpy_helper
-
-    names = list(dq.input) + [""] * (3 - len(dq.input))
-    w_name, s_name, z_name = names[:3]
-    weight = numpy_helper.to_array(inits[w_name])
-    scale = numpy_helper.to_array(inits[s_name])
-    zero = numpy_helper.to_array(inits[z_name]) if z_name else None
-    attrs = _attrs(dq)
-    axis = int(attrs.get("axis", 1)) % 2
-    new_attrs: dict[str, Any] = {}
-    if scale.ndim == 2:  # blocked: the grid transposes with the weight
-        scale, zero = scale.T, None if zero is None else zero.T
-        new_attrs = {"axis": 1 - axis, "block_size": int(attrs.get("block_size", 0))}
-    elif scale.ndim == 1 and scale.size > 1:  # per axis
-        new_attrs = {"axis": 1 - axis}
-    inputs = []
-    for role, old, value in (
-        ("quantized", w_name, weight.T),
-        ("scale", s_name, scale),
-        ("zero_point", z_name, zero),
-    ):
-        if not old or value is None:
-            continue
-        new = old + "_t"
-        while new in inits:
-            new += "_"
-        tensor = numpy_helper.from_array(np.ascontiguousarray(value), new)
-        if len(users.get(old, [])) == 1:  # renamed in place
-            inits[old].CopyFrom(tensor)
-            inits[new] = inits.pop(old)
-        else:  # shared (the exporter merges equal constants): a private copy
-            graph.initializer.append(tensor)
-            inits[new] = graph.initializer[-1]
-            users[old] = [u for u in users[old] if u is not dq]
-        users[new] = [dq]
-        inputs.append(new)
-        rewritten.setdefault(dq.output[0], {})[role] = new
-    dq.CopyFrom(helper.make_node("DequantizeLinear", inputs, [dq.output[0]], name=dq.name, **new_attrs))
+        g.replace_nodes(replace)
+        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return changed

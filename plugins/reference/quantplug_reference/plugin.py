@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import quantplug
 from quantplug import BackendContext, BackendInfo, BackendOption, NamedPass, Preset, RulesModule
+from quantplug.conformance.profile import ConformanceProfile
+from quantplug.quantizer.fusion import FusionPattern
 from quantplug_reference import configs
 from quantplug_reference.rules import RULE_MODULES
 
@@ -36,9 +38,31 @@ INFO = BackendInfo(
             f"{configs.DEFAULT_INT4_GROUP} for weight_only_int4)",
             choices=configs.GROUP_SIZES,
         ),
-        BackendOption("onnx_opset", int, 21, "ONNX opset of the lowered model (>= 21 for 16/4-bit)"),
         BackendOption(
-            "ort_threads", int, 0, "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)"
+            "weight_bits",
+            int,
+            7,
+            "grid of conv/linear weights multiplied as integers (int8, int8_per_tensor, dynamic_int8): "
+            "7 = [-64, 64], exact with ORT's fast U8S8 kernels on every CPU; 8 = [-127, 127], stored "
+            "as uint8 for ORT's U8U8 kernels (exact too, about half as fast on VNNI CPUs)",
+            choices=configs.WEIGHT_BITS,
+        ),
+        BackendOption(
+            "onnx_opset",
+            int,
+            21,
+            "ONNX opset of the lowered model (18 and later; Q/DQ of 16/4-bit and per-block grids needs "
+            "21; ONNX Runtime 1.32 runs up to 27)",
+            minimum=18,
+            maximum=27,
+        ),
+        BackendOption(
+            "ort_threads",
+            int,
+            0,
+            "ONNX Runtime intra-op threads for artifact.run (0: ORT's default)",
+            minimum=0,
+            maximum=1024,
         ),
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
@@ -64,8 +88,21 @@ def quantplug_quantization_config(
 
 
 @quantplug.hookimpl
+def quantplug_fusion_patterns(context: BackendContext) -> Sequence[FusionPattern]:
+    from quantplug_reference.rules.fusion import PATTERNS
+
+    return PATTERNS
+
+
+@quantplug.hookimpl
 def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[NamedPass]:
     return ()
+
+
+@quantplug.hookimpl
+def quantplug_conformance_profile(context: BackendContext) -> ConformanceProfile:
+    """What ``quantplug conformance reference`` checks the artifact for."""
+    return ConformanceProfile(artifact_files=("model.onnx", "encodings.json", "model.pt2"))
 
 
 @quantplug.hookimpl

@@ -59,5 +59,4 @@ def build_config(precision: str, options: Mapping[str, Any]) -> QuantizationConf
             return None
         return derived_bias_spec(node, weight_spec=per_channel)
 
-    # a bias callable may return None (bias stays float); QuantizationConfig's hint omits that
-    return QuantizationConfig(input_activation=act, output_activation=act, weight=weight, bias=bias)  # type: ignore[arg-type]
+    return QuantizationConfig(input_activation=act, output_activation=act, weight=weight, bias=bias)

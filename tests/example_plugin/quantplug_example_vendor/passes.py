@@ -1,12 +1,13 @@
-"""Graph passes: one before annotation, one during lowering."""
+"""Graph passes: one before annotation, two during lowering (one rewrites, one checks)."""
 
 from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug import BackendContext, is_float_tensor
+from quantplug import BackendContext, ValidationReport, Violation, is_float_tensor
 from quantplug.flow.graph_copy import working_copy
+from quantplug.flow.inspect import DEQUANTIZE_OPS
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -81,3 +82,34 @@ def _redundant_before(user: Node) -> bool:
         return False
     zero_point, quant_min = user.args[2], user.args[3]
     return isinstance(zero_point, int) and zero_point == quant_min
+
+
+def check_standalone_relus(gm: GraphModule, context: BackendContext) -> None:
+    """EV100 (arch 1) has no Relu unit: a relu must run fused into the linear/conv before it or
+    be applied by a quantize stage (``drop_redundant_relu``). Any other relu is a violation,
+    raised in strict mode and logged otherwise (the compiler then runs it on the host CPU).
+
+    A relu reading a dequantize is standalone; a fused one reads its producer directly.
+    """
+    if context.state.get("arch", 0) >= 2:
+        return
+    report = ValidationReport()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target != aten.relu.default:
+            continue
+        report.checked_nodes += 1
+        source = node.args[0]
+        if isinstance(source, Node) and source.target in DEQUANTIZE_OPS:
+            report.violations.append(
+                Violation(
+                    node=node.name,
+                    op="aten.relu.default",
+                    backend_op="Relu",
+                    port="output",
+                    expected="a relu fused into its producer or applied by a quantize stage",
+                    actual="a standalone relu (EV100 has no Relu unit)",
+                    rule="standalone relu",
+                    stage="lower",
+                )
+            )
+    report.enforce(context.strict)

@@ -22,6 +22,8 @@ from quantplug import (
     BackendContext,
     BackendInfo,
     BackendOption,
+    ConformanceProfile,
+    FusionPattern,
     NamedPass,
     OpConstraint,
     Preset,
@@ -103,6 +105,23 @@ def quantplug_resolve_sharing(
     return resolve(problem.with_merges(merges))
 
 
+#: the matrix unit applies a relu on its way out: linear/conv + relu is one kernel. A relu the user
+#: keeps float leaves the linear/conv quantized on its own.
+FUSIONS = (
+    FusionPattern(
+        ["aten.linear.default", "aten.conv2d.default"],
+        ["aten.relu.default"],
+        when_tail_float="quantize_head",
+        name="matrix unit + relu",
+    ),
+)
+
+
+@quantplug.hookimpl
+def quantplug_fusion_patterns(context: BackendContext) -> Sequence[FusionPattern]:
+    return FUSIONS
+
+
 @quantplug.hookimpl
 def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[NamedPass]:
     from quantplug_example_vendor.passes import lift_scalar_operands
@@ -112,9 +131,10 @@ def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[Name
 
 @quantplug.hookimpl
 def quantplug_lowering_passes(context: BackendContext) -> Sequence[NamedPass]:
-    from quantplug_example_vendor.passes import drop_redundant_relu
+    from quantplug_example_vendor.passes import check_standalone_relus, drop_redundant_relu
 
-    return [NamedPass("drop_redundant_relu", drop_redundant_relu)] if context.option("drop_relu") else []
+    passes = [NamedPass("drop_redundant_relu", drop_redundant_relu)] if context.option("drop_relu") else []
+    return [*passes, NamedPass("check_standalone_relus", check_standalone_relus)]
 
 
 @quantplug.hookimpl
@@ -122,3 +142,11 @@ def quantplug_artifact_writer(context: BackendContext) -> Callable[[GraphModule,
     from quantplug_example_vendor.writer import write_artifact
 
     return write_artifact
+
+
+@quantplug.hookimpl
+def quantplug_conformance_profile(context: BackendContext) -> ConformanceProfile:
+    """What ``quantplug conformance example_vendor`` checks beyond its defaults."""
+    from quantplug_example_vendor.writer import ENCODINGS_FILE
+
+    return ConformanceProfile(artifact_files=(ENCODINGS_FILE,))

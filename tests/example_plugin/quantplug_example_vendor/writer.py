@@ -25,7 +25,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
     }
     return Artifact(
         backend=context.backend,
-        files={ENCODINGS_FILE: json.dumps(document, indent=2)},
+        files={ENCODINGS_FILE: json.dumps(document, indent=2, allow_nan=False)},
         metadata={
             "options": dict(context.options),
             "quantized_tensors": len(table),

@@ -27,6 +27,7 @@ RULE_MODULES: tuple[RulesModule, ...] = (
     RulesModule(
         _P + "linear_rules",
         [
+            "aten.addmm.default",
             "aten.bmm.default",
             "aten.linear.default",
             "aten.matmul.default",
@@ -104,6 +105,7 @@ RULE_MODULES: tuple[RulesModule, ...] = (
             "aten.hardtanh_.default",
             "aten.log_softmax.int",
             "aten.relu.default",
+            "aten.relu6.default",
             "aten.relu_.default",
             "aten.sigmoid.default",
             "aten.softmax.int",

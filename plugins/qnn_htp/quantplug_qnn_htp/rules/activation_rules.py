@@ -87,6 +87,7 @@ def annotate_relu(node: Node, config: QuantizationConfig) -> None:
         aten.clamp_max.default,
         aten.hardtanh.default,
         aten.hardtanh_.default,
+        aten.relu6.default,
     ],
     backend_op="ReluMinMax",
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -9,11 +10,18 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from quantplug import BackendContext, QuantizationConfig, SharedQuantizationSpec, is_float_tensor
+from quantplug import (
+    BackendContext,
+    QuantizationConfig,
+    SharedQuantizationSpec,
+    annotate_single_in_single_out,
+    is_float_tensor,
+)
 from quantplug.annotation.annotators import output_spec_of
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
 from quantplug_qnn_htp.configs import BLOCK_MAP_STATE, QnnQuantizationConfig, bias_spec_for, weight_spec_for
+from quantplug_qnn_htp.decompositions import ABSOLUTE_RANGE_KEY
 
 #: node meta set by the ``mark_masks`` pass: argument positions holding ``±inf`` mask constants
 MASK_ARGS_KEY = "qnn_htp_mask_args"
@@ -39,16 +47,19 @@ def annotate_weighted_op(
     config: QuantizationConfig,
     kind: str,
     *,
+    input_index: int = 0,
+    weight_index: int = 1,
     bias_index: int | None = 2,
     groups: int = 1,
     context: BackendContext | None = None,
 ) -> None:
-    """Conv / transpose conv / linear: input, weight (per-tensor/channel or LPBQ), derived bias, output."""
+    """Conv / transpose conv / linear / addmm: input, weight (per-tensor/channel or LPBQ),
+    derived bias, output."""
     if is_annotated(node):
         return
     args = node.args
-    act = args[0] if args else None
-    weight = args[1] if len(args) > 1 else None
+    act = args[input_index] if len(args) > input_index else None
+    weight = args[weight_index] if len(args) > weight_index else None
     inputs: dict[Node, QuantizationSpecBase | None] = {}
     if is_float_tensor(act) and config.input_activation is not None:
         inputs[act] = config.input_activation  # type: ignore[index]
@@ -63,7 +74,7 @@ def annotate_weighted_op(
         and is_float_tensor(args[bias_index])
         and act in inputs
     ):
-        b = bias_spec_for(node, act, weight, w_spec, config, groups=groups)  # type: ignore[arg-type]
+        b = bias_spec_for(node, act, weight, w_spec, config, bias=args[bias_index], groups=groups)  # type: ignore[arg-type]
         if b is not None:
             inputs[args[bias_index]] = b  # type: ignore[index]
     out = out_spec(config, node)
@@ -96,6 +107,26 @@ def annotate_all_float_args(node: Node, config: QuantizationConfig, *, limit: in
             inputs[a] = config.input_activation  # type: ignore[index]
     if inputs or out is not None:
         annotate_node(node, inputs, out)
+
+
+def observe_absolute_range(node: Node, config: QuantizationConfig) -> None:
+    """A per-row statistic (``ABSOLUTE_RANGE_KEY``, set by the decompositions) is observed over
+    its absolute range: its output spec takes the config's ``statistic`` observer, whose group
+    priority also governs the consumers sharing it. Call after the node's rule annotated it."""
+    if not node.meta.get(ABSOLUTE_RANGE_KEY) or not isinstance(config, QnnQuantizationConfig):
+        return
+    ann = get_annotation(node)
+    spec = None if ann is None else ann.output_qspec
+    if spec is None or spec_kind(spec) is not SpecKind.PLAIN or config.statistic is None:
+        return
+    ctr = config.statistic.observer_or_fake_quant_ctr  # type: ignore[attr-defined]
+    ann.output_qspec = dataclasses.replace(spec, observer_or_fake_quant_ctr=ctr)  # type: ignore[union-attr]
+
+
+def annotate_siso(node: Node, config: QuantizationConfig) -> None:
+    """Single input, single output, on the activation grid (per-row statistics: absolute range)."""
+    annotate_single_in_single_out(node, config)
+    observe_absolute_range(node, config)
 
 
 def annotate_input_shared_out(node: Node, config: QuantizationConfig, *, output: bool = True) -> Node | None:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_binary, annotate_single_in_single_out, register_annotator
-from quantplug_qnn_htp.rules.common import MASK_ARGS_KEY, annotate_all_float_args
+from quantplug import QuantizationConfig, annotate_binary, register_annotator
+from quantplug_qnn_htp.rules.common import (
+    MASK_ARGS_KEY,
+    annotate_all_float_args,
+    annotate_siso,
+    observe_absolute_range,
+)
 
 aten = torch.ops.aten
 
@@ -57,6 +62,7 @@ def _binary(backend_op: str, ops: list) -> None:
             annotate_all_float_args(node, config, limit=2)
         else:
             annotate_binary(node, config)
+        observe_absolute_range(node, config)
 
     annotate.__name__ = f"annotate_{backend_op}"
     globals()[annotate.__name__] = annotate
@@ -65,7 +71,7 @@ def _binary(backend_op: str, ops: list) -> None:
 def _unary(backend_op: str, ops: list) -> None:
     @register_annotator(ops, backend_op=backend_op)
     def annotate(node: Node, config: QuantizationConfig) -> None:
-        annotate_single_in_single_out(node, config)
+        annotate_siso(node, config)
 
     annotate.__name__ = f"annotate_{backend_op}"
     globals()[annotate.__name__] = annotate
@@ -85,7 +91,7 @@ def annotate_prelu(node: Node, config: QuantizationConfig) -> None:
 # QNN has no 1:1 op here in ExecuTorch's table (rsqrt: its BackendOpInfo entry is bypassed)
 @register_annotator([aten.rsqrt.default])
 def annotate_rsqrt(node: Node, config: QuantizationConfig) -> None:
-    annotate_single_in_single_out(node, config)
+    annotate_siso(node, config)
 
 
 @register_annotator([aten.where.self, aten.where.ScalarSelf], backend_op="ElementWiseSelect")

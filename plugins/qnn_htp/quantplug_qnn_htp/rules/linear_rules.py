@@ -1,4 +1,4 @@
-"""Fully connected (``linear``) and MatMul (``matmul`` / ``bmm`` / ``mm``)."""
+"""Fully connected (``linear``, ``addmm`` with constant weights) and MatMul (``matmul``, ``bmm``, ``mm``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from torch.fx import Node
 
 from quantplug import BackendContext, QuantizationConfig, is_float_tensor, register_annotator
 from quantplug.annotation.specs import annotate_node, is_annotated
+from quantplug_qnn_htp.decompositions import is_fully_connected_addmm
 from quantplug_qnn_htp.rules.common import annotate_weighted_op, out_spec
 
 aten = torch.ops.aten
@@ -15,6 +16,17 @@ aten = torch.ops.aten
 @register_annotator([aten.linear.default], backend_op="FullyConnected")
 def annotate_linear(node: Node, config: QuantizationConfig, context: BackendContext) -> None:
     annotate_weighted_op(node, config, "linear", context=context)
+
+
+@register_annotator([aten.addmm.default], backend_op="Gemm")
+def annotate_addmm(node: Node, config: QuantizationConfig, context: BackendContext) -> None:
+    """``addmm(bias, x, W)`` with a constant ``W [in, out]`` and bias: a fully connected layer
+    (ONNX ``Gemm``, QNN ``FullyConnected``), quantized as a linear is: ``x`` and the output on the
+    activation grid, ``W`` per-tensor or per-channel along axis 1, the bias int32 derived from
+    both. Other addmm nodes were rewritten to ``mm`` + ``add`` before annotation."""
+    if not is_fully_connected_addmm(node):
+        return
+    annotate_weighted_op(node, config, "addmm", input_index=1, weight_index=2, bias_index=0, context=context)
 
 
 @register_annotator([aten.matmul.default, aten.bmm.default, aten.mm.default], backend_op="MatMul")

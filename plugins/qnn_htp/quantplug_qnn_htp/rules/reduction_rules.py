@@ -11,7 +11,7 @@ from quantplug import (
     annotate_single_in_single_out,
     register_annotator,
 )
-from quantplug_qnn_htp.rules.common import annotate_input_shared_out
+from quantplug_qnn_htp.rules.common import annotate_input_shared_out, annotate_siso
 
 aten = torch.ops.aten
 
@@ -28,7 +28,7 @@ def annotate_amin(node: Node, config: QuantizationConfig) -> None:
 
 @register_annotator([aten.mean.default, aten.mean.dim], backend_op="ReduceMean")
 def annotate_mean(node: Node, config: QuantizationConfig) -> None:
-    annotate_single_in_single_out(node, config)
+    annotate_siso(node, config)
 
 
 @register_annotator([aten.sum.dim_IntList], backend_op="ReduceSum")

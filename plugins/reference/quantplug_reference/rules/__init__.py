@@ -63,9 +63,16 @@ RULE_MODULES: tuple[RulesModule, ...] = (
             "aten.mul.Tensor",
             "aten.mul_.Tensor",
             "aten.div.Tensor",
+        ],
+    ),
+    RulesModule(
+        _P + "matmul_rules",
+        [
             "aten.matmul.default",
-            "aten.bmm.default",
             "aten.mm.default",
+            "aten.bmm.default",
+            "aten.addmm.default",
+            "aten.baddbmm.default",
         ],
     ),
     RulesModule(

@@ -1,4 +1,4 @@
-"""Binary arithmetic and matrix products; add/mul followed by a relu run as one fused op."""
+"""Binary arithmetic; add/mul followed by a relu run as one fused op (matrix products: matmul_rules)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,4 @@ def annotate_arithmetic(node: Node, config: QuantizationConfig) -> None:
         if ann is not None:
             ann.output_qspec = None  # the relu after it carries the output encoding
             annotate_node(node)
-    reuse_fixed_inputs(node)
-
-
-@register_annotator([aten.matmul.default, aten.bmm.default, aten.mm.default])
-def annotate_matmul(node: Node, config: QuantizationConfig) -> None:
-    if not static_activations(config):
-        return
-    annotate_binary(node, config)
     reuse_fixed_inputs(node)

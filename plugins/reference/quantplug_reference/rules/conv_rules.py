@@ -4,6 +4,8 @@ Only static configs quantize convolutions; weight-only and dynamic presets keep 
 A transposed convolution stores its weight as ``[in, out / groups, k...]``: per-channel weights
 use axis 1 there (the output channels, which the int32 bias also follows); grouped transposed
 convolutions, where no single axis holds the output channels, get one weight scale.
+Depthwise convolutions keep weights on the whole int8 grid: ONNX Runtime's depthwise kernels
+widen both operands to 16 bits on every CPU, so their products cannot saturate (see ``configs``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from quantplug import (
     register_annotator,
 )
 from quantplug.observers.minmax import MinMaxObserver
+from quantplug_reference.configs import full_int8_range
 from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 from quantplug_reference.rules.fusion import has_fused_activation
 
@@ -48,8 +51,20 @@ def annotate_conv(node: Node, config: QuantizationConfig) -> None:
         return
     if node.target in TRANSPOSED:
         config = transposed_config(node, config)
+    elif is_depthwise(node):
+        config = dataclasses.replace(config, weight=full_int8_range(config.weight))
     annotate_weighted(node, config, quantize_output=not has_fused_activation(node))
     reuse_fixed_inputs(node)
+
+
+def is_depthwise(node: Node) -> bool:
+    """One input and one output channel per group (ONNX Runtime's test for its depthwise kernels)."""
+    weight = node.args[1] if len(node.args) > 1 else None
+    val = weight.meta.get("val") if isinstance(weight, Node) else None
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    if not isinstance(val, torch.Tensor) or val.dim() < 3 or not isinstance(groups, int) or groups < 2:
+        return False
+    return int(val.shape[1]) == 1 and int(val.shape[0]) == groups
 
 
 def transposed_config(node: Node, config: QuantizationConfig) -> QuantizationConfig:

@@ -12,6 +12,7 @@ from torch.fx import Node
 
 from quantplug import QuantizationConfig, SharedQuantizationSpec, is_float_tensor, register_annotator
 from quantplug.annotation.specs import annotate_node, is_annotated
+from quantplug_reference.configs import full_int8_range
 from quantplug_reference.rules.common import static_activations, weight_only
 from quantplug_reference.rules.linear_rules import fit_block_spec
 
@@ -27,7 +28,7 @@ def annotate_embedding(node: Node, config: QuantizationConfig) -> None:
     table = node.args[0]
     if not isinstance(table, Node) or not is_float_tensor(table):
         return
-    weight = fit_block_spec(config.weight, table)
+    weight = full_int8_range(fit_block_spec(config.weight, table))  # a lookup multiplies nothing
     if getattr(weight, "block_size", None) is not None or getattr(weight, "qscheme", None) in (
         torch.per_channel_symmetric,
         torch.per_channel_affine,

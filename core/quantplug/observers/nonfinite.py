@@ -1,0 +1,248 @@
+"""What calibration does with NaN and infinite values, for every kind of observer.
+
+One NaN or inf in a range observer's input makes its range, hence the scale, NaN or infinite:
+the converted program then outputs NaN and the encodings files hold non-JSON ``NaN`` tokens.
+The policy, chosen with ``prepare(..., nonfinite=...)``:
+
+* ``"error"`` (the default): a NaN anywhere, or an infinity in the model's inputs (calibration
+  data), raises :class:`~quantplug.errors.NonFiniteError` at the first observer that sees it,
+  naming its node(s) and counting the values, during the very batch that brought them (the
+  command line adds the file, batch and input). Infinities the model computes itself from finite
+  inputs are attention masks (``masked_fill(mask, -inf)``, ``generate_square_subsequent_mask``):
+  they are left out of the statistics and counted per observer (``infinities_masked``;
+  :func:`masked_counts` gathers them), and at convert the grid is extended :data:`MASK_MARGIN`
+  below the smallest real value (above the largest for ``+inf``; :func:`widen_for_masks`), so that
+  a masked entry, which quantize clamps to the grid's end, keeps its meaning: after a softmax its
+  weight is below ``exp(-MASK_MARGIN)``, where a grid ending at the real values would give it
+  the weight of the smallest score;
+* ``"strict"``: any NaN or infinity raises, masks included;
+* ``"ignore"``: every NaN and infinity is left out of the statistics and counted per observer
+  (``nonfinite_ignored``; :func:`ignored_counts` gathers them for the report).
+
+Observers find out for free: they compute each batch's min and max anyway, and a NaN or infinite
+extreme is the only sign needed; only then is the batch scanned again. Observers built to hold
+infinities (the QNN backend's mask-aware observer: ``-inf`` attention masks) keep doing so; NaN
+is never a mask. Whatever an observer does, :func:`check_qparams` makes ``convert`` refuse a
+non-finite scale or zero point (e.g. from a third-party observer), so no output file ever holds
+one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantplug.errors import NonFiniteError
+from quantplug.observers.base import ObserverBase
+
+POLICIES = ("error", "strict", "ignore")
+#: where prepare keeps the policy and the node names on an observer
+POLICY_ATTR = "nonfinite"
+WHERE_ATTR = "where"
+#: whether the observer measures a model input (calibration data: an infinity there is bad data)
+INPUT_ATTR = "observes_input"
+COUNT_ATTR = "nonfinite_ignored"
+MASKED_ATTR = "infinities_masked"
+#: which ends saw mask infinities: "-inf" and/or "+inf" (a set on the observer)
+MASK_ENDS_ATTR = "mask_ends"
+#: how far below the smallest real value a ``-inf`` mask entry dequantizes (above for ``+inf``):
+#: the softmax weight of a masked entry is then below exp(-16) ~ 1e-7
+MASK_MARGIN = 16.0
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        from quantplug.errors import OptionError
+
+        raise OptionError(f"nonfinite must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return policy
+
+
+def configure(observer: nn.Module, policy: str, where: str, *, observes_input: bool = True) -> None:
+    """Give ``observer`` (and the observers it wraps) the policy, the node names it serves and
+    whether one of them is a model input."""
+    for module in observer.modules():
+        if hasattr(module, POLICY_ATTR):
+            setattr(module, POLICY_ATTR, policy)
+            setattr(module, WHERE_ATTR, where)
+            setattr(module, INPUT_ATTR, observes_input)
+
+
+def finite(lo: float, hi: float) -> bool:
+    """Whether a batch's extremes are finite (False with NaN)."""
+    return math.isfinite(lo) and math.isfinite(hi)
+
+
+def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
+    """``data``'s finite-element mask, once its extremes were found non-finite.
+
+    Raises NonFiniteError where the policy says so (module docstring); otherwise counts the other
+    elements on the observer (as ignored, or as masks) and returns the mask of those to keep.
+    """
+    keep = torch.isfinite(data)
+    nan = int(torch.isnan(data).sum())
+    inf = data.numel() - int(keep.sum()) - nan
+    policy = getattr(observer, POLICY_ATTR, "error")
+    if policy == "ignore":
+        setattr(observer, COUNT_ATTR, getattr(observer, COUNT_ATTR, 0) + nan + inf)
+        return keep
+    if policy == "error" and not nan and not getattr(observer, INPUT_ATTR, True):
+        setattr(observer, MASKED_ATTR, getattr(observer, MASKED_ATTR, 0) + inf)
+        ends = set(getattr(observer, MASK_ENDS_ATTR, ()))
+        ends |= {"-inf"} if bool((data == -math.inf).any()) else set()
+        ends |= {"+inf"} if bool((data == math.inf).any()) else set()
+        setattr(observer, MASK_ENDS_ATTR, frozenset(ends))
+        return keep
+    where = getattr(observer, WHERE_ATTR, "") or f"a {type(observer).__name__}"
+    counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
+    if nan:
+        cause = "NaN is never a valid value; fix the data (or the model)"
+    elif policy == "strict":
+        cause = "nonfinite='strict' refuses infinities, attention masks included"
+    else:
+        cause = "infinities in the model's inputs are bad calibration data; fix the data"
+    raise NonFiniteError(
+        f"{counts} value(s) reached the observer of {where}: a range (and the scale) computed from "
+        f"them would not be finite ({cause}), or prepare(..., nonfinite='ignore') to leave such values "
+        "out of the statistics",
+        where=where,
+        nan=nan,
+        inf=inf,
+    )
+
+
+def finite_extremes(
+    observer: Any, data: torch.Tensor, dims: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The min and max of ``data``'s finite elements (over ``dims``, all by default), once its
+    extremes were found non-finite; raises under the "error" policy (see :func:`handle`).
+
+    Where a slice has no finite element its min is +inf and its max -inf: an empty range that
+    leaves running statistics unchanged.
+    """
+    keep = handle(observer, data)
+    inf = torch.tensor(math.inf, dtype=data.dtype, device=data.device)
+    low = torch.where(keep, data, inf)
+    high = torch.where(keep, data, -inf)
+    if dims is None:
+        return low.amin(), high.amax()
+    return low.amin(dim=tuple(dims)), high.amax(dim=tuple(dims))
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+
+
+def widen_for_masks(observer: nn.Module, qparams: tuple[Any, Any]) -> tuple[Any, Any]:
+    """``qparams`` of a per-tensor grid extended :data:`MASK_MARGIN` past the real values on each
+    end where the observer saw mask infinities (module docstring); unchanged otherwise."""
+    ends: set[str] = set()
+    for module in observer.modules():
+        ends |= set(vars(module).get(MASK_ENDS_ATTR, ()))
+    scale, zero_point = qparams
+    scale_t, zp_t = torch.as_tensor(scale), torch.as_tensor(zero_point)
+    if not ends or scale_t.numel() != 1:
+        return qparams
+    from quantplug.annotation.specs import SYMMETRIC_QSCHEMES
+    from quantplug.observers.base import qparams_from_range
+
+    fields: Any = observer  # an observer's grid: quantplug's or torchao's fields
+    qmin, qmax = int(fields.quant_min), int(fields.quant_max)
+    s, z = float(scale_t.reshape(-1)[0]), int(zp_t.reshape(-1)[0])
+    lo, hi = (qmin - z) * s, (qmax - z) * s
+    if "-inf" in ends:
+        lo = min(lo, 0.0) - MASK_MARGIN
+    if "+inf" in ends:
+        hi = max(hi, 0.0) + MASK_MARGIN
+    new_scale, new_zp = qparams_from_range(
+        torch.tensor(lo),
+        torch.tensor(hi),
+        dtype=fields.dtype,
+        quant_min=qmin,
+        quant_max=qmax,
+        symmetric=getattr(observer, "qscheme", None) in SYMMETRIC_QSCHEMES,
+        eps=float(getattr(observer, "eps", torch.finfo(torch.float32).eps)),
+    )
+    return new_scale.reshape(scale_t.shape).to(scale_t.dtype), new_zp.reshape(zp_t.shape).to(zp_t.dtype)
+
+
+def ignored_counts(prepared: nn.Module) -> dict[str, int]:
+    """Node(s) -> how many NaN/inf values their observer left out (``nonfinite="ignore"``)."""
+    return _counts(prepared, COUNT_ATTR)
+
+
+def masked_counts(prepared: nn.Module) -> dict[str, int]:
+    """Node(s) -> how many infinities the model computed (masks) their observer left out."""
+    return _counts(prepared, MASKED_ATTR)
+
+
+def _counts(prepared: nn.Module, attr: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for observer in _observers(prepared):
+        # the instances' own counters (a wrapper such as FakeQuantize forwards attribute reads)
+        total = sum(int(vars(m).get(attr, 0)) for m in observer.modules())
+        if total:
+            where = str(getattr(observer, WHERE_ATTR, "") or "?")
+            counts[where] = counts.get(where, 0) + total
+    return counts
+
+
+def _observers(prepared: nn.Module) -> Iterator[nn.Module]:
+    from quantplug.flow.prepare import OBSERVERS
+
+    container = getattr(prepared, OBSERVERS, None)
+    if isinstance(container, nn.Module):
+        yield from container.children()
+
+
+def check_state(where: str, observer: Any) -> None:
+    """Refuse an observer whose recorded range holds NaN or a +-inf end (a third-party observer
+    that recorded NaN/inf values), before its ``calculate_qparams`` asserts or returns NaN.
+    quantplug's own observers never record them (they apply the policy as data arrives)."""
+    if isinstance(observer, ObserverBase) or hasattr(type(observer), POLICY_ATTR):
+        return
+    for name in ("min_val", "max_val"):
+        value = getattr(observer, name, None)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            bad = torch.isnan(value) | (value == (-math.inf if name == "min_val" else math.inf))
+            if bool(bad.any()):
+                raise NonFiniteError(
+                    f"the observer of {where} recorded a non-finite range ({name} "
+                    f"{value.reshape(-1)[:4].tolist()}): the data it saw held NaN or inf values (its "
+                    "observer cannot leave them out); fix the calibration data or the model",
+                    where=where,
+                )
+
+
+def check_all_qparams(found: Sequence[tuple[str, Any, Any]]) -> None:
+    """:func:`check_qparams` of each ``(where, scale, zero_point)``, in one pass over them all
+    (convert has thousands on a large model)."""
+    floats = [
+        t.reshape(-1)
+        for _, scale, zero_point in found
+        for t in (torch.as_tensor(scale), torch.as_tensor(zero_point))
+        if t.is_floating_point() and t.numel()
+    ]
+    if floats and bool(torch.isfinite(torch.cat([f.float() for f in floats])).all()):
+        return
+    for where, scale, zero_point in found:
+        check_qparams(where, scale, zero_point)
+
+
+def check_qparams(where: str, scale: Any, zero_point: Any) -> None:
+    """Refuse non-finite qparams (a scale of NaN or inf, or a float zero point that is one)."""
+    bad = []
+    for name, value in (("scale", scale), ("zero point", zero_point)):
+        t = torch.as_tensor(value)
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            bad.append(f"{name} {t.reshape(-1)[:4].tolist()}")
+    if bad:
+        raise NonFiniteError(
+            f"the observer of {where} gives a non-finite {' and '.join(bad)}: the data it saw held NaN or "
+            "inf values (its observer cannot leave them out); fix the calibration data or the model",
+            where=where,
+        )

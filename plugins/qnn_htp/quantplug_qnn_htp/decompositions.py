@@ -1,0 +1,331 @@
+"""Composite ops rewritten, before annotation, into ops HTP runs one by one (issue 17.1).
+
+The QNN converter reads an ONNX model; a PyTorch op that the ONNX exporter expands into several
+ONNX ops (scaled dot-product attention, rsqrt, rms_norm...) would leave the
+tensors between those ONNX ops without an encoding, computed in float or refused by the
+converter. Each rewrite here produces ops that export to one ONNX op each, so every tensor gets
+the precision's quantization and each op's HTP constraints apply:
+
+* ``scaled_dot_product_attention`` -> ``mul(q, scale)``, ``matmul(q, k^T)``, the mask
+  (``masked_fill(scores, ~mask, -inf)`` for boolean masks and ``is_causal``, ``add`` for float
+  masks), ``softmax``, ``matmul(p, v)``; grouped-query attention repeats the K/V heads with
+  ``unsqueeze/expand/reshape`` (as ExecuTorch's ``DecomposeScaledDotProductAttention``). The
+  ``-inf`` constants then go through ``lift_scalars`` and ``mark_masks``, so the 16-bit mask
+  handling (``MaskAwareObserver``) applies to them. The scale multiplies ``q`` once (ExecuTorch
+  multiplies both ``q`` and ``k^T`` by its square root: one more quantized tensor).
+* ``x @ W + b`` (``matmul``/``mm`` with a constant ``[in, out]`` weight, then the add of a constant
+  bias) -> ``addmm``, a FullyConnected quantized as a linear (the rule in ``linear_rules``);
+* ``addmm`` that is not a fully connected layer (a non-constant ``mat2`` or bias, or
+  ``alpha``/``beta`` other than 1) -> ``mm`` + ``add`` (+ ``mul``), ExecuTorch's
+  ``DecomposeAddmm``; ``baddbmm`` -> ``bmm`` + ``add`` (+ ``mul``).
+* ``rsqrt`` -> ``sqrt`` + ``reciprocal`` (ONNX has no Rsqrt); ``floor_divide`` -> ``div`` + ``floor``;
+  ``square`` and ``pow(x, 2)``/``pow(x, 3)`` -> ``mul``s; ``rms_norm`` -> ``mul/mean/add/rsqrt/mul`` (ONNX
+  opset 21 has no RMSNormalization).
+
+Every new node carries the original's stack and debug handle; shapes and dtypes (``meta["val"]``)
+are recomputed on fake tensors. (A linear on a 3-D input, which the exporter writes as
+``Transpose + MatMul + Add``, keeps its quantization: ``fully_connected.linear_to_2d`` reshapes it
+around a 2-D ``Gemm`` at lowering, where it changes nothing numerically.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from quantplug import BackendContext
+
+aten = torch.ops.aten
+
+#: node meta naming the decomposition a node was created by (kept through prepare and convert)
+DECOMPOSED_FROM_KEY = "qnn_htp_decomposed_from"
+#: node meta marking a per-row statistic (mean square, variance, rms, 1/rms): its rule observes
+#: the absolute range, since a moving average clips the rows with the smallest or largest values
+#: and the clipped factor then scales the whole row wrongly
+ABSOLUTE_RANGE_KEY = "qnn_htp_absolute_range"
+_KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "quantplug_debug_handle", "from_node")
+
+
+def _val(arg: Any) -> Any:
+    if isinstance(arg, Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_val(a) for a in arg)
+    return arg
+
+
+def _fake_mode(values: Sequence[Any]) -> Any:
+    from torch._guards import detect_fake_mode
+
+    flat: list[Any] = []
+    for v in values:
+        flat.extend(v if isinstance(v, (list, tuple)) else [v])
+    return detect_fake_mode([v for v in flat if isinstance(v, torch.Tensor)])
+
+
+class _Builder:
+    """Inserts nodes before ``anchor`` with the anchor's provenance and recomputed ``val``."""
+
+    def __init__(self, gm: GraphModule, anchor: Node, label: str) -> None:
+        self.gm = gm
+        self.anchor = anchor
+        self.label = label
+        self.meta = {k: anchor.meta[k] for k in _KEEP_META if k in anchor.meta}
+
+    def _finish(self, node: Node, value: Any) -> Node:
+        node.meta.update(self.meta)
+        node.meta[DECOMPOSED_FROM_KEY] = self.label
+        node.meta["val"] = value
+        return node
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        vals = [_val(a) for a in args]
+        kvals = {k: _val(v) for k, v in kwargs.items()}
+        mode = _fake_mode([*vals, *kvals.values()])
+        if mode is not None:
+            with mode:
+                value = target(*vals, **kvals)
+        else:
+            value = target(*vals, **kvals)
+        with self.gm.graph.inserting_before(self.anchor):
+            node = self.gm.graph.call_function(target, tuple(args), kwargs)
+        return self._finish(node, value)
+
+    def constant(self, prefix: str, tensor: torch.Tensor) -> Node:
+        """A ``get_attr`` of a new buffer holding ``tensor`` (a static mask, for example)."""
+        i = 0
+        while hasattr(self.gm, f"{prefix}{i}"):
+            i += 1
+        name = f"{prefix}{i}"
+        self.gm.register_buffer(name, tensor)
+        with self.gm.graph.inserting_before(self.anchor):
+            node = self.gm.graph.get_attr(name)
+        like = _val(self.anchor)
+        mode = _fake_mode([like])
+        return self._finish(node, mode.from_tensor(tensor) if mode is not None else tensor)
+
+    def replace(self, new: Node) -> None:
+        self.anchor.replace_all_uses_with(new)
+        self.gm.graph.erase_node(self.anchor)
+
+
+def _shape(node: Any) -> tuple[Any, ...]:
+    val = _val(node)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _static(dims: Sequence[Any]) -> bool:
+    return all(isinstance(d, int) for d in dims)
+
+
+def _arg(node: Node, index: int, name: str, default: Any) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_constant(node: Any) -> bool:
+    return isinstance(node, Node) and node.op == "get_attr"
+
+
+# --- scaled dot-product attention ------------------------------------------------------------------
+
+
+def _repeat_heads(b: _Builder, x: Node, repeats: int) -> Node:
+    """``[B, Hk, S, D] -> [B, Hk * repeats, S, D]``, each K/V head repeated (GQA)."""
+    batch, heads, seq, dim = _shape(x)
+    expanded = b.call(
+        aten.expand.default, b.call(aten.unsqueeze.default, x, 2), [batch, heads, repeats, seq, dim]
+    )
+    return b.call(aten.reshape.default, expanded, [batch, heads * repeats, seq, dim])
+
+
+def _causal_mask(b: _Builder, length: Any, source: Any) -> Node:
+    """Boolean ``[L, S]``, True where attention is *not* allowed (above the diagonal)."""
+    if isinstance(length, int) and isinstance(source, int):
+        return b.constant("_qnn_causal_mask_", torch.ones(length, source, dtype=torch.bool).triu(1))
+    ones = b.call(aten.ones.default, [length, source], dtype=torch.bool)
+    return b.call(aten.triu.default, ones, 1)
+
+
+def decompose_sdpa(b: _Builder, node: Node) -> Node | None:
+    q, k, v = node.args[0], node.args[1], node.args[2]
+    mask = _arg(node, 3, "attn_mask", None)
+    dropout = float(_arg(node, 4, "dropout_p", 0.0) or 0.0)
+    causal = bool(_arg(node, 5, "is_causal", False))
+    scale: Any = node.kwargs.get("scale")
+    if dropout != 0.0 or not all(isinstance(t, Node) for t in (q, k, v)):
+        return None  # training-time dropout: leave the op whole (it stays float, with a reason)
+    q_shape, k_shape = _shape(q), _shape(k)
+    if len(q_shape) < 2 or len(k_shape) < 2:
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(q_shape[-1]) if isinstance(q_shape[-1], int) else None
+    if scale is None:
+        return None
+    if len(q_shape) == 4 and len(k_shape) == 4 and q_shape[1] != k_shape[1]:
+        if not (isinstance(q_shape[1], int) and isinstance(k_shape[1], int)) or q_shape[1] % k_shape[1]:
+            return None
+        repeats = q_shape[1] // k_shape[1]
+        k, v = _repeat_heads(b, k, repeats), _repeat_heads(b, v, repeats)  # type: ignore[arg-type]
+    scaled_q = b.call(aten.mul.Tensor, q, float(scale))
+    scores = b.call(aten.matmul.default, scaled_q, b.call(aten.transpose.int, k, -2, -1))
+    if causal:
+        blocked = _causal_mask(b, q_shape[-2], k_shape[-2])
+        scores = b.call(aten.masked_fill.Scalar, scores, blocked, float("-inf"))
+    if isinstance(mask, Node):
+        mask_val = _val(mask)
+        if isinstance(mask_val, torch.Tensor) and mask_val.dtype == torch.bool:
+            scores = b.call(
+                aten.masked_fill.Scalar, scores, b.call(aten.logical_not.default, mask), float("-inf")
+            )
+        else:
+            scores = b.call(aten.add.Tensor, scores, mask)
+    probs = b.call(aten.softmax.int, scores, -1)
+    return b.call(aten.matmul.default, probs, v)
+
+
+# --- linear, addmm, baddbmm ------------------------------------------------------------------------
+
+
+def _scaled(b: _Builder, x: Node, factor: Any) -> Node:
+    return x if factor == 1 else b.call(aten.mul.Tensor, x, factor)
+
+
+def is_fully_connected_addmm(node: Node) -> bool:
+    """``addmm(bias, x, W)`` that is a fully connected layer: constant 2-D ``W``, constant bias
+    of ``W``'s output size, ``alpha = beta = 1`` (HF GPT-2's ``Conv1D``)."""
+    bias, mat2 = node.args[0], node.args[2]
+    if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+        return False
+    if not (_is_constant(mat2) and _is_constant(bias)):
+        return False
+    w_shape, b_shape = _shape(mat2), _shape(bias)
+    return len(w_shape) == 2 and len(b_shape) >= 1 and math.prod(b_shape) == w_shape[1] == b_shape[-1]
+
+
+def decompose_addmm(b: _Builder, node: Node) -> Node | None:
+    if is_fully_connected_addmm(node):
+        return None  # one FullyConnected (the rule quantizes W and a derived bias, as for linear)
+    bias, mat1, mat2 = node.args[0], node.args[1], node.args[2]
+    product = _scaled(b, b.call(aten.mm.default, mat1, mat2), node.kwargs.get("alpha", 1))
+    return b.call(aten.add.Tensor, product, _scaled(b, bias, node.kwargs.get("beta", 1)))  # type: ignore[arg-type]
+
+
+def decompose_baddbmm(b: _Builder, node: Node) -> Node | None:
+    bias, batch1, batch2 = node.args[0], node.args[1], node.args[2]
+    product = _scaled(b, b.call(aten.bmm.default, batch1, batch2), node.kwargs.get("alpha", 1))
+    return b.call(aten.add.Tensor, product, _scaled(b, bias, node.kwargs.get("beta", 1)))  # type: ignore[arg-type]
+
+
+def recompose_linear_add(b: _Builder, node: Node) -> Node | None:
+    """``add(matmul(x, W), bias)`` with a constant ``W [in, out]`` and a constant bias of ``out``
+    values (``x @ W + b``) -> ``addmm(bias, x2d, W)``, a FullyConnected quantized as a linear
+    (``reshape`` around it for inputs of rank > 2); the product must have no other user."""
+    product, bias = node.args[0], node.args[1]
+    if not (isinstance(product, Node) and product.target in (aten.matmul.default, aten.mm.default)):
+        return None
+    if len(product.users) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    x, weight = product.args[0], product.args[1]
+    w_shape, x_shape = _shape(weight), _shape(x)
+    if not (_is_constant(weight) and _is_constant(bias) and len(w_shape) == 2 and len(x_shape) >= 2):
+        return None
+    b_shape = _shape(bias)
+    if not b_shape or b_shape[-1] != w_shape[1] or math.prod(b_shape) != w_shape[1]:
+        return None
+    lead = x_shape[:-1]
+    if not _static(lead):
+        return None
+    flat = x if len(x_shape) == 2 else b.call(aten.reshape.default, x, [-1, w_shape[0]])
+    out = b.call(aten.addmm.default, bias, flat, weight)
+    return out if len(x_shape) == 2 else b.call(aten.view.default, out, [*lead, w_shape[1]])
+
+
+# --- elementwise ----------------------------------------------------------------------------------
+
+
+def _statistic(node: Any) -> Any:
+    if isinstance(node, Node) and node.op == "call_function":
+        node.meta[ABSOLUTE_RANGE_KEY] = True
+    return node
+
+
+def decompose_rsqrt(b: _Builder, node: Node) -> Node | None:
+    """``rsqrt(v)`` -> ``reciprocal(sqrt(v))``; ``v`` (a variance, in RMSNorm and LayerNorm
+    written out by hand, as in HF Llama) and both results are per-row statistics."""
+    _statistic(node.args[0])
+    root = _statistic(b.call(aten.sqrt.default, node.args[0]))
+    return _statistic(b.call(aten.reciprocal.default, root))
+
+
+def decompose_floor_divide(b: _Builder, node: Node) -> Node | None:
+    return b.call(aten.floor.default, b.call(aten.div.Tensor, node.args[0], node.args[1]))
+
+
+def decompose_square(b: _Builder, node: Node) -> Node | None:
+    return b.call(aten.mul.Tensor, node.args[0], node.args[0])
+
+
+def decompose_pow(b: _Builder, node: Node) -> Node | None:
+    """``x ** 2`` -> ``x * x``, ``x ** 3`` -> ``x * x * x`` (GELU's tanh form): exact, and no
+    quantized exponent."""
+    x, exponent = node.args[0], node.args[1]
+    if exponent not in (2, 3):
+        return None
+    square = b.call(aten.mul.Tensor, x, x)
+    return square if exponent == 2 else b.call(aten.mul.Tensor, square, x)
+
+
+def decompose_rms_norm(b: _Builder, node: Node) -> Node | None:
+    x = node.args[0]
+    dims = list(_arg(node, 1, "normalized_shape", ()))
+    weight = _arg(node, 2, "weight", None)
+    eps = _arg(node, 3, "eps", None)
+    if not isinstance(x, Node) or not dims:
+        return None
+    if eps is None:
+        eps = torch.finfo(_val(x).dtype).eps
+    axes = list(range(-len(dims), 0))
+    mean_sq = _statistic(b.call(aten.mean.dim, b.call(aten.mul.Tensor, x, x), axes, True))
+    variance = _statistic(b.call(aten.add.Tensor, mean_sq, float(eps)))
+    inv = _statistic(b.call(aten.reciprocal.default, _statistic(b.call(aten.sqrt.default, variance))))
+    out = b.call(aten.mul.Tensor, x, inv)
+    return b.call(aten.mul.Tensor, out, weight) if isinstance(weight, Node) else out
+
+
+Decomposition = Callable[[_Builder, Node], "Node | None"]
+
+#: op -> its rewrite (which returns None to keep a node as it is)
+DECOMPOSITIONS: dict[Any, Decomposition] = {
+    aten.scaled_dot_product_attention.default: decompose_sdpa,
+    aten.addmm.default: decompose_addmm,
+    aten.add.Tensor: recompose_linear_add,
+    aten.baddbmm.default: decompose_baddbmm,
+    aten.rsqrt.default: decompose_rsqrt,
+    aten.floor_divide.default: decompose_floor_divide,
+    aten.square.default: decompose_square,
+    aten.pow.Tensor_Scalar: decompose_pow,
+    aten.rms_norm.default: decompose_rms_norm,
+}
+
+
+def decompose_composites(gm: GraphModule, context: BackendContext | None = None) -> None:
+    """Rewrite every composite op of :data:`DECOMPOSITIONS` in place (see the module docstring)."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        rewrite = DECOMPOSITIONS.get(node.target) if node.op == "call_function" else None
+        if rewrite is None:
+            continue
+        builder = _Builder(gm, node, f"{node.name} ({node.target})")
+        new = rewrite(builder, node)
+        if new is not None:
+            builder.replace(new)
+            changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()

@@ -1,0 +1,99 @@
+"""``quantplug new-backend``: the generated distribution installs, passes its own tests (the
+conformance kit included) and ``quantplug conformance`` as generated.
+
+It is installed with ``pip install --no-deps --no-build-isolation --target`` into a temporary
+folder put on ``PYTHONPATH`` of the subprocesses: nothing lands in the test environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantplug.scaffold import ScaffoldError, create_backend, names, render
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(*paths: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTPLUG_")}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200, check=False)
+
+
+def test_names_and_refusals(tmp_path: Path) -> None:
+    assert names("my_npu") == {
+        "name": "my_npu",
+        "dist": "quantplug-my-npu",
+        "package": "quantplug_my_npu",
+        "title": "MY NPU",
+    }
+    for bad in ("My-NPU", "1chip", "chip_", "a__b", ""):
+        with pytest.raises(ScaffoldError, match="lowercase identifier"):
+            names(bad)
+    root = create_backend("my_npu", tmp_path)
+    with pytest.raises(ScaffoldError, match="already exists"):
+        create_backend("my_npu", tmp_path)
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert files == sorted(render("my_npu"))
+    assert "{{" not in "".join(p.read_text() for p in root.rglob("*") if p.is_file())
+
+
+def test_the_generated_code_is_lint_clean(tmp_path: Path) -> None:
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    root = create_backend("lint_npu", tmp_path)
+    for args in (["check"], ["format", "--check"]):
+        done = _run(
+            [ruff, *args, "--config", str(REPO / "pyproject.toml"), str(root)], cwd=tmp_path, env=_env()
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_generated_backend_installs_and_conforms(tmp_path: Path) -> None:
+    root = create_backend("gen_npu", tmp_path / "src")
+    site = tmp_path / "site"
+    done = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(root),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (site / "quantplug_gen_npu" / "plugin.py").is_file()
+
+    conformance = _run(
+        [sys.executable, "-m", "quantplug.cli.main", "conformance", "gen_npu", "--json"],
+        cwd=tmp_path,
+        env=_env(site),
+    )
+    assert conformance.returncode == 0, conformance.stdout + conformance.stderr
+    report = json.loads(conformance.stdout)
+    assert report["ok"] and report["distribution"] == "quantplug-gen-npu"
+    assert {c["status"] for c in report["checks"]} == {"pass"}
+
+    # its own test suite: three end-to-end tests, and the kit through the pytest plugin
+    tests = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root, env=_env(site))
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert "16 passed" in tests.stdout, tests.stdout

@@ -1,0 +1,82 @@
+"""The test session's own environment: the example vendor plugin is visible to the tests only.
+
+``tests/example_plugin`` is a third-party plugin distribution (a backend, ``example_vendor``, and
+an extension of ``reference``). Installing it into the user's environment would change what the
+user's ``reference`` backend does there, so the tests never install it: for the session they put
+its package and a ``.dist-info`` folder (entry points and metadata generated from its
+``pyproject.toml``, as pip would write them) on ``sys.path`` and on the ``PYTHONPATH`` of the
+processes they start. Entry-point discovery then finds it through the very mechanism that finds
+installed plugins, and nothing remains once the session ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+EXAMPLE_PLUGIN = Path(__file__).resolve().parent / "example_plugin"
+
+_site: Path | None = None
+
+
+def _load_toml(path: Path) -> dict:  # type: ignore[type-arg]
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+def make_dist_info(project_dir: Path, site: Path) -> Path:
+    """Write ``<name>-<version>.dist-info`` for a project into ``site`` (what pip installs)."""
+    project = _load_toml(project_dir / "pyproject.toml")["project"]
+    name, version = project["name"], project["version"]
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    summary = project.get("description", "")
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nSummary: {summary}\n", encoding="utf-8"
+    )
+    lines = []
+    for group, entries in project.get("entry-points", {}).items():
+        lines.append(f"[{group}]")
+        lines += [f"{key} = {value}" for key, value in entries.items()]
+        lines.append("")
+    (info / "entry_points.txt").write_text("\n".join(lines), encoding="utf-8")
+    (info / "top_level.txt").write_text("quantplug_example_vendor\n", encoding="utf-8")
+    return info
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _site
+    # ``import quantplug`` no longer imports torch, so it no longer registers the standard Q/DQ
+    # ops as a side effect; test modules read them (torch.ops.quantized_decomposed) at import
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
+
+    from tests.torchvision_compat import ensure_importable
+
+    ensure_importable()  # torchvision (and transformers, which imports it) next to CPU torch
+
+    if os.environ.get("QUANTPLUG_TEST_SITE"):  # a nested pytest: the outer session set it up
+        return
+    _site = Path(tempfile.mkdtemp(prefix="quantplug-test-site-"))
+    make_dist_info(EXAMPLE_PLUGIN, _site)
+    for entry in (str(EXAMPLE_PLUGIN), str(_site)):
+        sys.path.insert(0, entry)
+    paths = [str(_site), str(EXAMPLE_PLUGIN), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    os.environ["QUANTPLUG_TEST_SITE"] = str(_site)
+    from quantplug.plugins.registry import reset_cache
+
+    reset_cache()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _site is not None:
+        shutil.rmtree(_site, ignore_errors=True)

@@ -1,0 +1,162 @@
+"""The completeness check of model.encodings (issue 17.2): every tensor of an op HTP runs
+quantized has an encoding; what stays float is listed with its reason; strict refuses the rest."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import quantplug
+
+pytest.importorskip("quantplug_qnn_htp")
+onnx = pytest.importorskip("onnx")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from quantplug_qnn_htp.completeness import IncompleteEncodingsError, check  # noqa: E402
+
+F32, U8 = TensorProto.FLOAT, TensorProto.UINT8
+
+
+def _model(nodes: list[Any], inits: dict[str, Any], inputs: list[str], outputs: list[str]) -> Any:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, F32, [2, 4]) for n in inputs],
+        [helper.make_tensor_value_info(n, F32, None) for n in outputs],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _qdq(src: str, dst: str) -> list[Any]:
+    return [
+        helper.make_node("QuantizeLinear", [src, "s", "z"], [src + "_q"]),
+        helper.make_node("DequantizeLinear", [src + "_q", "s", "z"], [dst]),
+    ]
+
+
+INITS: dict[str, Any] = {
+    "s": __import__("numpy").array(0.1, dtype="float32"),
+    "z": __import__("numpy").array(128, dtype="uint8"),
+    "lo": __import__("numpy").array(-1.0, dtype="float32"),
+    "hi": __import__("numpy").array(1.0, dtype="float32"),
+    "shape": __import__("numpy").array([4, 2], dtype="int64"),
+}
+
+
+def test_qdq_pairs_data_movement_and_parameters_count_as_encoded() -> None:
+    nodes = [
+        *_qdq("x", "x_dq"),
+        helper.make_node("Reshape", ["x_dq", "shape"], ["r"]),  # inherits x's encoding
+        helper.make_node("Clip", ["r", "lo", "hi"], ["c"]),  # lo/hi: op parameters
+        *_qdq("c", "c_dq"),
+        helper.make_node("Relu", ["c_dq"], ["y"]),
+        *_qdq("y", "out"),
+    ]
+    report = check(_model(nodes, INITS, ["x"], ["out"]), ["x", "c", "y"])
+    assert report.complete and report.fraction == 1.0
+    assert report.quantized_ops == 3 and report.inherited == 1
+    assert report.tensors == 5  # x_dq, r, c, c_dq, y (the Clip bounds are not tensors QNN encodes)
+
+
+def test_an_expanded_op_leaves_its_intermediates_missing() -> None:
+    nodes = [
+        *_qdq("x", "x_dq"),
+        helper.make_node("Mul", ["x_dq", "x_dq"], ["sq"]),  # no Q/DQ between Mul and Sqrt
+        helper.make_node("Sqrt", ["sq"], ["y"]),
+        *_qdq("y", "out"),
+    ]
+    model = _model(nodes, INITS, ["x"], ["out"])
+    report = check(model, ["x", "y"])
+    assert not report.complete and [t.tensor for t in report.missing] == ["sq"]
+    assert report.encoded == 2 and report.tensors == 3
+    assert "sq" in report.warnings()[0]
+    with pytest.raises(IncompleteEncodingsError) as err:
+        from quantplug_qnn_htp.completeness import check_completeness
+
+        check_completeness(model, ["x", "y"], strict=True)
+    assert "'sq'" in str(err.value) and "strict=False" in str(err.value)
+    assert isinstance(err.value, quantplug.QuantplugError)
+
+
+def test_float_ops_are_listed_not_missing() -> None:
+    nodes = [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("Neg", ["e"], ["out"])]
+    report = check(_model(nodes, INITS, ["x"], ["out"]), [])
+    assert report.complete and report.float_ops == 2 and report.tensors == 0
+    assert {t.tensor for t in report.float_tensors} == {"x", "e", "out"}
+
+
+class HalfCast(nn.Module):
+    """A linear, then a round trip through float16: ONNX Cast ops the HTP quantized graph does
+    not encode (the fp16 tensor has no Q/DQ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x).to(torch.float16).to(torch.float32))
+
+
+def _lower(model: nn.Module, **options: Any) -> Any:
+    x = torch.randn(2, 8)
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="8a8w", **options)
+    prepared = quantplug.prepare(torch.export.export(model.eval(), (x,)), quantizer)
+    prepared(x)
+    return quantplug.lower(quantplug.convert(prepared), quantizer)
+
+
+def test_strict_lowering_refuses_an_incomplete_file_and_lenient_lists_it(tmp_path: Any) -> None:
+    with pytest.raises(IncompleteEncodingsError) as err:
+        _lower(HalfCast())  # strict=True is the default
+    assert err.value.missing and all(t.onnx_op == "Cast" for t in err.value.missing)
+    artifact = _lower(HalfCast(), strict=False)
+    artifact.save(tmp_path)
+    meta = json.loads((tmp_path / "artifact.json").read_text())
+    report = meta["encoding_completeness"]
+    assert not report["complete"] and report["missing"] and report["fraction"] < 1.0
+    assert any("no encoding" in w for w in meta["warnings"])
+    assert (tmp_path / "model.encodings").exists()
+
+
+def test_discarded_ops_are_float_with_their_reason() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    x = torch.randn(2, 8)
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="8a8w", strict=False)
+    quantizer.discard(ops=[torch.ops.aten.tanh.default])
+    prepared = quantplug.prepare(torch.export.export(Net().eval(), (x,)), quantizer)
+    prepared(x)
+    quantized = quantplug.convert(prepared)
+    artifact = quantplug.lower(quantized, quantizer)
+    report = artifact.metadata["encoding_completeness"]
+    tanh = [t for t in report["float_tensors"] if t["onnx_op"] == "Tanh"]
+    assert tanh and all("discarded" in t["reason"] for t in tanh)
+    assert any("left float" in w and "discarded" in w for w in artifact.metadata["warnings"])
+    # the linears around it keep quantized weights with float activations: half-quantized ops,
+    # listed as missing with the discarded neighbour as the reason (strict lowering refuses them)
+    missing = {t["tensor"]: t["reason"] for t in report["missing"]}
+    assert "'tanh'" in missing["linear"] and "'tanh'" in missing["tanh"]
+    assert "bias of a layer whose input has no encoding" in missing["b.bias"]
+    quantizer.strict = True
+    with pytest.raises(IncompleteEncodingsError, match="tanh"):
+        quantplug.lower(quantized, quantizer)
+
+
+def test_quantizer_strict_reaches_the_backend_context() -> None:
+    quantizer = quantplug.get_quantizer("qnn_htp")
+    assert quantizer.strict and quantizer.context.strict
+    quantizer.strict = False
+    assert not quantizer.context.strict
+    assert not quantplug.get_quantizer("qnn_htp", strict=False).context.strict
