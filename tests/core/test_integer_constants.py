@@ -250,3 +250,32 @@ def test_constants_computed_in_a_no_grad_region_are_folded() -> None:
     with torch.no_grad():
         ref, out = model(*x), converted(*x)
     assert float((ref - out).pow(2).mean() / ref.pow(2).mean()) < 1e-2
+
+
+class RunningState(nn.Module):
+    """A buffer the model updates in place at every forward (a step counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("state", torch.zeros(8))
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x + self.state)
+        self.state.copy_(self.state + 0.25)
+        return y
+
+
+@pytest.mark.parametrize("precision", ["8a8w", "16a8w"])
+def test_a_buffer_the_model_writes_is_not_frozen_into_integers(precision: str) -> None:
+    """Only what no op writes is a constant: a state the model updates in place stays a buffer
+    that the converted program reads (and quantizes) at every forward, where the one copy_ writes;
+    folded into integers at convert it would be frozen at its value after calibration."""
+    torch.manual_seed(0)
+    model = RunningState().eval()
+    q = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision=precision)
+    _, converted = _quantize(model, lambda g: (torch.randn(4, 8, generator=g),), q)
+    (state,) = [n for n in converted.graph.nodes if n.op == "get_attr" and n.target == "state"]
+    assert any("quantize_per_tensor" in str(u.target) for u in state.users)  # read live
+    assert any(u.target == torch.ops.aten.copy_.default for u in state.users)  # and written
+    assert not [t for t in integer_constants(converted) if t.startswith("state")]

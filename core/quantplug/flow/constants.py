@@ -21,7 +21,7 @@ from torch.fx import Graph, Node, map_arg
 from quantplug.flow.inspect import fetch_attr
 
 
-def _written(attr_node: Node) -> bool:
+def written(attr_node: Node) -> bool:
     """Whether an op writes into this parameter/buffer (``copy_``, in-place updates)."""
     for user in attr_node.users:
         schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
@@ -72,7 +72,7 @@ def constant_nodes(graph: Graph, attr: Callable[[str], Any]) -> set[Node]:
     for node in graph.nodes:
         if node.op == "get_attr":
             value = attr(str(node.target))
-            if isinstance(value, (torch.Tensor, torch.fx.GraphModule)) and not _written(node):
+            if isinstance(value, (torch.Tensor, torch.fx.GraphModule)) and not written(node):
                 found.add(node)
         elif (
             node.op == "call_function"

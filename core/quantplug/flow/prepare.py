@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Node
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
+from quantplug.flow.constants import written
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
@@ -286,7 +287,9 @@ def _observes_input(gm: GraphModule, group: Group) -> bool:
 def _build_groups(
     gm: GraphModule, keys: AnnotatedKeys, groups: SharingGroups, *, qat: bool, backend: str | None
 ) -> PreparedState:
-    attrs = {n.name for n in gm.graph.nodes if n.op == "get_attr"} if not qat else set()
+    # parameters and buffers that no op of the graph writes (a buffer updated in place, a running
+    # state, changes at every forward: its group keeps its observer and is quantized at run time)
+    attrs = {n.name for n in gm.graph.nodes if n.op == "get_attr" and not written(n)} if not qat else set()
 
     def from_constant(key: Key) -> bool:
         return (key[0] if isinstance(key, tuple) else key) in attrs
