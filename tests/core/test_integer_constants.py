@@ -279,3 +279,27 @@ def test_a_buffer_the_model_writes_is_not_frozen_into_integers(precision: str) -
     assert any("quantize_per_tensor" in str(u.target) for u in state.users)  # read live
     assert any(u.target == torch.ops.aten.copy_.default for u in state.users)  # and written
     assert not [t for t in integer_constants(converted) if t.startswith("state")]
+
+
+class DashedBlock(nn.Module):
+    """Module names that are no identifiers (torchvision's RegNet: ``trunk_output.block1.block1-0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("block1-0", nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()))
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(getattr(self, "block1-0")(x).mean((2, 3)))
+
+
+def test_stored_integers_are_named_by_identifiers_and_lower() -> None:
+    """The integer tensors (of batch-norm-folded weights too) get attribute names that generated
+    code can use as arguments: lowering re-exports the program and lifts them to inputs."""
+    torch.manual_seed(0)
+    model = DashedBlock().eval()
+    quantizer = quantplug.get_quantizer("reference", preset="int8")
+    _, converted = _quantize(model, _image, quantizer)
+    targets = [str(n.target) for n in converted.graph.nodes if n.op == "get_attr"]
+    assert targets and all(t.isidentifier() for t in targets), targets
+    assert quantplug.lower(converted, quantizer).files["model.onnx"]
