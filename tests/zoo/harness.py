@@ -9,6 +9,7 @@ fixed seeds, so every machine quantizes the same numbers.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import warnings
@@ -23,8 +24,8 @@ from torch.fx import GraphModule
 import quantplug
 from tests.zoo.models import MODELS, Inputs
 
-CALIBRATION_BATCHES = 4
-HELD_OUT_BATCHES = 8
+CALIBRATION_BATCHES = 2
+HELD_OUT_BATCHES = 4
 
 REFERENCE_PRESETS = ("int8", "a16w8", "weight_only_int4", "dynamic_int8")
 QNN_PRESETS = ("8a8w", "16a8w", "16a4w", "16a4w_block", "16a16w")
@@ -32,6 +33,18 @@ SOC_MODEL = "SM8650"  # HTP V75: every precision above is allowed
 PRESETS: tuple[tuple[str, str], ...] = tuple(("reference", p) for p in REFERENCE_PRESETS) + tuple(
     ("qnn_htp", p) for p in QNN_PRESETS
 )
+
+
+RECORD_ENV = "QUANTPLUG_ZOO_RECORD"
+
+
+def record(**fields: Any) -> None:
+    """Append one measurement as a JSON line to the file named by ``$QUANTPLUG_ZOO_RECORD``, if set
+    (how the floors table and the peer comparison are remeasured: ``tests/zoo/report.py``)."""
+    path = os.environ.get(RECORD_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(fields) + "\n")
 
 
 @dataclass
@@ -90,7 +103,8 @@ def run(gm: Callable[..., Any], batches: list[Inputs]) -> list[Any]:
 def quantizer(backend: str, preset: str, **options: Any) -> Any:
     if backend == "qnn_htp":
         return quantplug.get_quantizer("qnn_htp", soc_model=SOC_MODEL, precision=preset, **options)
-    return quantplug.get_quantizer(backend, preset=preset, **options)
+    # one ONNX Runtime thread, as the zoo runs torch (tests/zoo/conftest.py: one_thread)
+    return quantplug.get_quantizer(backend, preset=preset, ort_threads=1, **options)
 
 
 @dataclass
@@ -102,11 +116,14 @@ class Quantized:
     sqnr: float
 
 
+Options = tuple[tuple[str, Any], ...]  # extra quantizer options, hashable (a cache key)
+
+
 @functools.cache
-def quantized(name: str, backend: str, preset: str) -> Quantized:
+def quantized(name: str, backend: str, preset: str, options: Options = ()) -> Quantized:
     """export (shared) -> prepare -> calibrate -> convert, and the program's SQNR against float."""
     case = float_case(name)
-    q = quantizer(backend, preset)
+    q = quantizer(backend, preset, **dict(options))
     with quiet():
         prepared = quantplug.prepare(case.program, q)
         run(prepared, case.calibration)
@@ -142,12 +159,27 @@ def xnnpack_quantizer(preset: str) -> Any:
     return q
 
 
-#: our preset -> (peer name, peer quantizer factory); presets without an equivalent peer are absent
-PEERS: dict[tuple[str, str], tuple[str, Callable[[str], Any]]] = {
-    ("reference", "int8"): ("XNNPACKQuantizer", xnnpack_quantizer),
-    ("reference", "dynamic_int8"): ("XNNPACKQuantizer dynamic", xnnpack_quantizer),
+@dataclass(frozen=True)
+class Peer:
+    """ExecuTorch's quantizer for the same scheme as one of our presets, and the options under
+    which ours is compared with it."""
+
+    name: str
+    factory: Callable[[str], Any]
+    options: Options = ()
+
+
+#: the reference backend's default weight grid is 7-bit ([-64, 64], ``weight_bits=7``: its ONNX
+#: Runtime artifact is exact on CPUs without VNNI); XNNPACKQuantizer's is [-127, 127], so the
+#: like-for-like comparison runs the reference presets at ``weight_bits=8``
+_EIGHT_BIT_WEIGHTS: Options = (("weight_bits", 8),)
+
+#: our preset -> its peer; presets without an equivalent peer are absent
+PEERS: dict[tuple[str, str], Peer] = {
+    ("reference", "int8"): Peer("XNNPACKQuantizer", xnnpack_quantizer, _EIGHT_BIT_WEIGHTS),
+    ("reference", "dynamic_int8"): Peer("XNNPACKQuantizer dynamic", xnnpack_quantizer, _EIGHT_BIT_WEIGHTS),
     **{
-        ("qnn_htp", p): ("QnnQuantizer", executorch_qnn_quantizer)
+        ("qnn_htp", p): Peer("QnnQuantizer", executorch_qnn_quantizer)
         for p in ("8a8w", "16a8w", "16a4w", "16a16w")
     },
 }
@@ -159,9 +191,8 @@ def torchao_converted(name: str, backend: str, preset: str) -> GraphModule:
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     case = float_case(name)
-    _, factory = PEERS[(backend, preset)]
     with quiet():
-        prepared = prepare_pt2e(case.program.module(), factory(preset))
+        prepared = prepare_pt2e(case.program.module(), PEERS[(backend, preset)].factory(preset))
         run(prepared, case.calibration)
         return convert_pt2e(prepared)  # type: ignore[no-any-return]
 

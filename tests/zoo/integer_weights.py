@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug.flow.inspect import fetch_attr
+from quantplug.flow.inspect import encodings, fetch_attr
 
 
 def _is_quantize(node: Node) -> bool:
@@ -69,3 +69,20 @@ def integer_constants(gm: GraphModule) -> list[str]:
             if _is_dequantize(n) and isinstance(n.args[0], Node) and n.args[0].op == "get_attr"
         }
     )
+
+
+def constants_not_labelled_constant(gm: GraphModule) -> list[str]:
+    """Quantized constants that ``quantplug.flow.inspect.encodings`` does not label ``constant``:
+    stored integers read by a dequantize, and quantize ops on input-free values."""
+    free = input_free(gm)
+    kinds = {entry["node"]: entry["kind"] for entry in encodings(gm)}
+    return [
+        f"{n.name}: {kinds.get(n.name)}"
+        for n in gm.graph.nodes
+        if isinstance(n.args[0] if n.args else None, Node)
+        and (
+            (_is_dequantize(n) and n.args[0].op == "get_attr")  # type: ignore[union-attr]
+            or (_is_quantize(n) and n.args[0] in free)
+        )
+        and kinds.get(n.name) != "constant"
+    ]
