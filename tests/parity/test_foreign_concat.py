@@ -76,10 +76,11 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 
 
 def _scales(gm: torch.fx.GraphModule) -> list[object]:
-    """Every encoding's grid, scale and zero point. Not its kind: a parameter that shares a
-    group with activations (ViT's class token, through ``expand`` into ``cat``) is quantized at
-    run time here and folded into a constant by torchao, with the same qparams."""
-    return sorted((e["dtype"], repr(e["scale"]), repr(e["zero_point"])) for e in encodings(gm))
+    """The distinct encodings' grids, scales and zero points. Not their kinds or counts: ViT's
+    class token shares the ``cat``'s group through ``expand``; torchao folds the parameter's
+    quantize into a constant and quantizes the expanded copy again at run time (two encodings),
+    quantplug stores the expanded copy as integers once (one), with the same qparams."""
+    return sorted({(e["dtype"], repr(e["scale"]), repr(e["zero_point"])) for e in encodings(gm)})
 
 
 def _flows(name: str, batches: int = 3) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, torch.Tensor]:

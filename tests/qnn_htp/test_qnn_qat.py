@@ -10,6 +10,7 @@ import quantplug
 
 pytest.importorskip("quantplug_qnn_htp")
 
+from quantplug.flow.inspect import attr_value
 from quantplug.flow.prepare import STATE_KEY
 from quantplug.observers.fake_quantize import FakeQuantize
 from quantplug.observers.fixed import FixedQParamsObserver
@@ -77,17 +78,14 @@ def test_qat_trains_and_converts(precision: str) -> None:
     step = 1 / 256 if precision == "8a8w" else 1 / 2048
     # converted program == fake-quantized training graph up to rounding of the int32 bias
     assert float((fake - real).abs().max()) < 4 * step * float(fake.abs().max() + 1)
-    # the trained weights are what got quantized (QAT convert keeps the quantize in the graph)
+    # the trained weights are what got quantized, once, at convert: the program stores integers
+    # whose dequantized values are the training graph's fake-quantized weights
     w_dq = next(n for n in quantized.graph.nodes if n.name == "conv2d_2").args[1]
-    source = w_dq.args[0]
-    while source.op != "get_attr":
-        source = source.args[0]
-    stored = (
-        quantized.get_parameter(str(source.target))
-        if "." in str(source.target)
-        else getattr(quantized, str(source.target))
-    )
-    assert torch.equal(stored.detach(), prepared.conv3.weight.detach())
+    stored = attr_value(quantized, w_dq.args[0])
+    assert w_dq.args[0].op == "get_attr" and not stored.dtype.is_floating_point
+    with torch.no_grad():
+        dequantized = w_dq.target(*[attr_value(quantized, a) for a in w_dq.args])
+        torch.testing.assert_close(dequantized, conv3_weight(prepared.conv3.weight), rtol=0, atol=0)
 
 
 def test_qat_weight_observers_follow_the_trained_weights() -> None:

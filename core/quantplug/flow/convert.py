@@ -23,6 +23,7 @@ from quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
 from quantplug.errors import CalibrationError, ConversionError
+from quantplug.flow.constants import ConstantValues, constant_nodes, module_attr
 from quantplug.flow.graph_copy import (
     AttrNamer,
     add_node,
@@ -31,7 +32,7 @@ from quantplug.flow.graph_copy import (
     paused_gc,
     release_code_with,
 )
-from quantplug.flow.inspect import fetch_attr
+from quantplug.flow.inspect import QUANTIZE_OPS, fetch_attr
 from quantplug.flow.prepare import DEBUG_HANDLE_KEY, OBSERVERS, STATE_KEY, Group, PreparedState
 from quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from quantplug.observers.base import ObserverBase
@@ -345,23 +346,24 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     tensors: dict[str, torch.Tensor] = {}
     emit = _Emitter(graph, tensors, AttrNamer(prepared))
     observer_prefix = OBSERVERS + "."
-    qnode_of: dict[tuple[str, int], Node] = {}  # (source name, gid) -> quantize node (constants)
-    # constant edges to rewrite: consumer name -> {producer name: gid}
-    constant_inputs: dict[str, dict[str, int]] = {}
-    for producer, consumer, gid in state.constant_edges:
+    # constant groups have no observer nodes: their keys are quantized here, as observers would be
+    constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
+    for (producer, consumer), gid in state.constant_edges.items():
         constant_inputs.setdefault(consumer, {})[producer] = gid
+    edge_q: dict[tuple[str, int], Node] = {}  # (producer, group id) -> its quantize node
     old_nodes = {n.name: n for n in prepared.graph.nodes}
 
-    def quantized_constant(producer: Node, gid: int) -> Node:
-        """get_attr of the integer tensor (quantized once per producer and group)."""
-        key = (producer.name, gid)
-        q = qnode_of.get(key)
+    def quantized_edge(producer: Node, gid: int, user: Node) -> Node:
+        """The integer tensor of a parameter (or the quantize node of an already quantized one)."""
+        q = edge_q.get((producer.name, gid))
         if q is None:
-            qp = qparams[gid]
-            value = fetch_attr(prepared, str(producer.target)).detach()
-            q = emit.constant(str(producer.target) + "_q", _quantize_tensor(value, qp))
+            if producer.name in state.constant_outputs:  # requantized: folded below, exactly
+                q = emit.quantize(_lookup(env, producer, user), qparams[gid], f"g{gid}")
+            else:
+                value = fetch_attr(prepared, str(producer.target)).detach()
+                q = emit.constant(str(producer.target) + "_q", _quantize_tensor(value, qparams[gid]))
             q.meta["quantplug_group"] = gid
-            qnode_of[key] = q
+            edge_q[(producer.name, gid)] = q
         return q
 
     for node in prepared.graph.nodes:
@@ -372,20 +374,14 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             if qp.granularity in ("dynamic", "token"):
                 env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)
                 continue
-            q = emit.quantize(src, qp, f"g{gid}")
-            q.meta["quantplug_group"] = gid
-            env[node] = _Dequantized(_dq_maker(emit, q, qp, gid, node), duplicate=True)
+            env[node] = _quantized(emit, src, qp, gid, node)
             continue
         if node.name in constant_inputs:
             replacements: dict[Node, Node] = {}
             for producer_name, gid in constant_inputs[node.name].items():
                 producer = old_nodes[producer_name]
-                q = quantized_constant(producer, gid)
-                dq = emit.dequantize(q, qparams[gid], f"g{gid}", _float_dtype(producer))
-                dq.meta["quantplug_group"] = gid
-                if "val" in producer.meta:
-                    dq.meta["val"] = producer.meta["val"]
-                replacements[producer] = dq
+                q = quantized_edge(producer, gid, node)
+                replacements[producer] = _dq_maker(emit, q, qparams[gid], gid, producer)()
 
             def transform(n: Node, r: dict[Node, Node] = replacements, u: Node = node) -> Node:
                 return r[n] if n in r else _lookup(env, n, u)
@@ -394,6 +390,10 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
         else:
             new = copy_node(graph, node, partial(_lookup, env, user=node))
         env[node] = new
+        out_gid = state.constant_outputs.get(node.name)
+        if out_gid is not None:
+            env[node] = _quantized(emit, new, qparams[out_gid], out_gid, node)
+    _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
     since = code_counter()
     converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
@@ -405,6 +405,47 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     if calibrated is not None:
         converted.meta[CALIBRATED_REPORT_KEY] = calibrated
     return converted
+
+
+def _quantized(emit: _Emitter, src: Node, qp: QParams, gid: int, origin: Node) -> _Dequantized:
+    """Env value of a quantized tensor: its quantize node, and a dequantize per consumer."""
+    q = emit.quantize(src, qp, f"g{gid}")
+    q.meta["quantplug_group"] = gid
+    return _Dequantized(_dq_maker(emit, q, qp, gid, origin), duplicate=True)
+
+
+def _store_constants_as_integers(
+    graph: Graph, emit: _Emitter, prepared: GraphModule, qparams: dict[int, QParams]
+) -> None:
+    """Replace every quantize op whose input is a constant by the integer tensor it computes.
+
+    Weights of constant groups, weights sharing a group with activations (an embedding table and
+    its looked-up rows), QAT weights, and values computed from constants only (a transposed
+    weight, an LSTM's ``zeros`` state, a requantized constant): all are quantized here, once, with
+    their group's qparams, so the program reads integers and dequantizes them. The integers are
+    those the quantize op would compute (the same float32 steps).
+    """
+    read_prepared = module_attr(prepared)
+
+    def attr(target: str) -> Any:
+        return emit.tensors[target] if target in emit.tensors else read_prepared(target)
+
+    constants = constant_nodes(graph, attr)
+    value = ConstantValues(attr)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in QUANTIZE_OPS or node not in constants:
+            continue
+        source = node.args[0]
+        assert isinstance(source, Node)
+        gid = node.meta.get("quantplug_group")
+        qp = qparams.get(gid) if isinstance(gid, int) else None
+        integers = _quantize_tensor(value(source), qp) if qp is not None else value(node)
+        prefix = (str(source.target) if source.op == "get_attr" else source.name) + "_q"
+        with graph.inserting_before(node):
+            stored = emit.constant(prefix, integers)
+        stored.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(stored)
+        graph.erase_node(node)
 
 
 class _Dequantized:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import gc
 import linecache
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -376,7 +377,9 @@ class AttrNamer:
         self._counters: dict[str, int] = {}
 
     def __call__(self, prefix: str) -> str:
-        prefix = prefix.replace(".", "_")
+        # an identifier: generated code (and torch.export's lifted inputs) names arguments after
+        # attributes, and module paths may hold any character (torchvision's RegNet: "block1-0")
+        prefix = re.sub(r"\W", "_", prefix)
         i = self._counters.get(prefix, 0)
         while True:
             name = f"{prefix}{i}"

@@ -1,9 +1,14 @@
 """prepare(): annotate -> resolve sharing -> validate -> one observer per group.
 
 Works on a copy of the caller's graph, inserts observers with O(1) naming into one container
-module, and recompiles once. Groups whose tensors are all constants (weights, biases) get no
-observer in the graph: convert() measures them once, so calibration runs at float speed for
-weights instead of re-observing them every batch.
+module, and recompiles once. Groups whose tensors are all parameters or buffers (weights,
+biases) get no observer in the graph: convert() measures them once, so calibration runs at float
+speed for weights instead of re-observing them every batch. Every other group keeps an observer
+per key, as torchao's prepare_pt2e gives it, because foreign observers may look for one (ExecuTorch's
+ConcatObserver finds each concat input's observer in the graph): a group mixing a weight and
+activations (an embedding table whose looked-up rows share its encoding), values computed from
+weights only (a transposed weight, an LSTM's ``zeros`` state) and QAT weights. convert() still
+stores all of them as integers (see ``flow.constants``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch.fx import GraphModule, Node
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
+from quantplug.flow.constants import written
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
@@ -41,7 +47,11 @@ DEBUG_HANDLE_KEY = "quantplug_debug_handle"
 
 @dataclass
 class Group:
-    """One sharing group: its spec, its keys, and whether only constants flow through it."""
+    """One sharing group: its spec, its keys, and whether only parameters/buffers flow through it.
+
+    ``constant`` groups are quantized at convert from the parameters' values (no observer runs
+    during calibration); in QAT no group is, since training changes the weights.
+    """
 
     gid: int
     spec: Any
@@ -70,8 +80,10 @@ class PreparedState:
     validation: ValidationReport | None = None
     #: the constraint checks convert runs on the calibrated encodings (constraints v2)
     calibrated_checks: CalibratedPlan | None = None
-    #: constant edges measured at convert: (get_attr node name, consumer name, group id)
-    constant_edges: list[tuple[str, str, int]] = field(default_factory=list)
+    #: keys of constant groups, quantized by convert as observers would have been:
+    #: node outputs (name -> group id) and input edges ((producer, consumer) -> group id)
+    constant_outputs: dict[str, int] = field(default_factory=dict)
+    constant_edges: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def observer(self, gm: GraphModule, gid: int) -> nn.Module:
         return getattr(getattr(gm, OBSERVERS), f"g{gid}")
@@ -275,21 +287,27 @@ def _observes_input(gm: GraphModule, group: Group) -> bool:
 def _build_groups(
     gm: GraphModule, keys: AnnotatedKeys, groups: SharingGroups, *, qat: bool, backend: str | None
 ) -> PreparedState:
-    nodes = {n.name: n for n in gm.graph.nodes}
+    # parameters and buffers that no op of the graph writes (a buffer updated in place, a running
+    # state, changes at every forward: its group keeps its observer and is quantized at run time)
+    attrs = {n.name for n in gm.graph.nodes if n.op == "get_attr" and not written(n)} if not qat else set()
 
-    def source(key: Key) -> Node:
-        return nodes[key[0] if isinstance(key, tuple) else key]
+    def from_constant(key: Key) -> bool:
+        return (key[0] if isinstance(key, tuple) else key) in attrs
 
     result: list[Group] = []
     for gid, members in enumerate(groups.members):
         spec = keys.specs[groups.representative[gid]]
         dynamic = bool(getattr(spec, "is_dynamic", False))
-        constant = not qat and not dynamic and all(source(k).op == "get_attr" for k in members)
+        constant = not dynamic and all(from_constant(k) for k in members)
         result.append(Group(gid=gid, spec=spec, keys=list(members), constant=constant, dynamic=dynamic))
     state = PreparedState(groups=result, group_of=dict(groups.group_of), qat=qat, backend=backend)
     for key, gid in groups.group_of.items():
-        if isinstance(key, tuple) and result[gid].constant:
-            state.constant_edges.append((key[0], key[1], gid))
+        if not result[gid].constant:
+            continue
+        if not isinstance(key, tuple):
+            state.constant_outputs[key] = gid
+        elif groups.group_of.get(key[0]) != gid:  # an edge in its producer's group reads its output
+            state.constant_edges[key] = gid
     return state
 
 

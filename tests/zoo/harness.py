@@ -1,0 +1,219 @@
+"""Running the zoo: float references, quantplug's flow per preset, the peers' flows, SQNR.
+
+Everything a zoo test needs is computed once per process and shared (``functools.cache``): the
+exported program and float outputs of a model are used by every preset, a converted program by
+the accuracy, lowering and integer-weight checks. Calibration and held-out batches are drawn from
+fixed seeds, so every machine quantizes the same numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+import quantplug
+from tests.zoo.models import MODELS, Inputs
+
+CALIBRATION_BATCHES = 2
+HELD_OUT_BATCHES = 4
+
+REFERENCE_PRESETS = ("int8", "a16w8", "weight_only_int4", "dynamic_int8")
+QNN_PRESETS = ("8a8w", "16a8w", "16a4w", "16a4w_block", "16a16w")
+SOC_MODEL = "SM8650"  # HTP V75: every precision above is allowed
+PRESETS: tuple[tuple[str, str], ...] = tuple(("reference", p) for p in REFERENCE_PRESETS) + tuple(
+    ("qnn_htp", p) for p in QNN_PRESETS
+)
+
+
+RECORD_ENV = "QUANTPLUG_ZOO_RECORD"
+
+
+def record(**fields: Any) -> None:
+    """Append one measurement as a JSON line to the file named by ``$QUANTPLUG_ZOO_RECORD``, if set
+    (how the floors table and the peer comparison are remeasured: ``tests/zoo/report.py``)."""
+    path = os.environ.get(RECORD_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(fields) + "\n")
+
+
+@dataclass
+class FloatCase:
+    """A zoo model exported once, with its batches and its float outputs on the held-out batches."""
+
+    name: str
+    model: torch.nn.Module
+    program: torch.export.ExportedProgram
+    calibration: list[Inputs]
+    held_out: list[Inputs]
+    reference: list[torch.Tensor]
+
+
+@functools.cache
+def float_case(name: str) -> FloatCase:
+    zoo = MODELS[name]
+    model = zoo.build()
+    gen = torch.Generator().manual_seed(1234)
+    example = zoo.draw(gen)
+    calibration = [zoo.draw(gen) for _ in range(CALIBRATION_BATCHES)]
+    held_out = [zoo.draw(gen) for _ in range(HELD_OUT_BATCHES)]
+    with quiet():
+        program = torch.export.export(model, example)
+        with torch.no_grad():
+            reference = [model(*batch) for batch in held_out]
+    return FloatCase(name, model, program, calibration, held_out, reference)
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Silence the peers' and transformers' deprecation chatter (it is not what is tested)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def sqnr(reference: list[torch.Tensor], outputs: list[Any]) -> float:
+    """Signal-to-quantization-noise ratio in dB over all held-out outputs (float64 sums)."""
+    signal = noise = 0.0
+    for ref, out in zip(reference, outputs, strict=True):
+        r = ref.detach().to(torch.float64)
+        o = torch.as_tensor(out).detach().to(torch.float64)
+        signal += float(r.pow(2).sum())
+        noise += float((r - o).pow(2).sum())
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def run(gm: Callable[..., Any], batches: list[Inputs]) -> list[Any]:
+    with torch.no_grad():
+        return [gm(*batch) for batch in batches]
+
+
+def quantizer(backend: str, preset: str, **options: Any) -> Any:
+    if backend == "qnn_htp":
+        return quantplug.get_quantizer("qnn_htp", soc_model=SOC_MODEL, precision=preset, **options)
+    # one ONNX Runtime thread, as the zoo runs torch (tests/zoo/conftest.py: one_thread)
+    return quantplug.get_quantizer(backend, preset=preset, ort_threads=1, **options)
+
+
+@dataclass
+class Quantized:
+    """quantplug's result for one model and preset."""
+
+    quantizer: Any
+    program: GraphModule
+    sqnr: float
+
+
+Options = tuple[tuple[str, Any], ...]  # extra quantizer options, hashable (a cache key)
+
+
+@functools.cache
+def quantized(name: str, backend: str, preset: str, options: Options = ()) -> Quantized:
+    """export (shared) -> prepare -> calibrate -> convert, and the program's SQNR against float."""
+    case = float_case(name)
+    q = quantizer(backend, preset, **dict(options))
+    with quiet():
+        prepared = quantplug.prepare(case.program, q)
+        run(prepared, case.calibration)
+        converted = quantplug.convert(prepared)
+    return Quantized(q, converted, sqnr(case.reference, run(converted, case.held_out)))
+
+
+# --- peers (test oracles only): torchao's prepare_pt2e/convert_pt2e with ExecuTorch's quantizers ---
+
+
+def executorch_qnn_quantizer(preset: str) -> Any:
+    """ExecuTorch's QnnQuantizer configured as quantplug's qnn_htp defaults (per-channel conv only)."""
+    os.environ.setdefault("QNN_SDK_ROOT", "")  # or ExecuTorch tries to download an SDK
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+
+    q = QnnQuantizer(soc_model=getattr(QcomChipset, SOC_MODEL))
+    q.set_default_quant_config(
+        getattr(QuantDtype, f"use_{preset}"), is_conv_per_channel=True, is_linear_per_channel=False
+    )
+    return q
+
+
+def xnnpack_quantizer(preset: str) -> Any:
+    """XNNPACKQuantizer: static int8 per-channel (vs reference int8) or dynamic (vs dynamic_int8)."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+
+    q = XNNPACKQuantizer()
+    q.set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=preset == "dynamic_int8"))
+    return q
+
+
+@dataclass(frozen=True)
+class Peer:
+    """ExecuTorch's quantizer for the same scheme as one of our presets, and the options under
+    which ours is compared with it."""
+
+    name: str
+    factory: Callable[[str], Any]
+    options: Options = ()
+
+
+#: the reference backend's default weight grid is 7-bit ([-64, 64], ``weight_bits=7``: its ONNX
+#: Runtime artifact is exact on CPUs without VNNI); XNNPACKQuantizer's is [-127, 127], so the
+#: like-for-like comparison runs the reference presets at ``weight_bits=8``
+_EIGHT_BIT_WEIGHTS: Options = (("weight_bits", 8),)
+
+#: our preset -> its peer; presets without an equivalent peer are absent
+PEERS: dict[tuple[str, str], Peer] = {
+    ("reference", "int8"): Peer("XNNPACKQuantizer", xnnpack_quantizer, _EIGHT_BIT_WEIGHTS),
+    ("reference", "dynamic_int8"): Peer("XNNPACKQuantizer dynamic", xnnpack_quantizer, _EIGHT_BIT_WEIGHTS),
+    **{
+        ("qnn_htp", p): Peer("QnnQuantizer", executorch_qnn_quantizer)
+        for p in ("8a8w", "16a8w", "16a4w", "16a16w")
+    },
+}
+
+
+@functools.cache
+def torchao_converted(name: str, backend: str, preset: str) -> GraphModule:
+    """The peer's program: torchao's prepare_pt2e/convert_pt2e with the peer quantizer."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    case = float_case(name)
+    with quiet():
+        prepared = prepare_pt2e(case.program.module(), PEERS[(backend, preset)].factory(preset))
+        run(prepared, case.calibration)
+        return convert_pt2e(prepared)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def peer_sqnr(name: str, backend: str, preset: str) -> float:
+    case = float_case(name)
+    return sqnr(case.reference, run(torchao_converted(name, backend, preset), case.held_out))
+
+
+@functools.cache
+def foreign_converted(name: str) -> GraphModule:
+    """ExecuTorch's QnnQuantizer (8a8w) through quantplug.prepare/convert: the foreign-quantizer path."""
+    case = float_case(name)
+    with quiet():
+        prepared = quantplug.prepare(case.program, executorch_qnn_quantizer("8a8w"))
+        run(prepared, case.calibration)
+        return quantplug.convert(prepared)
+
+
+def forget() -> None:
+    """Drop every cached result (the zoo fixture calls it when pytest moves to the next model)."""
+    for cached in (float_case, quantized, torchao_converted, peer_sqnr, foreign_converted):
+        cached.cache_clear()
