@@ -5,13 +5,16 @@ different torch version tracing differently) have observers that do not correspo
 them would silently mix unrelated statistics, and a collective over state of different sizes
 would hang or crash. The fingerprint lists the prepared graph's nodes and each observer's kind
 and grid (not its statistics or their shapes: a per-channel observer that saw no data yet has
-an empty state); ranks exchange a digest of it first, and the full list only when digests differ,
+an empty state), but with every node's output shape and dtype; ranks exchange a digest of it first, and the full list only when digests differ,
 to name the first difference.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
+
+import torch
 from torch import nn
 from torch.fx import GraphModule
 
@@ -32,10 +35,19 @@ def observer_signature(obs: nn.Module) -> str:
 
 def fingerprint(prepared: GraphModule, observers: list[tuple[str, nn.Module]]) -> list[str]:
     """The lines that must agree across ranks: graph nodes, then observers."""
-    lines = [f"node {n.op} {n.target} -> {n.name}" for n in prepared.graph.nodes]
+    lines = [f"node {n.op} {n.target} -> {n.name}{_meta(n.meta.get('val'))}" for n in prepared.graph.nodes]
     where = {name: str(getattr(obs, "where", "") or "") for name, obs in observers}
     lines += [f"observer {name} [{where[name]}] {observer_signature(obs)}" for name, obs in observers]
     return lines
+
+
+def _meta(value: Any) -> str:
+    """A node's output shape and dtype (two programs can share every op and differ in widths)."""
+    if isinstance(value, torch.Tensor):
+        return f" {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return "".join(_meta(v) for v in value)
+    return ""
 
 
 def digest(lines: list[str]) -> bytes:
