@@ -128,7 +128,7 @@ def _check_same_program(lines: list[str], group: Any, device: torch.device, worl
 
 
 def _state(obs: nn.Module) -> dict[str, Any]:
-    """An observer's statistics as plain CPU tensors and numbers (what other ranks need)."""
+    """An observer's statistics as CPU tensors and plain numbers (what other ranks need)."""
     buffers = {path: t.detach().cpu() for path, t in obs.named_buffers() if t is not None}
     counters = {
         path: {attr: vars(m)[attr] for attr in _COUNTERS if attr in vars(m)} for path, m in obs.named_modules()
@@ -136,19 +136,49 @@ def _state(obs: nn.Module) -> dict[str, Any]:
     return {"buffers": buffers, "counters": counters}
 
 
+def _packed(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``states`` with every tensor as (dtype, shape, bytes): pickling a tensor goes through
+    torch.save, about 0.2 ms each; bytes pickle at memory speed."""
+    return {
+        name: {
+            "buffers": {
+                path: (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                for path, t in state["buffers"].items()
+            },
+            "counters": state["counters"],
+        }
+        for name, state in states.items()
+    }
+
+
+def _unpacked(packed: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    def tensor(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+        kind = getattr(torch, dtype)
+        if not data:
+            return torch.empty(shape, dtype=kind)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).reshape(shape)
+
+    return {
+        name: {"buffers": {p: tensor(*v) for p, v in state["buffers"].items()}, "counters": state["counters"]}
+        for name, state in packed.items()
+    }
+
+
 def _load_state(obs: nn.Module, state: dict[str, Any], *, device_of: nn.Module | None = None) -> None:
-    """Put ``state`` into ``obs`` (buffers may change shape: a per-channel state filled by a merge)."""
-    reference = dict((device_of or obs).named_buffers())
+    """Put ``state`` into ``obs`` (buffers may change shape: a per-channel state filled by a merge),
+    each buffer on the device of the same buffer of ``device_of`` (default: ``obs`` itself)."""
+    modules = dict(obs.named_modules())
+    reference = modules if device_of is None else dict(device_of.named_modules())
     for path, tensor in state["buffers"].items():
         prefix, _, leaf = path.rpartition(".")
-        module = obs.get_submodule(prefix)
-        old = reference.get(path)
-        module._buffers[leaf] = tensor.to(old.device) if old is not None else tensor
-    for path, module in obs.named_modules():
+        old = reference[prefix]._buffers.get(leaf)
+        modules[prefix]._buffers[leaf] = tensor if old is None or old.device == tensor.device else tensor.to(old.device)
+    counters = state["counters"]
+    for path, module in modules.items():
+        own = vars(module)
         for attr in _COUNTERS:
-            vars(module).pop(attr, None)
-        for attr, value in state["counters"].get(path, {}).items():
-            setattr(module, attr, value)
+            own.pop(attr, None)
+        own.update(counters.get(path, ()))
 
 
 def _since_last_sync(peer: nn.Module, name: str) -> None:
@@ -237,7 +267,8 @@ def sync_observers(
     stateful = [(name, obs) for name, obs in observers if has_statistics(obs)]
     mine = {name: _state(obs) for name, obs in stateful}
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, _packed(mine), group=group)
+    everyone = [_unpacked(p) for p in everyone]
     for name, obs in stateful:
         _load_state(obs, _merge_one(name, obs, [states[name] for states in everyone]))
     sent = sum(t.numel() * t.element_size() for s in mine.values() for t in s["buffers"].values())
