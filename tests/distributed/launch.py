@@ -35,7 +35,9 @@ class RankResult:
     result: dict[str, Any]
 
 
-def run_ranks(scenario: str, world: int, out: Path, *, deadline: float = 240.0, **env: str) -> list[RankResult]:
+def run_ranks(
+    scenario: str, world: int, out: Path, *, deadline: float = 240.0, **env: str
+) -> list[RankResult]:
     out.mkdir(parents=True, exist_ok=True)
     base = {
         **os.environ,
@@ -64,7 +66,9 @@ def run_ranks(scenario: str, world: int, out: Path, *, deadline: float = 240.0, 
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise AssertionError(f"rank {r} of scenario {scenario!r} still running after {deadline}s") from None
+            raise AssertionError(
+                f"rank {r} of scenario {scenario!r} still running after {deadline}s"
+            ) from None
         path = out / f"rank{r}.pt"
         found = torch.load(path, weights_only=False) if path.exists() else {}
         results.append(RankResult(r, proc.returncode, output, found))

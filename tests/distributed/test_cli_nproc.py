@@ -43,7 +43,7 @@ def quantize(demo: dict[str, Path], out: str, data: str, *extra: str) -> Result:
 
 
 def program_content(out: Path) -> tuple[str, dict[str, Any]]:
-    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the Q/DQ ops it loads)
+    import torch.ao.quantization.fx._decomposed  # registers the Q/DQ ops the program holds
 
     program = torch.export.load(str(out / "quantized.pt2"))
     return program.graph_module.code, {**program.state_dict, **program.constants}
@@ -70,10 +70,14 @@ def test_two_processes_write_what_one_writes(demo: dict[str, Path]) -> None:
     assert "calibrated: 8 batches" in two.stderr
 
 
-@pytest.mark.parametrize("data", ["folder", "tests.distributed.data:loader", "tests.distributed.data:sharded"])
+@pytest.mark.parametrize(
+    "data", ["folder", "tests.distributed.data:loader", "tests.distributed.data:sharded"]
+)
 def test_streamed_sources_calibrate_every_batch_once(demo: dict[str, Path], data: str) -> None:
     source = str(demo["folder"]) if data == "folder" else data
-    result = quantize(demo, f"stream-{data.rsplit(':', 1)[-1]}", source, *(["--nproc", "2"] if data != "folder" else []))
+    result = quantize(
+        demo, f"stream-{data.rsplit(':', 1)[-1]}", source, *(["--nproc", "2"] if data != "folder" else [])
+    )
     assert result.returncode == 0, result.stderr
     out = demo["root"] / f"stream-{data.rsplit(':', 1)[-1]}"
     report = json.loads((out / "report.json").read_text())

@@ -121,7 +121,9 @@ def test_histogram_merge_does_not_depend_on_the_order_of_the_ranks(parts: list[A
     assert_same(merged([observers[0], HistogramObserver(bins=64)]), observers[0])  # identity
 
 
-@pytest.mark.parametrize("make", [MovingAverageMinMaxObserver, lambda: MovingAveragePerChannelMinMaxObserver(ch_axis=1)])
+@pytest.mark.parametrize(
+    "make", [MovingAverageMinMaxObserver, lambda: MovingAveragePerChannelMinMaxObserver(ch_axis=1)]
+)
 @settings(max_examples=30, deadline=None)
 @given(a=batches, b=batches, c=batches)
 def test_moving_average_merge_is_the_batch_weighted_mean(make: Any, a: Any, b: Any, c: Any) -> None:
@@ -185,7 +187,10 @@ def test_observers_without_statistics_merge_as_a_no_op() -> None:
 def test_what_cannot_merge_is_refused_by_name() -> None:
     with pytest.raises(ObserverMergeError, match="HistogramObserver into a MinMaxObserver"):
         merge_observers(MinMaxObserver(), [HistogramObserver()])
-    a, b = fed(lambda: PerChannelMinMaxObserver(ch_axis=1), [(0, 1.0, 0.0)]), PerChannelMinMaxObserver(ch_axis=1)
+    a, b = (
+        fed(lambda: PerChannelMinMaxObserver(ch_axis=1), [(0, 1.0, 0.0)]),
+        PerChannelMinMaxObserver(ch_axis=1),
+    )
     b(torch.randn(4, 3))
     with pytest.raises(ObserverMergeError, match="different shapes"):
         merge_observers(a, [b])
@@ -196,7 +201,6 @@ def test_what_cannot_merge_is_refused_by_name() -> None:
 
     with pytest.raises(ObserverMergeError, match="defines no merge_"):
         merge_observers(Counting(), [Counting()])
-
 
 
 @pytest.mark.parametrize("name", ["MinMaxObserver", "PerChannelMinMaxObserver", "HistogramObserver"])

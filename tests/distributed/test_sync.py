@@ -37,20 +37,20 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list:  # type: ignore
 
 def test_two_ranks_give_one_process_qparams(two_ranks: list) -> None:  # type: ignore[type-arg]
     r0, r1 = (r["calibrate"] for r in two_ranks)
-    for option in ("minmax", "moving_average", "histogram"):
+    for option in ("minmax", "moving_average", "histogram", "qnn_htp_minmax"):
         assert r0[option]["merged"] == r1[option]["merged"] > 0
         # the identical converted program (graph and every tensor, bit for bit) on every rank
         assert r0[option]["digest"] == r1[option]["digest"]
         _assert_same_qparams(r0[option]["qparams"], r1[option]["qparams"])
-    # min-max: exactly one process's qparams, and the same converted program
-    _assert_same_qparams(r0["minmax"]["qparams"], r0["minmax"]["single"])
-    assert r0["minmax"]["digest"] == r0["minmax"]["single_digest"]
+    # min-max kinds (qnn_htp: its concat observer too): exactly one process's qparams, and the
+    # same converted program
+    for option in ("minmax", "qnn_htp_minmax"):
+        _assert_same_qparams(r0[option]["qparams"], r0[option]["single"])
+        assert r0[option]["digest"] == r0[option]["single_digest"]
     # histograms: within a hundredth of a step of one process's (see test_merge for the SQNR)
     for name, (scale, _) in r0["histogram"]["qparams"].items():
         single = r0["histogram"]["single"][name][0]
         torch.testing.assert_close(scale, single, rtol=1e-2, atol=0.0)
-
-
 
 
 def test_ranks_that_prepared_different_programs_get_the_same_clear_error(two_ranks: list) -> None:  # type: ignore[type-arg]

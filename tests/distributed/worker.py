@@ -20,10 +20,11 @@ class Net(nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.fc1 = nn.Linear(16, width)
-        self.fc2 = nn.Linear(width, 8)
+        self.fc2 = nn.Linear(2 * width, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)) * 1.5)
+        h = torch.relu(self.fc1(x))
+        return self.fc2(torch.cat([h * 1.5, torch.softmax(h, dim=-1)], dim=-1))
 
 
 def batches(n: int = 12) -> list[torch.Tensor]:
@@ -55,8 +56,18 @@ def digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
+#: (backend, options) of the calibrate scenario, by name
+SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "minmax": ("reference", {"activation_observer": "minmax"}),
+    "moving_average": ("reference", {"activation_observer": "moving_average"}),
+    "histogram": ("reference", {"activation_observer": "histogram"}),
+    "qnn_htp_minmax": ("qnn_htp", {"act_observer": "minmax", "precision": "16a8w"}),
+}
+
+
 def calibrate(option: str, data: Any) -> nn.Module:
-    quantizer = quantplug.get_quantizer("reference", activation_observer=option)
+    backend, options = SETUPS[option]
+    quantizer = quantplug.get_quantizer(backend, **options)
     prepared = quantplug.prepare(program(), quantizer)
     with torch.no_grad():
         for x in data:
@@ -67,7 +78,7 @@ def calibrate(option: str, data: Any) -> nn.Module:
 def scenario_calibrate(rank: int) -> dict[str, Any]:
     """Every observer kind the reference backend offers, 2 ranks against 1 process."""
     found: dict[str, Any] = {}
-    for option in ("minmax", "moving_average", "histogram"):
+    for option in SETUPS:
         prepared = calibrate(option, shard(batches()))
         result = sync_observers(prepared, timeout=60)
         found[option] = {

@@ -374,14 +374,18 @@ def _data_factory(spec: str) -> tuple[Callable[..., Any], bool]:
     return target, shards
 
 
-def _factory_batches(spec: str, factory: Callable[..., Any], shards: bool, rank: int, size: int) -> Iterator[Batch]:
+def _factory_batches(
+    spec: str, factory: Callable[..., Any], shards: bool, rank: int, size: int
+) -> Iterator[Batch]:
     try:
         iterable = factory(rank=rank, world_size=size) if shards else factory()
         iterator = iter(iterable)
     except SystemExit as exc:
         raise InputError(f"data factory {spec!r} called {_exit_call(exc)}") from exc
     except Exception as exc:
-        raise InputError(f"data factory {spec!r} raised {_first_line(exc)} (it must return an iterable)") from exc
+        raise InputError(
+            f"data factory {spec!r} raised {_first_line(exc)} (it must return an iterable)"
+        ) from exc
     index = 0
     while True:
         try:
@@ -389,7 +393,9 @@ def _factory_batches(spec: str, factory: Callable[..., Any], shards: bool, rank:
         except StopIteration:
             return
         except Exception as exc:
-            raise InputError(f"data factory {spec!r} failed producing item {index}: {_first_line(exc)}") from exc
+            raise InputError(
+                f"data factory {spec!r} failed producing item {index}: {_first_line(exc)}"
+            ) from exc
         origin = f"{spec} item {index}"
         yield _one_batch(item, origin), origin
         index += 1
@@ -408,7 +414,9 @@ def open_calibration(spec: str, inputs: Sequence[InputSpec]) -> CalibrationData:
                 total=None,
                 shards_itself=shards,
             )
-        raise InputError(f"calibration data {spec!r} not found (a .pt file, a folder of them or package.module:factory)")
+        raise InputError(
+            f"calibration data {spec!r} not found (a .pt file, a folder of them or package.module:factory)"
+        )
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
         if not files:

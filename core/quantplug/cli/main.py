@@ -265,7 +265,9 @@ def _calibration_data(args: argparse.Namespace, model: Any, warn: Any) -> tuple[
     return data, {"source": "random normal data", "random": True}
 
 
-def _calibrate(prepared: Any, data: Any, model: Any, args: argparse.Namespace, console: Console, group: Any) -> int:
+def _calibrate(
+    prepared: Any, data: Any, model: Any, args: argparse.Namespace, console: Console, group: Any
+) -> int:
     """Run this process's share of the batches through ``prepared``, each checked against the
     model's inputs first; merge the statistics of all ranks. Returns the batches over all ranks."""
     import torch
@@ -283,15 +285,26 @@ def _calibrate(prepared: Any, data: Any, model: Any, args: argparse.Namespace, c
             for i, (batch, origin) in enumerate(data.batches(rank, size)):
                 index = i if data.shards_itself else rank + i * size
                 where = origin if data.shards_itself or group is None else f"{origin}, rank {rank}"
-                check_batches([batch], [where], model.inputs, model.program, finite=args.nonfinite != "ignore", start=index)
+                check_batches(
+                    [batch],
+                    [where],
+                    model.inputs,
+                    model.program,
+                    finite=args.nonfinite != "ignore",
+                    start=index,
+                )
                 try:
                     batch.run(prepared)
                 except quantplug.NonFiniteError as exc:
-                    raise nonfinite_input_error(exc, index, where, batch, model.inputs, model.program) from exc
+                    raise nonfinite_input_error(
+                        exc, index, where, batch, model.inputs, model.program
+                    ) from exc
                 except quantplug.QuantplugError:
                     raise
                 except Exception as exc:
-                    raise InputError(f"calibration batch {index} ({where}) failed: {_first_line(exc)}") from exc
+                    raise InputError(
+                        f"calibration batch {index} ({where}) failed: {_first_line(exc)}"
+                    ) from exc
                 count += 1
                 total = shared.add() if shared is not None else None
                 bar.advance(1 if total is None else total - bar.count)
@@ -362,7 +375,9 @@ def _quantize_into(
     data, calibration = _calibration_data(args, model, warn)
     calibration["nonfinite"] = args.nonfinite
     first = data.head(1)  # a batch that does not fit the model fails now, before prepare
-    check_batches([b for b, _ in first], [o for _, o in first], model.inputs, program, finite=args.nonfinite != "ignore")
+    check_batches(
+        [b for b, _ in first], [o for _, o in first], model.inputs, program, finite=args.nonfinite != "ignore"
+    )
     t = lap("load", t)
 
     prepared = quantplug.prepare(program, quantizer, nonfinite=args.nonfinite)

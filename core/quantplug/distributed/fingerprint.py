@@ -3,10 +3,10 @@
 Ranks that prepared different programs (another model revision, another backend option, a
 different torch version tracing differently) have observers that do not correspond; merging
 them would silently mix unrelated statistics, and a collective over state of different sizes
-would hang or crash. The fingerprint lists the prepared graph's nodes and each observer's kind
-and grid (not its statistics or their shapes: a per-channel observer that saw no data yet has
-an empty state), but with every node's output shape and dtype; ranks exchange a digest of it first, and the full list only when digests differ,
-to name the first difference.
+would hang or crash. The fingerprint lists the prepared graph's nodes with their output shapes
+and dtypes, and each observer's kind and grid (not its statistics or their shapes: a
+per-channel observer that saw no data yet has an empty state); ranks exchange a digest of it
+first, and the full list only when digests differ, to name the first difference.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def first_difference(mine: list[str], theirs: list[str]) -> str:
         if a != b:
             return f"entry {i}: {a!r} against {b!r}"
     if len(mine) != len(theirs):
-        longer, extra = ("first", mine[len(theirs)]) if len(mine) > len(theirs) else ("second", theirs[len(mine)])
+        longer, extra = (
+            ("first", mine[len(theirs)]) if len(mine) > len(theirs) else ("second", theirs[len(mine)])
+        )
         return f"{len(mine)} entries against {len(theirs)}; the {longer} goes on with {extra!r}"
     return "the same entries (a hash collision?)"
 
@@ -74,4 +76,3 @@ def describe_mismatch(all_lines: list[list[str]]) -> str:
         if r and lines != reference
     ]
     return "; ".join(parts)
-

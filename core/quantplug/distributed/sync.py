@@ -131,7 +131,8 @@ def _state(obs: nn.Module) -> dict[str, Any]:
     """An observer's statistics as CPU tensors and plain numbers (what other ranks need)."""
     buffers = {path: t.detach().cpu() for path, t in obs.named_buffers() if t is not None}
     counters = {
-        path: {attr: vars(m)[attr] for attr in _COUNTERS if attr in vars(m)} for path, m in obs.named_modules()
+        path: {attr: vars(m)[attr] for attr in _COUNTERS if attr in vars(m)}
+        for path, m in obs.named_modules()
     }
     return {"buffers": buffers, "counters": counters}
 
@@ -142,7 +143,11 @@ def _packed(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         name: {
             "buffers": {
-                path: (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                path: (
+                    str(t.dtype).removeprefix("torch."),
+                    tuple(t.shape),
+                    t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+                )
                 for path, t in state["buffers"].items()
             },
             "counters": state["counters"],
@@ -172,7 +177,9 @@ def _load_state(obs: nn.Module, state: dict[str, Any], *, device_of: nn.Module |
     for path, tensor in state["buffers"].items():
         prefix, _, leaf = path.rpartition(".")
         old = reference[prefix]._buffers.get(leaf)
-        modules[prefix]._buffers[leaf] = tensor if old is None or old.device == tensor.device else tensor.to(old.device)
+        modules[prefix]._buffers[leaf] = (
+            tensor if old is None or old.device == tensor.device else tensor.to(old.device)
+        )
     counters = state["counters"]
     for path, module in modules.items():
         own = vars(module)
@@ -181,7 +188,7 @@ def _load_state(obs: nn.Module, state: dict[str, Any], *, device_of: nn.Module |
         own.update(counters.get(path, ()))
 
 
-def _since_last_sync(peer: nn.Module, name: str) -> None:
+def _since_last_sync(peer: nn.Module) -> None:
     """Count only the batches a peer saw since the last sync (the merge weighs by them)."""
     for module in peer.modules():
         base = int(vars(module).get(SYNCED_ATTR, 0))
@@ -205,7 +212,7 @@ def _merge_one(name: str, obs: nn.Module, states: list[dict[str, Any]]) -> dict[
     for state in states:
         peer = fresh_copy(obs)
         _load_state(peer, state, device_of=obs)
-        _since_last_sync(peer, name)
+        _since_last_sync(peer)
         peers.append(peer)
     _refuse_histogram_resync(name, obs, peers)
     merge_observers(peers[0], peers[1:])
@@ -216,6 +223,8 @@ def _merge_one(name: str, obs: nn.Module, states: list[dict[str, Any]]) -> dict[
             total = int(batches) + int(vars(module).get(SYNCED_ATTR, 0))
             merged["buffers"][f"{path}.num_batches" if path else "num_batches"] = torch.tensor(total)
             merged["counters"].setdefault(path, {})[SYNCED_ATTR] = total
+        elif "histogram" in module._buffers:  # torchao's: no count to tell new data by
+            merged["counters"].setdefault(path, {})[SYNCED_ATTR] = 1
     return merged
 
 

@@ -119,7 +119,9 @@ def canonical_sum(terms: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.sort(stacked, dim=0).values.sum(dim=0)
 
 
-def merged_average(values: Sequence[torch.Tensor], weights: Sequence[float], what: str) -> torch.Tensor | None:
+def merged_average(
+    values: Sequence[torch.Tensor], weights: Sequence[float], what: str
+) -> torch.Tensor | None:
     """The ``weights``-weighted mean of ``values`` (states with zero weight or no element are
     left out), in the dtype of the first; None when no state has weight."""
     kept = [(v, float(w)) for v, w in zip(values, weights) if w > 0 and v.numel() > 0]
@@ -148,11 +150,15 @@ def merged_histogram(
         return None
     bins = {h.numel() for h, _, _ in present}
     if len(bins) > 1:
-        raise ObserverMergeError(f"cannot merge {what}: its histograms have different bin counts {sorted(bins)}")
+        raise ObserverMergeError(
+            f"cannot merge {what}: its histograms have different bin counts {sorted(bins)}"
+        )
     lo = min(s[1] for s in present)
     hi = max(s[2] for s in present)
     rebinned = [
-        h.to(torch.float64) if (h_lo, h_hi) == (lo, hi) else rebin_histogram(h.to(torch.float64), h_lo, h_hi, lo, hi)
+        h.to(torch.float64)
+        if (h_lo, h_hi) == (lo, hi)
+        else rebin_histogram(h.to(torch.float64), h_lo, h_hi, lo, hi)
         for h, h_lo, h_hi in present
     ]
     return canonical_sum(rebinned).to(present[0][0].dtype), lo, hi
