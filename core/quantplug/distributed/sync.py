@@ -60,8 +60,8 @@ def prepared_of(module: nn.Module) -> nn.Module:
     from quantplug.flow.prepare import OBSERVERS
 
     inner = module
-    while not hasattr(inner, OBSERVERS) and isinstance(getattr(inner, "module", None), nn.Module):
-        inner = inner.module
+    while not hasattr(inner, OBSERVERS) and isinstance(wrapped := getattr(inner, "module", None), nn.Module):
+        inner = wrapped
     if not isinstance(getattr(inner, OBSERVERS, None), nn.Module):
         raise DistributedError(
             f"sync_observers needs a module returned by quantplug.prepare (or a DistributedDataParallel "
@@ -182,7 +182,7 @@ def _load_state(obs: nn.Module, state: dict[str, Any], *, device_of: nn.Module |
         )
     counters = state["counters"]
     for path, module in modules.items():
-        own = vars(module)
+        own: dict[str, Any] = module.__dict__
         for attr in _COUNTERS:
             own.pop(attr, None)
         own.update(counters.get(path, ()))

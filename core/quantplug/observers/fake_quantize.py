@@ -72,11 +72,11 @@ class FakeQuantize(nn.Module):
         """The wrapped observer, typed loosely: any PT2E observer module fits."""
         return self._modules["activation_post_process"]
 
-    def merge_(self, others: Sequence[nn.Module]) -> None:
+    def merge_(self, others: Sequence[FakeQuantize]) -> None:
         """Merge the wrapped observers (the switches are settings, not statistics)."""
         from quantplug.observers.merge import merge_state
 
-        merge_state(self._observer, [other.activation_post_process for other in others])
+        merge_state(self._observer, [other._observer for other in others])
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         qparams: tuple[torch.Tensor, torch.Tensor] = self._observer.calculate_qparams()
