@@ -146,7 +146,7 @@ def _packed(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 path: (
                     str(t.dtype).removeprefix("torch."),
                     tuple(t.shape),
-                    t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+                    bytes(t.contiguous().clone().untyped_storage()),  # exactly its elements
                 )
                 for path, t in state["buffers"].items()
             },
@@ -161,7 +161,7 @@ def _unpacked(packed: dict[str, Any]) -> dict[str, dict[str, Any]]:
         kind = getattr(torch, dtype)
         if not data:
             return torch.empty(shape, dtype=kind)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).reshape(shape)
+        return torch.frombuffer(bytearray(data), dtype=kind).reshape(shape)
 
     return {
         name: {"buffers": {p: tensor(*v) for p, v in state["buffers"].items()}, "counters": state["counters"]}
