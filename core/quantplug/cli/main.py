@@ -308,19 +308,16 @@ def _calibrate(
                 count += 1
                 total = shared.add() if shared is not None else None
                 bar.advance(1 if total is None else total - bar.count)
-            if shared is not None:
-                total = shared.add(0, force=True)
-                if total is not None and total > bar.count:
-                    bar.advance(total - bar.count)
-    if group is not None:
-        import torch.distributed as dist
+        if group is not None:
+            import torch.distributed as dist
 
-        from quantplug.distributed import sync_observers
+            from quantplug.distributed import sync_observers
 
-        sync_observers(prepared, timeout=distributed.SYNC_TIMEOUT)
-        counts = torch.tensor([count], dtype=torch.int64)
-        dist.all_reduce(counts)
-        count = int(counts[0])
+            sync_observers(prepared, timeout=distributed.SYNC_TIMEOUT)
+            counts = torch.tensor([count], dtype=torch.int64)
+            dist.all_reduce(counts)
+            count = int(counts[0])
+            bar.advance(count - bar.count)  # every rank's batches, all done now
     if count == 0:
         raise InputError(f"calibration data {data.source!r} holds no batches")
     return count

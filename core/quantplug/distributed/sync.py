@@ -146,7 +146,7 @@ def _packed(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 path: (
                     str(t.dtype).removeprefix("torch."),
                     tuple(t.shape),
-                    bytes(t.contiguous().clone().untyped_storage()),  # exactly its elements
+                    t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(),
                 )
                 for path, t in state["buffers"].items()
             },
