@@ -62,9 +62,11 @@ _EXPORTS: dict[str, str] = {
             "CalibrationError",
             "ConstraintViolationError",
             "ConversionError",
+            "DistributedError",
             "DuplicateBackendError",
             "LoweringError",
             "NonFiniteError",
+            "ObserverMergeError",
             "OptionError",
             "QuantplugError",
             "UnknownBackendError",
@@ -114,7 +116,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 #: subpackages reachable as attributes (``quantplug.debug.compare``), imported on first use
-_SUBPACKAGES = ("debug", "report", "cli", "demo", "observers", "flow")
+_SUBPACKAGES = ("debug", "report", "cli", "demo", "observers", "flow", "distributed")
 
 __all__ = [
     "OUTPUT",
@@ -134,6 +136,7 @@ __all__ = [
     "ConversionError",
     "CoverageReport",
     "DerivedQuantizationSpec",
+    "DistributedError",
     "DuplicateBackendError",
     "EdgeOrNode",
     "FixedQParamsQuantizationSpec",
@@ -143,6 +146,7 @@ __all__ = [
     "LoweringPlan",
     "NamedPass",
     "NonFiniteError",
+    "ObserverMergeError",
     "OpConstraint",
     "OptionError",
     "PortConstraint",
@@ -241,9 +245,11 @@ if TYPE_CHECKING:
         CalibrationError,
         ConstraintViolationError,
         ConversionError,
+        DistributedError,
         DuplicateBackendError,
         LoweringError,
         NonFiniteError,
+        ObserverMergeError,
         OptionError,
         QuantplugError,
         UnknownBackendError,

@@ -92,6 +92,15 @@ class NonFiniteError(CalibrationError):
         self.inf = inf
 
 
+class ObserverMergeError(CalibrationError):
+    """Observer statistics that cannot be combined (different kinds, grids or shapes)."""
+
+
+class DistributedError(QuantplugError, RuntimeError):
+    """Processes of a ``torch.distributed`` group that disagree (different prepared programs) or
+    that did not all reach a synchronisation point in time."""
+
+
 class UnsafeArchiveError(QuantplugError, ValueError):
     """A ``.pt2`` archive that would run code when loaded (pickled entries, code in names)."""
 

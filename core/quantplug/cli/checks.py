@@ -47,8 +47,12 @@ def check_model_spec(spec: str | None) -> None:
 
 
 def check_calibration_path(spec: str | None) -> None:
-    if spec is not None and not Path(spec).exists():
-        raise InputError(f"calibration data {spec!r} not found")
+    """A file, a folder, or a ``package.module:factory`` returning an iterable of batches."""
+    if spec is not None and not Path(spec).exists() and not FACTORY.match(spec):
+        raise InputError(
+            f"calibration data {spec!r} not found (a .pt file, a folder of them or a "
+            "package.module:factory returning an iterable of batches)"
+        )
 
 
 def check_backend_options(backend: str, pairs: Mapping[str, str]) -> None:

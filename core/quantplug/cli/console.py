@@ -88,7 +88,7 @@ class Progress:
         if self.bar:
             self._draw(force=True)
         elif self.enabled:
-            self.console.info(f"{self.label}: {self.total} {self.unit}")
+            self.console.info(f"{self.label}: {self.total or 'streaming'} {self.unit}")
         return self
 
     def __exit__(
@@ -131,9 +131,13 @@ class Progress:
         now = time.perf_counter()
         if self.bar:
             self._draw()
-        elif now - self._last_log >= self.log_every and self.count < self.total:
+        elif now - self._last_log >= self.log_every and (self.count < self.total or not self.total):
             self._last_log = now
-            self.console.info(f"{self.label}: {self.count}/{self.total} {self.unit} ({self.rate_text()})")
+            self.console.info(f"{self.label}: {self._counted()} {self.unit} ({self.rate_text()})")
+
+    def _counted(self) -> str:
+        """``12/40``, or ``12`` where the total is not known (streamed data)."""
+        return f"{self.count}/{self.total}" if self.total else str(self.count)
 
     def step(self, detail: str) -> None:
         """Name the step about to run (shown on the bar) without counting it yet."""
@@ -149,7 +153,7 @@ class Progress:
             return
         self._last_draw = now
         width = shutil.get_terminal_size((100, 20)).columns
-        frac = min(1.0, self.count / self.total) if self.total else 1.0
+        frac = min(1.0, self.count / self.total) if self.total else float(self.count > 0)
         bar_width = max(10, min(30, width - 70))
         filled = int(frac * bar_width)
         bar = "█" * filled + "░" * (bar_width - filled)
@@ -158,7 +162,7 @@ class Progress:
         if 0 < self.count < self.total and rate > 0:
             left = f"  eta {_duration((self.total - self.count) / rate)}"
         text = (
-            f"{self.label:<12} {bar} {self.count}/{self.total} {self.unit}  {self.rate_text()}"
+            f"{self.label:<12} {bar} {self._counted()} {self.unit}  {self.rate_text()}"
             f"  {_duration(self.elapsed)}{left}"
         )
         if self.detail:

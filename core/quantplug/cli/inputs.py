@@ -6,9 +6,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,16 @@ from quantplug.cli.errors import InputError
 from quantplug.errors import NonFiniteError, QuantplugError, UnsafeArchiveError
 from quantplug.flow.calls import Call, in_spec_of, unflatten
 
-__all__ = ["InputError", "InputSpec", "ModelInput", "check_batches", "load_calibration", "load_model"]
+__all__ = [
+    "CalibrationData",
+    "InputError",
+    "InputSpec",
+    "ModelInput",
+    "check_batches",
+    "load_calibration",
+    "load_model",
+    "open_calibration",
+]
 
 DATA_SUFFIXES = (".pt", ".pth")
 
@@ -207,8 +217,17 @@ def load_model(spec: str | None, *, allow_pickle: bool = False) -> ModelInput:
 
 
 def _load_data_file(path: Path) -> Any:
+    """A calibration file's content, its tensors memory-mapped: nothing is read until a batch is
+    used, and what was read is file-backed memory the OS can drop again (a file of many batches
+    costs no more memory than one batch). Files in torch's legacy format cannot be mapped and are
+    read whole. ``weights_only=True`` either way: a calibration file runs no code."""
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+        try:
+            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc) and "zip" not in str(exc):
+                raise
+            return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise InputError(f"cannot read calibration file {str(path)!r}: {_first_line(exc)}") from exc
 
@@ -236,23 +255,26 @@ def _batches_of(content: Any, inputs: Sequence[InputSpec], origin: str) -> list[
     ):
         return [Call(content)]
     if isinstance(content, (list, tuple)):
-        batches = []
-        for i, item in enumerate(content):
-            if isinstance(item, torch.Tensor):
-                batches.append(Call((item,)))
-            elif isinstance(item, (list, tuple)):
-                batches.append(Call(tuple(item)))
-            elif isinstance(item, dict):
-                batches.append(_keyword_batch(item, f"{origin}, element {i}"))
-            else:
-                raise InputError(
-                    f"calibration {origin}: element {i} is a {type(item).__name__}; "
-                    "expected a tensor, a tuple of tensors or a dict of keyword inputs"
-                )
-        return batches
+        return [_one_batch(item, f"{origin}, element {i}") for i, item in enumerate(content)]
     raise InputError(
         f"calibration {origin} holds a {type(content).__name__}; expected a tensor, a tuple of tensors "
         "(one batch), a dict of keyword inputs (one batch) or a list of them (one batch each)"
+    )
+
+
+def _one_batch(item: Any, origin: str) -> Call:
+    """One element of a list of batches, or one item of a data factory's iterable."""
+    if isinstance(item, Call):
+        return item
+    if isinstance(item, torch.Tensor):
+        return Call((item,))
+    if isinstance(item, (list, tuple)):
+        return Call(tuple(item))
+    if isinstance(item, dict):
+        return _keyword_batch(item, origin)
+    raise InputError(
+        f"calibration {origin} is a {type(item).__name__}; expected a tensor, a tuple of tensors or a "
+        "dict of keyword inputs"
     )
 
 
@@ -263,26 +285,155 @@ def _keyword_batch(content: dict[Any, Any], origin: str) -> Call:
         raise InputError(f"calibration {origin}: {exc}") from exc
 
 
-def load_calibration(spec: str, inputs: Sequence[InputSpec]) -> tuple[list[Call], list[str]]:
-    """Batches from a .pt file or a folder of them (sorted by name); also each batch's origin."""
+#: a batch and where it came from ("file.pt[3]", "factory item 7")
+Batch = tuple[Call, str]
+
+
+class CalibrationData:
+    """Calibration batches, read one at a time and never all held (files memory-mapped one by
+    one; a factory's iterable consumed as it goes), and shared out between ranks.
+
+    ``batches(rank, world_size)`` yields every ``world_size``-th batch from ``rank`` (round robin
+    over the global batch order, so each batch is calibrated exactly once whatever the number of
+    processes); a factory that takes ``rank`` and ``world_size`` keyword arguments is given them
+    and shards its data itself (a ``DistributedSampler``, say), its items all calibrated.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        read: Callable[[int, int], Iterator[Batch]],
+        *,
+        total: int | Callable[[], int] | None,
+        shards_itself: bool = False,
+    ) -> None:
+        self.source = source
+        self._read = read
+        self._total = total
+        self.shards_itself = shards_itself
+
+    @property
+    def total(self) -> int | None:
+        """Batches over all ranks where they can be counted without reading them (None: unknown)."""
+        if callable(self._total):
+            self._total = self._total()
+        return self._total
+
+    @classmethod
+    def of(cls, batches: Sequence[Call], origins: Sequence[str], source: str) -> CalibrationData:
+        pairs = list(zip(batches, origins))
+        return cls(source, lambda rank, size: iter(pairs), total=len(pairs))
+
+    def batches(self, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+        if self.shards_itself:
+            return self._read(rank, world_size)
+        return islice(self._read(0, 1), rank, None, world_size)
+
+    def head(self, count: int) -> list[Batch]:
+        """The first ``count`` batches of the whole data (rank 0 of 1)."""
+        return list(islice(self._read(0, 1), count))
+
+
+def _count_batches(files: Sequence[Path], inputs: Sequence[InputSpec]) -> int:
+    """Batches in the files: each file's structure is read, its tensors stay mapped, unread."""
+    return sum(len(_batches_of(_load_data_file(f), inputs, f"file {str(f)!r}")) for f in files)
+
+
+def _file_batches(files: Sequence[Path], inputs: Sequence[InputSpec]) -> Iterator[Batch]:
+    for f in files:
+        content = _load_data_file(f)
+        found = _batches_of(content, inputs, f"file {str(f)!r}")
+        del content
+        for i, batch in enumerate(found):
+            yield batch, f"{f.name}" + (f"[{i}]" if len(found) > 1 else "")
+
+
+def _data_factory(spec: str) -> tuple[Callable[..., Any], bool]:
+    """The callable a ``package.module:factory`` names, and whether it takes rank/world_size."""
+    import inspect
+
+    module_name, _, attr = spec.partition(":")
+    with _working_folder_importable():
+        try:
+            target: Any = importlib.import_module(module_name)
+        except SystemExit as exc:
+            raise InputError(f"importing {module_name!r} for data {spec!r} called {_exit_call(exc)}") from exc
+        except Exception as exc:
+            raise InputError(f"cannot import {module_name!r} for data {spec!r}: {_first_line(exc)}") from exc
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise InputError(f"calibration data {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise InputError(f"calibration data {spec!r} is not callable ({type(target).__name__})")
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    shards = {"rank", "world_size"} <= set(params) or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return target, shards
+
+
+def _factory_batches(
+    spec: str, factory: Callable[..., Any], shards: bool, rank: int, size: int
+) -> Iterator[Batch]:
+    try:
+        iterable = factory(rank=rank, world_size=size) if shards else factory()
+        iterator = iter(iterable)
+    except SystemExit as exc:
+        raise InputError(f"data factory {spec!r} called {_exit_call(exc)}") from exc
+    except Exception as exc:
+        raise InputError(
+            f"data factory {spec!r} raised {_first_line(exc)} (it must return an iterable)"
+        ) from exc
+    index = 0
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise InputError(
+                f"data factory {spec!r} failed producing item {index}: {_first_line(exc)}"
+            ) from exc
+        origin = f"{spec} item {index}"
+        yield _one_batch(item, origin), origin
+        index += 1
+
+
+def open_calibration(spec: str, inputs: Sequence[InputSpec]) -> CalibrationData:
+    """Calibration data from a .pt file, a folder of them (sorted by name) or a
+    ``package.module:factory`` returning an iterable of batches (a DataLoader, a generator)."""
     path = Path(spec)
     if not path.exists():
-        raise InputError(f"calibration data {spec!r} not found")
+        if FACTORY.match(spec):
+            factory, shards = _data_factory(spec)
+            return CalibrationData(
+                spec,
+                lambda rank, size: _factory_batches(spec, factory, shards, rank, size),
+                total=None,
+                shards_itself=shards,
+            )
+        raise InputError(
+            f"calibration data {spec!r} not found (a .pt file, a folder of them or package.module:factory)"
+        )
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
         if not files:
             raise InputError(f"calibration folder {spec!r} has no {'/'.join(DATA_SUFFIXES)} files")
     else:
         files = [path]
-    batches: list[Call] = []
-    origins: list[str] = []
-    for f in files:
-        found = _batches_of(_load_data_file(f), inputs, f"file {str(f)!r}")
-        batches.extend(found)
-        origins.extend(f"{f.name}" + (f"[{i}]" if len(found) > 1 else "") for i in range(len(found)))
-    if not batches:
+    return CalibrationData(
+        spec, lambda rank, size: _file_batches(files, inputs), total=lambda: _count_batches(files, inputs)
+    )
+
+
+def load_calibration(spec: str, inputs: Sequence[InputSpec]) -> tuple[list[Call], list[str]]:
+    """Every batch of :func:`open_calibration`'s data, held in memory (for small data and tests)."""
+    pairs = list(open_calibration(spec, inputs).batches())
+    if not pairs:
         raise InputError(f"calibration data {spec!r} holds no batches")
-    return batches, origins
+    return [b for b, _ in pairs], [o for _, o in pairs]
 
 
 def check_batches(
@@ -292,12 +443,13 @@ def check_batches(
     program: torch.export.ExportedProgram | None = None,
     *,
     finite: bool = False,
+    start: int = 0,
 ) -> None:
     """Every batch matches the model's inputs (positional and keyword), each with its dtype and
     (static) shape, and with ``finite``, holds no NaN or infinite values. Keyword inputs are
     matched by the calling convention of ``program``."""
     in_spec = None if program is None else in_spec_of(program)
-    for index, (given, origin) in enumerate(zip(batches, origins)):
+    for index, (given, origin) in enumerate(zip(batches, origins), start):
         where = f"calibration batch {index} ({origin})"
         flat = _flat_inputs(Call.of(given), in_spec, where)
         if len(flat) != len(inputs):

@@ -198,6 +198,8 @@ def check_quantize_arguments(args: argparse.Namespace) -> dict[str, str]:
         raise InputError("--random-batches must be at least 1")
     if args.compare_batches < 1:
         raise InputError("--compare-batches must be at least 1")
+    if args.nproc < 1:
+        raise InputError("--nproc must be at least 1")
     pairs = parse_pairs(args.option)
     check_backend_options(args.backend, pairs)
     check_model_spec(args.model)
@@ -206,12 +208,19 @@ def check_quantize_arguments(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
+    from quantplug.cli import distributed
     from quantplug.cli.output import StagedOutput
 
     pairs = check_quantize_arguments(args)
+    if args.nproc > 1 and distributed.launched_world() is None:
+        return distributed.launch(_without_nproc(args.argv), args.nproc, console)
+    group = distributed.join_group()  # None: one process
+    if group is not None and not group.writer:
+        _quantize_into(None, args, pairs, Console(quiet=True, verbose=console.verbose), group)
+        return EXIT_OK
     out_dir = Path(args.out)
     with StagedOutput(out_dir) as stage:  # takes the lock: a second run on --out fails now
-        data, debug = _quantize_into(stage, args, pairs, console)
+        data, debug = _quantize_into(stage, args, pairs, console, group)
         stage.commit()
     if not console.quiet:
         from quantplug.report import format_summary
@@ -222,19 +231,111 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
-def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], console: Console) -> Any:
-    """The run itself: every file goes into ``stage.path``; returns the report data and comparison."""
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    """The command line the launched processes run: the same, less ``--nproc``."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _calibration_data(args: argparse.Namespace, model: Any, warn: Any) -> tuple[Any, dict[str, Any]]:
+    """The batches to calibrate on (read lazily) and the report's description of them."""
+    from quantplug.cli.inputs import CalibrationData, open_calibration, random_batches
+
+    if args.calibration:
+        return open_calibration(args.calibration, model.inputs), {"source": args.calibration, "random": False}
+    if model.calibration is not None:
+        demo = list(model.calibration)
+        data = CalibrationData.of(demo, [f"demo batch {i}" for i in range(len(demo))], "built-in")
+        return data, {"source": "built-in synthetic data", "random": False}
+    batches = random_batches(model.program, args.random_batches)
+    warn(
+        f"no calibration data given (--calibration FILE.pt or FOLDER): calibrating on "
+        f"{len(batches)} batches of RANDOM data shaped like the model's inputs; quantization "
+        "ranges and the SQNR figures will not reflect real inputs"
+    )
+    data = CalibrationData.of(batches, [f"random batch {i}" for i in range(len(batches))], "random")
+    return data, {"source": "random normal data", "random": True}
+
+
+def _calibrate(
+    prepared: Any, data: Any, model: Any, args: argparse.Namespace, console: Console, group: Any
+) -> int:
+    """Run this process's share of the batches through ``prepared``, each checked against the
+    model's inputs first; merge the statistics of all ranks. Returns the batches over all ranks."""
+    import torch
+
+    import quantplug
+    from quantplug.cli import distributed
+    from quantplug.cli.inputs import check_batches, nonfinite_input_error
+
+    rank, size = (group.rank, group.world_size) if group is not None else (0, 1)
+    shared = distributed.SharedCount() if group is not None else None
+    count = 0
+    label = "calibrating" if group is None else f"calibrating ({size} processes)"
+    with console.progress(label, data.total or 0, "batches", done_label="calibrated") as bar:
+        with torch.no_grad():
+            for i, (batch, origin) in enumerate(data.batches(rank, size)):
+                index = i if data.shards_itself else rank + i * size
+                where = origin if data.shards_itself or group is None else f"{origin}, rank {rank}"
+                check_batches(
+                    [batch],
+                    [where],
+                    model.inputs,
+                    model.program,
+                    finite=args.nonfinite != "ignore",
+                    start=index,
+                )
+                try:
+                    batch.run(prepared)
+                except quantplug.NonFiniteError as exc:
+                    raise nonfinite_input_error(
+                        exc, index, where, batch, model.inputs, model.program
+                    ) from exc
+                except quantplug.QuantplugError:
+                    raise
+                except Exception as exc:
+                    raise InputError(
+                        f"calibration batch {index} ({where}) failed: {_first_line(exc)}"
+                    ) from exc
+                count += 1
+                total = shared.add() if shared is not None else None
+                bar.advance(1 if total is None else total - bar.count)
+        if group is not None:
+            import torch.distributed as dist
+
+            from quantplug.distributed import sync_observers
+
+            sync_observers(prepared, timeout=distributed.SYNC_TIMEOUT)
+            counts = torch.tensor([count], dtype=torch.int64)
+            dist.all_reduce(counts)
+            count = int(counts[0])
+            bar.advance(count - bar.count)  # every rank's batches, all done now
+    if count == 0:
+        raise InputError(f"calibration data {data.source!r} holds no batches")
+    return count
+
+
+def _quantize_into(
+    stage: Any, args: argparse.Namespace, pairs: dict[str, str], console: Console, group: Any = None
+) -> Any:
+    """The run itself: every file goes into ``stage.path``; returns the report data and comparison.
+
+    In a group of processes (``--nproc``, torchrun) every rank calibrates its share; rank 0 alone
+    (``stage`` given) goes on to convert, lower, compare and write; the others return None.
+    """
     import torch
 
     _quiet_torch(console)
     import quantplug
-    from quantplug.cli.inputs import (
-        check_batches,
-        load_calibration,
-        load_model,
-        nonfinite_input_error,
-        random_batches,
-    )
+    from quantplug.cli.inputs import check_batches, load_model
     from quantplug.debug import compare, tensor_bytes
     from quantplug.flow.prepare import STATE_KEY
     from quantplug.observers.nonfinite import ignored_counts, masked_counts
@@ -268,42 +369,21 @@ def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], 
     console.info("loading model: " + (args.model or "built-in demo"))
     model = load_model(args.model, allow_pickle=args.allow_pickle)
     program = model.program
-    if args.calibration:
-        batches, origins = load_calibration(args.calibration, model.inputs)
-        calibration = {"source": args.calibration, "batches": len(batches), "random": False}
-    elif model.calibration is not None:
-        batches = list(model.calibration)
-        origins = [f"demo batch {i}" for i in range(len(batches))]
-        calibration = {"source": "built-in synthetic data", "batches": len(batches), "random": False}
-    else:
-        batches = random_batches(program, args.random_batches)
-        origins = [f"random batch {i}" for i in range(len(batches))]
-        calibration = {"source": "random normal data", "batches": len(batches), "random": True}
-        warn(
-            f"no calibration data given (--calibration FILE.pt or FOLDER): calibrating on "
-            f"{len(batches)} batches of RANDOM data shaped like the model's inputs; quantization "
-            "ranges and the SQNR figures will not reflect real inputs"
-        )
-    check_batches(batches, origins, model.inputs, program, finite=args.nonfinite != "ignore")
+    data, calibration = _calibration_data(args, model, warn)
     calibration["nonfinite"] = args.nonfinite
+    first = data.head(1)  # a batch that does not fit the model fails now, before prepare
+    check_batches(
+        [b for b, _ in first], [o for _, o in first], model.inputs, program, finite=args.nonfinite != "ignore"
+    )
     t = lap("load", t)
 
     prepared = quantplug.prepare(program, quantizer, nonfinite=args.nonfinite)
     t = lap("prepare", t)
-    with console.progress("calibrating", len(batches), "batches", done_label="calibrated") as bar:
-        with torch.no_grad():
-            for i, batch in enumerate(batches):
-                try:
-                    batch.run(prepared)
-                except quantplug.NonFiniteError as exc:
-                    raise nonfinite_input_error(exc, i, origins[i], batch, model.inputs, program) from exc
-                except quantplug.QuantplugError:
-                    raise
-                except Exception as exc:
-                    raise InputError(
-                        f"calibration batch {i} ({origins[i]}) failed: {_first_line(exc)}"
-                    ) from exc
-                bar.advance()
+    calibration["batches"] = _calibrate(prepared, data, model, args, console, group)
+    if group is not None:
+        calibration["processes"] = group.world_size
+        if not group.writer:
+            return None
     masked = masked_counts(prepared)
     if masked:  # infinities the model computes (attention masks), left out of the statistics
         calibration["infinities_masked"] = masked
@@ -339,7 +419,8 @@ def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], 
             bar.advance(detail="saved")
     t = lap("lower", t)
 
-    example = batches[0]
+    compare_inputs = [batch for batch, _ in data.head(args.compare_batches)]
+    example = compare_inputs[0]
     try:
         exported = torch.export.export(quantized, example.args, dict(example.kwargs))
         torch.export.save(exported, str(stage.path / "quantized.pt2"))
@@ -347,7 +428,6 @@ def _quantize_into(stage: Any, args: argparse.Namespace, pairs: dict[str, str], 
         warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
     t = lap("save", t)
 
-    compare_inputs = batches[: args.compare_batches]
     with console.progress("comparing", len(compare_inputs), "batches", done_label="compared") as bar:
         debug = compare(
             program,
@@ -502,6 +582,15 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         "them in the report",
     )
     p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="calibrate on N local processes (torch.distributed through torch's launcher), each on "
+        "every N-th batch; their statistics are merged and the first process writes --out. On "
+        "several machines: run under `torchrun --nnodes ...` instead (see docs/distributed.md)",
+    )
+    p.add_argument(
         "--allow-pickle",
         action="store_true",
         help="load a .pt2 that holds pickled data (weights, constants, example inputs): unpickling runs "
@@ -642,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wants_help = any(a in ("-h", "--help") for a in argv)
     parser = build_parser(backend_help=wants_help and command == "quantize")
     args = parser.parse_args(argv)
+    args.argv = argv  # what processes started by --nproc run again
     console = Console(
         quiet=bool(getattr(args, "quiet", False)), verbose=bool(getattr(args, "verbose", False))
     )

@@ -8,6 +8,7 @@ the same arithmetic as torchao's observers so both give bit-identical scales for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -136,6 +137,27 @@ class ObserverBase(nn.Module):
     def observed(self) -> bool:
         """True once the observer has statistics to compute qparams from."""
         return not self.needs_data or int(self.num_batches) > 0
+
+    def merge_(self, others: Sequence[nn.Module]) -> None:
+        """Fold the statistics of ``others`` (same class, same grid) into this observer, so that it
+        stands for every batch they saw too (rules: :mod:`quantplug.observers.merge`).
+
+        ``quantplug.distributed.sync_observers`` calls it once per group with the observers of the
+        other processes (rebuilt from their buffers). Observers without statistics inherit this
+        no-op; an observer with statistics must override it, else merging it is refused.
+        """
+        if self.needs_data:
+            from quantplug.errors import ObserverMergeError
+
+            raise ObserverMergeError(
+                f"{type(self).__qualname__} keeps statistics but defines no merge_(others), so they "
+                "cannot be combined across processes; override merge_ (see 'Observers that merge' in "
+                "docs/writing-a-backend.md)"
+            )
+
+    def _add_batches(self, others: Sequence[Any]) -> None:
+        """``num_batches`` after a merge: every batch any of them saw."""
+        self.num_batches.fill_(sum(int(o.num_batches) for o in (self, *others)))
 
     def _qparams(self, min_val: torch.Tensor, max_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return qparams_from_range(

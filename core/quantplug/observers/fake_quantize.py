@@ -7,6 +7,7 @@ quantization error. Works for per-tensor, per-channel and per-block grids alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -70,6 +71,12 @@ class FakeQuantize(nn.Module):
     def _observer(self) -> Any:
         """The wrapped observer, typed loosely: any PT2E observer module fits."""
         return self._modules["activation_post_process"]
+
+    def merge_(self, others: Sequence[FakeQuantize]) -> None:
+        """Merge the wrapped observers (the switches are settings, not statistics)."""
+        from quantplug.observers.merge import merge_state
+
+        merge_state(self._observer, [other._observer for other in others])
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         qparams: tuple[torch.Tensor, torch.Tensor] = self._observer.calculate_qparams()

@@ -8,6 +8,7 @@ what every error estimate and re-binning below assumes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -221,6 +222,20 @@ class HistogramObserver(ObserverBase):
         self.max_val.fill_(new_max)
         self.num_batches += 1
         return x
+
+    def merge_(self, others: Sequence[Any]) -> None:
+        """Re-bin every histogram onto the union of the ranges and sum them (module docstring of
+        :mod:`quantplug.observers.merge`)."""
+        from quantplug.observers.merge import merged_histogram
+
+        states = [(o.histogram, float(o.min_val), float(o.max_val)) for o in (self, *others)]
+        found = merged_histogram(states, f"the HistogramObserver of {self.where or '?'}")
+        if found is not None:
+            hist, lo, hi = found
+            self.histogram.copy_(hist)
+            self.min_val.fill_(lo)
+            self.max_val.fill_(hi)
+        self._add_batches(others)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = self.clip_range()

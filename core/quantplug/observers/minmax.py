@@ -7,6 +7,7 @@ infinite values (then :mod:`quantplug.observers.nonfinite` applies the calibrati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,28 @@ import torch
 
 from quantplug.observers import kernels, nonfinite
 from quantplug.observers.base import ObserverBase
+from quantplug.observers.merge import merged_average, merged_extremes
+
+
+def merge_extremes_(observer: Any, others: Sequence[Any]) -> None:
+    """Min of the minima, max of the maxima (exact: the state of one observer fed every batch)."""
+    peers = [observer, *others]
+    found = merged_extremes([(o.min_val, o.max_val) for o in peers], type(observer).__name__)
+    if found is not None:
+        observer.min_val, observer.max_val = found
+    observer._add_batches(others)
+
+
+def merge_averages_(observer: Any, others: Sequence[Any]) -> None:
+    """The batch-weighted mean of the moving averages (see :mod:`quantplug.observers.merge`)."""
+    peers = [observer, *others]
+    weights = [int(o.num_batches) for o in peers]
+    what = type(observer).__name__
+    lo = merged_average([o.min_val for o in peers], weights, what)
+    hi = merged_average([o.max_val for o in peers], weights, what)
+    if lo is not None and hi is not None:
+        observer.min_val, observer.max_val = lo, hi
+    observer._add_batches(others)
 
 
 def batch_extremes(observer: Any, x: torch.Tensor) -> tuple[float, float] | None:
@@ -61,6 +84,9 @@ class MinMaxObserver(ObserverBase):
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._qparams(self.min_val, self.max_val)
 
+    def merge_(self, others: Sequence[Any]) -> None:
+        merge_extremes_(self, others)
+
 
 class MovingAverageMinMaxObserver(MinMaxObserver):
     """Exponential moving average of each batch's extremes: robust to a few extreme batches."""
@@ -80,6 +106,9 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
             low, high = np.float32(self.min_val.item()), np.float32(self.max_val.item())
             self.min_val.fill_(float(low + np.float32(np.float32(lo) - low) * c))
             self.max_val.fill_(float(high + np.float32(np.float32(hi) - high) * c))
+
+    def merge_(self, others: Sequence[Any]) -> None:
+        merge_averages_(self, others)
 
 
 def _per_channel_extremes(observer: Any, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +152,9 @@ class PerChannelMinMaxObserver(ObserverBase):
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._qparams(self.min_val, self.max_val)
 
+    def merge_(self, others: Sequence[Any]) -> None:
+        merge_extremes_(self, others)
+
 
 class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
     """Per-channel exponential moving average of extremes."""
@@ -135,3 +167,6 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
         c = self.averaging_constant
         self.min_val.copy_(self.min_val + c * (lo - self.min_val))
         self.max_val.copy_(self.max_val + c * (hi - self.max_val))
+
+    def merge_(self, others: Sequence[Any]) -> None:
+        merge_averages_(self, others)

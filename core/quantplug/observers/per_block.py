@@ -171,6 +171,11 @@ class PerBlockMinMaxObserver(ObserverBase):
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._qparams(self.min_val, self.max_val)
 
+    def merge_(self, others: Sequence[Any]) -> None:
+        from quantplug.observers.minmax import merge_extremes_
+
+        merge_extremes_(self, others)
+
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         """Quantize-dequantize ``x`` on the current per-block grid, straight-through for gradients."""
         scale, zero_point = self.calculate_qparams()

@@ -23,6 +23,7 @@ class has the highest priority, so a concat or mask observer governs its whole g
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -151,6 +152,16 @@ class MaskAwareObserver(ObserverBase):
             self.inner(data)
             self.num_batches += 1
         return x
+
+    def merge_(self, others: Sequence[Any]) -> None:
+        """Merge the inner observers; a mask end any of them saw is seen."""
+        from quantplug.observers.merge import merge_state
+
+        merge_state(self.inner, [o.inner for o in others])
+        for other in others:
+            self.saw_negative_mask |= other.saw_negative_mask
+            self.saw_positive_mask |= other.saw_positive_mask
+        self._add_batches(others)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         inner: Any = self.inner

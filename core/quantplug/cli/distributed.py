@@ -1,0 +1,129 @@
+"""``quantplug quantize --nproc N``: calibrate on N processes, one writer.
+
+The command re-runs itself on N local processes through torch's elastic launcher (what
+``torchrun --standalone --nproc-per-node N`` does). Each process is one rank of a gloo group: it
+loads the model, prepares it, calibrates on its share of the data (every N-th batch,
+:class:`~quantplug.cli.inputs.CalibrationData`), and ``sync_observers`` merges the statistics.
+Rank 0 then converts, lowers, compares and writes ``--out`` (atomically, as a one-process run);
+the other ranks write nothing.
+
+On several machines, start the same command under ``torchrun`` on each (no ``--nproc``)::
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29400 -m quantplug.cli.main quantize model.pt2 -c data/ --out out/
+
+A process started by a launcher (``WORLD_SIZE`` > 1 and ``RANK`` in its environment) joins the
+group instead of launching; ``--out`` is written on the machine of rank 0. Every rank reads the
+model and the calibration data from its own filesystem (a shared one, or identical copies).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from quantplug.cli.console import Console
+
+#: how long ranks wait for each other at the observer sync (seconds)
+SYNC_TIMEOUT = float(os.environ.get("QUANTPLUG_SYNC_TIMEOUT", "600"))
+_COUNTER_KEY = "quantplug/calibrated-batches"
+
+
+def launched_world() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when a launcher started this process as part of a group, else None."""
+    size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if size > 1 and "RANK" in os.environ:
+        return int(os.environ["RANK"]), size
+    return None
+
+
+def launch(argv: list[str], nproc: int, console: Console) -> int:
+    """Run ``quantplug <argv>`` on ``nproc`` local processes; the exit code of the run.
+
+    A rank that fails makes the launcher stop the others; the exit code is the failed rank's
+    (2 for bad input, as a one-process run would return).
+    """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not console.verbose:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    console.info(f"calibrating on {nproc} processes (torch.distributed, gloo)")
+    try:
+        elastic_launch(config, sys.executable)("-m", "quantplug.cli.main", *argv)
+    except ChildFailedError as exc:
+        codes = [failure.exitcode for failure in exc.failures.values()]
+        return next((c for c in codes if c > 0), 1)
+    return 0
+
+
+@dataclass
+class Group:
+    """This process's place in the calibration group."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def writer(self) -> bool:
+        return self.rank == 0
+
+
+def join_group() -> Group | None:
+    """Join the launcher's process group (gloo: calibration runs on the CPU); None when not launched."""
+    found = launched_world()
+    if found is None:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=SYNC_TIMEOUT))
+    return Group(dist.get_rank(), dist.get_world_size())
+
+
+class SharedCount:
+    """Batches calibrated over all ranks, for rank 0's progress bar: each rank adds what it did to
+    a counter in the group's key-value store every ``every`` seconds (one small request); rank 0
+    reads the sum back. Without a store, each rank counts its own."""
+
+    def __init__(self, every: float = 0.5) -> None:
+        self.every = every
+        self.pending = 0
+        self.last = 0.0
+        self.store: Any = None
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                self.store = dist.distributed_c10d._get_default_store()
+        except Exception:  # a private accessor: progress falls back to local counts
+            self.store = None
+
+    def add(self, n: int = 1, *, force: bool = False) -> int | None:
+        """Record ``n`` batches; the total over all ranks when it was just read, else None."""
+        self.pending += n
+        now = time.monotonic()
+        if self.store is None or not (force or now - self.last >= self.every):
+            return None
+        self.last = now
+        total = int(self.store.add(_COUNTER_KEY, self.pending))
+        self.pending = 0
+        return total

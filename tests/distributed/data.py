@@ -1,0 +1,31 @@
+"""Calibration data factories for ``quantplug quantize -c tests.distributed.data:NAME``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def _images(count: int = 8) -> torch.Tensor:
+    from quantplug.demo.model import demo_calibration
+
+    return torch.cat([b[0] for b in demo_calibration(count)])
+
+
+def loader() -> DataLoader:  # type: ignore[type-arg]
+    """A torch DataLoader yielding (images,) batches of one: the demo's 8 calibration batches."""
+    return DataLoader(TensorDataset(_images()), batch_size=1)
+
+
+def sharded(rank: int, world_size: int) -> Iterator[torch.Tensor]:
+    """A factory that shards itself: it is given its rank and yields only its share."""
+    images = _images()
+    for i in range(rank, images.shape[0], world_size):
+        yield images[i : i + 1]
+
+
+def broken() -> Iterator[torch.Tensor]:
+    yield _images(1)
+    yield torch.randn(1, 3, 8, 8)  # item 1 does not fit the model

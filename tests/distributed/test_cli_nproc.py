@@ -1,0 +1,113 @@
+"""``quantplug quantize --nproc N`` and streamed calibration data, through the command line."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.cli.conftest import Result, run_cli
+from tests.cli.test_fast_cli import _heavy, _imported
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from quantplug.demo.model import demo_calibration, demo_model
+
+    root = tmp_path_factory.mktemp("nproc")
+    model, example = demo_model()
+    torch.export.save(torch.export.export(model, example), str(root / "demo.pt2"))
+    batches = demo_calibration(8)
+    torch.save([b[0] for b in batches], root / "list.pt")
+    folder = root / "folder"
+    folder.mkdir()
+    for i, b in enumerate(batches):
+        torch.save(b[0], folder / f"b{i}.pt")
+    bad = root / "bad"
+    bad.mkdir()
+    for i, b in enumerate(batches[:3]):
+        torch.save(b[0] if i != 1 else [b[0], torch.randn(1, 3, 9, 9)], bad / f"b{i}.pt")
+    return {"pt2": root / "demo.pt2", "list": root / "list.pt", "folder": folder, "bad": bad, "root": root}
+
+
+def quantize(demo: dict[str, Path], out: str, data: str, *extra: str) -> Result:
+    result = run_cli(
+        "quantize", str(demo["pt2"]), "-c", data, "-o", "activation_observer=minmax",
+        "--compare-batches", "1", "--out", str(demo["root"] / out), *extra, timeout=600,
+    )  # fmt: skip
+    return result
+
+
+def program_content(out: Path) -> tuple[str, dict[str, Any]]:
+    import torch.ao.quantization.fx._decomposed  # registers the Q/DQ ops the program holds
+
+    program = torch.export.load(str(out / "quantized.pt2"))
+    return program.graph_module.code, {**program.state_dict, **program.constants}
+
+
+def test_two_processes_write_what_one_writes(demo: dict[str, Path]) -> None:
+    one = quantize(demo, "one", str(demo["list"]))
+    two = quantize(demo, "two", str(demo["list"]), "--nproc", "2")
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    a, b = demo["root"] / "one", demo["root"] / "two"
+    for f in sorted(p.relative_to(a) for p in (a / "artifact").rglob("*") if p.is_file()):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f  # the deployable files, byte for byte
+    code_a, tensors_a = program_content(a)
+    code_b, tensors_b = program_content(b)
+    assert code_a == code_b and tensors_a.keys() == tensors_b.keys()
+    assert all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
+    # quantized.pt2 differs only where torch.export writes object ids and a random serialization id
+    names = zipfile.ZipFile(a / "quantized.pt2").namelist()
+    assert any(n.endswith("serialization_id") for n in names)
+    report = json.loads((b / "report.json").read_text())
+    assert report["calibration"]["batches"] == 8 and report["calibration"]["processes"] == 2
+    assert "calibrating (2 processes): 8 batches" in two.stderr  # rank 0 counts every rank's batches
+    assert "calibrated: 8 batches" in two.stderr
+
+
+@pytest.mark.parametrize(
+    "data", ["folder", "tests.distributed.data:loader", "tests.distributed.data:sharded"]
+)
+def test_streamed_sources_calibrate_every_batch_once(demo: dict[str, Path], data: str) -> None:
+    source = str(demo["folder"]) if data == "folder" else data
+    result = quantize(
+        demo, f"stream-{data.rsplit(':', 1)[-1]}", source, *(["--nproc", "2"] if data != "folder" else [])
+    )
+    assert result.returncode == 0, result.stderr
+    out = demo["root"] / f"stream-{data.rsplit(':', 1)[-1]}"
+    report = json.loads((out / "report.json").read_text())
+    assert report["calibration"]["batches"] == 8
+    reference = demo["root"] / "one"
+    if (reference / "artifact").exists():  # the same 8 batches as the list file: the same encodings
+        assert (out / "artifact" / "encodings.json").read_bytes() == (
+            reference / "artifact" / "encodings.json"
+        ).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ("bad", ["b1.pt[1]", "(1, 3, 9, 9)"]),
+        ("tests.distributed.data:broken", ["tests.distributed.data:broken item 1", "(1, 3, 8, 8)"]),
+    ],
+)
+def test_a_bad_batch_names_its_file_and_index(demo: dict[str, Path], data: str, words: list[str]) -> None:
+    source = str(demo["bad"]) if data == "bad" else data
+    result = quantize(demo, "bad-out", source, "--nproc", "2")
+    assert result.returncode == 2, result.stderr
+    for word in words:
+        assert word in result.stderr
+    assert not (demo["root"] / "bad-out").exists()
+
+
+def test_nproc_argument_errors_import_no_torch() -> None:
+    done, modules = _imported("quantize", "--nproc", "0")
+    assert done.returncode == 2 and "--nproc must be at least 1" in done.stderr
+    assert _heavy(modules) == []
+    done, modules = _imported("quantize", "--help")
+    assert "--nproc" in done.stdout and _heavy(modules) == []

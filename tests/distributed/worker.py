@@ -1,0 +1,177 @@
+"""One rank of a multi-process test (see launch.py): ``python -m tests.distributed.worker SCENARIO``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import quantplug
+from quantplug.distributed import ddp, shard, sync_observers
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, width)
+        self.fc2 = nn.Linear(2 * width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        return self.fc2(torch.cat([h * 1.5, torch.softmax(h, dim=-1)], dim=-1))
+
+
+def batches(n: int = 12) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    # scales differ per batch, so the extremes come from different batches (and ranks)
+    return [torch.randn(4, 16, generator=g) * (0.5 + (i * 7 % 5)) for i in range(n)]
+
+
+def program(width: int = 32) -> torch.export.ExportedProgram:
+    torch.manual_seed(0)
+    return torch.export.export(Net(width).eval(), (torch.randn(4, 16),))
+
+
+def qparams(prepared: nn.Module) -> dict[str, Any]:
+    from quantplug.distributed.sync import named_observers
+
+    return {
+        name: tuple(t.clone() for t in obs.calculate_qparams())
+        for name, obs in named_observers(prepared)
+        if getattr(obs, "observed", True)
+    }
+
+
+def digest(module: nn.Module) -> str:
+    h = hashlib.sha256(module.code.encode())  # type: ignore[union-attr]
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(f"{t.dtype}{list(t.shape)}".encode())
+        h.update(bytes(t.detach().contiguous().clone().untyped_storage()))
+    return h.hexdigest()
+
+
+#: (backend, options) of the calibrate scenario, by name
+SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "minmax": ("reference", {"activation_observer": "minmax"}),
+    "moving_average": ("reference", {"activation_observer": "moving_average"}),
+    "histogram": ("reference", {"activation_observer": "histogram"}),
+    "qnn_htp_minmax": ("qnn_htp", {"act_observer": "minmax", "precision": "16a8w"}),
+}
+
+
+def calibrate(option: str, data: Any) -> nn.Module:
+    backend, options = SETUPS[option]
+    quantizer = quantplug.get_quantizer(backend, **options)
+    prepared = quantplug.prepare(program(), quantizer)
+    with torch.no_grad():
+        for x in data:
+            prepared(x)
+    return prepared
+
+
+def scenario_calibrate(rank: int) -> dict[str, Any]:
+    """Every observer kind the reference backend offers, 2 ranks against 1 process."""
+    found: dict[str, Any] = {}
+    for option in SETUPS:
+        prepared = calibrate(option, shard(batches()))
+        result = sync_observers(prepared, timeout=60)
+        found[option] = {
+            "qparams": qparams(prepared),
+            "digest": digest(quantplug.convert(prepared)),
+            "merged": result.observers,
+        }
+        if rank == 0:
+            single = calibrate(option, batches())
+            found[option]["single"] = qparams(single)
+            found[option]["single_digest"] = digest(quantplug.convert(single))
+    return found
+
+
+def scenario_mismatch(rank: int) -> dict[str, Any]:
+    """Rank 1 prepares a wider model: every rank must get the same clear error."""
+    quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
+    prepared = quantplug.prepare(program(32 if rank == 0 else 48), quantizer)
+    prepared(batches()[0])
+    try:
+        sync_observers(prepared, timeout=60)
+    except quantplug.DistributedError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def scenario_missing(rank: int) -> dict[str, Any]:
+    """Rank 1 never syncs (it leaves the group early): rank 0 gets an error naming it in time."""
+    quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
+    prepared = quantplug.prepare(program(), quantizer)
+    prepared(batches()[0])
+    if rank == 1:
+        import time
+
+        time.sleep(8)  # alive but never arriving, then gone
+        return {"error": None}
+    try:
+        sync_observers(prepared, timeout=3)
+    except quantplug.DistributedError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def scenario_qat(rank: int) -> dict[str, Any]:
+    """QAT under DDP, observers synced once after training: with plain DDP, whose buffer broadcast
+    replaces every rank's statistics with rank 0's before each forward, rank 1's widest batch
+    (its first) is lost; with quantplug's wrapper every rank's statistics reach the sync."""
+    g = torch.Generator().manual_seed(3)
+    scales = [1.0, 8.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]  # the widest batch is rank 1's first
+    data = [torch.randn(4, 16, generator=g) * s for s in scales]
+    mine = list(shard(data))
+    found: dict[str, Any] = {}
+    for mode in ("plain", "quantplug"):
+        torch.manual_seed(0)
+        quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
+        prepared = quantplug.prepare(program(), quantizer, qat=True)
+        model = torch.nn.parallel.DistributedDataParallel(prepared) if mode == "plain" else ddp(prepared)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for x in mine:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        sync_observers(model, timeout=60)
+        found[mode] = {"qparams": qparams(prepared), "digest": digest(quantplug.convert(prepared))}
+    if rank == 0:
+        # one process observing every batch (the input's observer sees the data, not the weights)
+        quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
+        single = quantplug.prepare(program(), quantizer, qat=True)
+        for x in data:
+            single(x)
+        found["single_input"] = qparams(single)
+    return found
+
+
+def scenario_all(rank: int) -> dict[str, Any]:
+    """The scenarios that end well, in one group (each process start costs seconds)."""
+    return {name: globals()[f"scenario_{name}"](rank) for name in ("calibrate", "qat", "mismatch")}
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        result = globals()[f"scenario_{scenario}"](rank)
+    finally:
+        out = Path(os.environ["QUANTPLUG_TEST_OUT"])
+    torch.save(result, out / f"rank{rank}.pt")
+    if scenario != "missing":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
