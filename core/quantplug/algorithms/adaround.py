@@ -20,10 +20,21 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from quantplug.algorithms.weight_matrix import IntegerGrid, dampened, quantize_codes
+from quantplug.algorithms.spec import (
+    Algorithm,
+    AlgorithmOption,
+    WeightChoice,
+    WeightGrid,
+    WeightSite,
+    option_values,
+)
+from quantplug.algorithms.weight_layers import LayerHessian, hessian_of, layer_kind, site_matrix
+from quantplug.algorithms.weight_matrix import IntegerGrid, quantize_codes
+from quantplug.errors import OptionError
 
 ZETA = 1.1
 GAMMA = -0.1
@@ -68,6 +79,20 @@ class AdaroundResult:
     nearest_loss: float
 
 
+def loss_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch.Tensor:
+    """``L`` ``[I, k]`` with ``L L^T = H`` up to eigenvalues below ``relative_floor * max``.
+
+    Calibration sets smaller than a layer's input width (a flattened convolution feeding a
+    linear: 1024 inputs, 64 samples) give a low-rank ``H``; dropping its null space makes every
+    training step ``k / I`` as costly without changing the loss on the calibration data.
+    """
+    values, vectors = torch.linalg.eigh(hessian.detach().to(torch.float64))
+    keep = values > relative_floor * float(values.max().clamp(min=0)) if values.numel() else values > 0
+    if not bool(keep.any()):
+        return torch.zeros(hessian.shape[0], 1)
+    return (vectors[:, keep] * values[keep].sqrt()).to(torch.float32)
+
+
 def rectified_sigmoid(v: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.sigmoid(v) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
 
@@ -78,10 +103,6 @@ def initial_v(fraction: torch.Tensor) -> torch.Tensor:
     return -torch.log((ZETA - GAMMA) / (f - GAMMA) - 1)
 
 
-def rounding_regularizer(h: torch.Tensor, beta: float) -> torch.Tensor:
-    return (1 - (2 * h - 1).abs().pow(beta)).sum()
-
-
 def adaround_codes(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -89,15 +110,13 @@ def adaround_codes(
     zero_point: torch.Tensor,
     grid: IntegerGrid,
     schedule: AdaroundSchedule | None = None,
-    *,
-    damp: float = 1e-6,
-    seed: int = 0,
 ) -> AdaroundResult:
     """Learned rounding of ``weight`` ``[O, I]`` on ``scale``/``zero_point`` (expanded to ``[O, I]``).
 
     ``hessian`` is the mean ``x x^T`` of the layer's inputs (``[I, I]``); it is factored once
-    (``H = L L^T``) so the loss is ``||D L||^2``. Deterministic for a given ``seed`` (Adam and
-    the initialisation involve no randomness; the seed only fixes torch's state for safety).
+    (``H = L L^T``, :func:`loss_factor`) so the loss is ``||D L||^2``. Nothing is random. The
+    gradient is written out (the loss is a quadratic form) rather than taken by autograd: the
+    same steps at about half the cost.
     """
     sched = schedule or AdaroundSchedule()
     w = weight.detach().to(torch.float32)
@@ -106,7 +125,7 @@ def adaround_codes(
     scaled = w / s
     floor = torch.floor(scaled)
     lo, hi = grid.quant_min - z, grid.quant_max - z  # floor + h must stay in range
-    factor = torch.linalg.cholesky(dampened(hessian.detach().to(torch.float64), damp)).to(torch.float32)
+    factor = loss_factor(hessian)
 
     def loss_of(rounded: torch.Tensor) -> torch.Tensor:
         delta = (w - rounded * s) @ factor
@@ -115,36 +134,35 @@ def adaround_codes(
     nearest_codes = quantize_codes(w, s, z, grid)
     with torch.no_grad():
         nearest_loss = float(loss_of(nearest_codes - z))
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        v = initial_v(scaled - floor).requires_grad_(True)
-        optimizer = torch.optim.Adam([v], lr=sched.learning_rate)
-        recon_norm = 1.0 / max(nearest_loss, 1e-30)
-        reg_norm = 1.0 / max(w.numel(), 1)
-        started = time.perf_counter()
-        stopped = False
-        step = 0
+    v = initial_v(scaled - floor)
+    adam = _Adam(v, sched.learning_rate)
+    recon_norm = 1.0 / max(nearest_loss, 1e-30)
+    reg_scale = sched.reg_weight / max(w.numel(), 1)
+    factor_t = factor.T.contiguous()
+    started = time.perf_counter()
+    stopped = False
+    step = 0
+    with torch.no_grad():
         while step < sched.iterations:
             if sched.time_budget is not None and time.perf_counter() - started > sched.time_budget:
                 stopped = True
                 break
-            optimizer.zero_grad(set_to_none=True)
-            h = rectified_sigmoid(v)
-            soft = torch.clamp(floor + h, lo, hi)
-            recon = loss_of(soft) * recon_norm
-            beta = sched.beta(step)
-            reg = (
-                rounding_regularizer(h, beta) * reg_norm
-                if step >= sched.warm_start * sched.iterations
-                else 0.0
-            )
-            total = recon + sched.reg_weight * reg
-            total.backward()  # type: ignore[union-attr]
-            optimizer.step()
+            # forward: h = clip(sigmoid(V) (zeta - gamma) + gamma, 0, 1), soft = clamp(floor + h)
+            sig = torch.sigmoid(v)
+            raw = sig * (ZETA - GAMMA) + GAMMA
+            h = raw.clamp(0.0, 1.0)
+            soft = floor + h
+            inside = (soft >= lo) & (soft <= hi) & (raw > 0) & (raw < 1)
+            residual = (w - soft.clamp(lo, hi) * s) @ factor
+            # d recon / d h = -2 s * (residual L^T), normalised by round-to-nearest's loss
+            grad = (residual @ factor_t).mul_(s).mul_(-2 * recon_norm)
+            if step >= sched.warm_start * sched.iterations:  # d/dh of 1 - |2h - 1|^beta
+                beta = sched.beta(step)
+                t = 2 * h - 1
+                grad -= (2 * reg_scale * beta) * t.abs().pow(beta - 1) * t.sign()
+            grad.mul_(inside).mul_(sig * (1 - sig) * (ZETA - GAMMA))
+            adam.step(grad)
             step += 1
-    finally:
-        torch.random.set_rng_state(generator_state)
     with torch.no_grad():
         up = (rectified_sigmoid(v) >= 0.5).to(torch.float32)
         codes = torch.clamp(floor + up + z, grid.quant_min, grid.quant_max)
@@ -152,3 +170,107 @@ def adaround_codes(
     if not loss <= nearest_loss:  # never worse than rounding to nearest on the calibration data
         codes, loss = nearest_codes, nearest_loss
     return AdaroundResult(codes, step, stopped, loss, nearest_loss)
+
+
+class _Adam:
+    """Adam (Kingma & Ba 2015) on one tensor, updated in place (torch.optim.Adam's defaults)."""
+
+    def __init__(self, param: torch.Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> None:
+        self.param = param
+        self.lr = lr
+        self.b1, self.b2 = betas
+        self.m = torch.zeros_like(param)
+        self.v = torch.zeros_like(param)
+        self.t = 0
+
+    def step(self, grad: torch.Tensor) -> None:
+        self.t += 1
+        self.m.mul_(self.b1).add_(grad, alpha=1 - self.b1)
+        self.v.mul_(self.b2).addcmul_(grad, grad, value=1 - self.b2)
+        denom = (self.v / (1 - self.b2**self.t)).sqrt_().add_(1e-8)
+        self.param.addcdiv_(self.m, denom, value=-self.lr / (1 - self.b1**self.t))
+
+
+class AdaRound(Algorithm):
+    """AdaRound at convert: learned up/down rounding of every linear/convolution weight.
+
+    Only codes change (each within one step of nearest), on the backend's encoding or the one an
+    earlier algorithm chose, so every grid rule of the backend holds by construction.
+    ``time_budget`` (seconds, 0: none) is shared by the whole model: each layer gets what is left
+    divided by the layers still to do, and a layer out of time keeps its best rounding so far.
+    Note that a binding budget makes the result depend on the machine's speed; ``iterations``
+    alone never does.
+    """
+
+    name = "adaround"
+    description = "AdaRound: learned per-layer rounding (up or down) minimising each layer's output error"
+    paper = "Nagel et al. 2020, Up or Down? Adaptive Rounding for Post-Training Quantization"
+    options = (
+        AlgorithmOption("iterations", "int", 500, "Adam steps per layer"),
+        AlgorithmOption("reg_weight", "float", 5.0, "weight of the rounding regulariser (scale-free)"),
+        AlgorithmOption("learning_rate", "float", 1e-2, "Adam's learning rate"),
+        AlgorithmOption("time_budget", "float", 0.0, "seconds for the whole model (0: no limit)"),
+    )
+
+    def __init__(
+        self,
+        iterations: int = 500,
+        reg_weight: float = 5.0,
+        learning_rate: float = 1e-2,
+        time_budget: float = 0.0,
+    ) -> None:
+        values = option_values(
+            self.name,
+            self.options,
+            {
+                "iterations": iterations,
+                "reg_weight": reg_weight,
+                "learning_rate": learning_rate,
+                "time_budget": time_budget,
+            },
+        )
+        self.iterations: int = values["iterations"]
+        self.reg_weight: float = values["reg_weight"]
+        self.learning_rate: float = values["learning_rate"]
+        self.time_budget: float = values["time_budget"]
+        if self.iterations < 0 or self.reg_weight < 0 or self.learning_rate <= 0 or self.time_budget < 0:
+            raise OptionError(
+                "algorithm 'adaround' needs iterations >= 0, reg_weight >= 0, learning_rate > 0 and "
+                f"time_budget >= 0, got {values}"
+            )
+        self._pending: set[str] = set()
+        self._deadline: float | None = None
+
+    def collector(self, site: WeightSite) -> LayerHessian | None:
+        if layer_kind(site) is None:
+            return None
+        self._pending.add(site.name)
+        return LayerHessian(site)
+
+    def _layer_budget(self, site: WeightSite) -> float | None:
+        if not self.time_budget:
+            return None
+        now = time.perf_counter()
+        if self._deadline is None:
+            self._deadline = now + self.time_budget
+        left = max(len(self._pending), 1)
+        self._pending.discard(site.name)
+        return max(self._deadline - now, 0.0) / left
+
+    def choose_weight(
+        self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
+    ) -> WeightChoice | None:
+        matrix = site_matrix(site, grid)
+        hessian = None if matrix is None else hessian_of(collected, matrix)
+        if matrix is None or hessian is None:
+            return None
+        schedule = AdaroundSchedule(
+            iterations=self.iterations,
+            reg_weight=self.reg_weight,
+            learning_rate=self.learning_rate,
+            time_budget=self._layer_budget(site),
+        )
+        result = adaround_codes(
+            matrix.weight, hessian, matrix.scale, matrix.zero_point, matrix.grid, schedule
+        )
+        return WeightChoice(codes=matrix.codes(result.codes))

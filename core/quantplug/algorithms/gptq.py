@@ -20,10 +20,21 @@ grids compatible). The codes always lie in ``[quant_min, quant_max]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from quantplug.algorithms.spec import (
+    Algorithm,
+    AlgorithmOption,
+    WeightChoice,
+    WeightGrid,
+    WeightSite,
+    option_values,
+)
+from quantplug.algorithms.weight_layers import LayerHessian, hessian_of, layer_kind, site_matrix
 from quantplug.algorithms.weight_matrix import IntegerGrid, dampened, quantize_codes
+from quantplug.errors import OptionError
 
 
 @dataclass(frozen=True)
@@ -103,3 +114,59 @@ def gptq_codes(
     if order is not None:
         codes = codes[:, torch.argsort(order)]
     return GptqResult(codes.to(weight.dtype if weight.dtype.is_floating_point else torch.float32), loss)
+
+
+class GPTQ(Algorithm):
+    """GPTQ at convert: codes for every linear/convolution weight on the backend's grid.
+
+    Keeps the backend's encoding (or the one an earlier algorithm such as SeqMSE chose) and only
+    picks integer codes, so per-block/LPBQ grids, symmetric grids and shared encodings stay exactly
+    as the backend made them.
+    """
+
+    name = "gptq"
+    description = "GPTQ: second-order (Hessian) error-compensating rounding of conv/linear weights"
+    paper = (
+        "Frantar et al. 2023, GPTQ: Accurate Post-Training Quantization for Generative Pre-trained "
+        "Transformers"
+    )
+    options = (
+        AlgorithmOption("act_order", "bool", True, "quantize the most active input columns first"),
+        AlgorithmOption("damp", "float", 0.01, "Hessian dampening, relative to its mean diagonal"),
+        AlgorithmOption("lazy_batch", "int", 128, "columns per lazy batch update (speed only)"),
+    )
+
+    def __init__(self, act_order: bool = True, damp: float = 0.01, lazy_batch: int = 128) -> None:
+        values = option_values(
+            self.name, self.options, {"act_order": act_order, "damp": damp, "lazy_batch": lazy_batch}
+        )
+        self.act_order: bool = values["act_order"]
+        self.damp: float = values["damp"]
+        self.lazy_batch: int = values["lazy_batch"]
+        if self.damp < 0 or self.lazy_batch < 1:
+            raise OptionError(
+                f"algorithm 'gptq' needs damp >= 0 and lazy_batch >= 1, got damp={self.damp}, "
+                f"lazy_batch={self.lazy_batch}"
+            )
+
+    def collector(self, site: WeightSite) -> LayerHessian | None:
+        return LayerHessian(site) if layer_kind(site) is not None else None
+
+    def choose_weight(
+        self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
+    ) -> WeightChoice | None:
+        matrix = site_matrix(site, grid)
+        hessian = None if matrix is None else hessian_of(collected, matrix)
+        if matrix is None or hessian is None:
+            return None
+        result = gptq_codes(
+            matrix.weight,
+            hessian,
+            matrix.scale,
+            matrix.zero_point,
+            matrix.grid,
+            block=self.lazy_batch,
+            damp=self.damp,
+            act_order=self.act_order,
+        )
+        return WeightChoice(codes=matrix.codes(result.codes))
