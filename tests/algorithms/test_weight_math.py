@@ -145,14 +145,15 @@ def test_gptq_beats_rounding_to_nearest_on_correlated_inputs() -> None:
             assert output_error(w - dequantize_codes(codes, s, z), h).sum() < 0.7 * nearest
 
 
-def test_gptq_zeroes_inputs_no_sample_reached() -> None:
+def test_gptq_rounds_inputs_no_sample_reached_to_nearest() -> None:
     w, h = problem(3, 4, 6)
     h[2, :] = 0
     h[:, 2] = 0
     grid = IntegerGrid(-7, 7)
     s, z = encoding(w, grid, (1, 6))
-    codes = gptq_codes(w, h, s, z, grid).codes
-    assert torch.equal(codes[:, 2], z[:, 2])
+    for act_order in (False, True):
+        codes = gptq_codes(w, h, s, z, grid, act_order=act_order).codes.double()
+        assert torch.equal(codes[:, 2], quantize_codes(w[:, 2], s[:, 2], z[:, 2], grid))
 
 
 @FAST

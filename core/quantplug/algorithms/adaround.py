@@ -33,7 +33,7 @@ from quantplug.algorithms.spec import (
     option_values,
 )
 from quantplug.algorithms.weight_layers import LayerHessian, hessian_of, layer_kind, site_matrix
-from quantplug.algorithms.weight_matrix import IntegerGrid, quantize_codes
+from quantplug.algorithms.weight_matrix import IntegerGrid, quantize_codes, small_products
 from quantplug.errors import OptionError
 
 ZETA = 1.1
@@ -142,7 +142,7 @@ def adaround_codes(
     started = time.perf_counter()
     stopped = False
     step = 0
-    with torch.no_grad():
+    with torch.no_grad(), small_products(w.numel() * factor.shape[1]):
         while step < sched.iterations:
             if sched.time_budget is not None and time.perf_counter() - started > sched.time_budget:
                 stopped = True

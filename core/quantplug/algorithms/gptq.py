@@ -33,7 +33,7 @@ from quantplug.algorithms.spec import (
     option_values,
 )
 from quantplug.algorithms.weight_layers import LayerHessian, hessian_of, layer_kind, site_matrix
-from quantplug.algorithms.weight_matrix import IntegerGrid, dampened, quantize_codes
+from quantplug.algorithms.weight_matrix import IntegerGrid, dampened, quantize_codes, small_products
 from quantplug.errors import OptionError
 
 
@@ -80,14 +80,16 @@ def gptq_codes(
         block: columns per lazy batch (any value gives the same codes up to float rounding).
         damp: dampening, relative to the Hessian's mean diagonal (the paper's 1 %).
         act_order: quantize the most active input columns first.
+
+    Inputs no sample reached (zero rows of ``H``) are rounded to nearest: the data says nothing
+    about them, and the weight may serve other inputs the Hessian did not see. ``H`` gives them a
+    unit diagonal and no coupling, so no other column's error is pushed onto them.
     """
     w = weight.detach().to(torch.float64).clone()
     s = scale.detach().to(torch.float64).expand_as(w)
     z = zero_point.detach().to(torch.float64).expand_as(w)
     h = hessian.detach().to(torch.float64)
     columns = w.shape[1]
-    dead = torch.diagonal(h) <= 0
-    w[:, dead] = 0.0  # inputs never seen: nothing to preserve, zero is exact on every grid
     order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
     if order is not None:
         w, s, z, h = w[:, order], s[:, order], z[:, order], h[order][:, order]
@@ -95,22 +97,23 @@ def gptq_codes(
     codes = torch.zeros_like(w)
     loss = 0.0
     step = max(1, int(block))
-    for start in range(0, columns, step):
-        stop = min(start + step, columns)
-        wb = w[:, start:stop].clone()
-        errors = torch.zeros_like(wb)
-        ub = u[start:stop, start:stop]
-        for j in range(stop - start):
-            col = wb[:, j]
-            q = quantize_codes(col, s[:, start + j], z[:, start + j], grid)
-            codes[:, start + j] = q
-            deq = (q - z[:, start + j]) * s[:, start + j]
-            d = ub[j, j]
-            err = (col - deq) / d
-            loss += float((err * err).sum())
-            wb[:, j:] -= err.unsqueeze(1) * ub[j, j:].unsqueeze(0)
-            errors[:, j] = err
-        w[:, stop:] -= errors @ u[start:stop, stop:]
+    with small_products(w.shape[0] * columns * step):
+        for start in range(0, columns, step):
+            stop = min(start + step, columns)
+            wb = w[:, start:stop].clone()
+            errors = torch.zeros_like(wb)
+            ub = u[start:stop, start:stop]
+            for j in range(stop - start):
+                col = wb[:, j]
+                q = quantize_codes(col, s[:, start + j], z[:, start + j], grid)
+                codes[:, start + j] = q
+                deq = (q - z[:, start + j]) * s[:, start + j]
+                d = ub[j, j]
+                err = (col - deq) / d
+                loss += float((err * err).sum())
+                wb[:, j:] -= err.unsqueeze(1) * ub[j, j:].unsqueeze(0)
+                errors[:, j] = err
+            w[:, stop:] -= errors @ u[start:stop, stop:]
     if order is not None:
         codes = codes[:, torch.argsort(order)]
     return GptqResult(codes.to(weight.dtype if weight.dtype.is_floating_point else torch.float32), loss)

@@ -31,7 +31,13 @@ from quantplug.algorithms.spec import (
     option_values,
 )
 from quantplug.algorithms.weight_layers import LayerHessian, hessian_of, layer_kind, site_matrix
-from quantplug.algorithms.weight_matrix import IntegerGrid, fake_quantize, output_error, to_matrix
+from quantplug.algorithms.weight_matrix import (
+    IntegerGrid,
+    fake_quantize,
+    output_error,
+    small_products,
+    to_matrix,
+)
 from quantplug.errors import OptionError
 
 #: clipped weight matrix ``[O, I]`` -> its encoding expanded to ``[O, I]`` (scale, zero point)
@@ -118,15 +124,16 @@ def seq_mse_encoding(
     best_fraction = torch.ones(n_row_groups, n_col_groups, dtype=torch.float64)
     default: tuple[torch.Tensor, torch.Tensor] | None = None
     count = max(1, int(candidates))
-    for k in range(count, 0, -1):  # the full range first: ties keep the backend's default
-        fraction = torch.full_like(best_fraction, k / count)
-        scale, zero_point = (t.to(torch.float64) for t in encode(clip_to(w, fraction, groups, symmetric)))
-        if default is None:
-            default = (scale, zero_point)
-        losses = group_losses(w - fake_quantize(w, scale, zero_point, grid), h, groups)
-        better = losses < best_loss
-        best_loss = torch.where(better, losses, best_loss)
-        best_fraction = torch.where(better, fraction, best_fraction)
+    with small_products(w.numel() * groups[1]):
+        for k in range(count, 0, -1):  # the full range first: ties keep the backend's default
+            fraction = torch.full_like(best_fraction, k / count)
+            scale, zero_point = (t.to(torch.float64) for t in encode(clip_to(w, fraction, groups, symmetric)))
+            if default is None:
+                default = (scale, zero_point)
+            losses = group_losses(w - fake_quantize(w, scale, zero_point, grid), h, groups)
+            better = losses < best_loss
+            best_loss = torch.where(better, losses, best_loss)
+            best_fraction = torch.where(better, fraction, best_fraction)
     assert default is not None
     default_loss = float(output_error(w - fake_quantize(w, *default, grid), h).sum())
     scale, zero_point = (t.to(torch.float64) for t in encode(clip_to(w, best_fraction, groups, symmetric)))

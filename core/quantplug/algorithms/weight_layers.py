@@ -160,4 +160,6 @@ def hessian_of(collected: Any, matrix: SiteMatrix) -> torch.Tensor | None:
     """The collected Hessian if it fits the matrix (None: no data, keep the default)."""
     if not isinstance(collected, torch.Tensor) or collected.shape != (matrix.weight.shape[1],) * 2:
         return None
+    if not float(torch.diagonal(collected).sum()) > 0:  # only zeros reached it (an initial state)
+        return None
     return collected

@@ -16,7 +16,8 @@ one place that says which columns share a scale.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -158,3 +159,27 @@ def dampened(hessian: torch.Tensor, relative: float) -> torch.Tensor:
     damp = float(relative) * float(diag.mean())
     diag += damp
     return h
+
+
+#: below this many multiply-adds per product, loops of small products run on one thread
+SMALL_PRODUCT = 1 << 24
+
+
+@contextmanager
+def small_products(macs: int) -> Iterator[None]:
+    """One intra-op thread while a loop runs many products of ``macs`` multiply-adds each.
+
+    Small products gain nothing from threads, and on a busy machine every parallel region waits
+    for a descheduled worker (a scheduler time slice, ~10 ms, per matrix product: 100x slower
+    than the product itself). The thread count is restored afterwards; results do not depend on
+    it beyond float summation order.
+    """
+    before = torch.get_num_threads()
+    if macs >= SMALL_PRODUCT or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
