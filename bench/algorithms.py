@@ -137,9 +137,9 @@ def _randomize_bn(model: nn.Module) -> None:
 
 
 def _digits(kind: str) -> tuple[nn.Module, list[torch.Tensor]]:
-    from tests.reference.test_reference_digits import DigitsCNN, DigitsMLP, train
-
     from sklearn import datasets
+
+    from tests.reference.test_reference_digits import DigitsCNN, DigitsMLP, train
 
     data = datasets.load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
@@ -228,6 +228,27 @@ def run_once(
     }
 
 
+def _attempt(
+    row: dict[str, Any],
+    where: tuple[Any, ...],
+    algs: Sequence[str],
+    opts: dict[str, Any],
+    log: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """One run recorded in ``row`` (a failing algorithm is a row of the table, not the end of the bench)."""
+    name, config, ep, backend, extra, calibration, measure, refs = where
+    label = "+".join(algs) or "default"
+    try:
+        found = run_once(ep, backend, {**extra, **opts}, algs, calibration, measure, refs)
+    except Exception as exc:
+        row["runs"][label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+        log(f"  {name} {config} {label}: FAILED {row['runs'][label]['error']}")
+        return None
+    row["runs"][label] = found
+    log(f"  {name} {config} {label}: {found['sqnr']:.2f} dB, {found['total']:.2f} s")
+    return found
+
+
 def bench_model(
     name: str, algorithms: list[str], configs: list[str], log: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -245,31 +266,17 @@ def bench_model(
         backend, options, eight = CONFIGS[config]
         extra = HTP if backend == "qnn_htp" else {}
         row: dict[str, Any] = {"runs": {}}
-
-        def attempt(
-            algs: Sequence[str], opts: dict[str, Any], row: dict[str, Any] = row
-        ) -> dict[str, Any] | None:
-            label = "+".join(algs) or "default"
-            try:
-                found = run_once(ep, backend, {**extra, **opts}, algs, calibration, measure, refs)
-            except Exception as exc:  # noqa: BLE001 - a failing algorithm is a row, not the end of the bench
-                row["runs"][label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-                log(f"  {name} {config} {label}: FAILED {row['runs'][label]['error']}")
-                return None
-            row["runs"][label] = found
-            log(f"  {name} {config} {label}: {found['sqnr']:.2f} dB, {found['total']:.2f} s")
-            return found
-
-        default = attempt((), options)
+        where = (name, config, ep, backend, extra, calibration, measure, refs)
+        default = _attempt(row, where, (), options, log)
         row["w8"] = run_once(ep, backend, {**extra, **eight}, (), calibration, measure, refs)["sqnr"]
         if default is None:
             results[config] = row
             continue
         for alg in algorithms:
-            attempt((alg,), options)
+            _attempt(row, where, (alg,), options, log)
         for combo in COMBINATIONS:
             if all(a in algorithms for a in combo):
-                attempt(combo, options)
+                _attempt(row, where, combo, options, log)
         results[config] = row
     return results
 
