@@ -225,3 +225,22 @@ def test_smoothquant_without_calibration_data_is_a_typed_error() -> None:
         quantplug.prepare(
             torch.export.export(model, (x,)), quantplug.get_quantizer("reference"), algorithms=["smoothquant"]
         )
+
+
+def test_transform_context_reads_the_quantizers_bit_widths() -> None:
+    htp = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="16a4w")
+    assert quantplug.algorithms.spec.TransformContext("x", None, htp).global_bits() == (16, 4)
+    weight_only = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    assert quantplug.algorithms.spec.TransformContext("x", None, weight_only).global_bits() == (None, 4)
+
+
+def test_smoothquant_leaves_an_input_alone_when_no_alpha_helps() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 32)).eval()
+    with torch.no_grad():  # +-1 weights sit exactly on an 8-bit grid: any smoothing only adds error
+        model[1].weight.copy_(torch.randn(32, 64).sign())
+    x = torch.randn(64, 64)
+    algorithm = SmoothQuant(act_bits=16, weight_bits=8)
+    gm = transformed(model, x, algorithm)
+    assert algorithm.chosen == {"layer_norm": -1.0}
+    assert torch.equal(quantplug.flow.inspect.fetch_attr(gm, "1.weight"), model[1].weight)

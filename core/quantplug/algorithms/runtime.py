@@ -47,7 +47,11 @@ def algorithm_name(algorithm: Any) -> str:
 
 
 def run_transforms(
-    gm: GraphModule, algorithms: Sequence[Any], calibration: Sequence[Any] | None, in_spec: Any = None
+    gm: GraphModule,
+    algorithms: Sequence[Any],
+    calibration: Sequence[Any] | None,
+    in_spec: Any = None,
+    quantizer: Any = None,
 ) -> GraphModule:
     """Every algorithm's ``transform_program``, in order, on the float working copy.
 
@@ -62,7 +66,7 @@ def run_transforms(
         hook = getattr(algorithm, "transform_program", None)
         if not callable(hook):
             continue
-        result = hook(gm, TransformContext(algorithm_name(algorithm), calibration))
+        result = hook(gm, TransformContext(algorithm_name(algorithm), calibration, quantizer))
         if isinstance(result, GraphModule):
             gm = result
         gm.graph.lint()

@@ -10,8 +10,9 @@ ranges shrink and the weights' columns grow, splitting the difficulty between th
 multiply, a preceding linear layer), so the program gains no op; layers reading the same input
 (query/key/value projections) share one ``s``. ``alpha`` is searched per input on a bounded sample
 of calibration rows, minimizing the layers' output error under simulated quantization
-(``act_bits`` per-tensor activations, ``weight_bits`` per-channel weights: set them to the
-backend's precision, e.g. 16 and 4 for ``qnn_htp`` 16a4w) against the float output.
+(per-tensor activations and per-channel weights with the bit widths of the quantizer's global
+config, read from its specs; ``act_bits``/``weight_bits`` override them) against the float output;
+"no smoothing" is a candidate too, so an input is only smoothed where that helps.
 
 Needs calibration data before annotation: ``prepare(..., algorithms=["smoothquant"], calibration=batches)``.
 """
@@ -132,25 +133,35 @@ class SmoothQuant(Algorithm):
     paper = "Xiao et al. 2023, SmoothQuant (ICML)"
     options = (
         AlgorithmOption("alpha", "float", -1.0, "migration strength in [0, 1]; -1 searches it per input"),
-        AlgorithmOption("act_bits", "int", 8, "activation bits of the simulated quantization in the search"),
-        AlgorithmOption("weight_bits", "int", 8, "weight bits (per channel) of the simulated quantization"),
+        AlgorithmOption(
+            "act_bits", "int", 0, "activation bits simulated in the search (0: the quantizer's; -1: float)"
+        ),
+        AlgorithmOption("weight_bits", "int", 0, "weight bits (per channel) simulated (0: the quantizer's)"),
         AlgorithmOption("sample_rows", "int", 512, "calibration rows kept per input for the search"),
     )
 
     def __init__(
-        self, alpha: float = -1.0, act_bits: int = 8, weight_bits: int = 8, sample_rows: int = 512
+        self, alpha: float = -1.0, act_bits: int = 0, weight_bits: int = 0, sample_rows: int = 512
     ) -> None:
         self.alpha = alpha
         self.act_bits = act_bits
         self.weight_bits = weight_bits
         self.sample_rows = sample_rows
-        #: per smoothed input: the alpha chosen (for reports and tests)
+        #: per smoothed input: the alpha chosen (-1: left alone; for reports and tests)
         self.chosen: dict[str, float] = {}
+        self._bits: tuple[int | None, int] = (8, 8)
 
     def transform_program(self, gm: GraphModule, context: TransformContext) -> None:
         groups = find_groups(gm)
         if not groups:
             return
+        act, weight = context.global_bits()
+        if getattr(context.quantizer, "global_config", None) is None:
+            act = 8  # no config to read (a foreign quantizer): assume 8-bit activations
+        self._bits = (
+            None if self.act_bits < 0 else self.act_bits or act,  # None: activations stay float
+            self.weight_bits or weight or 8,
+        )
         maxima, samples = _activation_stats(gm, [g.source for g in groups], context, self.sample_rows)
         for group in groups:
             act_max = maxima.get(group.source.name)
@@ -161,6 +172,8 @@ class SmoothQuant(Algorithm):
             weight_max = torch.stack([w.abs().amax(0) for w in weights]).amax(0)
             alpha = self.alpha if self.alpha >= 0 else self._search(sample, weights, act_max, weight_max)
             self.chosen[group.source.name] = alpha
+            if alpha < 0:
+                continue  # no migration strength beats leaving this input alone
             s = smoothing_scales(act_max, weight_max, alpha)
             if bool((s == 1).all()):
                 continue
@@ -180,20 +193,25 @@ class SmoothQuant(Algorithm):
         act_max: torch.Tensor,
         weight_max: torch.Tensor,
     ) -> float:
-        """The alpha in 0, 0.05, ..., 1 whose simulated quantization best keeps the layers' outputs."""
+        """The alpha in 0, 0.05, ..., 1 whose simulated quantization best keeps the layers' outputs,
+        or -1 when no smoothing at all does better."""
         x = sample.to(torch.float32)
         refs = [x @ w.t() for w in weights]
-        best, best_alpha = float("inf"), 0.5
+        act_bits, weight_bits = self._bits
+
+        def error(s: torch.Tensor) -> float:
+            xq = x / s if act_bits is None else fake_quant_asym(x / s, act_bits)
+            total = 0.0
+            for w, ref in zip(weights, refs):
+                total += float((xq @ fake_quant(w * s, weight_bits, dim=0).t() - ref).pow(2).sum())
+            return total
+
+        best, best_alpha = error(torch.ones_like(act_max)), -1.0
         for step in range(21):
             alpha = step / 20
-            s = smoothing_scales(act_max, weight_max, alpha)
-            xq = fake_quant_asym(x / s, self.act_bits)
-            error = 0.0
-            for w, ref in zip(weights, refs):
-                wq = fake_quant(w * s, self.weight_bits, dim=0)
-                error += float((xq @ wq.t() - ref).pow(2).sum())
-            if error < best:
-                best, best_alpha = error, alpha
+            found = error(smoothing_scales(act_max, weight_max, alpha))
+            if found < best:
+                best, best_alpha = found, alpha
         return best_alpha
 
 

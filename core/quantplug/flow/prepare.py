@@ -236,7 +236,7 @@ def _prepare(
     else:
         fold_batch_norm(gm)
     if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
-        gm = run_transforms(gm, algorithms, calibration, in_spec_of(program))
+        gm = run_transforms(gm, algorithms, calibration, in_spec_of(program), quantizer)
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
         gm = transformed
