@@ -166,6 +166,9 @@ def build(name: str) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
         _randomize_bn(model)
         return model, [(torch.randn(4, 3, 16, 16, generator=g),) for _ in range(12)]
     if name == "llama":
+        from tests.torchvision_compat import ensure_importable
+
+        ensure_importable()  # transformers imports torchvision, whose CUDA wheel needs its op schemas
         import transformers
 
         config = transformers.LlamaConfig(
