@@ -123,7 +123,8 @@ class UnknownAlgorithmError(QuantplugError, LookupError):
         self.installed = sorted(installed)
         listed = ", ".join(self.installed) if self.installed else "none"
         super().__init__(
-            f"unknown algorithm {name!r}{did_you_mean(name, self.installed)}; installed algorithms: {listed}. "
+            f"unknown algorithm {name!r}{did_you_mean(name, self.installed)}; "
+            f"installed algorithms: {listed}. "
             "`quantplug algorithms` lists them; third-party ones install through the "
             "'quantplug.algorithms' entry-point group."
         )

@@ -333,3 +333,18 @@ def test_bias_correction_removes_the_mean_error_and_raises_sqnr(preset: str) -> 
     corrected = _quantize(ep, x, ["bias_correction"], preset=preset)(x)
     assert (ref - corrected).mean(0).abs().mean() < 0.5 * (ref - plain).mean(0).abs().mean()
     assert sqnr(ref, corrected) > sqnr(ref, plain)
+
+
+def test_builtin_metadata_files_match_the_classes() -> None:
+    """The descriptions listed without importing are the ones the classes declare."""
+    builtins = [e for e in quantplug.list_algorithms() if e.distribution == "quantplug"]
+    assert {e.name for e in builtins} >= {"bias_correction", "cle", "smoothquant"}
+    for entry in builtins:
+        factory = registry.load_algorithm(entry.name)
+        declared = registry.metadata_of(factory)
+        assert factory.name == entry.name
+        assert (entry.description, entry.paper, list(entry.options)) == (
+            declared["description"],
+            declared["paper"],
+            declared["options"],
+        ), f"regenerate with registry.write_metadata({type(factory).__name__}, <its folder>)"

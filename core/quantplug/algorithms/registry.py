@@ -242,3 +242,23 @@ def resolve_algorithms(algorithms: Iterable[Any] | None) -> list[Any]:
 
 
 _HOOKS = ("transform_program", "collector", "choose_weight")
+
+
+def metadata_of(factory: Any) -> dict[str, Any]:
+    """The ``<name>.algorithm.json`` document for an Algorithm class (what listings show unimported)."""
+    info = factory.info()
+    return {
+        "name": info.name,
+        "description": info.description,
+        "paper": info.paper,
+        "options": [_option_dict(o) for o in info.options],
+    }
+
+
+def write_metadata(factory: Any, folder: str) -> str:
+    """Write ``factory``'s metadata file into ``folder`` (beside its module); returns the path."""
+    path = os.path.join(folder, factory.name + METADATA_SUFFIX)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(metadata_of(factory), f, indent=2)
+        f.write("\n")
+    return path

@@ -47,14 +47,26 @@ def algorithm_name(algorithm: Any) -> str:
 
 
 def run_transforms(
-    gm: GraphModule, algorithms: Sequence[Any], calibration: Sequence[tuple[Any, ...]] | None
+    gm: GraphModule,
+    algorithms: Sequence[Any],
+    calibration: Sequence[Any] | None,
+    in_spec: Any = None,
+    quantizer: Any = None,
 ) -> GraphModule:
-    """Every algorithm's ``transform_program``, in order, on the float working copy."""
+    """Every algorithm's ``transform_program``, in order, on the float working copy.
+
+    ``calibration`` batches come as the user gives them to the prepared module (a tuple, a dict of
+    keyword inputs, one tensor); the transforms see them as the program's flat inputs.
+    """
+    if calibration is not None:
+        from quantplug.flow.calls import Call
+
+        calibration = [tuple(Call.of(b).flat(in_spec)) for b in calibration]
     for algorithm in algorithms:
         hook = getattr(algorithm, "transform_program", None)
         if not callable(hook):
             continue
-        result = hook(gm, TransformContext(algorithm_name(algorithm), calibration))
+        result = hook(gm, TransformContext(algorithm_name(algorithm), calibration, quantizer))
         if isinstance(result, GraphModule):
             gm = result
         gm.graph.lint()

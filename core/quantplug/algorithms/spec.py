@@ -225,6 +225,17 @@ class TransformContext:
 
     algorithm: str
     calibration: Sequence[tuple[Any, ...]] | None = None
+    #: the quantizer the program is prepared with (read its configs; never call annotate on it)
+    quantizer: Any = None
+
+    def global_bits(self) -> tuple[int | None, int | None]:
+        """``(activation bits, weight bits)`` of the quantizer's global config (None: float or unknown).
+
+        Read from the specs' ranges, so it works for any backend whose quantizer exposes a
+        ``global_config`` (quantplug's do); transforms use it to simulate the grids they prepare for.
+        """
+        config = getattr(self.quantizer, "global_config", None)
+        return _bits(getattr(config, "input_activation", None)), _bits(getattr(config, "weight", None))
 
     def batches(self) -> Iterator[tuple[Any, ...]]:
         """The calibration batches; a typed error when the algorithm needs them and none were given."""
@@ -249,6 +260,18 @@ class TransformContext:
             owner._buffers[attr] = value.detach().clone()
         else:
             setattr(owner, attr, value.detach().clone())
+
+
+def _bits(spec: Any) -> int | None:
+    if spec is None or not hasattr(spec, "dtype"):
+        return None
+    from quantplug.annotation.spec_view import spec_range
+
+    try:
+        qmin, qmax = spec_range(spec)
+    except Exception:
+        return None
+    return max(1, (qmax - qmin).bit_length())
 
 
 class Algorithm:

@@ -22,6 +22,7 @@ from quantplug.algorithms.runtime import install_collectors, run_transforms
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
+from quantplug.flow.calls import in_spec_of
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
@@ -235,7 +236,7 @@ def _prepare(
     else:
         fold_batch_norm(gm)
     if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
-        gm = run_transforms(gm, algorithms, calibration)
+        gm = run_transforms(gm, algorithms, calibration, in_spec_of(program), quantizer)
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
         gm = transformed
