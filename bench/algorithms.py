@@ -265,9 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     algorithms = args.algorithms or [e.name for e in quantplug.list_algorithms()]
     results: dict[str, Any] = {}
     started = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for model in args.models:
         print(f"{model}:", flush=True)
         results[model] = bench_model(model, algorithms, args.configs, lambda s: print(s, flush=True))
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))  # so far
     text = table(results, algorithms)
     elapsed = time.perf_counter() - started
     header = (
@@ -277,8 +280,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "SQNR on 4 held-out batches after calibrating on 8; 'best' over every single algorithm and "
         "every combination tried; 'gap closed' = (best - default) / (8-bit weights - default).\n\n"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(header + text)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
     print(header + text)
