@@ -348,3 +348,44 @@ def test_builtin_metadata_files_match_the_classes() -> None:
             declared["paper"],
             declared["options"],
         ), f"regenerate with registry.write_metadata({type(factory).__name__}, <its folder>)"
+
+
+class SharedWeights:
+    """A PT2E-style quantizer whose two linear weights share one per-tensor int8 encoding."""
+
+    def annotate(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        from quantplug.observers.minmax import MinMaxObserver
+
+        act = quantplug.QuantizationSpec(torch.int8, MinMaxObserver, -128, 127, torch.per_tensor_affine)
+        weight = quantplug.QuantizationSpec(torch.int8, MinMaxObserver, -127, 127, torch.per_tensor_symmetric)
+        first = None
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target == torch.ops.aten.linear.default:
+                spec = weight if first is None else quantplug.SharedQuantizationSpec((first.args[1], first))
+                node.meta[quantplug.Q_ANNOTATION_KEY] = quantplug.QuantizationAnnotation(
+                    input_qspec_map={node.args[0]: act, node.args[1]: spec}, output_qspec=act, _annotated=True
+                )
+                first = first or node
+        return gm
+
+    def validate(self, gm: torch.fx.GraphModule) -> None:
+        return None
+
+
+def test_weights_sharing_an_encoding_take_codes_but_keep_the_shared_scale() -> None:
+    model, x, ep = _mlp()
+
+    def rescale(s: WeightSite, g: WeightGrid, c: torch.Tensor) -> WeightChoice:
+        assert s.shared_with == ("fc2.weight",)
+        return WeightChoice(scale=g.scale * 0.5)
+
+    prepared = quantplug.prepare(ep, SharedWeights(), algorithms=[Returns(rescale)])
+    prepared(x)
+    with pytest.raises(AlgorithmError, match="stays shared"):
+        quantplug.convert(prepared)
+    floor = Floor()
+    prepared = quantplug.prepare(ep, SharedWeights(), algorithms=[floor])
+    prepared(x)
+    converted = quantplug.convert(prepared)
+    assert floor.grids["fc1.weight"].scale.item() == floor.grids["fc2.weight"].scale.item()
+    assert sqnr(model(x), converted(x)) > 10
