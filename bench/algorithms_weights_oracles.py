@@ -3,8 +3,13 @@
 NNCF and AIMET do not share .venv (they may pull other packages; torch must stay 2.13.0), so this
 runs in its own environment with torch pinned:
 
-    bash bench/setup_oracles.sh                       # venv in .venv-oracles (torch==2.13.0 pinned)
-    .venv-oracles/bin/python -m bench.algorithms_weights_oracles
+    python3.11 -m venv /tmp/oracles && V=/tmp/oracles/bin/python
+    $V -m pip install torch==2.13.0 && $V -m pip install torchvision==0.28.0 --no-deps
+    printf 'torch==2.13.0\ntorchvision==0.28.0\n' > /tmp/pins.txt
+    $V -m pip install -c /tmp/pins.txt nncf==3.4.0 aimet-torch==2.42.0
+    $V -m pip install torchao==0.18.0 --no-deps             # NNCF's TorchFX backend imports it
+    $V -m pip install --no-deps -e . -e plugins/reference -e plugins/qnn_htp pluggy
+    $V -m bench.algorithms_weights_oracles
 
 Models: ``decoder`` (two Llama-style MLP blocks, LayerNorm + SwiGLU + residual, Gaussian weights,
 inputs with a few outlier channels as LLM activations have) and ``digits`` (the MLP of
@@ -34,6 +39,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             wo4 = {"preset": "weight_only_int4", "group_size": 32}
             for algs in ((), ("gptq",), ("seq_mse",), ("seq_mse", "gptq")):
                 label = "quantplug reference wo_int4 g32 " + ("+".join(algs) or "default")
-                attempt(label, lambda a=algs: ours(model, batches, "reference", a, **wo4), rows)
+                attempt(label, partial(ours, model, batches, "reference", algs, **wo4), rows)
             for label, flags in (
                 ("rtn", {}),
                 ("scale_estimation", {"scale_estimation": True}),
@@ -246,15 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("awq+scale_estimation", {"awq": True, "scale_estimation": True}),
                 ("gptq", {"gptq": True}),  # OpenVINO only in 3.4: recorded as the error it gives
             ):
-                attempt(f"NNCF 3.4 INT4_SYM g32 {label}", lambda f=flags: nncf_run(model, batches, **f), rows)
+                attempt(f"NNCF 3.4 INT4_SYM g32 {label}", partial(nncf_run, model, batches, **flags), rows)
         if "aimet" in args.tools:
             for algs in ((), ("seq_mse",), ("adaround",)):
                 label = "quantplug qnn_htp 16a4w " + ("+".join(algs) or "default")
-                attempt(label, lambda a=algs: ours(model, batches, "qnn_htp", a, precision="16a4w"), rows)
+                attempt(label, partial(ours, model, batches, "qnn_htp", algs, precision="16a4w"), rows)
             for alg in ("default", "seq_mse", "adaround"):
-                attempt(
-                    f"AIMET 2.42 W4 per-channel A16 {alg}", lambda a=alg: aimet_run(model, batches, a), rows
-                )
+                attempt(f"AIMET 2.42 W4 per-channel A16 {alg}", partial(aimet_run, model, batches, alg), rows)
         text += f"\n## {name}\n\n| run | SQNR (dB) (time) |\n|---|---|\n"
         text += "".join(f"| {label} | {value} |\n" for label, value in rows)
     out = RESULTS / "algorithms_weights_oracles.md"
