@@ -188,7 +188,7 @@ def test_adaround_learns_a_rounding_better_than_nearest() -> None:
     w, h = problem(11, 32, 48, samples=256)
     grid = IntegerGrid(-7, 7)
     s, z = encoding(w, grid, (1, 16))
-    result = adaround_codes(w, h, s, z, grid, AdaroundSchedule(iterations=300))
+    result = adaround_codes(w, h, s, z, grid, AdaroundSchedule(iterations=300, damp=0.0))
     assert not result.stopped_by_budget and result.iterations == 300
     assert result.loss < 0.7 * result.nearest_loss
     codes = result.codes.double()  # the loss reported is the output error of the codes returned

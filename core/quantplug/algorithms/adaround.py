@@ -59,6 +59,10 @@ class AdaroundSchedule:
     learning_rate: float = 1e-2
     #: seconds for this layer; None: no limit
     time_budget: float | None = None
+    #: ridge added to ``H`` relative to its mean diagonal (GPTQ's dampening): inputs calibration
+    #: never varied along (a low-rank ``H``) then favour round-to-nearest instead of whatever
+    #: the regulariser drifts to, which held-out data would pay for
+    damp: float = 0.01
 
     def beta(self, step: int) -> float:
         """The regulariser's exponent at ``step``: ``beta_start`` to ``beta_end`` by cosine decay."""
@@ -114,7 +118,8 @@ def adaround_codes(
     """Learned rounding of ``weight`` ``[O, I]`` on ``scale``/``zero_point`` (expanded to ``[O, I]``).
 
     ``hessian`` is the mean ``x x^T`` of the layer's inputs (``[I, I]``); it is factored once
-    (``H = L L^T``, :func:`loss_factor`) so the loss is ``||D L||^2``. Nothing is random. The
+    (``H = L L^T``, :func:`loss_factor`) so the loss is ``||D L||^2 + ridge ||D||^2``. Nothing
+    is random. The
     gradient is written out (the loss is a quadratic form) rather than taken by autograd: the
     same steps at about half the cost.
     """
@@ -126,10 +131,13 @@ def adaround_codes(
     floor = torch.floor(scaled)
     lo, hi = grid.quant_min - z, grid.quant_max - z  # floor + h must stay in range
     factor = loss_factor(hessian)
+    # H + damp * mean(diag H) * I, the damped part kept apart so steps stay low-rank
+    ridge = float(sched.damp) * float(torch.diagonal(hessian).mean().clamp(min=0))
 
     def loss_of(rounded: torch.Tensor) -> torch.Tensor:
-        delta = (w - rounded * s) @ factor
-        return (delta * delta).sum(dim=1).sum()
+        error = w - rounded * s
+        delta = error @ factor
+        return (delta * delta).sum() + ridge * (error * error).sum()
 
     nearest_codes = quantize_codes(w, s, z, grid)
     with torch.no_grad():
@@ -153,9 +161,9 @@ def adaround_codes(
             h = raw.clamp(0.0, 1.0)
             soft = floor + h
             inside = (soft >= lo) & (soft <= hi) & (raw > 0) & (raw < 1)
-            residual = (w - soft.clamp(lo, hi) * s) @ factor
-            # d recon / d h = -2 s * (residual L^T), normalised by round-to-nearest's loss
-            grad = (residual @ factor_t).mul_(s).mul_(-2 * recon_norm)
+            error = w - soft.clamp(lo, hi) * s
+            # d recon / d h = -2 s * (error (L L^T + ridge I)), normalised by round-to-nearest's loss
+            grad = ((error @ factor) @ factor_t).add_(error, alpha=ridge).mul_(s).mul_(-2 * recon_norm)
             if step >= sched.warm_start * sched.iterations:  # d/dh of 1 - |2h - 1|^beta
                 beta = sched.beta(step)
                 t = 2 * h - 1
@@ -210,6 +218,7 @@ class AdaRound(Algorithm):
         AlgorithmOption("reg_weight", "float", 5.0, "weight of the rounding regulariser (scale-free)"),
         AlgorithmOption("learning_rate", "float", 1e-2, "Adam's learning rate"),
         AlgorithmOption("time_budget", "float", 0.0, "seconds for the whole model (0: no limit)"),
+        AlgorithmOption("damp", "float", 0.01, "ridge on the Hessian, relative to its mean diagonal"),
     )
 
     def __init__(
@@ -218,6 +227,7 @@ class AdaRound(Algorithm):
         reg_weight: float = 5.0,
         learning_rate: float = 1e-2,
         time_budget: float = 0.0,
+        damp: float = 0.01,
     ) -> None:
         values = option_values(
             self.name,
@@ -227,16 +237,18 @@ class AdaRound(Algorithm):
                 "reg_weight": reg_weight,
                 "learning_rate": learning_rate,
                 "time_budget": time_budget,
+                "damp": damp,
             },
         )
         self.iterations: int = values["iterations"]
         self.reg_weight: float = values["reg_weight"]
         self.learning_rate: float = values["learning_rate"]
         self.time_budget: float = values["time_budget"]
-        if self.iterations < 0 or self.reg_weight < 0 or self.learning_rate <= 0 or self.time_budget < 0:
+        self.damp: float = values["damp"]
+        if min(self.iterations, self.reg_weight, self.time_budget, self.damp) < 0 or self.learning_rate <= 0:
             raise OptionError(
-                "algorithm 'adaround' needs iterations >= 0, reg_weight >= 0, learning_rate > 0 and "
-                f"time_budget >= 0, got {values}"
+                "algorithm 'adaround' needs iterations, reg_weight, time_budget and damp >= 0 and "
+                f"learning_rate > 0, got {values}"
             )
         self._pending: set[str] = set()
         self._deadline: float | None = None
@@ -269,6 +281,7 @@ class AdaRound(Algorithm):
             reg_weight=self.reg_weight,
             learning_rate=self.learning_rate,
             time_budget=self._layer_budget(site),
+            damp=self.damp,
         )
         result = adaround_codes(
             matrix.weight, hessian, matrix.scale, matrix.zero_point, matrix.grid, schedule
