@@ -14,6 +14,7 @@ import quantplug
 from quantplug.algorithms.cle import CrossLayerEqualization, equalization_scales
 from quantplug.algorithms.smoothquant import SmoothQuant, smoothing_scales
 from quantplug.flow.graph_copy import working_copy
+from tests.algorithms.test_interface import Mlp
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -128,19 +129,9 @@ def test_cle_raises_sqnr_at_per_tensor_weights() -> None:
     assert equalized > plain + 10
 
 
-class BiasedMlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
 def test_high_bias_absorption_moves_sure_activation_into_the_next_bias() -> None:
     torch.manual_seed(0)
-    model = BiasedMlp().eval()
+    model = Mlp().eval()
     with torch.no_grad():
         model.fc1.weight *= 0.1
         model.fc1.bias[:8] += 5.0  # eight channels always well above zero
