@@ -22,8 +22,8 @@ Same 8 calibration batches, SQNR on 4 others, in one run.
   against quantplug ``reference`` ``weight_only_int4`` (int4 symmetric, group 32): default,
   ``gptq``, ``seq_mse``, both.
 * AIMET ``QuantizationSimModel`` (4-bit per-channel symmetric weights, 16-bit activations) -- its
-  default, ``apply_seq_mse``, ``Adaround`` -- against quantplug ``qnn_htp`` 16a4w: default,
-  ``seq_mse``, ``adaround``.
+  default, ``apply_seq_mse``, ``Adaround`` (500 steps per layer, as quantplug's default) -- against
+  quantplug ``qnn_htp`` 16a4w: default, ``seq_mse``, ``adaround``.
 
 The grids differ slightly (NNCF's int4 is [-8, 7] with scale max/8, ours [-8, 7] with max/7.5...):
 compare each tool's gain over its own default as well as the absolute SQNR.
@@ -166,8 +166,10 @@ def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str) -> 
     if algorithm == "adaround":
         from aimet_torch.adaround.adaround_weight import Adaround, AdaroundParameters
 
-        params = AdaroundParameters(
-            data_loader=[(b, None) for b in calibration], num_batches=len(calibration)
+        params = AdaroundParameters(  # quantplug's step count (AIMET's default 10,000: minutes per layer)
+            data_loader=[(b, None) for b in calibration],
+            num_batches=len(calibration),
+            default_num_iterations=500,
         )
         with tempfile.TemporaryDirectory() as tmp:
             model = Adaround.apply_adaround(
