@@ -156,6 +156,20 @@ def test_adaround_out_of_time_rounds_to_nearest() -> None:
         torch.testing.assert_close(hurried(x[:BATCH]), default(x[:BATCH]), rtol=0, atol=0)
 
 
+def test_adaround_budget_is_shared_by_the_layers_of_each_convert() -> None:
+    algorithm = AdaRound(time_budget=30.0)
+    sites = [
+        WeightSite(f"w{i}", "linear", "aten.linear.default", torch.ones(2, 2), None, i) for i in range(3)
+    ]
+    for site in sites:  # layer_kind needs a layer: give each one
+        object.__setattr__(site, "_call", lambda x, w: F.linear(x, w))
+        assert algorithm.collector(site) is not None
+    for _ in range(2):  # a second convert starts a fresh budget
+        shares = [algorithm._layer_budget(site) for site in sites]
+        assert shares[0] is not None and 9.0 < shares[0] <= 10.0  # 30 s over 3 layers
+        assert shares[2] is not None and shares[2] > 25.0  # the last layer gets what is left
+
+
 def test_convert_twice_gives_the_same_program() -> None:
     model, x = block_model()
     ep = torch.export.export(model, (x[:BATCH],))

@@ -250,23 +250,27 @@ class AdaRound(Algorithm):
                 "algorithm 'adaround' needs iterations, reg_weight, time_budget and damp >= 0 and "
                 f"learning_rate > 0, got {values}"
             )
-        self._pending: set[str] = set()
+        self._sites: set[str] = set()  # weights this instance trains (from its collectors)
+        self._done: set[str] = set()  # ... already trained in the current convert
         self._deadline: float | None = None
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
         if layer_kind(site) is None:
             return None
-        self._pending.add(site.name)
+        self._sites.add(site.name)
         return LayerHessian(site)
 
     def _layer_budget(self, site: WeightSite) -> float | None:
         if not self.time_budget:
             return None
         now = time.perf_counter()
+        if site.name in self._done:  # a weight seen again: another convert, with its own budget
+            self._done.clear()
+            self._deadline = None
         if self._deadline is None:
             self._deadline = now + self.time_budget
-        left = max(len(self._pending), 1)
-        self._pending.discard(site.name)
+        left = max(len(self._sites - self._done), 1)
+        self._done.add(site.name)
         return max(self._deadline - now, 0.0) / left
 
     def choose_weight(
