@@ -51,11 +51,20 @@ _EXPORTS: dict[str, str] = {
         ),
         "quantplug.annotation.specs",
     ),
+    **dict.fromkeys(
+        ("AlgorithmEntry", "list_algorithms", "register_algorithm", "unregister_algorithm"),
+        "quantplug.algorithms.registry",
+    ),
+    **dict.fromkeys(
+        ("Algorithm", "AlgorithmOption", "WeightChoice", "WeightGrid", "WeightSite"),
+        "quantplug.algorithms.spec",
+    ),
     **dict.fromkeys(("get_quantizer", "quantize"), "quantplug.api"),
     "ConformanceProfile": "quantplug.conformance.profile",
     **dict.fromkeys(("load_program",), "quantplug.archive"),
     **dict.fromkeys(
         (
+            "AlgorithmError",
             "AnnotationError",
             "BackendDisabledError",
             "BackendLoadError",
@@ -69,6 +78,7 @@ _EXPORTS: dict[str, str] = {
             "ObserverMergeError",
             "OptionError",
             "QuantplugError",
+            "UnknownAlgorithmError",
             "UnknownBackendError",
             "UnsafeArchiveError",
         ),
@@ -116,11 +126,15 @@ _EXPORTS: dict[str, str] = {
 }
 
 #: subpackages reachable as attributes (``quantplug.debug.compare``), imported on first use
-_SUBPACKAGES = ("debug", "report", "cli", "demo", "observers", "flow", "distributed")
+_SUBPACKAGES = ("algorithms", "debug", "report", "cli", "demo", "observers", "flow", "distributed")
 
 __all__ = [
     "OUTPUT",
     "Q_ANNOTATION_KEY",
+    "Algorithm",
+    "AlgorithmEntry",
+    "AlgorithmError",
+    "AlgorithmOption",
     "AnnotationError",
     "ArchRequirement",
     "Artifact",
@@ -165,10 +179,14 @@ __all__ = [
     "SharedQuantizationSpec",
     "SharingGroups",
     "SharingProblem",
+    "UnknownAlgorithmError",
     "UnknownBackendError",
     "UnsafeArchiveError",
     "ValidationReport",
     "Violation",
+    "WeightChoice",
+    "WeightGrid",
+    "WeightSite",
     "annotate_binary",
     "annotate_node",
     "annotate_shared_in_out",
@@ -183,16 +201,19 @@ __all__ = [
     "hookimpl",
     "is_annotated",
     "is_float_tensor",
+    "list_algorithms",
     "list_backends",
     "load_program",
     "lower",
     "prepare",
     "quantize",
+    "register_algorithm",
     "register_annotator",
     "register_backend",
     "register_extension",
     "registered_backend",
     "unregister",
+    "unregister_algorithm",
 ]
 
 
@@ -212,6 +233,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from quantplug.algorithms.registry import (
+        AlgorithmEntry,
+        list_algorithms,
+        register_algorithm,
+        unregister_algorithm,
+    )
+    from quantplug.algorithms.spec import Algorithm, AlgorithmOption, WeightChoice, WeightGrid, WeightSite
     from quantplug.annotation.annotators import (
         annotate_binary,
         annotate_shared_in_out,
@@ -239,6 +267,7 @@ if TYPE_CHECKING:
     from quantplug.archive import load_program
     from quantplug.conformance.profile import ConformanceProfile
     from quantplug.errors import (
+        AlgorithmError,
         AnnotationError,
         BackendDisabledError,
         BackendLoadError,
@@ -252,6 +281,7 @@ if TYPE_CHECKING:
         ObserverMergeError,
         OptionError,
         QuantplugError,
+        UnknownAlgorithmError,
         UnknownBackendError,
         UnsafeArchiveError,
     )

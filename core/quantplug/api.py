@@ -38,6 +38,7 @@ def quantize(
     backend: str,
     calibration: Iterable[Any] | None = None,
     nonfinite: str = "error",
+    algorithms: Sequence[Any] | None = None,
     **options: Any,
 ) -> torch.fx.GraphModule:
     """Export (if needed), prepare, calibrate and convert in one call.
@@ -50,6 +51,8 @@ def quantize(
         calibration: batches (a tensor or a tuple of tensors each); defaults to the example inputs.
         nonfinite: NaN/inf values in calibration data: ``"error"`` or ``"ignore"`` (see
             :func:`quantplug.prepare`).
+        algorithms: accuracy algorithms (names, ``(name, options)`` pairs or objects), see
+            :func:`quantplug.prepare`; those needing data before annotation get ``calibration``.
         **options: backend options.
 
     Returns:
@@ -67,8 +70,14 @@ def quantize(
             for module, training in flags.items():
                 module.training = training
     quantizer = get_quantizer(backend, **options)
-    prepared = prepare(program, quantizer, nonfinite=nonfinite)
-    batches = calibration if calibration is not None else [tuple(example_inputs or ())]
+    batches = list(calibration) if calibration is not None else [tuple(example_inputs or ())]
+    prepared = prepare(
+        program,
+        quantizer,
+        nonfinite=nonfinite,
+        algorithms=algorithms,
+        calibration=[_as_args(b) for b in batches] if algorithms else None,
+    )
     with torch.no_grad():
         for batch in batches:
             prepared(*_as_args(batch))

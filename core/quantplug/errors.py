@@ -122,3 +122,22 @@ class ConstraintViolationError(QuantplugError, ValueError):
             f"{len(report.violations)} quantization constraint violation(s):\n{report.format()}\n"
             "Change the offending configs (or pass strict=False to only warn)."
         )
+
+
+class UnknownAlgorithmError(QuantplugError, LookupError):
+    """An algorithm name that neither an installed distribution nor an in-process registration provides."""
+
+    def __init__(self, name: str, installed: Iterable[str]) -> None:
+        self.name = name
+        self.installed = sorted(installed)
+        listed = ", ".join(self.installed) if self.installed else "none"
+        super().__init__(
+            f"unknown algorithm {name!r}{did_you_mean(name, self.installed)}; "
+            f"installed algorithms: {listed}. "
+            "`quantplug algorithms` lists them; third-party ones install through the "
+            "'quantplug.algorithms' entry-point group."
+        )
+
+
+class AlgorithmError(QuantplugError, ValueError):
+    """An algorithm that fails to load, or whose choice leaves the backend's grid or contract."""

@@ -15,7 +15,7 @@ from quantplug.cli.errors import InputError
 from quantplug.plugins.contract import BackendOption
 from quantplug.suggest import close_matches, did_you_mean
 
-COMMANDS = ("backends", "quantize", "report", "conformance", "new-backend")
+COMMANDS = ("backends", "quantize", "report", "conformance", "new-backend", "algorithms")
 
 #: ``package.module:factory`` (the part after the colon may be dotted: ``mod:Class.build``)
 FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

@@ -1,6 +1,7 @@
 """The ``quantplug`` command.
 
     quantplug backends [--json] [--check]      installed backends (--check imports them)
+    quantplug algorithms [--json]              installed accuracy algorithms (from metadata)
     quantplug quantize [MODEL] [options]       quantize, lower, compare and report
     quantplug report OUT                       re-render OUT/report.html, print the summary
     quantplug                                  = quantplug quantize (the built-in demo)
@@ -27,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from quantplug.cli import algorithms as algorithms_cli
+from quantplug.cli.algorithms import check_algorithm_arguments
 from quantplug.cli.checks import (
     COMMANDS,
     check_backend_options,
@@ -202,6 +205,7 @@ def check_quantize_arguments(args: argparse.Namespace) -> dict[str, str]:
         raise InputError("--nproc must be at least 1")
     pairs = parse_pairs(args.option)
     check_backend_options(args.backend, pairs)
+    args.algorithms = check_algorithm_arguments(args)  # metadata only (issue 15)
     check_model_spec(args.model)
     check_calibration_path(args.calibration)
     return pairs
@@ -364,6 +368,11 @@ def _quantize_into(
         "description": loaded.info.description,
     }
     options = {**quantizer.options, "strict": quantizer.strict}
+    if args.algorithms:  # shown with the options in the report (issue 15)
+        options["algorithms"] = ", ".join(
+            name + ("(" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")" if opts else "")
+            for name, opts in args.algorithms
+        )
 
     t = time.perf_counter()
     console.info("loading model: " + (args.model or "built-in demo"))
@@ -377,7 +386,13 @@ def _quantize_into(
     )
     t = lap("load", t)
 
-    prepared = quantplug.prepare(program, quantizer, nonfinite=args.nonfinite)
+    prepared = quantplug.prepare(
+        program,
+        quantizer,
+        nonfinite=args.nonfinite,
+        algorithms=args.algorithms or None,
+        calibration=batches if args.algorithms else None,  # data-needing transforms (SmoothQuant)
+    )
     t = lap("prepare", t)
     calibration["batches"] = _calibrate(prepared, data, model, args, console, group)
     if group is not None:
@@ -532,7 +547,11 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
     if backend_help:
         from quantplug.cli.options import backends_epilog
 
-        epilog = backends_epilog()
+        epilog = (
+            backends_epilog()
+            + "\n\naccuracy algorithms (--algorithm NAME):\n"
+            + algorithms_cli.algorithms_help()
+        )
     p = sub.add_parser(
         "quantize",
         help="quantize a program (default: the built-in demo)",
@@ -610,6 +629,7 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         metavar="N",
         help=f"calibration batches the numeric comparison runs (default: {DEFAULT_COMPARE_BATCHES})",
     )
+    algorithms_cli.add_quantize_arguments(p)
     _add_common(p, sub=True)
     p.set_defaults(func=cmd_quantize)
 
@@ -627,6 +647,7 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
 
     conformance.add_parser(sub, _add_common)
     scaffold.add_parser(sub, _add_common)
+    algorithms_cli.add_parser(sub, _add_common)
     return parser
 
 

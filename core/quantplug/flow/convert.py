@@ -19,6 +19,7 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from quantplug import ops as qp_ops
+from quantplug.algorithms.runtime import WeightOverrides, choose_weights, is_tap
 from quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
@@ -227,8 +228,13 @@ def _dq_maker(emit: _Emitter, q: Node, qp: QParams, gid: int, observer: Node) ->
     return make
 
 
-def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QParams]:
+def compute_qparams(
+    prepared: GraphModule, state: PreparedState, weight_overrides: WeightOverrides | None = None
+) -> dict[int, QParams]:
     """Every group's qparams, each observer's ``calculate_qparams()`` run once.
+
+    With ``weight_overrides``, the prepared module's algorithms choose weight encodings and codes
+    (:func:`quantplug.algorithms.runtime.choose_weights`), recorded there for convert to emit.
 
     Constants (weights, biases) are observed here, once, into fresh copies of their groups'
     observers, so the prepared module is left exactly as calibration left it and a second convert
@@ -288,6 +294,16 @@ def compute_qparams(prepared: GraphModule, state: PreparedState) -> dict[int, QP
     by_observer.update(zip(independent, calculate_qparams_many(list(independent.values()))))
     for key, obs in independent.items():  # tensors carrying attention masks (-inf) keep them masked
         by_observer[key] = widen_for_masks(obs, by_observer[key])
+    if weight_overrides is not None:  # algorithm hook 3: weight choices, before derived biases read them
+        chosen = choose_weights(
+            prepared,
+            state,
+            prepared_obs,
+            lambda gid: by_observer[id(used[gid])],
+            lambda gid, qp: by_observer.__setitem__(id(used[gid]), qp),
+        )
+        weight_overrides.codes.update(chosen.codes)
+        weight_overrides.biases.update(chosen.biases)
     try:
         derived = []
         for group in state.groups:
@@ -337,7 +353,8 @@ def convert(prepared: GraphModule) -> GraphModule:
 
 
 def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
-    qparams = compute_qparams(prepared, state)
+    chosen = WeightOverrides()  # what the algorithms chose (issue 15); empty without algorithms
+    qparams = compute_qparams(prepared, state, chosen)
     # constraints v2: limits and relations checked again on the calibrated encodings (strict raises)
     calibrated = check_calibrated(state.calibrated_checks, qparams)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)
@@ -357,16 +374,27 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
         """The integer tensor of a parameter (or the quantize node of an already quantized one)."""
         q = edge_q.get((producer.name, gid))
         if q is None:
+            qp = qparams[gid]
+            target = str(producer.target)
             if producer.name in state.constant_outputs:  # requantized: folded below, exactly
-                q = emit.quantize(_lookup(env, producer, user), qparams[gid], f"g{gid}")
+                q = emit.quantize(_lookup(env, producer, user), qp, f"g{gid}")
             else:
-                value = fetch_attr(prepared, str(producer.target)).detach()
-                q = emit.constant(str(producer.target) + "_q", _quantize_tensor(value, qparams[gid]))
+                codes = chosen.codes.get((target, gid))
+                if codes is not None:  # an algorithm's integer codes (checked against the grid)
+                    ints = codes.to(qp.dtype)
+                else:
+                    value = chosen.biases.get(target, fetch_attr(prepared, target)).detach()
+                    ints = _quantize_tensor(value, qp)
+                q = emit.constant(target + "_q", ints)
             q.meta["quantplug_group"] = gid
             edge_q[(producer.name, gid)] = q
         return q
 
+    for target, corrected in chosen.biases.items():  # float biases an algorithm corrected
+        tensors.setdefault(target, corrected)
     for node in prepared.graph.nodes:
+        if is_tap(node):  # algorithms' calibration taps end with calibration
+            continue
         if node.op == "call_module" and str(node.target).startswith(observer_prefix):
             gid = int(str(node.target)[len(observer_prefix) + 1 :])
             src = _lookup(env, node.args[0], node)

@@ -13,6 +13,7 @@ stores all of them as integers (see ``flow.constants``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +21,13 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from quantplug.algorithms.registry import resolve_algorithms
+from quantplug.algorithms.runtime import RUN_KEY as ALGORITHMS_KEY
+from quantplug.algorithms.runtime import install_collectors, run_transforms
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
+from quantplug.flow.calls import in_spec_of
 from quantplug.flow.constants import written
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
@@ -145,6 +150,8 @@ def prepare(
     *,
     qat: bool = False,
     nonfinite: str = "error",
+    algorithms: Sequence[Any] | None = None,
+    calibration: Sequence[Any] | None = None,
 ) -> GraphModule:
     """Annotate ``program`` with ``quantizer`` and insert observers (or fake-quants if ``qat``).
 
@@ -161,6 +168,12 @@ def prepare(
             infinity in the model's inputs, and leaves infinities the model computes (attention
             masks) out of the statistics; ``"strict"`` raises for every NaN/inf; ``"ignore"``
             leaves them all out and counts them (see :mod:`quantplug.observers.nonfinite`).
+        algorithms: accuracy algorithms, in order: names from ``quantplug.list_algorithms()``,
+            ``(name, {option: value})`` pairs or configured objects (see
+            :mod:`quantplug.algorithms.spec`). Unknown names raise
+            :class:`~quantplug.errors.UnknownAlgorithmError`.
+        calibration: batches (tuples of the program's inputs) for algorithms that need data
+            before annotation (SmoothQuant); calibrating the result is still the caller's loop.
 
     Returns:
         A GraphModule to calibrate (or train) and pass to :func:`quantplug.convert`.
@@ -173,8 +186,11 @@ def prepare(
     _check_float_program(program)
     _check_qat_agrees(quantizer, qat)
     check_policy(nonfinite)
+    chosen = resolve_algorithms(algorithms)  # issue 15: names -> configured objects, before any work
     with paused_gc():
-        return _prepare(program, quantizer, qat=qat, nonfinite=nonfinite)
+        return _prepare(
+            program, quantizer, qat=qat, nonfinite=nonfinite, algorithms=chosen, calibration=calibration
+        )
 
 
 def _check_float_program(program: Any) -> None:
@@ -216,7 +232,13 @@ def _check_qat_agrees(quantizer: Any, qat: bool) -> None:
 
 
 def _prepare(
-    program: torch.export.ExportedProgram | GraphModule, quantizer: Any, *, qat: bool, nonfinite: str
+    program: torch.export.ExportedProgram | GraphModule,
+    quantizer: Any,
+    *,
+    qat: bool,
+    nonfinite: str,
+    algorithms: list[Any],
+    calibration: Sequence[Any] | None,
 ) -> GraphModule:
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
     for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
@@ -225,6 +247,8 @@ def _prepare(
         _own_parameters(gm)  # training must not write the caller's weights
     else:
         fold_batch_norm(gm)
+    if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
+        gm = run_transforms(gm, algorithms, calibration, in_spec_of(program), quantizer)
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
         gm = transformed
@@ -250,6 +274,8 @@ def _prepare(
         container.add_module(f"g{gid}", obs)
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
+    if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
+        gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms)
     _as_prepared_module(gm)
     compile_now(gm)
     gm.meta[STATE_KEY] = state

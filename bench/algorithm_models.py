@@ -1,0 +1,125 @@
+"""The models of the algorithm benchmarks (torch only: ``bench.nncf_compare`` imports them in a
+venv without quantplug). Random weights unless said; every batch seeded."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x))
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 32, 3, padding=1)
+        self.b1 = nn.BatchNorm2d(32)
+        self.c2 = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.b2 = nn.BatchNorm2d(32)
+        self.c3 = nn.Conv2d(32, 64, 1)
+        self.b3 = nn.BatchNorm2d(64)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.b1(self.c1(x)))
+        x = F.relu(self.b2(self.c2(x)))
+        x = F.relu(self.b3(self.c3(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+class LogitsOnly(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def _randomize_bn(model: nn.Module) -> None:
+    """Batch-norm statistics as a trained network has them: channels of very different scales."""
+    g = torch.Generator().manual_seed(3)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            n = m.num_features
+            m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
+            m.running_var.copy_(torch.rand(n, generator=g) * 4 + 0.05)
+            with torch.no_grad():
+                m.weight.copy_(torch.exp(torch.randn(n, generator=g)))
+                m.bias.copy_(torch.randn(n, generator=g) * 0.5)
+
+
+def _digits(kind: str) -> tuple[nn.Module, list[torch.Tensor]]:
+    from sklearn import datasets
+
+    from tests.reference.test_reference_digits import DigitsCNN, DigitsMLP, train
+
+    data = datasets.load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    model = train(
+        DigitsMLP() if kind == "mlp" else DigitsCNN(), x[:-360], y[:-360], 30 if kind == "mlp" else 15
+    )
+    test = x[-360:]
+    return model.eval(), [test[i : i + 30] for i in range(0, 360, 30)]
+
+
+def build(name: str) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
+    """The model and 12 batches (8 calibrate, 4 measure)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "encoder":
+        return Encoder().eval(), [(torch.randn(4, 16, 64, generator=g),) for _ in range(12)]
+    if name == "lstm":
+        return Recurrent().eval(), [(torch.randn(4, 12, 32, generator=g),) for _ in range(12)]
+    if name == "cnn":
+        model = SmallCNN().eval()
+        _randomize_bn(model)
+        return model, [(torch.randn(4, 3, 16, 16, generator=g),) for _ in range(12)]
+    if name == "llama":
+        from tests.torchvision_compat import ensure_importable
+
+        ensure_importable()  # transformers imports torchvision, whose CUDA wheel needs its op schemas
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            use_cache=False,
+        )
+        model = LogitsOnly(transformers.LlamaForCausalLM(config)).eval()
+        return model, [(torch.randint(0, 128, (2, 16), generator=g),) for _ in range(12)]
+    if name in ("digits_mlp", "digits_cnn"):
+        model, batches = _digits(name.split("_")[1])
+        return model, [(b,) for b in batches]
+    raise SystemExit(f"unknown model {name!r}")
+
+
+MODELS = ("encoder", "llama", "lstm", "cnn", "digits_mlp", "digits_cnn")

@@ -1,0 +1,155 @@
+"""AdaRound, SeqMSE and GPTQ (issue 15): model SQNR against float and runtime against calibration.
+
+    python -m bench.algorithms_weights                  # llama, encoder, cnn, digits; 4-bit configs
+    python -m bench.algorithms_weights --models llama --threads 2
+
+Uses the models, configs and measurement of :mod:`bench.algorithms` (8 calibration batches, SQNR
+on 4 others) and adds what concerns the weight-choice algorithms: each alone, the combinations
+SeqMSE+GPTQ and SeqMSE+AdaRound, and the convert time each adds (prepare + calibrate + convert
+with it minus the default run), which for AdaRound and SeqMSE on the 2-layer Llama decoder must
+stay under 2 minutes on 2 cores. Writes ``bench/results/algorithms_weights.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.algorithms import CONFIGS, HTP, RESULTS, build, run_once
+
+WEIGHT_ALGORITHMS = ("seq_mse", "adaround", "gptq")
+COMBINATIONS = (("seq_mse", "gptq"), ("seq_mse", "adaround"))
+MODELS = ("llama", "encoder", "cnn", "digits_mlp", "digits_cnn", "lstm")
+FOUR_BIT = ("htp 16a4w", "htp 16a4w_block", "htp 8a4w", "ref wo_int4")
+BUDGET_S = 120.0  # AdaRound and SeqMSE on the 2-layer decoder, 2 cores
+
+
+def bench(models: Sequence[str], configs: Sequence[str]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name in models:
+        model, batches = build(name)
+        calibration, measure = batches[:8], batches[8:]
+        with torch.no_grad():
+            refs = [model(*b) for b in measure]
+        ep = torch.export.export(model, calibration[0])
+        results[name] = {}
+        for config in configs:
+            backend, options, eight = CONFIGS[config]
+            extra = HTP if backend == "qnn_htp" else {}
+            opts = {**extra, **options}
+            run_once(ep, backend, opts, (), calibration, measure, refs)  # warm-up, not recorded
+            row: dict[str, Any] = {
+                "default": run_once(ep, backend, opts, (), calibration, measure, refs),
+                "w8": run_once(ep, backend, {**extra, **eight}, (), calibration, measure, refs)["sqnr"],
+            }
+            for algs in [(a,) for a in WEIGHT_ALGORITHMS] + list(COMBINATIONS):
+                label = "+".join(algs)
+                try:
+                    row[label] = run_once(ep, backend, opts, algs, calibration, measure, refs)
+                except Exception as exc:  # a row of the table, not the end of the bench
+                    row[label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                got = row[label]
+                shown = (
+                    f"{got['sqnr']:.2f} dB, +{got['total'] - row['default']['total']:.1f} s"
+                    if "sqnr" in got
+                    else got["error"]
+                )
+                print(
+                    f"  {name} {config} {label}: {shown} (default {row['default']['sqnr']:.2f})", flush=True
+                )
+            results[name][config] = row
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    labels = ["+".join(a) for a in [(a,) for a in WEIGHT_ALGORITHMS] + list(COMBINATIONS)]
+    head = ["model", "config", "default", *labels, "8-bit w", "best gain", "gap closed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, per_config in results.items():
+        for config, row in per_config.items():
+            default = row["default"]["sqnr"]
+            got = {k: row[k]["sqnr"] for k in labels if "sqnr" in row.get(k, {})}
+            best = max(got.values(), default=default)
+            gap = row["w8"] - default
+            closed = f"{100 * (best - default) / gap:.0f}%" if gap > 0.1 else "-"
+            cells = [
+                model,
+                config,
+                f"{default:.1f}",
+                *(f"{got[k]:.1f}" if k in got else "err" for k in labels),
+            ]
+            cells += [f"{row['w8']:.1f}", f"{best - default:+.1f}", closed]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Runtime (s): calibration of the default run; each algorithm's added prepare+calibrate+convert:",
+        "",
+    ]
+    lines += [
+        "| model | config | calibration | " + " | ".join(labels) + " |",
+        "|" + "---|" * (3 + len(labels)),
+    ]
+    for model, per_config in results.items():
+        for config, row in per_config.items():
+            base = row["default"]
+            cells = [model, config, f"{base['calibrate']:.2f}"]
+            cells += [
+                f"{row[k]['total'] - base['total']:+.1f}" if "total" in row.get(k, {}) else "err"
+                for k in labels
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def budget_check(results: dict[str, Any]) -> list[str]:
+    """AdaRound and SeqMSE on the 2-layer decoder within 2 minutes (whole prepare+calibrate+convert)."""
+    notes = []
+    for config, row in results.get("llama", {}).items():
+        for alg in ("adaround", "seq_mse"):
+            run = row.get(alg, {})
+            if "total" in run:
+                verdict = "ok" if run["total"] <= BUDGET_S else "OVER BUDGET"
+                notes.append(f"llama {config} {alg}: {run['total']:.1f} s of {BUDGET_S:.0f} s ({verdict})")
+    return notes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.algorithms_weights", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--models", nargs="+", default=list(MODELS[:5]), choices=MODELS)
+    parser.add_argument("--configs", nargs="+", default=list(FOUR_BIT), choices=list(CONFIGS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS / "algorithms_weights.md"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("quantplug").setLevel(logging.ERROR)
+    started = time.perf_counter()
+    results = bench(args.models, args.configs)
+    notes = budget_check(results)
+    header = (
+        "# AdaRound, SeqMSE, GPTQ: output SQNR (dB) against float at 4-bit weights\n\n"
+        f"`python -m bench.algorithms_weights {' '.join(argv or [])}`".rstrip()
+        + f" ({(time.perf_counter() - started) / 60:.1f} min, torch threads {args.threads}).\n"
+        "Default options (adaround: 500 steps/layer; seq_mse: 20 candidates; gptq: act-order, 1% damp).\n\n"
+    )
+    text = header + table(results) + ("\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else "")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,10 @@
+"""Accuracy algorithms as plugins (issue 15): the protocol, the registry, the built-ins.
+
+* :mod:`quantplug.algorithms.spec` -- the algorithm protocol (hooks, sites, grids, choices);
+* :mod:`quantplug.algorithms.registry` -- discovery by name (entry-point group
+  ``quantplug.algorithms``), listing without importing, lazy loading;
+* :mod:`quantplug.algorithms.runtime` -- where prepare/convert call the hooks;
+* one module per built-in algorithm (``cle``, ``bias_correction``, ``smoothquant``, ...).
+
+Importing this package imports neither torch nor any algorithm.
+"""

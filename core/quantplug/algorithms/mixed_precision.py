@@ -1,0 +1,363 @@
+"""Mixed precision: per-layer presets chosen from measured sensitivity to meet an SQNR floor or a size budget.
+
+Works with any backend through its presets (``qnn_htp``: ``16a4w``, ``8a8w``, ``16a8w``...;
+``reference``: ``int8``, ``a16w8``...): a *layer* is a leaf module that owns a conv/linear weight,
+and a choice is ``{module name: preset}``, applied as the Quantizer's ``set_module_name``
+overrides with that preset's config. The choice is plain JSON the user can read, edit and apply
+again (:meth:`MixedPrecision.apply`).
+
+The search (as AIMET's AMP does, measured rather than modelled):
+
+1. Sensitivity, with the numeric debugger (:func:`quantplug.debug.compare`): the model's output
+   SQNR with every layer at the cheapest preset except one layer raised to each other preset.
+2. Greedy: starting from all-cheapest, repeatedly raise the layer whose next preset buys the most
+   SQNR per added weight byte; every step is quantized and measured for real, which gives the
+   accuracy-size trade-off curve.
+3. The answer: the smallest measured point meeting ``target_sqnr_db``, or the most accurate within
+   ``max_weight_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantplug.errors import OptionError, QuantplugError
+
+LAYER_OPS = ("aten.linear.default", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
+FORMAT = "quantplug-mixed-precision/1"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A leaf module owning a weight, with its weight's element count."""
+
+    module: str
+    weight_elements: int
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    weight_bytes: float
+    sqnr_db: float
+    choice: Mapping[str, str]
+
+
+@dataclass
+class MixedPrecision:
+    """A per-layer preset choice for one backend, and the measured trade-off curve behind it."""
+
+    backend: str
+    options: dict[str, Any]
+    preset_option: str
+    default: str
+    choice: dict[str, str]
+    curve: list[CurvePoint] = field(default_factory=list)
+    sensitivity: dict[str, dict[str, float]] = field(default_factory=dict)
+    target: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def overrides(self) -> dict[str, str]:
+        """The layers whose preset differs from the default (what ``apply`` sets)."""
+        return {m: p for m, p in sorted(self.choice.items()) if p != self.default}
+
+    def quantizer(self) -> Any:
+        """A quantizer of the default preset with the choice applied."""
+        import quantplug
+
+        return self.apply(
+            quantplug.get_quantizer(self.backend, **{**self.options, self.preset_option: self.default})
+        )
+
+    def apply(self, quantizer: Any) -> Any:
+        """``quantizer.set_module_name(layer, config of its preset)`` for every override."""
+        import quantplug
+
+        configs: dict[str, Any] = {}
+        for module, preset in self.overrides.items():
+            if preset not in configs:
+                configs[preset] = quantplug.get_quantizer(
+                    self.backend, **{**self.options, self.preset_option: preset}
+                ).global_config
+            quantizer.set_module_name(module, configs[preset])
+        return quantizer
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "backend": self.backend,
+            "options": self.options,
+            "preset_option": self.preset_option,
+            "default": self.default,
+            "overrides": self.overrides,
+            "target": self.target,
+            "curve": [
+                {
+                    "weight_bytes": p.weight_bytes,
+                    "sqnr_db": _finite(p.sqnr_db),
+                    "overrides": _diff(p.choice, self.default),
+                }
+                for p in self.curve
+            ],
+            "sensitivity": self.sensitivity,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MixedPrecision:
+        if data.get("format") != FORMAT:
+            raise QuantplugError(f"not a {FORMAT} document (format: {data.get('format')!r})")
+        choice = {str(k): str(v) for k, v in dict(data.get("overrides", {})).items()}
+        return cls(
+            backend=str(data["backend"]),
+            options=dict(data.get("options", {})),
+            preset_option=str(data["preset_option"]),
+            default=str(data["default"]),
+            choice=choice,
+            target=dict(data.get("target", {})),
+        )
+
+    def save(self, folder: str | Path) -> Path:
+        """``mixed_precision.json`` (editable) and ``tradeoff.png`` (when matplotlib is installed)."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "mixed_precision.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        png = self.plot_png()
+        if png is not None:
+            (out / "tradeoff.png").write_bytes(png)
+        return out / "mixed_precision.json"
+
+    @classmethod
+    def load(cls, path: str | Path) -> MixedPrecision:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def plot_png(self) -> bytes | None:
+        """The accuracy-size trade-off curve (output SQNR against weight bytes), chosen point marked."""
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            return None
+        points = [p for p in self.curve if math.isfinite(p.sqnr_db)]
+        if not points:
+            return None
+        import io
+
+        fig = Figure(figsize=(7, 4.2), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        xs = [p.weight_bytes / 1024 for p in points]
+        ax.plot(xs, [p.sqnr_db for p in points], "-o", color="#3b6ea8", markersize=4, label="measured")
+        chosen = next((p for p in points if dict(p.choice) == self.choice), None)
+        if chosen is not None:
+            ax.plot(
+                [chosen.weight_bytes / 1024],
+                [chosen.sqnr_db],
+                "o",
+                color="#d1382b",
+                markersize=9,
+                label="chosen",
+            )
+        if "sqnr_db" in self.target:
+            ax.axhline(
+                self.target["sqnr_db"], color="#2f8f46", linestyle="--", linewidth=1, label="SQNR floor"
+            )
+        if "weight_bytes" in self.target:
+            ax.axvline(
+                self.target["weight_bytes"] / 1024,
+                color="#2f8f46",
+                linestyle=":",
+                linewidth=1,
+                label="budget",
+            )
+        ax.set_xlabel("weight size (KiB)")
+        ax.set_ylabel("output SQNR vs float (dB)")
+        ax.set_title(f"{self.backend}: mixed precision from {self.default}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        return buffer.getvalue()
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _diff(choice: Mapping[str, str], default: str) -> dict[str, str]:
+    return {m: p for m, p in sorted(choice.items()) if p != default}
+
+
+def weighted_layers(program: torch.export.ExportedProgram) -> list[Layer]:
+    """Leaf modules that own a conv/linear weight, in graph order."""
+    from quantplug.flow.graph_copy import working_copy
+    from quantplug.flow.inspect import fetch_attr
+
+    gm = working_copy(program)
+    layers: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or str(node.target) not in LAYER_OPS:
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        if not stack:
+            continue
+        module = str(list(stack.values())[-1][0])
+        weight = node.args[1]
+        if module and getattr(weight, "op", None) == "get_attr":
+            layers[module] = layers.get(module, 0) + int(fetch_attr(gm, str(weight.target)).numel())
+    return [Layer(m, n) for m, n in layers.items()]
+
+
+def _weight_bits(config: Any) -> int:
+    spec = getattr(config, "weight", None)
+    if spec is None:
+        return 32
+    from quantplug.annotation.spec_view import spec_range
+
+    qmin, qmax = spec_range(spec)
+    return max(1, math.ceil(math.log2(qmax - qmin + 1)))
+
+
+def search_mixed_precision(
+    program: torch.export.ExportedProgram,
+    backend: str,
+    presets: Sequence[str],
+    calibration: Sequence[Any],
+    *,
+    target_sqnr_db: float | None = None,
+    max_weight_bytes: float | None = None,
+    options: Mapping[str, Any] | None = None,
+    compare_inputs: Sequence[Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> MixedPrecision:
+    """Choose a preset per layer among ``presets`` to meet a target; see the module docstring.
+
+    Args:
+        program: the float program.
+        backend: the backend name; ``presets`` are its preset names (at least two).
+        calibration: batches for calibration (tuples of inputs, or single tensors).
+        target_sqnr_db: the output SQNR floor (smallest model meeting it).
+        max_weight_bytes: the weight-size budget (most accurate model within it).
+        options: other backend options (the preset option is set per layer).
+        compare_inputs: batches the SQNR is measured on (default: the calibration batches).
+    """
+    import quantplug
+
+    if (target_sqnr_db is None) == (max_weight_bytes is None):
+        raise OptionError(
+            "give exactly one target: target_sqnr_db (an SQNR floor) or max_weight_bytes (a budget)"
+        )
+    if len(set(presets)) < 2:
+        raise OptionError(f"mixed precision needs at least two presets to choose from, got {list(presets)}")
+    options = dict(options or {})
+    probe = quantplug.get_quantizer(backend, **options)
+    preset_option = probe.info.preset_option
+    if not preset_option:
+        raise OptionError(
+            f"backend {backend!r} declares no preset option; mixed precision chooses among presets"
+        )
+    known = [p.name for p in probe.info.presets]
+    for preset in presets:
+        if preset not in known:
+            from quantplug.suggest import did_you_mean
+
+            raise OptionError(
+                f"backend {backend!r} has no preset {preset!r}{did_you_mean(preset, known)}; "
+                f"its presets: {', '.join(known)}"
+            )
+    bits = {
+        p: _weight_bits(quantplug.get_quantizer(backend, **{**options, preset_option: p}).global_config)
+        for p in presets
+    }
+    order = sorted(dict.fromkeys(presets), key=lambda p: (bits[p], list(presets).index(p)))
+    layers = weighted_layers(program)
+    if not layers:
+        raise QuantplugError(
+            "the program has no conv/linear layer owned by a module to choose a precision for"
+        )
+    batches = [b if isinstance(b, tuple) else (b,) for b in calibration]
+    measured = [b if isinstance(b, tuple) else (b,) for b in (compare_inputs or calibration)]
+
+    def size(choice: Mapping[str, str]) -> float:
+        return sum(layer.weight_elements * bits[choice[layer.module]] / 8 for layer in layers)
+
+    def measure(choice: Mapping[str, str]) -> float:
+        result = MixedPrecision(backend, options, preset_option, order[0], dict(choice))
+        quantizer = result.quantizer()
+        prepared = quantplug.prepare(program, quantizer)
+        with torch.no_grad():
+            for batch in batches:
+                prepared(*batch)
+        quantized = quantplug.convert(prepared)
+        report = quantplug.debug.compare(program, quantized, measured)
+        value = report.output_sqnr_db
+        return float("inf") if value is None else float(value)
+
+    base = {layer.module: order[0] for layer in layers}
+    base_sqnr = measure(base)
+    sensitivity: dict[str, dict[str, float]] = {}
+    for layer in layers:
+        sensitivity[layer.module] = {order[0]: base_sqnr}
+        for preset in order[1:]:
+            if progress is not None:
+                progress(f"sensitivity {layer.module} @ {preset}")
+            sensitivity[layer.module][preset] = measure({**base, layer.module: preset})
+
+    choice = dict(base)
+    curve = [CurvePoint(size(choice), base_sqnr, dict(choice))]
+    while True:
+        best: tuple[float, str, str] | None = None
+        for layer in layers:
+            level = order.index(choice[layer.module])
+            if level + 1 >= len(order):
+                continue
+            nxt = order[level + 1]
+            gain = _gain(sensitivity[layer.module][nxt]) - _gain(
+                sensitivity[layer.module][choice[layer.module]]
+            )
+            cost = layer.weight_elements * (bits[nxt] - bits[choice[layer.module]]) / 8
+            ratio = gain / max(cost, 1e-9)
+            if best is None or ratio > best[0]:
+                best = (ratio, layer.module, nxt)
+        if best is None:
+            break
+        choice[best[1]] = best[2]
+        if max_weight_bytes is not None and size(choice) > max_weight_bytes:
+            break
+        if progress is not None:
+            progress(f"step {len(curve)}: {best[1]} -> {best[2]}")
+        curve.append(CurvePoint(size(choice), measure(choice), dict(choice)))
+        if target_sqnr_db is not None and curve[-1].sqnr_db >= target_sqnr_db:
+            break
+    if target_sqnr_db is not None:
+        meeting = [p for p in curve if p.sqnr_db >= target_sqnr_db]
+        chosen = (
+            min(meeting, key=lambda p: p.weight_bytes) if meeting else max(curve, key=lambda p: p.sqnr_db)
+        )
+        target = {"sqnr_db": float(target_sqnr_db)}
+    else:
+        assert max_weight_bytes is not None
+        within = [p for p in curve if p.weight_bytes <= max_weight_bytes] or [curve[0]]
+        chosen = max(within, key=lambda p: p.sqnr_db)
+        target = {"weight_bytes": float(max_weight_bytes)}
+    return MixedPrecision(
+        backend=backend,
+        options=options,
+        preset_option=preset_option,
+        default=order[0],
+        choice=dict(chosen.choice),
+        curve=curve,
+        sensitivity=sensitivity,
+        target=target,
+    )
+
+
+def _gain(sqnr_db: float) -> float:
+    """SQNR as a number the greedy can difference (an exact match counts as 200 dB)."""
+    return sqnr_db if math.isfinite(sqnr_db) else 200.0

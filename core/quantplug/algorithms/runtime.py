@@ -1,0 +1,406 @@
+"""Where prepare() and convert() call the algorithms' hooks (the torch-facing glue).
+
+* :func:`run_transforms`: each algorithm's ``transform_program`` on prepare's working copy.
+* :func:`install_collectors`: one tap node per weight site whose layer input some algorithm
+  collects; the tap feeds the collectors and returns nothing (convert drops it).
+* :func:`choose_weights`: at convert, each weight site's grid from its spec and observer, every
+  algorithm's ``choose_weight`` in order, each choice checked against the grid.
+
+The state between prepare and convert (algorithms, sites, collectors) lives in
+``prepared.meta[RUN_KEY]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from quantplug.algorithms.spec import TransformContext, WeightChoice, WeightGrid, WeightSite
+from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
+from quantplug.errors import AlgorithmError
+from quantplug.flow.inspect import fetch_attr
+
+RUN_KEY = "quantplug_algorithms"
+TAPS = "quantplug_algorithm_taps"
+
+#: ops whose weight (argument 1) acts on an input (argument 0) that quantplug can re-run
+LAYER_OPS = frozenset(
+    {
+        "aten.linear.default",
+        "aten.conv1d.default",
+        "aten.conv2d.default",
+        "aten.conv3d.default",
+        "aten.conv_transpose1d.input",
+        "aten.conv_transpose2d.input",
+        "aten.conv_transpose3d.input",
+    }
+)
+
+
+def algorithm_name(algorithm: Any) -> str:
+    return str(getattr(algorithm, "name", "") or type(algorithm).__name__)
+
+
+def run_transforms(
+    gm: GraphModule,
+    algorithms: Sequence[Any],
+    calibration: Sequence[Any] | None,
+    in_spec: Any = None,
+    quantizer: Any = None,
+) -> GraphModule:
+    """Every algorithm's ``transform_program``, in order, on the float working copy.
+
+    ``calibration`` batches come as the user gives them to the prepared module (a tuple, a dict of
+    keyword inputs, one tensor); the transforms see them as the program's flat inputs.
+    """
+    if calibration is not None:
+        from quantplug.flow.calls import Call
+
+        calibration = [tuple(Call.of(b).flat(in_spec)) for b in calibration]
+    for algorithm in algorithms:
+        hook = getattr(algorithm, "transform_program", None)
+        if not callable(hook):
+            continue
+        result = hook(gm, TransformContext(algorithm_name(algorithm), calibration, quantizer))
+        if isinstance(result, GraphModule):
+            gm = result
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+class _Tap(nn.Module):
+    """Feeds one layer's input to the collectors of that layer (returns nothing)."""
+
+    def __init__(self, collectors: list[Any]) -> None:
+        super().__init__()
+        self.collectors = collectors
+
+    def forward(self, x: torch.Tensor) -> None:
+        with torch.no_grad():
+            value = x.detach()
+            for collector in self.collectors:
+                collector.update(value)
+
+
+@dataclass
+class AlgorithmRun:
+    """What convert needs from prepare: the algorithms and, per weight site, their collectors."""
+
+    algorithms: list[Any]
+    #: weight site key (weight target, gid) -> {algorithm index: collector}
+    collectors: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
+
+
+def _layer_call(gm: GraphModule, node: Node) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``f(x, w)`` re-running ``node`` with input ``x`` and weight ``w`` (other arguments constants)."""
+    if str(node.target) not in LAYER_OPS or len(node.args) < 2:
+        return None
+    rest: list[Any] = []
+    for arg in node.args[2:]:
+        if isinstance(arg, Node):
+            if arg.op != "get_attr":
+                return None
+            rest.append(fetch_attr(gm, str(arg.target)))
+        else:
+            rest.append(arg)
+    if any(isinstance(v, Node) for v in node.kwargs.values()):
+        return None
+    target = node.target
+    kwargs = dict(node.kwargs)
+
+    def call(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return target(x, w, *rest, **kwargs)  # type: ignore[operator]
+
+    return call
+
+
+def _bias_of(gm: GraphModule, node: Node) -> tuple[str | None, torch.Tensor | None]:
+    if str(node.target) not in LAYER_OPS or len(node.args) < 3:
+        return None, None
+    bias = node.args[2]
+    if isinstance(bias, Node) and bias.op == "get_attr":
+        return str(bias.target), fetch_attr(gm, str(bias.target))
+    return None, None
+
+
+@dataclass(frozen=True)
+class _SiteRef:
+    site: WeightSite
+    weight_node: str
+    bias_target: str | None
+
+
+def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
+    """Every quantized constant weight (a plain-spec constant group, tensor of 2+ dims) and its op.
+
+    Works on keys and specs only, so any backend's annotations (or a foreign quantizer's) yield
+    the same sites. A weight consumed by several ops is one site (its first consumer's layer).
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    result: list[_SiteRef] = []
+    for group in state.groups:
+        if not group.constant or spec_kind(group.spec) is not SpecKind.PLAIN:
+            continue
+        edges = sorted(k for k in group.keys if isinstance(k, tuple))
+        producers = sorted({k[0] for k in edges})
+        seen: set[str] = set()
+        for producer, consumer in edges:
+            if producer in seen:
+                continue
+            value = fetch_attr(gm, str(nodes[producer].target))
+            if not isinstance(value, torch.Tensor) or value.dim() < 2 or not value.is_floating_point():
+                continue
+            seen.add(producer)
+            node = nodes[consumer]
+            weight_index = next((i for i, a in enumerate(node.args) if a is nodes[producer]), None)
+            call = _layer_call(gm, node) if weight_index == 1 else None
+            bias_target, bias = _bias_of(gm, node) if weight_index == 1 else (None, None)
+            target = str(nodes[producer].target)
+            others = tuple(str(nodes[p].target) for p in producers if p != producer)
+            site = WeightSite(
+                name=target,
+                node=consumer,
+                op=str(node.target),
+                weight=value.detach(),
+                bias=None if bias is None else bias.detach(),
+                group=group.gid,
+                shared_with=others,
+                input_index=0 if call is not None else None,
+                _call=call,
+            )
+            result.append(_SiteRef(site, producer, bias_target))
+    return result
+
+
+def install_collectors(gm: GraphModule, state: Any, algorithms: Sequence[Any]) -> AlgorithmRun:
+    """Ask each algorithm for a collector per weight site and tap the layers' inputs for them."""
+    run = AlgorithmRun(list(algorithms))
+    container = nn.Module()
+    gm.add_module(TAPS, container)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    count = 0
+    for ref in weight_sites(gm, state):
+        site = ref.site
+        wanted: dict[int, Any] = {}
+        for index, algorithm in enumerate(algorithms):
+            hook = getattr(algorithm, "collector", None)
+            collector = hook(site) if callable(hook) else None
+            if collector is not None:
+                wanted[index] = collector
+        if not wanted:
+            continue
+        run.collectors[(site.name, site.group)] = wanted
+        if site.input_index is None:
+            continue  # no layer input to see: the collectors give their empty result
+        consumer = nodes[site.node]
+        name = f"t{count}"
+        count += 1
+        container.add_module(name, _Tap(list(wanted.values())))
+        with gm.graph.inserting_before(consumer):
+            tap = gm.graph.call_module(f"{TAPS}.{name}", (consumer.args[site.input_index],))
+        tap.meta["quantplug_algorithm_tap"] = site.name
+    if not count:
+        delattr(gm, TAPS)
+    return run
+
+
+def is_tap(node: Node) -> bool:
+    return node.op == "call_module" and str(node.target).startswith(TAPS + ".")
+
+
+@dataclass
+class WeightOverrides:
+    """What convert uses instead of its defaults: chosen codes per (weight target, gid), and
+    corrected biases by target."""
+
+    codes: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    biases: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _grid(group: Any, raw: tuple[Any, Any], observe: Callable[[torch.Tensor], Any]) -> WeightGrid:
+    spec = group.spec
+    qmin, qmax = spec_range(spec)
+    scale = torch.as_tensor(raw[0]).detach().to(torch.float32)
+    zero_point = torch.as_tensor(raw[1]).detach()
+    qscheme = getattr(spec, "qscheme", None)
+    block = getattr(spec, "block_size", None)
+    if block is not None:
+        granularity, axis = "block", None
+    elif is_per_channel(spec) and (scale.numel() > 1 or getattr(spec, "ch_axis", None) is not None):
+        granularity, axis = "channel", getattr(spec, "ch_axis", 0)
+    else:
+        granularity, axis = "tensor", None
+        scale, zero_point = scale.reshape(-1)[:1], zero_point.reshape(-1)[:1]
+    symmetric = qscheme in (torch.per_tensor_symmetric, torch.per_channel_symmetric) or (
+        block is not None and not bool(zero_point.any())
+    )
+    return WeightGrid(
+        quant_min=qmin,
+        quant_max=qmax,
+        dtype=spec.dtype,
+        qscheme=qscheme,
+        granularity=granularity,
+        scale=scale,
+        zero_point=zero_point,
+        symmetric=symmetric,
+        ch_axis=axis,
+        block_size=tuple(block) if block is not None else None,
+        _observe=observe,
+    )
+
+
+def choose_weights(
+    prepared: GraphModule,
+    state: Any,
+    observers: dict[int, nn.Module],
+    qparams_of: Callable[[int], tuple[Any, Any]],
+    set_qparams: Callable[[int, tuple[Any, Any]], None],
+) -> WeightOverrides:
+    """Run every algorithm's ``choose_weight`` on every weight site (convert's hook).
+
+    ``qparams_of(gid)`` gives a group's calibrated ``(scale, zero_point)``; ``set_qparams``
+    replaces it (before derived biases read it). ``observers[gid]`` is the group's weight observer,
+    copied fresh for :meth:`WeightGrid.observe`.
+    """
+    from quantplug.observers.accelerated import fresh_copy
+
+    run: AlgorithmRun | None = prepared.meta.get(RUN_KEY)
+    overrides = WeightOverrides()
+    if run is None or not any(callable(getattr(a, "choose_weight", None)) for a in run.algorithms):
+        return overrides
+    results: dict[tuple[str, int], dict[int, Any]] = {
+        key: {i: c.result() for i, c in by_alg.items()} for key, by_alg in run.collectors.items()
+    }
+    groups = {g.gid: g for g in state.groups}
+    for ref in weight_sites(prepared, state):
+        site = ref.site
+        group = groups[site.group]
+        prototype = observers[group.gid]
+
+        def observe(tensor: torch.Tensor, prototype: Any = prototype) -> tuple[Any, Any]:
+            obs: Any = fresh_copy(prototype)
+            with torch.no_grad():
+                obs(tensor.detach())
+            scale, zp = obs.calculate_qparams()
+            return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
+
+        grid = _grid(group, qparams_of(group.gid), observe)
+        default_grid = grid
+        codes = grid.quantize(site.weight)
+        chose = False
+        bias_delta: torch.Tensor | None = None
+        for index, algorithm in enumerate(run.algorithms):
+            hook = getattr(algorithm, "choose_weight", None)
+            if not callable(hook):
+                continue
+            collected = results.get((site.name, site.group), {}).get(index)
+            choice = hook(site, grid, codes, collected)
+            if choice is None:
+                continue
+            if not isinstance(choice, WeightChoice):
+                raise AlgorithmError(
+                    f"algorithm {algorithm_name(algorithm)!r} returned {type(choice).__name__} for weight "
+                    f"{site.name}; choose_weight returns a WeightChoice or None"
+                )
+            grid, codes, delta = _apply(algorithm_name(algorithm), site, grid, codes, choice)
+            chose = True
+            if delta is not None:
+                bias_delta = delta if bias_delta is None else bias_delta + delta
+        if not chose:
+            continue
+        if grid is not default_grid:
+            set_qparams(group.gid, (grid.scale, grid.zero_point))
+        overrides.codes[(site.name, site.group)] = codes
+        if bias_delta is not None:
+            if ref.bias_target is None or site.bias is None:
+                raise AlgorithmError(
+                    f"a bias correction for {site.name} needs a constant bias on {site.node} ({site.op}); "
+                    "export the model with bias=True or leave out the correcting algorithm"
+                )
+            overrides.biases[ref.bias_target] = site.bias + bias_delta.reshape(site.bias.shape).to(
+                site.bias.dtype
+            )
+    return overrides
+
+
+def _apply(
+    name: str, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, choice: WeightChoice
+) -> tuple[WeightGrid, torch.Tensor, torch.Tensor | None]:
+    """``choice`` checked against the backend's grid and applied (new grid, codes, bias delta)."""
+
+    def refuse(rule: str) -> AlgorithmError:
+        return AlgorithmError(f"algorithm {name!r} chose for weight {site.name} ({site.node}) {rule}")
+
+    if choice.scale is not None or choice.zero_point is not None:
+        if site.shared_with:
+            raise refuse(
+                f"a new encoding, but it shares one with {', '.join(site.shared_with)}: a shared encoding "
+                "stays shared; choose codes only"
+            )
+        scale = (
+            grid.scale if choice.scale is None else torch.as_tensor(choice.scale).detach().to(torch.float32)
+        )
+        zp = grid.zero_point if choice.zero_point is None else torch.as_tensor(choice.zero_point).detach()
+        if scale.shape != grid.scale.shape:
+            raise refuse(
+                f"scales of shape {tuple(scale.shape)} on a {grid.granularity} grid of shape "
+                f"{tuple(grid.scale.shape)}: keep the backend's granularity"
+            )
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise refuse("scales that are not positive and finite")
+        if zp.shape != grid.zero_point.shape:
+            raise refuse(
+                f"zero points of shape {tuple(zp.shape)}; the grid has {tuple(grid.zero_point.shape)}"
+            )
+        if grid.symmetric and not torch.equal(zp.to(grid.zero_point.dtype), grid.zero_point):
+            raise refuse("other zero points on a symmetric grid: a symmetric weight stays symmetric")
+        if not _representable(grid, site.weight.shape, scale):
+            raise refuse(
+                "scales the backend's observer cannot produce (e.g. off LPBQ's scale lattice); derive "
+                "them with grid.observe(clipped_weight)"
+            )
+        grid = grid.with_encoding(scale, zp.to(grid.zero_point.dtype))
+        if choice.codes is None:
+            codes = grid.quantize(site.weight)
+    if choice.codes is not None:
+        new = torch.as_tensor(choice.codes).detach()
+        if tuple(new.shape) != tuple(site.weight.shape):
+            raise refuse(
+                f"codes of shape {tuple(new.shape)} for a weight of shape {tuple(site.weight.shape)}"
+            )
+        if new.is_floating_point() and not bool((new == new.round()).all()):
+            raise refuse("codes that are not integers")
+        if bool((new < grid.quant_min).any()) or bool((new > grid.quant_max).any()):
+            raise refuse(f"codes outside the grid's range [{grid.quant_min}, {grid.quant_max}]")
+        codes = new.to(torch.int64)
+    delta = None
+    if choice.bias_delta is not None:
+        delta = torch.as_tensor(choice.bias_delta).detach().to(torch.float32)
+        if not bool(torch.isfinite(delta).all()):
+            raise refuse("a bias correction that is not finite")
+    return grid, codes, delta
+
+
+def _representable(grid: WeightGrid, shape: Sequence[int], scale: torch.Tensor) -> bool:
+    """Whether the backend's observer yields ``scale`` for a weight that spans exactly that grid.
+
+    A symmetric weight whose every channel/block reaches ``s * (qmax - qmin) / 2`` gives back
+    ``s`` from a min/max observer; a backend whose observer adds rules (LPBQ's 4-bit scale steps,
+    an eps floor) moves scales that break them. Observers for which even the default encoding is
+    not such a fixed point (histogram, MSE search) are not judged, nor are asymmetric grids.
+    """
+    if grid._observe is None or not grid.symmetric:
+        return True
+    half = (grid.quant_max - grid.quant_min) / 2.0
+
+    def fixed_point(s: torch.Tensor) -> bool:
+        got, _ = grid.observe(grid.expand(s, shape).to(torch.float32) * half)
+        return bool(torch.allclose(got.reshape(s.shape).to(torch.float32), s, rtol=1e-4, atol=0.0))
+
+    return not fixed_point(grid.scale) or fixed_point(scale)

@@ -1,0 +1,221 @@
+"""SeqMSE: weight-scale search minimising each layer's output error on calibration data.
+
+As in AIMET's ``apply_seq_mse`` (Qualcomm's LLM recipes): for every scale group (an output
+channel, or a block of one for per-block/LPBQ weights) try ``candidates`` clipping ranges, the
+fractions ``k / candidates`` (k = 1..candidates) of the group's own range, and keep the one whose
+quantized weights give the smallest error on the layer's *output* (not on the weights):
+``d^T H d`` with ``H = sum x x^T`` of the layer's inputs. Clipping large weights trades their
+error for a finer grid on all the others, which min-max never does.
+
+The scale of a candidate is not computed here: ``encode`` maps a clipped weight to the encoding
+the backend itself would give it (its observer: symmetric or not, its range and eps, LPBQ's 4-bit
+scale quantization...), so whatever is chosen is an encoding the backend could have produced.
+Per-block losses use the block's own slice of ``H`` (AIMET's block-wise approximation); the final
+mix of choices is re-encoded and kept only if it beats the backend's default on the full loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quantplug.algorithms.spec import (
+    Algorithm,
+    AlgorithmOption,
+    WeightChoice,
+    WeightGrid,
+    WeightSite,
+    option_values,
+)
+from quantplug.algorithms.weight_layers import LayerHessian, hessian_of, layer_kind, site_matrix
+from quantplug.algorithms.weight_matrix import (
+    IntegerGrid,
+    fake_quantize,
+    output_error,
+    small_products,
+    to_matrix,
+)
+from quantplug.errors import OptionError
+
+#: clipped weight matrix ``[O, I]`` -> its encoding expanded to ``[O, I]`` (scale, zero point)
+Encoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SeqMseResult:
+    scale: torch.Tensor  # [O, I], expanded
+    zero_point: torch.Tensor  # [O, I], expanded
+    #: chosen fraction of the range per scale group, ``[row groups, column groups]``
+    fraction: torch.Tensor
+    loss: float  # output error (sum of d^T H d) with the chosen encoding
+    default_loss: float  # ... with the backend's default encoding (the full range)
+
+
+def group_view(values: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
+    """``[O, I]`` as ``[O // rows, rows, I // cols, cols]`` (one scale per ``[:, :, g, :]`` slice)."""
+    rows, cols = groups
+    o, i = values.shape
+    return values.reshape(o // rows, rows, i // cols, cols)
+
+
+def expand_groups(per_group: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
+    """Per-group values ``[O // rows, I // cols]`` repeated over their groups, ``[O, I]``."""
+    rows, cols = groups
+    return per_group.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
+
+
+def group_losses(delta: torch.Tensor, hessian: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
+    """Output error of each scale group, using the group's diagonal block of ``H``."""
+    rows, cols = groups
+    o, i = delta.shape
+    g = i // cols
+    blocks = hessian.reshape(g, cols, g, cols).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [g, c, c]
+    d = delta.reshape(o, g, cols)
+    per_row = torch.einsum("ogb,gbc,ogc->og", d, blocks, d)
+    return per_row.reshape(o // rows, rows, g).sum(dim=1)
+
+
+def clip_to(
+    weight: torch.Tensor, fraction: torch.Tensor, groups: tuple[int, int], symmetric: bool
+) -> torch.Tensor:
+    """``weight`` clipped, per scale group, to ``fraction`` of the group's range.
+
+    The range includes zero (as the observers' does): symmetric groups clip to
+    ``+-fraction * max|w|``, asymmetric ones to ``fraction * [min(w, 0), max(w, 0)]``.
+    """
+    view = group_view(weight, groups)
+    if symmetric:
+        bound = view.abs().amax(dim=(1, 3))
+        hi = expand_groups(bound * fraction, groups)
+        return torch.maximum(torch.minimum(weight, hi), -hi)
+    lo = expand_groups(view.amin(dim=(1, 3)).clamp(max=0) * fraction, groups)
+    hi = expand_groups(view.amax(dim=(1, 3)).clamp(min=0) * fraction, groups)
+    return torch.maximum(torch.minimum(weight, hi), lo)
+
+
+def seq_mse_encoding(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    encode: Encoder,
+    grid: IntegerGrid,
+    groups: tuple[int, int],
+    *,
+    symmetric: bool,
+    candidates: int = 20,
+) -> SeqMseResult:
+    """The per-group clipping (and so the encoding) with the least output error.
+
+    Args:
+        weight: ``[O, I]`` float weights.
+        hessian: ``sum x x^T`` (or its mean) of the layer's inputs, ``[I, I]``.
+        encode: the backend's encoding of a (clipped) weight, expanded to ``[O, I]``.
+        grid: the backend's integer range.
+        groups: ``(rows, cols)`` sharing one scale (:func:`~.weight_matrix.column_groups`).
+        symmetric: whether the grid is symmetric (clipping keeps it centred on zero).
+        candidates: number of clipping fractions tried, ``1/candidates .. 1``.
+    """
+    w = weight.detach().to(torch.float64)
+    h = hessian.detach().to(torch.float64)
+    n_row_groups, n_col_groups = w.shape[0] // groups[0], w.shape[1] // groups[1]
+    best_loss = torch.full((n_row_groups, n_col_groups), float("inf"), dtype=torch.float64)
+    best_fraction = torch.ones(n_row_groups, n_col_groups, dtype=torch.float64)
+    default: tuple[torch.Tensor, torch.Tensor] | None = None
+    count = max(1, int(candidates))
+    with small_products(w.numel() * groups[1]):
+        for k in range(count, 0, -1):  # the full range first: ties keep the backend's default
+            fraction = torch.full_like(best_fraction, k / count)
+            scale, zero_point = (t.to(torch.float64) for t in encode(clip_to(w, fraction, groups, symmetric)))
+            if default is None:
+                default = (scale, zero_point)
+            losses = group_losses(w - fake_quantize(w, scale, zero_point, grid), h, groups)
+            better = losses < best_loss
+            best_loss = torch.where(better, losses, best_loss)
+            best_fraction = torch.where(better, fraction, best_fraction)
+    assert default is not None
+    default_loss = float(output_error(w - fake_quantize(w, *default, grid), h).sum())
+    scale, zero_point = (t.to(torch.float64) for t in encode(clip_to(w, best_fraction, groups, symmetric)))
+    loss = float(output_error(w - fake_quantize(w, scale, zero_point, grid), h).sum())
+    if not loss < default_loss:  # the re-encoded mix (e.g. LPBQ's shared channel scale) lost
+        scale, zero_point = default
+        best_fraction = torch.ones_like(best_fraction)
+        loss = default_loss
+    return SeqMseResult(scale, zero_point, best_fraction, loss, default_loss)
+
+
+class SeqMSE(Algorithm):
+    """SeqMSE at convert: a new encoding per linear/convolution weight, codes rounded to nearest.
+
+    Weights without collected layer inputs (an LSTM's, a grouped convolution's, a layer the
+    calibration data never reached) have no output error to measure; with ``data_free`` they get
+    the clipping that minimises the weights' own squared error instead (``H = I``), which still
+    beats min-max at 4 bits. A weight whose
+    encoding is shared with other weights keeps it (a shared encoding stays shared).
+    """
+
+    name = "seq_mse"
+    description = "SeqMSE: per-channel / per-block weight-scale search minimising each layer's output error"
+    paper = (
+        "AIMET's sequential MSE (Qualcomm AI Research, LLM recipes); Nagel et al. 2021, "
+        "A White Paper on Neural Network Quantization (sec. 3.4)"
+    )
+    options = (
+        AlgorithmOption("candidates", "int", 20, "clipping fractions tried per scale group (k/n, k=1..n)"),
+        AlgorithmOption(
+            "data_free", "bool", True, "weights without a re-runnable layer: minimise the weights' own error"
+        ),
+    )
+
+    def __init__(self, candidates: int = 20, data_free: bool = True) -> None:
+        values = option_values(self.name, self.options, {"candidates": candidates, "data_free": data_free})
+        self.candidates: int = values["candidates"]
+        self.data_free: bool = values["data_free"]
+        if self.candidates < 1:
+            raise OptionError(
+                f"option 'candidates' of algorithm 'seq_mse' must be >= 1, got {self.candidates}"
+            )
+
+    def collector(self, site: WeightSite) -> LayerHessian | None:
+        return LayerHessian(site) if layer_kind(site) is not None else None
+
+    def choose_weight(
+        self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
+    ) -> WeightChoice | None:
+        if site.shared_with:
+            return None
+        matrix = site_matrix(site, grid)
+        if matrix is None:
+            return None
+        hessian = hessian_of(collected, matrix)
+        if hessian is None:
+            if not self.data_free:
+                return None
+            hessian = torch.eye(matrix.weight.shape[1], dtype=torch.float64)
+
+        def encode(clipped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            scale, zero_point = grid.observe(matrix.weight_of(clipped))
+            return (
+                to_matrix(grid.expand(scale.to(torch.float64), matrix.shape).contiguous()),
+                to_matrix(grid.expand(zero_point.to(torch.float64), matrix.shape).contiguous()),
+            )
+
+        result = seq_mse_encoding(
+            matrix.weight,
+            hessian,
+            encode,
+            matrix.grid,
+            matrix.groups,
+            symmetric=grid.symmetric,
+            candidates=self.candidates,
+        )
+        if bool((result.fraction == 1).all()):
+            return None
+        scale, zero_point = grid.observe(
+            matrix.weight_of(clip_to(matrix.weight, result.fraction, matrix.groups, grid.symmetric))
+        )
+        scale = scale.reshape(grid.scale.shape)
+        if grid.symmetric:
+            return WeightChoice(scale=scale)
+        return WeightChoice(scale=scale, zero_point=zero_point.reshape(grid.zero_point.shape))

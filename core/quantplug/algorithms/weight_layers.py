@@ -1,0 +1,165 @@
+"""What AdaRound, SeqMSE and GPTQ share on the torch side: a layer's Hessian, a weight's matrix view.
+
+* :class:`LayerHessian` -- the collector: ``H = sum x x^T`` of the rows a layer multiplies its
+  weight with (a linear's input features; a convolution's patches), accumulated batch by batch.
+  Convolution patches are read through the layer itself (``site.forward`` with one-hot kernels,
+  bias subtracted), so stride, padding and dilation are the op's own, whatever they are.
+* :func:`site_matrix` -- a weight and its grid as the ``[O, I]`` matrix and expanded encoding the
+  pure algorithms take (:mod:`quantplug.algorithms.weight_matrix`), and the way back to codes of
+  the weight's shape.
+
+Weights these algorithms cannot express as ``y = W x`` on collected rows (grouped or transposed
+convolutions, an LSTM's weights, block shapes that are not contiguous in a row) keep the
+backend's default encoding: :func:`site_matrix` or the collector returns None for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quantplug.algorithms.spec import WeightGrid, WeightSite
+from quantplug.algorithms.weight_matrix import (
+    HessianAccumulator,
+    IntegerGrid,
+    column_groups,
+    from_matrix,
+    to_matrix,
+)
+
+LINEAR_OPS = frozenset({"aten.linear.default"})
+CONV_OPS = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"})
+
+
+def layer_kind(site: WeightSite) -> str | None:
+    """``"linear"``, ``"conv"`` or None (a weight these algorithms leave to the backend)."""
+    if not site.has_layer or site.weight.dim() < 2:
+        return None
+    if site.op in LINEAR_OPS and site.weight.dim() == 2:
+        return "linear"
+    if site.op in CONV_OPS:
+        return "conv"
+    return None
+
+
+def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
+    """The patches a convolution multiplies its weight with, ``[positions, C * prod(kernel)]``.
+
+    Column ``j`` is what a one-hot kernel ``e_j`` (in the flattened ``[C, *kernel]`` order of
+    the weight's rows) reads at every output position, so ``weight.reshape(O, -1) @ patch`` is the
+    convolution at that position without bias. None for grouped convolutions (each output channel
+    sees another slice of the input: no single ``H``).
+    """
+    w = site.weight
+    if x.dim() == w.dim() - 1:  # unbatched input
+        x = x.unsqueeze(0)
+    if x.dim() != w.dim() or x.shape[1] != w.shape[1]:
+        return None
+    out_channels = w.shape[0]
+    columns = int(torch.tensor(w.shape[1:]).prod())
+    x = x.to(w.dtype)
+    with torch.no_grad():
+        base = site.forward(x, torch.zeros_like(w))  # the bias alone
+        eye = torch.eye(columns, dtype=w.dtype).reshape(columns, *w.shape[1:])
+        parts = []
+        for start in range(0, columns, out_channels):
+            chunk = eye[start : start + out_channels]
+            taken = chunk.shape[0]
+            if taken < out_channels:
+                chunk = torch.cat([chunk, chunk.new_zeros(out_channels - taken, *chunk.shape[1:])])
+            parts.append((site.forward(x, chunk) - base)[:, :taken])
+        patches = torch.cat(parts, dim=1)
+    return patches.movedim(1, -1).reshape(-1, columns)
+
+
+class LayerHessian:
+    """Collector of ``H = sum x x^T`` for one linear or convolution weight (``[I, I]`` memory)."""
+
+    def __init__(self, site: WeightSite) -> None:
+        self.site = site
+        self.kind = layer_kind(site)
+        self.columns = site.weight[0].numel()
+        self.hessian: HessianAccumulator | None = None
+        self.unsupported = False
+
+    def update(self, x: torch.Tensor) -> None:
+        if self.unsupported or self.kind is None:
+            return
+        if self.kind == "linear":
+            rows: torch.Tensor | None = x.reshape(-1, x.shape[-1]) if x.shape[-1] == self.columns else None
+        else:
+            rows = conv_patches(self.site, x)
+        if rows is None:
+            self.unsupported = True
+            self.hessian = None
+            return
+        if self.hessian is None:
+            self.hessian = HessianAccumulator(self.columns)
+        self.hessian.add(rows)
+
+    def result(self) -> torch.Tensor | None:
+        """The mean ``x x^T`` (float64), or None when the layer never ran or is not supported."""
+        if self.hessian is None or self.hessian.rows == 0:
+            return None
+        return self.hessian.mean()
+
+
+@dataclass(frozen=True)
+class SiteMatrix:
+    """A weight, its encoding and its grid as ``[O, I]`` matrices (float64)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    grid: IntegerGrid
+    #: (rows, columns) sharing one scale
+    groups: tuple[int, int]
+    shape: tuple[int, ...]
+
+    def codes(self, matrix: torch.Tensor) -> torch.Tensor:
+        """Codes of the matrix back in the weight's shape (int64)."""
+        return from_matrix(matrix.round(), self.shape).to(torch.int64)
+
+    def weight_of(self, matrix: torch.Tensor) -> torch.Tensor:
+        """A float matrix back in the weight's shape (float32)."""
+        return from_matrix(matrix, self.shape).to(torch.float32)
+
+
+def site_matrix(site: WeightSite, grid: WeightGrid) -> SiteMatrix | None:
+    """The matrix view of ``site``'s weight on ``grid`` (None when the grid is not row-contiguous).
+
+    Output channels must be dim 0 (per-channel axis 0; blocks of one output channel each):
+    what linear and convolution weights use on every backend quantplug knows.
+    """
+    shape = tuple(int(d) for d in site.weight.shape)
+    if grid.granularity == "channel" and (grid.ch_axis or 0) % len(shape) != 0:
+        return None
+    if grid.granularity == "block":
+        groups = column_groups(shape, 0, grid.block_size)
+    elif grid.granularity == "channel":
+        groups = column_groups(shape, 0, None)
+    else:
+        groups = column_groups(shape, None, None)
+    if groups is None:
+        return None
+    scale = grid.expand(grid.scale.to(torch.float64), shape)
+    zero_point = grid.expand(grid.zero_point.to(torch.float64), shape)
+    return SiteMatrix(
+        weight=to_matrix(site.weight.detach().to(torch.float64)),
+        scale=to_matrix(scale.contiguous()),
+        zero_point=to_matrix(zero_point.contiguous()),
+        grid=IntegerGrid(grid.quant_min, grid.quant_max),
+        groups=groups,
+        shape=shape,
+    )
+
+
+def hessian_of(collected: Any, matrix: SiteMatrix) -> torch.Tensor | None:
+    """The collected Hessian if it fits the matrix (None: no data, keep the default)."""
+    if not isinstance(collected, torch.Tensor) or collected.shape != (matrix.weight.shape[1],) * 2:
+        return None
+    if not float(torch.diagonal(collected).sum()) > 0:  # only zeros reached it (an initial state)
+        return None
+    return collected

@@ -1,0 +1,185 @@
+"""Weights as matrices, and the integer grid they are quantized on, for the weight-choice algorithms.
+
+AdaRound, SeqMSE and GPTQ all reason about a layer as ``y = W x`` with ``W`` an ``[O, I]`` matrix
+(a conv's kernel flattened to ``[O, C*kh*kw]``, matching ``F.unfold``'s patch order) and judge a
+quantized ``Ŵ`` by the layer's output error on calibration data:
+
+    E = sum over samples of ||(W - Ŵ) x||^2 = sum over rows o of d_o^T H d_o,   d = W - Ŵ,
+
+where ``H = sum x x^T`` is accumulated batch by batch (:class:`HessianAccumulator`). So no
+algorithm here keeps calibration samples: ``H`` is ``I x I`` whatever the data set's size.
+
+Scales and zero points arrive expanded to the matrix (one value per weight), so the same code
+serves per-tensor, per-channel and per-block (groupwise, LPBQ) grids; :func:`column_groups` is the
+one place that says which columns share a scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from quantplug.errors import AnnotationError
+
+
+@dataclass(frozen=True)
+class IntegerGrid:
+    """The integer codes a weight may take: ``quant_min..quant_max`` (the backend's, never ours)."""
+
+    quant_min: int
+    quant_max: int
+
+    def __post_init__(self) -> None:
+        if self.quant_min >= self.quant_max:
+            raise AnnotationError(
+                f"a weight grid needs quant_min < quant_max, got [{self.quant_min}, {self.quant_max}]"
+            )
+
+    @property
+    def levels(self) -> int:
+        return self.quant_max - self.quant_min + 1
+
+
+def quantize_codes(
+    w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid
+) -> torch.Tensor:
+    """Round-to-nearest codes ``clamp(round(w / scale) + zero_point)`` as float (exact integers)."""
+    return torch.clamp(torch.round(w / scale) + zero_point, grid.quant_min, grid.quant_max)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    return (codes - zero_point) * scale
+
+
+def fake_quantize(
+    w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid
+) -> torch.Tensor:
+    return dequantize_codes(quantize_codes(w, scale, zero_point, grid), scale, zero_point)
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """Per-row output error ``d_o^T H d_o`` of a weight error ``delta`` ``[O, I]``."""
+    return ((delta @ hessian) * delta).sum(dim=1)
+
+
+def to_matrix(weight: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """``weight`` as ``[O, I]``: output channels (``axis``) as rows, everything else flattened."""
+    if weight.dim() == 0:
+        return weight.reshape(1, 1)
+    axis = axis % weight.dim()
+    return weight.movedim(axis, 0).reshape(weight.shape[axis], -1)
+
+
+def from_matrix(matrix: torch.Tensor, shape: Sequence[int], axis: int = 0) -> torch.Tensor:
+    """Inverse of :func:`to_matrix` for a weight of ``shape``."""
+    dims = tuple(int(d) for d in shape)
+    if not dims:
+        return matrix.reshape(())
+    axis = axis % len(dims)
+    moved = (dims[axis], *dims[:axis], *dims[axis + 1 :])
+    return matrix.reshape(moved).movedim(0, axis)
+
+
+def column_groups(
+    shape: Sequence[int], axis: int | None, block_size: Sequence[int] | None
+) -> tuple[int, int] | None:
+    """``(rows per scale, columns per scale)`` of the matrix of a weight, or None if not contiguous.
+
+    Per-tensor: one scale for everything. Per-channel along ``axis``: one per row. Per-block with
+    ``block_size`` (one entry per dim, ``-1`` for a whole dim; the output axis is dim 0): a block
+    is contiguous in the flattened row when it covers whole trailing dims after its first partial
+    one, e.g. ``(1, 32)`` on a linear weight or ``(1, 16, kh, kw)`` on a conv (LPBQ's layout).
+    Other block shapes give None and the algorithms leave such weights to the backend's default.
+    """
+    dims = tuple(int(d) for d in shape)
+    if not dims:
+        return (1, 1)
+    out = 0 if axis is None else axis % len(dims)
+    rows = dims[out]
+    cols = 1
+    for i, d in enumerate(dims):
+        if i != out:
+            cols *= d
+    if block_size is None:
+        return (rows, cols) if axis is None else (1, cols)
+    if axis is not None and axis % len(dims) != 0:
+        return None
+    block = tuple(d if b == -1 or b > d else int(b) for b, d in zip(block_size, dims))
+    if len(block) != len(dims) or block[0] != 1 or any(b <= 0 or d % b for b, d in zip(block, dims)):
+        return None
+    group = 1
+    partial = False  # once a dim is split, every later dim must be whole
+    for b, d in zip(block[1:], dims[1:]):
+        if partial and b != d:
+            return None
+        partial = partial or b != d
+        group *= b
+    return (1, group)
+
+
+class HessianAccumulator:
+    """Streaming ``H = sum x x^T`` over a layer's input rows (float64: sums of many products).
+
+    ``add`` takes the rows a batch contributes (``[N, I]``, linear inputs flattened over leading
+    dims or a conv's unfolded patches), so memory stays ``I x I`` whatever the data set's size.
+    """
+
+    def __init__(self, columns: int) -> None:
+        self.columns = int(columns)
+        self.sum = torch.zeros(self.columns, self.columns, dtype=torch.float64)
+        self.rows = 0
+
+    def add(self, rows: torch.Tensor) -> None:
+        x = rows.detach().reshape(-1, self.columns).to(torch.float64)
+        finite = torch.isfinite(x).all(dim=1)
+        if not bool(finite.all()):  # a masked/broken row says nothing about this layer's inputs
+            x = x[finite]
+        self.sum.addmm_(x.T, x)
+        self.rows += int(x.shape[0])
+
+    def mean(self) -> torch.Tensor:
+        """``H / N`` as float64 (what the algorithms' losses are normalised by)."""
+        return self.sum / max(self.rows, 1)
+
+
+def dampened(hessian: torch.Tensor, relative: float) -> torch.Tensor:
+    """``H + relative * mean(diag H) * I``, and dead inputs (zero diagonal) made harmless.
+
+    A column no calibration sample ever touched has a zero row and column in ``H``: its weights
+    cannot change the output on the data, so it gets a unit diagonal (any choice is equally good)
+    and the matrix stays positive definite for the Cholesky factorisations.
+    """
+    h = hessian.clone()
+    diag = torch.diagonal(h)
+    dead = diag <= 0
+    diag[dead] = 1.0
+    damp = float(relative) * float(diag.mean())
+    diag += damp
+    return h
+
+
+#: below this many multiply-adds per product, loops of small products run on one thread
+SMALL_PRODUCT = 1 << 24
+
+
+@contextmanager
+def small_products(macs: int) -> Iterator[None]:
+    """One intra-op thread while a loop runs many products of ``macs`` multiply-adds each.
+
+    Small products gain nothing from threads, and on a busy machine every parallel region waits
+    for a descheduled worker (a scheduler time slice, ~10 ms, per matrix product: 100x slower
+    than the product itself). The thread count is restored afterwards; results do not depend on
+    it beyond float summation order.
+    """
+    before = torch.get_num_threads()
+    if macs >= SMALL_PRODUCT or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

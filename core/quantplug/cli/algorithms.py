@@ -1,0 +1,178 @@
+"""``quantplug algorithms`` and the ``--algorithm`` / ``--algorithm-option`` arguments of ``quantize``.
+
+Everything here reads the algorithms' metadata (entry points and ``<name>.algorithm.json``): a
+listing, a help screen or a misspelt name or option answers without importing torch or any
+algorithm. ``quantize`` imports the algorithms once its arguments are checked.
+
+``--algorithm-option NAME.KEY=VALUE`` sets an option of algorithm NAME; ``KEY=VALUE`` is enough
+when a single ``--algorithm`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from quantplug.cli.errors import InputError
+from quantplug.suggest import did_you_mean
+
+#: option types as metadata spells them -> how a command-line string is checked
+_CHECKS: dict[str, Callable[[str], Any]] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": lambda v: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[
+        v.lower()
+    ],
+}
+
+
+def add_parser(sub: Any, add_common: Callable[..., None]) -> None:
+    p = sub.add_parser(
+        "algorithms",
+        help="list installed accuracy algorithms",
+        description="List accuracy algorithms (entry-point group quantplug.algorithms) with their options, "
+        "from metadata only (nothing is imported). Use them with `quantplug quantize --algorithm NAME`.",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_common(p, sub=True)
+    p.set_defaults(func=run)
+
+
+def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-A",
+        "--algorithm",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="accuracy algorithm, repeatable, applied in order (e.g. -A cle -A bias_correction); "
+        "`quantplug algorithms` lists them",
+    )
+    p.add_argument(
+        "--algorithm-option",
+        action="append",
+        default=[],
+        metavar="[NAME.]KEY=VALUE",
+        help="an algorithm's option, repeatable (NAME. may be left out with a single --algorithm)",
+    )
+
+
+def run(args: argparse.Namespace, console: Any) -> int:
+    from quantplug.algorithms.registry import list_algorithms
+
+    rows = [
+        {
+            "name": e.name,
+            "distribution": e.distribution,
+            "version": e.version,
+            "source": e.source,
+            "description": e.description,
+            "paper": e.paper,
+            "options": [dict(o) for o in e.options],
+        }
+        for e in list_algorithms()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    if not rows:
+        print("no quantplug algorithms installed")
+        return 0
+    print(algorithms_help(rows))
+    return 0
+
+
+def algorithms_help(rows: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The installed algorithms and their options, as ``quantplug algorithms`` and ``--help`` show them."""
+    if rows is None:
+        from quantplug.algorithms.registry import list_algorithms
+
+        rows = [
+            {"name": e.name, "description": e.description, "paper": e.paper, "options": e.options}
+            for e in list_algorithms()
+        ]
+    lines = []
+    for row in rows:
+        lines.append(f"  {row['name']}: {row['description'] or '(no description)'}")
+        if row.get("paper"):
+            lines.append(f"      paper: {row['paper']}")
+        for option in row.get("options", ()):
+            shown = f"{option['name']} ({option['type']}, default {option['default']!r})"
+            if option.get("choices"):
+                shown += f" one of {', '.join(map(str, option['choices']))}"
+            text = f"{shown}: {option.get('help', '')}"
+            lines.extend(textwrap.wrap(text, 100, initial_indent="      ", subsequent_indent="        "))
+    return "\n".join(lines)
+
+
+def check_algorithm_arguments(args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
+    """``(name, {option: value})`` per ``--algorithm``, checked against metadata (no import).
+
+    Unknown names and options get "did you mean"; values are checked against the declared type and
+    choices when the algorithm ships metadata (otherwise when it is loaded).
+    """
+    names: list[str] = list(getattr(args, "algorithm", []) or [])
+    raw: list[str] = list(getattr(args, "algorithm_option", []) or [])
+    if not names:
+        if raw:
+            raise InputError("--algorithm-option given without --algorithm NAME")
+        return []
+    from quantplug.algorithms.registry import list_algorithms
+
+    entries = {e.name: e for e in list_algorithms()}
+    for name in names:
+        if name not in entries:
+            listed = ", ".join(sorted(entries)) or "none"
+            raise InputError(f"unknown algorithm {name!r}{did_you_mean(name, entries)}; installed: {listed}")
+    if len(set(names)) != len(names):
+        raise InputError(f"--algorithm repeats a name: {', '.join(names)}; give each algorithm once")
+    options: dict[str, dict[str, str]] = {name: {} for name in names}
+    for item in raw:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--algorithm-option {item!r} is not [NAME.]KEY=VALUE")
+        owner, dot, option = key.rpartition(".")
+        if not dot:
+            if len(names) > 1:
+                raise InputError(
+                    f"--algorithm-option {item!r}: with several --algorithm, name the algorithm "
+                    f"({', '.join(n + '.' + key for n in names)})"
+                )
+            owner = names[0]
+        if owner not in options:
+            raise InputError(
+                f"--algorithm-option {item!r} names algorithm {owner!r}{did_you_mean(owner, names)}, "
+                f"which is not among --algorithm {', '.join(names)}"
+            )
+        declared = {str(o["name"]): o for o in entries[owner].options}
+        if declared:
+            if option not in declared:
+                raise InputError(
+                    f"algorithm {owner!r} has no option {option!r}{did_you_mean(option, declared)}; "
+                    f"its options: {', '.join(sorted(declared))}"
+                )
+            _check_value(owner, declared[option], value)
+        options[owner][option] = value
+    return [(name, options[name]) for name in names]
+
+
+def _check_value(algorithm: str, option: Mapping[str, Any], value: str) -> None:
+    check = _CHECKS.get(str(option.get("type")))
+    if check is None:
+        return
+    try:
+        converted = check(value)
+    except (ValueError, KeyError):
+        raise InputError(
+            f"option {option['name']!r} of algorithm {algorithm!r} must be a {option['type']}, got {value!r}"
+        ) from None
+    choices = option.get("choices")
+    if choices and converted not in choices:
+        raise InputError(
+            f"option {option['name']!r} of algorithm {algorithm!r} must be one of "
+            f"{', '.join(map(str, choices))}, got {value!r}"
+        )

@@ -1,0 +1,75 @@
+"""``quantplug algorithms`` and ``quantize --algorithm``: listings, help and argument errors read
+metadata only (no torch, no plugin, no algorithm imported); a run applies the algorithms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cli.conftest import run_cli
+from tests.cli.test_fast_cli import _errors, _heavy, _imported
+
+
+def _no_algorithm_module(modules: set[str]) -> list[str]:
+    return sorted(
+        m for m in modules if m.startswith("quantplug.algorithms.") and m != "quantplug.algorithms.registry"
+    )
+
+
+@pytest.mark.parametrize(
+    "args", [["algorithms"], ["algorithms", "--json"], ["quantize", "--help"]], ids=" ".join
+)
+def test_listing_and_help_import_nothing_heavy(args: list[str]) -> None:
+    done, modules = _imported(*args)
+    assert done.returncode == 0, done.stderr
+    assert _heavy(modules) == [] and _no_algorithm_module(modules) == []
+
+
+def test_listing_describes_each_algorithm_from_metadata() -> None:
+    done, _ = _imported("algorithms", "--json")
+    rows = {r["name"]: r for r in json.loads(done.stdout)}
+    assert {"bias_correction", "cle", "smoothquant"} <= set(rows)
+    assert "Nagel" in rows["cle"]["paper"]
+    assert [o["name"] for o in rows["smoothquant"]["options"]][:1] == ["alpha"]
+    text, _ = _imported("quantize", "--help")
+    assert "accuracy algorithms (--algorithm NAME)" in text.stdout and "smoothquant" in text.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-A", "cle_"], "unknown algorithm 'cle_' (did you mean 'cle'?)"),
+        (["-A", "cle", "--algorithm-option", "iteratons=3"], "did you mean 'iterations'"),
+        (["-A", "cle", "--algorithm-option", "iterations=many"], "must be a int"),
+        (["-A", "cle", "-A", "smoothquant", "--algorithm-option", "alpha=0.5"], "name the algorithm"),
+        (["-A", "cle", "--algorithm-option", "smoothquant.alpha=0.5"], "not among --algorithm"),
+        (["--algorithm-option", "alpha=0.5"], "without --algorithm"),
+    ],
+)
+def test_argument_errors_are_one_line_and_import_nothing_heavy(args: list[str], message: str) -> None:
+    done, modules = _imported("quantize", *args)
+    assert done.returncode == 2
+    (line,) = _errors(done)
+    assert message in line
+    assert _heavy(modules) == []
+
+
+def test_quantize_applies_the_algorithms(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_cli(
+        "quantize",
+        "--out",
+        str(out),
+        "-A",
+        "cle",
+        "-A",
+        "bias_correction",
+        "--algorithm-option",
+        "cle.iterations=5",
+        "-q",
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["options"]["algorithms"] == "cle(iterations=5), bias_correction"

@@ -1,0 +1,391 @@
+"""The algorithm protocol end to end: registry, each hook, the grid checks, on real exported models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import quantplug
+from quantplug.algorithms import registry
+from quantplug.algorithms.spec import (
+    Algorithm,
+    AlgorithmOption,
+    TransformContext,
+    WeightChoice,
+    WeightGrid,
+    WeightSite,
+    option_values,
+)
+from quantplug.errors import AlgorithmError, CalibrationError, OptionError, UnknownAlgorithmError
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor, torch.export.ExportedProgram]:
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = torch.randn(64, 16) + 1.0
+    return model, x, torch.export.export(model, (x[:8],))
+
+
+def _quantize(ep: Any, x: torch.Tensor, algorithms: list[Any], **options: Any) -> nn.Module:
+    quantizer = quantplug.get_quantizer(options.pop("backend", "reference"), **options)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms)
+    for i in range(0, len(x), 8):
+        prepared(x[i : i + 8])
+    return quantplug.convert(prepared)
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.detach(), out.detach()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
+
+
+# -- registry -------------------------------------------------------------------------------------
+
+
+def test_builtins_are_listed_from_metadata_without_importing_them() -> None:
+    code = (
+        "import json, sys, quantplug\n"
+        "names = [e.name for e in quantplug.list_algorithms()]\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('quantplug.algorithms.') "
+        "and m not in ('quantplug.algorithms.registry',))\n"
+        "print(json.dumps({'names': names, 'loaded': loaded, 'torch': 'torch' in sys.modules}))\n"
+    )
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    )
+    assert "bias_correction" in out["names"]
+    assert out["loaded"] == [] and out["torch"] is False
+
+
+def test_unknown_name_is_a_typed_error_with_a_suggestion() -> None:
+    _, _, ep = _mlp()
+    with pytest.raises(UnknownAlgorithmError, match="did you mean 'bias_correction'"):
+        quantplug.prepare(ep, quantplug.get_quantizer("reference"), algorithms=["bias_corection"])
+
+
+def test_not_an_algorithm_is_refused() -> None:
+    _, _, ep = _mlp()
+    with pytest.raises(AlgorithmError, match="is not an algorithm"):
+        quantplug.prepare(ep, quantplug.get_quantizer("reference"), algorithms=[42])
+
+
+def test_options_are_checked_and_converted() -> None:
+    declared = (AlgorithmOption("alpha", "float", 0.5), AlgorithmOption("per_block", "bool", True))
+    assert option_values("x", declared, {"alpha": "0.25", "per_block": "no"}) == {
+        "alpha": 0.25,
+        "per_block": False,
+    }
+    with pytest.raises(OptionError, match="did you mean 'alpha'"):
+        option_values("x", declared, {"alpah": 1.0})
+    with pytest.raises(OptionError, match="must be a float"):
+        option_values("x", declared, {"alpha": "big"})
+
+
+class Scaled(Algorithm):
+    name = "scaled_test"
+    options = (AlgorithmOption("factor", "float", 2.0, "weight multiplier"),)
+
+    def __init__(self, factor: float = 2.0) -> None:
+        self.factor = factor
+
+
+def test_in_process_registration_by_name_with_options() -> None:
+    registry.register_algorithm("scaled_test", Scaled)
+    try:
+        entry = {e.name: e for e in quantplug.list_algorithms()}["scaled_test"]
+        assert entry.source == "in-process" and entry.options[0]["name"] == "factor"
+        (made,) = registry.resolve_algorithms([("scaled_test", {"factor": "3"})])
+        assert isinstance(made, Scaled) and made.factor == 3.0
+        with pytest.raises(OptionError):
+            registry.resolve_algorithms([("scaled_test", {"factr": 1})])
+    finally:
+        registry.unregister_algorithm("scaled_test")
+
+
+# -- hook 1: transform_program ---------------------------------------------------------------------
+
+
+class HalveAndDouble(Algorithm):
+    """fc1 weights and bias x 0.5, fc2 weights x 2 (relu is positively homogeneous): same function."""
+
+    name = "halve_and_double"
+
+    def __init__(self) -> None:
+        self.seen_batches = 0
+
+    def transform_program(self, gm: Any, context: TransformContext) -> None:
+        self.seen_batches = sum(1 for _ in context.batches())
+        for target, factor in (("fc1.weight", 0.5), ("fc1.bias", 0.5), ("fc2.weight", 2.0)):
+            value = quantplug.flow.inspect.fetch_attr(gm, target)
+            context.set_constant(gm, target, value * factor)
+
+
+def test_transform_runs_on_a_copy_keeps_function_and_gets_calibration() -> None:
+    model, x, ep = _mlp()
+    before = {k: v.clone() for k, v in ep.state_dict.items()}
+    algorithm = HalveAndDouble()
+    prepared = quantplug.prepare(
+        ep, quantplug.get_quantizer("reference"), algorithms=[algorithm], calibration=[(x[:8],), (x[8:16],)]
+    )
+    assert algorithm.seen_batches == 2
+    assert torch.allclose(prepared(x), model(x), atol=1e-5)  # calibration forward = float function
+    assert torch.allclose(prepared.fc2.weight, 2 * before["fc2.weight"])
+    for key, value in ep.state_dict.items():  # the caller's program is untouched
+        assert torch.equal(value, before[key]), key
+
+
+def test_transform_needing_data_without_calibration_is_a_typed_error() -> None:
+    _, _, ep = _mlp()
+    with pytest.raises(CalibrationError, match="needs calibration data"):
+        quantplug.prepare(ep, quantplug.get_quantizer("reference"), algorithms=[HalveAndDouble()])
+
+
+# -- hook 2: collector -----------------------------------------------------------------------------
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.rows = 0
+        self.total = torch.zeros(())
+
+    def update(self, x: torch.Tensor) -> None:
+        self.rows += x.shape[0]
+        self.total = self.total + x.sum()
+
+    def result(self) -> tuple[int, float]:
+        return self.rows, float(self.total)
+
+
+class Collecting(Algorithm):
+    name = "collecting"
+
+    def __init__(self) -> None:
+        self.sites: list[WeightSite] = []
+        self.results: dict[str, Any] = {}
+
+    def collector(self, site: WeightSite) -> Counting:
+        self.sites.append(site)
+        return Counting()
+
+    def choose_weight(self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any) -> None:
+        self.results[site.name] = collected
+
+
+def test_collectors_see_each_layer_input_on_every_batch() -> None:
+    model, x, ep = _mlp()
+    algorithm = Collecting()
+    converted = _quantize(ep, x, [algorithm])
+    assert sorted(s.name for s in algorithm.sites) == ["fc1.weight", "fc2.weight"]
+    assert algorithm.results["fc1.weight"][0] == 64
+    assert algorithm.results["fc1.weight"][1] == pytest.approx(float(x.sum()), rel=1e-4)
+    hidden = torch.relu(model.fc1(x)).detach()
+    assert algorithm.results["fc2.weight"][1] == pytest.approx(float(hidden.sum()), rel=1e-4)
+    assert not any("algorithm_taps" in n.target for n in converted.graph.nodes if n.op == "call_module")
+
+
+def test_site_forward_reruns_the_layer() -> None:
+    model, x, ep = _mlp()
+    algorithm = Collecting()
+    _quantize(ep, x, [algorithm])
+    site = next(s for s in algorithm.sites if s.name == "fc1.weight")
+    assert site.has_layer and site.bias is not None
+    assert torch.allclose(site.forward(x), model.fc1(x), atol=1e-6)
+    assert torch.allclose(site.forward(x, torch.zeros_like(site.weight)), model.fc1.bias.expand(64, 32))
+
+
+# -- hook 3: choose_weight -------------------------------------------------------------------------
+
+
+class Floor(Algorithm):
+    """Round every weight down (a real, if poor, rounding choice)."""
+
+    name = "floor"
+
+    def __init__(self) -> None:
+        self.grids: dict[str, WeightGrid] = {}
+
+    def choose_weight(
+        self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
+    ) -> WeightChoice:
+        self.grids[site.name] = grid
+        return WeightChoice(codes=grid.quantize(site.weight, rounding=torch.floor))
+
+
+def _int_weight(converted: nn.Module, name: str) -> torch.Tensor:
+    """The integer tensor convert stored for weight ``name`` (its buffer is named after it)."""
+    (found,) = [v for k, v in converted.named_buffers() if k.startswith(name.replace(".", "_") + "_q")]
+    return found
+
+
+def test_chosen_codes_are_what_convert_stores() -> None:
+    model, x, ep = _mlp()
+    algorithm = Floor()
+    converted = _quantize(ep, x, [algorithm], preset="int8")
+    grid = algorithm.grids["fc1.weight"]
+    assert grid.granularity == "channel" and grid.symmetric and grid.quant_min == -grid.quant_max
+    expected = torch.clamp(
+        torch.floor(model.fc1.weight / grid.scale[:, None]), grid.quant_min, grid.quant_max
+    )
+    assert torch.equal(_int_weight(converted, "fc1.weight").to(torch.int64), expected.to(torch.int64))
+
+
+class Returns(Algorithm):
+    name = "returns"
+
+    def __init__(self, make: Any, only: str = "fc1.weight") -> None:
+        self.make = make
+        self.only = only
+
+    def choose_weight(self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any) -> Any:
+        return self.make(site, grid, codes) if site.name == self.only else None
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda s, g, c: WeightChoice(codes=c + 1000), "outside the grid's range"),
+        (lambda s, g, c: WeightChoice(codes=c[:3]), "codes of shape"),
+        (lambda s, g, c: WeightChoice(codes=c.float() + 0.5), "not integers"),
+        (lambda s, g, c: WeightChoice(scale=g.scale[:1]), "keep the backend's granularity"),
+        (lambda s, g, c: WeightChoice(scale=-g.scale), "positive and finite"),
+        (lambda s, g, c: WeightChoice(scale=g.scale, zero_point=g.zero_point + 1), "stays symmetric"),
+        (lambda s, g, c: "codes", "returns a WeightChoice"),
+    ],
+)
+def test_choices_off_the_grid_are_refused(make: Any, message: str) -> None:
+    _, x, ep = _mlp()
+    with pytest.raises(AlgorithmError, match=message):
+        _quantize(ep, x, [Returns(make)], preset="int8")
+
+
+def test_a_new_scale_moves_the_derived_bias_and_the_codes() -> None:
+    model, x, ep = _mlp()
+    # clip fc1's range to 80%: observed through the backend's observer, so always a legal scale
+    algorithm = Returns(lambda s, g, c: WeightChoice(scale=g.observe(s.weight * 0.8)[0]))
+    converted = _quantize(ep, x, [algorithm], preset="int8")
+    qparams = converted.meta["quantplug_qparams"]
+    default = _quantize(ep, x, [], preset="int8").meta["quantplug_qparams"]
+    changed = [gid for gid in qparams if not torch.equal(qparams[gid].scale, default[gid].scale)]
+    assert len(changed) == 2  # fc1's weight and the int32 bias derived from it
+    weight, bias = sorted(changed, key=lambda gid: qparams[gid].dtype == torch.int32)
+    ratio = qparams[weight].scale / default[weight].scale
+    assert torch.allclose(ratio, torch.full_like(ratio, 0.8), rtol=1e-3)
+    assert torch.allclose(qparams[bias].scale / default[bias].scale, ratio, rtol=1e-4)
+    codes = _int_weight(converted, "fc1.weight").to(torch.int64)
+    expected = torch.clamp(torch.round(model.fc1.weight / qparams[weight].scale[:, None]), -64, 64)
+    assert torch.equal(
+        codes, expected.to(torch.int64).clamp(qparams[weight].quant_min, qparams[weight].quant_max)
+    )
+
+
+def test_lpbq_scales_off_the_lattice_are_refused_and_observed_ones_accepted() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).eval()
+    x = torch.randn(32, 64)
+    ep = torch.export.export(model, (x[:8],))
+    options = {"backend": "qnn_htp", "soc_model": "SM8650", "precision": "16a4w_block", "block_size": 16}
+    seen: list[WeightGrid] = []
+
+    def off_lattice(s: WeightSite, g: WeightGrid, c: torch.Tensor) -> WeightChoice | None:
+        seen.append(g)
+        if g.granularity != "block":
+            return None
+        moved = g.scale.clone()  # a uniform factor keeps LPBQ's lattice; one block moved alone leaves it
+        row = moved[0]
+        row[row.argmin()] *= 1.03
+        return WeightChoice(scale=moved)
+
+    with pytest.raises(AlgorithmError, match="cannot produce"):
+        _quantize(ep, x, [Returns(off_lattice, "0.weight")], **options)
+    assert seen[0].granularity == "block" and seen[0].block_size == (1, 16) and seen[0].quant_max == 7
+
+    def observed(s: WeightSite, g: WeightGrid, c: torch.Tensor) -> WeightChoice:
+        return WeightChoice(scale=g.observe(s.weight * 0.9)[0])
+
+    converted = _quantize(ep, x, [Returns(observed, "0.weight")], **options)
+    assert sqnr(model(x), converted(x)) > 10
+
+
+# -- a built-in through the whole interface ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["weight_only_int4", "int8_per_tensor"])
+def test_bias_correction_removes_the_mean_error_and_raises_sqnr(preset: str) -> None:
+    model, x, ep = _mlp()
+    ref = model(x)
+    plain = _quantize(ep, x, [], preset=preset)(x)
+    corrected = _quantize(ep, x, ["bias_correction"], preset=preset)(x)
+    assert (ref - corrected).mean(0).abs().mean() < 0.5 * (ref - plain).mean(0).abs().mean()
+    assert sqnr(ref, corrected) > sqnr(ref, plain)
+
+
+def test_builtin_metadata_files_match_the_classes() -> None:
+    """The descriptions listed without importing are the ones the classes declare."""
+    builtins = [e for e in quantplug.list_algorithms() if e.distribution == "quantplug"]
+    assert {e.name for e in builtins} >= {"bias_correction", "cle", "smoothquant"}
+    for entry in builtins:
+        factory = registry.load_algorithm(entry.name)
+        declared = registry.metadata_of(factory)
+        assert factory.name == entry.name
+        assert (entry.description, entry.paper, list(entry.options)) == (
+            declared["description"],
+            declared["paper"],
+            declared["options"],
+        ), f"regenerate with registry.write_metadata({type(factory).__name__}, <its folder>)"
+
+
+class SharedWeights:
+    """A PT2E-style quantizer whose two linear weights share one per-tensor int8 encoding."""
+
+    def annotate(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        from quantplug.observers.minmax import MinMaxObserver
+
+        act = quantplug.QuantizationSpec(torch.int8, MinMaxObserver, -128, 127, torch.per_tensor_affine)
+        weight = quantplug.QuantizationSpec(torch.int8, MinMaxObserver, -127, 127, torch.per_tensor_symmetric)
+        first = None
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target == torch.ops.aten.linear.default:
+                spec = weight if first is None else quantplug.SharedQuantizationSpec((first.args[1], first))
+                node.meta[quantplug.Q_ANNOTATION_KEY] = quantplug.QuantizationAnnotation(
+                    input_qspec_map={node.args[0]: act, node.args[1]: spec}, output_qspec=act, _annotated=True
+                )
+                first = first or node
+        return gm
+
+    def validate(self, gm: torch.fx.GraphModule) -> None:
+        return None
+
+
+def test_weights_sharing_an_encoding_take_codes_but_keep_the_shared_scale() -> None:
+    model, x, ep = _mlp()
+
+    def rescale(s: WeightSite, g: WeightGrid, c: torch.Tensor) -> WeightChoice:
+        assert s.shared_with == ("fc2.weight",)
+        return WeightChoice(scale=g.scale * 0.5)
+
+    prepared = quantplug.prepare(ep, SharedWeights(), algorithms=[Returns(rescale)])
+    prepared(x)
+    with pytest.raises(AlgorithmError, match="stays shared"):
+        quantplug.convert(prepared)
+    floor = Floor()
+    prepared = quantplug.prepare(ep, SharedWeights(), algorithms=[floor])
+    prepared(x)
+    converted = quantplug.convert(prepared)
+    assert floor.grids["fc1.weight"].scale.item() == floor.grids["fc2.weight"].scale.item()
+    assert sqnr(model(x), converted(x)) > 10

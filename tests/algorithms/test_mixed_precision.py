@@ -1,0 +1,78 @@
+"""Mixed precision: sensitivity from the numeric debugger, a greedy measured curve, editable overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import quantplug
+from quantplug.algorithms.mixed_precision import MixedPrecision, search_mixed_precision
+from quantplug.errors import OptionError
+
+OPTIONS = {"soc_model": "SM8650"}
+
+
+def _model() -> tuple[nn.Module, torch.Tensor, torch.export.ExportedProgram]:
+    """Three linear layers; the middle one has an outlier input column that 4-bit weights cannot hold."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    with torch.no_grad():
+        model[2].weight[:, 0] *= 10
+    x = torch.randn(64, 32)
+    return model, x, torch.export.export(model, (x[:16],))
+
+
+def _batches(x: torch.Tensor) -> list[torch.Tensor]:
+    return [x[i : i + 16] for i in range(0, len(x), 16)]
+
+
+def test_floor_raises_the_sensitive_layer_first_and_meets_the_target_cheaper(tmp_path: Path) -> None:
+    _, x, ep = _model()
+    found = search_mixed_precision(
+        ep, "qnn_htp", ["16a8w", "16a4w"], _batches(x), target_sqnr_db=15.0, options=OPTIONS
+    )
+    assert found.default == "16a4w"  # the cheaper preset is the base, whatever the order given
+    sens = found.sensitivity
+    assert max(sens, key=lambda m: sens[m]["16a8w"]) == "2"
+    assert found.curve[1].choice["2"] == "16a8w"
+    chosen = next(p for p in found.curve if dict(p.choice) == found.choice)
+    assert chosen.sqnr_db >= 15.0
+    assert chosen.weight_bytes < found.curve[0].weight_bytes * 2  # not everything at 8 bits
+    assert found.overrides == {"2": "16a8w"}
+
+    path = found.save(tmp_path)
+    assert (tmp_path / "tradeoff.png").read_bytes()[:4] == b"\x89PNG"
+    edited = MixedPrecision.load(path)
+    assert edited.overrides == found.overrides
+    # the file is what the user ships: applying it gives the measured point again
+    prepared = quantplug.prepare(ep, edited.quantizer())
+    for batch in _batches(x):
+        prepared(batch)
+    report = quantplug.debug.compare(ep, quantplug.convert(prepared), [(b,) for b in _batches(x)])
+    assert report.output_sqnr_db == pytest.approx(chosen.sqnr_db, abs=1e-6)
+
+
+def test_budget_picks_the_most_accurate_point_within_it() -> None:
+    _, x, ep = _model()
+    all_low = search_mixed_precision(
+        ep, "qnn_htp", ["16a4w", "16a8w"], _batches(x), max_weight_bytes=1e9, options=OPTIONS
+    )
+    budget = all_low.curve[0].weight_bytes + 64 * 64 / 2  # room for one 64x64 layer going 4 -> 8 bits
+    found = search_mixed_precision(
+        ep, "qnn_htp", ["16a4w", "16a8w"], _batches(x), max_weight_bytes=budget, options=OPTIONS
+    )
+    assert all(p.weight_bytes <= budget for p in found.curve)
+    assert found.overrides == {"2": "16a8w"}
+
+
+def test_bad_requests_are_typed_errors() -> None:
+    _, x, ep = _model()
+    with pytest.raises(OptionError, match="exactly one target"):
+        search_mixed_precision(ep, "qnn_htp", ["16a4w", "16a8w"], _batches(x), options=OPTIONS)
+    with pytest.raises(OptionError, match="did you mean '16a8w'"):
+        search_mixed_precision(
+            ep, "qnn_htp", ["16a4w", "16a8x"], _batches(x), target_sqnr_db=20, options=OPTIONS
+        )

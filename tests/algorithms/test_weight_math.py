@@ -1,0 +1,275 @@
+"""The pure parts of AdaRound, SeqMSE and GPTQ: properties on small random problems (hypothesis).
+
+Matrices come from a seeded generator (hypothesis draws the seed and the sizes), so shrinking
+never produces exact rounding ties that would make "the same codes" ill-defined.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantplug.algorithms.adaround import AdaroundSchedule, adaround_codes, rectified_sigmoid
+from quantplug.algorithms.gptq import gptq_codes
+from quantplug.algorithms.seq_mse import Encoder, clip_to, expand_groups, group_view, seq_mse_encoding
+from quantplug.algorithms.weight_matrix import (
+    HessianAccumulator,
+    IntegerGrid,
+    column_groups,
+    dampened,
+    dequantize_codes,
+    fake_quantize,
+    from_matrix,
+    output_error,
+    quantize_codes,
+    to_matrix,
+)
+
+GRIDS = st.sampled_from([IntegerGrid(-7, 7), IntegerGrid(-8, 7), IntegerGrid(0, 15), IntegerGrid(-127, 127)])
+FAST = settings(max_examples=25, deadline=None)
+
+
+def problem(seed: int, rows: int, cols: int, samples: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight ``[rows, cols]`` and the Hessian of correlated inputs (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    mix = torch.randn(cols, cols, generator=g, dtype=torch.float64) * 0.5 + torch.eye(
+        cols, dtype=torch.float64
+    )
+    x = torch.randn(samples, cols, generator=g, dtype=torch.float64) @ mix
+    return w, x.T @ x / samples
+
+
+def encoding(
+    w: torch.Tensor, grid: IntegerGrid, groups: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max per scale group (symmetric for a signed grid), expanded to the matrix."""
+    view = group_view(w, groups)
+    if grid.quant_min < 0:
+        amax = view.abs().amax(dim=(1, 3)).clamp(min=1e-8)
+        return expand_groups(amax / ((grid.quant_max - grid.quant_min) / 2), groups), torch.zeros_like(w)
+    lo, hi = view.amin(dim=(1, 3)).clamp(max=0), view.amax(dim=(1, 3)).clamp(min=0)
+    scale = ((hi - lo) / (grid.quant_max - grid.quant_min)).clamp(min=1e-8)
+    zero = torch.clamp(torch.round(grid.quant_min - lo / scale), grid.quant_min, grid.quant_max)
+    return expand_groups(scale, groups), expand_groups(zero, groups)
+
+
+def encoder(grid: IntegerGrid, groups: tuple[int, int]) -> Encoder:
+    return lambda clipped: encoding(clipped, grid, groups)
+
+
+def sequential_solve(
+    w: torch.Tensor, h: torch.Tensor, s: torch.Tensor, z: torch.Tensor, grid: IntegerGrid
+) -> torch.Tensor:
+    """GPTQ's definition, computed directly: quantize column i, then re-solve for the columns
+    after it the least-squares problem ``min ||(W - Ŵ) X||`` given the columns already fixed."""
+    cols = w.shape[1]
+    fixed = torch.zeros_like(w)
+    codes = torch.zeros_like(w)
+    for i in range(cols):
+        f, r = slice(0, i), slice(i, cols)
+        shift = torch.linalg.solve(h[r, r], h[f, r].T @ (w[:, f] - fixed[:, f]).T).T
+        current = w[:, i] + shift[:, 0]
+        codes[:, i] = quantize_codes(current, s[:, i], z[:, i], grid)
+        fixed[:, i] = dequantize_codes(codes[:, i], s[:, i], z[:, i])
+    return codes
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 6), st.integers(1, 9), GRIDS)
+def test_gptq_matches_the_direct_least_squares_solve(
+    seed: int, rows: int, cols: int, grid: IntegerGrid
+) -> None:
+    w, h = problem(seed, rows, cols)
+    h = dampened(h, 0.01)
+    s, z = encoding(w, grid, (1, cols))
+    got = gptq_codes(w, h, s, z, grid, damp=0.0)
+    expected = sequential_solve(w, h, s, z, grid)
+    assert torch.equal(got.codes.double(), expected)
+    # the loss it reports is the output error of what it chose
+    assert abs(got.loss - float(output_error(w - dequantize_codes(expected, s, z), h).sum())) < 1e-6 * (
+        1 + got.loss
+    )
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 5), st.integers(2, 12), st.integers(1, 5), GRIDS)
+def test_gptq_lazy_batches_do_not_change_the_codes(
+    seed: int, rows: int, cols: int, block: int, grid: IntegerGrid
+) -> None:
+    w, h = problem(seed, rows, cols)
+    s, z = encoding(w, grid, (1, cols))
+    one = gptq_codes(w, h, s, z, grid, block=1).codes
+    assert torch.equal(gptq_codes(w, h, s, z, grid, block=block).codes, one)
+    assert torch.equal(gptq_codes(w, h, s, z, grid, block=1000).codes, one)
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 5), st.integers(2, 10), GRIDS)
+def test_gptq_act_order_is_gptq_on_the_permuted_problem(
+    seed: int, rows: int, cols: int, grid: IntegerGrid
+) -> None:
+    w, h = problem(seed, rows, cols)
+    s, z = encoding(w, grid, (1, cols))
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+    permuted = gptq_codes(w[:, order], h[order][:, order], s[:, order], z[:, order], grid).codes
+    got = gptq_codes(w, h, s, z, grid, act_order=True).codes
+    assert torch.equal(got[:, order], permuted)
+
+
+@FAST
+@given(
+    st.integers(0, 2**31), st.integers(1, 4), st.sampled_from([(2, 3), (4, 2), (3, 4)]), GRIDS, st.booleans()
+)
+def test_gptq_codes_stay_on_the_block_grid(
+    seed: int, rows: int, blocks: tuple[int, int], grid: IntegerGrid, act_order: bool
+) -> None:
+    size, count = blocks
+    w, h = problem(seed, rows, size * count)
+    w[:, 0] *= 50  # an outlier column: its error spreads onto the others, which must still clamp
+    s, z = encoding(w, grid, (1, size))
+    codes = gptq_codes(w, h, s, z, grid, act_order=act_order).codes
+    assert codes.min() >= grid.quant_min and codes.max() <= grid.quant_max
+    assert torch.equal(codes, codes.round())
+
+
+def test_gptq_beats_rounding_to_nearest_on_correlated_inputs() -> None:
+    w, h = problem(7, 32, 48, samples=256)
+    grid = IntegerGrid(-7, 7)
+    for groups in ((1, 48), (1, 16)):
+        s, z = encoding(w, grid, groups)
+        nearest = output_error(w - fake_quantize(w, s, z, grid), h).sum()
+        for act_order in (False, True):
+            codes = gptq_codes(w, h, s, z, grid, act_order=act_order).codes.double()
+            assert output_error(w - dequantize_codes(codes, s, z), h).sum() < 0.7 * nearest
+
+
+def test_gptq_rounds_inputs_no_sample_reached_to_nearest() -> None:
+    w, h = problem(3, 4, 6)
+    h[2, :] = 0
+    h[:, 2] = 0
+    grid = IntegerGrid(-7, 7)
+    s, z = encoding(w, grid, (1, 6))
+    for act_order in (False, True):
+        codes = gptq_codes(w, h, s, z, grid, act_order=act_order).codes.double()
+        assert torch.equal(codes[:, 2], quantize_codes(w[:, 2], s[:, 2], z[:, 2], grid))
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 6), st.integers(1, 10), GRIDS, st.integers(0, 60))
+def test_adaround_codes_are_floor_or_ceil_and_in_range(
+    seed: int, rows: int, cols: int, grid: IntegerGrid, iterations: int
+) -> None:
+    w, h = problem(seed, rows, cols)
+    w[0, 0] *= 40  # beyond the range: clamped like round-to-nearest
+    s, z = encoding(w, grid, (1, cols))
+    s = s * 0.6  # a clipping encoding, as SeqMSE gives
+    result = adaround_codes(w, h, s, z, grid, AdaroundSchedule(iterations=iterations))
+    codes = result.codes.double()
+    nearest = quantize_codes(w, s, z, grid)
+    floor = torch.clamp(torch.floor(w / s) + z, grid.quant_min, grid.quant_max)
+    assert codes.min() >= grid.quant_min and codes.max() <= grid.quant_max
+    assert ((codes - nearest).abs() <= 1).all()
+    assert ((codes == floor) | (codes == torch.clamp(floor + 1, grid.quant_min, grid.quant_max))).all()
+    assert result.loss <= result.nearest_loss
+
+
+def test_adaround_time_budget_stops_training_with_a_valid_rounding() -> None:
+    w, h = problem(1, 8, 16)
+    grid = IntegerGrid(-7, 7)
+    s, z = encoding(w, grid, (1, 16))
+    result = adaround_codes(w, h, s, z, grid, AdaroundSchedule(iterations=10_000, time_budget=0.0))
+    assert result.stopped_by_budget and result.iterations == 0
+    assert torch.equal(result.codes.double(), quantize_codes(w, s, z, grid))
+
+
+def test_adaround_learns_a_rounding_better_than_nearest() -> None:
+    w, h = problem(11, 32, 48, samples=256)
+    grid = IntegerGrid(-7, 7)
+    s, z = encoding(w, grid, (1, 16))
+    result = adaround_codes(w, h, s, z, grid, AdaroundSchedule(iterations=300, damp=0.0))
+    assert not result.stopped_by_budget and result.iterations == 300
+    assert result.loss < 0.7 * result.nearest_loss
+    codes = result.codes.double()  # the loss reported is the output error of the codes returned
+    actual = float(output_error(w - dequantize_codes(codes, s, z), h).sum())
+    assert abs(actual - result.loss) < 1e-3 * result.loss
+
+
+def test_rectified_sigmoid_reaches_both_ends() -> None:
+    h = rectified_sigmoid(torch.tensor([-10.0, 0.0, 10.0]))
+    assert h.tolist() == [0.0, 0.5, 1.0]
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 6), st.sampled_from([(4, 1), (2, 3), (3, 2)]), GRIDS)
+def test_seq_mse_per_channel_picks_each_rows_best_candidate(
+    seed: int, rows: int, blocks: tuple[int, int], grid: IntegerGrid
+) -> None:
+    size, count = blocks
+    w, h = problem(seed, rows, size * count)
+    symmetric = grid.quant_min < 0
+    for groups in ((1, size * count), (1, size)):
+        result = seq_mse_encoding(
+            w, h, encoder(grid, groups), grid, groups, symmetric=symmetric, candidates=8
+        )
+        assert result.loss <= result.default_loss
+        assert ((result.fraction > 0) & (result.fraction <= 1)).all()
+        if groups[1] == w.shape[1]:  # rows are independent: brute force over the candidates agrees
+            errors = torch.stack(
+                [
+                    output_error(
+                        w - fake_quantize(w, *encoding(clip_to(w, f, groups, symmetric), grid, groups), grid),
+                        h,
+                    )
+                    for f in (torch.full((rows, 1), k / 8, dtype=torch.float64) for k in range(1, 9))
+                ]
+            )
+            if result.loss < result.default_loss:
+                assert abs(result.loss - float(errors.min(dim=0).values.sum())) < 1e-9 * (1 + result.loss)
+
+
+def test_seq_mse_clips_heavy_tailed_weights_for_a_finer_grid() -> None:
+    w, h = problem(5, 16, 32, samples=256)
+    g = torch.Generator().manual_seed(5)
+    chi2 = (torch.randn(3, 16, 32, generator=g, dtype=torch.float64) ** 2).sum(dim=0)
+    w = w / (chi2 / 3).sqrt()  # Student-t weights: a few large ones set min-max's range
+    grid = IntegerGrid(-7, 7)
+    for groups in ((1, 32), (1, 8)):
+        result = seq_mse_encoding(w, h, encoder(grid, groups), grid, groups, symmetric=True)
+        assert result.loss < 0.95 * result.default_loss
+        assert (result.fraction < 1).any()
+
+
+def test_column_groups_of_weight_layouts() -> None:
+    assert column_groups((8, 16), 0, None) == (1, 16)
+    assert column_groups((8, 16), None, None) == (8, 16)
+    assert column_groups((8, 16), 0, (1, 4)) == (1, 4)
+    assert column_groups((8, 16), 0, (1, -1)) == (1, 16)
+    assert column_groups((8, 6, 3, 3), 0, (1, 2, 3, 3)) == (1, 18)
+    assert column_groups((8, 6, 3, 3), 0, (1, 2, -1, -1)) == (1, 18)
+    assert column_groups((8, 6, 3, 3), 0, (1, 2, 1, 1)) is None  # one block per kernel tap
+    assert column_groups((8, 16), 0, (2, 4)) is None  # blocks spanning output channels
+    assert column_groups((8, 16), 0, (1, 5)) is None  # ragged
+
+
+@FAST
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+def test_matrix_round_trip(shape: list[int], data: st.DataObject) -> None:
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    w = torch.arange(float(torch.tensor(shape).prod())).reshape(shape)
+    m = to_matrix(w, axis)
+    assert m.shape[0] == shape[axis]
+    assert torch.equal(from_matrix(m, shape, axis), w)
+
+
+def test_hessian_accumulates_in_batches_and_skips_nonfinite_rows() -> None:
+    x = torch.randn(50, 6)
+    whole, parts = HessianAccumulator(6), HessianAccumulator(6)
+    whole.add(x)
+    for chunk in x.split(7):
+        parts.add(chunk)
+    parts.add(torch.full((2, 6), float("nan")))
+    assert parts.rows == 50
+    torch.testing.assert_close(parts.mean(), whole.mean())
+    torch.testing.assert_close(whole.mean(), (x.double().T @ x.double()) / 50)
