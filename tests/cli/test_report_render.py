@@ -138,6 +138,16 @@ def test_plot_is_a_png() -> None:
     assert sqnr_plot_png([]) is None
 
 
+@pytest.mark.parametrize("output_sqnr_db", [2794613.0, -1e9])
+def test_plot_of_an_output_far_off_the_layers_scale_keeps_its_size(output_sqnr_db: float) -> None:
+    """A hand-edited report (output SQNR 2.8 million dB) once made a figure too tall to rasterize."""
+    pytest.importorskip("matplotlib")
+    png = sqnr_plot_png(_data()["layers"], output_sqnr_db=output_sqnr_db)
+    assert png is not None
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (1200, 460)
+
+
 def test_text_summary() -> None:
     text = format_summary(_data(), out_dir="out")
     assert "reference (quantplug-reference 0.1.0)" in text

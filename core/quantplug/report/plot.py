@@ -68,10 +68,13 @@ def sqnr_plot_png(
     ax.set_ylim(low, top + 8.0)
     ax.set_xlim(-0.8, n - 0.2)
     if output_sqnr_db is not None and math.isfinite(output_sqnr_db):
-        ax.axhline(output_sqnr_db, color=OUTPUT_COLOR, linestyle="--", linewidth=1.2)
+        # a value off the layers' scale (a report edited by hand, say) is drawn at the edge: text
+        # placed millions of dB away would make the figure's tight layout millions of pixels tall
+        shown = min(max(output_sqnr_db, low + 1.0), top + 6.0)
+        ax.axhline(shown, color=OUTPUT_COLOR, linestyle="--", linewidth=1.2)
         ax.text(
             n - 0.3,
-            output_sqnr_db + 0.8,
+            shown + 0.8,
             f"model output {output_sqnr_db:.1f} dB",
             color=OUTPUT_COLOR,
             ha="right",
