@@ -249,6 +249,11 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
+#: batches the algorithms' float-program transforms see (all of them below this count): held in
+#: memory at once, unlike calibration's streamed batches
+TRANSFORM_BATCHES = 128
+
+
 def _calibration_data(args: argparse.Namespace, model: Any, warn: Any) -> tuple[Any, dict[str, Any]]:
     """The batches to calibrate on (read lazily) and the report's description of them."""
     from quantplug.cli.inputs import CalibrationData, open_calibration, random_batches
@@ -391,7 +396,9 @@ def _quantize_into(
         quantizer,
         nonfinite=args.nonfinite,
         algorithms=args.algorithms or None,
-        calibration=batches if args.algorithms else None,  # data-needing transforms (SmoothQuant)
+        # transforms that need data (SmoothQuant) see the first batches of the whole data, the same
+        # on every rank so that every rank prepares the same program
+        calibration=[b for b, _ in data.head(TRANSFORM_BATCHES)] if args.algorithms else None,
     )
     t = lap("prepare", t)
     calibration["batches"] = _calibrate(prepared, data, model, args, console, group)
