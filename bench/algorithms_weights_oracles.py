@@ -233,6 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["decoder", "digits"], choices=["decoder", "digits"])
     parser.add_argument("--tools", nargs="+", default=["nncf", "aimet"], choices=["nncf", "aimet"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--aimet-adaround",
+        action="store_true",
+        help="also AIMET's Adaround (about 12 min on the decoder here, and the model it returns could "
+        "not be wrapped in a QuantizationSimModel again: 'already contains quantizers')",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -259,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for algs in ((), ("seq_mse",), ("adaround",)):
                 label = "quantplug qnn_htp 16a4w " + ("+".join(algs) or "default")
                 attempt(label, partial(ours, model, batches, "qnn_htp", algs, precision="16a4w"), rows)
-            for alg in ("default", "seq_mse", "adaround"):
+            for alg in ("default", "seq_mse", *(("adaround",) if args.aimet_adaround else ())):
                 attempt(f"AIMET 2.42 W4 per-channel A16 {alg}", partial(aimet_run, model, batches, alg), rows)
         text += f"\n## {name}\n\n| run | SQNR (dB) (time) |\n|---|---|\n"
         text += "".join(f"| {label} | {value} |\n" for label, value in rows)
