@@ -64,6 +64,22 @@ def test_qdq_pairs_data_movement_and_parameters_count_as_encoded() -> None:
     assert report.tensors == 5  # x_dq, r, c, c_dq, y (the Clip bounds are not tensors QNN encodes)
 
 
+def test_clip_bounds_cast_like_their_input_are_constants() -> None:
+    """ReLU6 / hardtanh export as ``CastLike(min_val, x) -> Clip``: the cast reads only x's type,
+    so its output is a constant bound, not a tensor of a quantized op (mobilenet_v2 once failed
+    strict lowering on it)."""
+    nodes = [
+        *_qdq("x", "x_dq"),
+        helper.make_node("CastLike", ["lo", "x_dq"], ["lo_cast"]),
+        helper.make_node("CastLike", ["hi", "x_dq"], ["hi_cast"]),
+        helper.make_node("Clip", ["x_dq", "lo_cast", "hi_cast"], ["c"]),
+        *_qdq("c", "out"),
+    ]
+    report = check(_model(nodes, INITS, ["x"], ["out"]), ["x", "c"])
+    assert report.complete, report.missing
+    assert report.float_ops == 0 and report.quantized_ops == 1
+
+
 def test_an_expanded_op_leaves_its_intermediates_missing() -> None:
     nodes = [
         *_qdq("x", "x_dq"),

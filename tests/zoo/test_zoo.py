@@ -98,13 +98,6 @@ _INCOMPLETE = (
 )
 XFAILS: dict[tuple[str, str, str, str], str] = {
     **{
-        ("mobilenet_v2", "qnn_htp", preset, "lower"): _INCOMPLETE.format(
-            what="the min/max bounds of ReLU6's Clip (hardtanh exported as CastLike(min_val, x) -> Clip: "
-            "the constant bounds are counted as unencoded tensors of a quantized op)"
-        )
-        for preset in harness.QNN_PRESETS
-    },
-    **{
         ("convnext", "qnn_htp", preset, "lower"): _INCOMPLETE.format(
             what="LayerNorm2d's ReduceMean output and a Gather the exporter made of as_strided"
         )

@@ -282,7 +282,8 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
     for node in graph.node:
         if node.op_type in _QDQ or node.op_type == "Constant" or _is_qdq_clip(node, producer):
             continue
-        if node.input and all(i in constant for i in node.input if i):
+        values = _value_inputs(node)
+        if values and all(i in constant for i in values):
             continue  # a constant subgraph: the converter folds it into the static tensor it makes
         params = PARAMETER_INPUTS.get(node.op_type, frozenset())
         inputs = [t for i, t in enumerate(node.input) if i not in params]
@@ -356,11 +357,18 @@ class _Origins:
         return next((c for c in candidates if FLOAT_REASON_KEY in c.meta), None)
 
 
+def _value_inputs(node: Any) -> list[str]:
+    """The inputs whose values an op reads: ``CastLike`` takes only the type of its second (the
+    exporter casts a scalar such as ReLU6's bound ``CastLike(min_val, x)``: still a constant)."""
+    inputs = node.input[:1] if node.op_type == "CastLike" else node.input
+    return [i for i in inputs if i]
+
+
 def _constant_tensors(graph: Any) -> set[str]:
     """Initializers, Constant outputs, and what ops compute from nothing else (in graph order)."""
     constant = {i.name for i in graph.initializer}
     for node in graph.node:
-        inputs = [i for i in node.input if i]
+        inputs = _value_inputs(node)
         if node.op_type == "Constant" or (inputs and all(i in constant for i in inputs)):
             constant.update(o for o in node.output if o)
     return constant
