@@ -301,6 +301,39 @@ def test_weight_only_and_dynamic_presets_match_through_onnx(preset: str, options
         assert not kernels["DequantizeLinear"] and not kernels["MatMulNBits"], kernels  # folded at load
 
 
+class Conv1DHead(nn.Module):
+    """GPT-2's ``Conv1D``: ``addmm(bias, x, weight)`` with the weight stored ``[in, out]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 32) * 0.1)
+        self.bias = nn.Parameter(torch.randn(32) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, 64), self.weight).view(*x.shape[:-1], 32)
+
+
+def test_int4_addmm_weights_run_float_products_in_any_session(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An ``[in, out]`` int4 weight that MatMulNBits cannot take as written is spelled Cast * scale
+    (left a DequantizeLinear, ORT fused it into MatMulNBits at the session's accuracy level 4 and
+    lowering refused the artifact: GPT-2 weight_only_int4)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 64)
+    ep = torch.export.export(Conv1DHead().eval(), (x,))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    converted = quantplug.convert(quantplug.prepare(ep, quantizer))
+    artifact = quantplug.lower(converted, quantizer)
+    artifact.save(tmp_path / "out")
+    plain = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    for seed in (1, 2):
+        inputs = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(seed))
+        ref = converted(inputs)
+        torch.testing.assert_close(artifact.run(inputs), ref, rtol=1e-4, atol=1e-5)
+        got = torch.from_numpy(plain.run(None, {plain.get_inputs()[0].name: inputs.numpy()})[0])
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert not ort_kernels(artifact, tmp_path)["MatMulNBits"]
+
+
 def test_a16w8_uses_16_bit_qdq_in_onnx() -> None:
     torch.manual_seed(0)
     _, converted, artifact = quantize(MLP(), MLP_SHAPE, preset="a16w8")

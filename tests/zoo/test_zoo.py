@@ -103,11 +103,6 @@ XFAILS: dict[tuple[str, str, str, str], str] = {
         )
         for preset in harness.QNN_PRESETS
     },
-    ("gpt2", "reference", "weight_only_int4", "lower"): (
-        "refnum (reference ONNX writer): GPT-2's Conv1D weights (addmm, [in, out]) are spelled so that "
-        "ORT fuses them into MatMulNBits at accuracy_level 4 (int8 activations), and the exactness "
-        "check refuses the artifact"
-    ),
     ("squeezenet", "qnn_htp", "8a8w", "peer"): (
         "qnnfix (qnn_htp concat rules): the Fire modules' cat groups get scales 0.1-0.5% off "
         "ExecuTorch's ConcatObserver (one moving-average observer over the unified group vs its "

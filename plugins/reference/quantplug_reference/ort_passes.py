@@ -277,7 +277,13 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
     for dq in g.graph.node:
         if dq.op_type != "DequantizeLinear" or dq.input[0] not in g.inits:
             continue
-        if int(g.inits[dq.input[0]].data_type) != TensorProto.INT8:
+        dtype = int(g.inits[dq.input[0]].data_type)
+        # int8 weights, and the int4 products int4_linears_as_matmulnbits could not write as
+        # MatMulNBits (an addmm's [in, out] weight: GPT-2's Conv1D); other int4 tables (an
+        # embedding's) keep their DequantizeLinear, which ORT fuses into nothing
+        if dtype != TensorProto.INT8 and not (
+            dtype == TensorProto.INT4 and _product_readers(g, dq.output[0])
+        ):
             continue
         if any(
             _eight_bit_activation(g, i)
