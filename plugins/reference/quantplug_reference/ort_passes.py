@@ -21,6 +21,8 @@ way they are stored or spelled changes. ``encodings.json`` follows (``stored_as`
   (with ``Reshape`` for per-group scales). ORT folds those into float constants once, at load,
   in every session; a ``DequantizeLinear`` would instead be fused into ``MatMulNBits``, whose
   default accuracy level quantizes the float activations to int8 (not what the program does).
+  The same holds for the int4 weights of products ``int4_linears_as_matmulnbits`` leaves alone
+  (an ``addmm`` weight stored ``[in, out]``, as GPT-2's ``Conv1D``).
 * ``int4_linears_as_matmulnbits``: a linear with a float input and a 4-bit weight is written as
   ORT's ``MatMulNBits`` (domain ``com.microsoft``) with ``accuracy_level=1``: the packed 4-bit
   weight is read directly and the products are float, as in the program. Left as
