@@ -93,7 +93,16 @@ FLOORS = _parse_floors(FLOORS_TABLE)
 # (model, backend, preset, stage) -> "<stream>: <cause>". Stages: "quantize" (prepare/convert
 # raises: every test of the case), "accuracy", "lower", "peer", "foreign". Each names the open
 # defect of another stream's files; the mark is strict, so the fix turns it red and removes it.
+_INCOMPLETE = (
+    "qnnfix (qnn_htp completeness check, issue 17): lowering raises IncompleteEncodingsError on {what}"
+)
 XFAILS: dict[tuple[str, str, str, str], str] = {
+    **{
+        ("convnext", "qnn_htp", preset, "lower"): _INCOMPLETE.format(
+            what="LayerNorm2d's ReduceMean output and a Gather the exporter made of as_strided"
+        )
+        for preset in harness.QNN_PRESETS
+    },
     ("squeezenet", "qnn_htp", "8a8w", "peer"): (
         "qnnfix (qnn_htp concat rules): the Fire modules' cat groups get scales 0.1-0.5% off "
         "ExecuTorch's ConcatObserver (one moving-average observer over the unified group vs its "

@@ -168,64 +168,7 @@ def onnx_encodings(
         names.setdefault(tensor, named)
     if missing:
         raise LoweringError(_missing_message(program, missing))
-    _carry_back_over_moves(model, names)
     return model, list(names.values()), conflicts
-
-
-#: ONNX ops whose output holds only values of their first input (a reshaping or a selection)
-_VALUE_PRESERVING = frozenset(
-    {
-        "Reshape",
-        "Transpose",
-        "Squeeze",
-        "Unsqueeze",
-        "Flatten",
-        "Identity",
-        "Expand",
-        "Tile",
-        "Slice",
-        "Gather",
-        "GatherElements",
-        "GatherND",
-        "DepthToSpace",
-        "SpaceToDepth",
-    }
-)
-
-
-def _carry_back_over_moves(model: Any, names: dict[str, qnn_enc.QnnEncoding]) -> None:
-    """Give an op's output its consumer's encoding where only value-preserving pieces follow.
-
-    The ONNX translator expands some ops into a computation and data movement after it
-    (``adaptive_avg_pool2d`` on a permuted tensor: ``ReduceMean -> Reshape -> Gather``), and the
-    quantize sits after the last piece: the computation's output has no encoding of its own. Its
-    values are exactly those the encoded tensor holds (the pieces only reshape or select, and it
-    has no other reader), so that encoding is the one the program applies to them.
-    """
-    graph = model.graph
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    producer = {out: node for node in graph.node for out in node.output if out}
-    fixed = {i.name for i in graph.initializer} | {i.name for i in graph.input}
-    for node in reversed(graph.node):  # ONNX nodes are in topological order: consumers first here
-        if node.op_type not in _VALUE_PRESERVING or not node.input or not node.output:
-            continue
-        encoding = names.get(node.output[0])
-        data = node.input[0]
-        source = producer.get(data)
-        if (
-            encoding is None
-            or encoding.kind != "activation"
-            or data in names
-            or data in fixed
-            or readers.get(data, 0) != 1
-            or source is None
-            or source.op_type in ("QuantizeLinear", "DequantizeLinear", "Constant")
-        ):
-            continue
-        names[data] = dataclasses.replace(encoding, name=data)
 
 
 def _missing_message(program: GraphModule, missing: Sequence[str]) -> str:
