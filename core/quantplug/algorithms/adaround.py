@@ -32,7 +32,7 @@ from quantplug.algorithms.spec import (
     WeightSite,
     option_values,
 )
-from quantplug.algorithms.weight_layers import LayerHessian, hessian_of, layer_kind, site_matrix
+from quantplug.algorithms.weight_layers import LayerHessian, layer_kind, matrix_and_hessian
 from quantplug.algorithms.weight_matrix import IntegerGrid, quantize_codes, small_products
 from quantplug.errors import OptionError
 
@@ -276,10 +276,10 @@ class AdaRound(Algorithm):
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
     ) -> WeightChoice | None:
-        matrix = site_matrix(site, grid)
-        hessian = None if matrix is None else hessian_of(collected, matrix)
-        if matrix is None or hessian is None:
+        found = matrix_and_hessian(site, grid, collected)
+        if found is None:
             return None
+        matrix, hessian = found
         schedule = AdaroundSchedule(
             iterations=self.iterations,
             reg_weight=self.reg_weight,

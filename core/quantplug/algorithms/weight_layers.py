@@ -163,3 +163,12 @@ def hessian_of(collected: Any, matrix: SiteMatrix) -> torch.Tensor | None:
     if not float(torch.diagonal(collected).sum()) > 0:  # only zeros reached it (an initial state)
         return None
     return collected
+
+
+def matrix_and_hessian(
+    site: WeightSite, grid: WeightGrid, collected: Any
+) -> tuple[SiteMatrix, torch.Tensor] | None:
+    """What a Hessian-based choice needs: the matrix view and its Hessian (None: keep the default)."""
+    matrix = site_matrix(site, grid)
+    hessian = None if matrix is None else hessian_of(collected, matrix)
+    return None if matrix is None or hessian is None else (matrix, hessian)
