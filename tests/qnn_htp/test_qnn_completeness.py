@@ -176,3 +176,34 @@ def test_quantizer_strict_reaches_the_backend_context() -> None:
     quantizer.strict = False
     assert not quantizer.context.strict
     assert not quantplug.get_quantizer("qnn_htp", strict=False).context.strict
+
+
+class PermutedPool(nn.Module):
+    """ConvNeXt's tail: a block computed channels-last, permuted back, then a global average pool
+    on a tensor whose strides are channels-last (torch's ONNX translator expands that pool into
+    ReduceMean, Reshape and a stride-restoring Gather)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        y = self.fc(y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) + y  # strides of the first operand
+        return nn.functional.adaptive_avg_pool2d(y, 1).flatten(1)
+
+
+@pytest.mark.parametrize("precision", ["8a8w", "16a16w"])
+def test_global_pool_of_a_channels_last_tensor_is_encoded(precision: str) -> None:
+    model = PermutedPool().eval()
+    x = torch.randn(2, 4, 6, 6)
+    program = torch.export.export(model, (x,))
+    quantizer = quantplug.get_quantizer("qnn_htp", precision=precision)  # strict
+    prepared = quantplug.prepare(program, quantizer)
+    assert torch.equal(prepared(x), model(x))  # the rewrite into mean changes no value
+    artifact = quantplug.lower(quantplug.convert(prepared), quantizer)
+    report = artifact.metadata["encoding_completeness"]
+    assert report["complete"] and report["fraction"] == 1.0
+    ops = [n.op_type for n in onnx.load_from_string(artifact.files["model.onnx"]).graph.node]
+    assert "ReduceMean" in ops and "Gather" not in ops

@@ -95,3 +95,37 @@ def test_scatter_add_encoding_covers_the_sums(precision: str) -> None:
     assert top >= largest - entry["scale"]
     for batch in batches:
         assert sqnr(model(*batch), converted(*batch)) > 35.0
+
+
+class Fire(nn.Module):
+    """SqueezeNet's Fire module: two relu branches concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(4, 6, 1)
+        self.b = nn.Conv2d(4, 6, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], dim=1)
+
+
+def test_cat_encoding_is_the_absolute_range_over_calibration() -> None:
+    """The whole Concat group (both relu outputs and the cat) holds the largest value seen in any
+    batch: a moving average would follow the later, smaller batches and clip the first. (ExecuTorch's
+    ConcatObserver means the same, but assigns its range tensors to the input observers, whose
+    in-place moving-average updates then write into them: a hybrid that depends on batch order.)"""
+    torch.manual_seed(0)
+    model = Fire().eval()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 4, 8, 8, generator=gen) * s,) for s in (8.0, 1.0, 1.0, 1.0)]
+    program = torch.export.export(model, batches[0])
+    prepared = quantplug.prepare(program, quantplug.get_quantizer("qnn_htp", precision="8a8w"))
+    for batch in batches:
+        prepared(*batch)
+    converted = quantplug.convert(prepared)
+    entries = _entries(converted, "cat")
+    assert len({(e["scale"], e["zero_point"]) for e in entries}) == 1, entries
+    (entry, *_) = entries
+    largest = max(float(model(*b).max()) for b in batches)
+    top = (entry["quant_max"] - entry["zero_point"]) * entry["scale"]
+    assert top == pytest.approx(largest, rel=1e-5)

@@ -21,6 +21,8 @@ the precision's quantization and each op's HTP constraints apply:
 * ``rsqrt`` -> ``sqrt`` + ``reciprocal`` (ONNX has no Rsqrt); ``floor_divide`` -> ``div`` + ``floor``;
   ``square`` and ``pow(x, 2)``/``pow(x, 3)`` -> ``mul``s; ``rms_norm`` -> ``mul/mean/add/rsqrt/mul`` (ONNX
   opset 21 has no RMSNormalization).
+* ``adaptive_avg_pool2d(x, 1)`` on a non-contiguous ``x`` -> ``mean(x, [-2, -1], keepdim=True)``
+  (the exporter otherwise adds a stride-restoring Gather after its ReduceMean).
 
 Every new node carries the original's stack and debug handle; shapes and dtypes (``meta["val"]``)
 are recomputed on fake tensors. (A linear on a 3-D input, which the exporter writes as
@@ -298,6 +300,25 @@ def decompose_rms_norm(b: _Builder, node: Node) -> Node | None:
     return b.call(aten.mul.Tensor, out, weight) if isinstance(weight, Node) else out
 
 
+def decompose_global_avg_pool(b: _Builder, node: Node) -> Node | None:
+    """``adaptive_avg_pool2d(x, 1)`` on a tensor that is not contiguous (channels-last strides, as
+    after ConvNeXt's permuted blocks) -> ``mean(x, [-2, -1], keepdim=True)``: torch's ONNX
+    translator writes such a pool as ReduceMean, Reshape and a Gather that restores the strides,
+    and the tensors between them have no encoding. ``mean`` exports to ReduceMean alone and equals
+    the pool exactly. A contiguous input exports to one pooling op and is left alone."""
+    x = node.args[0]
+    size = _arg(node, 1, "output_size", None)
+    val = _val(x)
+    if not isinstance(x, Node) or not isinstance(val, torch.Tensor) or val.dim() != 4:
+        return None
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size, size]
+    if sizes != [1, 1]:
+        return None
+    if val.is_contiguous():
+        return None
+    return b.call(aten.mean.dim, x, [-2, -1], True)
+
+
 Decomposition = Callable[[_Builder, Node], "Node | None"]
 
 #: op -> its rewrite (which returns None to keep a node as it is)
@@ -311,6 +332,7 @@ DECOMPOSITIONS: dict[Any, Decomposition] = {
     aten.square.default: decompose_square,
     aten.pow.Tensor_Scalar: decompose_pow,
     aten.rms_norm.default: decompose_rms_norm,
+    aten.adaptive_avg_pool2d.default: decompose_global_avg_pool,
 }
 
 
