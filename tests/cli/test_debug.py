@@ -164,3 +164,40 @@ def test_compare_takes_keyword_inputs() -> None:
         compare(program, quantized, [{"x": batches[0]["x"], "masks": batches[0]["mask"]}])
     with pytest.raises(QuantplugError, match="keys must be the input names"):
         compare(program, quantized, [{0: batches[0]["x"]}])
+
+
+class InPlaceBlock(nn.Module):
+    """conv -> batch norm -> SiLU(inplace=True), twice (torchvision's EfficientNet stem)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.b2(self.c2(self.act(self.b1(self.c1(x))))))
+
+
+@pytest.mark.parametrize("backend", ["reference", "qnn_htp"])
+def test_in_place_ops_and_decomposed_ops_are_compared_with_the_right_value(backend: str) -> None:
+    """The float program's ``silu_`` overwrites the batch norm's output after it was captured, and
+    qnn_htp rewrites silu into sigmoid * x: every compared value must still be the float value of
+    the same op (at 16 bits, no quantized op here is below 40 dB)."""
+    if not _installed(backend):
+        pytest.skip(f"{backend} not installed")
+    torch.manual_seed(0)
+    model = InPlaceBlock().eval()
+    batches = [(torch.randn(2, 3, 8, 8),)] * 3  # one batch: the ranges hold it exactly, nothing clips
+    program = torch.export.export(model, batches[0])
+    options = {"precision": "16a16w"} if backend == "qnn_htp" else {"preset": "a16w8"}
+    _, quantized = _quantize(program, backend, batches, **options)
+    report = compare(program, quantized, batches)
+    compared = [n for n in report.nodes if n.sqnr_db is not None]
+    assert {n.float_node for n in compared} >= {"batch_norm", "batch_norm_1"}
+    for n in compared:
+        assert n.sqnr_db > 40, (n.node, n.float_node, n.sqnr_db)
+    pieces = [n for n in report.nodes if n.float_node is None]
+    if backend == "qnn_htp":  # the sigmoid of each silu is a piece, compared where silu's value leaves
+        assert [n.op for n in pieces] == ["aten.sigmoid.default"] * 2, pieces
+        assert all("intermediate piece of silu_" in n.note for n in pieces)

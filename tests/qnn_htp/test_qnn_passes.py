@@ -91,6 +91,27 @@ def test_decompositions_and_comparisons() -> None:
     assert not cov.float_nodes, cov.format()
 
 
+class InPlaceSilu(nn.Module):
+    """``silu_`` (torchvision's ``inplace=True``), then a read of the tensor it overwrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        z = nn.functional.silu(y, inplace=True)
+        return z * 2 + y  # y holds silu(fc(x)) by now
+
+
+def test_in_place_silu_is_replaced_not_left_running() -> None:
+    model, x = InPlaceSilu().eval(), torch.randn(4, 8)
+    gm = _transformed(model, (x,))
+    assert aten.silu_.default not in _targets(gm)  # erased, not left as dead code that runs
+    assert _targets(gm).count(aten.sigmoid.default) == 1
+    torch.testing.assert_close(gm(x), model(x))  # the later read of y sees silu(y)
+
+
 def test_assert_tensor_metadata_is_removed() -> None:
     class Cast(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

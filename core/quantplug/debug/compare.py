@@ -274,18 +274,29 @@ def _sqnr(signal: float, noise: float) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
+def _writes_in_place(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
 class _Capture(Interpreter):
-    """Runs a GraphModule node by node, handing the outputs of chosen nodes to a callback."""
+    """Runs a GraphModule node by node, handing the outputs of chosen nodes to a callback.
+
+    A value kept for later (the float side's) is copied when the graph writes in place
+    (``relu_``, ``silu_``, ``add_``: torchvision's ``inplace=True``): the later op would otherwise
+    overwrite the kept tensor, and a conv would be compared with its activation's output."""
 
     def __init__(self, gm: GraphModule, wanted: set[str], sink: Callable[[str, Any], None]) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self._wanted = wanted
         self._sink = sink
+        self._copy = any(_writes_in_place(n) for n in gm.graph.nodes)
 
     def run_node(self, n: Node) -> Any:
         result = super().run_node(n)
         if n.name in self._wanted:
-            self._sink(n.name, result)
+            kept = pytree.tree_map_only(torch.Tensor, torch.clone, result) if self._copy else result
+            self._sink(n.name, kept)
         return result
 
     def call(self, batch: Call, what: str) -> Any:
@@ -346,6 +357,24 @@ def _has_specs(node: Node) -> bool:
         return False
     specs = getattr(ann, "input_qspec_map", None) or {}
     return any(s is not None for s in specs.values()) or getattr(ann, "output_qspec", None) is not None
+
+
+def _inner_piece(node: Node, handle: str) -> bool:
+    """Whether every use of ``node``'s value (through its quantize/dequantize) stays inside the
+    ops derived from the same float op: a piece of a decomposition, not its result."""
+    frontier, seen = [node], {node}
+    while frontier:
+        for user in frontier.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output":
+                return False
+            if str(user.target).startswith("quantized_decomposed."):
+                frontier.append(user)  # the piece's own quantize/dequantize
+            elif str(user.meta.get(DEBUG_HANDLE_KEY)) != handle:
+                return False
+    return True
 
 
 def _float_counterpart(handle: str, float_nodes: dict[str, Node], present: set[str]) -> Node | None:
@@ -536,6 +565,22 @@ def _plan(float_gm: GraphModule, quantized: GraphModule) -> _Plan:
         counterpart = _float_counterpart(str(handle), float_nodes, present)
         if counterpart is None:
             unmatched.append(n.name)
+            continue
+        if n.op == "call_function" and _inner_piece(n, str(handle)):
+            # a backend rewrote one float op into several (silu -> sigmoid * x): only the piece
+            # whose value leaves the group computes the float op's output
+            entries.append(
+                NodeComparison(
+                    node=n.name,
+                    op=_op_label(n),
+                    handle=str(handle),
+                    float_node=None,
+                    quantized=quantized_flag,
+                    output_quantized=output_dq.get(n.name) is not None,
+                    note=f"an intermediate piece of {handle} (rewritten into several ops); "
+                    "compared where its value leaves them",
+                )
+            )
             continue
         dq = output_dq.get(n.name)
         entry = NodeComparison(

@@ -171,15 +171,28 @@ def fold_constant_views(gm: GraphModule, context: BackendContext | None = None) 
 # --- 2. decompositions ---------------------------------------------------------------------------
 
 
-def _replace(node: Node, new: Node) -> None:
+def _replace(node: Node, new: Node, order: dict[Node, int] | None = None) -> None:
+    """Route ``node``'s uses to ``new``. An in-place op (``silu_``) also changed its input for
+    every later reader, so those read ``new`` too; the op itself is then erased (dead code
+    elimination keeps ops that write in place, and it would still run on every call)."""
     for user in list(node.users):
         user.replace_input_with(node, new)
+    schema = getattr(node.target, "_schema", None)
+    if order is None or schema is None or not schema.is_mutable:
+        return
+    written = node.args[0]
+    if isinstance(written, Node):
+        for reader in list(written.users):
+            if order.get(reader, -1) > order[node]:
+                reader.replace_input_with(written, new)
+    node.graph.erase_node(node)
 
 
 def decompose(gm: GraphModule, context: BackendContext | None = None) -> None:
     """silu -> x * sigmoid(x); reciprocal -> 1 / x; expm1 -> exp(x) - 1; add/sub alpha -> mul first."""
     graph = gm.graph
     changed = False
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -192,7 +205,7 @@ def decompose(gm: GraphModule, context: BackendContext | None = None) -> None:
                 with graph.inserting_after(sig):
                     mul = graph.create_node("call_function", aten.mul.Tensor, (x, sig))
                     mul.meta = _copy_meta(node.meta)
-            _replace(node, mul)
+            _replace(node, mul, order)
             changed = True
         elif target is aten.reciprocal.default:
             x = node.args[0]
