@@ -83,7 +83,9 @@ def digests(artifact: quantplug.Artifact) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--write", action="store_true", help=f"record the digests in {RESULTS.name}")
     parser.add_argument("--dump", type=Path, help="also write each artifact's files under this folder")
     args = parser.parse_args(argv)
