@@ -184,8 +184,52 @@ def _convert_version(model: Any, opset: int) -> None:
     from onnxscript import version_converter
 
     if model.opset_imports.get("", opset) != opset:
-        version_converter.convert_version(model, opset, fallback=True)
+        if _renumbering_suffices(model, opset):
+            _renumber(model, opset)
+        else:
+            version_converter.convert_version(model, opset, fallback=True)
     model.opset_imports[""] = opset
+
+
+def _renumbering_suffices(model: Any, opset: int) -> bool:
+    """Whether onnxscript's version converter would only renumber ``model``: no functions to
+    inline, and no node of an op whose definition changed on the way (an adapter: DFT,
+    GridSample, GroupNormalization from 18 to 21). Most models: then :func:`_renumber` gives
+    its result without inlining, visiting every node per version step and two cleanups."""
+    import onnx_ir as ir
+    from onnxscript.version_converter import _version_converter as converter
+
+    current = model.opset_imports.get("")
+    if model.functions or "ai.onnx" in model.opset_imports or current is None:
+        return False
+    if not converter.version_supported(model, opset):
+        return False
+    adapters = {
+        (op, version) for (domain, op, version, up) in converter.registry.op_adapters if up and not domain
+    }
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain != "":
+            continue
+        version = node.version or current
+        if version > opset or any(a.is_ref() for a in node.attributes.values()):
+            return False
+        if any((node.op_type, v) in adapters for v in range(version, opset)):
+            return False
+    return True
+
+
+def _renumber(model: Any, opset: int) -> None:
+    """What onnxscript's converter does to a model :func:`_renumbering_suffices` accepts: every
+    default-domain node at ``opset``, then its cleanup (unused nodes, then unused opsets)."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass, RemoveUnusedOpsetsPass
+
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain == "":
+            node.version = opset
+    model.opset_imports[""] = opset
+    RemoveUnusedNodesPass()(model)
+    RemoveUnusedOpsetsPass()(model)
 
 
 def _translate_public(
