@@ -28,7 +28,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def _converted(model: str, precision: str = "16a8w") -> tuple[quantplug.Quantizer, torch.fx.GraphModule]:
     net, shape = build(model)
     program = torch.export.export(net, batches(shape, 1, seed=0)[0])
-    return quantize(program, "qnn_htp", {"precision": precision}, batches(shape, 2, seed=1))
+    calibration: list[tuple[torch.Tensor, ...]] = [tuple(b) for b in batches(shape, 2, seed=1)]
+    return quantize(program, "qnn_htp", {"precision": precision}, calibration)
 
 
 @pytest.mark.parametrize("model", ["transformer_block", "lstm", "sdpa", "constants"])
