@@ -37,20 +37,20 @@ def test_renumbering_gives_the_version_converters_model(monkeypatch, model: str)
     """Opset 18 -> 21 without onnxscript's converter: the same model and encodings, byte for byte."""
     quantizer, converted = _converted(model)
     renumbered: list[bool] = []
-    suffices = onnx_translate._renumbering_suffices
+    renumber = onnx_translate._renumber
 
     def spy(model: Any, opset: int) -> bool:
-        renumbered.append(suffices(model, opset))
+        renumbered.append(renumber(model, opset))
         return renumbered[-1]
 
     def outputs() -> tuple[dict[str, Any], bytes]:
         unoptimized = export_qdq_onnx(converted, optimize=False).model_bytes()
         return quantplug.lower(converted, quantizer).files, unoptimized
 
-    monkeypatch.setattr(onnx_translate, "_renumbering_suffices", spy)
+    monkeypatch.setattr(onnx_translate, "_renumber", spy)
     fast, fast_unoptimized = outputs()
     assert renumbered == [True, True]
-    monkeypatch.setattr(onnx_translate, "_renumbering_suffices", lambda model, opset: False)
+    monkeypatch.setattr(onnx_translate, "_renumber", lambda model, opset: False)
     slow, slow_unoptimized = outputs()
     assert fast["model.onnx"] == slow["model.onnx"]
     assert fast["model.encodings"] == slow["model.encodings"]
@@ -70,8 +70,12 @@ def test_an_op_the_converter_adapts_takes_the_converter() -> None:
         node = ir.node(op, values, attrs, version=18)
         return ir.Model(ir.Graph(values, node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
 
-    assert not onnx_translate._renumbering_suffices(model("GroupNormalization", 3, num_groups=2), 21)
-    assert onnx_translate._renumbering_suffices(model("Relu", 1), 21)
+    adapted = model("GroupNormalization", 3, num_groups=2)
+    assert not onnx_translate._renumber(adapted, 21)
+    assert adapted.opset_imports[""] == 18 and next(iter(adapted.graph)).version == 18  # untouched
+    plain = model("Relu", 1)
+    assert onnx_translate._renumber(plain, 21)
+    assert plain.opset_imports[""] == 21 and next(iter(plain.graph)).version == 21
 
 
 def test_sites_of_one_shape_share_a_value_of_their_own_dtype() -> None:
