@@ -16,9 +16,10 @@ blocks are the 1,026-node program of issue 12.10), exported once per size. For e
   longer to do than quantplug to lower);
 * the peer, the path lowering took before: ``torch.onnx.export(converted, args, dynamo=True,
   opset_version=21)`` (a torch.export re-trace, the exporter's decompositions and its optimizer),
-  once per size (it is slow), skipped above ``--peer-max-blocks``.
+  once per size (it is slow), skipped above ``--peer-max-blocks``, after all quantplug timings.
 
-Reported: seconds per stage, ``lower/convert``, lowering ms per exported node (flat when lowering
+Reported: seconds per stage, ``lower/convert``, the garbage collector's seconds within ``lower``,
+lowering ms per exported node (flat when lowering
 is linear) and ``peer/lower``. Results go to ``bench/results/lowering.md`` (also printed) and
 ``lowering.json``.
 """
@@ -83,11 +84,15 @@ class _GcClock:
             self.seconds += time.perf_counter() - self._start
 
     def timed(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
-        """``fn(*args)``, its seconds, and the collector's seconds within them."""
+        """``fn(*args)`` (after a full collection, like :func:`_timed`), its seconds, and the
+        collector's seconds within them."""
+        gc.collect()
         self.seconds = 0.0
         gc.callbacks.append(self)
         try:
-            out, seconds = _timed(fn, *args)
+            start = time.perf_counter()
+            out = fn(*args)
+            seconds = time.perf_counter() - start
         finally:
             gc.callbacks.remove(self)
         return out, seconds, self.seconds
@@ -127,7 +132,10 @@ def peer_export(converted: Any, args: tuple[Any, ...]) -> float:
 
 def bench_one(
     blocks: int, backend: str, args: argparse.Namespace, log: Callable[[str], None]
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Callable[[], None]]:
+    """The row of ``mlp-<blocks>`` lowered by ``backend``, and the peer's run, which fills the
+    row's ``peer_s`` (run it after every quantplug timing: the exporter leaves the process
+    heavier: later lowerings took a quarter longer)."""
     torch.manual_seed(0)
     model = MLP(blocks).eval()
     x = torch.randn(8, 64)
@@ -158,11 +166,16 @@ def bench_one(
 
     row["onnx_nodes"] = len(onnx.load_from_string(artifact.files["model.onnx"]).graph.node)  # type: ignore[union-attr,arg-type]
     row["peer_s"] = None
-    if args.peer and blocks <= args.peer_max_blocks:
+
+    def run_peer() -> None:
+        if not (args.peer and blocks <= args.peer_max_blocks):
+            return
         try:
             row["peer_s"] = peer_export(converted, (x,))
         except Exception as exc:  # report, do not stop the bench
             row["peer_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        log(f"  {row['model']:>9} {backend:<9} peer {row.get('peer_s')}")
+
     if blocks in args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -175,10 +188,9 @@ def bench_one(
         log(f"  profile -> {path}")
     log(
         f"  {row['model']:>9} {backend:<9} nodes {row['nodes']:5d}  prepare {row['prepare_s']:.3f}s  "
-        f"convert {row['convert_s']:.3f}s  lower {row['lower_s']:.3f}s  save {row['save_s']:.3f}s  "
-        f"peer {row['peer_s'] if row['peer_s'] is None else round(row['peer_s'], 2)}"
+        f"convert {row['convert_s']:.3f}s  lower {row['lower_s']:.3f}s  save {row['save_s']:.3f}s"
     )
-    return row
+    return row, run_peer
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -253,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     machine = machine_description()
     registry = registry_seconds()
-    rows = []
-    for blocks in args.blocks:
-        for backend in args.backends:
-            rows.append(bench_one(blocks, backend, args, print))
+    runs = [bench_one(blocks, backend, args, print) for blocks in args.blocks for backend in args.backends]
+    for _, run_peer in runs:
+        run_peer()
+    rows = [row for row, _ in runs]
     machine["load_average_end"] = __import__("os").getloadavg()
     text = render(rows, machine, registry, args)
     print(text)
