@@ -19,9 +19,8 @@ blocks are the 1,026-node program of issue 12.10), exported once per size. For e
   once per size (it is slow), skipped above ``--peer-max-blocks``, after all quantplug timings.
 
 Reported: seconds per stage, ``lower/convert``, the garbage collector's seconds within ``lower``,
-lowering ms per exported node (flat when lowering
-is linear) and ``peer/lower``. Results go to ``bench/results/lowering.md`` (also printed) and
-``lowering.json``.
+lowering ms per exported node (flat when lowering is linear) and ``peer/lower``. Results go to
+``bench/results/lowering.md`` (also printed) and ``lowering.json``.
 """
 
 from __future__ import annotations
