@@ -112,9 +112,9 @@ _torch_hook: list[Any] = []  # torch's function while patched
 @contextlib.contextmanager
 def _code_on_first_use() -> Iterator[None]:
     """``ExportedProgram`` generates and compiles its graph module's Python code when built
-    (``torch.fx.GraphModule``): 0.1 ms a node, and nothing in lowering runs that code. Within
-    this block it builds torch.fx's lazy module instead, which compiles on its first call
-    (if ``torch.export.save`` or a caller ever runs it): the same module otherwise.
+    (``torch.fx.GraphModule``): 0.05 s for the 2,564 nodes of mlp-256 (issue 12.10), and nothing
+    in lowering runs that code. Within this block it builds torch.fx's lazy module instead,
+    which compiles on its first call (if a caller ever runs it): the same module otherwise.
 
     The hook is torch's private ``_create_graph_module_for_export``; where it is missing, or the
     lazy module is, programs are built as before. The patch is counted, so concurrent lowerings

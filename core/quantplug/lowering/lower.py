@@ -79,6 +79,7 @@ def _own_garbage_only() -> Iterator[None]:
     bench, one full collection took 0.4 s of a 0.9 s lowering. Held, lowering pays only for its
     own objects: one young-generation collection at the end (0.1 s there), whose cost grows
     with the graph, not with the process. A collector already disabled by the caller stays so.
+    The switch is process-wide: other threads' cycles wait for the end of the lowering.
     """
     if not gc.isenabled():
         yield
