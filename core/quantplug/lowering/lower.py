@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,6 +26,11 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
             names the pass).
     """
     _check_lowerable(quantized, quantizer)
+    with _own_garbage_only():
+        return _run_plan(quantized, quantizer)
+
+
+def _run_plan(quantized: GraphModule, quantizer: Any) -> Artifact:
     plan_fn = getattr(quantizer, "lowering_plan", None)
     if not callable(plan_fn):
         raise LoweringError(
@@ -58,6 +66,30 @@ def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
             f"artifact writer of backend {quantizer.backend!r} returned {type(artifact).__name__}"
         )
     return artifact
+
+
+@contextlib.contextmanager
+def _own_garbage_only() -> Iterator[None]:
+    """Hold Python's cyclic garbage collector while lowering, then collect what lowering left.
+
+    Lowering builds and drops graph copies and an ONNX graph, a few hundred objects per node
+    (cycles: FX nodes link to each other, ONNX values to their nodes). Each time that many
+    objects outlive a young collection, CPython runs a full collection, which walks every
+    object of the process (the user's model, programs, fake tensors): on the 1,026-node MLP
+    bench, one full collection took 0.4 s of a 0.9 s lowering. Held, lowering pays only for its
+    own objects: one young-generation collection at the end (0.1 s there), whose cost grows
+    with the graph, not with the process. A collector already disabled by the caller stays so.
+    The switch is process-wide: other threads' cycles wait for the end of the lowering.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect(0)
 
 
 _QDQ_NAMESPACES = ("quantized_decomposed", "quantplug")

@@ -225,7 +225,8 @@ def export_qdq_onnx(
     }
     _check_translatable(program, translations, opset)
     try:
-        model = translate(program, opset=opset, translations=translations)
+        # unused nodes go before the sites become Q/DQ nodes: those are all read
+        model = translate(program, opset=opset, translations=translations, drop_unused=optimize)
     except LoweringError:
         raise
     except Exception as exc:
@@ -234,8 +235,6 @@ def export_qdq_onnx(
     _rename(model.graph.outputs, output_names, "output")
     placed = qdq_sites.insert_qdq(model, sites)
     _name_dimensions(model, dimension_names(program))
-    if optimize:
-        _remove_unused(model)
     proto = _serialize(model)
     result = OnnxExportResult(
         model=proto,
@@ -311,13 +310,6 @@ def _check_example_inputs(gm: GraphModule, inputs: Sequence[Any]) -> None:
 
 
 # --------------------------------------------------------------------------------- after translation
-
-
-def _remove_unused(model: Any) -> None:
-    """Drop nodes and initializers nothing reads (one backward pass)."""
-    from onnx_ir.passes.common import RemoveUnusedNodesPass
-
-    RemoveUnusedNodesPass()(model)
 
 
 def _name_dimensions(model: Any, names: Mapping[str, str]) -> None:

@@ -46,17 +46,23 @@ def translate(
     *,
     opset: int,
     translations: Mapping[Callable[..., Any], Callable[..., Any]],
+    drop_unused: bool = False,
 ) -> Any:
     """``program`` as an ``onnx_ir.Model`` at ``opset``; every ONNX node records its FX node
-    (``node.meta["node"]``). ``translations`` add to (or override) torchlib's."""
+    (``node.meta["node"]``). ``translations`` add to (or override) torchlib's. ``drop_unused``:
+    without the nodes and initializers nothing reads (once: converting the opset drops them)."""
     with _quiet():
         internals = _internals()
         if internals is None:
-            return _translate_public(program, opset, translations)
-        registry = _registry(opset, translations)
-        program = _prepare(program, registry, internals)
-        model = internals.core._exported_program_to_onnx_program(program, registry=registry).model
-        _convert_version(model, opset)
+            model = _translate_public(program, opset, translations)
+            cleaned = False
+        else:
+            registry = _registry(opset, translations)
+            program = _prepare(program, registry, internals)
+            model = internals.core._exported_program_to_onnx_program(program, registry=registry).model
+            cleaned = _convert_version(model, opset)
+        if drop_unused and not cleaned:
+            remove_unused(model)
         return model
 
 
@@ -179,13 +185,57 @@ def _differs(value: Any, dtype: torch.dtype | None) -> bool:
     return scalar is not None and scalar != dtype
 
 
-def _convert_version(model: Any, opset: int) -> None:
-    """Bring the default domain to ``opset`` (torchlib writes opset 18 ops)."""
+def _convert_version(model: Any, opset: int) -> bool:
+    """Bring the default domain to ``opset`` (torchlib writes opset 18 ops). True when it
+    converted, which also removed the nodes nothing reads (onnxscript's converter's cleanup)."""
     from onnxscript import version_converter
 
-    if model.opset_imports.get("", opset) != opset:
+    converted = model.opset_imports.get("", opset) != opset
+    if converted and not _renumber(model, opset):
         version_converter.convert_version(model, opset, fallback=True)
     model.opset_imports[""] = opset
+    return converted
+
+
+def _renumber(model: Any, opset: int) -> bool:
+    """onnxscript's version converter, for models it would only renumber: no functions to
+    inline, and no node of an op whose definition changed on the way (an adapter: DFT,
+    GridSample, GroupNormalization from 18 to 21). For those (most models) it sets every
+    default-domain node to ``opset`` and cleans up as the converter does (unused nodes, then
+    unused opsets), without inlining or visiting every node once per version step. False, and
+    ``model`` untouched, for the others."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedOpsetsPass
+    from onnxscript.version_converter import _version_converter as converter
+
+    current = model.opset_imports.get("")
+    if model.functions or "ai.onnx" in model.opset_imports or current is None:
+        return False
+    if not converter.version_supported(model, opset):
+        return False
+    adapters = {
+        (op, version) for (domain, op, version, up) in converter.registry.op_adapters if up and not domain
+    }
+    nodes = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == ""]
+    for node in nodes:
+        version = node.version or current
+        if version > opset or any(a.is_ref() for a in node.attributes.values()):
+            return False
+        if any((node.op_type, v) in adapters for v in range(version, opset)):
+            return False
+    for node in nodes:
+        node.version = opset
+    model.opset_imports[""] = opset
+    remove_unused(model)
+    RemoveUnusedOpsetsPass()(model)
+    return True
+
+
+def remove_unused(model: Any) -> None:
+    """Drop nodes and initializers nothing reads (one backward pass)."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)
 
 
 def _translate_public(

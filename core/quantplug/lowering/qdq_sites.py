@@ -175,6 +175,7 @@ def _static(val: Any) -> bool:
 def mark_sites(graph: Graph, sites: Sequence[Site]) -> None:
     """Replace each site's node in ``graph`` (a copy of the program's) by ``qdq_site``."""
     by_name = {n.name: n for n in graph.nodes if n.op == "call_function"}
+    values = _SiteValues()
     for site in sites:
         node = by_name.get(site.node)
         if node is None:
@@ -187,10 +188,34 @@ def mark_sites(graph: Graph, sites: Sequence[Site]) -> None:
         val, x_val = node.meta.get("val"), x.meta.get("val") if isinstance(x, Node) else None
         if not (isinstance(val, torch.Tensor) and val.dtype == dtype):
             node.meta.pop("val", None)
-            mode = getattr(x_val, "fake_mode", None)
-            if mode is not None and isinstance(x_val, torch.Tensor):  # qdq_site's fake, undispatched
-                with mode:
-                    node.meta["val"] = torch.empty_like(x_val, dtype=dtype)
+            like = values.like(x_val, dtype)
+            if like is not None:
+                node.meta["val"] = like
+
+
+class _SiteValues:
+    """``qdq_site``'s output values: ``x``'s shape in the site's dtype, as fake tensors.
+
+    A fake tensor costs a dispatch through its mode (a fifth of a millisecond); sites of one
+    static shape and dtype (every activation of a width, in most models) share one, which only
+    the exporter reads (for the ONNX value's type and shape).
+    """
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def like(self, x_val: Any, dtype: torch.dtype) -> torch.Tensor | None:
+        mode = getattr(x_val, "fake_mode", None)
+        if mode is None or not isinstance(x_val, torch.Tensor):
+            return None
+        key = (id(mode), tuple(x_val.shape), x_val.stride(), x_val.device, dtype) if _static(x_val) else None
+        made = self._made.get(key) if key is not None else None
+        if made is None:
+            with mode:  # qdq_site's fake, undispatched
+                made = torch.empty_like(x_val, dtype=dtype)
+            if key is not None:
+                self._made[key] = made
+        return made
 
 
 # --------------------------------------------------------------------------------- in the ONNX graph

@@ -179,14 +179,25 @@ class CompletenessReport:
 
 
 def _element_types(model: Any) -> dict[str, int]:
-    """Element type of every named tensor (shape inference fills the intermediates)."""
+    """Element type of every named tensor (shape inference fills the intermediates the exporter
+    left untyped; it keeps the types stated, so it is skipped when every tensor has one)."""
     import onnx
 
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # a model shape inference cannot handle: use what the exporter recorded
-        inferred = model
-    graph = inferred.graph
+    types = _stated_types(model.graph)
+    if not all(types.get(o) for node in model.graph.node for o in node.output if o):
+        try:
+            types = _stated_types(onnx.shape_inference.infer_shapes(model).graph)
+        except Exception:  # a model shape inference cannot handle: use what the exporter recorded
+            pass
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.output[0] not in types:
+            types[node.output[0]] = 1  # float32 unless the exporter said otherwise
+    return types
+
+
+def _stated_types(graph: Any) -> dict[str, int]:
+    """The element types ``graph`` states: value infos (0 where undefined), initializers, and
+    the values of Constant nodes."""
     types: dict[str, int] = {}
     for vi in (*graph.input, *graph.output, *graph.value_info):
         if vi.type.HasField("tensor_type"):
@@ -200,8 +211,6 @@ def _element_types(model: Any) -> dict[str, int]:
             for attr in node.attribute:
                 if attr.name == "value":
                     types[node.output[0]] = attr.t.data_type
-        elif node.op_type == "DequantizeLinear" and node.output[0] not in types:
-            types[node.output[0]] = 1  # float32 unless the exporter said otherwise
     return types
 
 

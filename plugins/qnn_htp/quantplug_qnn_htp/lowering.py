@@ -88,14 +88,15 @@ def _rename_param_tensors(model: Any, result: Any) -> dict[str, str]:
     """Give each quantized constant's DequantizeLinear output a readable, unique name."""
     graph = model.graph
     taken = {v for n in graph.node for v in (*n.input, *n.output)} | {i.name for i in graph.initializer}
-    taken |= {i.name for i in graph.input} | {o.name for o in graph.output}
+    outputs = {o.name for o in graph.output}
+    taken |= {i.name for i in graph.input} | outputs
     renames: dict[str, str] = {}
     for entry in result.encodings:
         info = entry.get("onnx")
         if not info or entry["kind"] != "constant":
             continue
         old = info["tensor"]
-        if old in renames or old in {o.name for o in graph.output}:
+        if old in renames or old in outputs:
             continue
         base = _Q_SUFFIX.sub("", str(info["quantized"])) or old
         new = base
@@ -109,9 +110,11 @@ def _rename_param_tensors(model: Any, result: Any) -> dict[str, str]:
         renames[old] = new
     if not renames:
         return renames
-    for node in graph.node:
-        node.output[:] = [renames.get(o, o) for o in node.output]
-        node.input[:] = [renames.get(i, i) for i in node.input]
+    for node in graph.node:  # rewriting a proto's fields is slow: only those that change
+        if any(o in renames for o in node.output):
+            node.output[:] = [renames.get(o, o) for o in node.output]
+        if any(i in renames for i in node.input):
+            node.input[:] = [renames.get(i, i) for i in node.input]
     for vi in graph.value_info:
         if vi.name in renames:
             vi.name = renames[vi.name]
