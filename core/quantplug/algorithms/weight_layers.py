@@ -172,3 +172,8 @@ def matrix_and_hessian(
     matrix = site_matrix(site, grid)
     hessian = None if matrix is None else hessian_of(collected, matrix)
     return None if matrix is None or hessian is None else (matrix, hessian)
+
+
+#: whether SeqMSE, AdaRound and GPTQ take their layers' inputs from the partly quantized model
+#: (:mod:`quantplug.algorithms.sequential`) by default
+SEQUENTIAL = False
