@@ -108,7 +108,9 @@ def test_sequential_inputs_are_what_the_quantized_model_computes() -> None:
     assert float((got != expected).float().mean()) < 0.05
     floating = Recorder(sequential=False)
     run(floating, x, precision="8a4w")
-    assert float((floating.seen["linear_1"] - expected).abs().mean()) > 10 * float((got - expected).abs().mean())
+    assert float((floating.seen["linear_1"] - expected).abs().mean()) > 10 * float(
+        (got - expected).abs().mean()
+    )
 
 
 def test_sequential_inputs_follow_the_codes_chosen_upstream() -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
-from quantplug.algorithms.spec import TransformContext, WeightChoice, WeightGrid, WeightSite
+from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
 from quantplug.errors import AlgorithmError
 from quantplug.flow.inspect import fetch_attr
@@ -205,10 +205,14 @@ def install_collectors(gm: GraphModule, state: Any, algorithms: Sequence[Any]) -
         if not wanted:
             continue
         run.collectors[(site.name, site.group)] = wanted
-        fed = [c for i, c in wanted.items() if not is_sequential(algorithms[i])]
+        fed = [
+            c
+            for i, c in wanted.items()
+            if not is_sequential(algorithms[i]) or getattr(algorithms[i], "float_inputs", False)
+        ]
         if site.input_index is None:
             continue  # no layer input to see: the collectors give their empty result
-        if len(fed) < len(wanted) and run.inputs is None:  # sequential ones: fed again at convert
+        if any(is_sequential(algorithms[i]) for i in wanted) and run.inputs is None:  # fed at convert
             run.inputs = InputStore()
             container.add_module("inputs", run.inputs)
             user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -295,8 +299,9 @@ def choose_weights(
     if run is None or not any(callable(getattr(a, "choose_weight", None)) for a in run.algorithms):
         return overrides
     sequential = {i for i, a in enumerate(run.algorithms) if is_sequential(a)}
+    both = {i for i in sequential if getattr(run.algorithms[i], "float_inputs", False)}
     results: dict[tuple[str, int], dict[int, Any]] = {
-        key: {i: c.result() for i, c in by_alg.items() if i not in sequential}
+        key: {i: c.result() for i, c in by_alg.items() if i not in sequential or i in both}
         for key, by_alg in run.collectors.items()
     }
     groups = {g.gid: g for g in state.groups}
@@ -341,7 +346,12 @@ def choose_weights(
             ref = refs[k]
             site = ref.site
             collected = dict(results.get((site.name, site.group), {}))
-            collected.update({i: c.result() for (j, i), c in fresh.items() if j == k})
+            quantized = {i: c.result() for (j, i), c in fresh.items() if j == k}
+            for i in sequential:
+                if i in both:  # no sequential result (no stored batches, no layer): quantized None
+                    collected[i] = LayerInputs(collected.get(i), quantized.get(i))
+                elif i in quantized:
+                    collected[i] = quantized[i]
             found = _choose_site(run.algorithms, site, grids[k], collected)
             if found is None:
                 continue

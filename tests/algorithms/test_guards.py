@@ -1,0 +1,95 @@
+"""An algorithm must not make a model worse than the default: bias correction and SmoothQuant on the
+models where they used to (random CNN with trained-like batch norms, random transformer encoder;
+``bench/results/nncf_compare.md``), measured on held-out batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import quantplug
+from quantplug.algorithms.bias_correction import BiasCorrection
+from quantplug.algorithms.smoothquant import SmoothQuant
+
+
+class BatchNormCNN(nn.Module):
+    """conv -> bn -> relu -> depthwise -> bn -> relu -> 1x1 -> bn -> relu -> mean -> linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.c2, self.b2 = nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.BatchNorm2d(32)
+        self.c3, self.b3 = nn.Conv2d(32, 64, 1), nn.BatchNorm2d(64)
+        self.fc = nn.Linear(64, 10)
+        g = torch.Generator().manual_seed(3)
+        for bn in (self.b1, self.b2, self.b3):  # channels of very different scales, as trained nets have
+            n = bn.num_features
+            bn.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
+            bn.running_var.copy_(torch.rand(n, generator=g) * 4 + 0.05)
+            with torch.no_grad():
+                bn.weight.copy_(torch.exp(torch.randn(n, generator=g)))
+                bn.bias.copy_(torch.randn(n, generator=g) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.b1(self.c1(x)))
+        x = F.relu(self.b2(self.c2(x)))
+        x = F.relu(self.b3(self.c3(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x))
+
+
+def held_out_sqnr(model: nn.Module, batches: list[torch.Tensor], algorithms: list[Any]) -> float:
+    """int8 (per-channel weights, per-tensor activations) SQNR on 4 batches after calibrating on 8."""
+    calibration, measure = [(b,) for b in batches[:8]], batches[8:]
+    ep = torch.export.export(model, calibration[0])
+    quantizer = quantplug.get_quantizer("reference", preset="int8")
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms or None, calibration=calibration)
+    with torch.no_grad():
+        for b in calibration:
+            prepared(*b)
+        converted = quantplug.convert(prepared)
+        ref = torch.cat([model(b) for b in measure])
+        out = torch.cat([converted(b) for b in measure])
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
+
+
+def cnn_data() -> tuple[nn.Module, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = BatchNormCNN().eval()
+    g = torch.Generator().manual_seed(1)
+    return model, [torch.randn(4, 3, 16, 16, generator=g) for _ in range(12)]
+
+
+def test_bias_correction_removes_the_quantized_models_mean_error_not_only_the_weights() -> None:
+    """The weights' own mean error ``dW E[x]`` adds to what arrives from upstream on this CNN
+    (-2.3 dB); correcting the measured mean error of the quantized model gains instead."""
+    model, batches = cnn_data()
+    default = held_out_sqnr(model, batches, [])
+    assert held_out_sqnr(model, batches, [BiasCorrection()]) > default + 1.0
+    assert held_out_sqnr(model, batches, [BiasCorrection(sequential=False)]) < default  # what it guards
+
+
+def test_smoothquant_measures_its_alpha_on_rows_that_did_not_set_the_ranges() -> None:
+    """On the encoder's head, alpha 0.9 looked best on the rows that set the ranges and lost
+    1.3 dB on new data; the two-fold search keeps SmoothQuant at least as good as the default."""
+    torch.manual_seed(0)
+    model = Encoder().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 16, 64, generator=g) for _ in range(12)]
+    default = held_out_sqnr(model, batches, [])
+    algorithm = SmoothQuant()
+    assert held_out_sqnr(model, batches, [algorithm]) >= default - 0.1
+    assert all(alpha < 0.5 for alpha in algorithm.chosen.values())
