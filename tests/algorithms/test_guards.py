@@ -8,11 +8,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
+from quantplug.algorithms.adaround import AdaRound
 from quantplug.algorithms.bias_correction import BiasCorrection
+from quantplug.algorithms.gptq import GPTQ
 from quantplug.algorithms.smoothquant import SmoothQuant
+from quantplug.algorithms.spec import WeightGrid, WeightSite
 
 
 class BatchNormCNN(nn.Module):
@@ -93,3 +98,57 @@ def test_smoothquant_measures_its_alpha_on_rows_that_did_not_set_the_ranges() ->
     algorithm = SmoothQuant()
     assert held_out_sqnr(model, batches, [algorithm]) >= default - 0.1
     assert all(alpha < 0.5 for alpha in algorithm.chosen.values())
+
+
+def brute_force_codes(weight: torch.Tensor, scale: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """The floor/ceil rounding of a one-row weight with the least output error (every combination)."""
+    low = torch.floor(weight / scale)
+    best, best_loss = low, float("inf")
+    n = weight.shape[1]
+    for mask in range(2**n):
+        up = torch.tensor([(mask >> j) & 1 for j in range(n)], dtype=weight.dtype)
+        codes = (low + up).clamp(-8, 7)
+        d = weight - codes * scale
+        loss = float((d @ hessian @ d.t()).sum())
+        if loss < best_loss:
+            best, best_loss = codes, loss
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["gptq", "adaround"]))
+def test_rounding_algorithms_never_undo_a_better_choice(seed: int, name: str) -> None:
+    """Given the best codes there are (as an earlier algorithm may have found), GPTQ and AdaRound
+    keep them or return codes exactly as good on their own objective, never worse."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(1, 6, generator=g, dtype=torch.float64)
+    x = torch.randn(12, 6, generator=g, dtype=torch.float64) @ torch.randn(
+        6, 6, generator=g, dtype=torch.float64
+    )
+    hessian = x.t() @ x / 12
+    scale = weight.abs().amax(dim=1) / 7
+    site = WeightSite(
+        "w", "linear", "aten.linear.default", weight.float(), None, 0, _call=lambda a, w: F.linear(a, w)
+    )
+    grid = WeightGrid(
+        -8,
+        7,
+        torch.int8,
+        torch.per_channel_symmetric,
+        "channel",
+        scale.float(),
+        torch.zeros(1),
+        True,
+        ch_axis=0,
+    )
+    best = brute_force_codes(weight, scale[:, None], hessian)
+    algorithm = GPTQ() if name == "gptq" else AdaRound(iterations=20)
+    choice = algorithm.choose_weight(site, grid, best.to(torch.int64), hessian)
+    if choice is None:
+        return
+    assert choice.codes is not None
+    d_best = weight - best * scale[:, None]
+    d_new = weight - choice.codes.to(torch.float64) * scale[:, None]
+    assert float((d_new @ hessian @ d_new.t()).sum()) <= float((d_best @ hessian @ d_best.t()).sum()) * (
+        1 + 1e-9
+    )

@@ -32,7 +32,13 @@ from quantplug.algorithms.spec import (
     WeightSite,
     option_values,
 )
-from quantplug.algorithms.weight_layers import SEQUENTIAL, LayerHessian, layer_kind, matrix_and_hessian
+from quantplug.algorithms.weight_layers import (
+    SEQUENTIAL,
+    LayerHessian,
+    improves,
+    layer_kind,
+    matrix_and_hessian,
+)
 from quantplug.algorithms.weight_matrix import IntegerGrid, quantize_codes, small_products
 from quantplug.errors import OptionError
 
@@ -299,4 +305,6 @@ class AdaRound(Algorithm):
         result = adaround_codes(
             matrix.weight, hessian, matrix.scale, matrix.zero_point, matrix.grid, schedule
         )
+        if not improves(matrix, hessian, result.codes, codes):
+            return None  # the codes it was given (nearest, or an earlier choice) are better
         return WeightChoice(codes=matrix.codes(result.codes))

@@ -32,7 +32,13 @@ from quantplug.algorithms.spec import (
     WeightSite,
     option_values,
 )
-from quantplug.algorithms.weight_layers import SEQUENTIAL, LayerHessian, layer_kind, matrix_and_hessian
+from quantplug.algorithms.weight_layers import (
+    SEQUENTIAL,
+    LayerHessian,
+    improves,
+    layer_kind,
+    matrix_and_hessian,
+)
 from quantplug.algorithms.weight_matrix import IntegerGrid, dampened, quantize_codes, small_products
 from quantplug.errors import OptionError
 
@@ -183,4 +189,6 @@ class GPTQ(Algorithm):
             damp=self.damp,
             act_order=self.act_order,
         )
+        if not improves(matrix, hessian, result.codes, codes):
+            return None  # the codes it was given (nearest, or an earlier choice) are better
         return WeightChoice(codes=matrix.codes(result.codes))
