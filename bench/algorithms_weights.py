@@ -32,7 +32,7 @@ FOUR_BIT = ("htp 16a4w", "htp 16a4w_block", "htp 8a4w", "ref wo_int4")
 BUDGET_S = 120.0  # AdaRound and SeqMSE on the 2-layer decoder, 2 cores
 
 
-def bench(models: Sequence[str], configs: Sequence[str]) -> dict[str, Any]:
+def bench(models: Sequence[str], configs: Sequence[str], sequential: bool | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in models:
         model, batches = build(name)
@@ -53,7 +53,10 @@ def bench(models: Sequence[str], configs: Sequence[str]) -> dict[str, Any]:
             for algs in [(a,) for a in WEIGHT_ALGORITHMS] + list(COMBINATIONS):
                 label = "+".join(algs)
                 try:
-                    row[label] = run_once(ep, backend, opts, algs, calibration, measure, refs)
+                    specs: list[Any] = [
+                        a if sequential is None else (a, {"sequential": sequential}) for a in algs
+                    ]
+                    row[label] = run_once(ep, backend, opts, specs, calibration, measure, refs)
                 except Exception as exc:  # a row of the table, not the end of the bench
                     row[label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
                 got = row[label]
@@ -128,19 +131,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS[:5]), choices=MODELS)
     parser.add_argument("--configs", nargs="+", default=list(FOUR_BIT), choices=list(CONFIGS))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "algorithms_weights.md"))
+    parser.add_argument("--out", default=None, help="default: results/algorithms_weights[_sequential].md")
+    parser.add_argument(
+        "--sequential",
+        choices=("default", "on", "off"),
+        default="default",
+        help="layer inputs of SeqMSE/AdaRound/GPTQ: the algorithms' default, sequential, or float",
+    )
     args = parser.parse_args(argv)
+    sequential = {"default": None, "on": True, "off": False}[args.sequential]
+    if args.out is None:
+        suffix = {"default": "", "on": "_sequential", "off": "_float"}[args.sequential]
+        args.out = str(RESULTS / f"algorithms_weights{suffix}.md")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("quantplug").setLevel(logging.ERROR)
     started = time.perf_counter()
-    results = bench(args.models, args.configs)
+    results = bench(args.models, args.configs, sequential)
     notes = budget_check(results)
     header = (
         "# AdaRound, SeqMSE, GPTQ: output SQNR (dB) against float at 4-bit weights\n\n"
         f"`python -m bench.algorithms_weights {' '.join(argv or [])}`".rstrip()
         + f" ({(time.perf_counter() - started) / 60:.1f} min, torch threads {args.threads}).\n"
-        "Default options (adaround: 500 steps/layer; seq_mse: 20 candidates; gptq: act-order, 1% damp).\n\n"
+        "Default options (adaround: 500 steps/layer; seq_mse: 20 candidates; gptq: act-order, 1% damp); "
+        f"layer inputs: {dict(default='the default', on='sequential', off='float')[args.sequential]}.\n\n"
     )
     text = header + table(results) + ("\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else "")
     out = Path(args.out)
