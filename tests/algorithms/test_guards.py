@@ -16,6 +16,7 @@ import quantplug
 from quantplug.algorithms.adaround import AdaRound
 from quantplug.algorithms.bias_correction import BiasCorrection
 from quantplug.algorithms.gptq import GPTQ
+from quantplug.algorithms.seq_mse import SeqMSE
 from quantplug.algorithms.smoothquant import SmoothQuant
 from quantplug.algorithms.spec import WeightGrid, WeightSite
 
@@ -152,3 +153,42 @@ def test_rounding_algorithms_never_undo_a_better_choice(seed: int, name: str) ->
     assert float((d_new @ hessian @ d_new.t()).sum()) <= float((d_best @ hessian @ d_best.t()).sum()) * (
         1 + 1e-9
     )
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_seq_mse_never_replaces_better_codes_with_a_worse_encoding(seed: int) -> None:
+    """Given the best codes of the default grid, SeqMSE only moves to an encoding whose nearest
+    rounding has less output error than those codes."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(1, 6, generator=g, dtype=torch.float64)
+    weight[0, 0] *= 4  # an outlier: clipping it pays on the round-to-nearest loss
+    x = torch.randn(12, 6, generator=g, dtype=torch.float64) @ torch.randn(
+        6, 6, generator=g, dtype=torch.float64
+    )
+    hessian = x.t() @ x / 12
+    scale = weight.abs().amax(dim=1) / 7
+    site = WeightSite(
+        "w", "linear", "aten.linear.default", weight.float(), None, 0, _call=lambda a, w: F.linear(a, w)
+    )
+    grid = WeightGrid(
+        -7,
+        7,
+        torch.int8,
+        torch.per_channel_symmetric,
+        "channel",
+        scale.float(),
+        torch.zeros(1),
+        True,
+        ch_axis=0,
+        _observe=lambda t: (t.abs().amax(dim=1) / 7, torch.zeros(t.shape[0])),
+    )
+    best = brute_force_codes(weight, scale[:, None], hessian).clamp(-7, 7)
+    d_best = weight - best * scale[:, None]
+    choice = SeqMSE().choose_weight(site, grid, best.to(torch.int64), hessian)
+    if choice is None:
+        return
+    assert choice.scale is not None
+    new_scale = choice.scale.to(torch.float64)[:, None]
+    d_new = weight - torch.clamp(torch.round(weight / new_scale), -7, 7) * new_scale
+    assert float((d_new @ hessian @ d_new.t()).sum()) < float((d_best @ hessian @ d_best.t()).sum())

@@ -223,6 +223,9 @@ class SeqMSE(Algorithm):
         )
         if bool((result.fraction == 1).all()):
             return None
+        current = matrix.weight - (to_matrix(codes.to(torch.float64)) - matrix.zero_point) * matrix.scale
+        if not result.loss < float(output_error(current, hessian.to(torch.float64)).sum()):
+            return None  # the codes it was given (e.g. GPTQ's, AdaRound's) beat nearest on any clipping
         scale, zero_point = grid.observe(
             matrix.weight_of(clip_to(matrix.weight, result.fraction, matrix.groups, grid.symmetric))
         )
