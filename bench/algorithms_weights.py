@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ FOUR_BIT = ("htp 16a4w", "htp 16a4w_block", "htp 8a4w", "ref wo_int4")
 BUDGET_S = 120.0  # AdaRound and SeqMSE on the 2-layer decoder, 2 cores
 
 
-def bench(models: Sequence[str], configs: Sequence[str]) -> dict[str, Any]:
+def bench(models: Sequence[str], configs: Sequence[str], sequential: bool | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in models:
         model, batches = build(name)
@@ -53,7 +54,10 @@ def bench(models: Sequence[str], configs: Sequence[str]) -> dict[str, Any]:
             for algs in [(a,) for a in WEIGHT_ALGORITHMS] + list(COMBINATIONS):
                 label = "+".join(algs)
                 try:
-                    row[label] = run_once(ep, backend, opts, algs, calibration, measure, refs)
+                    specs: list[Any] = [
+                        a if sequential is None else (a, {"sequential": sequential}) for a in algs
+                    ]
+                    row[label] = run_once(ep, backend, opts, specs, calibration, measure, refs)
                 except Exception as exc:  # a row of the table, not the end of the bench
                     row[label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
                 got = row[label]
@@ -109,6 +113,39 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sequential_vs_float(sequential: dict[str, Any], floating: dict[str, Any]) -> str:
+    """Per cell: the SQNR with sequential layer inputs minus the one with float inputs (dB)."""
+    labels = ["+".join(a) for a in [(a,) for a in WEIGHT_ALGORITHMS] + list(COMBINATIONS)]
+    lines = [
+        "Sequential minus float layer inputs (dB; float: `algorithms_weights.md`):",
+        "",
+        "| model | config | " + " | ".join(labels) + " |",
+        "|" + "---|" * (2 + len(labels)),
+    ]
+    deltas: list[float] = []
+    for model, per_config in sequential.items():
+        for config, row in per_config.items():
+            other = floating.get(model, {}).get(config, {})
+            cells = []
+            for k in labels:
+                a, b = row.get(k, {}).get("sqnr"), other.get(k, {}).get("sqnr")
+                if a is None or b is None:
+                    cells.append("-")
+                    continue
+                deltas.append(a - b)
+                cells.append(f"{a - b:+.1f}")
+            lines.append(f"| {model} | {config} | " + " | ".join(cells) + " |")
+    if deltas:
+        better = sum(d > 0.05 for d in deltas)
+        worse = sum(d < -0.05 for d in deltas)
+        lines += [
+            "",
+            f"{len(deltas)} cells: mean {sum(deltas) / len(deltas):+.2f} dB, better in {better}, worse in "
+            f"{worse}, min {min(deltas):+.1f}, max {max(deltas):+.1f}.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def budget_check(results: dict[str, Any]) -> list[str]:
     """AdaRound and SeqMSE on the 2-layer decoder within 2 minutes (whole prepare+calibrate+convert)."""
     notes = []
@@ -128,21 +165,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS[:5]), choices=MODELS)
     parser.add_argument("--configs", nargs="+", default=list(FOUR_BIT), choices=list(CONFIGS))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "algorithms_weights.md"))
+    parser.add_argument("--out", default=None, help="default: results/algorithms_weights[_sequential].md")
+    parser.add_argument(
+        "--sequential",
+        choices=("default", "on", "off"),
+        default="default",
+        help="layer inputs of SeqMSE/AdaRound/GPTQ: the algorithms' default, sequential, or float",
+    )
     args = parser.parse_args(argv)
+    sequential = {"default": None, "on": True, "off": False}[args.sequential]
+    if args.out is None:
+        suffix = {"default": "", "on": "_sequential", "off": "_float"}[args.sequential]
+        args.out = str(RESULTS / f"algorithms_weights{suffix}.md")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("quantplug").setLevel(logging.ERROR)
     started = time.perf_counter()
-    results = bench(args.models, args.configs)
+    results = bench(args.models, args.configs, sequential)
     notes = budget_check(results)
     header = (
         "# AdaRound, SeqMSE, GPTQ: output SQNR (dB) against float at 4-bit weights\n\n"
-        f"`python -m bench.algorithms_weights {' '.join(argv or [])}`".rstrip()
+        f"`python -m bench.algorithms_weights {' '.join(sys.argv[1:] if argv is None else argv)}`".rstrip()
         + f" ({(time.perf_counter() - started) / 60:.1f} min, torch threads {args.threads}).\n"
-        "Default options (adaround: 500 steps/layer; seq_mse: 20 candidates; gptq: act-order, 1% damp).\n\n"
+        "Default options (adaround: 500 steps/layer; seq_mse: 20 candidates; gptq: act-order, 1% damp); "
+        f"layer inputs: {dict(default='the default', on='sequential', off='float')[args.sequential]}.\n\n"
     )
     text = header + table(results) + ("\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else "")
+    floating = RESULTS / "algorithms_weights.json"
+    if sequential and floating.exists():
+        text += "\n" + sequential_vs_float(results, json.loads(floating.read_text()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

@@ -32,7 +32,13 @@ from quantplug.algorithms.spec import (
     WeightSite,
     option_values,
 )
-from quantplug.algorithms.weight_layers import LayerHessian, layer_kind, matrix_and_hessian
+from quantplug.algorithms.weight_layers import (
+    SEQUENTIAL,
+    LayerHessian,
+    improves,
+    layer_kind,
+    matrix_and_hessian,
+)
 from quantplug.algorithms.weight_matrix import IntegerGrid, quantize_codes, small_products
 from quantplug.errors import OptionError
 
@@ -219,6 +225,12 @@ class AdaRound(Algorithm):
         AlgorithmOption("learning_rate", "float", 1e-2, "Adam's learning rate"),
         AlgorithmOption("time_budget", "float", 0.0, "seconds for the whole model (0: no limit)"),
         AlgorithmOption("damp", "float", 0.01, "ridge on the Hessian, relative to its mean diagonal"),
+        AlgorithmOption(
+            "sequential",
+            "bool",
+            SEQUENTIAL,
+            "layer inputs from the model quantized so far (as AIMET, GPTQ); false: float inputs",
+        ),
     )
 
     def __init__(
@@ -228,6 +240,7 @@ class AdaRound(Algorithm):
         learning_rate: float = 1e-2,
         time_budget: float = 0.0,
         damp: float = 0.01,
+        sequential: bool = SEQUENTIAL,
     ) -> None:
         values = option_values(
             self.name,
@@ -238,8 +251,10 @@ class AdaRound(Algorithm):
                 "learning_rate": learning_rate,
                 "time_budget": time_budget,
                 "damp": damp,
+                "sequential": sequential,
             },
         )
+        self.sequential: bool = values["sequential"]
         self.iterations: int = values["iterations"]
         self.reg_weight: float = values["reg_weight"]
         self.learning_rate: float = values["learning_rate"]
@@ -290,4 +305,6 @@ class AdaRound(Algorithm):
         result = adaround_codes(
             matrix.weight, hessian, matrix.scale, matrix.zero_point, matrix.grid, schedule
         )
+        if not improves(matrix, hessian, result.codes, codes):
+            return None  # the codes it was given (nearest, or an earlier choice) are better
         return WeightChoice(codes=matrix.codes(result.codes))

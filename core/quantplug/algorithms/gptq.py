@@ -32,7 +32,13 @@ from quantplug.algorithms.spec import (
     WeightSite,
     option_values,
 )
-from quantplug.algorithms.weight_layers import LayerHessian, layer_kind, matrix_and_hessian
+from quantplug.algorithms.weight_layers import (
+    SEQUENTIAL,
+    LayerHessian,
+    improves,
+    layer_kind,
+    matrix_and_hessian,
+)
 from quantplug.algorithms.weight_matrix import IntegerGrid, dampened, quantize_codes, small_products
 from quantplug.errors import OptionError
 
@@ -137,12 +143,23 @@ class GPTQ(Algorithm):
         AlgorithmOption("act_order", "bool", True, "quantize the most active input columns first"),
         AlgorithmOption("damp", "float", 0.01, "Hessian dampening, relative to its mean diagonal"),
         AlgorithmOption("lazy_batch", "int", 128, "columns per lazy batch update (speed only)"),
+        AlgorithmOption(
+            "sequential",
+            "bool",
+            SEQUENTIAL,
+            "layer inputs from the model quantized so far (as AIMET, GPTQ); false: float inputs",
+        ),
     )
 
-    def __init__(self, act_order: bool = True, damp: float = 0.01, lazy_batch: int = 128) -> None:
+    def __init__(
+        self, act_order: bool = True, damp: float = 0.01, lazy_batch: int = 128, sequential: bool = SEQUENTIAL
+    ) -> None:
         values = option_values(
-            self.name, self.options, {"act_order": act_order, "damp": damp, "lazy_batch": lazy_batch}
+            self.name,
+            self.options,
+            {"act_order": act_order, "damp": damp, "lazy_batch": lazy_batch, "sequential": sequential},
         )
+        self.sequential: bool = values["sequential"]
         self.act_order: bool = values["act_order"]
         self.damp: float = values["damp"]
         self.lazy_batch: int = values["lazy_batch"]
@@ -172,4 +189,6 @@ class GPTQ(Algorithm):
             damp=self.damp,
             act_order=self.act_order,
         )
+        if not improves(matrix, hessian, result.codes, codes):
+            return None  # the codes it was given (nearest, or an earlier choice) are better
         return WeightChoice(codes=matrix.codes(result.codes))

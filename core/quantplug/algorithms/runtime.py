@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from quantplug.algorithms.spec import TransformContext, WeightChoice, WeightGrid, WeightSite
+from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
+from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
 from quantplug.errors import AlgorithmError
 from quantplug.flow.inspect import fetch_attr
@@ -95,6 +96,14 @@ class AlgorithmRun:
     algorithms: list[Any]
     #: weight site key (weight target, gid) -> {algorithm index: collector}
     collectors: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
+    #: the calibration batches kept for algorithms that want sequential layer inputs
+    inputs: InputStore | None = None
+
+
+def is_sequential(algorithm: Any) -> bool:
+    """Whether ``algorithm`` wants its layers' inputs from the partly quantized model (see
+    :mod:`quantplug.algorithms.sequential`) rather than from float calibration."""
+    return bool(getattr(algorithm, "sequential", False))
 
 
 def _layer_call(gm: GraphModule, node: Node) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -196,12 +205,27 @@ def install_collectors(gm: GraphModule, state: Any, algorithms: Sequence[Any]) -
         if not wanted:
             continue
         run.collectors[(site.name, site.group)] = wanted
+        fed = [
+            c
+            for i, c in wanted.items()
+            if not is_sequential(algorithms[i]) or getattr(algorithms[i], "float_inputs", False)
+        ]
         if site.input_index is None:
             continue  # no layer input to see: the collectors give their empty result
+        if any(is_sequential(algorithms[i]) for i in wanted) and run.inputs is None:  # fed at convert
+            run.inputs = InputStore()
+            container.add_module("inputs", run.inputs)
+            user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            with gm.graph.inserting_after(user_inputs[-1] if user_inputs else None):
+                store = gm.graph.call_module(f"{TAPS}.inputs", tuple(user_inputs))
+            store.meta["quantplug_algorithm_tap"] = "inputs"
+            count += 1
+        if not fed:
+            continue
         consumer = nodes[site.node]
         name = f"t{count}"
         count += 1
-        container.add_module(name, _Tap(list(wanted.values())))
+        container.add_module(name, _Tap(fed))
         with gm.graph.inserting_before(consumer):
             tap = gm.graph.call_module(f"{TAPS}.{name}", (consumer.args[site.input_index],))
         tap.meta["quantplug_algorithm_tap"] = site.name
@@ -266,67 +290,149 @@ def choose_weights(
 
     ``qparams_of(gid)`` gives a group's calibrated ``(scale, zero_point)``; ``set_qparams``
     replaces it (before derived biases read it). ``observers[gid]`` is the group's weight observer,
-    copied fresh for :meth:`WeightGrid.observe`.
+    copied fresh for :meth:`WeightGrid.observe`. With sequential algorithms the sites are chosen
+    stage by stage, each stage's layer inputs taken from the model quantized so far
+    (:mod:`quantplug.algorithms.sequential`).
     """
-    from quantplug.observers.accelerated import fresh_copy
-
     run: AlgorithmRun | None = prepared.meta.get(RUN_KEY)
     overrides = WeightOverrides()
     if run is None or not any(callable(getattr(a, "choose_weight", None)) for a in run.algorithms):
         return overrides
+    sequential = {i for i, a in enumerate(run.algorithms) if is_sequential(a)}
+    both = {i for i in sequential if getattr(run.algorithms[i], "float_inputs", False)}
     results: dict[tuple[str, int], dict[int, Any]] = {
-        key: {i: c.result() for i, c in by_alg.items()} for key, by_alg in run.collectors.items()
+        key: {i: c.result() for i, c in by_alg.items() if i not in sequential or i in both}
+        for key, by_alg in run.collectors.items()
     }
     groups = {g.gid: g for g in state.groups}
-    for ref in weight_sites(prepared, state):
-        site = ref.site
-        group = groups[site.group]
-        prototype = observers[group.gid]
+    refs = weight_sites(prepared, state)
+    grids = [
+        _grid(groups[ref.site.group], qparams_of(ref.site.group), _observer(observers, ref)) for ref in refs
+    ]
+    batches = run.inputs.batches if run.inputs is not None else []
+    wants = [
+        [i for i in run.collectors.get((ref.site.name, ref.site.group), {}) if i in sequential]
+        if ref.site.input_index is not None
+        else []
+        for ref in refs
+    ]
+    simulate = bool(batches) and any(wants)
+    order = (
+        stages(list(prepared.graph.nodes), [ref.site.node for ref in refs])
+        if simulate
+        else [list(range(len(refs)))]
+    )
+    current: dict[str, torch.Tensor] = {}  # what the simulation reads for each weight (and bias)
+    if simulate:
+        for ref, grid in zip(refs, grids):
+            current[ref.site.name] = grid.dequantize(grid.quantize(ref.site.weight)).to(ref.site.weight.dtype)
+    activation = _activation_encodings(state, qparams_of) if simulate else {}
+    for stage in order:
+        fresh: dict[tuple[int, int], Any] = {}  # (site index, algorithm index) -> collector
+        feeds: dict[str, list[Callable[[torch.Tensor], None]]] = {}
+        for k in stage:
+            for i in wants[k]:
+                collector = run.algorithms[i].collector(refs[k].site)
+                if collector is not None:
+                    fresh[(k, i)] = collector
+                    feeds.setdefault(refs[k].site.node, []).append(collector.update)
+        if feeds:
+            from quantplug.flow.prepare import OBSERVERS
 
-        def observe(tensor: torch.Tensor, prototype: Any = prototype) -> tuple[Any, Any]:
-            obs: Any = fresh_copy(prototype)
-            with torch.no_grad():
-                obs(tensor.detach())
-            scale, zp = obs.calculate_qparams()
-            return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
-
-        grid = _grid(group, qparams_of(group.gid), observe)
-        default_grid = grid
-        codes = grid.quantize(site.weight)
-        chose = False
-        bias_delta: torch.Tensor | None = None
-        for index, algorithm in enumerate(run.algorithms):
-            hook = getattr(algorithm, "choose_weight", None)
-            if not callable(hook):
+            simulation = QuantizedSimulation(prepared, OBSERVERS, activation, current, feeds, is_tap)
+            for batch in batches:
+                simulation.run_batch(batch)
+        for k in stage:
+            ref = refs[k]
+            site = ref.site
+            collected = dict(results.get((site.name, site.group), {}))
+            quantized = {i: c.result() for (j, i), c in fresh.items() if j == k}
+            for i in sequential:
+                if i in both:  # no sequential result (no stored batches, no layer): quantized None
+                    collected[i] = LayerInputs(collected.get(i), quantized.get(i))
+                elif i in quantized:
+                    collected[i] = quantized[i]
+            found = _choose_site(run.algorithms, site, grids[k], collected)
+            if found is None:
                 continue
-            collected = results.get((site.name, site.group), {}).get(index)
-            choice = hook(site, grid, codes, collected)
-            if choice is None:
-                continue
-            if not isinstance(choice, WeightChoice):
-                raise AlgorithmError(
-                    f"algorithm {algorithm_name(algorithm)!r} returned {type(choice).__name__} for weight "
-                    f"{site.name}; choose_weight returns a WeightChoice or None"
-                )
-            grid, codes, delta = _apply(algorithm_name(algorithm), site, grid, codes, choice)
-            chose = True
-            if delta is not None:
-                bias_delta = delta if bias_delta is None else bias_delta + delta
-        if not chose:
-            continue
-        if grid is not default_grid:
-            set_qparams(group.gid, (grid.scale, grid.zero_point))
-        overrides.codes[(site.name, site.group)] = codes
-        if bias_delta is not None:
-            if ref.bias_target is None or site.bias is None:
-                raise AlgorithmError(
-                    f"a bias correction for {site.name} needs a constant bias on {site.node} ({site.op}); "
-                    "export the model with bias=True or leave out the correcting algorithm"
-                )
-            overrides.biases[ref.bias_target] = site.bias + bias_delta.reshape(site.bias.shape).to(
-                site.bias.dtype
-            )
+            grid, codes, bias_delta = found
+            if grid is not grids[k]:
+                set_qparams(site.group, (grid.scale, grid.zero_point))
+            overrides.codes[(site.name, site.group)] = codes
+            if simulate:
+                current[site.name] = grid.dequantize(codes).to(site.weight.dtype)
+            if bias_delta is not None:
+                if ref.bias_target is None or site.bias is None:
+                    raise AlgorithmError(
+                        f"a bias correction for {site.name} needs a constant bias on {site.node} "
+                        f"({site.op}); export the model with bias=True or leave out the correcting algorithm"
+                    )
+                corrected = site.bias + bias_delta.reshape(site.bias.shape).to(site.bias.dtype)
+                overrides.biases[ref.bias_target] = corrected
+                if simulate:
+                    current[ref.bias_target] = corrected
     return overrides
+
+
+def _observer(observers: dict[int, nn.Module], ref: _SiteRef) -> Callable[[torch.Tensor], Any]:
+    """:meth:`WeightGrid.observe` for a site: a fresh copy of its group's weight observer."""
+    from quantplug.observers.accelerated import fresh_copy
+
+    prototype = observers[ref.site.group]
+
+    def observe(tensor: torch.Tensor) -> tuple[Any, Any]:
+        obs: Any = fresh_copy(prototype)
+        with torch.no_grad():
+            obs(tensor.detach())
+        scale, zp = obs.calculate_qparams()
+        return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
+
+    return observe
+
+
+def _activation_encodings(
+    state: Any, qparams_of: Callable[[int], tuple[Any, Any]]
+) -> dict[int, tuple[Any, tuple[Any, Any] | None]]:
+    """Every observed (non-constant) group's spec and calibrated encoding (None: not simulated)."""
+    found: dict[int, tuple[Any, tuple[Any, Any] | None]] = {}
+    for group in state.groups:
+        if group.constant:
+            continue
+        qparams = None
+        if not group.dynamic:
+            try:
+                qparams = qparams_of(group.gid)
+            except KeyError:  # a derived encoding, computed after the weights: left unsimulated
+                qparams = None
+        found[group.gid] = (group.spec, qparams)
+    return found
+
+
+def _choose_site(
+    algorithms: Sequence[Any], site: WeightSite, default: WeightGrid, collected: dict[int, Any]
+) -> tuple[WeightGrid, torch.Tensor, torch.Tensor | None] | None:
+    """Every algorithm's choice for one site, in order (None: none chose anything)."""
+    grid = default
+    codes = grid.quantize(site.weight)
+    chose = False
+    bias_delta: torch.Tensor | None = None
+    for index, algorithm in enumerate(algorithms):
+        hook = getattr(algorithm, "choose_weight", None)
+        if not callable(hook):
+            continue
+        choice = hook(site, grid, codes, collected.get(index))
+        if choice is None:
+            continue
+        if not isinstance(choice, WeightChoice):
+            raise AlgorithmError(
+                f"algorithm {algorithm_name(algorithm)!r} returned {type(choice).__name__} for weight "
+                f"{site.name}; choose_weight returns a WeightChoice or None"
+            )
+        grid, codes, delta = _apply(algorithm_name(algorithm), site, grid, codes, choice)
+        chose = True
+        if delta is not None:
+            bias_delta = delta if bias_delta is None else bias_delta + delta
+    return (grid, codes, bias_delta) if chose else None
 
 
 def _apply(

@@ -30,7 +30,7 @@ from quantplug.algorithms.spec import (
     WeightSite,
     option_values,
 )
-from quantplug.algorithms.weight_layers import LayerHessian, hessian_of, layer_kind, site_matrix
+from quantplug.algorithms.weight_layers import SEQUENTIAL, LayerHessian, hessian_of, layer_kind, site_matrix
 from quantplug.algorithms.weight_matrix import (
     IntegerGrid,
     fake_quantize,
@@ -166,10 +166,21 @@ class SeqMSE(Algorithm):
         AlgorithmOption(
             "data_free", "bool", True, "weights without a re-runnable layer: minimise the weights' own error"
         ),
+        AlgorithmOption(
+            "sequential",
+            "bool",
+            SEQUENTIAL,
+            "layer inputs from the model quantized so far (as AIMET, GPTQ); false: float inputs",
+        ),
     )
 
-    def __init__(self, candidates: int = 20, data_free: bool = True) -> None:
-        values = option_values(self.name, self.options, {"candidates": candidates, "data_free": data_free})
+    def __init__(self, candidates: int = 20, data_free: bool = True, sequential: bool = SEQUENTIAL) -> None:
+        values = option_values(
+            self.name,
+            self.options,
+            {"candidates": candidates, "data_free": data_free, "sequential": sequential},
+        )
+        self.sequential: bool = values["sequential"]
         self.candidates: int = values["candidates"]
         self.data_free: bool = values["data_free"]
         if self.candidates < 1:
@@ -212,6 +223,9 @@ class SeqMSE(Algorithm):
         )
         if bool((result.fraction == 1).all()):
             return None
+        current = matrix.weight - (to_matrix(codes.to(torch.float64)) - matrix.zero_point) * matrix.scale
+        if not result.loss < float(output_error(current, hessian.to(torch.float64)).sum()):
+            return None  # the codes it was given (e.g. GPTQ's, AdaRound's) beat nearest on any clipping
         scale, zero_point = grid.observe(
             matrix.weight_of(clip_to(matrix.weight, result.fraction, matrix.groups, grid.symmetric))
         )

@@ -214,6 +214,21 @@ class WeightChoice:
     bias_delta: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class LayerInputs:
+    """``collected`` for a sequential algorithm that also collects during calibration.
+
+    An algorithm with ``sequential = True`` gets, by default, the result of a collector fed by
+    the sequential pass (the layer's inputs in the model quantized so far). With
+    ``float_inputs = True`` as well, its collectors are also fed during calibration (the float
+    model's inputs) and ``choose_weight`` receives both results here (empirical bias correction
+    compares the float output mean with the quantized one).
+    """
+
+    float: Any
+    quantized: Any
+
+
 @dataclass
 class TransformContext:
     """What :meth:`Algorithm.transform_program` gets besides the program.
@@ -286,6 +301,13 @@ class Algorithm:
     description: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     options: ClassVar[tuple[AlgorithmOption, ...]] = ()
+    #: collectors fed at convert with each layer's inputs in the model quantized so far (earlier
+    #: layers as chosen, activations quantized) instead of during float calibration
+    #: (:mod:`quantplug.algorithms.sequential`)
+    sequential: bool = False
+    #: with ``sequential``: also feed collectors during calibration; ``collected`` is then a
+    #: :class:`LayerInputs` with both results
+    float_inputs: bool = False
 
     @classmethod
     def info(cls) -> AlgorithmInfo:

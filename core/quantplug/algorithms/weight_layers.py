@@ -26,6 +26,7 @@ from quantplug.algorithms.weight_matrix import (
     IntegerGrid,
     column_groups,
     from_matrix,
+    output_error,
     to_matrix,
 )
 
@@ -172,3 +173,20 @@ def matrix_and_hessian(
     matrix = site_matrix(site, grid)
     hessian = None if matrix is None else hessian_of(collected, matrix)
     return None if matrix is None or hessian is None else (matrix, hessian)
+
+
+def improves(matrix: SiteMatrix, hessian: torch.Tensor, new: torch.Tensor, current: torch.Tensor) -> bool:
+    """Whether codes ``new`` (an ``[O, I]`` matrix) give no more output error ``tr(D H D^T)`` than
+    the ``current`` codes (the weight's shape): the guard that keeps a rounding algorithm from
+    undoing a better choice (round-to-nearest, or an earlier algorithm's) on its own objective."""
+
+    def loss(codes: torch.Tensor) -> float:
+        delta = matrix.weight - (codes.to(torch.float64) - matrix.zero_point) * matrix.scale
+        return float(output_error(delta, hessian.to(torch.float64)).sum())
+
+    return loss(new) <= loss(to_matrix(current.to(torch.float64)))
+
+
+#: whether SeqMSE, AdaRound and GPTQ take their layers' inputs from the partly quantized model
+#: (:mod:`quantplug.algorithms.sequential`) by default
+SEQUENTIAL = False

@@ -1,0 +1,168 @@
+"""Sequential layer inputs: each layer's statistics from the model with the layers before it quantized.
+
+AdaRound (Nagel et al. 2020, sec. 4), AIMET's SeqMSE and GPTQ as published (Frantar et al. 2023,
+sec. 3) optimise a layer for the inputs it will see in the quantized model: the layers before it
+already quantized with what was chosen for them, activations quantized. Float inputs ignore the
+error that arrives from upstream; sequential inputs let each layer's choice see it.
+
+An algorithm asks for it with the attribute ``sequential = True``. Then its collectors are not fed
+during calibration; instead prepare stores a bounded number of the calibration batches
+(:class:`InputStore`: the model's inputs, at most :data:`STORE_BATCHES` batches and
+:data:`STORE_BYTES` bytes), and convert, stage by stage (:func:`stages`: layers whose inputs depend
+on no layer still to choose), re-runs them through a simulation of the quantized model
+(:class:`QuantizedSimulation`: every activation observer fake-quantizes with its calibrated
+encoding, every weight reads its current codes) to feed fresh collectors of that stage's layers.
+Memory: the stored batches plus one stage's collectors (Hessians), never the activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Interpreter, Node
+
+from quantplug.annotation.spec_view import is_per_channel, spec_range
+
+#: at most this many calibration batches are kept for the sequential pass
+STORE_BATCHES = 32
+#: ... and at most this many bytes of them
+STORE_BYTES = 256 * 2**20
+
+
+class InputStore(nn.Module):
+    """A calibration tap on the program's inputs: keeps the first batches, within the caps."""
+
+    def __init__(self, max_batches: int = STORE_BATCHES, max_bytes: int = STORE_BYTES) -> None:
+        super().__init__()
+        self.max_batches = max_batches
+        self.max_bytes = max_bytes
+        self.batches: list[tuple[Any, ...]] = []
+        self.bytes = 0
+        self.seen = 0
+
+    def forward(self, *inputs: Any) -> None:
+        self.seen += 1
+        if len(self.batches) >= self.max_batches:
+            return
+        size = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+        if self.batches and self.bytes + size > self.max_bytes:
+            return
+        self.batches.append(tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs))
+        self.bytes += size
+
+
+def stages(graph_nodes: Sequence[Node], consumers: Sequence[str]) -> list[list[int]]:
+    """Indices of ``consumers`` (the layer node of each weight, in graph order or not) grouped in
+    stages: a layer's stage is one more than the latest stage among the layers upstream of it, so
+    a stage's inputs depend only on earlier stages (query/key/value projections share one)."""
+    names = list(dict.fromkeys(consumers))
+    index = {name: i for i, name in enumerate(names)}
+    upstream: dict[Node, int] = {}  # node -> bit set of the layers its value depends on
+    level: dict[int, int] = {}
+    for node in graph_nodes:
+        bits = 0
+        for arg in node.all_input_nodes:
+            bits |= upstream.get(arg, 0)
+        mine = index.get(node.name)
+        if mine is not None:
+            before = [i for i in range(len(names)) if bits >> i & 1]
+            level[mine] = 1 + max((level.get(i, 0) for i in before), default=-1)
+            bits |= 1 << mine
+        upstream[node] = bits
+    grouped: dict[int, list[int]] = {}
+    for k, name in enumerate(consumers):
+        grouped.setdefault(level.get(index[name], 0), []).append(k)
+    return [grouped[key] for key in sorted(grouped)]
+
+
+def fake_quantize_activation(x: torch.Tensor, spec: Any, qparams: tuple[Any, Any] | None) -> torch.Tensor:
+    """``x`` through the quantize/dequantize pair its group's calibrated encoding gives it
+    (identity where there is none: floating-point or dynamic specs, derived groups)."""
+    if qparams is None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return x
+    try:
+        qmin, qmax = spec_range(spec)
+    except Exception:  # a floating-point spec (fp16 "quantization"): nothing to simulate
+        return x
+    scale = torch.as_tensor(qparams[0]).detach().to(torch.float32)
+    zero_point = torch.as_tensor(qparams[1]).detach().to(torch.int32)
+    value = x.to(torch.float32)
+    if scale.numel() > 1 and is_per_channel(spec):
+        axis = int(getattr(spec, "ch_axis", 0) or 0) % value.dim()
+        out = torch.fake_quantize_per_channel_affine(value, scale, zero_point, axis, qmin, qmax)
+    else:
+        out = torch.fake_quantize_per_tensor_affine(
+            value, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), qmin, qmax
+        )
+    return out.to(x.dtype)
+
+
+class _Done(Exception):
+    """Raised once every layer input a pass wants has been seen (the rest of the model is not run)."""
+
+
+class QuantizedSimulation(Interpreter):
+    """The prepared program run as its quantized form would compute it, feeding layer inputs.
+
+    Args:
+        prepared: the calibrated prepared module (not modified).
+        observer_prefix: the qualified name prefix of its observers (``<container>.g<gid>``).
+        activation: ``gid -> (spec, qparams or None)`` for every observer in the graph.
+        weights: ``get_attr target -> tensor`` read instead of the float weight (dequantized codes).
+        feeds: ``layer node name -> callables`` given that layer's input (argument 0).
+        is_tap: which call_module nodes are calibration taps (skipped).
+    """
+
+    def __init__(
+        self,
+        prepared: GraphModule,
+        observer_prefix: str,
+        activation: Mapping[int, tuple[Any, tuple[Any, Any] | None]],
+        weights: Mapping[str, torch.Tensor],
+        feeds: Mapping[str, Sequence[Callable[[torch.Tensor], None]]],
+        is_tap: Callable[[Node], bool],
+    ) -> None:
+        super().__init__(prepared, garbage_collect_values=True)
+        self.observer_prefix = observer_prefix + "."
+        self.activation = activation
+        self.weights = weights
+        self.feeds = feeds
+        self.is_tap = is_tap
+        self._left: set[str] = set()
+
+    def run_batch(self, batch: Sequence[Any]) -> None:
+        self._left = set(self.feeds)
+        try:
+            with torch.no_grad():
+                self.run(*batch)
+        except _Done:
+            pass
+
+    def run_node(self, n: Node) -> Any:
+        if n.op == "call_module" and self.is_tap(n):
+            return None
+        if n.name in self._left:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            value = args[0]
+            if isinstance(value, torch.Tensor):
+                for feed in self.feeds[n.name]:
+                    feed(value.detach())
+            self._left.discard(n.name)
+            if not self._left:
+                raise _Done
+        return super().run_node(n)
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        replaced = self.weights.get(str(target))
+        return replaced if replaced is not None else super().get_attr(target, args, kwargs)
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        name = str(target)
+        if name.startswith(self.observer_prefix):
+            gid = int(name[len(self.observer_prefix) + 1 :])
+            spec, qparams = self.activation.get(gid, (None, None))
+            return fake_quantize_activation(args[0], spec, qparams)
+        return super().call_module(target, args, kwargs)

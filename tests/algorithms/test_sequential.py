@@ -1,0 +1,213 @@
+"""Sequential layer inputs (``sequential=True``): each layer's collectors see the inputs the quantized
+model computes, with the layers before it quantized as chosen (AdaRound, AIMET's SeqMSE, GPTQ as
+published), from a bounded store of calibration batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.fx import GraphModule, Interpreter, Node
+
+import quantplug
+from quantplug.algorithms.collectors import InputSample
+from quantplug.algorithms.runtime import RUN_KEY
+from quantplug.algorithms.sequential import InputStore, stages
+from quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
+
+BATCH = 8
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+        with torch.no_grad():
+            for layer in (self.fc1, self.fc2):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.3)
+                layer.bias.copy_(torch.randn(layer.bias.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class Recorder(quantplug.Algorithm):
+    """Records each layer's collected inputs; optionally zeroes the first layer's weight."""
+
+    name = "recorder"
+
+    def __init__(self, sequential: bool, zero_first: bool = False) -> None:
+        self.sequential = sequential
+        self.zero_first = zero_first
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def collector(self, site: WeightSite) -> InputSample | None:
+        return InputSample(max_rows=10_000) if site.has_layer else None
+
+    def choose_weight(
+        self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
+    ) -> WeightChoice | None:
+        self.seen[site.node] = collected
+        if self.zero_first and site.node == "linear":
+            return WeightChoice(codes=grid.expand(grid.zero_point, site.weight.shape).to(torch.int64))
+        return None
+
+
+def run(algorithm: Recorder, data: torch.Tensor, precision: str = "8a8w") -> GraphModule:
+    model = Mlp().eval()
+    ep = torch.export.export(model, (data[:BATCH],))
+    quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision=precision)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=[algorithm])
+    for i in range(0, len(data), BATCH):
+        prepared(data[i : i + BATCH])
+    converted: GraphModule = quantplug.convert(prepared)
+    return converted
+
+
+def quantized_input_of_second_linear(converted: GraphModule, data: torch.Tensor) -> torch.Tensor:
+    """What the converted (Q/DQ) program feeds its second linear layer, over all of ``data``."""
+    linears = [n for n in converted.graph.nodes if str(n.target) == "aten.linear.default"]
+    second = linears[1]
+    rows: list[torch.Tensor] = []
+
+    class Probe(Interpreter):
+        def run_node(self, n: Node) -> Any:
+            if n is second:
+                args, _ = self.fetch_args_kwargs_from_env(n)
+                rows.append(args[0].detach().reshape(-1, args[0].shape[-1]))
+            return super().run_node(n)
+
+    with torch.no_grad():
+        for i in range(0, len(data), BATCH):
+            Probe(converted).run(data[i : i + BATCH])
+    return torch.cat(rows)
+
+
+def data() -> torch.Tensor:
+    return torch.randn(4 * BATCH, 16, generator=torch.Generator().manual_seed(1))
+
+
+def test_sequential_inputs_are_what_the_quantized_model_computes() -> None:
+    x = data()
+    sequential = Recorder(sequential=True)
+    converted = run(sequential, x, precision="8a4w")
+    expected = quantized_input_of_second_linear(converted, x)
+    got = sequential.seen["linear_1"]
+    step = float(expected[expected > 0].min())  # the smallest positive level of the 8-bit relu output
+    assert got.shape == expected.shape
+    # the converted bias is int32 (step: input scale x weight scale), the simulated one float: an
+    # output near a rounding boundary (here ~2 % of them) may land one level away
+    assert float((got - expected).abs().max()) <= 2 * step
+    assert float((got != expected).float().mean()) < 0.05
+    floating = Recorder(sequential=False)
+    run(floating, x, precision="8a4w")
+    assert float((floating.seen["linear_1"] - expected).abs().mean()) > 10 * float(
+        (got - expected).abs().mean()
+    )
+
+
+def test_sequential_inputs_follow_the_codes_chosen_upstream() -> None:
+    x = data()
+    sequential = Recorder(sequential=True, zero_first=True)
+    run(sequential, x)
+    rows = sequential.seen["linear_1"]  # fc1 has all-zero weights: every row is relu(bias), quantized
+    assert torch.equal(rows, rows[:1].expand_as(rows))
+    floating = Recorder(sequential=False, zero_first=True)
+    run(floating, x)
+    assert not torch.equal(floating.seen["linear_1"], floating.seen["linear_1"][:1].expand_as(rows))
+
+
+def test_sequential_prepared_module_keeps_a_bounded_input_store() -> None:
+    model = Mlp().eval()
+    x = torch.randn(BATCH, 16)
+    ep = torch.export.export(model, (x,))
+    quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="8a8w")
+    prepared = quantplug.prepare(ep, quantizer, algorithms=[("gptq", {"sequential": True})])
+    store = prepared.meta[RUN_KEY].inputs
+    assert isinstance(store, InputStore)
+    for _ in range(store.max_batches + 5):
+        prepared(x)
+    assert len(store.batches) == store.max_batches and store.seen == store.max_batches + 5
+    floating = quantplug.prepare(ep, quantizer, algorithms=[("gptq", {"sequential": False})])
+    assert floating.meta[RUN_KEY].inputs is None  # float inputs: nothing stored
+
+
+def test_input_store_byte_cap() -> None:
+    store = InputStore(max_batches=100, max_bytes=3 * 4 * 10)
+    for _ in range(10):
+        store(torch.zeros(10), 3)
+    assert len(store.batches) == 3 and store.batches[0][1] == 3
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.up = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1) @ self.v(x)
+        return self.up(self.o(a) + x)
+
+
+def test_stages_put_parallel_layers_together_and_chains_in_order() -> None:
+    gm = torch.fx.symbolic_trace(Attention())
+    names = {str(n.target): n.name for n in gm.graph.nodes if n.op == "call_module"}
+    consumers = [names["up"], names["v"], names["o"], names["q"], names["k"]]
+    got = stages(list(gm.graph.nodes), consumers)
+    assert [sorted(consumers[i] for i in stage) for stage in got] == [
+        sorted([names["q"], names["k"], names["v"]]),
+        [names["o"]],
+        [names["up"]],
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=100), min_size=2, max_size=12))
+def test_stages_of_a_random_dag_respect_every_dependency(parents: list[int]) -> None:
+    """Node i reads node ``parents[i] % i`` (a random DAG): a layer's stage is later than the stage
+    of every layer it depends on, and a layer with no layer upstream is in the first stage."""
+    graph = torch.fx.Graph()
+    nodes: list[Node] = [graph.placeholder("x")]
+    for i, p in enumerate(parents, start=1):
+        nodes.append(graph.call_function(torch.relu, (nodes[p % i],)))
+    graph.output(nodes[-1])
+    consumers = [n.name for n in nodes[1:]]
+    got = stages(list(graph.nodes), consumers)
+    stage_of = {consumers[k]: s for s, stage in enumerate(got) for k in stage}
+    assert sorted(k for stage in got for k in stage) == list(range(len(consumers)))
+    for i, p in enumerate(parents, start=1):
+        parent = nodes[p % i]
+        if parent.name in stage_of:
+            assert stage_of[nodes[i].name] == stage_of[parent.name] + 1
+        else:
+            assert stage_of[nodes[i].name] == 0
+
+
+def quantized_sqnr(algorithms: list[Any]) -> float:
+    x = data()
+    model = Mlp().eval()
+    ep = torch.export.export(model, (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="16a4w")
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms or None)
+    for i in range(0, len(x), BATCH):
+        prepared(x[i : i + BATCH])
+    converted = quantplug.convert(prepared)
+    with torch.no_grad():
+        ref, out = model(x), converted(x)
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
+
+
+@pytest.mark.parametrize("algorithm", ["seq_mse", "gptq", "adaround"])
+def test_weight_algorithms_run_sequentially_and_beat_the_default(algorithm: str) -> None:
+    options: dict[str, Any] = {"sequential": True}
+    if algorithm == "adaround":
+        options["iterations"] = 100
+    assert quantized_sqnr([(algorithm, options)]) > quantized_sqnr([]) + 0.5
