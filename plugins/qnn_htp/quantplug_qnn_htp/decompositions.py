@@ -23,6 +23,8 @@ the precision's quantization and each op's HTP constraints apply:
   opset 21 has no RMSNormalization).
 * ``layer_norm``/``group_norm``/``instance_norm`` without affine parameters -> the same op with
   constant ones (and zeros) as weight (and bias): the exporter would make them after the Q/DQ.
+* ``conv1d/2d/3d`` without bias -> the same conv with a constant zero bias (the exporter would
+  make one after the Q/DQ; as a constant it gets the derived int32 bias grid).
 * ``adaptive_avg_pool2d(x, 1)`` on a non-contiguous ``x`` -> ``mean(x, [-2, -1], keepdim=True)``
   (the exporter otherwise adds a stride-restoring Gather after its ReduceMean).
 
@@ -361,6 +363,35 @@ def materialize_norm_parameters(b: _Builder, node: Node) -> Node | None:
     return b.call(node.target, *args, **kwargs)
 
 
+#: convolutions whose bias-less form the ONNX exporter writes with a bias it makes itself
+_CONVOLUTIONS = (
+    aten.conv1d.default,
+    aten.conv2d.default,
+    aten.conv3d.default,
+    aten.conv1d.padding,
+    aten.conv2d.padding,
+    aten.conv3d.padding,
+)
+
+
+def materialize_conv_bias(b: _Builder, node: Node) -> Node | None:
+    """A convolution without bias (DenseNet's, a pre-activation ResNet's: any conv not followed by
+    a batch norm quantplug folds into it) -> the same conv with a constant all-zeros bias. The ONNX
+    exporter writes ``conv2d(x, w, None)`` as ``Conv(x, w, Expand(CastLike(0, x), Shape(w)[:1]))``:
+    a float bias made after the last quantize/dequantize, which the converter would see without
+    an encoding. As a program constant it gets the derived int32 bias grid (zero is exact on it)."""
+    weight = node.args[1] if len(node.args) > 1 else None
+    if _arg(node, 2, "bias", None) is not None or not isinstance(weight, Node):
+        return None
+    w = _val(weight)
+    if not isinstance(w, torch.Tensor) or not _static(w.shape):
+        return None
+    args = list(node.args) + [None] * (3 - len(node.args))
+    args[2] = b.constant("_conv_bias", torch.zeros(int(w.shape[0]), dtype=w.dtype))
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+    return b.call(node.target, *args, **kwargs)
+
+
 Decomposition = Callable[[_Builder, Node], "Node | None"]
 
 #: op -> its rewrite (which returns None to keep a node as it is)
@@ -376,6 +407,7 @@ DECOMPOSITIONS: dict[Any, Decomposition] = {
     aten.rms_norm.default: decompose_rms_norm,
     aten.adaptive_avg_pool2d.default: decompose_global_avg_pool,
     **dict.fromkeys(_NORM_PARAMETERS, materialize_norm_parameters),
+    **dict.fromkeys(_CONVOLUTIONS, materialize_conv_bias),
 }
 
 
