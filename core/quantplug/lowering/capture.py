@@ -15,6 +15,7 @@ The result is what the ONNX exporter translates and what ``torch.export.save`` w
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -193,7 +194,7 @@ def _lift_constants(gm: GraphModule, graph: Graph) -> _Lifted:
                 kind, prefix = InputKind.CONSTANT_TENSOR, "c_"
                 lifted.constants[target] = value
             with graph.inserting_before(anchor):
-                placeholder = graph.placeholder(prefix + target.replace(".", "_"))
+                placeholder = graph.placeholder(_placeholder_name(prefix, target))
             val = node.meta.get("val")  # fake, or the tensor itself (convert's constants)
             placeholder.meta["val"] = val if isinstance(val, torch.Tensor) else value
             by_target[target] = placeholder
@@ -203,6 +204,14 @@ def _lift_constants(gm: GraphModule, graph: Graph) -> _Lifted:
         node.replace_all_uses_with(placeholder)
         graph.erase_node(node)
     return lifted
+
+
+def _placeholder_name(prefix: str, target: str) -> str:
+    """``p_`` + the attribute path as an identifier: the graph's code names its inputs after
+    placeholders, and a module name need not be one (RegNet's ``block1-0``, ``nn.ModuleDict`` keys
+    with spaces); ``torch.fx`` does not clean it, so ``block1-0`` left the generated ``forward``
+    a ``SyntaxError`` for every model whose parameters under such a name stay float."""
+    return prefix + re.sub(r"\W", "_", target)
 
 
 def _attach(root: nn.Module, target: str, value: Any) -> None:
