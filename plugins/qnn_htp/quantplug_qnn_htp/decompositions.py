@@ -349,7 +349,7 @@ def materialize_norm_parameters(b: _Builder, node: Node) -> Node | None:
     if not isinstance(x, Node) or not isinstance(val, torch.Tensor) or not (weight is None or missing_bias):
         return None
     if node.target == aten.layer_norm.default:
-        shape = tuple(int(d) for d in node.args[1])  # type: ignore[union-attr]
+        shape = tuple(int(d) for d in _val(node.args[1]))
     else:
         shape = (int(val.shape[1]),)
     args = list(node.args) + [None] * (bias_at + 1 - len(node.args))
