@@ -55,3 +55,26 @@ def test_a_mask_written_in_place_reaches_its_readers(backend: str, options: dict
     # the mask (+-4) dominates the output (a linear layer's ~0.5): without it the error is that big
     assert float((out - expected).abs().max()) < 0.2
     quantplug.lower(converted, quantizer)  # qnn_htp strict: every quantized tensor is in the model
+
+
+class InPlaceActivation(nn.Module):
+    """torchvision's ``ReLU(inplace=True)`` after a conv: the write's readers take its result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.conv(x))  # type: ignore[no-any-return]
+
+
+def test_an_in_place_activation_is_quantized_as_usual() -> None:
+    x = torch.randn(2, 3, 8, 8)
+    program = torch.export.export(InPlaceActivation().eval(), (x,))
+    assert any(n.target == torch.ops.aten.relu_.default for n in program.graph.nodes)
+    assert mutated_aliases(program.graph) == {}
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="8a8w")  # strict
+    prepared = quantplug.prepare(program, quantizer)
+    prepared(x)
+    quantplug.lower(quantplug.convert(prepared), quantizer)

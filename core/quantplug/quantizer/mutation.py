@@ -65,20 +65,36 @@ def _views_of(base: Node) -> list[Node]:
 
 
 def mutated_aliases(graph: Graph) -> dict[Node, str]:
-    """Node -> why it stays float: the in-place ops on tensors the program makes itself, the
-    tensors they write and every view of those (placeholders, which ``torch.export`` writes back
-    as mutated buffers, are left to it)."""
+    """Node -> why it stays float: the in-place ops on tensors the program makes itself whose
+    write is read through another name afterwards, the tensors they write and every view of
+    those. An in-place op whose tensor nobody else reads later (``relu_(conv(x))``, torchvision's
+    ``ReLU(inplace=True)``: readers take its return value) is harmless and left to the rules;
+    placeholders, which ``torch.export`` writes back as mutated buffers, are left to it."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
     reasons: dict[Node, str] = {}
     for node in graph.nodes:
         for written in _written_args(node):
             base = _base(written)
             if base.op != "call_function":
                 continue
+            aliases = _views_of(base)
+            if not _read_after(node, aliases, order):
+                continue
             why = (
                 f"written in place by {node.target} (node {node.name!r}): a quantize on it would copy "
                 "the tensor and the write would not reach its readers"
             )
             reasons.setdefault(node, why)
-            for alias in _views_of(base):
+            for alias in aliases:
                 reasons.setdefault(alias, why)
     return reasons
+
+
+def _read_after(write: Node, aliases: list[Node], order: dict[Node, int]) -> bool:
+    """Some node other than the write reads one of the aliases after the write."""
+    members = set(aliases)
+    return any(
+        user is not write and user not in members and order[user] > order[write]
+        for alias in aliases
+        for user in alias.users
+    )
