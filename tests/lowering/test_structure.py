@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import quantplug
 from quantplug.lowering import onnx_translate
@@ -257,3 +258,31 @@ def test_opsets_from_18() -> None:
         np.testing.assert_array_equal(session.run(None, {"x": x.numpy()})[0], expected)
     with pytest.raises(quantplug.LoweringError, match="opset 17 is not supported: use 18 to"):
         export_qdq_onnx(program, opset=17)
+
+
+class _DashedNames(nn.Module):
+    """Modules registered under names that are not identifiers (RegNet's ``block1-0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("stem-0", nn.Conv2d(3, 4, 3))
+        self.heads = nn.ModuleDict({"head 1": nn.Linear(4, 4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = getattr(self, "stem-0")(x).mean((2, 3))
+        return F.hardshrink(self.heads["head 1"](y))  # hardshrink: the exporter's decomposition runs
+
+
+@pytest.mark.parametrize("preset", ["weight_only_int4", "int8"])
+def test_module_names_that_are_not_identifiers_lower(preset: str) -> None:
+    """The float conv's weight (weight_only_int4 quantizes linears only) becomes a placeholder
+    named after ``stem-0``; the exporter's decomposition (hardshrink has no ONNX translation)
+    regenerates the program's code from those names: it used to fail with a SyntaxError."""
+    model = _DashedNames().eval()
+    x = torch.randn(2, 3, 8, 8)
+    quantizer = quantplug.get_quantizer("reference", preset=preset)
+    prepared = quantplug.prepare(torch.export.export(model, (x,)), quantizer)
+    prepared(x)
+    converted = quantplug.convert(prepared)
+    artifact = quantplug.lower(converted, quantizer)
+    assert torch.allclose(torch.as_tensor(artifact.run(x)), converted(x), atol=1e-4)

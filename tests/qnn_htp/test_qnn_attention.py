@@ -25,6 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 
 import quantplug
 from quantplug.flow.graph_copy import working_copy
@@ -233,3 +234,50 @@ def test_sdpa_decomposition_is_exact_for_any_shape(
     decompose_composites(gm)
     assert not any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in gm.graph.nodes)
     torch.testing.assert_close(gm(q, k, v), model(q, k, v), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+class PositionBiasAttention(nn.Module):
+    """T5's decoder self-attention: a learned relative-position bias looked up at run time,
+    ``where(causal, bias, finfo.min)`` as sdpa's float ``attn_mask`` (a mask that is no constant)."""
+
+    def __init__(self, d: int = 32, heads: int = 4, t: int = 8) -> None:
+        super().__init__()
+        self.h, self.dh = heads, d // heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.bias = nn.Embedding(2 * t, heads)
+        position = torch.arange(t)
+        self.register_buffer("relative", position[None, :] - position[:, None] + t, persistent=False)
+        self.register_buffer("causal", torch.ones(t, t, dtype=torch.bool).tril(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.h, self.dh).transpose(1, 2) for y in self.qkv(x).chunk(3, -1))
+        bias = self.bias(self.relative).permute(2, 0, 1).unsqueeze(0)  # [1, heads, t, t]
+        mask = torch.where(self.causal, bias, torch.finfo(x.dtype).min)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("precision", ["8a8w", "16a8w"])
+def test_a_mask_computed_at_run_time_keeps_the_scores_resolution(precision: str) -> None:
+    """The scores + mask add observes its range without the finfo.min entries (the mask is a
+    tensor the program computes, not a constant mark_masks sees directly): it used to span 3e38,
+    every score rounded to the same step and the block's SQNR was 2 dB."""
+    torch.manual_seed(0)
+    model = PositionBiasAttention().eval()
+    g = torch.Generator().manual_seed(1)
+    calibration, held_out = (
+        [(torch.randn(2, 8, 32, generator=g),) for _ in range(2)],
+        torch.randn(2, 8, 32, generator=g),
+    )
+    quantizer = quantplug.get_quantizer("qnn_htp", precision=precision)
+    prepared = quantplug.prepare(_export(model, calibration[0]), quantizer)
+    with torch.no_grad():
+        for batch in calibration:
+            prepared(*batch)
+    quantized = quantplug.convert(prepared)
+    with torch.no_grad():
+        sqnr = _sqnr(model(held_out), quantized(held_out))
+    assert sqnr > 20.0, f"{sqnr:.1f} dB"
+    report = quantplug.lower(quantized, quantizer).metadata["encoding_completeness"]
+    assert report["complete"]

@@ -207,3 +207,68 @@ def test_global_pool_of_a_channels_last_tensor_is_encoded(precision: str) -> Non
     assert report["complete"] and report["fraction"] == 1.0
     ops = [n.op_type for n in onnx.load_from_string(artifact.files["model.onnx"]).graph.node]
     assert "ReduceMean" in ops and "Gather" not in ops
+
+
+class PlainNorms(nn.Module):
+    """Norms without affine parameters: InstanceNorm2d's default, GroupNorm(affine=False),
+    LayerNorm(elementwise_affine=False) (the ONNX exporter makes their missing scale and bias with
+    Expand/CastLike after the last quantize/dequantize)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.instance = nn.InstanceNorm2d(8)
+        self.group = nn.GroupNorm(2, 8, affine=False)
+        self.layer = nn.LayerNorm(4, elementwise_affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.instance(self.conv(x)))
+        return self.layer(torch.relu(self.group(y)))
+
+
+@pytest.mark.parametrize("precision", ["8a8w", "16a8w"])
+def test_norms_without_affine_parameters_are_encoded(precision: str) -> None:
+    model = PlainNorms().eval()
+    x = torch.randn(2, 3, 6, 6)
+    quantizer = quantplug.get_quantizer("qnn_htp", precision=precision)  # strict
+    prepared = quantplug.prepare(torch.export.export(model, (x,)), quantizer)
+    prepared(x)
+    quantized = quantplug.convert(prepared)
+    artifact = quantplug.lower(quantized, quantizer)
+    report = artifact.metadata["encoding_completeness"]
+    assert report["complete"] and report["fraction"] == 1.0
+    ops = {n.op_type for n in onnx.load_from_string(artifact.files["model.onnx"]).graph.node}
+    assert {"InstanceNormalization", "GroupNormalization", "LayerNormalization"} <= ops
+    assert "Expand" not in ops  # no scale made by the exporter
+    with torch.no_grad():
+        out, ref = quantized(x), model(x)
+    assert float((out - ref).pow(2).mean() / ref.pow(2).mean()) < 0.05  # unit weights, as the model
+
+
+class PreActivation(nn.Module):
+    """DenseNet's layer: batch norm and ReLU before a bias-less conv (no norm after it to fold a
+    bias into), its output concatenated with its input; and a bias-less Conv1d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(4)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.conv1d = nn.Conv1d(8, 8, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([x, self.conv(torch.relu(self.norm(x)))], dim=1)
+        return self.conv1d(y.flatten(2))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("precision", ["8a8w", "16a4w_block"])
+def test_convs_without_bias_are_encoded(precision: str) -> None:
+    model = PreActivation().eval()
+    x = torch.randn(2, 4, 6, 6)
+    quantizer = quantplug.get_quantizer("qnn_htp", precision=precision)  # strict
+    prepared = quantplug.prepare(torch.export.export(model, (x,)), quantizer)
+    assert torch.allclose(prepared(x), model(x), atol=1e-6)  # a zero bias changes nothing
+    artifact = quantplug.lower(quantplug.convert(prepared), quantizer)
+    report = artifact.metadata["encoding_completeness"]
+    assert report["complete"] and report["fraction"] == 1.0
+    ops = [n.op_type for n in onnx.load_from_string(artifact.files["model.onnx"]).graph.node]
+    assert ops.count("Conv") == 2 and "Expand" not in ops

@@ -29,6 +29,7 @@ from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
 from quantplug.flow.calls import in_spec_of
 from quantplug.flow.constants import written
+from quantplug.flow.embedding_bag import rewrite_fixed_bags
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
@@ -247,6 +248,7 @@ def _prepare(
         _own_parameters(gm)  # training must not write the caller's weights
     else:
         fold_batch_norm(gm)
+    rewrite_fixed_bags(gm)  # no ONNX Loop, a quantized table (flow.embedding_bag)
     if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
         gm = run_transforms(gm, algorithms, calibration, in_spec_of(program), quantizer)
     transformed = _call(quantizer, "transform_for_annotation", gm)

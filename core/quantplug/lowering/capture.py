@@ -16,6 +16,7 @@ The result is what the ONNX exporter translates and what ``torch.export.save`` w
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -250,7 +251,7 @@ def _lift_constants(gm: GraphModule, graph: Graph) -> _Lifted:
                 kind, prefix = InputKind.CONSTANT_TENSOR, "c_"
                 lifted.constants[target] = value
             with graph.inserting_before(anchor):
-                placeholder = graph.placeholder(prefix + target.replace(".", "_"))
+                placeholder = graph.placeholder(_placeholder_name(prefix, target))
             val = node.meta.get("val")  # fake, or the tensor itself (convert's constants)
             placeholder.meta["val"] = val if isinstance(val, torch.Tensor) else value
             by_target[target] = placeholder
@@ -260,6 +261,14 @@ def _lift_constants(gm: GraphModule, graph: Graph) -> _Lifted:
         node.replace_all_uses_with(placeholder)
         graph.erase_node(node)
     return lifted
+
+
+def _placeholder_name(prefix: str, target: str) -> str:
+    """``p_`` + the attribute path as an identifier: the graph's code names its inputs after
+    placeholders, and a module name need not be one (RegNet's ``block1-0``, ``nn.ModuleDict`` keys
+    with spaces); ``torch.fx`` does not clean it, so ``block1-0`` left the generated ``forward``
+    a ``SyntaxError`` for every model whose parameters under such a name stay float."""
+    return prefix + re.sub(r"\W", "_", target)
 
 
 def _attach(root: nn.Module, target: str, value: Any) -> None:

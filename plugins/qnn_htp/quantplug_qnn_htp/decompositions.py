@@ -21,6 +21,10 @@ the precision's quantization and each op's HTP constraints apply:
 * ``rsqrt`` -> ``sqrt`` + ``reciprocal`` (ONNX has no Rsqrt); ``floor_divide`` -> ``div`` + ``floor``;
   ``square`` and ``pow(x, 2)``/``pow(x, 3)`` -> ``mul``s; ``rms_norm`` -> ``mul/mean/add/rsqrt/mul`` (ONNX
   opset 21 has no RMSNormalization).
+* ``layer_norm``/``group_norm``/``instance_norm`` without affine parameters -> the same op with
+  constant ones (and zeros) as weight (and bias): the exporter would make them after the Q/DQ.
+* ``conv1d/2d/3d`` without bias -> the same conv with a constant zero bias (the exporter would
+  make one after the Q/DQ; as a constant it gets the derived int32 bias grid).
 * ``adaptive_avg_pool2d(x, 1)`` on a non-contiguous ``x`` -> ``mean(x, [-2, -1], keepdim=True)``
   (the exporter otherwise adds a stride-restoring Gather after its ReduceMean).
 
@@ -319,6 +323,75 @@ def decompose_global_avg_pool(b: _Builder, node: Node) -> Node | None:
     return b.call(aten.mean.dim, x, [-2, -1], True)
 
 
+#: norm op -> (index of its weight argument, of its bias argument, whether ONNX needs the bias):
+#: ONNX's GroupNormalization and InstanceNormalization require both, LayerNormalization the scale
+_NORM_PARAMETERS: dict[Any, tuple[int, int, bool]] = {
+    aten.layer_norm.default: (2, 3, False),
+    aten.group_norm.default: (2, 3, True),
+    aten.instance_norm.default: (1, 2, True),
+}
+
+
+def materialize_norm_parameters(b: _Builder, node: Node) -> Node | None:
+    """A norm without affine parameters (``LayerNorm(elementwise_affine=False)``, ``GroupNorm(
+    affine=False)``, ``InstanceNorm2d()``) -> the same norm with an all-ones weight (and an
+    all-zeros bias where ONNX requires one) as constants. The ONNX exporter otherwise makes them
+    itself (``Expand(1.0, Shape(x))``, ``CastLike``) after every quantize/dequantize, so the
+    converter would see a quantized norm reading float tensors without an encoding; as program
+    constants they are quantized as the norm's weight and bias (exactly: 1 and 0 are on every
+    grid), and the result is the same."""
+    weight_at, bias_at, needs_bias = _NORM_PARAMETERS[node.target]
+    x = node.args[0]
+    val = _val(x)
+    weight = _arg(node, weight_at, "weight", None)
+    bias = _arg(node, bias_at, "bias", None)
+    missing_bias = bias is None and needs_bias
+    if not isinstance(x, Node) or not isinstance(val, torch.Tensor) or not (weight is None or missing_bias):
+        return None
+    if node.target == aten.layer_norm.default:
+        shape = tuple(int(d) for d in _val(node.args[1]))
+    else:
+        shape = (int(val.shape[1]),)
+    args = list(node.args) + [None] * (bias_at + 1 - len(node.args))
+    args[weight_at] = weight
+    args[bias_at] = bias
+    if weight is None:
+        args[weight_at] = b.constant("_norm_weight", torch.ones(shape, dtype=val.dtype))
+    if missing_bias:
+        args[bias_at] = b.constant("_norm_bias", torch.zeros(shape, dtype=val.dtype))
+    kwargs = {k: v for k, v in node.kwargs.items() if k not in ("weight", "bias")}
+    return b.call(node.target, *args, **kwargs)
+
+
+#: convolutions whose bias-less form the ONNX exporter writes with a bias it makes itself
+_CONVOLUTIONS = (
+    aten.conv1d.default,
+    aten.conv2d.default,
+    aten.conv3d.default,
+    aten.conv1d.padding,
+    aten.conv2d.padding,
+    aten.conv3d.padding,
+)
+
+
+def materialize_conv_bias(b: _Builder, node: Node) -> Node | None:
+    """A convolution without bias (DenseNet's, a pre-activation ResNet's: any conv not followed by
+    a batch norm quantplug folds into it) -> the same conv with a constant all-zeros bias. The ONNX
+    exporter writes ``conv2d(x, w, None)`` as ``Conv(x, w, Expand(CastLike(0, x), Shape(w)[:1]))``:
+    a float bias made after the last quantize/dequantize, which the converter would see without
+    an encoding. As a program constant it gets the derived int32 bias grid (zero is exact on it)."""
+    weight = node.args[1] if len(node.args) > 1 else None
+    if _arg(node, 2, "bias", None) is not None or not isinstance(weight, Node):
+        return None
+    w = _val(weight)
+    if not isinstance(w, torch.Tensor) or not _static(w.shape):
+        return None
+    args = list(node.args) + [None] * (3 - len(node.args))
+    args[2] = b.constant("_conv_bias", torch.zeros(int(w.shape[0]), dtype=w.dtype))
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+    return b.call(node.target, *args, **kwargs)
+
+
 Decomposition = Callable[[_Builder, Node], "Node | None"]
 
 #: op -> its rewrite (which returns None to keep a node as it is)
@@ -333,6 +406,8 @@ DECOMPOSITIONS: dict[Any, Decomposition] = {
     aten.pow.Tensor_Scalar: decompose_pow,
     aten.rms_norm.default: decompose_rms_norm,
     aten.adaptive_avg_pool2d.default: decompose_global_avg_pool,
+    **dict.fromkeys(_NORM_PARAMETERS, materialize_norm_parameters),
+    **dict.fromkeys(_CONVOLUTIONS, materialize_conv_bias),
 }
 
 

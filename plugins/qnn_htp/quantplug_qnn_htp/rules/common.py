@@ -87,7 +87,8 @@ def annotate_all_float_args(node: Node, config: QuantizationConfig, *, limit: in
 
     With ``-inf`` masks (marked by the ``mark_masks`` pass) the output is observed without the
     mask values and the mask constant shares the output's encoding, so a masked entry lands on
-    the grid's minimum, ``mask_margin`` below the real data (see ``observers.MaskAwareObserver``).
+    the grid's minimum, ``mask_margin`` below the real data (see ``observers.MaskAwareObserver``);
+    a mask computed at run time gets its own grid, observed without its mask values.
     """
     if is_annotated(node):
         return
@@ -101,8 +102,12 @@ def annotate_all_float_args(node: Node, config: QuantizationConfig, *, limit: in
     for i, a in enumerate(args):
         if not is_float_tensor(a) or config.input_activation is None or a in inputs:
             continue
-        if masked and i in mask_args and out is not None:
+        if masked and i in mask_args and out is not None and a.op == "get_attr":  # type: ignore[union-attr]
             inputs[a] = SharedQuantizationSpec(node)  # type: ignore[index]
+        elif masked and i in mask_args and out is not None:
+            # a mask made at run time (T5's where(causal, position_bias, finfo.min)): its own
+            # grid, observed without the mask values (its real values are not this output's)
+            inputs[a] = config.masked(config.input_activation)  # type: ignore[attr-defined,index]
         else:
             inputs[a] = config.input_activation  # type: ignore[index]
     if inputs or out is not None:

@@ -1,0 +1,100 @@
+"""Tensors a program writes in place, which no quantize may be put on.
+
+``torch.export`` keeps in-place ops on tensors the program creates itself: torchvision's Swin
+builds its shifted-window mask as ``m = x.new_zeros(...)`` then ``m[a:b, c:d] = k`` for each
+window (``slice`` views written by ``fill_``). A quantize/dequantize on ``m`` or on one of its
+views makes a new tensor: the ``fill_`` then writes into the copy, and every reader of ``m`` sees
+zeros -- the converted program silently computes another function (and the Q/DQ of the views
+vanish from the ONNX model, which the exporter computes without them). Such tensors stay float:
+the base tensor, every view of it, and the in-place ops themselves. Readers of the result quantize
+it on their own input edge, after the writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+
+def _schema(node: Node) -> Any:
+    target = node.target
+    return target._schema if isinstance(target, torch._ops.OpOverload) else None
+
+
+def _written_args(node: Node) -> list[Node]:
+    """The node arguments an op writes (``Tensor(a!)`` in its schema)."""
+    schema = _schema(node)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, Node):
+            written.append(value)
+    return written
+
+
+def is_view(node: Node) -> bool:
+    """An op whose output aliases its first argument (``Tensor(a)`` returned: slice, view...)."""
+    schema = _schema(node)
+    if node.op != "call_function" or schema is None or not schema.returns or schema.is_mutable:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write
+
+
+def _base(node: Node) -> Node:
+    while is_view(node) and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def _views_of(base: Node) -> list[Node]:
+    found, stack = [base], [base]
+    while stack:
+        for user in stack.pop().users:
+            if is_view(user) and user.args and user.args[0] in found and user not in found:
+                found.append(user)
+                stack.append(user)
+    return found
+
+
+def mutated_aliases(graph: Graph) -> dict[Node, str]:
+    """Node -> why it stays float: the in-place ops on tensors the program makes itself whose
+    write is read through another name afterwards, the tensors they write and every view of
+    those. An in-place op whose tensor nobody else reads later (``relu_(conv(x))``, torchvision's
+    ``ReLU(inplace=True)``: readers take its return value) is harmless and left to the rules;
+    placeholders, which ``torch.export`` writes back as mutated buffers, are left to it."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    reasons: dict[Node, str] = {}
+    for node in graph.nodes:
+        for written in _written_args(node):
+            base = _base(written)
+            if base.op != "call_function":
+                continue
+            aliases = _views_of(base)
+            if not _read_after(node, aliases, order):
+                continue
+            why = (
+                f"written in place by {node.target} (node {node.name!r}): a quantize on it would copy "
+                "the tensor and the write would not reach its readers"
+            )
+            reasons.setdefault(node, why)
+            for alias in aliases:
+                reasons.setdefault(alias, why)
+    return reasons
+
+
+def _read_after(write: Node, aliases: list[Node], order: dict[Node, int]) -> bool:
+    """Some node other than the write reads one of the aliases after the write."""
+    members = set(aliases)
+    return any(
+        user is not write and user not in members and order[user] > order[write]
+        for alias in aliases
+        for user in alias.users
+    )

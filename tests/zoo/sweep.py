@@ -1,0 +1,576 @@
+"""Sweep architectures the zoo lacks through quantplug's public API and print what fails where.
+
+The zoo (``tests/zoo/models.py``) is what the suite asserts on; this script is how new
+architectures are tried before one is worth a permanent place there: each model is built with
+random weights from a small config (no downloads), exported (with a dynamic batch where
+``torch.export`` allows it), and for each preset prepared, calibrated on two batches, converted,
+lowered (``qnn_htp`` strictly: every ONNX tensor of a quantized op encoded) and saved; for the
+``reference`` backend the ONNX Runtime artifact is run and compared with the Q/DQ program (in
+steps of the output's grid) and with float (SQNR).
+
+    .venv/bin/python -m tests.zoo.sweep                  # every model, one at a time
+    .venv/bin/python -m tests.zoo.sweep swin_t maxvit    # some of them
+
+One table row per model and preset: ``ok`` with the program's SQNR (and the artifact's, and its
+distance from the program in output steps), or the exception's type and first line.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import quantplug
+from tests.zoo.harness import quiet, run, sqnr
+from tests.zoo.models import VOCAB, ZooModel
+
+SOC_MODEL = "SM8650"
+PRESETS: tuple[tuple[str, str], ...] = (
+    ("reference", "int8"),
+    ("reference", "weight_only_int4"),
+    ("qnn_htp", "8a8w"),
+    ("qnn_htp", "16a8w"),
+    ("qnn_htp", "16a4w_block"),
+)
+
+
+@dataclass(frozen=True)
+class SweepModel:
+    """A model to try: how to build it and the shape (and kind) of its one input."""
+
+    name: str
+    make: Callable[[], nn.Module]
+    shape: tuple[int, ...]
+    kind: str = "float"  # "float" (randn), "tokens" (int ids below VOCAB), "vision" (randn + LSUV)
+
+    def build(self) -> nn.Module:
+        family = "vision" if self.kind == "vision" else "sequence"
+        zoo = ZooModel(self.name, family, self.make, needs="torchvision")  # imports it (and transformers)
+        if self.kind == "vision":
+            # the zoo's LSUV initialisation draws IMAGE-shaped inputs; draw ours instead
+            object.__setattr__(zoo, "draw", lambda gen, batch=None: self.draw(gen))
+        return zoo.build()
+
+    def draw(self, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        if self.kind == "tokens":
+            return (torch.randint(0, VOCAB, self.shape, generator=gen),)
+        return (torch.randn(self.shape, generator=gen),)
+
+
+# --- torchvision ---------------------------------------------------------------------------------
+
+
+def _tv(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models, name)(num_classes=10, **kwargs)  # type: ignore[no-any-return]
+
+    return make
+
+
+def _densenet() -> nn.Module:
+    from torchvision.models import DenseNet
+
+    return DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, bn_size=2, num_classes=10)
+
+
+def _resnext() -> nn.Module:
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    return ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10, groups=4, width_per_group=8)
+
+
+def _wide_resnet() -> nn.Module:
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    return ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10, width_per_group=128)
+
+
+def _efficientnet_v2() -> nn.Module:
+    from functools import partial
+
+    from torchvision.models.efficientnet import EfficientNet, FusedMBConvConfig, MBConvConfig
+
+    settings = [
+        FusedMBConvConfig(1, 3, 1, 16, 16, 1),
+        FusedMBConvConfig(4, 3, 2, 16, 24, 1),
+        MBConvConfig(4, 3, 2, 24, 32, 1, width_mult=1.0, depth_mult=1.0),
+    ]
+    return EfficientNet(
+        settings, dropout=0.0, num_classes=10, norm_layer=partial(nn.BatchNorm2d, eps=1e-3), last_channel=64
+    )
+
+
+def _swin() -> nn.Module:
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(
+        patch_size=[4, 4],
+        embed_dim=16,
+        depths=[2, 2],
+        num_heads=[2, 4],
+        window_size=[3, 3],
+        stochastic_depth_prob=0.0,
+        num_classes=10,
+    )
+
+
+def _maxvit() -> nn.Module:
+    from torchvision.models.maxvit import MaxVit
+
+    return MaxVit(
+        input_size=(32, 32),
+        stem_channels=8,
+        partition_size=2,
+        block_channels=[16, 32],
+        block_layers=[1, 1],
+        head_dim=8,
+        stochastic_depth_prob=0.0,
+        num_classes=10,
+    )
+
+
+class _Out(nn.Module):
+    """A segmentation model's ``out`` entry as one tensor."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)["out"]  # type: ignore[no-any-return]
+
+
+def _deeplab() -> nn.Module:
+    from torchvision.models.segmentation.deeplabv3 import DeepLabHead
+
+    return _Segmentation(DeepLabHead(16, 3))
+
+
+def _fcn() -> nn.Module:
+    from torchvision.models.segmentation.fcn import FCNHead
+
+    return _Segmentation(FCNHead(16, 3))
+
+
+class _Segmentation(nn.Module):
+    """A small strided backbone, a torchvision segmentation head, bilinear upsampling to the input."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, 2, 1)
+        )
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(F.relu(self.backbone(x)))
+        return F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
+# --- transformers --------------------------------------------------------------------------------
+
+
+class _First(nn.Module):
+    """A Hugging Face model called with keyword ``key`` returning its first output as one tensor."""
+
+    def __init__(self, model: nn.Module, key: str = "input_ids") -> None:
+        super().__init__()
+        self.model = model
+        self.key = key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.key: x})[0]  # type: ignore[no-any-return]
+
+
+class _Seq2Seq(nn.Module):
+    """An encoder-decoder called with the same ids as encoder and decoder input."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, decoder_input_ids=ids)[0]  # type: ignore[no-any-return]
+
+
+SMALL: dict[str, Any] = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def _hf(
+    model_cls: str, config_cls: str, wrap: Callable[[nn.Module], nn.Module] = _First, **config: Any
+) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, config_cls)(**config)
+        return wrap(getattr(transformers, model_cls)(cfg))
+
+    return make
+
+
+def _whisper() -> nn.Module:
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    config = WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        d_model=32,
+        encoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_layers=1,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=8,
+        max_target_positions=16,
+    )
+    return _First(WhisperEncoder(config), "input_features")
+
+
+def _hf_vit() -> nn.Module:
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, **SMALL)
+    return _First(ViTModel(config, add_pooling_layer=False), "pixel_values")
+
+
+# --- torch.nn ------------------------------------------------------------------------------------
+
+
+class Conv1dNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(16, 32, 3, padding=1)
+        self.gn = nn.GroupNorm(4, 32)
+        self.c2 = nn.Conv1d(32, 16, 5, padding=2, groups=4)
+        self.inorm = nn.InstanceNorm1d(16, affine=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inorm(self.c2(F.relu(self.gn(self.c1(x.transpose(1, 2)))))).transpose(1, 2)  # type: ignore[no-any-return]
+
+
+class DecoderNet(nn.Module):
+    """ConvTranspose2d, GroupNorm, InstanceNorm2d, PixelShuffle, tanh-GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, 2, 1)
+        self.gn = nn.GroupNorm(4, 16)
+        self.up = nn.ConvTranspose2d(16, 8, 4, 2, 1)
+        self.inorm = nn.InstanceNorm2d(8)
+        self.c2 = nn.Conv2d(8, 12, 3, padding=1)
+        self.ps = nn.PixelShuffle(2)
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.gn(self.c1(x)))
+        y = F.relu(self.inorm(self.up(y)))
+        return self.ps(self.c2(y))  # type: ignore[no-any-return]
+
+
+class EmbeddingNet(nn.Module):
+    """Embedding + EmbeddingBag (mean), LayerNorm without affine, SiLU MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.bag = nn.EmbeddingBag(VOCAB, 16, mode="mean")
+        self.norm = nn.LayerNorm(16, elementwise_affine=False)
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tokens = self.emb(ids) + self.bag(ids).unsqueeze(1)
+        return self.fc(F.silu(self.norm(tokens)))  # type: ignore[no-any-return]
+
+
+TEXT = (4, 12)
+IMG = (4, 3, 32, 32)
+
+SWEEP: dict[str, SweepModel] = {
+    m.name: m
+    for m in (
+        SweepModel("alexnet", _tv("alexnet"), (4, 3, 64, 64), "vision"),
+        SweepModel("vgg11_bn", _tv("vgg11_bn"), IMG, "vision"),
+        SweepModel("googlenet", _tv("googlenet", aux_logits=False, init_weights=True), IMG, "vision"),
+        SweepModel(
+            "inception_v3", _tv("inception_v3", aux_logits=False, init_weights=True), (2, 3, 75, 75), "vision"
+        ),
+        SweepModel("densenet", _densenet, IMG, "vision"),
+        SweepModel("mnasnet0_5", _tv("mnasnet0_5"), IMG, "vision"),
+        SweepModel("resnext", _resnext, IMG, "vision"),
+        SweepModel("wide_resnet", _wide_resnet, IMG, "vision"),
+        SweepModel("regnet_y_400mf", _tv("regnet_y_400mf"), IMG, "vision"),
+        SweepModel("efficientnet_v2", _efficientnet_v2, IMG, "vision"),
+        SweepModel("mobilenet_v3_large", _tv("mobilenet_v3_large"), IMG, "vision"),
+        SweepModel("swin_t", _swin, IMG, "vision"),
+        SweepModel("maxvit", _maxvit, IMG, "vision"),
+        SweepModel("deeplabv3", _deeplab, IMG, "vision"),
+        SweepModel("fcn", _fcn, IMG, "vision"),
+        SweepModel(
+            "distilbert",
+            _hf(
+                "DistilBertModel",
+                "DistilBertConfig",
+                vocab_size=VOCAB,
+                dim=32,
+                n_layers=2,
+                n_heads=2,
+                hidden_dim=64,
+                max_position_embeddings=32,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "roberta",
+            _hf("RobertaModel", "RobertaConfig", vocab_size=VOCAB, max_position_embeddings=40, **SMALL),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "albert",
+            _hf(
+                "AlbertModel",
+                "AlbertConfig",
+                vocab_size=VOCAB,
+                embedding_size=16,
+                max_position_embeddings=32,
+                **SMALL,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "t5_encoder",
+            _hf(
+                "T5EncoderModel",
+                "T5Config",
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=16,
+                d_ff=64,
+                num_layers=2,
+                num_heads=2,
+                use_cache=False,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "t5",
+            _hf(
+                "T5Model",
+                "T5Config",
+                _Seq2Seq,
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=16,
+                d_ff=64,
+                num_layers=1,
+                num_decoder_layers=1,
+                num_heads=2,
+                use_cache=False,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "mistral",
+            _hf(
+                "MistralForCausalLM",
+                "MistralConfig",
+                vocab_size=VOCAB,
+                num_key_value_heads=1,
+                max_position_embeddings=32,
+                sliding_window=4,
+                use_cache=False,
+                **SMALL,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "qwen2",
+            _hf(
+                "Qwen2ForCausalLM",
+                "Qwen2Config",
+                vocab_size=VOCAB,
+                num_key_value_heads=1,
+                max_position_embeddings=32,
+                use_cache=False,
+                **SMALL,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "phi",
+            _hf(
+                "PhiForCausalLM",
+                "PhiConfig",
+                vocab_size=VOCAB,
+                max_position_embeddings=32,
+                use_cache=False,
+                **SMALL,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "gpt_neox",
+            _hf(
+                "GPTNeoXForCausalLM",
+                "GPTNeoXConfig",
+                vocab_size=VOCAB,
+                max_position_embeddings=32,
+                use_cache=False,
+                **SMALL,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel("whisper_encoder", _whisper, (2, 8, 16)),
+        SweepModel("hf_vit", _hf_vit, IMG),
+        SweepModel(
+            "clip_text",
+            _hf("CLIPTextModel", "CLIPTextConfig", vocab_size=VOCAB, max_position_embeddings=32, **SMALL),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(
+            "bart",
+            _hf(
+                "BartModel",
+                "BartConfig",
+                vocab_size=VOCAB,
+                d_model=32,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_position_embeddings=32,
+                use_cache=False,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel("conv1d", Conv1dNet, (4, 12, 16)),
+        SweepModel("decoder", DecoderNet, IMG),
+        SweepModel("embedding", EmbeddingNet, TEXT, "tokens"),
+    )
+}
+
+
+def export(model: nn.Module, example: tuple[torch.Tensor, ...]) -> tuple[torch.export.ExportedProgram, str]:
+    """Export with a dynamic batch if torch.export allows it, else static."""
+    batch = torch.export.Dim("batch", min=1, max=64)
+    try:
+        return torch.export.export(model, example, dynamic_shapes=({0: batch},)), "dyn"
+    except Exception:
+        return torch.export.export(model, example), "static"
+
+
+def quantizer(backend: str, preset: str) -> Any:
+    if backend == "qnn_htp":
+        return quantplug.get_quantizer("qnn_htp", soc_model=SOC_MODEL, precision=preset)
+    return quantplug.get_quantizer(backend, preset=preset)
+
+
+def steps(program_out: list[Any], artifact_out: list[Any]) -> float:
+    """The largest artifact-vs-program difference in steps of an 8-bit grid over the output's range."""
+    worst = 0.0
+    for p, a in zip(program_out, artifact_out, strict=True):
+        p64, a64 = torch.as_tensor(p).double(), torch.as_tensor(a).double()
+        step = float(p64.max() - p64.min()) / 255 or 1.0
+        worst = max(worst, float((p64 - a64).abs().max()) / step)
+    return worst
+
+
+def one_case(
+    program: torch.export.ExportedProgram,
+    backend: str,
+    preset: str,
+    calibration: list[Any],
+    held_out: list[Any],
+    reference: list[Any],
+) -> str:
+    q = quantizer(backend, preset)
+    prepared = quantplug.prepare(program, q)
+    run(prepared, calibration)
+    converted = quantplug.convert(prepared)
+    program_out = run(converted, held_out)
+    result = f"ok {sqnr(reference, program_out):.1f}"
+    artifact = quantplug.lower(converted, q)
+    with tempfile.TemporaryDirectory() as out:
+        artifact.save(out)
+    runner = getattr(artifact, "run", None)
+    if callable(runner):
+        artifact_out = [runner(*batch) for batch in held_out]
+        result += f" art {sqnr(reference, artifact_out):.1f} d{steps(program_out, artifact_out):.1f}"
+    return result
+
+
+def failure(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"FAIL {type(exc).__name__}: {first[:160]}"
+
+
+def sweep(name: str, presets: tuple[tuple[str, str], ...] = PRESETS, verbose: bool = False) -> dict[str, str]:
+    spec = SWEEP[name]
+    gen = torch.Generator().manual_seed(1234)
+    rows: dict[str, str] = {}
+    try:
+        with quiet():
+            model = spec.build()
+            example = spec.draw(gen)
+            program, how = export(model, example)
+    except Exception as exc:
+        return {"export": failure(exc)}
+    rows["export"] = how
+    calibration = [spec.draw(gen) for _ in range(2)]
+    held_out = [spec.draw(gen) for _ in range(2)]
+    reference = run(model, held_out)
+    for backend, preset in presets:
+        start = time.perf_counter()
+        try:
+            with quiet():
+                rows[f"{backend}:{preset}"] = one_case(
+                    program, backend, preset, calibration, held_out, reference
+                )
+        except Exception as exc:
+            rows[f"{backend}:{preset}"] = failure(exc)
+            if verbose:
+                traceback.print_exc()
+        rows[f"{backend}:{preset}"] += f" ({time.perf_counter() - start:.0f}s)"
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    verbose = "-v" in argv
+    names = [a for a in argv if not a.startswith("-")] or list(SWEEP)
+    torch.set_num_threads(1)
+    failed = 0
+    for name in names:
+        rows = sweep(name, verbose=verbose)
+        for case, result in rows.items():
+            print(f"{name:18} {case:28} {result}", flush=True)
+            failed += "FAIL" in result
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
