@@ -74,3 +74,45 @@ def test_lowering_an_embedding_bag_model_runs_in_onnx_runtime() -> None:
     """In a child process: the failure this guards against is a segmentation fault."""
     done = subprocess.run([sys.executable, "-c", _LOWER], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "lowered" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+_OFFSETS = textwrap.dedent(
+    """
+    import torch, quantplug
+    from torch import nn
+    from quantplug.errors import LoweringError
+
+    class Offsets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = nn.EmbeddingBag(50, 16, mode="mean")
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, ids, offsets):
+            return self.fc(self.bag(ids, offsets))
+
+    torch.manual_seed(0)
+    ids, offsets = torch.randint(0, 50, (20,)), torch.tensor([0, 3, 7, 12])
+    program = torch.export.export(Offsets().eval(), (ids, offsets))
+    quantizer = quantplug.get_quantizer("reference", preset="int8")
+    prepared = quantplug.prepare(program, quantizer)
+    prepared(ids, offsets)
+    try:
+        quantplug.lower(quantplug.convert(prepared), quantizer)
+    except LoweringError as exc:
+        print("refused:", exc)
+    else:
+        print("lowered")
+    """
+)
+
+
+def test_a_model_onnx_runtime_would_crash_on_is_refused_not_fatal() -> None:
+    """Bags of varying size (offsets) stay an ONNX Loop that ONNX Runtime 1.32 crashes on when
+    quantized: lowering probes the session in a child and raises a typed error naming the Loop,
+    instead of the user's process dying (run in a child here too: the failure is a segfault)."""
+    done = subprocess.run([sys.executable, "-c", _OFFSETS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    out = done.stdout
+    # either ONNX Runtime no longer crashes (a newer release) or the crash is a named refusal
+    assert "lowered" in out or ("refused:" in out and "Loop" in out and "SIGSEGV" in out), out

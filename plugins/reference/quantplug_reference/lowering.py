@@ -151,6 +151,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
     """Export the Q/DQ program to QDQ ONNX, keep it as ``model.pt2``, list the encodings, and
     check that ORT's integer kernels reproduce the program on every CPU."""
     from quantplug.lowering.onnx_export import export_qdq_onnx
+    from quantplug_reference.session_probe import ensure_session_survives
 
     opset = int(context.option("onnx_opset", 21) or 21)
     for_onnx, translations, fused = _for_ort(program)
@@ -172,6 +173,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
         outputs=list(result.outputs),
         threads=int(context.option("ort_threads", 0) or 0),
     )
+    ensure_session_survives(result.model, model_bytes)
     checked = _check_integer_kernels(model_bytes, artifact)
     doc = {
         "version": 2,
