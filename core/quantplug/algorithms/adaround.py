@@ -34,6 +34,7 @@ from quantplug.algorithms.spec import (
 )
 from quantplug.algorithms.weight_layers import (
     SEQUENTIAL,
+    SEQUENTIAL_OPTION,
     LayerHessian,
     improves,
     layer_kind,
@@ -225,12 +226,7 @@ class AdaRound(Algorithm):
         AlgorithmOption("learning_rate", "float", 1e-2, "Adam's learning rate"),
         AlgorithmOption("time_budget", "float", 0.0, "seconds for the whole model (0: no limit)"),
         AlgorithmOption("damp", "float", 0.01, "ridge on the Hessian, relative to its mean diagonal"),
-        AlgorithmOption(
-            "sequential",
-            "bool",
-            SEQUENTIAL,
-            "layer inputs from the model quantized so far (as AIMET, GPTQ); false: float inputs",
-        ),
+        SEQUENTIAL_OPTION,
     )
 
     def __init__(

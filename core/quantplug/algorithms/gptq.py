@@ -34,6 +34,7 @@ from quantplug.algorithms.spec import (
 )
 from quantplug.algorithms.weight_layers import (
     SEQUENTIAL,
+    SEQUENTIAL_OPTION,
     LayerHessian,
     improves,
     layer_kind,
@@ -143,12 +144,7 @@ class GPTQ(Algorithm):
         AlgorithmOption("act_order", "bool", True, "quantize the most active input columns first"),
         AlgorithmOption("damp", "float", 0.01, "Hessian dampening, relative to its mean diagonal"),
         AlgorithmOption("lazy_batch", "int", 128, "columns per lazy batch update (speed only)"),
-        AlgorithmOption(
-            "sequential",
-            "bool",
-            SEQUENTIAL,
-            "layer inputs from the model quantized so far (as AIMET, GPTQ); false: float inputs",
-        ),
+        SEQUENTIAL_OPTION,
     )
 
     def __init__(

@@ -30,7 +30,14 @@ from quantplug.algorithms.spec import (
     WeightSite,
     option_values,
 )
-from quantplug.algorithms.weight_layers import SEQUENTIAL, LayerHessian, hessian_of, layer_kind, site_matrix
+from quantplug.algorithms.weight_layers import (
+    SEQUENTIAL,
+    SEQUENTIAL_OPTION,
+    LayerHessian,
+    hessian_of,
+    layer_kind,
+    site_matrix,
+)
 from quantplug.algorithms.weight_matrix import (
     IntegerGrid,
     fake_quantize,
@@ -166,12 +173,7 @@ class SeqMSE(Algorithm):
         AlgorithmOption(
             "data_free", "bool", True, "weights without a re-runnable layer: minimise the weights' own error"
         ),
-        AlgorithmOption(
-            "sequential",
-            "bool",
-            SEQUENTIAL,
-            "layer inputs from the model quantized so far (as AIMET, GPTQ); false: float inputs",
-        ),
+        SEQUENTIAL_OPTION,
     )
 
     def __init__(self, candidates: int = 20, data_free: bool = True, sequential: bool = SEQUENTIAL) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from quantplug.algorithms.spec import WeightGrid, WeightSite
+from quantplug.algorithms.spec import AlgorithmOption, WeightGrid, WeightSite
 from quantplug.algorithms.weight_matrix import (
     HessianAccumulator,
     IntegerGrid,
@@ -190,3 +190,10 @@ def improves(matrix: SiteMatrix, hessian: torch.Tensor, new: torch.Tensor, curre
 #: whether SeqMSE, AdaRound and GPTQ take their layers' inputs from the partly quantized model
 #: (:mod:`quantplug.algorithms.sequential`) by default
 SEQUENTIAL = False
+#: the option of SeqMSE, AdaRound and GPTQ that chooses it
+SEQUENTIAL_OPTION = AlgorithmOption(
+    "sequential",
+    "bool",
+    SEQUENTIAL,
+    "layer inputs from the model quantized so far (as AIMET, GPTQ); false: float inputs",
+)
