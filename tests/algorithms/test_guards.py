@@ -116,21 +116,36 @@ def brute_force_codes(weight: torch.Tensor, scale: torch.Tensor, hessian: torch.
     return best
 
 
+def one_row_problem(
+    seed: int, *, outlier: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, WeightSite]:
+    """(weight [1, 6], its correlated-input Hessian, its max-abs 4-bit scale, its site)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(1, 6, generator=g, dtype=torch.float64)
+    if outlier:
+        weight[0, 0] *= 4  # clipping it pays on the round-to-nearest loss
+    x = torch.randn(12, 6, generator=g, dtype=torch.float64) @ torch.randn(
+        6, 6, generator=g, dtype=torch.float64
+    )
+    site = WeightSite(
+        "w", "linear", "aten.linear.default", weight.float(), None, 0, _call=lambda a, w: F.linear(a, w)
+    )
+    return weight, x.t() @ x / 12, weight.abs().amax(dim=1) / 7, site
+
+
+def output_error(
+    weight: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, hessian: torch.Tensor
+) -> float:
+    d = weight - codes.to(torch.float64) * scale
+    return float((d @ hessian @ d.t()).sum())
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from(["gptq", "adaround"]))
 def test_rounding_algorithms_never_undo_a_better_choice(seed: int, name: str) -> None:
     """Given the best codes there are (as an earlier algorithm may have found), GPTQ and AdaRound
     keep them or return codes exactly as good on their own objective, never worse."""
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(1, 6, generator=g, dtype=torch.float64)
-    x = torch.randn(12, 6, generator=g, dtype=torch.float64) @ torch.randn(
-        6, 6, generator=g, dtype=torch.float64
-    )
-    hessian = x.t() @ x / 12
-    scale = weight.abs().amax(dim=1) / 7
-    site = WeightSite(
-        "w", "linear", "aten.linear.default", weight.float(), None, 0, _call=lambda a, w: F.linear(a, w)
-    )
+    weight, hessian, scale, site = one_row_problem(seed)
     grid = WeightGrid(
         -8,
         7,
@@ -148,11 +163,8 @@ def test_rounding_algorithms_never_undo_a_better_choice(seed: int, name: str) ->
     if choice is None:
         return
     assert choice.codes is not None
-    d_best = weight - best * scale[:, None]
-    d_new = weight - choice.codes.to(torch.float64) * scale[:, None]
-    assert float((d_new @ hessian @ d_new.t()).sum()) <= float((d_best @ hessian @ d_best.t()).sum()) * (
-        1 + 1e-9
-    )
+    best_error = output_error(weight, best, scale[:, None], hessian)
+    assert output_error(weight, choice.codes, scale[:, None], hessian) <= best_error * (1 + 1e-9)
 
 
 @settings(max_examples=25, deadline=None)
@@ -160,17 +172,7 @@ def test_rounding_algorithms_never_undo_a_better_choice(seed: int, name: str) ->
 def test_seq_mse_never_replaces_better_codes_with_a_worse_encoding(seed: int) -> None:
     """Given the best codes of the default grid, SeqMSE only moves to an encoding whose nearest
     rounding has less output error than those codes."""
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(1, 6, generator=g, dtype=torch.float64)
-    weight[0, 0] *= 4  # an outlier: clipping it pays on the round-to-nearest loss
-    x = torch.randn(12, 6, generator=g, dtype=torch.float64) @ torch.randn(
-        6, 6, generator=g, dtype=torch.float64
-    )
-    hessian = x.t() @ x / 12
-    scale = weight.abs().amax(dim=1) / 7
-    site = WeightSite(
-        "w", "linear", "aten.linear.default", weight.float(), None, 0, _call=lambda a, w: F.linear(a, w)
-    )
+    weight, hessian, scale, site = one_row_problem(seed, outlier=True)
     grid = WeightGrid(
         -7,
         7,
@@ -184,11 +186,12 @@ def test_seq_mse_never_replaces_better_codes_with_a_worse_encoding(seed: int) ->
         _observe=lambda t: (t.abs().amax(dim=1) / 7, torch.zeros(t.shape[0])),
     )
     best = brute_force_codes(weight, scale[:, None], hessian).clamp(-7, 7)
-    d_best = weight - best * scale[:, None]
     choice = SeqMSE().choose_weight(site, grid, best.to(torch.int64), hessian)
     if choice is None:
         return
     assert choice.scale is not None
     new_scale = choice.scale.to(torch.float64)[:, None]
-    d_new = weight - torch.clamp(torch.round(weight / new_scale), -7, 7) * new_scale
-    assert float((d_new @ hessian @ d_new.t()).sum()) < float((d_best @ hessian @ d_best.t()).sum())
+    nearest = torch.clamp(torch.round(weight / new_scale), -7, 7)
+    assert output_error(weight, nearest, new_scale, hessian) < output_error(
+        weight, best, scale[:, None], hessian
+    )

@@ -30,10 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import quantplug
-from tests.zoo.harness import quiet, run, sqnr
+from tests.zoo.harness import quantizer, quiet, run, sqnr
 from tests.zoo.models import VOCAB, ZooModel
 
-SOC_MODEL = "SM8650"
 PRESETS: tuple[tuple[str, str], ...] = (
     ("reference", "int8"),
     ("reference", "weight_only_int4"),
@@ -482,12 +481,6 @@ def export(model: nn.Module, example: tuple[torch.Tensor, ...]) -> tuple[torch.e
         return torch.export.export(model, example, dynamic_shapes=({0: batch},)), "dyn"
     except Exception:
         return torch.export.export(model, example), "static"
-
-
-def quantizer(backend: str, preset: str) -> Any:
-    if backend == "qnn_htp":
-        return quantplug.get_quantizer("qnn_htp", soc_model=SOC_MODEL, precision=preset)
-    return quantplug.get_quantizer(backend, preset=preset)
 
 
 def steps(program_out: list[Any], artifact_out: list[Any]) -> float:

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from quantplug.errors import QuantplugError
 from quantplug.flow.calls import Call, check_flat_inputs, in_spec_of
 from quantplug.flow.graph_copy import working_copy
+from quantplug.quantizer.mutation import writes_in_place
 
 DEBUG_HANDLE_KEY = "quantplug_debug_handle"  # same value as quantplug.flow.prepare.DEBUG_HANDLE_KEY
 PREPARED_KEY = "quantplug_prepared"
@@ -274,11 +275,6 @@ def _sqnr(signal: float, noise: float) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
-def _writes_in_place(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.is_mutable
-
-
 class _Capture(Interpreter):
     """Runs a GraphModule node by node, handing the outputs of chosen nodes to a callback.
 
@@ -290,7 +286,7 @@ class _Capture(Interpreter):
         super().__init__(gm, garbage_collect_values=True)
         self._wanted = wanted
         self._sink = sink
-        self._copy = any(_writes_in_place(n) for n in gm.graph.nodes)
+        self._copy = any(writes_in_place(n) for n in gm.graph.nodes)
 
     def run_node(self, n: Node) -> Any:
         result = super().run_node(n)

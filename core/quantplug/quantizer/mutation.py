@@ -23,11 +23,17 @@ def _schema(node: Node) -> Any:
     return target._schema if isinstance(target, torch._ops.OpOverload) else None
 
 
+def writes_in_place(node: Node) -> bool:
+    """An op that writes one of its arguments (``relu_``, ``add_``, ``fill_``...)."""
+    schema = _schema(node)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
 def _written_args(node: Node) -> list[Node]:
     """The node arguments an op writes (``Tensor(a!)`` in its schema)."""
-    schema = _schema(node)
-    if node.op != "call_function" or schema is None or not schema.is_mutable:
+    if not writes_in_place(node):
         return []
+    schema = _schema(node)
     written = []
     for i, arg in enumerate(schema.arguments):
         info = arg.alias_info
@@ -55,13 +61,13 @@ def _base(node: Node) -> Node:
 
 
 def _views_of(base: Node) -> list[Node]:
-    found, stack = [base], [base]
+    found, stack = {base: None}, [base]  # a dict: ordered, and a set for the membership tests
     while stack:
         for user in stack.pop().users:
             if is_view(user) and user.args and user.args[0] in found and user not in found:
-                found.append(user)
+                found[user] = None
                 stack.append(user)
-    return found
+    return list(found)
 
 
 def mutated_aliases(graph: Graph) -> dict[Node, str]:

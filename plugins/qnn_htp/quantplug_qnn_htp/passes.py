@@ -38,6 +38,7 @@ from torch.fx import GraphModule, Node
 
 from quantplug import BackendContext
 from quantplug.errors import OptionError
+from quantplug.quantizer.mutation import writes_in_place
 from quantplug_qnn_htp.configs import BLOCK_MAP_STATE
 from quantplug_qnn_htp.decompositions import decompose_composites
 from quantplug_qnn_htp.observers import MASK_THRESHOLD
@@ -177,8 +178,7 @@ def _replace(node: Node, new: Node, order: dict[Node, int] | None = None) -> Non
     elimination keeps ops that write in place, and it would still run on every call)."""
     for user in list(node.users):
         user.replace_input_with(node, new)
-    schema = getattr(node.target, "_schema", None)
-    if order is None or schema is None or not schema.is_mutable:
+    if order is None or not writes_in_place(node):
         return
     written = node.args[0]
     if isinstance(written, Node):
