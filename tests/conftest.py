@@ -80,3 +80,21 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _site is not None:
         shutil.rmtree(_site, ignore_errors=True)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Keep pytest's log capture off torch's structured-trace logger.
+
+    pytest attaches its capture handlers to every logger that does not propagate, and
+    ``torch.__trace`` does not. torch treats any handler there as ``TORCH_TRACE`` being on: each
+    export and fake-tensor conversion then builds trace records that pytest keeps for the rest of
+    the test. That cost time in every test and, on CI, made the memory-growth test see the kept
+    records (12 KiB per cycle). Letting the logger propagate (its records have no handler of their
+    own then, so torch skips building them) keeps pytest off it; set before every test because
+    torch's ``set_logs`` resets it.
+    """
+    import logging
+
+    trace = logging.getLogger("torch.__trace")
+    trace.propagate = True
+    trace.handlers = [h for h in trace.handlers if not type(h).__module__.startswith("_pytest")]

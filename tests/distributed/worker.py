@@ -159,10 +159,25 @@ def scenario_all(rank: int) -> dict[str, Any]:
     return {name: globals()[f"scenario_{name}"](rank) for name in ("calibrate", "qat", "mismatch")}
 
 
+def cli_rank(rank: int) -> None:
+    """Run the command line in ``QUANTPLUG_TEST_ARGV`` as a launcher-started rank would (the
+    command joins the group itself); record its exit code and whether the group outlived it."""
+    import json
+
+    from quantplug.cli.main import main as cli_main
+
+    code = cli_main(json.loads(os.environ["QUANTPLUG_TEST_ARGV"]))
+    found = {"exit": code, "group_left_open": dist.is_initialized()}
+    torch.save(found, Path(os.environ["QUANTPLUG_TEST_OUT"]) / f"rank{rank}.pt")
+
+
 def main() -> None:
     scenario = sys.argv[1]
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
+    if scenario == "cli":
+        cli_rank(rank)
+        return
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     try:
         result = globals()[f"scenario_{scenario}"](rank)

@@ -23,6 +23,8 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,18 +87,31 @@ class Group:
         return self.rank == 0
 
 
-def join_group() -> Group | None:
-    """Join the launcher's process group (gloo: calibration runs on the CPU); None when not launched."""
-    found = launched_world()
-    if found is None:
-        return None
+@contextmanager
+def joined_group() -> Iterator[Group | None]:
+    """This process's place in the launcher's process group (gloo: calibration runs on the CPU), for
+    the length of the run; None when not launched.
+
+    The group is destroyed when the run ends, on success or failure: a gloo group left for the
+    interpreter's exit tears its worker threads down during finalisation, and the process aborts
+    ("terminate called without an active exception") after the run had succeeded. A group the
+    caller had initialised before is theirs and left alone.
+    """
+    if launched_world() is None:
+        yield None
+        return
     import datetime
 
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    ours = not dist.is_initialized()
+    if ours:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=SYNC_TIMEOUT))
-    return Group(dist.get_rank(), dist.get_world_size())
+    try:
+        yield Group(dist.get_rank(), dist.get_world_size())
+    finally:
+        if ours and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class SharedCount:

@@ -218,14 +218,14 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
     pairs = check_quantize_arguments(args)
     if args.nproc > 1 and distributed.launched_world() is None:
         return distributed.launch(_without_nproc(args.argv), args.nproc, console)
-    group = distributed.join_group()  # None: one process
-    if group is not None and not group.writer:
-        _quantize_into(None, args, pairs, Console(quiet=True, verbose=console.verbose), group)
-        return EXIT_OK
     out_dir = Path(args.out)
-    with StagedOutput(out_dir) as stage:  # takes the lock: a second run on --out fails now
-        data, debug = _quantize_into(stage, args, pairs, console, group)
-        stage.commit()
+    with distributed.joined_group() as group:  # None: one process
+        if group is not None and not group.writer:
+            _quantize_into(None, args, pairs, Console(quiet=True, verbose=console.verbose), group)
+            return EXIT_OK
+        with StagedOutput(out_dir) as stage:  # takes the lock: a second run on --out fails now
+            data, debug = _quantize_into(stage, args, pairs, console, group)
+            stage.commit()
     if not console.quiet:
         from quantplug.report import format_summary
 
