@@ -389,3 +389,56 @@ def test_weights_sharing_an_encoding_take_codes_but_keep_the_shared_scale() -> N
     converted = quantplug.convert(prepared)
     assert floor.grids["fc1.weight"].scale.item() == floor.grids["fc2.weight"].scale.item()
     assert sqnr(model(x), converted(x)) > 10
+
+
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention with a query other than its key/value: the in-projection is sliced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return self.mha(q, kv, kv, need_weights=False)[0]
+
+
+def _cross_attention() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], torch.export.ExportedProgram]:
+    torch.manual_seed(0)
+    model = CrossAttention().eval()
+    inputs = (torch.randn(8, 4, 16), torch.randn(8, 6, 16))
+    return model, inputs, torch.export.export(model, inputs)
+
+
+def test_sliced_weights_become_parameters_of_their_own() -> None:
+    from quantplug.flow.computed_weights import materialize_computed_weights
+    from quantplug.flow.graph_copy import working_copy
+
+    model, inputs, ep = _cross_attention()
+    gm = working_copy(ep)
+    linears = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert any(n.args[1].op != "get_attr" for n in linears)  # the split in-projection
+    assert materialize_computed_weights(gm) == 4  # query and key/value pieces, weights and biases
+    assert all(a.op == "get_attr" for n in linears for a in n.args[1:3])
+    assert not any(n.target == torch.ops.aten.split_with_sizes.default for n in gm.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(gm(*inputs), model(*inputs))
+    pieces = {
+        n.target: tuple(getattr(gm, n.target).shape) for n in gm.graph.nodes if "_part" in str(n.target)
+    }
+    assert sorted(pieces.values()) == [(16,), (16, 16), (32,), (32, 16)]
+    assert model.mha.in_proj_weight.data_ptr() not in {getattr(gm, t).data_ptr() for t in pieces}
+
+
+def test_algorithms_see_the_pieces_of_a_sliced_weight() -> None:
+    """Cross-attention's query and key/value projections are weight sites (they were skipped)."""
+    model, (q, kv), ep = _cross_attention()
+    algorithm = Collecting()
+    prepared = quantplug.prepare(ep, quantplug.get_quantizer("reference"), algorithms=[algorithm])
+    prepared(q, kv)
+    quantplug.convert(prepared)
+    shapes = {s.name: tuple(s.weight.shape) for s in algorithm.sites}
+    assert sorted(shapes.values()) == [(16, 16), (16, 16), (32, 16)]  # query, out, key/value
+    query = next(s for s in algorithm.sites if s.weight.shape[0] == 16 and "in_proj" in s.name)
+    w_q, _ = model.mha.in_proj_weight.split([16, 32])
+    assert torch.equal(query.weight, w_q) and query.has_layer
+    assert algorithm.results[query.name][1] == pytest.approx(float(q.sum()), rel=1e-4)  # saw the query

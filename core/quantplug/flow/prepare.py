@@ -28,6 +28,7 @@ from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
 from quantplug.flow.calls import in_spec_of
+from quantplug.flow.computed_weights import materialize_computed_weights
 from quantplug.flow.constants import written
 from quantplug.flow.embedding_bag import rewrite_fixed_bags
 from quantplug.flow.fast_matching import fast_partition_matching
@@ -249,6 +250,8 @@ def _prepare(
     else:
         fold_batch_norm(gm)
     rewrite_fixed_bags(gm)  # no ONNX Loop, a quantized table (flow.embedding_bag)
+    if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
+        materialize_computed_weights(gm)
     if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
         gm = run_transforms(gm, algorithms, calibration, in_spec_of(program), quantizer)
     transformed = _call(quantizer, "transform_for_annotation", gm)

@@ -1,0 +1,77 @@
+"""Layer weights computed from parameters, made parameters of their own before the weight algorithms.
+
+``nn.MultiheadAttention`` with a query other than its key and value (cross-attention, every
+transformer decoder's second attention) exports its input projection as
+``split_with_sizes(in_proj_weight, [E, 2E])`` and feeds the pieces to two ``linear`` ops; other
+models feed a transposed or reshaped parameter. convert() already stores such constants as
+integers (:mod:`quantplug.flow.constants`), but the weight algorithms (AdaRound, SeqMSE, GPTQ,
+bias correction, CLE) choose codes per *parameter* a layer reads: a computed weight is no
+parameter, so those layers kept round-to-nearest, silently.
+
+:func:`materialize_computed_weights` gives every such weight (and bias) of a conv/linear layer its
+own parameter holding the computed value. The program computes the same function; the original
+parameter stays for its other readers and is dropped from the graph when none is left. It runs
+on prepare's private copy when algorithms are given, never in QAT (training must keep updating
+the one parameter the pieces come from).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from quantplug.flow.constants import ConstantValues, constant_nodes, module_attr
+from quantplug.flow.graph_copy import AttrNamer
+
+LAYER_OPS = frozenset(
+    {"aten.linear.default", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
+)
+
+
+def _source(node: Node) -> str:
+    """The parameter a computed constant starts from (its first ``get_attr`` ancestor), for naming."""
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "get_attr":
+            return str(current.target)
+        stack.extend(reversed(current.all_input_nodes))
+    return node.name
+
+
+def materialize_computed_weights(gm: GraphModule) -> int:
+    """Replace each conv/linear weight or bias computed from constants by a new parameter holding
+    its value; returns how many were made. The graph is edited in place."""
+    attr = module_attr(gm)
+    constants = constant_nodes(gm.graph, attr)
+    values = ConstantValues(attr)
+    namer = AttrNamer(gm)
+    made: dict[Node, Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or str(node.target) not in LAYER_OPS:
+            continue
+        for index in (1, 2):  # weight, bias
+            arg = node.args[index] if len(node.args) > index else None
+            if not isinstance(arg, Node) or arg.op == "get_attr" or arg not in constants:
+                continue
+            if arg not in made:
+                value = values(arg)
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    continue
+                name = namer(f"{_source(arg)}_part")  # mha.in_proj_weight -> mha_in_proj_weight_part0
+                gm.register_parameter(
+                    name, torch.nn.Parameter(value.detach().clone().contiguous(), requires_grad=False)
+                )
+                with gm.graph.inserting_before(node):
+                    made[arg] = gm.graph.get_attr(name)
+                if "val" in arg.meta:
+                    made[arg].meta["val"] = arg.meta["val"]
+            node.update_arg(index, made[arg])
+    if made:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return len(made)
