@@ -43,7 +43,9 @@ def test_each_built_in_algorithm_converts_what_one_process_converts(
     assert r0["digest"] == r0["single_digest"], f"{label}: 2 ranks converted another program than 1 process"
 
 
-def test_a_reservoir_sample_merges_into_one_sample_of_every_ranks_rows(two_ranks: list[dict[str, Any]]) -> None:
+def test_a_reservoir_sample_merges_into_one_sample_of_every_ranks_rows(
+    two_ranks: list[dict[str, Any]],
+) -> None:
     from tests.distributed.worker import AlgoNet
 
     r0, r1 = (r["sample_rows"] for r in two_ranks)

@@ -245,7 +245,9 @@ def collected(prepared: nn.Module) -> dict[str, Any]:
     from quantplug.algorithms.runtime import RUN_KEY
 
     run = prepared.meta[RUN_KEY]  # type: ignore[operator]
-    found: dict[str, Any] = {f"{key[0]}#{i}": c.result() for key, by in run.collectors.items() for i, c in by.items()}
+    found: dict[str, Any] = {
+        f"{key[0]}#{i}": c.result() for key, by in run.collectors.items() for i, c in by.items()
+    }
     found["stored batches"] = None if run.inputs is None else run.inputs.batches
     return found
 
