@@ -7,9 +7,10 @@ subtracting that from the bias makes the quantized layer unbiased on the calibra
 
 The collector keeps the running mean of the layer's input over the batch (per position for
 convolutions, so padding is accounted for exactly; per feature for linear layers), which is all
-the expectation needs: memory does not grow with the data. Its sums merge across processes. At convert the correction is
-``-(f(E[x], W~) - f(E[x], W))`` averaged over positions, per output channel, with the codes the
-earlier algorithms chose (run it last: ``["seq_mse", "adaround", "bias_correction"]``).
+the expectation needs: memory does not grow with the data; its sums merge across processes. At
+convert the correction is ``-(f(E[x], W~) - f(E[x], W))`` averaged over positions, per output
+channel, with the codes the earlier algorithms chose (run it last:
+``["seq_mse", "adaround", "bias_correction"]``).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ class FedCollector:
     collector: Any
 
     def describe(self) -> str:
-        return f"the {class_name(self.collector)} collector of algorithm {self.algorithm!r} for weight {self.site}"
+        kind = class_name(self.collector)
+        return f"the {kind} collector of algorithm {self.algorithm!r} for weight {self.site}"
 
 
 def class_name(value: Any) -> str:
