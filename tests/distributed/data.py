@@ -31,7 +31,6 @@ def broken() -> Iterator[torch.Tensor]:
     yield torch.randn(1, 3, 8, 8)  # item 1 does not fit the model
 
 
-
 def norm_mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
     """A model factory: LayerNorm -> linear -> ReLU -> linear (SmoothQuant folds into the norm)."""
     from tests.distributed.worker import AlgoNet, algo_batches

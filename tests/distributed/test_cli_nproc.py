@@ -123,6 +123,23 @@ def test_transforms_see_rank_0s_batches_on_every_rank(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_an_algorithm_whose_collector_cannot_merge_is_refused_before_calibrating(
+    demo: dict[str, Path], tmp_path: Path
+) -> None:
+    argv = [
+        "quantize", str(demo["pt2"]), "-c", str(demo["list"]), "-A", "unmergeable",
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    ranks = run_ranks(
+        "cli", 2, tmp_path / "ranks", QUANTPLUG_TEST_ARGV=json.dumps(argv), QUANTPLUG_TEST_UNMERGEABLE="1"
+    )
+    for rank in ranks:
+        assert rank.result.get("exit") == 2, rank.output
+        assert "algorithm 'unmergeable' collects with " in rank.output and "Unmergeable.Count" in rank.output
+    assert not list((tmp_path / "ranks").glob("fed-*"))  # refused before calibrating
+    assert not (tmp_path / "out").exists()
+
+
 def test_every_rank_leaves_the_group_when_its_run_ends(demo: dict[str, Path], tmp_path: Path) -> None:
     """A gloo group left open at interpreter exit aborts the process ("terminate called without
     an active exception") after a run that succeeded: seen on a busy CI machine, where rank 1

@@ -212,6 +212,8 @@ class Unmergeable(quantplug.Algorithm):
 
         def update(self, x: torch.Tensor) -> None:
             self.n += 1
+            if os.environ.get("QUANTPLUG_TEST_UNMERGEABLE"):  # tells the test calibration ran
+                (Path(os.environ["QUANTPLUG_TEST_OUT"]) / f"fed-{os.getpid()}").touch()
 
         def result(self) -> int:
             return self.n
@@ -308,6 +310,8 @@ def cli_rank(rank: int) -> None:
 
     from quantplug.cli.main import main as cli_main
 
+    if os.environ.get("QUANTPLUG_TEST_UNMERGEABLE"):
+        quantplug.register_algorithm("unmergeable", Unmergeable)
     code = cli_main(json.loads(os.environ["QUANTPLUG_TEST_ARGV"]))
     found = {"exit": code, "group_left_open": dist.is_initialized()}
     torch.save(found, Path(os.environ["QUANTPLUG_TEST_OUT"]) / f"rank{rank}.pt")
