@@ -74,7 +74,7 @@ def _algorithm_lines(prepared: GraphModule) -> list[str]:
 
 def _tensor_digest(value: torch.Tensor) -> str:
     data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.blake2b(memoryview(data), digest_size=12).hexdigest()
+    return hashlib.blake2b(data.data, digest_size=12).hexdigest()
 
 
 def _meta(value: Any) -> str:
