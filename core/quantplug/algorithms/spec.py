@@ -10,7 +10,8 @@ optional, each called by the core at one step of ``prepare -> calibrate -> conve
 2. :meth:`Algorithm.collector` -- at prepare, once per :class:`WeightSite` (a quantized constant
    weight of a conv/linear-like op): returns a :class:`Collector` that sees the layer's input
    activation on every calibration batch and keeps a bounded summary of it (a running mean, a
-   Hessian ``X^T X``, a capped sample of rows), never the whole data set.
+   Hessian ``X^T X``, a capped sample of rows), never the whole data set. With its optional merge
+   hook (:class:`MergeableCollector`) it takes part in calibration on several processes.
 3. :meth:`Algorithm.choose_weight` -- at convert, once per weight site, after the backend's
    observer has given the weight's default encoding: returns a :class:`WeightChoice` (integer
    codes and/or scales within the backend's :class:`WeightGrid`, optionally a bias correction),
