@@ -93,11 +93,6 @@ def check_mergeable(prepared: nn.Module) -> None:
     )
 
 
-def collector_state(fed: FedCollector) -> Any:
-    """The collector's state with every tensor on the CPU (what travels to the other ranks)."""
-    return _on_cpu(fed.collector.state())
-
-
 def merge_collector(fed: FedCollector, states: Sequence[Any]) -> None:
     """Make ``fed``'s collector the merge of ``states`` (every rank's, in rank order).
 
@@ -127,14 +122,15 @@ def state_bytes(state: Any) -> int:
     return 0
 
 
-def _on_cpu(state: Any) -> Any:
+def on_cpu(state: Any) -> Any:
+    """A state with every tensor on the CPU (what travels to the other ranks)."""
     if isinstance(state, torch.Tensor):
         return state.detach().cpu()
     if isinstance(state, dict):
-        return {k: _on_cpu(v) for k, v in state.items()}
+        return {k: on_cpu(v) for k, v in state.items()}
     if isinstance(state, list):
-        return [_on_cpu(v) for v in state]
+        return [on_cpu(v) for v in state]
     if isinstance(state, tuple):
-        items = [_on_cpu(v) for v in state]
+        items = [on_cpu(v) for v in state]
         return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
     return state

@@ -24,12 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantplug.algorithms.merge import (
-    collector_state,
-    fed_collectors,
-    merge_collector,
-    state_bytes,
-)
+from quantplug.algorithms.merge import fed_collectors, merge_collector, on_cpu, state_bytes
 from quantplug.algorithms.runtime import RUN_KEY, taps
 from quantplug.algorithms.sequential import InputStore, batch_bytes, merged_store
 from quantplug.errors import DistributedError
@@ -98,7 +93,7 @@ def sync_collectors(prepared: nn.Module, group: Any, world: int) -> CollectorSyn
     _, store = taps(prepared)
     if run is None or (not fed and store is None):
         return CollectorSync(0, 0, 0)
-    states = [collector_state(f) for f in fed]
+    states = [f.collector.state() for f in fed]  # references; each travels (via the CPU) in its round
     header = {
         "synced_at": run.synced_at,
         "fed": _fed_batches(prepared),
@@ -114,7 +109,7 @@ def sync_collectors(prepared: nn.Module, group: Any, world: int) -> CollectorSyn
     largest = [max(h["sizes"][i] for h in headers) for i in range(len(fed))]
     for chunk in rounds(largest, MERGE_ROUND_BYTES):
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, [states[i] for i in chunk], group=group)
+        dist.all_gather_object(gathered, [on_cpu(states[i]) for i in chunk], group=group)
         for j, i in enumerate(chunk):
             merge_collector(fed[i], [g[j] for g in gathered])
         sent += sum(header["sizes"][i] for i in chunk)

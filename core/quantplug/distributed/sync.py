@@ -250,7 +250,9 @@ def _refuse_histogram_resync(name: str, obs: nn.Module, peers: list[nn.Module]) 
 def sync_observers(
     prepared: nn.Module, group: Any = None, *, timeout: timedelta | float = DEFAULT_TIMEOUT
 ) -> SyncResult:
-    """Replace every observer's statistics by the merge of all ranks' (see the module docstring).
+    """Replace every observer's statistics by the merge of all ranks' (see the module docstring),
+    and, with accuracy algorithms, every collector's and the stored batches for sequential inputs
+    (:mod:`quantplug.distributed.collectors`).
 
     Args:
         prepared: what ``quantplug.prepare`` returned (or a DistributedDataParallel around it),
@@ -261,7 +263,11 @@ def sync_observers(
 
     Raises:
         DistributedError: torch.distributed is not initialized, a rank did not arrive within
-            ``timeout``, or the ranks prepared different programs (naming the first difference).
+            ``timeout``, the ranks prepared different programs (naming the first difference, such
+            as a weight a transform wrote from other data), or collectors merged by an earlier
+            sync saw more batches.
+        CollectorMergeError: an algorithm's collector defines no merge hook (naming the
+            algorithm and the collector class), or its states do not merge.
     """
     import torch.distributed as dist
 
