@@ -76,3 +76,51 @@ def test_bad_requests_are_typed_errors() -> None:
         search_mixed_precision(
             ep, "qnn_htp", ["16a4w", "16a8x"], _batches(x), target_sqnr_db=20, options=OPTIONS
         )
+
+
+def test_a_growth_budget_is_relative_to_the_cheapest_model() -> None:
+    _, x, ep = _model()
+    found = search_mixed_precision(
+        ep, "qnn_htp", ["16a4w", "16a8w"], _batches(x), max_weight_growth=0.65, options=OPTIONS
+    )
+    cheapest = found.curve[0].weight_bytes  # 6656 weights at 4 bits
+    assert found.target == {"weight_bytes": pytest.approx(cheapest * 1.65), "weight_growth": 0.65}
+    assert all(p.weight_bytes <= cheapest * 1.65 for p in found.curve)
+    assert found.overrides == {"2": "16a8w"}  # 64x64 weights at 8 bits: +62 %; nothing else fits
+    with pytest.raises(OptionError, match="max_weight_growth must be a fraction >= 0"):
+        search_mixed_precision(
+            ep, "qnn_htp", ["16a4w", "16a8w"], _batches(x), max_weight_growth=-1, options=OPTIONS
+        )
+
+
+class KeywordNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, *, features: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(features)))
+
+
+def test_keyword_batches_are_calibrated_and_measured() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    ep = torch.export.export(KeywordNet().eval(), (), {"features": x[:8]})
+    found = search_mixed_precision(
+        ep, "qnn_htp", ["16a4w", "16a8w"], [{"features": x[i : i + 8]} for i in range(0, 32, 8)],
+        max_weight_growth=10.0, options=OPTIONS,
+    )  # fmt: skip
+    assert [p.sqnr_db for p in found.curve] == sorted(p.sqnr_db for p in found.curve)
+    assert found.curve[-1].choice == {"a": "16a8w", "b": "16a8w"}
+    assert found.curve[-1].sqnr_db > found.curve[0].sqnr_db + 1
+
+
+def test_a_choice_naming_what_the_model_lacks_is_refused() -> None:
+    _, _, ep = _model()
+    good = MixedPrecision("qnn_htp", OPTIONS, "precision", "16a4w", {"0": "16a4w", "2": "16a8w"})
+    good.check(ep)
+    with pytest.raises(OptionError, match=r"'3'; its layers .*: 0, 2, 4$"):
+        MixedPrecision("qnn_htp", OPTIONS, "precision", "16a4w", {"3": "16a8w"}).check(ep)
+    with pytest.raises(OptionError, match=r"'16a8'.*did you mean '16a8w'"):
+        MixedPrecision("qnn_htp", OPTIONS, "precision", "16a4w", {"2": "16a8"}).check(ep)

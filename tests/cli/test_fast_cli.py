@@ -112,6 +112,40 @@ ARGUMENT_ERRORS = {
     "missing model": (["quantize", "missing-model.pt2"], ["missing-model.pt2", "not found"]),
     "missing calibration": (["-c", "nowhere.pt"], ["nowhere.pt", "not found"]),
     "random batches": (["--random-batches", "0"], ["--random-batches", "at least 1"]),
+    "mixed without target": (
+        ["-b", "qnn_htp", "--mixed-precision", "16a4w,16a8w"],
+        ["--mixed-precision needs exactly one target", "--target-sqnr", "--weight-budget"],
+    ),
+    "mixed two targets": (
+        ["-b", "qnn_htp", "--mixed-precision", "16a4w,16a8w", "--target-sqnr", "3", "--weight-budget", "1M"],
+        ["exactly one target"],
+    ),
+    "target without mixed": (["--target-sqnr", "30"], ["--target-sqnr", "add --mixed-precision"]),
+    "mixed misspelt preset": (
+        ["-b", "qnn_htp", "--mixed-precision", "16a4w,16a8", "--target-sqnr", "30"],
+        ["no preset '16a8'", "did you mean '16a8w'"],
+    ),
+    "mixed one preset": (
+        ["-b", "qnn_htp", "--mixed-precision", "16a4w", "--target-sqnr", "30"],
+        ["at least two presets"],
+    ),
+    "mixed and a preset": (
+        ["-b", "qnn_htp", "-o", "precision=8a8w", "--mixed-precision", "16a4w,16a8w", "--target-sqnr", "30"],
+        ["leave out --option precision=8a8w"],
+    ),
+    "mixed under nproc": (
+        ["-b", "qnn_htp", "--mixed-precision", "16a4w,16a8w", "--target-sqnr", "30", "--nproc", "2"],
+        ["without --nproc", "--mixed-precision-file"],
+    ),
+    "mixed bad budget": (
+        ["-b", "qnn_htp", "--mixed-precision", "16a4w,16a8w", "--weight-budget", "lots"],
+        ["--weight-budget 'lots' is not a size", "+25%"],
+    ),
+    "mixed file missing": (["--mixed-precision-file", "nowhere.json"], ["nowhere.json", "not found"]),
+    "mixed search and file": (
+        ["--mixed-precision", "16a4w,16a8w", "--target-sqnr", "30", "--mixed-precision-file", "x.json"],
+        ["give one of them"],
+    ),
 }
 
 

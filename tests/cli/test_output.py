@@ -262,3 +262,28 @@ def test_a_signal_leaves_the_previous_output_and_no_staging_folder(
     assert "interrupted" in stderr or "terminated" in stderr
     assert _tags(out) == {"one"}
     assert _leftovers(tmp_path) == []
+
+
+def test_a_signal_during_extension_imports_is_raised_after_them() -> None:
+    """torch's import runs Python code inside C++ module initialisers, where the exception a signal
+    handler raises aborts the process instead of unwinding (seen on CI: "terminate called after
+    throwing an instance of 'pybind11::error_already_set'", the staged output left behind). The run
+    imports under ``signals_deferred``: the signal is raised once the block ends."""
+    import os
+
+    from quantplug.cli.main import Terminated, _signals_as_exceptions, signals_deferred
+
+    received: list[int] = []
+    reached = []
+    with _signals_as_exceptions(received):
+        with pytest.raises(Terminated):
+            with signals_deferred():
+                with signals_deferred():  # nested: raised when the outer one ends
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.05)  # the handler has run by now (main thread, between bytecodes)
+                    reached.append("inner")
+                reached.append("outer")
+        assert reached == ["inner", "outer"] and received == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt):  # outside a deferral: raised where it lands
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)

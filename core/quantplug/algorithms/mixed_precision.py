@@ -97,6 +97,7 @@ class MixedPrecision:
             "default": self.default,
             "overrides": self.overrides,
             "target": self.target,
+            "chosen": next((i for i, p in enumerate(self.curve) if dict(p.choice) == self.choice), None),
             "curve": [
                 {
                     "weight_bytes": p.weight_bytes,
@@ -137,53 +138,35 @@ class MixedPrecision:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def plot_png(self) -> bytes | None:
-        """The accuracy-size trade-off curve (output SQNR against weight bytes), chosen point marked."""
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError:
-            return None
-        points = [p for p in self.curve if math.isfinite(p.sqnr_db)]
-        if not points:
-            return None
-        import io
+        """The accuracy-size trade-off curve (output SQNR against weight bytes), chosen point marked;
+        None without matplotlib. The report draws the same figure from the same data."""
+        from quantplug.report.plot import tradeoff_plot_png
 
-        fig = Figure(figsize=(7, 4.2), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
-        xs = [p.weight_bytes / 1024 for p in points]
-        ax.plot(xs, [p.sqnr_db for p in points], "-o", color="#3b6ea8", markersize=4, label="measured")
-        chosen = next((p for p in points if dict(p.choice) == self.choice), None)
-        if chosen is not None:
-            ax.plot(
-                [chosen.weight_bytes / 1024],
-                [chosen.sqnr_db],
-                "o",
-                color="#d1382b",
-                markersize=9,
-                label="chosen",
+        return tradeoff_plot_png(self.to_dict())
+
+    def check(self, program: torch.export.ExportedProgram) -> None:
+        """Refuse a choice (a file the user edited, say) naming layers ``program`` does not have
+        or presets its backend does not offer: applied as it is, the override would silently do
+        nothing."""
+        import quantplug
+        from quantplug.suggest import did_you_mean
+
+        layers = [layer.module for layer in weighted_layers(program)]
+        missing = [m for m in self.overrides if m not in layers]
+        if missing:
+            shown = ", ".join(f"{m!r}{did_you_mean(m, layers)}" for m in missing[:5])
+            raise OptionError(
+                f"mixed precision names {len(missing)} layer(s) the model does not have: {shown}; "
+                f"its layers (modules owning a conv/linear weight): {', '.join(layers[:20])}"
+                + (" ..." if len(layers) > 20 else "")
             )
-        if "sqnr_db" in self.target:
-            ax.axhline(
-                self.target["sqnr_db"], color="#2f8f46", linestyle="--", linewidth=1, label="SQNR floor"
-            )
-        if "weight_bytes" in self.target:
-            ax.axvline(
-                self.target["weight_bytes"] / 1024,
-                color="#2f8f46",
-                linestyle=":",
-                linewidth=1,
-                label="budget",
-            )
-        ax.set_xlabel("weight size (KiB)")
-        ax.set_ylabel("output SQNR vs float (dB)")
-        ax.set_title(f"{self.backend}: mixed precision from {self.default}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-        fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
-        return buffer.getvalue()
+        known = [p.name for p in quantplug.get_quantizer(self.backend, **self.options).info.presets]
+        for preset in sorted({self.default, *self.overrides.values()}):
+            if preset not in known:
+                raise OptionError(
+                    f"mixed precision uses preset {preset!r}{did_you_mean(preset, known)}, which backend "
+                    f"{self.backend!r} does not offer; its presets: {', '.join(known)}"
+                )
 
 
 def _finite(value: float) -> float | None:
@@ -232,6 +215,7 @@ def search_mixed_precision(
     *,
     target_sqnr_db: float | None = None,
     max_weight_bytes: float | None = None,
+    max_weight_growth: float | None = None,
     options: Mapping[str, Any] | None = None,
     compare_inputs: Sequence[Any] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -244,14 +228,26 @@ def search_mixed_precision(
         calibration: batches for calibration (tuples of inputs, or single tensors).
         target_sqnr_db: the output SQNR floor (smallest model meeting it).
         max_weight_bytes: the weight-size budget (most accurate model within it).
+        max_weight_growth: the budget as a fraction above the all-cheapest model's weight bytes
+            (0.25: at most 25 % more).
         options: other backend options (the preset option is set per layer).
         compare_inputs: batches the SQNR is measured on (default: the calibration batches).
+
+    Batches are what :class:`~quantplug.flow.calls.Call` accepts: a tuple of positional inputs,
+    a dict of keyword inputs, a Call, or a single tensor.
     """
     import quantplug
+    from quantplug.flow.calls import Call
 
-    if (target_sqnr_db is None) == (max_weight_bytes is None):
+    targets = [t for t in (target_sqnr_db, max_weight_bytes, max_weight_growth) if t is not None]
+    if len(targets) != 1:
         raise OptionError(
-            "give exactly one target: target_sqnr_db (an SQNR floor) or max_weight_bytes (a budget)"
+            "give exactly one target: target_sqnr_db (an SQNR floor), max_weight_bytes (a budget) "
+            "or max_weight_growth (a budget relative to the cheapest model)"
+        )
+    if max_weight_growth is not None and not max_weight_growth >= 0:
+        raise OptionError(
+            f"max_weight_growth must be a fraction >= 0 (0.25: 25 % more), got {max_weight_growth}"
         )
     if len(set(presets)) < 2:
         raise OptionError(f"mixed precision needs at least two presets to choose from, got {list(presets)}")
@@ -281,8 +277,8 @@ def search_mixed_precision(
         raise QuantplugError(
             "the program has no conv/linear layer owned by a module to choose a precision for"
         )
-    batches = [b if isinstance(b, tuple) else (b,) for b in calibration]
-    measured = [b if isinstance(b, tuple) else (b,) for b in (compare_inputs or calibration)]
+    batches = [Call.of(b) for b in calibration]
+    measured = [Call.of(b) for b in (compare_inputs or calibration)]
 
     def size(choice: Mapping[str, str]) -> float:
         return sum(layer.weight_elements * bits[choice[layer.module]] / 8 for layer in layers)
@@ -293,13 +289,15 @@ def search_mixed_precision(
         prepared = quantplug.prepare(program, quantizer)
         with torch.no_grad():
             for batch in batches:
-                prepared(*batch)
+                batch.run(prepared)
         quantized = quantplug.convert(prepared)
         report = quantplug.debug.compare(program, quantized, measured)
         value = report.output_sqnr_db
         return float("inf") if value is None else float(value)
 
     base = {layer.module: order[0] for layer in layers}
+    if max_weight_growth is not None:
+        max_weight_bytes = size(base) * (1.0 + max_weight_growth)
     base_sqnr = measure(base)
     sensitivity: dict[str, dict[str, float]] = {}
     for layer in layers:
@@ -346,6 +344,8 @@ def search_mixed_precision(
         within = [p for p in curve if p.weight_bytes <= max_weight_bytes] or [curve[0]]
         chosen = max(within, key=lambda p: p.sqnr_db)
         target = {"weight_bytes": float(max_weight_bytes)}
+        if max_weight_growth is not None:
+            target["weight_growth"] = float(max_weight_growth)
     return MixedPrecision(
         backend=backend,
         options=options,

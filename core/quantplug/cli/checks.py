@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from quantplug.cli.errors import InputError
-from quantplug.plugins.contract import BackendOption
+from quantplug.plugins.contract import BackendInfo, BackendOption
 from quantplug.suggest import close_matches, did_you_mean
 
 COMMANDS = ("backends", "quantize", "report", "conformance", "new-backend", "algorithms")
@@ -55,14 +55,13 @@ def check_calibration_path(spec: str | None) -> None:
         )
 
 
-def check_backend_options(backend: str, pairs: Mapping[str, str]) -> None:
+def check_backend_options(backend: str, pairs: Mapping[str, str]) -> BackendInfo | None:
     """``--backend`` and ``--option`` against what the backend declares, without importing it.
 
     Raises UnknownBackendError (with suggestions), DuplicateBackendError, BackendDisabledError or
     OptionError like ``get_quantizer`` would; a backend whose plugin ships no metadata file is
-    checked after it is imported.
+    checked after it is imported. Returns the backend's declaration (None without metadata).
     """
-    from quantplug.plugins.contract import BackendInfo
     from quantplug.plugins.metadata import MetadataError
     from quantplug.plugins.registry import declared_info, entry_for
 
@@ -72,11 +71,12 @@ def check_backend_options(backend: str, pairs: Mapping[str, str]) -> None:
     except MetadataError:
         info = None  # the plugin's own declaration decides, once it is imported
     if info is None:
-        return
+        return None
     if "strict" in pairs:
         STRICT.coerce(pairs["strict"], backend=backend)
     given = {k: v for k, v in pairs.items() if k not in COMMON_OPTION_NAMES}
     info.resolve_options(given)
+    return info
 
 
 #: options accepted by every backend (see quantplug.get_quantizer)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from quantplug.cli import algorithms as algorithms_cli
+from quantplug.cli import mixed_precision as mixed_cli
 from quantplug.cli.algorithms import check_algorithm_arguments
 from quantplug.cli.checks import (
     COMMANDS,
@@ -204,8 +205,14 @@ def check_quantize_arguments(args: argparse.Namespace) -> dict[str, str]:
     if args.nproc < 1:
         raise InputError("--nproc must be at least 1")
     pairs = parse_pairs(args.option)
-    check_backend_options(args.backend, pairs)
+    info = check_backend_options(args.backend, pairs)
     args.algorithms = check_algorithm_arguments(args)  # metadata only (issue 15)
+    mixed_cli.check_arguments(
+        args,
+        pairs,
+        info.preset_option if info is not None else None,
+        [p.name for p in info.presets] if info is not None else None,
+    )
     check_model_spec(args.model)
     check_calibration_path(args.calibration)
     return pairs
@@ -354,16 +361,20 @@ def _quantize_into(
     In a group of processes (``--nproc``, torchrun) every rank calibrates its share; rank 0 alone
     (``stage`` given) goes on to convert, lower, compare and write; the others return None.
     """
-    import torch
+    with signals_deferred():  # extension modules' initialisers cannot unwind a signal's exception
+        import torch
 
-    _quiet_torch(console)
-    import quantplug
-    from quantplug.cli.inputs import check_batches, load_model
-    from quantplug.debug import compare, tensor_bytes
-    from quantplug.flow.prepare import STATE_KEY
-    from quantplug.observers.nonfinite import ignored_counts, masked_counts
-    from quantplug.plugins.registry import load_backend
-    from quantplug.report import build_report, write_report
+        _quiet_torch(console)
+        import quantplug
+        from quantplug.cli.inputs import check_batches, load_model
+        from quantplug.debug import compare, tensor_bytes
+        from quantplug.flow.prepare import STATE_KEY
+        from quantplug.observers.nonfinite import ignored_counts, masked_counts
+        from quantplug.plugins.registry import load_backend
+        from quantplug.report import build_report, write_report
+
+        quantizer = quantplug.get_quantizer(args.backend, **pairs)  # imports the backend's plugin
+        loaded = load_backend(args.backend)
 
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -378,8 +389,6 @@ def _quantize_into(
         timings[name] = round(now - since, 3)
         return now
 
-    quantizer = quantplug.get_quantizer(args.backend, **pairs)
-    loaded = load_backend(args.backend)
     backend = {
         "name": quantizer.backend,
         "distribution": loaded.entry.distribution,
@@ -404,6 +413,34 @@ def _quantize_into(
         [b for b, _ in first], [o for _, o in first], model.inputs, program, finite=args.nonfinite != "ignore"
     )
     t = lap("load", t)
+
+    mixed = None
+    if args.mixed_presets is not None:
+        from quantplug.algorithms.mixed_precision import weighted_layers
+
+        # at most: each layer at each higher preset alone, then one greedy step per raise
+        steps = 2 * len(weighted_layers(program)) * (len(args.mixed_presets) - 1)
+        with console.progress("mixed precision search", steps, "measurements", done_label="searched") as bar:
+            mixed = mixed_cli.choose(
+                args,
+                pairs,
+                program,
+                [b for b, _ in data.head(mixed_cli.SEARCH_BATCHES)],
+                progress=lambda step: bar.advance(detail=step),
+            )
+        t = lap("mixed_precision", t)
+    elif args.mixed_precision_file is not None:
+        mixed = mixed_cli.choose(args, pairs, program, [])
+    if mixed is not None:  # the run quantizes with the choice: its default preset plus overrides
+        quantizer = mixed_cli.quantizer_for(mixed, pairs)
+        options = {
+            **quantizer.options,
+            "strict": quantizer.strict,
+            "mixed_precision": f"{len(mixed['overrides'])} layer override(s)",
+            **({"algorithms": options["algorithms"]} if "algorithms" in options else {}),
+        }
+        if stage is not None:
+            mixed_cli.write_choice(mixed, stage.path)
 
     prepared = quantplug.prepare(
         program,
@@ -494,6 +531,7 @@ def _quantize_into(
             {"path": "report.json", "bytes": None},
         ],
         timings=timings,
+        mixed_precision=mixed,
     )
     write_report(data, stage.path)
     return data, debug
@@ -653,6 +691,7 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         help=f"calibration batches the numeric comparison runs (default: {DEFAULT_COMPARE_BATCHES})",
     )
     algorithms_cli.add_quantize_arguments(p)
+    mixed_cli.add_quantize_arguments(p)
     _add_common(p, sub=True)
     p.set_defaults(func=cmd_quantize)
 
@@ -722,6 +761,37 @@ class Terminated(BaseException):
         self.signum = signum
 
 
+#: signals received inside ``signals_deferred`` (None outside it)
+_deferred: list[int] | None = None
+
+
+def _raise_for(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(signum)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Signals arriving inside are raised when it ends, not where they land.
+
+    Importing torch (or a plugin's extension modules) runs Python code from inside C++ module
+    initialisers; an exception raised there by a signal handler cannot unwind through them and
+    aborts the process ("terminate called after throwing an instance of
+    'pybind11::error_already_set'"), skipping the cleanup of the staged output.
+    """
+    global _deferred
+    outer, _deferred = _deferred, []
+    try:
+        yield
+    finally:
+        pending, _deferred = _deferred, outer
+    if pending and outer is not None:
+        outer.extend(pending)  # still inside an outer deferral: raised when that one ends
+    elif pending:
+        _raise_for(pending[0])
+
+
 @contextmanager
 def _signals_as_exceptions(received: list[int]) -> Iterator[None]:
     """While the command runs, SIGTERM and SIGHUP raise :class:`Terminated` (by default they kill
@@ -731,9 +801,10 @@ def _signals_as_exceptions(received: list[int]) -> Iterator[None]:
 
     def on_signal(signum: int, frame: Any) -> None:
         received.append(signum)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise Terminated(signum)
+        if _deferred is not None:
+            _deferred.append(signum)
+            return
+        _raise_for(signum)
 
     previous = {}
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):

@@ -47,10 +47,14 @@ def build_report(
     warnings: Sequence[str] = (),
     files: Sequence[Mapping[str, Any]] = (),
     timings: Mapping[str, float] | None = None,
+    mixed_precision: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble the report from a :class:`quantplug.debug.DebugReport` and what the run knows.
 
     ``validation`` is a :class:`quantplug.ValidationReport` (or its ``to_dict()``), or None.
+    ``mixed_precision`` is the per-layer preset choice the run applied
+    (:meth:`~quantplug.algorithms.mixed_precision.MixedPrecision.to_dict`, plus ``source`` and
+    ``layers``), shown with its trade-off curve.
     """
     import torch
 
@@ -106,6 +110,8 @@ def build_report(
         "files": [dict(f) for f in files],
         "timings": dict(timings or {}),
     }
+    if mixed_precision is not None:
+        data["mixed_precision"] = dict(mixed_precision)
     return _clean(data)
 
 
@@ -185,6 +191,16 @@ _REPORT: dict[str, Any] = {
     "warnings": [str],
     "files": [{"path": str, "bytes": _OPT_NUM}],
     "timings": {"*": _OPT_NUM},
+    "mixed_precision": {
+        "backend": str,
+        "default": str,
+        "source": str,
+        "layers": _OPT_NUM,
+        "chosen": (int, type(None)),
+        "overrides": {"*": str},
+        "target": {"*": _OPT_NUM},
+        "curve": [{"weight_bytes": _OPT_NUM, "sqnr_db": _OPT_NUM, "overrides": {"*": str}}],
+    },
 }
 
 

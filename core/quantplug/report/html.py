@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.report.plot import sqnr_plot_png
+from quantplug.report.plot import sqnr_plot_png, tradeoff_plot_png
 
 GOOD_DB = 30.0  # SQNR at or above: green
 FAIR_DB = 20.0  # at or above: amber; below: red
@@ -216,6 +216,89 @@ def _artifact_warning(artifact: Mapping[str, Any] | None) -> str:
     )
 
 
+def _mixed_precision_section(mixed: Mapping[str, Any]) -> str:
+    """The per-layer presets the run applied, and the accuracy-size curve the search measured."""
+    overrides = mixed.get("overrides") or {}
+    layers = mixed.get("layers")
+    default = mixed.get("default", "?")
+    out = ['<h2>Mixed precision</h2><div class="panel" id="mixed-precision">']
+    counted = f"{len(overrides)} of {layers}" if isinstance(layers, int) else str(len(overrides))
+    out.append(
+        f"<p>{_e(counted)} layer(s) raised from <code>{_e(default)}</code> "
+        f"<span class='muted'>({_e(mixed_precision_source(mixed))})</span>; the other layers "
+        f"and every other op follow <code>{_e(default)}</code>. The choice is "
+        "<code>mixed_precision.json</code> in this folder: edit it and pass it back with "
+        "<code>--mixed-precision-file</code>.</p>"
+    )
+    png = tradeoff_plot_png(mixed)
+    if png:
+        b64 = base64.b64encode(png).decode("ascii")
+        out.append(
+            f'<img id="tradeoff-plot" alt="Output SQNR against weight size for the '
+            f'{len(mixed.get("curve") or [])} points the search measured" '
+            f'src="data:image/png;base64,{b64}">'
+        )
+        out.append(
+            "<p class='muted'>Each point is a per-layer choice the search quantized and measured "
+            "(model output SQNR on the search batches, against the conv/linear weight bytes); "
+            "the red point is the one applied.</p>"
+        )
+    elif mixed.get("curve"):
+        out.append(
+            '<p class="muted" id="tradeoff-plot-missing">Plot unavailable: matplotlib is not installed.</p>'
+        )
+    curve = [p for p in mixed.get("curve") or [] if isinstance(p, Mapping)]
+    if curve:
+        chosen = mixed.get("chosen")
+        rows = [
+            [
+                (str(i) + (" (chosen)" if i == chosen else ""), "num"),
+                (_size(p.get("weight_bytes")), "num"),
+                (_db_chip(p.get("sqnr_db")), ""),
+                (_e(", ".join(f"{m}: {v}" for m, v in (p.get("overrides") or {}).items()) or "none"), "mono"),
+            ]
+            for i, p in enumerate(curve)
+        ]
+        out.append(
+            f"<details><summary>Measured points ({len(curve)})</summary>"
+            + _table(
+                "tradeoff-points",
+                [("point", "num"), ("weights", "num"), ("SQNR", ""), ("layers raised", "")],
+                rows,
+            )
+            + "</details>"
+        )
+    if overrides:
+        out.append(
+            _table(
+                "mixed-overrides",
+                [("layer", ""), ("preset", "")],
+                [[(_e(m), "mono"), (_e(v), "mono")] for m, v in overrides.items()],
+            )
+        )
+    out.append("</div>")
+    return "".join(out)
+
+
+def _size(value: Any) -> str:
+    return human_bytes(int(value)) if isinstance(value, (int, float)) else "–"
+
+
+def mixed_precision_source(mixed: Mapping[str, Any]) -> str:
+    """'searched for an SQNR floor of 30 dB' / 'applied from FILE': how the choice was made."""
+    source = str(mixed.get("source", ""))
+    if source != "search":
+        return f"applied from {source}"
+    target = mixed.get("target") or {}
+    if isinstance(target.get("sqnr_db"), (int, float)):
+        return f"searched for an output SQNR of at least {target['sqnr_db']:g} dB"
+    if isinstance(target.get("weight_growth"), (int, float)):
+        return f"searched within +{100 * target['weight_growth']:g} % weight bytes"
+    if isinstance(target.get("weight_bytes"), (int, float)):
+        return f"searched within {human_bytes(int(target['weight_bytes']))} of weights"
+    return "searched"
+
+
 def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> str:
     """The report page. The plot is drawn from ``data["layers"]`` unless ``plot_png`` is given."""
     s = data.get("summary", {})
@@ -283,6 +366,10 @@ def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> st
         f"<b>{_e(backend.get('name'))}</b> <span class='muted'>{_e(backend.get('description', ''))}</span>"
         f'<ul class="opts" id="options">{opt_items}</ul></div>'
     )
+
+    mixed = data.get("mixed_precision")
+    if isinstance(mixed, Mapping):
+        parts.append(_mixed_precision_section(mixed))
 
     # -- warnings --------------------------------------------------------------------------------
     validation = data.get("validation") or {}

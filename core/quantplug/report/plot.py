@@ -1,10 +1,11 @@
-"""The per-layer SQNR plot (matplotlib, rendered off-screen to PNG bytes)."""
+"""The report's plots (matplotlib, rendered off-screen to PNG bytes): per-layer SQNR, and the
+mixed-precision accuracy-size trade-off curve."""
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 QUANTIZED_COLOR = "#3b6ea8"
@@ -113,6 +114,62 @@ def sqnr_plot_png(
         Patch(color=WORST_COLOR, label=f"worst {min(highlight, len(ranked))}"),
     ]
     ax.legend(handles=handles, loc="upper left", fontsize=8, frameon=False, ncol=3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def tradeoff_plot_png(mixed: Mapping[str, Any]) -> bytes | None:
+    """Output SQNR against weight bytes for every point the mixed-precision search measured.
+
+    ``mixed`` is :meth:`quantplug.algorithms.mixed_precision.MixedPrecision.to_dict` (what
+    report.json holds under ``mixed_precision``): ``curve`` points with ``weight_bytes`` and
+    ``sqnr_db``, the ``chosen`` point's index, the ``target`` (an SQNR floor or a byte budget).
+    None when matplotlib is not installed or no point has a finite SQNR.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    curve = list(mixed.get("curve") or [])
+    points = [
+        (float(p["weight_bytes"]), float(p["sqnr_db"]))
+        for p in curve
+        if isinstance(p.get("weight_bytes"), (int, float)) and isinstance(p.get("sqnr_db"), (int, float))
+    ]
+    points = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
+    if not points:
+        return None
+    fig = Figure(figsize=(7, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(
+        [x / 1024 for x, _ in points],
+        [y for _, y in points],
+        "-o",
+        color=QUANTIZED_COLOR,
+        markersize=4,
+        label="measured (search batches)",
+    )
+    chosen = mixed.get("chosen")
+    if isinstance(chosen, int) and 0 <= chosen < len(curve):
+        x, y = curve[chosen].get("weight_bytes"), curve[chosen].get("sqnr_db")
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            ax.plot([x / 1024], [y], "o", color=WORST_COLOR, markersize=9, label="chosen")
+    target = mixed.get("target") or {}
+    if isinstance(target.get("sqnr_db"), (int, float)):
+        ax.axhline(target["sqnr_db"], color=OUTPUT_COLOR, linestyle="--", linewidth=1, label="SQNR floor")
+    if isinstance(target.get("weight_bytes"), (int, float)):
+        budget = target["weight_bytes"] / 1024
+        ax.axvline(budget, color=OUTPUT_COLOR, linestyle=":", linewidth=1, label="budget")
+    ax.set_xlabel("conv/linear weight size (KiB)")
+    ax.set_ylabel("output SQNR vs float (dB)")
+    title = f"{mixed.get('backend', '?')}: mixed precision from {mixed.get('default', '?')}"
+    ax.set_title(title, fontsize=11)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")

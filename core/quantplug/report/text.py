@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from quantplug.report.html import human_bytes
+from quantplug.report.html import human_bytes, mixed_precision_source
 
 
 def _db(value: Any, identical: bool = False) -> str:
@@ -41,6 +41,9 @@ def format_summary(data: Mapping[str, Any], *, worst: int = 5, out_dir: str | No
         "(model output, quantized vs float)"
         + (f", max |error| {err:.4g}" if isinstance(err, (int, float)) else "")
     )
+    mixed = data.get("mixed_precision")
+    if isinstance(mixed, Mapping):
+        lines.append(_mixed_line(mixed))
     shipped = _artifact_line(data.get("artifact"))
     if shipped:
         lines.append(shipped)
@@ -88,4 +91,23 @@ def _artifact_line(artifact: Mapping[str, Any] | None) -> str:
         line += f", {abs(gap):.1f} dB {'below' if gap > 0 else 'above'} the Q/DQ program"
     if artifact.get("flagged"):
         line += f"  [GAP > {artifact.get('threshold_db', 1.0):g} dB: what ships is not what was measured]"
+    return line
+
+
+def _mixed_line(mixed: Mapping[str, Any]) -> str:
+    """'mixed:       2 of 7 layers raised from 16a4w (16a8w: 2), searched for ... ; chosen 31.2 dB'."""
+    overrides = mixed.get("overrides") or {}
+    layers = mixed.get("layers")
+    counted = f"{len(overrides)} of {layers}" if isinstance(layers, int) else str(len(overrides))
+    presets: dict[str, int] = {}
+    for preset in overrides.values():
+        presets[preset] = presets.get(preset, 0) + 1
+    by_preset = ", ".join(f"{p}: {n}" for p, n in sorted(presets.items()))
+    line = f"mixed:       {counted} layer(s) raised from {mixed.get('default', '?')}"
+    line += (f" ({by_preset})" if by_preset else "") + f", {mixed_precision_source(mixed)}"
+    chosen, curve = mixed.get("chosen"), mixed.get("curve") or []
+    if isinstance(chosen, int) and 0 <= chosen < len(curve):
+        point = curve[chosen]
+        size = human_bytes(point.get("weight_bytes"))
+        line += f"; chosen point {_db(point.get('sqnr_db'))} at {size} weights"
     return line
