@@ -8,13 +8,11 @@ store of batches for sequential inputs is the one process's store under round-ro
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from itertools import combinations
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,7 +26,6 @@ from quantplug.algorithms.spec import WeightSite
 from quantplug.algorithms.weight_layers import LayerHessian
 from quantplug.distributed import shard, sync_observers
 from quantplug.distributed.collectors import rounds
-from tests.distributed.launch import free_port
 from tests.distributed.worker import SampleRows, Unmergeable, _algo_prepare, algo_batches
 
 # --- sums: any split, merged in rank order, is the collector fed every batch ------------------
@@ -221,18 +218,6 @@ def test_gathering_rounds_stay_within_the_budget() -> None:
 
 
 # --- in a one-process gloo group -------------------------------------------------------------
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    if dist.is_initialized():  # pragma: no cover - another test left one
-        dist.destroy_process_group()
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_collectors_merge_once_a_second_sync_without_data_keeps_them(group: None) -> None:

@@ -281,21 +281,22 @@ def scenario_algorithms(rank: int) -> dict[str, Any]:
     sync_observers(prepared, timeout=60)
     quantplug.convert(prepared)
     found["sample_rows"] = sampler.samples
-    prepared = _algo_prepare([Unmergeable()], data)
-    prepared(data[rank])
-    try:
-        sync_observers(prepared, timeout=60)
-        found["unmergeable"] = None
-    except quantplug.QuantplugError as exc:
-        found["unmergeable"] = f"{type(exc).__name__}: {exc}"
-    prepared = _algo_prepare([("smoothquant", {"alpha": 0.5})], list(shard(data)))  # each rank its share
-    prepared(data[rank])
-    try:
-        sync_observers(prepared, timeout=60)
-        found["transform_data"] = None
-    except quantplug.QuantplugError as exc:
-        found["transform_data"] = f"{type(exc).__name__}: {exc}"
+    found["unmergeable"] = _sync_error(_algo_prepare([Unmergeable()], data), data[rank])
+    # transforms given each rank's share instead of the same batches
+    found["transform_data"] = _sync_error(
+        _algo_prepare([("smoothquant", {"alpha": 0.5})], list(shard(data))), data[rank]
+    )
     return found
+
+
+def _sync_error(prepared: nn.Module, x: torch.Tensor) -> str | None:
+    """The error sync_observers raises after one batch, as ``"Type: message"`` (None: none)."""
+    prepared(x)
+    try:
+        sync_observers(prepared, timeout=60)
+    except quantplug.QuantplugError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def scenario_all(rank: int) -> dict[str, Any]:
