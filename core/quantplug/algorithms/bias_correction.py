@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from quantplug.algorithms.collectors import sum_in_order
+from quantplug.algorithms.collectors import like, sum_in_order
 from quantplug.algorithms.spec import (
     Algorithm,
     AlgorithmOption,
@@ -77,7 +77,7 @@ class RunningMean:
         totals = [s["total"] for s in states if s["total"] is not None]
         if self.conv and len({tuple(t.shape) for t in totals}) > 1:
             totals = [_channel_sum(t) for t in totals]
-        self.total = sum_in_order(totals)
+        self.total = like(sum_in_order(totals), self.total)
         self.count = sum(int(s["count"]) for s in states)
 
 

@@ -35,6 +35,14 @@ def sum_in_order(terms: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     return total
 
 
+def like(value: torch.Tensor | None, reference: torch.Tensor | None) -> torch.Tensor | None:
+    """``value`` on ``reference``'s device (merged states arrive on the CPU; a collector fed on a
+    GPU keeps its statistics there)."""
+    if value is None or reference is None:
+        return value
+    return value.to(reference.device)
+
+
 def mixed_seed(seed: int, salt: str) -> int:
     """A seed derived from ``seed`` and ``salt`` (a 63-bit integer; the same on every machine)."""
     data = hashlib.sha256(f"{int(seed)}/{salt}".encode()).digest()
@@ -158,9 +166,8 @@ class InputSample:
 
     def merge_(self, states: Sequence[dict[str, Any]]) -> None:
         generator = torch.Generator().manual_seed(mixed_seed(self.seed, "merge"))
-        self.rows, self.seen = merge_samples(
-            [(s["rows"], s["seen"]) for s in states], self.max_rows, generator
-        )
+        rows, self.seen = merge_samples([(s["rows"], s["seen"]) for s in states], self.max_rows, generator)
+        self.rows = like(rows, self.rows)
         self._generator = generator  # every rank goes on drawing alike
 
 
@@ -184,5 +191,5 @@ class Gram:
         return {"matrix": self.matrix, "count": self.count}
 
     def merge_(self, states: Sequence[dict[str, Any]]) -> None:
-        self.matrix = sum_in_order([s["matrix"] for s in states])
+        self.matrix = like(sum_in_order([s["matrix"] for s in states]), self.matrix)
         self.count = sum(int(s["count"]) for s in states)
