@@ -56,7 +56,15 @@ _EXPORTS: dict[str, str] = {
         "quantplug.algorithms.registry",
     ),
     **dict.fromkeys(
-        ("Algorithm", "AlgorithmOption", "WeightChoice", "WeightGrid", "WeightSite"),
+        (
+            "Algorithm",
+            "AlgorithmOption",
+            "Collector",
+            "MergeableCollector",
+            "WeightChoice",
+            "WeightGrid",
+            "WeightSite",
+        ),
         "quantplug.algorithms.spec",
     ),
     **dict.fromkeys(("get_quantizer", "quantize"), "quantplug.api"),
@@ -69,6 +77,7 @@ _EXPORTS: dict[str, str] = {
             "BackendDisabledError",
             "BackendLoadError",
             "CalibrationError",
+            "CollectorMergeError",
             "ConstraintViolationError",
             "ConversionError",
             "DistributedError",
@@ -145,6 +154,8 @@ __all__ = [
     "BackendLoadError",
     "BackendOption",
     "CalibrationError",
+    "Collector",
+    "CollectorMergeError",
     "ConformanceProfile",
     "ConstraintViolationError",
     "ConversionError",
@@ -158,6 +169,7 @@ __all__ = [
     "KeySpec",
     "LoweringError",
     "LoweringPlan",
+    "MergeableCollector",
     "NamedPass",
     "NonFiniteError",
     "ObserverMergeError",
@@ -239,7 +251,15 @@ if TYPE_CHECKING:
         register_algorithm,
         unregister_algorithm,
     )
-    from quantplug.algorithms.spec import Algorithm, AlgorithmOption, WeightChoice, WeightGrid, WeightSite
+    from quantplug.algorithms.spec import (
+        Algorithm,
+        AlgorithmOption,
+        Collector,
+        MergeableCollector,
+        WeightChoice,
+        WeightGrid,
+        WeightSite,
+    )
     from quantplug.annotation.annotators import (
         annotate_binary,
         annotate_shared_in_out,
@@ -272,6 +292,7 @@ if TYPE_CHECKING:
         BackendDisabledError,
         BackendLoadError,
         CalibrationError,
+        CollectorMergeError,
         ConstraintViolationError,
         ConversionError,
         DistributedError,

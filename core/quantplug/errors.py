@@ -101,6 +101,11 @@ class DistributedError(QuantplugError, RuntimeError):
     that did not all reach a synchronisation point in time."""
 
 
+class CollectorMergeError(DistributedError):
+    """An algorithm's collector that cannot combine the statistics of several processes (it
+    defines no ``state()``/``merge_(states)``), or whose states do not merge."""
+
+
 class UnsafeArchiveError(QuantplugError, ValueError):
     """A ``.pt2`` archive that would run code when loaded (pickled entries, code in names)."""
 

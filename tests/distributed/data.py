@@ -29,3 +29,22 @@ def sharded(rank: int, world_size: int) -> Iterator[torch.Tensor]:
 def broken() -> Iterator[torch.Tensor]:
     yield _images(1)
     yield torch.randn(1, 3, 8, 8)  # item 1 does not fit the model
+
+
+def norm_mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    """A model factory: LayerNorm -> linear -> ReLU -> linear (SmoothQuant folds into the norm)."""
+    from tests.distributed.worker import AlgoNet, algo_batches
+
+    torch.manual_seed(0)
+    return AlgoNet().eval(), (algo_batches(1)[0],)
+
+
+def augmented() -> Iterator[torch.Tensor]:
+    """Items that differ on every call (an unseeded random augmentation), for ``norm_mlp``: a
+    factory that does not shard itself yields other items on every rank."""
+    import random
+
+    from tests.distributed.worker import algo_batches
+
+    for x in algo_batches(8):
+        yield x * (1.0 + random.random())

@@ -50,18 +50,25 @@ def program_content(out: Path) -> tuple[str, dict[str, Any]]:
     return program.graph_module.code, {**program.state_dict, **program.constants}
 
 
+def assert_same_output(a: Path, b: Path) -> None:
+    """The deployable files byte for byte, and the quantized program's code and every tensor."""
+    files = sorted(p.relative_to(a) for p in (a / "artifact").rglob("*") if p.is_file())
+    assert files
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    code_a, tensors_a = program_content(a)
+    code_b, tensors_b = program_content(b)
+    assert code_a == code_b and tensors_a.keys() == tensors_b.keys()
+    assert all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
+
+
 def test_two_processes_write_what_one_writes(demo: dict[str, Path]) -> None:
     one = quantize(demo, "one", str(demo["list"]))
     two = quantize(demo, "two", str(demo["list"]), "--nproc", "2")
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     a, b = demo["root"] / "one", demo["root"] / "two"
-    for f in sorted(p.relative_to(a) for p in (a / "artifact").rglob("*") if p.is_file()):
-        assert (a / f).read_bytes() == (b / f).read_bytes(), f  # the deployable files, byte for byte
-    code_a, tensors_a = program_content(a)
-    code_b, tensors_b = program_content(b)
-    assert code_a == code_b and tensors_a.keys() == tensors_b.keys()
-    assert all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
+    assert_same_output(a, b)
     # quantized.pt2 differs only where torch.export writes object ids and a random serialization id
     names = zipfile.ZipFile(a / "quantized.pt2").namelist()
     assert any(n.endswith("serialization_id") for n in names)
@@ -69,6 +76,68 @@ def test_two_processes_write_what_one_writes(demo: dict[str, Path]) -> None:
     assert report["calibration"]["batches"] == 8 and report["calibration"]["processes"] == 2
     assert "calibrating (2 processes): 8 batches" in two.stderr  # rank 0 counts every rank's batches
     assert "calibrated: 8 batches" in two.stderr
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        ["bias_correction"],  # running means and the store of batches (sequential by default)
+        ["gptq"],  # layer Hessians
+        ["adaround", "--algorithm-option", "adaround.iterations=50"],
+        # the store of batches, Hessians at convert (a fine search: 20 candidates hid the unmerged store)
+        [
+            "seq_mse",
+            "--algorithm-option",
+            "seq_mse.sequential=true",
+            "--algorithm-option",
+            "seq_mse.candidates=100",
+        ],
+        ["cle"],  # a transform with data (high-bias absorption): the same batches on every rank
+    ],
+    ids=lambda a: a[0],
+)
+def test_algorithms_on_two_processes_write_what_one_writes(
+    demo: dict[str, Path], algorithm: list[str]
+) -> None:
+    """Every built-in algorithm that collects (and CLE, which transforms with data): its
+    statistics merge by sums in rank order, so the files are those of one process."""
+    name = algorithm[0]
+    one = quantize(demo, f"{name}-1", str(demo["list"]), "-A", *algorithm)
+    two = quantize(demo, f"{name}-2", str(demo["list"]), "-A", *algorithm, "--nproc", "2")
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    assert_same_output(demo["root"] / f"{name}-1", demo["root"] / f"{name}-2")
+    report = json.loads((demo["root"] / f"{name}-2" / "report.json").read_text())
+    assert report["options"]["algorithms"].startswith(name) and report["calibration"]["processes"] == 2
+
+
+def test_transforms_see_rank_0s_batches_on_every_rank(tmp_path: Path) -> None:
+    """A data factory whose items differ on every call (an unseeded augmentation): each rank
+    reading the transform batches itself would smooth other weights into its program (the sync
+    names the difference); rank 0 reads them and sends them to the others."""
+    result = run_cli(
+        "quantize", "tests.distributed.data:norm_mlp", "-c", "tests.distributed.data:augmented",
+        "-o", "activation_observer=minmax", "-A", "smoothquant", "--algorithm-option", "alpha=0.5",
+        "--compare-batches", "1", "--nproc", "2", "--out", str(tmp_path / "out"), timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_algorithm_whose_collector_cannot_merge_is_refused_before_calibrating(
+    demo: dict[str, Path], tmp_path: Path
+) -> None:
+    argv = [
+        "quantize", str(demo["pt2"]), "-c", str(demo["list"]), "-A", "unmergeable",
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    ranks = run_ranks(
+        "cli", 2, tmp_path / "ranks", QUANTPLUG_TEST_ARGV=json.dumps(argv), QUANTPLUG_TEST_UNMERGEABLE="1"
+    )
+    for rank in ranks:
+        assert rank.result.get("exit") == 2, rank.output
+        assert "algorithm 'unmergeable' collects with " in rank.output and "Unmergeable.Count" in rank.output
+    assert not list((tmp_path / "ranks").glob("fed-*"))  # refused before calibrating
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_rank_leaves_the_group_when_its_run_ends(demo: dict[str, Path], tmp_path: Path) -> None:

@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import quantplug
 from quantplug.distributed import shard, sync_observers
-from tests.distributed.launch import free_port
 from tests.distributed.worker import batches, program
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    if dist.is_initialized():  # pragma: no cover - another test left one
-        dist.destroy_process_group()
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _prepared(observer: str) -> torch.nn.Module:

@@ -154,6 +154,151 @@ def scenario_qat(rank: int) -> dict[str, Any]:
     return found
 
 
+class AlgoNet(nn.Module):
+    """LayerNorm -> linear -> ReLU -> linear: every built-in algorithm has something to do
+    (SmoothQuant folds into the norm, CLE equalizes the pair, the rest choose both weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+def algo_batches(n: int = 12) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(n):
+        x = torch.randn(4, 6, 16, generator=g) * (0.5 + (i * 7 % 5))
+        x[..., 3] *= 20  # an outlier channel (what SmoothQuant migrates)
+        x[..., 8 + i % 4] *= 6  # channels active on one rank's share only (round robin)
+        out.append(x)
+    return out
+
+
+def algo_program() -> torch.export.ExportedProgram:
+    torch.manual_seed(0)
+    return torch.export.export(AlgoNet().eval(), (algo_batches(1)[0],))
+
+
+class SampleRows(quantplug.Algorithm):
+    """A third-party-style algorithm collecting a reservoir sample of each layer's input rows."""
+
+    name = "sample_rows"
+
+    def __init__(self) -> None:
+        self.samples: dict[str, Any] = {}
+
+    def collector(self, site: Any) -> Any:
+        from quantplug.algorithms.collectors import InputSample
+
+        return InputSample(max_rows=20) if site.has_layer else None
+
+    def choose_weight(self, site: Any, grid: Any, codes: Any, collected: Any) -> None:
+        self.samples[site.name] = collected
+
+
+class Unmergeable(quantplug.Algorithm):
+    """An algorithm whose collector has no merge hook."""
+
+    name = "unmergeable"
+
+    class Count:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def update(self, x: torch.Tensor) -> None:
+            self.n += 1
+            if os.environ.get("QUANTPLUG_TEST_UNMERGEABLE"):  # tells the test calibration ran
+                (Path(os.environ["QUANTPLUG_TEST_OUT"]) / f"fed-{os.getpid()}").touch()
+
+        def result(self) -> int:
+            return self.n
+
+    def collector(self, site: Any) -> Any:
+        return Unmergeable.Count() if site.has_layer else None
+
+
+#: the built-in algorithms (and their collecting variants) the algorithms scenario runs
+ALGORITHM_RUNS: dict[str, list[Any]] = {
+    "cle": ["cle"],
+    "smoothquant": [("smoothquant", {"alpha": 0.5})],
+    "bias_correction": ["bias_correction"],
+    "bias_correction_float": [("bias_correction", {"sequential": False})],
+    "seq_mse": [("seq_mse", {"candidates": 8})],
+    "seq_mse_sequential": [("seq_mse", {"candidates": 8, "sequential": True})],
+    "adaround": [("adaround", {"iterations": 40})],
+    "gptq": ["gptq"],
+    "gptq_sequential": [("gptq", {"sequential": True})],
+}
+
+
+def _algo_prepare(algorithms: list[Any], data: list[torch.Tensor]) -> nn.Module:
+    quantizer = quantplug.get_quantizer("qnn_htp", act_observer="minmax", precision="16a4w")
+    return quantplug.prepare(algo_program(), quantizer, algorithms=algorithms, calibration=data)
+
+
+def collected(prepared: nn.Module) -> dict[str, Any]:
+    """What the algorithms' collectors hold after calibration (and the batches stored for
+    sequential layer inputs), by weight and algorithm index."""
+    from quantplug.algorithms.runtime import RUN_KEY
+
+    run = prepared.meta[RUN_KEY]  # type: ignore[operator]
+    found: dict[str, Any] = {
+        f"{key[0]}#{i}": c.result() for key, by in run.collectors.items() for i, c in by.items()
+    }
+    found["stored batches"] = None if run.inputs is None else run.inputs.batches
+    return found
+
+
+def scenario_algorithms(rank: int) -> dict[str, Any]:
+    """Every built-in algorithm calibrated on 2 ranks against 1 process; a reservoir sample merged;
+    a collector that cannot merge; transforms given other data on each rank."""
+    data = algo_batches()
+    found: dict[str, Any] = {}
+    for label, algorithms in ALGORITHM_RUNS.items():
+        prepared = _algo_prepare(algorithms, data)  # transforms: the same batches on every rank
+        with torch.no_grad():
+            for x in shard(data):
+                prepared(x)
+        sync_observers(prepared, timeout=60)
+        found[label] = {"digest": digest(quantplug.convert(prepared)), "collected": collected(prepared)}
+        if rank == 0:
+            single = _algo_prepare(algorithms, data)
+            with torch.no_grad():
+                for x in data:
+                    single(x)
+            found[label]["single_digest"] = digest(quantplug.convert(single))
+            found[label]["single_collected"] = collected(single)
+    sampler = SampleRows()
+    prepared = _algo_prepare([sampler], data)
+    with torch.no_grad():
+        for x in shard(data):
+            prepared(x)
+    sync_observers(prepared, timeout=60)
+    quantplug.convert(prepared)
+    found["sample_rows"] = sampler.samples
+    found["unmergeable"] = _sync_error(_algo_prepare([Unmergeable()], data), data[rank])
+    # transforms given each rank's share instead of the same batches
+    found["transform_data"] = _sync_error(
+        _algo_prepare([("smoothquant", {"alpha": 0.5})], list(shard(data))), data[rank]
+    )
+    return found
+
+
+def _sync_error(prepared: nn.Module, x: torch.Tensor) -> str | None:
+    """The error sync_observers raises after one batch, as ``"Type: message"`` (None: none)."""
+    prepared(x)
+    try:
+        sync_observers(prepared, timeout=60)
+    except quantplug.QuantplugError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def scenario_all(rank: int) -> dict[str, Any]:
     """The scenarios that end well, in one group (each process start costs seconds)."""
     return {name: globals()[f"scenario_{name}"](rank) for name in ("calibrate", "qat", "mismatch")}
@@ -166,6 +311,8 @@ def cli_rank(rank: int) -> None:
 
     from quantplug.cli.main import main as cli_main
 
+    if os.environ.get("QUANTPLUG_TEST_UNMERGEABLE"):
+        quantplug.register_algorithm("unmergeable", Unmergeable)
     code = cli_main(json.loads(os.environ["QUANTPLUG_TEST_ARGV"]))
     found = {"exit": code, "group_left_open": dist.is_initialized()}
     torch.save(found, Path(os.environ["QUANTPLUG_TEST_OUT"]) / f"rank{rank}.pt")

@@ -4,6 +4,7 @@
 * :mod:`quantplug.algorithms.registry` -- discovery by name (entry-point group
   ``quantplug.algorithms``), listing without importing, lazy loading;
 * :mod:`quantplug.algorithms.runtime` -- where prepare/convert call the hooks;
+* :mod:`quantplug.algorithms.merge` -- collectors combined across processes (distributed calibration);
 * one module per built-in algorithm (``cle``, ``bias_correction``, ``smoothquant``, ...).
 
 Importing this package imports neither torch nor any algorithm.

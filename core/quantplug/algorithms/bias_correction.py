@@ -7,17 +7,20 @@ subtracting that from the bias makes the quantized layer unbiased on the calibra
 
 The collector keeps the running mean of the layer's input over the batch (per position for
 convolutions, so padding is accounted for exactly; per feature for linear layers), which is all
-the expectation needs: memory does not grow with the data. At convert the correction is
-``-(f(E[x], W~) - f(E[x], W))`` averaged over positions, per output channel, with the codes the
-earlier algorithms chose (run it last: ``["seq_mse", "adaround", "bias_correction"]``).
+the expectation needs: memory does not grow with the data; its sums merge across processes. At
+convert the correction is ``-(f(E[x], W~) - f(E[x], W))`` averaged over positions, per output
+channel, with the codes the earlier algorithms chose (run it last:
+``["seq_mse", "adaround", "bias_correction"]``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from quantplug.algorithms.collectors import like, sum_in_order
 from quantplug.algorithms.spec import (
     Algorithm,
     AlgorithmOption,
@@ -64,6 +67,18 @@ class RunningMean:
         if self.total is None or self.count == 0:
             return None
         return (self.total / self.count).to(torch.float32)
+
+    def state(self) -> dict[str, Any]:
+        return {"total": self.total, "count": self.count}
+
+    def merge_(self, states: Sequence[dict[str, Any]]) -> None:
+        """Every rank's sums added in rank order (per channel when ranks kept different shapes,
+        as one process does once it sees a second spatial size)."""
+        totals = [s["total"] for s in states if s["total"] is not None]
+        if self.conv and len({tuple(t.shape) for t in totals}) > 1:
+            totals = [_channel_sum(t) for t in totals]
+        self.total = like(sum_in_order(totals), self.total)
+        self.count = sum(int(s["count"]) for s in states)
 
 
 def _channel_sum(t: torch.Tensor) -> torch.Tensor:

@@ -75,14 +75,22 @@ def run_transforms(
     return gm
 
 
-class _Tap(nn.Module):
-    """Feeds one layer's input to the collectors of that layer (returns nothing)."""
+class Tap(nn.Module):
+    """Feeds one layer's input to the collectors of that layer (returns nothing).
 
-    def __init__(self, collectors: list[Any]) -> None:
+    ``site`` names the weight, ``owners[i]`` the algorithm of ``collectors[i]``; ``batches``
+    counts the batches fed (what a repeated distributed sync checks for new data).
+    """
+
+    def __init__(self, site: str, collectors: list[Any], owners: list[str]) -> None:
         super().__init__()
+        self.site = site
         self.collectors = collectors
+        self.owners = owners
+        self.batches = 0
 
     def forward(self, x: torch.Tensor) -> None:
+        self.batches += 1
         with torch.no_grad():
             value = x.detach()
             for collector in self.collectors:
@@ -98,6 +106,8 @@ class AlgorithmRun:
     collectors: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
     #: the calibration batches kept for algorithms that want sequential layer inputs
     inputs: InputStore | None = None
+    #: batches fed to the taps and the store when ``sync_observers`` last merged them (None: never)
+    synced_at: int | None = None
 
 
 def is_sequential(algorithm: Any) -> bool:
@@ -206,8 +216,8 @@ def install_collectors(gm: GraphModule, state: Any, algorithms: Sequence[Any]) -
             continue
         run.collectors[(site.name, site.group)] = wanted
         fed = [
-            c
-            for i, c in wanted.items()
+            i
+            for i in wanted
             if not is_sequential(algorithms[i]) or getattr(algorithms[i], "float_inputs", False)
         ]
         if site.input_index is None:
@@ -225,7 +235,9 @@ def install_collectors(gm: GraphModule, state: Any, algorithms: Sequence[Any]) -
         consumer = nodes[site.node]
         name = f"t{count}"
         count += 1
-        container.add_module(name, _Tap(fed))
+        container.add_module(
+            name, Tap(site.name, [wanted[i] for i in fed], [algorithm_name(algorithms[i]) for i in fed])
+        )
         with gm.graph.inserting_before(consumer):
             tap = gm.graph.call_module(f"{TAPS}.{name}", (consumer.args[site.input_index],))
         tap.meta["quantplug_algorithm_tap"] = site.name
@@ -236,6 +248,20 @@ def install_collectors(gm: GraphModule, state: Any, algorithms: Sequence[Any]) -
 
 def is_tap(node: Node) -> bool:
     return node.op == "call_module" and str(node.target).startswith(TAPS + ".")
+
+
+def taps(prepared: nn.Module) -> tuple[list[Tap], InputStore | None]:
+    """The collector taps of a prepared module, in creation order (the same on every rank that
+    prepared the same program), and its store of batches for sequential inputs."""
+    container = getattr(prepared, TAPS, None)
+    if not isinstance(container, nn.Module):
+        return [], None
+    found = sorted(
+        ((int(name[1:]), m) for name, m in container.named_children() if isinstance(m, Tap)),
+        key=lambda pair: pair[0],
+    )
+    store = getattr(container, "inputs", None)
+    return [m for _, m in found], store if isinstance(store, InputStore) else None
 
 
 @dataclass

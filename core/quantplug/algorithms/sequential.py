@@ -13,6 +13,10 @@ on no layer still to choose), re-runs them through a simulation of the quantized
 (:class:`QuantizedSimulation`: every activation observer fake-quantizes with its calibrated
 encoding, every weight reads its current codes) to feed fresh collectors of that stage's layers.
 Memory: the stored batches plus one stage's collectors (Hessians), never the activations.
+
+On several processes each rank stores the first batches of its share; ``sync_observers`` merges
+the stores (:func:`merged_store`: round robin over the ranks under the same caps, which is the one
+process's store for round-robin sharding), so every rank's sequential pass runs the same batches.
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ STORE_BATCHES = 32
 STORE_BYTES = 256 * 2**20
 
 
+def _fits(count: int, stored: int, size: int, max_batches: int, max_bytes: int) -> bool:
+    """Whether a batch of ``size`` bytes joins a store holding ``count`` batches of ``stored`` bytes."""
+    return count < max_batches and (count == 0 or stored + size <= max_bytes)
+
+
+def batch_bytes(inputs: Sequence[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+
+
 class InputStore(nn.Module):
     """A calibration tap on the program's inputs: keeps the first batches, within the caps."""
 
@@ -45,13 +58,42 @@ class InputStore(nn.Module):
 
     def forward(self, *inputs: Any) -> None:
         self.seen += 1
-        if len(self.batches) >= self.max_batches:
-            return
-        size = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
-        if self.batches and self.bytes + size > self.max_bytes:
+        size = batch_bytes(inputs)
+        if not _fits(len(self.batches), self.bytes, size, self.max_batches, self.max_bytes):
             return
         self.batches.append(tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs))
         self.bytes += size
+
+    def replace_(self, batches: list[tuple[Any, ...]], seen: int) -> None:
+        """Hold ``batches`` (the merge of every rank's store) instead of this rank's."""
+        self.batches = batches
+        self.bytes = sum(batch_bytes(b) for b in batches)
+        self.seen = seen
+
+
+def merged_store(sizes: Sequence[Sequence[int]], max_batches: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Which stored batches of every rank make the merged store: ``(rank, index)`` in order.
+
+    ``sizes[r]`` are the bytes of rank ``r``'s stored batches, in the order it stored them. The
+    ranks' batches are taken round robin (rank 0's first, rank 1's first, ..., rank 0's second...)
+    under the caps one process applies. With the round-robin sharding of
+    :func:`quantplug.distributed.shard` and ``quantize --nproc`` (rank ``r`` calibrates batches
+    ``r, r + N, ...``) that order is the data's order, so the merged store is exactly the batches one
+    process stores, unless a byte cap bound on some rank (a rank keeps what fits its own cap: it
+    may have skipped a batch one process keeps). Ranks that shard otherwise get a deterministic
+    store of each rank's first batches.
+    """
+    chosen: list[tuple[int, int]] = []
+    stored = 0
+    for index in range(max((len(s) for s in sizes), default=0)):
+        for rank, rank_sizes in enumerate(sizes):
+            if index >= len(rank_sizes):
+                continue
+            size = int(rank_sizes[index])
+            if _fits(len(chosen), stored, size, max_batches, max_bytes):
+                chosen.append((rank, index))
+                stored += size
+    return chosen
 
 
 def stages(graph_nodes: Sequence[Node], consumers: Sequence[str]) -> list[list[int]]:

@@ -10,7 +10,8 @@ optional, each called by the core at one step of ``prepare -> calibrate -> conve
 2. :meth:`Algorithm.collector` -- at prepare, once per :class:`WeightSite` (a quantized constant
    weight of a conv/linear-like op): returns a :class:`Collector` that sees the layer's input
    activation on every calibration batch and keeps a bounded summary of it (a running mean, a
-   Hessian ``X^T X``, a capped sample of rows), never the whole data set.
+   Hessian ``X^T X``, a capped sample of rows), never the whole data set. With its optional merge
+   hook (:class:`MergeableCollector`) it takes part in calibration on several processes.
 3. :meth:`Algorithm.choose_weight` -- at convert, once per weight site, after the backend's
    observer has given the weight's default encoding: returns a :class:`WeightChoice` (integer
    codes and/or scales within the backend's :class:`WeightGrid`, optionally a bias correction),
@@ -77,6 +78,41 @@ class Collector(Protocol):
     def update(self, x: torch.Tensor) -> None: ...
 
     def result(self) -> Any: ...
+
+
+@runtime_checkable
+class MergeableCollector(Collector, Protocol):
+    """A :class:`Collector` with the optional merge hook: it takes part in distributed calibration.
+
+    Calibrating on several processes (``quantplug.distributed.sync_observers``, ``quantplug
+    quantize --nproc N``, torchrun) gives each process's collectors its share of the batches.
+    ``sync_observers`` gathers every rank's :meth:`state` and calls :meth:`merge_` on every rank
+    with all of them, in rank order, so each rank's collector ends up standing for every batch
+    and every rank converts the same program. Gathered, not reduced by the backend: the merge
+    is this method's, in an order that does not depend on nccl or gloo.
+
+    A collector without these two methods is refused there with a
+    :class:`~quantplug.errors.CollectorMergeError` naming the algorithm, the collector's class and
+    this fix, before any rank converts with only its own share of the data (``quantize --nproc``
+    refuses before calibrating). Collectors that never see calibration data (those of sequential
+    algorithms, of weights without a layer input) are not merged and need no hook.
+
+    Rules for a merge (see ``quantplug/algorithms/README.md``, "Collectors across processes"):
+    make it a function of ``states`` alone (every rank computes it from the same list and must
+    get the same bits); make it the one-process result where the statistic allows (sums, counts,
+    extremes), otherwise a statistic as valid (a reservoir sample: a uniform sample of every
+    rank's rows, drawn with a seeded generator); keep memory bounded.
+    """
+
+    def state(self) -> Any:
+        """What other processes need to merge this collector: tensors, numbers, strings, None and
+        lists/tuples/dicts of them (pickled between processes; tensors travel on the CPU)."""
+        ...
+
+    def merge_(self, states: Sequence[Any]) -> None:
+        """Become the merge of ``states``: every rank's :meth:`state`, in rank order, this rank's
+        among them (so this collector's own statistics are replaced, not added to)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,13 @@ backend's default encoding: :func:`site_matrix` or the collector returns None fo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from quantplug.algorithms.collectors import sum_in_order
 from quantplug.algorithms.spec import AlgorithmOption, WeightGrid, WeightSite
 from quantplug.algorithms.weight_matrix import (
     HessianAccumulator,
@@ -105,6 +107,25 @@ class LayerHessian:
         if self.hessian is None or self.hessian.rows == 0:
             return None
         return self.hessian.mean()
+
+    def state(self) -> dict[str, Any]:
+        hessian = self.hessian
+        return {
+            "unsupported": self.unsupported,
+            "sum": None if hessian is None else hessian.sum,
+            "rows": 0 if hessian is None else hessian.rows,
+        }
+
+    def merge_(self, states: Sequence[dict[str, Any]]) -> None:
+        """Every rank's ``sum x x^T`` added in rank order, rows counted; a layer one rank could not
+        collect for (an input of another shape) is not collected for, as in one process."""
+        self.unsupported = any(bool(s["unsupported"]) for s in states)
+        total = None if self.unsupported else sum_in_order([s["sum"] for s in states])
+        self.hessian = None
+        if total is not None:
+            self.hessian = HessianAccumulator(self.columns)
+            self.hessian.sum = total.to(torch.float64)
+            self.hessian.rows = sum(int(s["rows"]) for s in states)
 
 
 @dataclass(frozen=True)

@@ -261,6 +261,20 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
 TRANSFORM_BATCHES = 128
 
 
+def _transform_batches(data: Any, group: Any) -> list[Any]:
+    """The batches the algorithms' float-program transforms (SmoothQuant, CLE) see: the first
+    :data:`TRANSFORM_BATCHES` of the whole data, read by rank 0 and sent to the others, so every
+    rank transforms with the same batches (a factory shuffling without a seed reads other batches
+    on every rank) and prepares the same program."""
+    if group is None:
+        return [b for b, _ in data.head(TRANSFORM_BATCHES)]
+    import torch.distributed as dist
+
+    holder: list[Any] = [[b for b, _ in data.head(TRANSFORM_BATCHES)] if group.writer else None]
+    dist.broadcast_object_list(holder, src=0)
+    return list(holder[0])
+
+
 def _calibration_data(args: argparse.Namespace, model: Any, warn: Any) -> tuple[Any, dict[str, Any]]:
     """The batches to calibrate on (read lazily) and the report's description of them."""
     from quantplug.cli.inputs import CalibrationData, open_calibration, random_batches
@@ -433,10 +447,12 @@ def _quantize_into(
         quantizer,
         nonfinite=args.nonfinite,
         algorithms=args.algorithms or None,
-        # transforms that need data (SmoothQuant) see the first batches of the whole data, the same
-        # on every rank so that every rank prepares the same program
-        calibration=[b for b, _ in data.head(TRANSFORM_BATCHES)] if args.algorithms else None,
+        calibration=_transform_batches(data, group) if args.algorithms else None,
     )
+    if group is not None and args.algorithms:
+        from quantplug.algorithms.merge import check_mergeable
+
+        check_mergeable(prepared)  # an algorithm whose statistics cannot merge: refused before calibrating
     t = lap("prepare", t)
     calibration["batches"] = _calibrate(prepared, data, model, args, console, group)
     if group is not None:

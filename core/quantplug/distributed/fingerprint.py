@@ -5,8 +5,10 @@ different torch version tracing differently) have observers that do not correspo
 them would silently mix unrelated statistics, and a collective over state of different sizes
 would hang or crash. The fingerprint lists the prepared graph's nodes with their output shapes
 and dtypes, and each observer's kind and grid (not its statistics or their shapes: a
-per-channel observer that saw no data yet has an empty state); ranks exchange a digest of it
-first, and the full list only when digests differ, to name the first difference.
+per-channel observer that saw no data yet has an empty state); with accuracy algorithms, each
+collector's class and a digest of every constant (weights a transform wrote from data). Ranks
+exchange a digest of it first, and the full list only when digests differ, to name the first
+difference.
 """
 
 from __future__ import annotations
@@ -34,11 +36,45 @@ def observer_signature(obs: nn.Module) -> str:
 
 
 def fingerprint(prepared: GraphModule, observers: list[tuple[str, nn.Module]]) -> list[str]:
-    """The lines that must agree across ranks: graph nodes, then observers."""
+    """The lines that must agree across ranks: graph nodes, observers, then (with accuracy
+    algorithms) their collectors and a digest of every constant of the program."""
     lines = [f"node {n.op} {n.target} -> {n.name}{_meta(n.meta.get('val'))}" for n in prepared.graph.nodes]
     where = {name: str(getattr(obs, "where", "") or "") for name, obs in observers}
     lines += [f"observer {name} [{where[name]}] {observer_signature(obs)}" for name, obs in observers]
+    return lines + _algorithm_lines(prepared)
+
+
+def _algorithm_lines(prepared: GraphModule) -> list[str]:
+    """With algorithms: each fed collector's class, and each constant's bytes (hashed).
+
+    Algorithms that transform the float program with data (SmoothQuant, CLE's bias absorption)
+    write weights that depend on ``prepare(..., calibration=)``: ranks given other batches would
+    prepare programs of the same shapes but other weights, and merging their statistics would mix
+    models. The constants' digests make that a named difference. Hashing costs one pass over the
+    weights (about 1 GB/s), paid only by programs prepared with algorithms.
+    """
+    from quantplug.algorithms.merge import class_name, fed_collectors
+    from quantplug.algorithms.runtime import RUN_KEY, TAPS
+    from quantplug.flow.inspect import fetch_attr
+    from quantplug.flow.prepare import OBSERVERS
+
+    run = getattr(prepared, "meta", {}).get(RUN_KEY)
+    if run is None:
+        return []
+    lines = [f"collector {f.site} {f.algorithm} {class_name(f.collector)}" for f in fed_collectors(prepared)]
+    for node in prepared.graph.nodes:
+        target = str(node.target)
+        if node.op != "get_attr" or target.split(".")[0] in (OBSERVERS, TAPS):
+            continue
+        value = fetch_attr(prepared, target)
+        if isinstance(value, torch.Tensor):
+            lines.append(f"constant {target}{_meta(value)} {_tensor_digest(value)}")
     return lines
+
+
+def _tensor_digest(value: torch.Tensor) -> str:
+    data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.data, digest_size=12).hexdigest()
 
 
 def _meta(value: Any) -> str:
@@ -65,6 +101,24 @@ def first_difference(mine: list[str], theirs: list[str]) -> str:
         )
         return f"{len(mine)} entries against {len(theirs)}; the {longer} goes on with {extra!r}"
     return "the same entries (a hash collision?)"
+
+
+def mismatch_advice(all_lines: list[list[str]]) -> str:
+    """What to do about the first difference: constants differ when the weights do."""
+    reference = all_lines[0]
+    for lines in all_lines[1:]:
+        first = next((a for a, b in zip(reference, lines) if a != b), None)
+        if first is not None and first.startswith("constant "):
+            return (
+                "the ranks' weights differ: algorithms that transform the float program with data "
+                "(SmoothQuant, CLE) must be given the same batches on every rank, "
+                "prepare(..., calibration=the same batches), not each rank's share; and every rank "
+                "must load the same weights"
+            )
+    return (
+        "prepare the same program with the same backend, options, algorithms and quantplug/torch "
+        "versions on every rank"
+    )
 
 
 def describe_mismatch(all_lines: list[list[str]]) -> str:

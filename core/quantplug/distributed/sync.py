@@ -8,7 +8,9 @@ Protocol, in three exchanges over the group:
 2. a digest of the prepared program's fingerprint (:mod:`quantplug.distributed.fingerprint`);
    when they differ, the fingerprints themselves, and every rank raises the same error naming
    the first difference;
-3. the observers' state (buffers and NaN/inf counters, on the CPU), gathered from every rank.
+3. the observers' state (buffers and NaN/inf counters, on the CPU), gathered from every rank;
+4. with accuracy algorithms, their collectors' states and stored batches
+   (:mod:`quantplug.distributed.collectors`), merged in rank order by each collector's rule.
 
 Each rank then merges the N states of each observer in rank order with the observer's own rule
 (:mod:`quantplug.observers.merge`), so every rank computes the same bits from the same inputs,
@@ -33,7 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantplug.distributed.fingerprint import describe_mismatch, digest, fingerprint
+from quantplug.algorithms.merge import check_mergeable
+from quantplug.distributed.collectors import sync_collectors
+from quantplug.distributed.fingerprint import describe_mismatch, digest, fingerprint, mismatch_advice
 from quantplug.errors import DistributedError
 from quantplug.observers.accelerated import fresh_copy
 from quantplug.observers.merge import has_statistics, merge_observers
@@ -47,12 +51,15 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 @dataclass(frozen=True)
 class SyncResult:
-    """What a sync did: observers merged, ranks, bytes of state this rank sent, seconds taken."""
+    """What a sync did: observers merged, ranks, bytes of state this rank sent, seconds taken,
+    accuracy algorithms' collectors merged and batches in the merged store for sequential inputs."""
 
     observers: int
     world_size: int
     state_bytes: int
     seconds: float
+    collectors: int = 0
+    stored_batches: int = 0
 
 
 def prepared_of(module: nn.Module) -> nn.Module:
@@ -122,8 +129,7 @@ def _check_same_program(lines: list[str], group: Any, device: torch.device, worl
     dist.all_gather_object(everyone, lines, group=group)
     raise DistributedError(
         "sync_observers: the ranks prepared different programs, so their observers do not "
-        f"correspond ({describe_mismatch(everyone)}); prepare the same program with the same "
-        "backend, options and quantplug/torch versions on every rank"
+        f"correspond ({describe_mismatch(everyone)}); {mismatch_advice(everyone)}"
     )
 
 
@@ -244,7 +250,9 @@ def _refuse_histogram_resync(name: str, obs: nn.Module, peers: list[nn.Module]) 
 def sync_observers(
     prepared: nn.Module, group: Any = None, *, timeout: timedelta | float = DEFAULT_TIMEOUT
 ) -> SyncResult:
-    """Replace every observer's statistics by the merge of all ranks' (see the module docstring).
+    """Replace every observer's statistics by the merge of all ranks' (see the module docstring),
+    and, with accuracy algorithms, every collector's and the stored batches for sequential inputs
+    (:mod:`quantplug.distributed.collectors`).
 
     Args:
         prepared: what ``quantplug.prepare`` returned (or a DistributedDataParallel around it),
@@ -255,7 +263,11 @@ def sync_observers(
 
     Raises:
         DistributedError: torch.distributed is not initialized, a rank did not arrive within
-            ``timeout``, or the ranks prepared different programs (naming the first difference).
+            ``timeout``, the ranks prepared different programs (naming the first difference, such
+            as a weight a transform wrote from other data), or collectors merged by an earlier
+            sync saw more batches.
+        CollectorMergeError: an algorithm's collector defines no merge hook (naming the
+            algorithm and the collector class), or its states do not merge.
     """
     import torch.distributed as dist
 
@@ -273,6 +285,7 @@ def sync_observers(
     device = _comm_device(group)
     _wait_for_everyone(group, timeout, device)
     _check_same_program(fingerprint(module, observers), group, device, world)  # type: ignore[arg-type]
+    check_mergeable(module)  # before any state moves; the same verdict on every rank (same program)
     stateful = [(name, obs) for name, obs in observers if has_statistics(obs)]
     mine = {name: _state(obs) for name, obs in stateful}
     everyone: list[Any] = [None] * world
@@ -280,5 +293,13 @@ def sync_observers(
     everyone = [_unpacked(p) for p in everyone]
     for name, obs in stateful:
         _load_state(obs, _merge_one(name, obs, [states[name] for states in everyone]))
+    collected = sync_collectors(module, group, world)
     sent = sum(t.numel() * t.element_size() for s in mine.values() for t in s["buffers"].values())
-    return SyncResult(len(stateful), world, sent, time.perf_counter() - started)
+    return SyncResult(
+        len(stateful),
+        world,
+        sent + collected.sent_bytes,
+        time.perf_counter() - started,
+        collected.collectors,
+        collected.stored_batches,
+    )
