@@ -189,3 +189,17 @@ def test_budgets_that_are_not_sizes_are_refused(text: str) -> None:
 
     with pytest.raises(InputError, match="--weight-budget"):
         parse_budget(text)
+
+
+def test_a_search_under_a_launcher_is_refused(tmp_path: Path) -> None:
+    """Under torchrun every rank would search (N times the work, N answers that must agree)."""
+    import subprocess
+
+    from tests.cli.conftest import CLI, REPO, clean_env
+
+    env = {**clean_env(), "WORLD_SIZE": "2", "RANK": "1"}
+    args = ["quantize", "-b", "qnn_htp", "--mixed-precision", "16a4w,16a8w", "--target-sqnr", "30"]
+    done = subprocess.run(
+        [*CLI, *args, "--out", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "without --nproc (or torchrun)" in done.stderr, done.stderr

@@ -137,10 +137,12 @@ def check_arguments(
             "--mixed-precision needs exactly one target: --target-sqnr DB (the smallest model reaching "
             "it) or --weight-budget SIZE (the most accurate model within it)"
         )
-    if getattr(args, "nproc", 1) > 1:
+    from quantplug.cli.distributed import launched_world
+
+    if getattr(args, "nproc", 1) > 1 or launched_world() is not None:  # --nproc, or under torchrun
         raise InputError(
-            "--mixed-precision searches in one process: run it once without --nproc, then pass "
-            f"--mixed-precision-file OUT/{FILE_NAME} to the --nproc run"
+            "--mixed-precision searches in one process: run it once without --nproc (or torchrun), "
+            f"then pass --mixed-precision-file OUT/{FILE_NAME} to the multi-process run"
         )
     names = list(dict.fromkeys(p.strip() for p in str(wanted).split(",") if p.strip()))
     if len(names) < 2:
