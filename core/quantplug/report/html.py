@@ -232,11 +232,9 @@ def _mixed_precision_section(mixed: Mapping[str, Any]) -> str:
     )
     png = tradeoff_plot_png(mixed)
     if png:
-        b64 = base64.b64encode(png).decode("ascii")
+        count = len(mixed.get("curve") or [])
         out.append(
-            f'<img id="tradeoff-plot" alt="Output SQNR against weight size for the '
-            f'{len(mixed.get("curve") or [])} points the search measured" '
-            f'src="data:image/png;base64,{b64}">'
+            _png("tradeoff-plot", f"Output SQNR against weight size for the {count} measured points", png)
         )
         out.append(
             "<p class='muted'>Each point is a per-layer choice the search quantized and measured "
@@ -278,6 +276,12 @@ def _mixed_precision_section(mixed: Mapping[str, Any]) -> str:
         )
     out.append("</div>")
     return "".join(out)
+
+
+def _png(ident: str, alt: str, png: bytes) -> str:
+    """A plot embedded in the page (the report is one self-contained file)."""
+    b64 = base64.b64encode(png).decode("ascii")
+    return f'<img id="{ident}" alt="{_e(alt)}" src="data:image/png;base64,{b64}">'
 
 
 def _size(value: Any) -> str:
@@ -402,12 +406,8 @@ def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> st
     # -- plot ------------------------------------------------------------------------------------
     parts.append('<h2>Per-layer SQNR</h2><div class="panel plot">')
     if plot_png:
-        b64 = base64.b64encode(plot_png).decode("ascii")
-        parts.append(
-            f'<img id="sqnr-plot" alt="Per-layer SQNR of {len(layers)} nodes, '
-            f'the {HIGHLIGHT} worst highlighted" '
-            f'src="data:image/png;base64,{b64}">'
-        )
+        alt = f"Per-layer SQNR of {len(layers)} nodes, the {HIGHLIGHT} worst highlighted"
+        parts.append(_png("sqnr-plot", alt, plot_png))
     else:
         reason = "matplotlib is not installed (pip install matplotlib)" if layers else "no node was compared"
         parts.append(f'<p class="muted" id="sqnr-plot-missing">Plot unavailable: {_e(reason)}.</p>')
