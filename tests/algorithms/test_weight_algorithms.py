@@ -305,6 +305,8 @@ def test_bad_options_are_typed_errors() -> None:
         GPTQ(damp=-1.0)
     with pytest.raises(OptionError, match="candidates"):
         SeqMSE(candidates=0)
+    with pytest.raises(OptionError, match="max_fraction"):
+        SeqMSE(max_fraction=0.5)
     model, x = block_model()
     with pytest.raises(OptionError, match="iterations"):
         quantize(model, x, [("adaround", {"iterations": "many"})], "qnn_htp", precision="16a4w")
