@@ -349,7 +349,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     text = "# quantplug's weight algorithms against NNCF and AIMET (SQNR dB vs float, held-out batches)\n\n"
-    text += f"`python -m bench.algorithms_weights_oracles {' '.join(argv or [])}`".rstrip() + "\n"
+    text += (
+        f"`python -m bench.algorithms_weights_oracles {' '.join(argv or [])}`".rstrip()
+        + f" in its own venv (commands in the script's docstring), torch threads {args.threads}. "
+        "NNCF 3.4 runs GPTQ only on OpenVINO models (its TorchFX backend refuses `gptq=True`). AIMET's "
+        "quantsim v2 has no [-7,7] grid of its own: on qnn_htp's grid its weight quantizers are "
+        "replaced (`aimet_run`). Times include each tool's first-call overheads; they are indicative "
+        "only.\n"
+    )
     tables = ""
     for name in args.models:
         model, batches = build(name)
