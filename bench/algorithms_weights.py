@@ -187,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# AdaRound, SeqMSE, GPTQ: output SQNR (dB) against float at 4-bit weights\n\n"
         f"`python -m bench.algorithms_weights {' '.join(sys.argv[1:] if argv is None else argv)}`".rstrip()
         + f" ({(time.perf_counter() - started) / 60:.1f} min, torch threads {args.threads}).\n"
-        "Default options (adaround: 500 steps/layer; seq_mse: 20 candidates; gptq: act-order, 1% damp); "
+        "Default options (adaround: 500 steps/layer; seq_mse: range fractions k/100 up to 1.5; "
+        "gptq: act-order, 1% damp); "
         f"layer inputs: {dict(default='the default', on='sequential', off='float')[args.sequential]}.\n\n"
     )
     text = header + table(results) + ("\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else "")

@@ -21,12 +21,17 @@ Same 8 calibration batches, SQNR on 4 others, in one run.
   counterpart of SeqMSE), AWQ, and ``gptq`` (which NNCF 3.4 runs on OpenVINO models only) --
   against quantplug ``reference`` ``weight_only_int4`` (int4 symmetric, group 32): default,
   ``gptq``, ``seq_mse``, both.
-* AIMET ``QuantizationSimModel`` (4-bit per-channel symmetric weights, 16-bit activations) -- its
-  default, ``apply_seq_mse``, ``Adaround`` (500 steps per layer, as quantplug's default) -- against
-  quantplug ``qnn_htp`` 16a4w: default, ``seq_mse``, ``adaround``.
+* AIMET ``QuantizationSimModel`` (4-bit per-channel symmetric weights, 16-bit min-max activations)
+  -- its default, ``apply_seq_mse``, ``Adaround`` (500 steps per layer, as quantplug's default)
+  -- on qnn_htp's 4-bit grid ``[-7, 7]`` and on AIMET's own ``[-8, 7]`` (:func:`aimet_run`),
+  against quantplug ``qnn_htp`` 16a4w with ``per_channel_linear=True, act_observer="minmax"``
+  (AIMET's grid options, ``bench/results/qnn_grid_study.md``; the preset itself, ExecuTorch's
+  per-tensor linear weights and moving-average observer, is listed too): default, ``seq_mse``,
+  ``adaround``, both, and ``seq_mse`` with AIMET's candidates (which reproduces AIMET's SeqMSE on
+  the same grid: the implementations agree; the defaults' wider search is what is ahead).
 
-The grids differ slightly (NNCF's int4 is [-8, 7] with scale max/8, ours [-8, 7] with max/7.5...):
-compare each tool's gain over its own default as well as the absolute SQNR.
+NNCF's grid differs slightly (its int4 is [-8, 7] with scale max/8, reference's [-8, 7] with
+max/7.5): compare each tool's gain over its own default as well as the absolute SQNR.
 Writes ``bench/results/algorithms_weights_oracles.md``.
 """
 
@@ -79,6 +84,19 @@ class Decoder(nn.Module):
         return self.head(self.blocks(x))
 
 
+#: qnn_htp's options that give AIMET's grid (qnn_grid_study.md): per-channel linear weights, min-max
+AIMET_GRID_OPTIONS = {"per_channel_linear": True, "act_observer": "minmax"}
+AIMET_GRID_OPTIONS_LABEL = "per_channel_linear+minmax"
+#: (row, quantplug algorithms) compared with AIMET's same-named run
+AIMET_SIDE_BY_SIDE: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("default", ()),
+    ("seq_mse", ("seq_mse",)),
+    ("seq_mse (AIMET's 20 candidates)", (("seq_mse", {"candidates": 20, "max_fraction": 1.0}),)),
+    ("adaround", ("adaround",)),
+    ("seq_mse+adaround", ("seq_mse", "adaround")),
+)
+
+
 def build(name: str) -> tuple[nn.Module, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     if name == "decoder":
@@ -98,7 +116,7 @@ def sqnr(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> float:
 
 
 def ours(
-    model: nn.Module, batches: list[torch.Tensor], backend: str, algs: Sequence[str], **opts: Any
+    model: nn.Module, batches: list[torch.Tensor], backend: str, algs: Sequence[Any], **opts: Any
 ) -> float:
     calibration, measure = batches[:8], batches[8:]
     ep = torch.export.export(model, (calibration[0],))
@@ -133,7 +151,15 @@ def nncf_run(model: nn.Module, batches: list[torch.Tensor], **flags: Any) -> flo
         return sqnr([model(b) for b in measure], [compressed(b) for b in measure])
 
 
-def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str) -> float:
+def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str, grid: str = "aimet") -> float:
+    """AIMET 2.42: QuantizationSimModel (4-bit per-channel symmetric weights, 16-bit activations).
+
+    ``grid="aimet"``: its own 4-bit grid, ``[-8, 7]`` with ``scale = max(-min / 8, max / 7)`` (one
+    level more than qnn_htp's; AIMET's quantsim v2 has no strict-symmetric mode). ``grid="qnn"``:
+    every weight quantizer replaced by a ``[-7, 7]`` one (``scale = amax / 7``, qnn_htp's and
+    ExecuTorch's), so both tools run on the same grid; two AIMET internals that assume a
+    power-of-two grid are adapted (:func:`_aimet_on_qnn_grid`).
+    """
     import copy
 
     from tests.torchvision_compat import ensure_importable
@@ -143,6 +169,7 @@ def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str) -> 
     from aimet_torch.model_preparer import prepare_model
     from aimet_torch.quantsim import QuantizationSimModel
 
+    restrict = _aimet_on_qnn_grid() if grid == "qnn" else (lambda sim: sim)
     calibration, measure = batches[:8], batches[8:]
     reference = model
     model = prepare_model(copy.deepcopy(model))  # functionals (silu, *, +) as modules, as AIMET requires
@@ -153,15 +180,16 @@ def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str) -> 
             for b in calibration:
                 m(b)
 
-    def make_sim(m: nn.Module) -> Any:
-        return QuantizationSimModel(
-            m,
-            dummy_input=dummy,
-            quant_scheme=QuantScheme.post_training_tf,
-            default_param_bw=4,
-            default_output_bw=16,
-            config_file=_aimet_per_channel_config(),
-        )
+    def make_sim(m: nn.Module, **kwargs: Any) -> Any:
+        options = {
+            "dummy_input": dummy,
+            "quant_scheme": QuantScheme.post_training_tf,
+            "default_param_bw": 4,
+            "default_output_bw": 16,
+            "config_file": _aimet_per_channel_config(),
+            **kwargs,
+        }
+        return restrict(QuantizationSimModel(m, **options))
 
     if algorithm == "adaround":
         from aimet_torch.adaround.adaround_weight import Adaround, AdaroundParameters
@@ -171,28 +199,112 @@ def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str) -> 
             num_batches=len(calibration),
             default_num_iterations=500,
         )
-        with tempfile.TemporaryDirectory() as tmp:
-            model = Adaround.apply_adaround(
-                model,
-                dummy,
-                params,
-                path=tmp,
-                filename_prefix="ada",
-                default_param_bw=4,
-                default_quant_scheme=QuantScheme.post_training_tf,
-                default_config_file=_aimet_per_channel_config(),
-            )
-            sim = make_sim(model)
-            sim.set_and_freeze_param_encodings(encoding_path=str(Path(tmp) / "ada.encodings"))
+        # Adaround builds its own sim: on the qnn grid, the same restricted one. The model it returns
+        # holds the rounded weights (a fresh sim's min-max encoding of them gives back the same
+        # codes: each channel's largest weight sits on the grid's end), so its encodings file is not
+        # needed (and cannot spell a [-7, 7] grid).
+        with _patched(Adaround, "_get_quantsim", staticmethod(lambda m, **kw: make_sim(m, **kw))):
+            with _patched(Adaround, "_export_encodings_to_json", classmethod(lambda cls, *a, **k: None)):
+                with tempfile.TemporaryDirectory() as tmp:
+                    model = Adaround.apply_adaround(
+                        model,
+                        dummy,
+                        params,
+                        path=tmp,
+                        filename_prefix="ada",
+                        default_param_bw=4,
+                        default_quant_scheme=QuantScheme.post_training_tf,
+                        default_config_file=_aimet_per_channel_config(),
+                    )
+        _strip_quantized_modules(model)
+        sim = make_sim(model)
     else:
         sim = make_sim(model)
         if algorithm == "seq_mse":
-            from aimet_torch.seq_mse import SeqMseParams, apply_seq_mse
+            from aimet_torch.seq_mse import SeqMseParams, SequentialMse, apply_seq_mse
 
-            apply_seq_mse(model, sim, [b for b in calibration], SeqMseParams(num_batches=len(calibration)))
+            # AIMET turns a candidate range into an encoding with a quantizer rebuilt from ``bitwidth``
+            # (so [-8, 7]); on the qnn grid, one with the weight quantizer's own qmin/qmax
+            own = (
+                classmethod(_encoding_on_own_grid)
+                if grid == "qnn"
+                else SequentialMse.__dict__.get("compute_param_encodings")
+            )
+            with _patched(SequentialMse, "compute_param_encodings", own):
+                apply_seq_mse(model, sim, list(calibration), SeqMseParams(num_batches=len(calibration)))
     sim.compute_encodings(calibrate, None)
     with torch.no_grad():
         return sqnr([reference(b) for b in measure], [sim.model(b) for b in measure])
+
+
+def _encoding_on_own_grid(cls: Any, quantizer: Any, x_min: torch.Tensor, x_max: torch.Tensor) -> None:
+    """AIMET's ``SequentialMse.compute_param_encodings`` keeping the quantizer's qmin/qmax."""
+    from aimet_torch.quantization.affine import QuantizeDequantize
+
+    qdq = QuantizeDequantize(quantizer.shape, qmin=quantizer.qmin, qmax=quantizer.qmax, symmetric=True)
+    with qdq.compute_encodings():
+        qdq(torch.stack([x_min, x_max]))
+    quantizer.set_range(qdq.min, qdq.max)
+
+
+def _strip_quantized_modules(module: nn.Module) -> None:
+    """What AIMET's Adaround leaves quantized in the model it returns (it unwraps one level only:
+    the sigmoid and multiply inside prepare_model's CustomSiLU stay wrapped, and a new
+    QuantizationSimModel refuses "a model that already contains quantized modules")."""
+    from aimet_torch.nn import BaseQuantizationMixin
+
+    for name, child in module.named_children():
+        if isinstance(child, BaseQuantizationMixin):
+            child = child.get_original_module()
+            setattr(module, name, child)
+        _strip_quantized_modules(child)
+
+
+class _patched:
+    """``setattr`` for the duration of a ``with`` block."""
+
+    def __init__(self, owner: Any, name: str, value: Any) -> None:
+        self.owner, self.name, self.value = owner, name, value
+
+    def __enter__(self) -> None:
+        self.saved = self.owner.__dict__.get(self.name)
+        setattr(self.owner, self.name, self.value)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved is None:  # inherited: uncover the base class's again
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.saved)
+
+
+def _aimet_on_qnn_grid() -> Callable[[Any], Any]:
+    """A function giving a QuantizationSimModel qnn_htp's 4-bit weight grid ``[-7, 7]``.
+
+    AIMET reads ``bitwidth``/``signed`` of a weight quantizer (SeqMSE skips layers above 4 bits;
+    Adaround asks both), which its quantizers define only on power-of-two grids: the replacement
+    quantizers answer 4 and True.
+    """
+    from aimet_torch.quantization.affine import QuantizeDequantize
+
+    class QnnWeightQuantizer(QuantizeDequantize):  # type: ignore[misc]
+        @property
+        def bitwidth(self) -> int:
+            return 4
+
+        @property
+        def signed(self) -> bool:
+            return True
+
+    def restrict(sim: Any) -> Any:
+        for _, module in sim.named_qmodules():
+            weight = module.param_quantizers["weight"] if "weight" in module.param_quantizers else None
+            if weight is not None:
+                module.param_quantizers["weight"] = QnnWeightQuantizer(
+                    weight.shape, qmin=-7, qmax=7, symmetric=True
+                )
+        return sim
+
+    return restrict
 
 
 def _aimet_per_channel_config() -> str:
@@ -233,17 +345,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["decoder", "digits"], choices=["decoder", "digits"])
     parser.add_argument("--tools", nargs="+", default=["nncf", "aimet"], choices=["nncf", "aimet"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--aimet-adaround",
-        action="store_true",
-        help="also AIMET's Adaround (about 12 min on the decoder here, and the model it returns could "
-        "not be wrapped in a QuantizationSimModel again: 'already contains quantizers')",
-    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     text = "# quantplug's weight algorithms against NNCF and AIMET (SQNR dB vs float, held-out batches)\n\n"
-    text += f"`python -m bench.algorithms_weights_oracles {' '.join(argv or [])}`".rstrip() + "\n"
+    text += (
+        f"`python -m bench.algorithms_weights_oracles {' '.join(argv or [])}`".rstrip()
+        + f" in its own venv (commands in the script's docstring), torch threads {args.threads}. "
+        "NNCF 3.4 runs GPTQ only on OpenVINO models (its TorchFX backend refuses `gptq=True`). AIMET's "
+        "quantsim v2 has no [-7,7] grid of its own: on qnn_htp's grid its weight quantizers are "
+        "replaced (`aimet_run`). Times include each tool's first-call overheads; they are indicative "
+        "only.\n"
+    )
+    tables = ""
     for name in args.models:
         model, batches = build(name)
         rows: list[tuple[str, str]] = []
@@ -262,13 +376,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             ):
                 attempt(f"NNCF 3.4 INT4_SYM g32 {label}", partial(nncf_run, model, batches, **flags), rows)
         if "aimet" in args.tools:
-            for algs in ((), ("seq_mse",), ("adaround",)):
+            preset = {"precision": "16a4w"}
+            for algs in ((), ("seq_mse",), ("adaround",), ("seq_mse", "adaround")):
                 label = "quantplug qnn_htp 16a4w " + ("+".join(algs) or "default")
-                attempt(label, partial(ours, model, batches, "qnn_htp", algs, precision="16a4w"), rows)
-            for alg in ("default", "seq_mse", *(("adaround",) if args.aimet_adaround else ())):
-                attempt(f"AIMET 2.42 W4 per-channel A16 {alg}", partial(aimet_run, model, batches, alg), rows)
+                attempt(label, partial(ours, model, batches, "qnn_htp", algs, **preset), rows)
+            side: dict[str, dict[str, str]] = {}
+            for key, algs in AIMET_SIDE_BY_SIDE:
+                label = f"quantplug qnn_htp 16a4w {AIMET_GRID_OPTIONS_LABEL} {key}"
+                attempt(
+                    label,
+                    partial(ours, model, batches, "qnn_htp", algs, **preset, **AIMET_GRID_OPTIONS),
+                    rows,
+                )
+                side.setdefault(key, {})["quantplug"] = rows[-1][1]
+            for grid, grid_label in (("qnn", "[-7,7] (qnn_htp's grid)"), ("aimet", "[-8,7] (AIMET's own)")):
+                for alg in ("default", "seq_mse", "adaround"):
+                    label = f"AIMET 2.42 W4 per-channel A16 {grid_label} {alg}"
+                    attempt(label, partial(aimet_run, model, batches, alg, grid), rows)
+                    side.setdefault(alg, {})[grid] = rows[-1][1]
+            tables += (
+                f"\n### {name}: the same algorithm on the same grid\n\n"
+                f"quantplug `qnn_htp` 16a4w with {AIMET_GRID_OPTIONS_LABEL} (4-bit per-channel [-7,7] "
+                "weights, 16-bit min-max activations) against AIMET 2.42 on that grid, and on its own "
+                "[-8,7] grid:\n\n"
+                "| algorithm | quantplug | AIMET [-7,7] | AIMET [-8,7] |\n|---|---|---|---|\n"
+            )
+            tables += "".join(
+                f"| {key} | {v.get('quantplug', '-')} | {v.get('qnn', '-')} | {v.get('aimet', '-')} |\n"
+                for key, v in side.items()
+            )
         text += f"\n## {name}\n\n| run | SQNR (dB) (time) |\n|---|---|\n"
         text += "".join(f"| {label} | {value} |\n" for label, value in rows)
+    text += tables
     out = RESULTS / "algorithms_weights_oracles.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

@@ -124,8 +124,9 @@ def main() -> int:
         "\n## 4. The bound\n",
         f"The head alone, float inputs, round-to-nearest 4-bit per-channel weights: **{head:.2f} dB** "
         "(AIMET's default: 20.29). With the same grid as AIMET (per-channel linear weights, min-max "
-        "activations) quantplug's default matches AIMET's and its SeqMSE comes within about 0.3 dB of "
-        "AIMET's (table 3). With qnn_htp's ExecuTorch-matching grid the head's 4-bit weights are per "
+        "activations) quantplug's default matches AIMET's and its SeqMSE is ahead of AIMET's 24.85 (table "
+        "3; on the same [-7,7] grid AIMET's SeqMSE gives 24.54: `algorithms_weights_oracles.md`). "
+        "With qnn_htp's ExecuTorch-matching grid the head's 4-bit weights are per "
         "tensor (table 1: the head alone at 8-bit recovers almost everything), and the moving-average "
         "observer clips the model input's outlier channels on new data (table 2: the input itself at "
         "27 dB with 16-bit activations), which caps 16a8w. Neither is a defect of the preset (it "

@@ -147,6 +147,44 @@ def test_seq_mse_changes_scales_and_gptq_adaround_only_codes() -> None:
         assert all(torch.equal(a, b) for a, b in zip(scales[key], base)), key
 
 
+class OutlierHead(nn.Module):
+    """A residual MLP and a head on inputs with outlier channels (LLM activations' pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64, bias=False)
+        self.down = nn.Linear(64, 32, bias=False)
+        self.head = nn.Linear(32, 48, bias=False)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for layer in (self.up, self.down, self.head):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.down(F.relu(self.up(x))))
+
+
+def test_seq_mse_wider_ranges_beat_aimets_candidates_on_outlier_inputs() -> None:
+    """Where a few input channels carry the output, the default search (steps of 0.01 up to 1.5x
+    the range) beats AIMET's 20 clipping fractions, with scales wider than min-max's that the
+    backend accepts (per-channel 4-bit, AIMET's grid options)."""
+    g = torch.Generator().manual_seed(1)
+    spread = torch.ones(32)
+    spread[[3, 17]] = 20.0
+    model, x = OutlierHead().eval(), torch.randn(8 * BATCH, 32, generator=g) * spread
+    options = {"precision": "16a4w", "per_channel_linear": True, "act_observer": "minmax"}
+    default = quantize(model, x, [], "qnn_htp", **options)
+    aimet = quantize(model, x, [("seq_mse", {"candidates": 20, "max_fraction": 1})], "qnn_htp", **options)
+    ours = quantize(model, x, ["seq_mse"], "qnn_htp", **options)
+    held_out = torch.randn(4 * BATCH, 32, generator=g) * spread
+    assert sqnr(model, ours, held_out) > sqnr(model, aimet, held_out) + 0.3
+    wider = [
+        bool((a.scale > b.scale * 1.001).any())
+        for a, b in zip(_weight_qparams(ours), _weight_qparams(default))
+    ]
+    assert any(wider)
+
+
 def test_adaround_out_of_time_rounds_to_nearest() -> None:
     model, x = block_model()
     options = {"precision": "16a4w"}
@@ -267,6 +305,8 @@ def test_bad_options_are_typed_errors() -> None:
         GPTQ(damp=-1.0)
     with pytest.raises(OptionError, match="candidates"):
         SeqMSE(candidates=0)
+    with pytest.raises(OptionError, match="max_fraction"):
+        SeqMSE(max_fraction=0.5)
     model, x = block_model()
     with pytest.raises(OptionError, match="iterations"):
         quantize(model, x, [("adaround", {"iterations": "many"})], "qnn_htp", precision="16a4w")

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from quantplug.algorithms.adaround import AdaroundSchedule, adaround_codes, rectified_sigmoid
 from quantplug.algorithms.gptq import gptq_codes
-from quantplug.algorithms.seq_mse import Encoder, clip_to, expand_groups, group_view, seq_mse_encoding
+from quantplug.algorithms.seq_mse import (
+    Encoder,
+    candidate_fractions,
+    candidate_weight,
+    expand_groups,
+    group_view,
+    seq_mse_encoding,
+)
 from quantplug.algorithms.weight_matrix import (
     HessianAccumulator,
     IntegerGrid,
@@ -202,31 +209,90 @@ def test_rectified_sigmoid_reaches_both_ends() -> None:
 
 
 @FAST
-@given(st.integers(0, 2**31), st.integers(1, 6), st.sampled_from([(4, 1), (2, 3), (3, 2)]), GRIDS)
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 6),
+    st.sampled_from([(4, 1), (2, 3), (3, 2)]),
+    GRIDS,
+    st.sampled_from([1.0, 1.5, 2.0]),
+)
 def test_seq_mse_per_channel_picks_each_rows_best_candidate(
-    seed: int, rows: int, blocks: tuple[int, int], grid: IntegerGrid
+    seed: int, rows: int, blocks: tuple[int, int], grid: IntegerGrid, top: float
 ) -> None:
     size, count = blocks
     w, h = problem(seed, rows, size * count)
     symmetric = grid.quant_min < 0
     for groups in ((1, size * count), (1, size)):
         result = seq_mse_encoding(
-            w, h, encoder(grid, groups), grid, groups, symmetric=symmetric, candidates=8
+            w, h, encoder(grid, groups), grid, groups, symmetric=symmetric, candidates=8, max_fraction=top
         )
         assert result.loss <= result.default_loss
-        assert ((result.fraction > 0) & (result.fraction <= 1)).all()
+        assert ((result.fraction > 0) & (result.fraction <= top)).all()
         if groups[1] == w.shape[1]:  # rows are independent: brute force over the candidates agrees
             errors = torch.stack(
                 [
                     output_error(
-                        w - fake_quantize(w, *encoding(clip_to(w, f, groups, symmetric), grid, groups), grid),
+                        w
+                        - fake_quantize(
+                            w, *encoding(candidate_weight(w, f, groups, symmetric), grid, groups), grid
+                        ),
                         h,
                     )
-                    for f in (torch.full((rows, 1), k / 8, dtype=torch.float64) for k in range(1, 9))
+                    for f in (
+                        torch.full((rows, 1), k, dtype=torch.float64) for k in candidate_fractions(8, top)
+                    )
                 ]
             )
             if result.loss < result.default_loss:
                 assert abs(result.loss - float(errors.min(dim=0).values.sum())) < 1e-9 * (1 + result.loss)
+
+
+@FAST
+@given(st.integers(1, 200), st.floats(1.0, 4.0))
+def test_candidate_fractions_are_the_steps_up_to_the_largest(candidates: int, top: float) -> None:
+    fractions = candidate_fractions(candidates, top)
+    assert fractions[0] == 1.0  # the backend's own range first: ties keep it
+    assert len(fractions) == len(set(fractions)) == int(top * candidates + 1e-9)
+    assert all(0 < f <= top + 1e-12 for f in fractions)
+    assert sorted(fractions) == [k / candidates for k in range(1, len(fractions) + 1)]
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 5), st.integers(1, 8), GRIDS, st.floats(0.05, 3.0))
+def test_candidate_weight_has_the_fraction_of_each_groups_range(
+    seed: int, rows: int, cols: int, grid: IntegerGrid, fraction: float
+) -> None:
+    w, _ = problem(seed, rows, cols)
+    symmetric = grid.quant_min < 0
+    f = torch.full((rows, 1), fraction, dtype=torch.float64)
+    got = candidate_weight(w, f, (1, cols), symmetric)
+    if symmetric:
+        assert torch.allclose(got.abs().amax(dim=1), fraction * w.abs().amax(dim=1))
+    else:
+        assert torch.allclose(got.amax(dim=1).clamp(min=0), fraction * w.amax(dim=1).clamp(min=0))
+        assert torch.allclose(got.amin(dim=1).clamp(max=0), fraction * w.amin(dim=1).clamp(max=0))
+    if fraction > 1:  # a coarser grid for the same weights: only the range grows
+        assert torch.allclose(got, w * fraction)
+
+
+def test_seq_mse_widens_the_range_where_a_few_inputs_carry_the_output() -> None:
+    """LLM activations have outlier channels: ``H`` is dominated by a few inputs, and the best
+    scale is the one that puts those inputs' weights on grid points, wider than min-max or not.
+    AIMET's candidates (``k / 20``, k = 1..20) lose a large part of what a fine search over
+    ``(0, 1.5]`` finds (defaults)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 48, generator=g, dtype=torch.float64) * 0.05
+    spread = torch.ones(48, dtype=torch.float64)
+    spread[[3, 17, 40]] = 20.0  # outlier input channels
+    x = torch.randn(512, 48, generator=g, dtype=torch.float64) * spread
+    h = x.T @ x / len(x)
+    grid, groups = IntegerGrid(-7, 7), (1, 48)
+    aimet = seq_mse_encoding(
+        w, h, encoder(grid, groups), grid, groups, symmetric=True, candidates=20, max_fraction=1
+    )
+    ours = seq_mse_encoding(w, h, encoder(grid, groups), grid, groups, symmetric=True)
+    assert ours.loss < 0.9 * aimet.loss
+    assert (ours.fraction > 1).any()
 
 
 def test_seq_mse_clips_heavy_tailed_weights_for_a_finer_grid() -> None:
