@@ -3,6 +3,8 @@ venv without quantplug). Random weights unless said; every batch seeded."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,3 +125,23 @@ def build(name: str) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
 
 
 MODELS = ("encoder", "llama", "lstm", "cnn", "digits_mlp", "digits_cnn")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A bench model ready to quantize, split as every algorithm bench splits it: 8 batches to
+    calibrate, 4 held out to measure, and the float model's outputs on those."""
+
+    model: nn.Module
+    program: torch.export.ExportedProgram
+    calibration: list[tuple[torch.Tensor, ...]]
+    measure: list[tuple[torch.Tensor, ...]]
+    refs: list[torch.Tensor]
+
+
+def case(name: str) -> Case:
+    model, batches = build(name)
+    calibration, measure = batches[:8], batches[8:]
+    with torch.no_grad():
+        refs = [model(*b) for b in measure]
+    return Case(model, torch.export.export(model, calibration[0]), calibration, measure, refs)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 import quantplug
-from bench.algorithm_models import MODELS, build
+from bench.algorithm_models import MODELS, case
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -135,11 +135,8 @@ def _attempt(
 def bench_model(
     name: str, algorithms: list[str], configs: list[str], log: Callable[[str], None]
 ) -> dict[str, Any]:
-    model, batches = build(name)
-    calibration, measure = batches[:8], batches[8:]
-    with torch.no_grad():
-        refs = [model(*b) for b in measure]
-    ep = torch.export.export(model, calibration[0])
+    cased = case(name)
+    ep, calibration, measure, refs = cased.program, cased.calibration, cased.measure, cased.refs
     backend, options, _ = CONFIGS[configs[0]]  # warm-up (first calls compile code), not timed
     run_once(
         ep, backend, {**(HTP if backend == "qnn_htp" else {}), **options}, (), calibration, measure, refs

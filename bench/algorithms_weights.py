@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from bench.algorithms import CONFIGS, HTP, RESULTS, build, run_once
+from bench.algorithm_models import case
+from bench.algorithms import CONFIGS, HTP, RESULTS, run_once
 
 WEIGHT_ALGORITHMS = ("seq_mse", "adaround", "gptq")
 COMBINATIONS = (("seq_mse", "gptq"), ("seq_mse", "adaround"))
@@ -36,11 +37,8 @@ BUDGET_S = 120.0  # AdaRound and SeqMSE on the 2-layer decoder, 2 cores
 def bench(models: Sequence[str], configs: Sequence[str], sequential: bool | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in models:
-        model, batches = build(name)
-        calibration, measure = batches[:8], batches[8:]
-        with torch.no_grad():
-            refs = [model(*b) for b in measure]
-        ep = torch.export.export(model, calibration[0])
+        cased = case(name)
+        ep, calibration, measure, refs = cased.program, cased.calibration, cased.measure, cased.refs
         results[name] = {}
         for config in configs:
             backend, options, eight = CONFIGS[config]

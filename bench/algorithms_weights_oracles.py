@@ -103,7 +103,7 @@ def build(name: str) -> tuple[nn.Module, list[torch.Tensor]]:
         scale = torch.ones(64)
         scale[[3, 17, 40]] = 20.0  # outlier channels
         return Decoder().eval(), [torch.randn(4, 16, 64, generator=g) * scale for _ in range(12)]
-    from bench.algorithms import build as bench_build
+    from bench.algorithm_models import build as bench_build
 
     model, batches = bench_build("digits_mlp")
     return model, [b[0] for b in batches]

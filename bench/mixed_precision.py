@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import quantplug
-from bench.algorithm_models import MODELS, build
+from bench.algorithm_models import MODELS, case
 from bench.algorithms import HTP, RESULTS, sqnr
 from quantplug.algorithms.mixed_precision import MixedPrecision, search_mixed_precision
 
@@ -53,11 +53,8 @@ def held_out_sqnr(
 
 
 def bench_model(name: str, configs: Sequence[str]) -> dict[str, Any]:
-    model, batches = build(name)
-    calibration, measure = batches[:8], batches[8:]
-    with torch.no_grad():
-        refs = [model(*b) for b in measure]
-    ep = torch.export.export(model, calibration[0])
+    cased = case(name)
+    ep, calibration, measure, refs = cased.program, cased.calibration, cased.measure, cased.refs
     rows: dict[str, Any] = {}
     for config in configs:
         backend, low, high, options = CONFIGS[config]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.algorithm_models import build
+from bench.algorithm_models import case
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIDE = RESULTS / "nncf_side.json"
@@ -44,16 +44,6 @@ def sqnr(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> float:
     return math.inf if noise == 0 else 10 * math.log10(signal / noise)
 
 
-def _data(
-    name: str,
-) -> tuple[Any, list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]], list[torch.Tensor]]:
-    model, batches = build(name)
-    calibration, measure = batches[:8], batches[8:]
-    with torch.no_grad():
-        refs = [model(*b) for b in measure]
-    return model, calibration, measure, refs
-
-
 def nncf_side(models: Sequence[str]) -> dict[str, Any]:
     import nncf
     from nncf.quantization.advanced_parameters import (
@@ -63,8 +53,9 @@ def nncf_side(models: Sequence[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"version": nncf.__version__}
     for name in models:
-        model, calibration, measure, refs = _data(name)
-        gm = torch.export.export(model, calibration[0]).module()
+        cased = case(name)
+        calibration, measure, refs = cased.calibration, cased.measure, cased.refs
+        gm = cased.program.module()
         runs = {
             "default": {
                 "fast_bias_correction": False,
@@ -109,8 +100,8 @@ def quantplug_side(models: Sequence[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name in models:
-        model, calibration, measure, refs = _data(name)
-        ep = torch.export.export(model, calibration[0])
+        cased = case(name)
+        ep, calibration, measure, refs = cased.program, cased.calibration, cased.measure, cased.refs
         found: dict[str, Any] = {}
         for label, algorithms in (
             ("default", []),

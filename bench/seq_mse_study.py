@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 import quantplug
-from bench.algorithms import CONFIGS, HTP, RESULTS, build, run_once, sqnr
+from bench.algorithm_models import build, case
+from bench.algorithms import CONFIGS, HTP, RESULTS, run_once, sqnr
 from bench.algorithms_weights import FOUR_BIT
 
 #: label -> SeqMSE as configured; the first is AIMET's candidates, the reference of the summary
@@ -62,11 +63,8 @@ MODELS = ("llama", "encoder", "cnn", "digits_mlp", "digits_cnn", "lstm")
 def variants_table(models: Sequence[str], configs: Sequence[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in models:
-        model, batches = build(name)
-        calibration, measure = batches[:8], batches[8:]
-        with torch.no_grad():
-            refs = [model(*b) for b in measure]
-        ep = torch.export.export(model, calibration[0])
+        cased = case(name)
+        ep, calibration, measure, refs = cased.program, cased.calibration, cased.measure, cased.refs
         for config in configs:
             backend, options, _ = CONFIGS[config]
             opts = {**(HTP if backend == "qnn_htp" else {}), **options}
@@ -108,11 +106,8 @@ def render_variants(results: dict[str, Any]) -> str:
 
 def lm_head_ceiling() -> dict[str, float]:
     """The Llama decoder at htp 16a4w: the whole model, and its lm_head alone at 4-bit weights."""
-    model, batches = build("llama")
-    calibration, measure = batches[:8], batches[8:]
-    with torch.no_grad():
-        refs = [model(*b) for b in measure]
-    ep = torch.export.export(model, calibration[0])
+    cased = case("llama")
+    ep, calibration, measure, refs = cased.program, cased.calibration, cased.measure, cased.refs
 
     def score(precision: str, overrides: dict[str, str], algorithms: Sequence[Any] = ()) -> float:
         quantizer = quantplug.get_quantizer("qnn_htp", **HTP, precision=precision)

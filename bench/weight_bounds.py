@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 import quantplug
-from bench.algorithms import CONFIGS, HTP, RESULTS, build
+from bench.algorithm_models import build
+from bench.algorithms import CONFIGS, HTP, RESULTS
 from quantplug.algorithms.seq_mse import SeqMSE
 from quantplug.algorithms.spec import Algorithm, WeightChoice, WeightGrid, WeightSite
 from quantplug.algorithms.weight_layers import LayerHessian, layer_kind, matrix_and_hessian
