@@ -17,6 +17,8 @@ from quantplug.algorithms.seq_mse import (
     candidate_fractions,
     candidate_weight,
     expand_groups,
+    group_loss_function,
+    group_losses,
     group_view,
     seq_mse_encoding,
 )
@@ -28,6 +30,7 @@ from quantplug.algorithms.weight_matrix import (
     dequantize_codes,
     fake_quantize,
     from_matrix,
+    hessian_factor,
     output_error,
     quantize_codes,
     to_matrix,
@@ -339,3 +342,46 @@ def test_hessian_accumulates_in_batches_and_skips_nonfinite_rows() -> None:
     assert parts.rows == 50
     torch.testing.assert_close(parts.mean(), whole.mean())
     torch.testing.assert_close(whole.mean(), (x.double().T @ x.double()) / 50)
+
+
+def dead_input_hessian(seed: int, cols: int, live: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``H`` of ``samples`` rows where only ``live`` of ``cols`` inputs ever carry a value (dead
+    channels after a ReLU), and the mask of the live ones."""
+    g = torch.Generator().manual_seed(seed)
+    alive = torch.zeros(cols, dtype=torch.bool)
+    alive[torch.randperm(cols, generator=g)[:live]] = True
+    x = torch.randn(samples, cols, generator=g, dtype=torch.float64) * alive
+    return x.T @ x / samples, alive
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(2, 120), st.integers(0, 40), st.integers(1, 60))
+def test_hessian_factor_reproduces_h_and_leaves_dead_inputs_out(
+    seed: int, cols: int, live: int, samples: int
+) -> None:
+    """``L L^T = H`` (to the dropped eigenvalues' size), zero rows for inputs that never carry a
+    value, at most as many columns as ``H``'s rank. The many zero eigenvalues of dead inputs are
+    what made LAPACK's eigensolver fail on SqueezeNet's convolutions; they are never decomposed."""
+    h, alive = dead_input_hessian(seed, cols, min(live, cols), samples)
+    factor = hessian_factor(h)
+    assert factor.dtype == torch.float64 and factor.shape[0] == cols
+    scale = float(h.abs().max()) or 1.0
+    assert torch.allclose(factor @ factor.T, h, atol=1e-6 * scale, rtol=0)
+    assert not bool(factor[~alive].any())
+    assert factor.shape[1] <= max(1, min(int(alive.sum()), samples))
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 24), st.integers(8, 64), st.integers(1, 40), st.booleans())
+def test_seq_mse_losses_through_the_factor_equal_the_direct_ones(
+    seed: int, rows: int, cols: int, samples: int, per_tensor: bool
+) -> None:
+    """The low-rank path (many evaluations, fewer rows than inputs) and ``group_losses`` agree."""
+    w, _ = problem(seed, rows, cols)
+    h, _ = dead_input_hessian(seed, cols, cols, samples)
+    groups = (rows, cols) if per_tensor else (1, cols)
+    delta = w - torch.round(w * 3) / 3
+    fast = group_loss_function(h, groups, w.shape, evaluations=10 * cols)(delta)
+    direct = group_losses(delta, h, groups)
+    assert fast.shape == direct.shape
+    assert torch.allclose(fast, direct, rtol=1e-6, atol=1e-9 * float(direct.abs().max()))

@@ -40,7 +40,7 @@ from quantplug.algorithms.weight_layers import (
     layer_kind,
     matrix_and_hessian,
 )
-from quantplug.algorithms.weight_matrix import IntegerGrid, quantize_codes, small_products
+from quantplug.algorithms.weight_matrix import IntegerGrid, hessian_factor, quantize_codes, small_products
 from quantplug.errors import OptionError
 
 ZETA = 1.1
@@ -90,20 +90,6 @@ class AdaroundResult:
     nearest_loss: float
 
 
-def loss_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch.Tensor:
-    """``L`` ``[I, k]`` with ``L L^T = H`` up to eigenvalues below ``relative_floor * max``.
-
-    Calibration sets smaller than a layer's input width (a flattened convolution feeding a
-    linear: 1024 inputs, 64 samples) give a low-rank ``H``; dropping its null space makes every
-    training step ``k / I`` as costly without changing the loss on the calibration data.
-    """
-    values, vectors = torch.linalg.eigh(hessian.detach().to(torch.float64))
-    keep = values > relative_floor * float(values.max().clamp(min=0)) if values.numel() else values > 0
-    if not bool(keep.any()):
-        return torch.zeros(hessian.shape[0], 1)
-    return (vectors[:, keep] * values[keep].sqrt()).to(torch.float32)
-
-
 def rectified_sigmoid(v: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.sigmoid(v) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
 
@@ -125,10 +111,9 @@ def adaround_codes(
     """Learned rounding of ``weight`` ``[O, I]`` on ``scale``/``zero_point`` (expanded to ``[O, I]``).
 
     ``hessian`` is the mean ``x x^T`` of the layer's inputs (``[I, I]``); it is factored once
-    (``H = L L^T``, :func:`loss_factor`) so the loss is ``||D L||^2 + ridge ||D||^2``. Nothing
-    is random. The
-    gradient is written out (the loss is a quadratic form) rather than taken by autograd: the
-    same steps at about half the cost.
+    (``H = L L^T``, :func:`~.weight_matrix.hessian_factor`) so the loss is
+    ``||D L||^2 + ridge ||D||^2``. Nothing is random. The gradient is written out (the loss is a
+    quadratic form) rather than taken by autograd: the same steps at about half the cost.
     """
     sched = schedule or AdaroundSchedule()
     w = weight.detach().to(torch.float32)
@@ -137,7 +122,7 @@ def adaround_codes(
     scaled = w / s
     floor = torch.floor(scaled)
     lo, hi = grid.quant_min - z, grid.quant_max - z  # floor + h must stay in range
-    factor = loss_factor(hessian)
+    factor = hessian_factor(hessian).to(torch.float32)
     # H + damp * mean(diag H) * I, the damped part kept apart so steps stay low-rank
     ridge = float(sched.damp) * float(torch.diagonal(hessian).mean().clamp(min=0))
 

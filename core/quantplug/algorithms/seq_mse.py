@@ -58,6 +58,7 @@ from quantplug.algorithms.weight_layers import (
 from quantplug.algorithms.weight_matrix import (
     IntegerGrid,
     fake_quantize,
+    hessian_factor,
     output_error,
     small_products,
     to_matrix,
@@ -138,6 +139,26 @@ def candidate_weight(
     return torch.where(wide > 1, weight * wide, clip_to(weight, fraction, groups, symmetric))
 
 
+def group_loss_function(
+    hessian: torch.Tensor, groups: tuple[int, int], shape: torch.Size, evaluations: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`group_losses` for ``evaluations`` weight errors of ``shape``, at the least cost.
+
+    With one scale per row group (per channel, per tensor) each evaluation is an ``[O, I] x
+    [I, I]`` product; where those outweigh decomposing ``H`` once (about ``10 I^3``) and ``H`` is
+    low-rank (fewer calibration rows than inputs: a ResNet's late convolutions, 4608 inputs and a
+    few hundred rows), ``||D L||^2`` with ``H = L L^T`` (:func:`hessian_factor`) gives the same
+    losses at ``k / I`` of the cost.
+    """
+    rows, cols = groups
+    out, inputs = int(shape[0]), int(shape[1])
+    if cols == inputs and evaluations * out > 10 * inputs:
+        factor = hessian_factor(hessian)
+        if factor.shape[1] < inputs // 2:
+            return lambda delta: (delta @ factor).pow(2).sum(dim=1).reshape(out // rows, rows, 1).sum(dim=1)
+    return lambda delta: group_losses(delta, hessian, groups)
+
+
 def seq_mse_encoding(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -167,15 +188,17 @@ def seq_mse_encoding(
     best_loss = torch.full((n_row_groups, n_col_groups), float("inf"), dtype=torch.float64)
     best_fraction = torch.ones(n_row_groups, n_col_groups, dtype=torch.float64)
     default: tuple[torch.Tensor, torch.Tensor] | None = None
+    fractions = candidate_fractions(candidates, max_fraction)
+    losses_of = group_loss_function(h, groups, w.shape, len(fractions))
     with small_products(w.numel() * groups[1]):
-        for f in candidate_fractions(candidates, max_fraction):
+        for f in fractions:
             fraction = torch.full_like(best_fraction, f)
             scale, zero_point = (
                 t.to(torch.float64) for t in encode(candidate_weight(w, fraction, groups, symmetric))
             )
             if default is None:
                 default = (scale, zero_point)
-            losses = group_losses(w - fake_quantize(w, scale, zero_point, grid), h, groups)
+            losses = losses_of(w - fake_quantize(w, scale, zero_point, grid))
             better = losses < best_loss
             best_loss = torch.where(better, losses, best_loss)
             best_fraction = torch.where(better, fraction, best_fraction)

@@ -102,6 +102,12 @@ class LayerHessian:
             self.hessian = HessianAccumulator(self.columns)
         self.hessian.add(rows)
 
+    @property
+    def rows(self) -> int:
+        """The input rows ``H`` was summed over (a linear's samples or tokens, a convolution's
+        output positions); fewer than :attr:`columns` leaves ``H`` singular."""
+        return 0 if self.hessian is None else self.hessian.rows
+
     def result(self) -> torch.Tensor | None:
         """The mean ``x x^T`` (float64), or None when the layer never ran or is not supported."""
         if self.hessian is None or self.hessian.rows == 0:

@@ -60,6 +60,34 @@ def fake_quantize(
     return dequantize_codes(quantize_codes(w, scale, zero_point, grid), scale, zero_point)
 
 
+def hessian_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch.Tensor:
+    """``L`` ``[I, k]`` (float64) with ``L L^T = H``, up to eigenvalues below ``relative_floor * max``.
+
+    Calibration sets smaller than a layer's input width give a low-rank ``H``; dropping its null
+    space makes every product with ``L`` ``k / I`` as costly as one with ``H``, with the same loss
+    on the calibration data (``d^T H d = ||d L||^2``).
+
+    Inputs that never carry a value (dead channels: a zero on the diagonal) are zero rows and
+    columns of a positive semi-definite ``H`` and are left out before decomposing: the many equal
+    zero eigenvalues they make can stop LAPACK's eigensolver from converging (``LinAlgError`` on
+    SqueezeNet's and ResNet-18's convolutions). Should it still fail, the SVD of the symmetric
+    ``H`` gives the same factor.
+    """
+    h = hessian.detach().to(torch.float64)
+    live = torch.diagonal(h) > 0
+    sub = h[live][:, live]
+    sub = (sub + sub.T) / 2
+    try:
+        values, vectors = torch.linalg.eigh(sub)
+    except torch.linalg.LinAlgError:
+        vectors, values, _ = torch.linalg.svd(sub)
+    keep = values > relative_floor * float(values.max().clamp(min=0)) if values.numel() else values > 0
+    factor = torch.zeros(h.shape[0], max(int(keep.sum()), 1), dtype=torch.float64)
+    if bool(keep.any()):
+        factor[live] = vectors[:, keep] * values[keep].sqrt()
+    return factor
+
+
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
     """Per-row output error ``d_o^T H d_o`` of a weight error ``delta`` ``[O, I]``."""
     return ((delta @ hessian) * delta).sum(dim=1)
