@@ -341,3 +341,23 @@ def test_layers_calibrated_on_fewer_rows_than_inputs_are_named_in_a_warning(
             assert "fc.weight (16 rows, 64 inputs)" in messages[0]
         else:
             assert messages == []
+
+
+class ConvBn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+def test_the_warning_names_a_folded_weight_as_the_user_wrote_it(caplog: pytest.LogCaptureFixture) -> None:
+    """A conv whose batch norm was folded into it is ``conv.weight``, not the folded attribute."""
+    model = ConvBn().eval()
+    x = torch.randn(2 * BATCH, 16, 3, 3, generator=torch.Generator().manual_seed(0))  # one position each
+    with caplog.at_level("WARNING", logger="quantplug.algorithms"):
+        quantize(model, x, ["gptq"], "qnn_htp", soc_model="SM8650", precision="16a4w")
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "quantplug.algorithms"]
+    assert "conv.weight (with its batch norm) (32 rows, 144 inputs)" in message

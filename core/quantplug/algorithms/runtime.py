@@ -328,7 +328,9 @@ def choose_weights(
     overrides = WeightOverrides()
     if run is None or not any(callable(getattr(a, "choose_weight", None)) for a in run.algorithms):
         return overrides
-    warn_underdetermined(run)
+    from quantplug.flow.batchnorm import FOLDED_FROM
+
+    warn_underdetermined(run, prepared.meta.get(FOLDED_FROM, {}))
     sequential = {i for i, a in enumerate(run.algorithms) if is_sequential(a)}
     both = {i for i in sequential if getattr(run.algorithms[i], "float_inputs", False)}
     results: dict[tuple[str, int], dict[int, Any]] = {
@@ -556,16 +558,22 @@ def underdetermined_layers(run: AlgorithmRun) -> dict[str, list[tuple[str, int, 
     return found
 
 
-def warn_underdetermined(run: AlgorithmRun) -> None:
+def warn_underdetermined(run: AlgorithmRun, folded_from: dict[str, str] | None = None) -> None:
     """One warning per Hessian-based algorithm with layers calibrated on fewer rows than inputs.
 
     Their ``H`` is singular: a choice fits the calibration rows in the directions they span and
     knows nothing of the others, so it can win on the calibration data and lose on new data
     (ConvNeXt's classifier calibrated on 16 images, 64 inputs: GPTQ -4.4 dB held out). The user
-    learns it at convert, not from the deployed model.
+    learns it at convert, not from the deployed model. ``folded_from`` names a batch-norm-folded
+    weight by the weight the user wrote.
     """
+    sources = folded_from or {}
+
+    def label(weight: str) -> str:
+        return f"{sources[weight]} (with its batch norm)" if weight in sources else weight
+
     for name, layers in underdetermined_layers(run).items():
-        shown = ", ".join(f"{w} ({rows} rows, {inputs} inputs)" for w, rows, inputs in layers[:5])
+        shown = ", ".join(f"{label(w)} ({rows} rows, {inputs} inputs)" for w, rows, inputs in layers[:5])
         more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
         logger.warning(
             "%s: %d layer(s) saw fewer calibration rows than they have inputs: %s%s. Its choices "

@@ -36,9 +36,15 @@ def _constant(gm: GraphModule, node: object) -> torch.Tensor | None:
     return None
 
 
+#: ``gm.meta`` key: folded weight attribute -> the weight it was folded from (``"layer1.0.conv1.weight"``),
+#: so messages about a folded weight name what the user wrote
+FOLDED_FROM = "quantplug_folded_from"
+
+
 def fold_batch_norm(gm: GraphModule) -> int:
     """Fold eval-mode batch norms into a preceding conv/linear (single user); returns how many."""
     namer = AttrNamer(gm)
+    folded_from: dict[str, str] = gm.meta.setdefault(FOLDED_FROM, {})
     folded = 0
     graph = gm.graph
     for bn in list(graph.nodes):
@@ -86,6 +92,7 @@ def fold_batch_norm(gm: GraphModule) -> int:
                 )
         base = str(weight_node.target)
         w_name, b_name = namer(base + "_bnfold_w"), namer(base + "_bnfold_b")
+        folded_from[w_name] = folded_from.get(base, base)
         gm.register_parameter(w_name, torch.nn.Parameter(fused_w.detach(), requires_grad=False))
         gm.register_parameter(b_name, torch.nn.Parameter(fused_b.detach(), requires_grad=False))
         with graph.inserting_before(producer):

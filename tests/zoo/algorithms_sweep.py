@@ -1,0 +1,83 @@
+"""Sweep every installed accuracy algorithm over the zoo's architectures at 4-bit weights.
+
+The suite asserts on the bench's models (``bench/algorithms.py``) and on SqueezeNet
+(``tests/algorithms/test_zoo_weight_algorithms.py``); this script is how the algorithms are tried
+on everything the zoo builds, as a user would apply them: each algorithm alone on each model,
+``qnn_htp`` 16a4w and ``reference`` weight_only_int4, calibrated on the zoo's 2 batches and
+measured on its 4 held-out ones (``tests/zoo/harness.py``). AdaRound runs 100 steps per layer.
+
+    .venv/bin/python -m tests.zoo.algorithms_sweep                    # every model
+    .venv/bin/python -m tests.zoo.algorithms_sweep resnet18 convnext  # some of them
+
+One line per model and configuration: the default's SQNR, then each algorithm's gain over it
+(held out) and its run time, or the exception's type and first line. The exit status is 1 when
+any algorithm raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+
+import quantplug
+from tests.zoo.harness import float_case, quantizer, quiet, run, sqnr
+from tests.zoo.models import MODELS
+
+CONFIGS: tuple[tuple[str, str], ...] = (("qnn_htp", "16a4w"), ("reference", "weight_only_int4"))
+OPTIONS: dict[str, dict[str, Any]] = {"adaround": {"iterations": 100}}
+
+
+def held_out_sqnr(name: str, backend: str, preset: str, algorithms: list[Any]) -> float:
+    case = float_case(name)
+    with quiet():
+        prepared = quantplug.prepare(
+            case.program,
+            quantizer(backend, preset),
+            algorithms=algorithms or None,
+            calibration=case.calibration if algorithms else None,
+        )
+        run(prepared, case.calibration)
+        converted = quantplug.convert(prepared)
+    return sqnr(case.reference, run(converted, case.held_out))
+
+
+def sweep(name: str, algorithms: list[str]) -> tuple[list[str], int]:
+    lines, failed = [], 0
+    for backend, preset in CONFIGS:
+        default = held_out_sqnr(name, backend, preset, [])
+        cells = []
+        for algorithm in algorithms:
+            started = time.perf_counter()
+            try:
+                found = held_out_sqnr(name, backend, preset, [(algorithm, OPTIONS.get(algorithm, {}))])
+            except Exception as error:  # the sweep reports every failure and goes on
+                failed += 1
+                first = (str(error).splitlines() or [""])[0][:160]
+                cells.append(f"{algorithm} FAIL {type(error).__name__}: {first}")
+                continue
+            cells.append(f"{algorithm} {found - default:+.2f} ({time.perf_counter() - started:.0f} s)")
+        lines.append(f"{name:18} {backend} {preset:17} default {default:6.2f} | " + " | ".join(cells))
+    return lines, failed
+
+
+def main(argv: list[str]) -> int:
+    names = [a for a in argv if not a.startswith("-")] or list(MODELS)
+    algorithms = [entry.name for entry in quantplug.list_algorithms()]
+    torch.set_num_threads(2)
+    # the zoo calibrates on 16 images or sequences by design: every late layer would be named
+    logging.getLogger("quantplug.algorithms").setLevel(logging.ERROR)
+    failed = 0
+    for name in names:
+        lines, failures = sweep(name, algorithms)
+        failed += failures
+        for line in lines:
+            print(line, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
