@@ -37,11 +37,13 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> Result:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, env: dict[str, str] | None = None
+) -> Result:
     done = subprocess.run(
         [*CLI, *args],
         cwd=cwd or REPO,
-        env=clean_env(),
+        env={**clean_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

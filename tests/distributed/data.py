@@ -39,6 +39,18 @@ def norm_mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
     return AlgoNet().eval(), (algo_batches(1)[0],)
 
 
+def norm_mlp_marking_its_exit() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    """``norm_mlp``, and an exit handler (user code's cleanup) that writes ``rank-N`` into the
+    folder ``QUANTPLUG_TEST_MARKS`` names when the process exits."""
+    import atexit
+    import os
+    from pathlib import Path
+
+    marks, rank = Path(os.environ["QUANTPLUG_TEST_MARKS"]), os.environ.get("RANK", "-")
+    atexit.register(lambda: (marks / f"rank-{rank}").write_text("exit handlers ran"))
+    return norm_mlp()
+
+
 def augmented() -> Iterator[torch.Tensor]:
     """Items that differ on every call (an unseeded random augmentation), for ``norm_mlp``: a
     factory that does not shard itself yields other items on every rank."""

@@ -123,6 +123,24 @@ def test_transforms_see_rank_0s_batches_on_every_rank(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_ranks_end_without_finalisation_but_run_the_users_exit_handlers(tmp_path: Path) -> None:
+    """A rank could abort in the interpreter's finalisation after a successful run (gloo's threads
+    still holding tensors: "terminate called without an active exception", seen on CI with the group
+    destroyed). Ranks now end with ``os._exit`` after the run; the exit handlers of user code (a
+    model factory's cleanup) must still run on every rank, and the run's exit code be kept."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    result = run_cli(
+        "quantize", "tests.distributed.data:norm_mlp_marking_its_exit",
+        "-c", "tests.distributed.data:augmented",
+        "-o", "activation_observer=minmax", "--compare-batches", "1", "--nproc", "2",
+        "--out", str(tmp_path / "out"), timeout=600, env={"QUANTPLUG_TEST_MARKS": str(marks)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in marks.iterdir()) == ["rank-0", "rank-1"]
+    assert (tmp_path / "out" / "report.json").exists()
+
+
 def test_an_algorithm_whose_collector_cannot_merge_is_refused_before_calibrating(
     demo: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -33,6 +33,8 @@ from quantplug.cli.console import Console
 #: how long ranks wait for each other at the observer sync (seconds)
 SYNC_TIMEOUT = float(os.environ.get("QUANTPLUG_SYNC_TIMEOUT", "600"))
 _COUNTER_KEY = "quantplug/calibrated-batches"
+#: whether this process made the launcher's group and has left it (see :func:`left_launched_group`)
+_left = False
 
 
 def launched_world() -> tuple[int, int] | None:
@@ -112,6 +114,14 @@ def joined_group() -> Iterator[Group | None]:
     finally:
         if ours and dist.is_initialized():
             dist.destroy_process_group()
+            global _left
+            _left = True
+
+
+def left_launched_group() -> bool:
+    """Whether this process joined a launcher's group through :func:`joined_group` and left it:
+    a rank process, which ``quantplug.cli.main`` ends without the interpreter's finalisation."""
+    return _left
 
 
 class SharedCount:

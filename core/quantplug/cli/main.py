@@ -16,6 +16,7 @@ read package metadata); ``quantize`` imports them once its arguments are checked
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -26,7 +27,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from quantplug.cli import algorithms as algorithms_cli
 from quantplug.cli import mixed_precision as mixed_cli
@@ -837,7 +838,39 @@ def _route(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``quantplug`` command; its exit code. ``argv`` None: the program's own arguments, and a
+    process that ran as a rank of ``--nproc``/torchrun ends here (:func:`_end_rank_process`)."""
+    from quantplug.cli import distributed
+
+    code = _main(sys.argv[1:] if argv is None else argv)
+    if argv is None and distributed.left_launched_group():
+        _end_rank_process(code)
+    return code
+
+
+def _end_rank_process(code: int) -> NoReturn:
+    """End a rank's process with ``code``, without the interpreter's finalisation.
+
+    A gloo group's C++ threads can still hold tensors when the interpreter tears itself down, and
+    the process then aborts ("terminate called without an active exception", exit -6) after a run
+    that succeeded, even with the group destroyed; the launcher then stops every other rank (seen on
+    CI: rank 1 exiting while rank 0 lowered). The run's work is done and written by then, so only
+    what finalisation adds is skipped: Python's exit handlers (the user's, logging's) still run and
+    the output streams are flushed.
+    """
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed or gone: nothing left to write
+                pass
+        os._exit(code)
+
+
+def _main(argv: Sequence[str]) -> int:
+    argv = list(argv)
     try:
         command, argv = _route(argv)
     except InputError as exc:
