@@ -26,6 +26,7 @@ from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoic
 from quantplug.algorithms.weight_layers import LayerHessian
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
 from quantplug.errors import AlgorithmError
+from quantplug.flow.batchnorm import FOLDED_FROM
 from quantplug.flow.inspect import fetch_attr
 
 logger = logging.getLogger("quantplug.algorithms")
@@ -328,8 +329,6 @@ def choose_weights(
     overrides = WeightOverrides()
     if run is None or not any(callable(getattr(a, "choose_weight", None)) for a in run.algorithms):
         return overrides
-    from quantplug.flow.batchnorm import FOLDED_FROM
-
     warn_underdetermined(run, prepared.meta.get(FOLDED_FROM, {}))
     sequential = {i for i, a in enumerate(run.algorithms) if is_sequential(a)}
     both = {i for i in sequential if getattr(run.algorithms[i], "float_inputs", False)}

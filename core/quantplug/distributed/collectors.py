@@ -129,7 +129,7 @@ def _merge_store(store: InputStore, headers: list[dict[str, Any]], group: Any, w
 
     rank = dist.get_rank(group)
     order = merged_store([h["stored"] for h in headers], store.max_batches, store.max_bytes)
-    mine = [_to(store.batches[i], None) for r, i in order if r == rank]
+    mine = [on_cpu(store.batches[i]) for r, i in order if r == rank]
     devices = (
         [t.device if isinstance(t, torch.Tensor) else None for t in store.batches[0]]
         if store.batches
@@ -140,18 +140,16 @@ def _merge_store(store: InputStore, headers: list[dict[str, Any]], group: Any, w
     taken = [0] * world
     batches = []
     for r, _ in order:
-        batches.append(_to(gathered[r][taken[r]], devices))
+        batches.append(_on_devices(gathered[r][taken[r]], devices))
         taken[r] += 1
     store.replace_(batches, sum(int(h["seen"]) for h in headers))
     return len(batches), sum(batch_bytes(b) for b in mine)
 
 
-def _to(batch: tuple[Any, ...], devices: list[Any] | None) -> tuple[Any, ...]:
-    """A stored batch with its tensors on the CPU (devices None) or on this rank's devices."""
+def _on_devices(batch: tuple[Any, ...], devices: list[Any] | None) -> tuple[Any, ...]:
+    """A gathered (CPU) batch with its tensors on this rank's devices, position by position."""
     out = []
     for position, value in enumerate(batch):
-        if isinstance(value, torch.Tensor):
-            device = devices[position] if devices is not None and position < len(devices) else None
-            value = value.detach().cpu() if device is None else value.to(device)
-        out.append(value)
+        device = devices[position] if devices is not None and position < len(devices) else None
+        out.append(value.to(device) if isinstance(value, torch.Tensor) and device is not None else value)
     return tuple(out)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from quantplug.algorithms.runtime import LAYER_OPS as RERUNNABLE_OPS
 from quantplug.flow.constants import ConstantValues, constant_nodes, module_attr
 from quantplug.flow.graph_copy import AttrNamer
 
-LAYER_OPS = frozenset(
-    {"aten.linear.default", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
-)
+#: the layers whose weights the algorithms choose (transposed convolutions keep the default)
+LAYER_OPS = frozenset(op for op in RERUNNABLE_OPS if "conv_transpose" not in op)
 
 
 def _source(node: Node) -> str:
