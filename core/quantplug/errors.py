@@ -79,17 +79,22 @@ class CalibrationError(QuantplugError, RuntimeError):
 
 
 class NonFiniteError(CalibrationError):
-    """NaN or infinite values reached an observer (or a weight) that measures a range from them.
+    """NaN or infinite values reached an observer (or a weight) that measures a range from them,
+    or a layer input an accuracy algorithm collects statistics from.
 
-    ``where`` names the node(s) whose observer saw them; ``nan`` and ``inf`` count what that
-    tensor held. The command line adds the calibration file, batch and input.
+    ``where`` names the node(s) whose observer saw them (the weight, for an algorithm's layer);
+    ``reached`` says what they reached, in words; ``nan`` and ``inf`` count what that tensor held.
+    The command line adds the calibration file, batch and input.
     """
 
-    def __init__(self, message: str, *, where: str = "", nan: int = 0, inf: int = 0) -> None:
+    def __init__(
+        self, message: str, *, where: str = "", nan: int = 0, inf: int = 0, reached: str = ""
+    ) -> None:
         super().__init__(message)
         self.where = where
         self.nan = nan
         self.inf = inf
+        self.reached = reached or f"the observer of {where}"
 
 
 class ObserverMergeError(CalibrationError):

@@ -65,3 +65,23 @@ def test_ignored_values_are_counted_and_files_hold_no_nan(poisoned: Path, tmp_pa
 
 def _refuse(token: str) -> None:
     raise AssertionError(f"{token} in a written file")
+
+
+def test_a_weight_only_preset_refuses_nan_data_or_its_algorithms_leave_it_out(
+    poisoned: Path, tmp_path: Path
+) -> None:
+    """A weight-only preset has no activation observer: the batch is still refused (file, batch,
+    input), and under ``--nonfinite ignore`` the algorithm's collector leaves the poisoned sample
+    out and says so."""
+    common = ("quantize", "-c", str(poisoned), "-b", "reference", "-o", "preset=weight_only_int4")
+    common += ("-A", "gptq")
+    refused = run_cli(*common, "--out", str(tmp_path / "refused"))
+    assert refused.returncode == 2, refused.stderr
+    line = refused.stderr_lines[-1]
+    expected = ("calibration batch 2 (calib.pt[2])", "input 'x' holds 1 NaN", "--nonfinite")
+    for words in expected:
+        assert words in line, line
+    assert not (tmp_path / "refused").exists()
+    done = run_cli(*common, "--nonfinite", "ignore", "--out", str(tmp_path / "done"))
+    assert done.returncode == 0, done.stderr
+    assert "left out of the statistics of 1 layer(s)" in done.stderr

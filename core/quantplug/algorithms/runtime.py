@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from quantplug.algorithms.finite_inputs import finite_samples
 from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.algorithms.weight_layers import LayerHessian
@@ -83,21 +84,28 @@ def run_transforms(
 class Tap(nn.Module):
     """Feeds one layer's input to the collectors of that layer (returns nothing).
 
-    ``site`` names the weight, ``owners[i]`` the algorithm of ``collectors[i]``; ``batches``
-    counts the batches fed (what a repeated distributed sync checks for new data).
+    ``site`` names the weight (:attr:`WeightSite.label`), ``owners[i]`` the algorithm of
+    ``collectors[i]``; ``batches`` counts the batches fed (what a repeated distributed sync checks
+    for new data). Samples holding NaN or inf follow ``nonfinite``
+    (:mod:`quantplug.algorithms.finite_inputs`); ``ignored`` counts those left out.
     """
 
-    def __init__(self, site: str, collectors: list[Any], owners: list[str]) -> None:
+    def __init__(self, site: str, collectors: list[Any], owners: list[str], nonfinite: str = "error") -> None:
         super().__init__()
         self.site = site
         self.collectors = collectors
         self.owners = owners
+        self.nonfinite = nonfinite
         self.batches = 0
+        self.ignored = 0
 
     def forward(self, x: torch.Tensor) -> None:
         self.batches += 1
         with torch.no_grad():
-            value = x.detach()
+            value, dropped = finite_samples(x.detach(), self.nonfinite, self.site, self.owners)
+            self.ignored += dropped
+            if value is None:
+                return
             for collector in self.collectors:
                 collector.update(value)
 
@@ -113,6 +121,8 @@ class AlgorithmRun:
     inputs: InputStore | None = None
     #: batches fed to the taps and the store when ``sync_observers`` last merged them (None: never)
     synced_at: int | None = None
+    #: what NaN/inf in a layer's input does (``prepare(..., nonfinite=...)``)
+    nonfinite: str = "error"
 
 
 def is_sequential(algorithm: Any) -> bool:
@@ -167,6 +177,7 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
     the same sites. A weight consumed by several ops is one site (its first consumer's layer).
     """
     nodes = {n.name: n for n in gm.graph.nodes}
+    folded: dict[str, str] = gm.meta.get(FOLDED_FROM, {})
     result: list[_SiteRef] = []
     for group in state.groups:
         if not group.constant or spec_kind(group.spec) is not SpecKind.PLAIN:
@@ -196,15 +207,18 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
                 group=group.gid,
                 shared_with=others,
                 input_index=0 if call is not None else None,
+                folded_from=folded.get(target),
                 _call=call,
             )
             result.append(_SiteRef(site, producer, bias_target))
     return result
 
 
-def install_collectors(gm: GraphModule, state: Any, algorithms: Sequence[Any]) -> AlgorithmRun:
+def install_collectors(
+    gm: GraphModule, state: Any, algorithms: Sequence[Any], nonfinite: str = "error"
+) -> AlgorithmRun:
     """Ask each algorithm for a collector per weight site and tap the layers' inputs for them."""
-    run = AlgorithmRun(list(algorithms))
+    run = AlgorithmRun(list(algorithms), nonfinite=nonfinite)
     container = nn.Module()
     gm.add_module(TAPS, container)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -240,9 +254,8 @@ def install_collectors(gm: GraphModule, state: Any, algorithms: Sequence[Any]) -
         consumer = nodes[site.node]
         name = f"t{count}"
         count += 1
-        container.add_module(
-            name, Tap(site.name, [wanted[i] for i in fed], [algorithm_name(algorithms[i]) for i in fed])
-        )
+        owners = [algorithm_name(algorithms[i]) for i in fed]
+        container.add_module(name, Tap(site.label, [wanted[i] for i in fed], owners, nonfinite))
         with gm.graph.inserting_before(consumer):
             tap = gm.graph.call_module(f"{TAPS}.{name}", (consumer.args[site.input_index],))
         tap.meta["quantplug_algorithm_tap"] = site.name
@@ -329,7 +342,7 @@ def choose_weights(
     overrides = WeightOverrides()
     if run is None or not any(callable(getattr(a, "choose_weight", None)) for a in run.algorithms):
         return overrides
-    warn_underdetermined(run, prepared.meta.get(FOLDED_FROM, {}))
+    warn_underdetermined(run)
     sequential = {i for i, a in enumerate(run.algorithms) if is_sequential(a)}
     both = {i for i in sequential if getattr(run.algorithms[i], "float_inputs", False)}
     results: dict[tuple[str, int], dict[int, Any]] = {
@@ -359,21 +372,29 @@ def choose_weights(
         for ref, grid in zip(refs, grids):
             current[ref.site.name] = grid.dequantize(grid.quantize(ref.site.weight)).to(ref.site.weight.dtype)
     activation = _activation_encodings(state, qparams_of) if simulate else {}
+    ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
     for stage in order:
         fresh: dict[tuple[int, int], Any] = {}  # (site index, algorithm index) -> collector
         feeds: dict[str, list[Callable[[torch.Tensor], None]]] = {}
+        sequential_taps = []
         for k in stage:
-            for i in wants[k]:
-                collector = run.algorithms[i].collector(refs[k].site)
-                if collector is not None:
-                    fresh[(k, i)] = collector
-                    feeds.setdefault(refs[k].site.node, []).append(collector.update)
+            asked = {i: run.algorithms[i].collector(refs[k].site) for i in wants[k]}
+            made = {i: c for i, c in asked.items() if c is not None}
+            fresh.update({(k, i): c for i, c in made.items()})
+            if made:
+                owners = [algorithm_name(run.algorithms[i]) for i in made]
+                tap = Tap(refs[k].site.label, list(made.values()), owners, run.nonfinite)
+                sequential_taps.append(tap)
+                feeds.setdefault(refs[k].site.node, []).append(tap.forward)
         if feeds:
             from quantplug.flow.prepare import OBSERVERS
 
             simulation = QuantizedSimulation(prepared, OBSERVERS, activation, current, feeds, is_tap)
             for batch in batches:
                 simulation.run_batch(batch)
+        for tap in sequential_taps:  # the same samples as the float taps': counted once
+            if tap.ignored:
+                ignored[tap.site] = max(ignored.get(tap.site, 0), tap.ignored)
         for k in stage:
             ref = refs[k]
             site = ref.site
@@ -403,7 +424,25 @@ def choose_weights(
                 overrides.biases[ref.bias_target] = corrected
                 if simulate:
                     current[ref.bias_target] = corrected
+    warn_ignored(ignored)
     return overrides
+
+
+def warn_ignored(ignored: dict[str, int]) -> None:
+    """One warning naming the layers whose collectors were fed fewer samples than calibration ran
+    (``nonfinite="ignore"`` left out those holding NaN or inf): the user learns the algorithms
+    saw less data than given."""
+    if not ignored:
+        return
+    shown = ", ".join(f"{site} ({n})" for site, n in list(ignored.items())[:5])
+    more = f" and {len(ignored) - 5} more" if len(ignored) > 5 else ""
+    logger.warning(
+        "algorithms: samples holding NaN or inf were left out of the statistics of %d layer(s) "
+        "(nonfinite='ignore'), samples left out per weight: %s%s",
+        len(ignored),
+        shown,
+        more,
+    )
 
 
 def _observer(observers: dict[int, nn.Module], ref: _SiteRef) -> Callable[[torch.Tensor], Any]:
@@ -546,33 +585,27 @@ def _representable(grid: WeightGrid, shape: Sequence[int], scale: torch.Tensor) 
 
 def underdetermined_layers(run: AlgorithmRun) -> dict[str, list[tuple[str, int, int]]]:
     """Per algorithm, the layers whose ``H`` summed fewer input rows than the layer has inputs:
-    ``(weight, rows, inputs)``, in site order."""
+    ``(weight label, rows, inputs)``, in site order."""
     found: dict[str, list[tuple[str, int, int]]] = {}
-    for (weight, _), by_algorithm in run.collectors.items():
+    for by_algorithm in run.collectors.values():
         for i, collector in by_algorithm.items():
             if isinstance(collector, LayerHessian) and 0 < collector.rows < collector.columns:
                 found.setdefault(algorithm_name(run.algorithms[i]), []).append(
-                    (weight, collector.rows, collector.columns)
+                    (collector.site.label, collector.rows, collector.columns)
                 )
     return found
 
 
-def warn_underdetermined(run: AlgorithmRun, folded_from: dict[str, str] | None = None) -> None:
+def warn_underdetermined(run: AlgorithmRun) -> None:
     """One warning per Hessian-based algorithm with layers calibrated on fewer rows than inputs.
 
     Their ``H`` is singular: a choice fits the calibration rows in the directions they span and
     knows nothing of the others, so it can win on the calibration data and lose on new data
     (ConvNeXt's classifier calibrated on 16 images, 64 inputs: GPTQ -4.4 dB held out). The user
-    learns it at convert, not from the deployed model. ``folded_from`` names a batch-norm-folded
-    weight by the weight the user wrote.
+    learns it at convert, not from the deployed model.
     """
-    sources = folded_from or {}
-
-    def label(weight: str) -> str:
-        return f"{sources[weight]} (with its batch norm)" if weight in sources else weight
-
     for name, layers in underdetermined_layers(run).items():
-        shown = ", ".join(f"{label(w)} ({rows} rows, {inputs} inputs)" for w, rows, inputs in layers[:5])
+        shown = ", ".join(f"{w} ({rows} rows, {inputs} inputs)" for w, rows, inputs in layers[:5])
         more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
         logger.warning(
             "%s: %d layer(s) saw fewer calibration rows than they have inputs: %s%s. Its choices "

@@ -128,6 +128,8 @@ class WeightSite:
             shared by several weights must stay shared: such sites accept codes only).
         input_index: which argument of the op is the activation input a collector sees (None
             when the op is not one quantplug can re-run on a layer input, e.g. an LSTM).
+        folded_from: the weight the user wrote, when this one is it with a batch norm folded in
+            (quantplug's name for such a weight means nothing to the user).
     """
 
     name: str
@@ -138,9 +140,15 @@ class WeightSite:
     group: int
     shared_with: tuple[str, ...] = ()
     input_index: int | None = None
+    folded_from: str | None = None
     _call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(
         default=None, repr=False, compare=False
     )
+
+    @property
+    def label(self) -> str:
+        """The weight as messages name it: as the user wrote it."""
+        return f"{self.folded_from} (with its batch norm)" if self.folded_from else self.name
 
     @property
     def has_layer(self) -> bool:

@@ -527,7 +527,7 @@ def nonfinite_input_error(
     ]
     source = "; ".join(held) if held else "its inputs are finite: the model computes them"
     return InputError(
-        f"{where}: NaN/inf values reached the observer of {exc.where} ({source}); fix the data or the "
+        f"{where}: NaN/inf values reached {exc.reached} ({source}); fix the data or the "
         "model, or pass --nonfinite ignore to leave them out of the calibration statistics"
     )
 

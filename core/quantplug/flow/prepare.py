@@ -280,7 +280,7 @@ def _prepare(
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
-        gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms)
+        gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite)
     _as_prepared_module(gm)
     compile_now(gm)
     gm.meta[STATE_KEY] = state
