@@ -69,6 +69,7 @@ COMBINATIONS: tuple[tuple[str, ...], ...] = (
     ("smoothquant", "gptq"),
     ("cle", "gptq", "bias_correction"),
     ("smoothquant", "gptq", "bias_correction"),
+    ("seq_mse", "gptq", "bias_correction"),
 )
 
 

@@ -56,6 +56,10 @@ def nncf_side(models: Sequence[str]) -> dict[str, Any]:
         cased = case(name)
         calibration, measure, refs = cased.calibration, cased.measure, cased.refs
         gm = cased.program.module()
+        if any(b[0].shape[0] != calibration[0][0].shape[0] for b in measure):
+            # held-out batches of another size than calibration's: the batch dimension goes dynamic
+            dynamic = tuple({0: torch.export.Dim.AUTO} for _ in calibration[0])
+            gm = torch.export.export(cased.model, calibration[0], dynamic_shapes=dynamic).module()
         runs = {
             "default": {
                 "fast_bias_correction": False,
