@@ -146,6 +146,15 @@ class Case:
     refs: list[torch.Tensor]
 
 
+def batch_dynamic_shapes(batches: list[tuple[torch.Tensor, ...]]) -> tuple[dict[int, object], ...] | None:
+    """``dynamic_shapes`` for ``torch.export`` leaving the batch dimension free when the batches
+    differ in size (calibration and held-out batches of the digits models), else None. quantplug's
+    converted programs take any batch size; a peer's ``program.module()`` checks the exported one."""
+    if len({b[0].shape[0] for b in batches}) < 2:
+        return None
+    return tuple({0: torch.export.Dim.AUTO} for _ in batches[0])
+
+
 def case(name: str) -> Case:
     model, batches = build(name)
     calibration, measure = batches[:8], batches[8:]

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 import quantplug
+from bench.algorithm_models import batch_dynamic_shapes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -135,9 +136,7 @@ def nncf_run(model: nn.Module, batches: list[torch.Tensor], **flags: Any) -> flo
 
     calibration, measure = batches[:8], batches[8:]
     # NNCF's data-aware algorithms run on TorchFX (its nn.Module backend takes no dataset options)
-    # held-out batches of another size than calibration's (digits): the batch dimension goes dynamic
-    sizes = {b.shape[0] for b in batches}
-    dynamic = ({0: torch.export.Dim.AUTO},) if len(sizes) > 1 else None
+    dynamic = batch_dynamic_shapes([(b,) for b in batches])
     program = torch.export.export(copy.deepcopy(model), (calibration[0],), dynamic_shapes=dynamic).module()
     compressed = nncf.compress_weights(
         program,

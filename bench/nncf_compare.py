@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.algorithm_models import case
+from bench.algorithm_models import batch_dynamic_shapes, case
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIDE = RESULTS / "nncf_side.json"
@@ -55,11 +55,8 @@ def nncf_side(models: Sequence[str]) -> dict[str, Any]:
     for name in models:
         cased = case(name)
         calibration, measure, refs = cased.calibration, cased.measure, cased.refs
-        gm = cased.program.module()
-        if any(b[0].shape[0] != calibration[0][0].shape[0] for b in measure):
-            # held-out batches of another size than calibration's: the batch dimension goes dynamic
-            dynamic = tuple({0: torch.export.Dim.AUTO} for _ in calibration[0])
-            gm = torch.export.export(cased.model, calibration[0], dynamic_shapes=dynamic).module()
+        dynamic = batch_dynamic_shapes(calibration + measure)
+        gm = torch.export.export(cased.model, calibration[0], dynamic_shapes=dynamic).module()
         runs = {
             "default": {
                 "fast_bias_correction": False,

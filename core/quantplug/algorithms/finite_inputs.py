@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from quantplug.errors import NonFiniteError
+from quantplug.observers.nonfinite import nonfinite_counts
 
 
 def finite_samples(
@@ -36,9 +37,7 @@ def finite_samples(
     if bool(finite.all()):
         return x, 0
     if policy != "ignore":
-        nan = int(torch.isnan(x).sum())
-        inf = x.numel() - int(finite.sum()) - nan
-        counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
+        nan, inf, counts = nonfinite_counts(x, finite)
         reached = (
             f"the input of the layer with weight {site}, where algorithm(s) "
             f"{', '.join(sorted(set(owners)))} collect statistics"

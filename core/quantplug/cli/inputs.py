@@ -499,10 +499,10 @@ def _nonfinite_text(value: torch.Tensor) -> str:
     bad = ~torch.isfinite(value)
     if not bool(bad.any()):
         return ""
-    nan = int(torch.isnan(value).sum())
-    inf = int(bad.sum()) - nan
+    from quantplug.observers.nonfinite import nonfinite_counts
+
+    _, _, counts = nonfinite_counts(value, ~bad)
     first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-    counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
     return f"{counts} value(s), the first at index {first}"
 
 

@@ -77,6 +77,15 @@ def finite(lo: float, hi: float) -> bool:
     return math.isfinite(lo) and math.isfinite(hi)
 
 
+def nonfinite_counts(data: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[int, int, str]:
+    """How many NaN and how many infinities ``data`` holds, and both in words (``"3 NaN and 1
+    inf"``), as every NaN/inf message says them. ``finite``: ``torch.isfinite(data)``, if known."""
+    keep = torch.isfinite(data) if finite is None else finite
+    nan = int(torch.isnan(data).sum())
+    inf = data.numel() - int(keep.sum()) - nan
+    return nan, inf, " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
+
+
 def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     """``data``'s finite-element mask, once its extremes were found non-finite.
 
@@ -84,8 +93,7 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     elements on the observer (as ignored, or as masks) and returns the mask of those to keep.
     """
     keep = torch.isfinite(data)
-    nan = int(torch.isnan(data).sum())
-    inf = data.numel() - int(keep.sum()) - nan
+    nan, inf, counts = nonfinite_counts(data, keep)
     policy = getattr(observer, POLICY_ATTR, "error")
     if policy == "ignore":
         setattr(observer, COUNT_ATTR, getattr(observer, COUNT_ATTR, 0) + nan + inf)
@@ -98,7 +106,6 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
         setattr(observer, MASK_ENDS_ATTR, frozenset(ends))
         return keep
     where = getattr(observer, WHERE_ATTR, "") or f"a {type(observer).__name__}"
-    counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
     if nan:
         cause = "NaN is never a valid value; fix the data (or the model)"
     elif policy == "strict":
