@@ -39,6 +39,7 @@ def quantize(
     calibration: Iterable[Any] | None = None,
     nonfinite: str = "error",
     algorithms: Sequence[Any] | None = None,
+    algorithm_guard: bool = True,
     **options: Any,
 ) -> torch.fx.GraphModule:
     """Export (if needed), prepare, calibrate and convert in one call.
@@ -53,6 +54,8 @@ def quantize(
             :func:`quantplug.prepare`).
         algorithms: accuracy algorithms (names, ``(name, options)`` pairs or objects), see
             :func:`quantplug.prepare`; those needing data before annotation get ``calibration``.
+        algorithm_guard: keep an algorithm's weight choice only where the model does no worse
+            (see :func:`quantplug.prepare`).
         **options: backend options.
 
     Returns:
@@ -77,6 +80,7 @@ def quantize(
         nonfinite=nonfinite,
         algorithms=algorithms,
         calibration=[_as_args(b) for b in batches] if algorithms else None,
+        algorithm_guard=algorithm_guard,
     )
     with torch.no_grad():
         for batch in batches:

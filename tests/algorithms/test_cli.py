@@ -73,3 +73,12 @@ def test_quantize_applies_the_algorithms(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["options"]["algorithms"] == "cle(iterations=5), bias_correction"
+    assert report["options"]["algorithm_guard"].startswith("on: ")  # what the guard did is reported
+
+
+def test_quantize_can_keep_every_choice_without_the_guard(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_cli("quantize", "--out", str(out), "-A", "gptq", "--no-algorithm-guard", "-q")
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["options"]["algorithm_guard"] == "off (--no-algorithm-guard)"

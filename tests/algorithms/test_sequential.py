@@ -16,6 +16,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 import quantplug
 from quantplug.algorithms.collectors import InputSample
+from quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES
 from quantplug.algorithms.runtime import RUN_KEY
 from quantplug.algorithms.sequential import InputStore, stages
 from quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
@@ -61,10 +62,11 @@ class Recorder(quantplug.Algorithm):
 
 
 def run(algorithm: Recorder, data: torch.Tensor, precision: str = "8a8w") -> GraphModule:
+    """Without the algorithm guard: zeroing a weight is a choice the guard would refuse."""
     model = Mlp().eval()
     ep = torch.export.export(model, (data[:BATCH],))
     quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision=precision)
-    prepared = quantplug.prepare(ep, quantizer, algorithms=[algorithm])
+    prepared = quantplug.prepare(ep, quantizer, algorithms=[algorithm], algorithm_guard=False)
     for i in range(0, len(data), BATCH):
         prepared(data[i : i + BATCH])
     converted: GraphModule = quantplug.convert(prepared)
@@ -135,8 +137,12 @@ def test_sequential_prepared_module_keeps_a_bounded_input_store() -> None:
     for _ in range(store.max_batches + 5):
         prepared(x)
     assert len(store.batches) == store.max_batches and store.seen == store.max_batches + 5
-    floating = quantplug.prepare(ep, quantizer, algorithms=[("gptq", {"sequential": False})])
-    assert floating.meta[RUN_KEY].inputs is None  # float inputs: nothing stored
+    floating = [("gptq", {"sequential": False})]
+    unguarded = quantplug.prepare(ep, quantizer, algorithms=floating, algorithm_guard=False)
+    assert unguarded.meta[RUN_KEY].inputs is None  # float inputs, no guard: nothing stored
+    guarded = quantplug.prepare(ep, quantizer, algorithms=floating).meta[RUN_KEY].inputs
+    assert isinstance(guarded, InputStore)  # the guard's batches only
+    assert (guarded.max_batches, guarded.max_bytes) == (GUARD_BATCHES, GUARD_BYTES)
 
 
 def test_input_store_byte_cap() -> None:

@@ -56,9 +56,12 @@ def block_model() -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(8 * BATCH, 32, generator=g) @ mix
 
 
-def quantize(model: nn.Module, x: torch.Tensor, algorithms: list[Any], backend: str, **options: Any) -> Any:
+def quantize(
+    model: nn.Module, x: torch.Tensor, algorithms: list[Any], backend: str, guard: bool = True, **options: Any
+) -> Any:
     ep = torch.export.export(model, (x[:BATCH],))
-    prepared = quantplug.prepare(ep, quantplug.get_quantizer(backend, **options), algorithms=algorithms)
+    quantizer = quantplug.get_quantizer(backend, **options)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, algorithm_guard=guard)
     for i in range(0, len(x), BATCH):
         prepared(x[i : i + BATCH])
     return quantplug.convert(prepared)
@@ -135,11 +138,11 @@ def test_lpbq_weights_stay_per_block_on_the_lpbq_scale_lattice(algorithm: Any) -
 
 
 def test_seq_mse_changes_scales_and_gptq_adaround_only_codes() -> None:
+    """What each algorithm may change (without the guard, which may keep a layer's default)."""
     model, x = block_model()
-    options = {"precision": "16a4w"}
     scales = {}
     for algorithm in ([], ["seq_mse"], ["gptq"], [("adaround", {"iterations": 20})]):
-        qps = _weight_qparams(quantize(model, x, algorithm, "qnn_htp", **options))
+        qps = _weight_qparams(quantize(model, x, algorithm, "qnn_htp", guard=False, precision="16a4w"))
         scales[str(algorithm)] = [qp.scale for qp in qps]
     base = scales["[]"]
     assert any(not torch.equal(a, b) for a, b in zip(scales["['seq_mse']"], base))

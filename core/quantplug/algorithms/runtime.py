@@ -22,6 +22,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from quantplug.algorithms.finite_inputs import finite_samples
+from quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES, ModelGuard, guard_batches, output_tensors
 from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.algorithms.weight_layers import LayerHessian
@@ -123,6 +124,11 @@ class AlgorithmRun:
     synced_at: int | None = None
     #: what NaN/inf in a layer's input does (``prepare(..., nonfinite=...)``)
     nonfinite: str = "error"
+    #: whether convert keeps a site's choice only where the model does no worse
+    #: (``prepare(..., algorithm_guard=...)``, :mod:`quantplug.algorithms.guard`)
+    guard: bool = True
+    #: the guard's verdicts at the last convert (None: no guard ran)
+    guarded: ModelGuard | None = None
 
 
 def is_sequential(algorithm: Any) -> bool:
@@ -215,22 +221,42 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
 
 
 def install_collectors(
-    gm: GraphModule, state: Any, algorithms: Sequence[Any], nonfinite: str = "error"
+    gm: GraphModule, state: Any, algorithms: Sequence[Any], nonfinite: str = "error", guard: bool = True
 ) -> AlgorithmRun:
-    """Ask each algorithm for a collector per weight site and tap the layers' inputs for them."""
-    run = AlgorithmRun(list(algorithms), nonfinite=nonfinite)
+    """Ask each algorithm for a collector per weight site and tap the layers' inputs for them.
+
+    The program's inputs are tapped too (an :class:`InputStore`) when convert will re-run stored
+    batches: for sequential layer inputs, or for the guard (:mod:`quantplug.algorithms.guard`)
+    when some algorithm chooses weights.
+    """
+    run = AlgorithmRun(list(algorithms), nonfinite=nonfinite, guard=guard)
     container = nn.Module()
     gm.add_module(TAPS, container)
     nodes = {n.name: n for n in gm.graph.nodes}
-    count = 0
+    planned: list[tuple[WeightSite, dict[int, Any]]] = []
     for ref in weight_sites(gm, state):
-        site = ref.site
         wanted: dict[int, Any] = {}
         for index, algorithm in enumerate(algorithms):
             hook = getattr(algorithm, "collector", None)
-            collector = hook(site) if callable(hook) else None
+            collector = hook(ref.site) if callable(hook) else None
             if collector is not None:
                 wanted[index] = collector
+        planned.append((ref.site, wanted))
+    sequential_layers = any(
+        site.input_index is not None and any(is_sequential(algorithms[i]) for i in wanted)
+        for site, wanted in planned
+    )
+    guarded = guard and bool(planned) and any(callable(getattr(a, "choose_weight", None)) for a in algorithms)
+    count = 0
+    if sequential_layers or guarded:  # batches kept for convert to re-run
+        run.inputs = InputStore() if sequential_layers else InputStore(GUARD_BATCHES, GUARD_BYTES)
+        container.add_module("inputs", run.inputs)
+        user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        with gm.graph.inserting_after(user_inputs[-1] if user_inputs else None):
+            store = gm.graph.call_module(f"{TAPS}.inputs", tuple(user_inputs))
+        store.meta["quantplug_algorithm_tap"] = "inputs"
+        count += 1
+    for site, wanted in planned:
         if not wanted:
             continue
         run.collectors[(site.name, site.group)] = wanted
@@ -239,18 +265,8 @@ def install_collectors(
             for i in wanted
             if not is_sequential(algorithms[i]) or getattr(algorithms[i], "float_inputs", False)
         ]
-        if site.input_index is None:
-            continue  # no layer input to see: the collectors give their empty result
-        if any(is_sequential(algorithms[i]) for i in wanted) and run.inputs is None:  # fed at convert
-            run.inputs = InputStore()
-            container.add_module("inputs", run.inputs)
-            user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            with gm.graph.inserting_after(user_inputs[-1] if user_inputs else None):
-                store = gm.graph.call_module(f"{TAPS}.inputs", tuple(user_inputs))
-            store.meta["quantplug_algorithm_tap"] = "inputs"
-            count += 1
-        if not fed:
-            continue
+        if site.input_index is None or not fed:
+            continue  # no layer input to see (the collectors give their empty result), or fed at convert
         consumer = nodes[site.node]
         name = f"t{count}"
         count += 1
@@ -361,7 +377,8 @@ def choose_weights(
         else []
         for ref in refs
     ]
-    simulate = bool(batches) and any(wants)
+    judged = guard_batches(batches) if run.guard else []
+    simulate = bool(batches) and (any(wants) or bool(judged))
     order = (
         stages(list(prepared.graph.nodes), [ref.site.node for ref in refs])
         if simulate
@@ -372,6 +389,7 @@ def choose_weights(
         for ref, grid in zip(refs, grids):
             current[ref.site.name] = grid.dequantize(grid.quantize(ref.site.weight)).to(ref.site.weight.dtype)
     activation = _activation_encodings(state, qparams_of) if simulate else {}
+    guard = _model_guard(prepared, activation, judged, current) if judged else None
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
     for stage in order:
         fresh: dict[tuple[int, int], Any] = {}  # (site index, algorithm index) -> collector
@@ -409,11 +427,7 @@ def choose_weights(
             if found is None:
                 continue
             grid, codes, bias_delta = found
-            if grid is not grids[k]:
-                set_qparams(site.group, (grid.scale, grid.zero_point))
-            overrides.codes[(site.name, site.group)] = codes
-            if simulate:
-                current[site.name] = grid.dequantize(codes).to(site.weight.dtype)
+            corrected = None
             if bias_delta is not None:
                 if ref.bias_target is None or site.bias is None:
                     raise AlgorithmError(
@@ -421,11 +435,47 @@ def choose_weights(
                         f"({site.op}); export the model with bias=True or leave out the correcting algorithm"
                     )
                 corrected = site.bias + bias_delta.reshape(site.bias.shape).to(site.bias.dtype)
+            weight = grid.dequantize(codes).to(site.weight.dtype)
+            if guard is not None and (corrected is not None or not torch.equal(weight, current[site.name])):
+                trial = {**current, site.name: weight}
+                if corrected is not None and ref.bias_target is not None:
+                    trial[ref.bias_target] = corrected
+                if not guard.accepts(site.label, trial):
+                    continue  # round-to-nearest does better in this model: the default stays
+            if grid is not grids[k]:
+                set_qparams(site.group, (grid.scale, grid.zero_point))
+            overrides.codes[(site.name, site.group)] = codes
+            if simulate:
+                current[site.name] = weight
+            if corrected is not None and ref.bias_target is not None:
                 overrides.biases[ref.bias_target] = corrected
                 if simulate:
                     current[ref.bias_target] = corrected
     warn_ignored(ignored)
+    if guard is not None:
+        guard.report()
+    run.guarded = guard
     return overrides
+
+
+def _model_guard(
+    prepared: GraphModule,
+    activation: dict[int, tuple[Any, tuple[Any, Any] | None]],
+    batches: Sequence[tuple[Any, ...]],
+    weights: dict[str, torch.Tensor],
+) -> ModelGuard:
+    """The guard over ``batches``: float outputs as reference, started at ``weights`` (the default)."""
+    from quantplug.flow.prepare import OBSERVERS
+
+    def outputs(
+        encodings: dict[int, tuple[Any, tuple[Any, Any] | None]], replaced: dict[str, torch.Tensor]
+    ) -> list[list[torch.Tensor]]:
+        simulation = QuantizedSimulation(prepared, OBSERVERS, encodings, replaced, {}, is_tap)
+        return [output_tensors(simulation.outputs(batch)) for batch in batches]
+
+    guard = ModelGuard(lambda replaced: outputs(activation, dict(replaced)), outputs({}, {}))
+    guard.start(weights)
+    return guard
 
 
 def warn_ignored(ignored: dict[str, int]) -> None:

@@ -59,6 +59,14 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
         metavar="[NAME.]KEY=VALUE",
         help="an algorithm's option, repeatable (NAME. may be left out with a single --algorithm)",
     )
+    p.add_argument(
+        "--no-algorithm-guard",
+        dest="algorithm_guard",
+        action="store_false",
+        help="keep every weight choice of the algorithms, even where the model's output on the first "
+        "calibration batches is worse than with round-to-nearest (by default such a layer keeps "
+        "round-to-nearest)",
+    )
 
 
 def run(args: argparse.Namespace, console: Any) -> int:

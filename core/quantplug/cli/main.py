@@ -262,6 +262,21 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
 TRANSFORM_BATCHES = 128
 
 
+def _guard_verdict(prepared: Any, on: bool, console: Any) -> str:
+    """What the algorithm guard did at convert, for the report (and the console when it kept a
+    default: the user asked for an algorithm that some layer does not get)."""
+    from quantplug.algorithms.runtime import RUN_KEY
+
+    if not on:
+        return "off (--no-algorithm-guard)"
+    guard = getattr(prepared.meta.get(RUN_KEY), "guarded", None)
+    if guard is None:
+        return "on (no weight choice to judge)"
+    if guard.kept_out:
+        console.info("algorithm guard: " + guard.summary())
+    return "on: " + guard.summary()
+
+
 def _transform_batches(data: Any, group: Any) -> list[Any]:
     """The batches the algorithms' float-program transforms (SmoothQuant, CLE) see: the first
     :data:`TRANSFORM_BATCHES` of the whole data, read by rank 0 and sent to the others, so every
@@ -449,6 +464,7 @@ def _quantize_into(
         nonfinite=args.nonfinite,
         algorithms=args.algorithms or None,
         calibration=_transform_batches(data, group) if args.algorithms else None,
+        algorithm_guard=args.algorithm_guard,
     )
     if group is not None and args.algorithms:
         from quantplug.algorithms.merge import check_mergeable
@@ -475,6 +491,8 @@ def _quantize_into(
     t = lap("calibrate", t)
     quantized = quantplug.convert(prepared)
     t = lap("convert", t)
+    if args.algorithms:
+        options["algorithm_guard"] = _guard_verdict(prepared, args.algorithm_guard, console)
 
     artifact = None  # measured beside the program by compare() when the backend can run it
     bar = console.progress("lowering", 0, "steps", done_label="lowered")

@@ -154,6 +154,7 @@ def prepare(
     nonfinite: str = "error",
     algorithms: Sequence[Any] | None = None,
     calibration: Sequence[Any] | None = None,
+    algorithm_guard: bool = True,
 ) -> GraphModule:
     """Annotate ``program`` with ``quantizer`` and insert observers (or fake-quants if ``qat``).
 
@@ -176,6 +177,10 @@ def prepare(
             :class:`~quantplug.errors.UnknownAlgorithmError`.
         calibration: batches (tuples of the program's inputs) for algorithms that need data
             before annotation (SmoothQuant); calibrating the result is still the caller's loop.
+        algorithm_guard: at convert, keep each layer's weight choice only where the quantized
+            model's output error on the first calibration batches is no larger than with that
+            layer rounded to nearest (:mod:`quantplug.algorithms.guard`), so algorithms never make
+            the model worse than the default on those batches; ``False`` keeps every choice.
 
     Returns:
         A GraphModule to calibrate (or train) and pass to :func:`quantplug.convert`.
@@ -191,7 +196,13 @@ def prepare(
     chosen = resolve_algorithms(algorithms)  # issue 15: names -> configured objects, before any work
     with paused_gc():
         return _prepare(
-            program, quantizer, qat=qat, nonfinite=nonfinite, algorithms=chosen, calibration=calibration
+            program,
+            quantizer,
+            qat=qat,
+            nonfinite=nonfinite,
+            algorithms=chosen,
+            calibration=calibration,
+            algorithm_guard=algorithm_guard,
         )
 
 
@@ -241,6 +252,7 @@ def _prepare(
     nonfinite: str,
     algorithms: list[Any],
     calibration: Sequence[Any] | None,
+    algorithm_guard: bool,
 ) -> GraphModule:
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
     for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
@@ -280,7 +292,7 @@ def _prepare(
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
-        gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite)
+        gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite, algorithm_guard)
     _as_prepared_module(gm)
     compile_now(gm)
     gm.meta[STATE_KEY] = state

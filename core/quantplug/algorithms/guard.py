@@ -1,0 +1,158 @@
+"""The algorithm guard: an algorithm's weight choice is kept only where the model does no worse.
+
+Every weight algorithm optimises a proxy: one layer's output error on the inputs it collected. A
+proxy can disagree with the model: AdaRound's choice for the random CNN's classifier lowers that
+layer's error and costs the model 1.4 dB, because the quantized model feeds the classifier inputs
+carrying the upstream layers' error; SeqMSE on the same CNN at 8-bit per-tensor weights lowers a
+conv's error and loses 1.2 dB at the output, because the global average pool weighs an error's mean
+far more than its noise (``docs/weight-algorithms.md``). No per-layer objective sees either.
+
+So at convert, with the guard on (the default; ``prepare(..., algorithm_guard=False)`` turns it
+off), each weight site's choice (codes, encoding and bias correction of every algorithm together)
+is tried in the simulation of the quantized model (:class:`~quantplug.algorithms.sequential.
+QuantizedSimulation`: activations fake-quantized with their calibrated encodings, every weight as
+chosen so far) on the first stored calibration batches, and kept only if the model's output error
+against float (:func:`relative_error`) is no larger than with the site at round-to-nearest. Sites
+are decided in stage order (upstream first), each against the model as decided so far, so the
+error on those batches never rises from one decision to the next: **the converted model is never
+worse than the default on the guard's batches**, by construction, whatever the algorithms do.
+
+Cost: one simulated forward pass over at most :data:`GUARD_BATCHES` batches (:data:`GUARD_BYTES`
+bytes) per weight site an algorithm changed, plus two (float and round-to-nearest) once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+logger = logging.getLogger("quantplug.algorithms")
+
+#: at most this many of the stored calibration batches judge the choices ...
+GUARD_BATCHES = 8
+#: ... and at most this many bytes of them (the first batch always)
+GUARD_BYTES = 32 * 2**20
+
+#: the outputs of one batch: every floating-point tensor of the model's output, in pytree order
+Outputs = list[torch.Tensor]
+
+
+def output_tensors(value: Any) -> Outputs:
+    """The floating-point tensors of a model output (any nesting of tuples, lists, dicts)."""
+    return [
+        t.detach().to(torch.float64)
+        for t in pytree.tree_leaves(value)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+
+
+def relative_error(reference: Sequence[Outputs], outputs: Sequence[Outputs]) -> float:
+    """``sum over outputs of |q - f|^2 / |f|^2``, each sum over every batch.
+
+    Each output counts relative to its own energy, so a small output (an LSTM's cell state beside
+    its sequence) is not drowned by a large one. Positions where the float output is not finite
+    (masked logits) are left out; a finite float value the quantized model turns into NaN or inf
+    makes the error infinite. An all-zero float output counts its absolute error.
+    """
+    if len(reference) != len(outputs):
+        raise ValueError(f"{len(outputs)} batches of outputs for {len(reference)} reference batches")
+    errors: list[float] = []
+    energies: list[float] = []
+    for ref_batch, out_batch in zip(reference, outputs):
+        if len(ref_batch) != len(out_batch):
+            raise ValueError(f"{len(out_batch)} outputs for {len(ref_batch)} reference outputs")
+        for index, (ref, out) in enumerate(zip(ref_batch, out_batch)):
+            if index == len(errors):
+                errors.append(0.0)
+                energies.append(0.0)
+            finite = torch.isfinite(ref)
+            if not bool(torch.isfinite(out[finite]).all()):
+                return float("inf")
+            diff = out[finite] - ref[finite]
+            errors[index] += float((diff * diff).sum())
+            energies[index] += float((ref[finite] * ref[finite]).sum())
+    return sum(e / n if n > 0 else e for e, n in zip(errors, energies))
+
+
+def guard_batches(
+    batches: Sequence[tuple[Any, ...]], max_batches: int = GUARD_BATCHES, max_bytes: int = GUARD_BYTES
+) -> list[tuple[Any, ...]]:
+    """The first stored batches within the caps (the first one always, however large)."""
+    from quantplug.algorithms.sequential import batch_bytes
+
+    chosen: list[tuple[Any, ...]] = []
+    total = 0
+    for batch in batches[:max_batches]:
+        size = batch_bytes(batch)
+        if chosen and total + size > max_bytes:
+            break
+        chosen.append(batch)
+        total += size
+    return chosen
+
+
+@dataclass
+class ModelGuard:
+    """Judges weight choices by the model's output error on a few calibration batches.
+
+    ``evaluate(weights)`` runs the quantized simulation with ``weights`` (get_attr target ->
+    tensor, what the simulation reads instead of each float weight and bias) and returns each
+    batch's :func:`output_tensors`; ``reference`` is the float model's.
+    """
+
+    evaluate: Callable[[Mapping[str, torch.Tensor]], list[Outputs]]
+    reference: list[Outputs]
+    #: the error of the model as decided so far (set by :meth:`start`)
+    error: float = float("inf")
+    #: sites whose choice was left out: ``(weight label, error with it, error without it)``
+    kept_out: list[tuple[str, float, float]] = field(default_factory=list)
+    #: sites whose choice was tried
+    tried: int = 0
+
+    def start(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """The error of the default (every weight rounded to nearest, no correction)."""
+        self.error = relative_error(self.reference, self.evaluate(weights))
+
+    def accepts(self, label: str, weights: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the model with ``weights`` (the current ones with one site's choice in) does no
+        worse than the model as decided so far; if so it becomes the model decided so far."""
+        self.tried += 1
+        found = relative_error(self.reference, self.evaluate(weights))
+        if found <= self.error:
+            self.error = found
+            return True
+        self.kept_out.append((label, found, self.error))
+        return False
+
+    def summary(self) -> str:
+        """The verdicts in one line (the CLI's report shows it beside the algorithms)."""
+        if not self.kept_out:
+            return f"every choice kept ({self.tried} weight(s) changed by the algorithms)"
+        shown = ", ".join(
+            f"{label} ({_db(worse, better):+.2f} dB)" for label, worse, better in self.kept_out[:5]
+        )
+        more = f" and {len(self.kept_out) - 5} more" if len(self.kept_out) > 5 else ""
+        return (
+            f"round-to-nearest kept at {len(self.kept_out)} of {self.tried} weight(s), where the "
+            f"algorithms' choice lowered the model's output SQNR on the calibration batches: {shown}{more}"
+        )
+
+    def report(self) -> None:
+        """One log line naming the weights where the default was kept (with what their choice cost)."""
+        if self.kept_out:
+            logger.info("algorithm guard: %s", self.summary())
+
+
+def _db(worse: float, better: float) -> float:
+    """The SQNR change (dB) from error ``better`` to error ``worse`` (negative: a loss)."""
+    if worse == float("inf"):
+        return float("-inf")
+    if better <= 0 or worse <= 0:
+        return 0.0
+    return 10 * math.log10(better / worse)

@@ -1,0 +1,253 @@
+"""The algorithm guard (``quantplug.algorithms.guard``): at convert, a layer keeps an algorithm's
+weight choice only where the quantized model's output on the first calibration batches is no worse
+than with that layer rounded to nearest; so algorithms never make the model worse than the default
+on those batches, whatever they choose."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import quantplug
+from quantplug.algorithms.guard import ModelGuard, relative_error
+from quantplug.algorithms.runtime import RUN_KEY
+from quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
+
+BATCH = 8
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        with torch.no_grad():
+            for layer in (self.fc1, self.fc2, self.fc3):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.3)
+                layer.bias.copy_(torch.randn(layer.bias.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class Shift(quantplug.Algorithm):
+    """Moves the codes of the named layers' weights ``step`` grid points (clipped) and adds
+    ``bias`` to their biases: a choice no model wants."""
+
+    name = "shift"
+
+    def __init__(self, layers: set[str], step: int = 1, bias: float = 0.0, scale: float = 1.0) -> None:
+        self.layers = layers
+        self.step = step
+        self.bias = bias
+        self.scale = scale
+
+    def choose_weight(
+        self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
+    ) -> WeightChoice | None:
+        if site.name not in self.layers:
+            return None
+        delta = torch.full((site.weight.shape[0],), self.bias) if self.bias else None
+        if self.scale != 1.0:  # a coarser encoding (its codes: the weight rounded on it)
+            return WeightChoice(scale=grid.scale * self.scale, bias_delta=delta)
+        moved = torch.clamp(codes + self.step, grid.quant_min, grid.quant_max)
+        return WeightChoice(codes=moved, bias_delta=delta)
+
+
+class Perturb(quantplug.Algorithm):
+    """Moves a random tenth of every weight's codes one step either way and may add a random bias
+    offset (seeded): some choices help the model by chance, most hurt it."""
+
+    name = "perturb"
+
+    def __init__(self, seed: int, bias: float) -> None:
+        self.seed = seed
+        self.bias = bias
+
+    def choose_weight(
+        self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
+    ) -> WeightChoice | None:
+        g = torch.Generator().manual_seed(self.seed + len(site.name))
+        where = torch.rand(codes.shape, generator=g) < 0.1
+        step = torch.randint(0, 2, codes.shape, generator=g) * 2 - 1
+        moved = torch.clamp(codes + where * step, grid.quant_min, grid.quant_max)
+        delta = torch.randn(site.weight.shape[0], generator=g) * self.bias if self.bias else None
+        return WeightChoice(codes=moved, bias_delta=delta)
+
+
+def data() -> torch.Tensor:
+    return torch.randn(8 * BATCH, 16, generator=torch.Generator().manual_seed(1))
+
+
+def convert(
+    algorithms: list[Any], guard: bool = True, preset: str = "int8", x: torch.Tensor | None = None
+) -> tuple[Any, Any]:
+    """The converted MLP (reference backend, calibrated on ``x`` in batches of 8) and its prepared module."""
+    x = data() if x is None else x
+    ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("reference", preset=preset)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms or None, algorithm_guard=guard)
+    for i in range(0, len(x), BATCH):
+        prepared(x[i : i + BATCH])
+    return quantplug.convert(prepared), prepared
+
+
+def outputs(converted: Any, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([converted(x[i : i + BATCH]) for i in range(0, len(x), BATCH)])
+
+
+def calibration_error(converted: Any, x: torch.Tensor) -> float:
+    """The guard's measure (sum of relative squared errors) of ``converted`` on all of ``x``."""
+    with torch.no_grad():
+        ref = Mlp().eval()(x).to(torch.float64)
+    return relative_error([[ref]], [[outputs(converted, x).to(torch.float64)]])
+
+
+def test_a_choice_that_worsens_the_model_is_not_kept(caplog: pytest.LogCaptureFixture) -> None:
+    x = data()
+    default, _ = convert([])
+    with caplog.at_level(logging.INFO, logger="quantplug.algorithms"):
+        guarded, prepared = convert([Shift({"fc2.weight"})])
+    assert torch.equal(outputs(guarded, x), outputs(default, x))  # the default, bit for bit
+    verdicts = prepared.meta[RUN_KEY].guarded
+    assert [label for label, _, _ in verdicts.kept_out] == ["fc2.weight"] and verdicts.tried == 1
+    assert "round-to-nearest kept at 1 of 1 weight(s)" in caplog.text and "fc2.weight (-" in caplog.text
+    unguarded, _ = convert([Shift({"fc2.weight"})], guard=False)
+    assert calibration_error(unguarded, x) > 2 * calibration_error(default, x)  # what the guard prevents
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [Shift({"fc1.weight"}, step=0, bias=0.5), Shift({"fc1.weight"}, scale=4.0)],
+    ids=["bias correction", "encoding"],
+)
+def test_a_harmful_bias_correction_or_encoding_is_not_kept(choice: Shift) -> None:
+    x = data()
+    default, _ = convert([])
+    guarded, prepared = convert([choice])
+    assert torch.equal(outputs(guarded, x), outputs(default, x))
+    assert guarded.meta["quantplug_qparams"].keys() == default.meta["quantplug_qparams"].keys()
+    for key, qp in default.meta["quantplug_qparams"].items():  # the default's encodings, bias's too
+        got = guarded.meta["quantplug_qparams"][key].scale
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(qp.scale))
+    assert [label for label, _, _ in prepared.meta[RUN_KEY].guarded.kept_out] == ["fc1.weight"]
+
+
+def test_choices_that_help_are_kept_layer_by_layer() -> None:
+    """GPTQ helps every layer of the MLP at 4-bit weights; shifting fc3's codes after it does not:
+    fc1 and fc2 keep GPTQ's codes, fc3 its default (not GPTQ's: the combination is judged)."""
+    x = data()
+    preset = "weight_only_int4"
+    alone, alone_prepared = convert(["gptq"], preset=preset)
+    assert alone_prepared.meta[RUN_KEY].guarded.kept_out == []
+    unguarded, _ = convert(["gptq"], guard=False, preset=preset)
+    assert torch.equal(outputs(alone, x), outputs(unguarded, x))  # nothing to refuse: the same program
+    default, _ = convert([], preset=preset)
+    assert calibration_error(alone, x) < calibration_error(default, x)
+
+    mixed, prepared = convert(["gptq", Shift({"fc3.weight"}, step=3)], preset=preset)
+    assert [label for label, _, _ in prepared.meta[RUN_KEY].guarded.kept_out] == ["fc3.weight"]
+    got = dict(mixed.named_buffers()) | dict(mixed.named_parameters())
+    from_gptq = dict(alone.named_buffers()) | dict(alone.named_parameters())
+    from_default = dict(default.named_buffers()) | dict(default.named_parameters())
+    fc3 = [name for name in got if got[name].dim() == 2 and got[name].shape == (8, 32)]
+    assert fc3 and all(torch.equal(got[n], from_default[n]) for n in fc3)
+    others = [n for n in got if got[n].dim() == 2 and n not in fc3]
+    assert others and all(torch.equal(got[n], from_gptq[n]) for n in others)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.05]))
+def test_the_guarded_model_is_never_worse_than_the_default_on_its_batches(seed: int, bias: float) -> None:
+    """Whatever the algorithm chooses: the error of the converted program on the calibration
+    batches (all of which the guard saw here) is at most the default's; unguarded, it is not."""
+    x = data()
+    default, _ = convert([])
+    guarded, prepared = convert([Perturb(seed, bias)])
+    verdicts = prepared.meta[RUN_KEY].guarded
+    assert verdicts.tried == 3
+    # the simulation leaves out the biases' int32 rounding, which the converted program has
+    assert calibration_error(guarded, x) <= calibration_error(default, x) * (1 + 1e-4)
+    unguarded, _ = convert([Perturb(seed, bias)], guard=False)
+    if verdicts.kept_out:  # the guard refused something: what it refused made the model worse
+        assert calibration_error(unguarded, x) > calibration_error(guarded, x)
+
+
+def test_without_stored_batches_nothing_is_judged() -> None:
+    """A prepared module never calibrated has no batches to judge on: choices are kept as made."""
+    x = data()
+    ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("reference", preset="int8")
+    prepared = quantplug.prepare(ep, quantizer, algorithms=[Shift({"fc2.weight"})])
+    prepared.meta[RUN_KEY].inputs.batches.clear()
+    for i in range(0, len(x), BATCH):  # observers calibrated, the store emptied afterwards
+        prepared(x[i : i + BATCH])
+    prepared.meta[RUN_KEY].inputs.batches.clear()
+    quantplug.convert(prepared)
+    assert prepared.meta[RUN_KEY].guarded is None
+
+
+# -- the measure --------------------------------------------------------------------------------
+
+
+def test_relative_error_weighs_each_output_by_its_own_energy() -> None:
+    big, small = torch.full((4,), 100.0, dtype=torch.float64), torch.full((4,), 0.01, dtype=torch.float64)
+    ref = [[big, small]]
+    assert relative_error(ref, [[big * 1.1, small]]) == pytest.approx(0.01)
+    assert relative_error(ref, [[big, small * 1.1]]) == pytest.approx(0.01)  # not drowned by `big`
+
+
+def test_relative_error_leaves_out_what_float_does_not_compute_and_refuses_what_quantized_breaks() -> None:
+    ref = torch.tensor([1.0, -math.inf, 2.0, math.nan], dtype=torch.float64)
+    same_where_finite = torch.tensor([1.0, 0.0, 2.0, 5.0], dtype=torch.float64)
+    assert relative_error([[ref]], [[same_where_finite]]) == 0.0
+    broken = torch.tensor([1.0, 0.0, math.nan, 0.0], dtype=torch.float64)
+    assert relative_error([[ref]], [[broken]]) == math.inf
+
+
+finite_vectors = st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=16)
+
+
+@given(finite_vectors, st.floats(1e-3, 1e3), st.integers(0, 2**31 - 1))
+def test_relative_error_is_zero_only_for_the_reference_and_scale_free(
+    values: list[float], scale: float, seed: int
+) -> None:
+    ref = torch.tensor(values, dtype=torch.float64)
+    assume(bool(ref.abs().max() > 1e-3))  # an all-zero output counts its absolute error
+    noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    assert relative_error([[ref]], [[ref.clone()]]) == 0.0
+    error = relative_error([[ref]], [[ref + noise]])
+    assert error > 0
+    assert relative_error([[ref * scale]], [[(ref + noise) * scale]]) == pytest.approx(error, rel=1e-9)
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=20), st.floats(0, 10))
+def test_the_guard_only_ever_lowers_the_error_it_started_from(candidates: list[float], start: float) -> None:
+    """Each accepted choice becomes the model judged next: the error never rises, and every refused
+    candidate was worse than the model at that moment."""
+    outcome = iter([start, *candidates])
+    ref = [[torch.ones(1, dtype=torch.float64)]]
+
+    def evaluate(_: Any) -> list[list[torch.Tensor]]:
+        return [[torch.ones(1, dtype=torch.float64) + math.sqrt(next(outcome))]]
+
+    guard = ModelGuard(evaluate, ref)
+    guard.start({})
+    history = [guard.error]
+    for i in range(len(candidates)):
+        guard.accepts(f"w{i}", {})
+        history.append(guard.error)
+    assert all(b <= a for a, b in itertools.pairwise(history))
+    assert guard.error == pytest.approx(min([start, *candidates]), rel=1e-9)
+    for _, worse, better in guard.kept_out:
+        assert worse > better
