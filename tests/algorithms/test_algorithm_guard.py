@@ -18,9 +18,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
+from quantplug.algorithms.cle import find_pairs
 from quantplug.algorithms.guard import ModelGuard, relative_error
 from quantplug.algorithms.runtime import RUN_KEY
-from quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
+from quantplug.algorithms.spec import TransformContext, WeightChoice, WeightGrid, WeightSite
+from quantplug.flow.inspect import fetch_attr
+from tests.algorithms.test_transforms import ConvNet, unbalanced_convnet
 
 BATCH = 8
 
@@ -251,3 +254,68 @@ def test_the_guard_only_ever_lowers_the_error_it_started_from(candidates: list[f
     assert guard.error == pytest.approx(min([start, *candidates]), rel=1e-9)
     for _, worse, better in guard.kept_out:
         assert worse > better
+
+
+# -- transforms of the float program ----------------------------------------------------------------
+
+
+class Unbalance(quantplug.Algorithm):
+    """Divides output channel 0 of the first equalizable layer by 1000 and multiplies the next
+    layer's channel 0 by it: the same float function (through the ReLU), a per-tensor grid of the
+    second layer spent on one channel."""
+
+    name = "unbalance"
+
+    def transform_program(self, gm: torch.fx.GraphModule, context: TransformContext) -> None:
+        pair = find_pairs(gm)[0]  # c1 -> relu -> c2 (depthwise: its channels along dim 0 too)
+        first_w, first_b = (str(a.target) for a in pair.first.args[1:3])
+        second_w = str(pair.second.args[1].target)
+        s = torch.ones(fetch_attr(gm, first_w).shape[0])
+        s[0] = 1000.0
+        context.set_constant(gm, first_w, fetch_attr(gm, first_w) / s.reshape(-1, 1, 1, 1))
+        context.set_constant(gm, first_b, fetch_attr(gm, first_b) / s)
+        context.set_constant(gm, second_w, fetch_attr(gm, second_w) * s.reshape(-1, 1, 1, 1))
+
+
+def convnet_outputs(
+    algorithms: list[Any], guard: bool = True, model: nn.Module | None = None
+) -> tuple[torch.Tensor, Any]:
+    """The converted ConvNet's output on its calibration data (int8 per-tensor weights) and the
+    prepared module."""
+    model = ConvNet().eval() if model is None else model
+    x = torch.randn(32, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    batches = [(x[i : i + 8],) for i in range(0, 32, 8)]
+    ep = torch.export.export(model, batches[0])
+    quantizer = quantplug.get_quantizer("reference", preset="int8_per_tensor")
+    prepared = quantplug.prepare(
+        ep, quantizer, algorithms=algorithms or None, calibration=batches, algorithm_guard=guard
+    )
+    with torch.no_grad():
+        for b in batches:
+            prepared(*b)
+        return quantplug.convert(prepared)(x), prepared
+
+
+def test_a_transform_that_worsens_the_quantized_model_is_undone(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    with torch.no_grad():
+        x = torch.randn(32, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+        ref = model(x)
+    default, _ = convnet_outputs([], model=model)
+    with caplog.at_level(logging.INFO, logger="quantplug.algorithms"):
+        guarded, prepared = convnet_outputs([Unbalance()], model=model)
+    assert torch.equal(guarded, default)  # the program as it was: the default, bit for bit
+    assert [name for name, _, _ in prepared.meta[RUN_KEY].undone] == ["unbalance"]
+    assert "algorithm guard: unbalance undone" in caplog.text
+    unguarded, _ = convnet_outputs([Unbalance()], guard=False, model=model)
+    assert (unguarded - ref).pow(2).sum() > 2 * (default - ref).pow(2).sum()  # what the guard prevents
+
+
+def test_a_transform_that_helps_is_kept() -> None:
+    """CLE on channels spread over three decades, at per-tensor weights (+10 dB: test_transforms)."""
+    model = unbalanced_convnet()
+    guarded, prepared = convnet_outputs(["cle"], model=model)
+    assert prepared.meta[RUN_KEY].undone == []
+    unguarded, _ = convnet_outputs(["cle"], guard=False, model=model)
+    assert torch.equal(guarded, unguarded)

@@ -19,10 +19,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule, Interpreter, Node
 
 from quantplug.algorithms.finite_inputs import finite_samples
-from quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES, ModelGuard, guard_batches, output_tensors
+from quantplug.algorithms.guard import (
+    GUARD_BATCHES,
+    GUARD_BYTES,
+    ModelGuard,
+    decibels,
+    guard_batches,
+    output_tensors,
+    quantized_error,
+)
 from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.algorithms.weight_layers import LayerHessian
@@ -60,26 +68,83 @@ def run_transforms(
     calibration: Sequence[Any] | None,
     in_spec: Any = None,
     quantizer: Any = None,
-) -> GraphModule:
+    guard: bool = False,
+    nonfinite: str = "error",
+) -> tuple[GraphModule, list[tuple[str, float, float]]]:
     """Every algorithm's ``transform_program``, in order, on the float working copy.
 
     ``calibration`` batches come as the user gives them to the prepared module (a tuple, a dict of
-    keyword inputs, one tensor); the transforms see them as the program's flat inputs.
+    keyword inputs, one tensor); the transforms see them as the program's flat inputs. With
+    ``guard`` (and calibration batches), a transform whose quantized model does worse on the first
+    batches than without it is undone (:func:`quantplug.algorithms.guard.quantized_error`); those
+    come back as ``(algorithm, error with it, error without it)``.
     """
     if calibration is not None:
         from quantplug.flow.calls import Call
 
         calibration = [tuple(Call.of(b).flat(in_spec)) for b in calibration]
+    judged = guard_batches(calibration) if guard and calibration and quantizer is not None else []
+    reference: list[list[torch.Tensor]] = []
+    if judged:
+        with torch.no_grad():
+            reference = [output_tensors(Interpreter(gm).run(*batch)) for batch in judged]
+    error: float | None = None  # the quantized error of the program as transformed so far
+    left_out: list[tuple[str, float, float]] = []
     for algorithm in algorithms:
         hook = getattr(algorithm, "transform_program", None)
         if not callable(hook):
             continue
-        result = hook(gm, TransformContext(algorithm_name(algorithm), calibration, quantizer))
+        name = algorithm_name(algorithm)
+        before = _constants(gm) if judged else {}
+        code = gm.code
+        result = hook(gm, TransformContext(name, calibration, quantizer))
         if isinstance(result, GraphModule):
             gm = result
         gm.graph.lint()
         gm.recompile()
-    return gm
+        now = _constants(gm) if judged else {}
+        changed = {t: v for t, v in before.items() if now.get(t) is not v}  # target -> the old tensor
+        if not changed or gm.code != code:
+            continue  # nothing to judge, or a rewritten graph (kept as it is)
+        if error is None:  # the program before this transform, quantized (later: the last kept one)
+            for target, value in changed.items():
+                _replace(gm, target, value)
+            error = quantized_error(gm, quantizer, judged, reference, nonfinite)
+            for target in changed:
+                _replace(gm, target, now[target])
+        found = quantized_error(gm, quantizer, judged, reference, nonfinite)
+        if found <= error:
+            error = found
+            continue
+        for target, value in changed.items():  # undone: the program as it was before
+            _replace(gm, target, value)
+        left_out.append((name, found, error))
+        logger.info(
+            "algorithm guard: %s undone: it lowered the quantized model's output SQNR on the "
+            "calibration batches by %.2f dB",
+            name,
+            -decibels(found, error),
+        )
+    return gm, left_out
+
+
+def _constants(gm: GraphModule) -> dict[str, Any]:
+    """Every tensor the program reads through get_attr, by target (the objects, not copies)."""
+    return {str(n.target): fetch_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+
+
+def _replace(gm: GraphModule, target: str, value: torch.Tensor) -> torch.Tensor:
+    """Put ``value`` at ``target`` (the very object); returns what was there."""
+    owner_path, _, attr = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    old = getattr(owner, attr)
+    if attr in owner._parameters:
+        owner._parameters[attr] = value  # type: ignore[assignment]
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        setattr(owner, attr, value)
+    return old
 
 
 class Tap(nn.Module):
@@ -129,6 +194,8 @@ class AlgorithmRun:
     guard: bool = True
     #: the guard's verdicts at the last convert (None: no guard ran)
     guarded: ModelGuard | None = None
+    #: transforms the guard undid at prepare: ``(algorithm, error with it, error without it)``
+    undone: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 def is_sequential(algorithm: Any) -> bool:

@@ -265,16 +265,23 @@ TRANSFORM_BATCHES = 128
 def _guard_verdict(prepared: Any, on: bool, console: Any) -> str:
     """What the algorithm guard did at convert, for the report (and the console when it kept a
     default: the user asked for an algorithm that some layer does not get)."""
+    from quantplug.algorithms.guard import decibels
     from quantplug.algorithms.runtime import RUN_KEY
 
     if not on:
         return "off (--no-algorithm-guard)"
-    guard = getattr(prepared.meta.get(RUN_KEY), "guarded", None)
-    if guard is None:
-        return "on (no weight choice to judge)"
-    if guard.kept_out:
-        console.info("algorithm guard: " + guard.summary())
-    return "on: " + guard.summary()
+    run = prepared.meta.get(RUN_KEY)
+    guard = getattr(run, "guarded", None)
+    undone = [
+        f"{name} undone ({decibels(worse, better):+.2f} dB)"
+        for name, worse, better in getattr(run, "undone", [])
+    ]
+    verdicts = [*undone, *([guard.summary()] if guard is not None else [])]
+    if not verdicts:
+        return "on (nothing to judge)"
+    if undone or (guard is not None and guard.kept_out):
+        console.info("algorithm guard: " + "; ".join(verdicts))
+    return "on: " + "; ".join(verdicts)
 
 
 def _transform_batches(data: Any, group: Any) -> list[Any]:

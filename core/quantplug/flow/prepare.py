@@ -265,7 +265,15 @@ def _prepare(
     if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
         materialize_computed_weights(gm)
     if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
-        gm = run_transforms(gm, algorithms, calibration, in_spec_of(program), quantizer)
+        gm, undone = run_transforms(
+            gm,
+            algorithms,
+            calibration,
+            in_spec_of(program),
+            quantizer,
+            guard=algorithm_guard and not qat,  # a QAT model is trained after: nothing to judge now
+            nonfinite=nonfinite,
+        )
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
         gm = transformed
@@ -293,6 +301,7 @@ def _prepare(
     _insert_observer_nodes(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
         gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite, algorithm_guard)
+        gm.meta[ALGORITHMS_KEY].undone = undone
     _as_prepared_module(gm)
     compile_now(gm)
     gm.meta[STATE_KEY] = state
