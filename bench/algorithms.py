@@ -90,10 +90,15 @@ def run_once(
     calibration: list[tuple[torch.Tensor, ...]],
     measure: list[tuple[torch.Tensor, ...]],
     refs: list[torch.Tensor],
+    guard: bool = True,
 ) -> dict[str, Any]:
+    """One prepare-calibrate-convert; ``guard``: ``prepare(algorithm_guard=...)`` (the studies of one
+    algorithm against another turn it off: they measure what each algorithm chooses)."""
     quantizer = quantplug.get_quantizer(backend, **options)
     t0 = time.perf_counter()
-    prepared = quantplug.prepare(ep, quantizer, algorithms=list(algorithms) or None, calibration=calibration)
+    prepared = quantplug.prepare(
+        ep, quantizer, algorithms=list(algorithms) or None, calibration=calibration, algorithm_guard=guard
+    )
     t1 = time.perf_counter()
     with torch.no_grad():
         for batch in calibration:
@@ -120,10 +125,10 @@ def _attempt(
     log: Callable[[str], None],
 ) -> dict[str, Any] | None:
     """One run recorded in ``row`` (a failing algorithm is a row of the table, not the end of the bench)."""
-    name, config, ep, backend, extra, calibration, measure, refs = where
+    name, config, ep, backend, extra, calibration, measure, refs, guard = where
     label = "+".join(algs) or "default"
     try:
-        found = run_once(ep, backend, {**extra, **opts}, algs, calibration, measure, refs)
+        found = run_once(ep, backend, {**extra, **opts}, algs, calibration, measure, refs, guard)
     except Exception as exc:
         row["runs"][label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
         log(f"  {name} {config} {label}: FAILED {row['runs'][label]['error']}")
@@ -134,7 +139,7 @@ def _attempt(
 
 
 def bench_model(
-    name: str, algorithms: list[str], configs: list[str], log: Callable[[str], None]
+    name: str, algorithms: list[str], configs: list[str], log: Callable[[str], None], guard: bool = True
 ) -> dict[str, Any]:
     cased = case(name)
     ep, calibration, measure, refs = cased.program, cased.calibration, cased.measure, cased.refs
@@ -147,7 +152,7 @@ def bench_model(
         backend, options, eight = CONFIGS[config]
         extra = HTP if backend == "qnn_htp" else {}
         row: dict[str, Any] = {"runs": {}}
-        where = (name, config, ep, backend, extra, calibration, measure, refs)
+        where = (name, config, ep, backend, extra, calibration, measure, refs, guard)
         default = _attempt(row, where, (), options, log)
         row["w8"] = run_once(ep, backend, {**extra, **eight}, (), calibration, measure, refs)["sqnr"]
         if default is None:
@@ -251,6 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="algorithms to register in-process first (code not installed in this venv's metadata)",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--no-guard",
+        dest="guard",
+        action="store_false",
+        help="prepare(algorithm_guard=False): every choice of the algorithms kept, as they make it",
+    )
     parser.add_argument("--out", default=str(RESULTS / "algorithms.md"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -267,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for model in args.models:
         print(f"{model}:", flush=True)
-        results[model] = bench_model(model, algorithms, args.configs, lambda s: print(s, flush=True))
+        results[model] = bench_model(
+            model, algorithms, args.configs, lambda s: print(s, flush=True), args.guard
+        )
         out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))  # so far
     text = table(results, algorithms)
     elapsed = time.perf_counter() - started
@@ -276,7 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"`python -m bench.algorithms {' '.join(argv or [])}`".rstrip()
         + f" ({elapsed / 60:.1f} min, torch threads {args.threads}).\n"
         "SQNR on 4 held-out batches after calibrating on 8; 'best' over every single algorithm and "
-        "every combination tried; 'gap closed' = (best - default) / (8-bit weights - default).\n\n"
+        "every combination tried; 'gap closed' = (best - default) / (8-bit weights - default). "
+        + (
+            "The algorithm guard is on (the default: a layer keeps the algorithms' choice only where "
+            "the model does no worse on the calibration batches).\n\n"
+            if args.guard
+            else "Without the algorithm guard (`--no-guard`): every choice kept as made.\n\n"
+        )
     )
     out.write_text(header + text)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))

@@ -44,10 +44,12 @@ def bench(models: Sequence[str], configs: Sequence[str], sequential: bool | None
             backend, options, eight = CONFIGS[config]
             extra = HTP if backend == "qnn_htp" else {}
             opts = {**extra, **options}
-            run_once(ep, backend, opts, (), calibration, measure, refs)  # warm-up, not recorded
+            run_once(ep, backend, opts, (), calibration, measure, refs, False)  # warm-up, not recorded
             row: dict[str, Any] = {
-                "default": run_once(ep, backend, opts, (), calibration, measure, refs),
-                "w8": run_once(ep, backend, {**extra, **eight}, (), calibration, measure, refs)["sqnr"],
+                "default": run_once(ep, backend, opts, (), calibration, measure, refs, False),
+                "w8": run_once(ep, backend, {**extra, **eight}, (), calibration, measure, refs, False)[
+                    "sqnr"
+                ],
             }
             for algs in [(a,) for a in WEIGHT_ALGORITHMS] + list(COMBINATIONS):
                 label = "+".join(algs)
@@ -55,7 +57,7 @@ def bench(models: Sequence[str], configs: Sequence[str], sequential: bool | None
                     specs: list[Any] = [
                         a if sequential is None else (a, {"sequential": sequential}) for a in algs
                     ]
-                    row[label] = run_once(ep, backend, opts, specs, calibration, measure, refs)
+                    row[label] = run_once(ep, backend, opts, specs, calibration, measure, refs, False)
                 except Exception as exc:  # a row of the table, not the end of the bench
                     row[label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
                 got = row[label]

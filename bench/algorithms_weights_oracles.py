@@ -121,7 +121,8 @@ def ours(
 ) -> float:
     calibration, measure = batches[:8], batches[8:]
     ep = torch.export.export(model, (calibration[0],))
-    prepared = quantplug.prepare(ep, quantplug.get_quantizer(backend, **opts), algorithms=list(algs) or None)
+    quantizer = quantplug.get_quantizer(backend, **opts)  # unguarded: the algorithm's choices, as AIMET's
+    prepared = quantplug.prepare(ep, quantizer, algorithms=list(algs) or None, algorithm_guard=False)
     with torch.no_grad():
         for b in calibration:
             prepared(b)

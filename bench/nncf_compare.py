@@ -114,6 +114,7 @@ def quantplug_side(models: Sequence[str]) -> dict[str, Any]:
                 quantplug.get_quantizer("reference", preset="int8"),
                 algorithms=algorithms,
                 calibration=calibration,
+                algorithm_guard=False,  # the algorithm's own gain, as NNCF's (which has no guard)
             )
             with torch.no_grad():
                 for b in calibration:

@@ -68,9 +68,9 @@ def variants_table(models: Sequence[str], configs: Sequence[str]) -> dict[str, A
         for config in configs:
             backend, options, _ = CONFIGS[config]
             opts = {**(HTP if backend == "qnn_htp" else {}), **options}
-            row = {"default": run_once(ep, backend, opts, (), calibration, measure, refs)}
+            row = {"default": run_once(ep, backend, opts, (), calibration, measure, refs, False)}
             for label, spec in VARIANTS:
-                row[label] = run_once(ep, backend, opts, [spec], calibration, measure, refs)
+                row[label] = run_once(ep, backend, opts, [spec], calibration, measure, refs, False)
             results[f"{name} | {config}"] = row
             print(name, config, " ".join(f"{k}={v['sqnr']:.2f}" for k, v in row.items()), flush=True)
     return results

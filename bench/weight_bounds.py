@@ -104,7 +104,8 @@ def bounds(name: str, config: str) -> dict[str, Any]:
     backend, options, _ = CONFIGS[config]
     opts = {**(HTP if backend == "qnn_htp" else {}), **options}
     measure = LayerBounds()
-    prepared = quantplug.prepare(ep, quantplug.get_quantizer(backend, **opts), algorithms=[measure])
+    quantizer = quantplug.get_quantizer(backend, **opts)  # unguarded: it measures, it chooses nothing
+    prepared = quantplug.prepare(ep, quantizer, algorithms=[measure], algorithm_guard=False)
     with torch.no_grad():
         for batch in calibration:
             prepared(*batch)

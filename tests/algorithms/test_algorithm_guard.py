@@ -1,11 +1,10 @@
-"""The algorithm guard (``quantplug.algorithms.guard``): at convert, a layer keeps an algorithm's
-weight choice only where the quantized model's output on the first calibration batches is no worse
-than with that layer rounded to nearest; so algorithms never make the model worse than the default
-on those batches, whatever they choose."""
+"""The algorithm guard (``quantplug.algorithms.guard``): at convert it selects which layers keep the
+algorithms' weight choice by the quantized model's output on the first calibration batches, so the
+model is never worse than the default on those batches, whatever the algorithms choose; at prepare
+it undoes a transform whose quantized program does worse."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from typing import Any
@@ -19,7 +18,7 @@ from torch import nn
 
 import quantplug
 from quantplug.algorithms.cle import find_pairs
-from quantplug.algorithms.guard import ModelGuard, relative_error
+from quantplug.algorithms.guard import Candidate, ModelGuard, relative_error
 from quantplug.algorithms.runtime import RUN_KEY
 from quantplug.algorithms.spec import TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.flow.inspect import fetch_attr
@@ -234,26 +233,26 @@ def test_relative_error_is_zero_only_for_the_reference_and_scale_free(
     assert relative_error([[ref * scale]], [[(ref + noise) * scale]]) == pytest.approx(error, rel=1e-9)
 
 
-@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=20), st.floats(0, 10))
-def test_the_guard_only_ever_lowers_the_error_it_started_from(candidates: list[float], start: float) -> None:
-    """Each accepted choice becomes the model judged next: the error never rises, and every refused
-    candidate was worse than the model at that moment."""
-    outcome = iter([start, *candidates])
-    ref = [[torch.ones(1, dtype=torch.float64)]]
+@given(st.integers(1, 5).flatmap(lambda n: st.lists(st.floats(0, 10), min_size=2**n, max_size=2**n)))
+def test_the_selection_is_never_worse_than_the_default_nor_than_every_choice(errors: list[float]) -> None:
+    """Any interplay of the choices (``errors[mask]``: the model's error with the choices in
+    ``mask`` kept): the selection's error is at most the default's (nothing kept) and, unless the
+    default beats it, at most that of every choice kept; it is the error of what it keeps."""
+    n = len(errors).bit_length() - 1
+    candidates = [Candidate(f"w{i}", {f"w{i}": torch.ones(1)}, {f"w{i}": torch.zeros(1)}) for i in range(n)]
 
-    def evaluate(_: Any) -> list[list[torch.Tensor]]:
-        return [[torch.ones(1, dtype=torch.float64) + math.sqrt(next(outcome))]]
+    def evaluate(weights: Any) -> list[list[torch.Tensor]]:
+        mask = sum(1 << i for i in range(n) if bool(weights[f"w{i}"] == 1))
+        return [[torch.ones(1, dtype=torch.float64) + math.sqrt(errors[mask])]]
 
-    guard = ModelGuard(evaluate, ref)
-    guard.start({})
-    history = [guard.error]
-    for i in range(len(candidates)):
-        guard.accepts(f"w{i}", {})
-        history.append(guard.error)
-    assert all(b <= a for a, b in itertools.pairwise(history))
-    assert guard.error == pytest.approx(min([start, *candidates]), rel=1e-9)
-    for _, worse, better in guard.kept_out:
-        assert worse > better
+    guard = ModelGuard(evaluate, [[torch.ones(1, dtype=torch.float64)]])
+    keep = guard.select({f"w{i}": torch.zeros(1) for i in range(n)}, candidates)
+    kept = sum(1 << i for i, k in enumerate(keep) if k)
+    assert guard.error == pytest.approx(errors[kept], rel=1e-9, abs=1e-12)
+    assert guard.error <= errors[0] * (1 + 1e-9) + 1e-12
+    if errors[-1] <= errors[0]:  # pruning starts no worse than the default: it never rises from there
+        assert guard.error <= errors[-1] * (1 + 1e-9) + 1e-12
+    assert len(guard.kept_out) == keep.count(False) and guard.tried == n
 
 
 # -- transforms of the float program ----------------------------------------------------------------

@@ -25,6 +25,7 @@ from quantplug.algorithms.finite_inputs import finite_samples
 from quantplug.algorithms.guard import (
     GUARD_BATCHES,
     GUARD_BYTES,
+    Candidate,
     ModelGuard,
     decibels,
     guard_batches,
@@ -456,7 +457,9 @@ def choose_weights(
         for ref, grid in zip(refs, grids):
             current[ref.site.name] = grid.dequantize(grid.quantize(ref.site.weight)).to(ref.site.weight.dtype)
     activation = _activation_encodings(state, qparams_of) if simulate else {}
-    guard = _model_guard(prepared, activation, judged, current) if judged else None
+    guard = _model_guard(prepared, activation, judged) if judged else None
+    base = dict(current)  # every weight rounded to nearest: the default
+    chosen: list[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]] = []  # (site index, ...)
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
     for stage in order:
         fresh: dict[tuple[int, int], Any] = {}  # (site index, algorithm index) -> collector
@@ -494,7 +497,7 @@ def choose_weights(
             if found is None:
                 continue
             grid, codes, bias_delta = found
-            corrected = None
+            corrected: torch.Tensor | None = None
             if bias_delta is not None:
                 if ref.bias_target is None or site.bias is None:
                     raise AlgorithmError(
@@ -502,36 +505,61 @@ def choose_weights(
                         f"({site.op}); export the model with bias=True or leave out the correcting algorithm"
                     )
                 corrected = site.bias + bias_delta.reshape(site.bias.shape).to(site.bias.dtype)
-            weight = grid.dequantize(codes).to(site.weight.dtype)
-            if guard is not None and (corrected is not None or not torch.equal(weight, current[site.name])):
-                trial = {**current, site.name: weight}
+            chosen.append((k, grid, codes, corrected))
+            if simulate:  # what the next stages' sequential inputs see
+                current[site.name] = grid.dequantize(codes).to(site.weight.dtype)
                 if corrected is not None and ref.bias_target is not None:
-                    trial[ref.bias_target] = corrected
-                if not guard.accepts(site.label, trial):
-                    continue  # round-to-nearest does better in this model: the default stays
-            if grid is not grids[k]:
-                set_qparams(site.group, (grid.scale, grid.zero_point))
-            overrides.codes[(site.name, site.group)] = codes
-            if simulate:
-                current[site.name] = weight
-            if corrected is not None and ref.bias_target is not None:
-                overrides.biases[ref.bias_target] = corrected
-                if simulate:
                     current[ref.bias_target] = corrected
     warn_ignored(ignored)
+    keep = [True] * len(chosen)
     if guard is not None:
-        guard.report()
+        keep = _guarded(guard, refs, chosen, base, current)
+    for (k, grid, codes, corrected), kept in zip(chosen, keep):
+        if not kept:
+            continue  # the default (round-to-nearest) does better in this model
+        site, bias_target = refs[k].site, refs[k].bias_target
+        if grid is not grids[k]:
+            set_qparams(site.group, (grid.scale, grid.zero_point))
+        overrides.codes[(site.name, site.group)] = codes
+        if corrected is not None and bias_target is not None:
+            overrides.biases[bias_target] = corrected
     run.guarded = guard
     return overrides
+
+
+def _guarded(
+    guard: ModelGuard,
+    refs: Sequence[_SiteRef],
+    chosen: Sequence[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]],
+    base: dict[str, torch.Tensor],
+    current: dict[str, torch.Tensor],
+) -> list[bool]:
+    """The guard's selection among ``chosen`` (a choice that changes nothing is kept unjudged)."""
+    candidates: list[Candidate] = []
+    judged: list[int] = []
+    for index, (k, _, _, corrected) in enumerate(chosen):
+        ref = refs[k]
+        now = {ref.site.name: current[ref.site.name]}
+        before = {ref.site.name: base[ref.site.name]}
+        if corrected is not None and ref.bias_target is not None and ref.site.bias is not None:
+            now[ref.bias_target], before[ref.bias_target] = corrected, ref.site.bias
+        if all(torch.equal(now[t], before[t]) for t in now):
+            continue
+        candidates.append(Candidate(ref.site.label, now, before))
+        judged.append(index)
+    keep = [True] * len(chosen)
+    for index, kept in zip(judged, guard.select(base, candidates)):
+        keep[index] = kept
+    guard.report()
+    return keep
 
 
 def _model_guard(
     prepared: GraphModule,
     activation: dict[int, tuple[Any, tuple[Any, Any] | None]],
     batches: Sequence[tuple[Any, ...]],
-    weights: dict[str, torch.Tensor],
 ) -> ModelGuard:
-    """The guard over ``batches``: float outputs as reference, started at ``weights`` (the default)."""
+    """The guard over ``batches``, the float model's outputs its reference."""
     from quantplug.flow.prepare import OBSERVERS
 
     def outputs(
@@ -540,9 +568,7 @@ def _model_guard(
         simulation = QuantizedSimulation(prepared, OBSERVERS, encodings, replaced, {}, is_tap)
         return [output_tensors(simulation.outputs(batch)) for batch in batches]
 
-    guard = ModelGuard(lambda replaced: outputs(activation, dict(replaced)), outputs({}, {}))
-    guard.start(weights)
-    return guard
+    return ModelGuard(lambda replaced: outputs(activation, dict(replaced)), outputs({}, {}))
 
 
 def warn_ignored(ignored: dict[str, int]) -> None:

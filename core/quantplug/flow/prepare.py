@@ -177,9 +177,10 @@ def prepare(
             :class:`~quantplug.errors.UnknownAlgorithmError`.
         calibration: batches (tuples of the program's inputs) for algorithms that need data
             before annotation (SmoothQuant); calibrating the result is still the caller's loop.
-        algorithm_guard: at convert, keep each layer's weight choice only where the quantized
-            model's output error on the first calibration batches is no larger than with that
-            layer rounded to nearest (:mod:`quantplug.algorithms.guard`), so algorithms never make
+        algorithm_guard: select which layers keep the algorithms' weight choice (the others are
+            rounded to nearest) by the quantized model's output error on the first calibration
+            batches, and undo a transform whose quantized program does worse on the
+            ``calibration`` batches (:mod:`quantplug.algorithms.guard`), so algorithms never make
             the model worse than the default on those batches; ``False`` keeps every choice.
 
     Returns:
