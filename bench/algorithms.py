@@ -30,6 +30,7 @@ import importlib
 import json
 import logging
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -286,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     header = (
         "# Accuracy algorithms: output SQNR (dB) against float\n\n"
-        f"`python -m bench.algorithms {' '.join(argv or [])}`".rstrip()
+        f"`python -m bench.algorithms {' '.join(sys.argv[1:] if argv is None else argv)}`".rstrip()
         + f" ({elapsed / 60:.1f} min, torch threads {args.threads}).\n"
         "SQNR on 4 held-out batches after calibrating on 8; 'best' over every single algorithm and "
         "every combination tried; 'gap closed' = (best - default) / (8-bit weights - default). "
