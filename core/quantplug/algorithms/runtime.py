@@ -38,7 +38,7 @@ from quantplug.algorithms.weight_layers import LayerHessian
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
 from quantplug.errors import AlgorithmError
 from quantplug.flow.batchnorm import FOLDED_FROM
-from quantplug.flow.inspect import fetch_attr
+from quantplug.flow.inspect import fetch_attr, put_attr
 
 logger = logging.getLogger("quantplug.algorithms")
 
@@ -109,16 +109,16 @@ def run_transforms(
             continue  # nothing to judge, or a rewritten graph (kept as it is)
         if error is None:  # the program before this transform, quantized (later: the last kept one)
             for target, value in changed.items():
-                _replace(gm, target, value)
+                put_attr(gm, target, value)
             error = quantized_error(gm, quantizer, judged, reference, nonfinite)
             for target in changed:
-                _replace(gm, target, now[target])
+                put_attr(gm, target, now[target])
         found = quantized_error(gm, quantizer, judged, reference, nonfinite)
         if found <= error:
             error = found
             continue
         for target, value in changed.items():  # undone: the program as it was before
-            _replace(gm, target, value)
+            put_attr(gm, target, value)
         left_out.append((name, found, error))
         logger.info(
             "algorithm guard: %s undone: it lowered the quantized model's output SQNR on the "
@@ -132,20 +132,6 @@ def run_transforms(
 def _constants(gm: GraphModule) -> dict[str, Any]:
     """Every tensor the program reads through get_attr, by target (the objects, not copies)."""
     return {str(n.target): fetch_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
-
-
-def _replace(gm: GraphModule, target: str, value: torch.Tensor) -> torch.Tensor:
-    """Put ``value`` at ``target`` (the very object); returns what was there."""
-    owner_path, _, attr = target.rpartition(".")
-    owner = gm.get_submodule(owner_path) if owner_path else gm
-    old = getattr(owner, attr)
-    if attr in owner._parameters:
-        owner._parameters[attr] = value  # type: ignore[assignment]
-    elif attr in owner._buffers:
-        owner._buffers[attr] = value
-    else:
-        setattr(owner, attr, value)
-    return old
 
 
 class Tap(nn.Module):

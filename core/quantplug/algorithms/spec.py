@@ -310,15 +310,12 @@ class TransformContext:
     @staticmethod
     def set_constant(gm: GraphModule, target: str, value: torch.Tensor) -> None:
         """Replace the tensor at attribute path ``target`` with ``value`` (a new tensor)."""
-        owner_path, _, attr = target.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        old = getattr(owner, attr)
-        if isinstance(old, torch.nn.Parameter):
-            owner._parameters[attr] = torch.nn.Parameter(value.detach().clone(), old.requires_grad)
-        elif attr in owner._buffers:
-            owner._buffers[attr] = value.detach().clone()
-        else:
-            setattr(owner, attr, value.detach().clone())
+        from quantplug.flow.inspect import put_attr
+
+        new = value.detach().clone()
+        old = put_attr(gm, target, new)
+        if isinstance(old, torch.nn.Parameter):  # stays a parameter (sharing new's storage)
+            put_attr(gm, target, torch.nn.Parameter(new, old.requires_grad))
 
 
 def _bits(spec: Any) -> int | None:

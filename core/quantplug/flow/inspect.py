@@ -31,6 +31,21 @@ def fetch_attr(module: torch.nn.Module, target: str) -> Any:
     return value
 
 
+def put_attr(module: torch.nn.Module, target: str, value: Any) -> Any:
+    """Put ``value`` (the very object) at dotted path ``target`` below ``module``, as a parameter,
+    buffer or plain attribute like what it replaces; returns what was there."""
+    owner_path, _, attr = target.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    old = getattr(owner, attr)
+    if attr in owner._parameters:
+        owner._parameters[attr] = value
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        setattr(owner, attr, value)
+    return old
+
+
 def attr_value(gm: torch.nn.Module, arg: Any) -> Any:
     """What ``arg`` stands for in ``gm``: the value a get_attr node reads, anything else as is."""
     if isinstance(arg, Node) and arg.op == "get_attr":
