@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from quantplug.algorithms.sequential import batch_bytes, fits
+
 logger = logging.getLogger("quantplug.algorithms")
 
 #: at most this many of the stored calibration batches judge the choices ...
@@ -111,14 +113,13 @@ def quantized_error(
 def guard_batches(
     batches: Sequence[tuple[Any, ...]], max_batches: int = GUARD_BATCHES, max_bytes: int = GUARD_BYTES
 ) -> list[tuple[Any, ...]]:
-    """The first stored batches within the caps (the first one always, however large)."""
-    from quantplug.algorithms.sequential import batch_bytes
-
+    """The first stored batches within the caps (the first one always, however large): the
+    store's own rule (:func:`~quantplug.algorithms.sequential.fits`)."""
     chosen: list[tuple[Any, ...]] = []
     total = 0
-    for batch in batches[:max_batches]:
+    for batch in batches:
         size = batch_bytes(batch)
-        if chosen and total + size > max_bytes:
+        if not fits(len(chosen), total, size, max_batches, max_bytes):
             break
         chosen.append(batch)
         total += size
@@ -147,9 +148,8 @@ class ModelGuard:
     reference: list[Outputs]
     #: the error of the selection (set by :meth:`select`)
     error: float = float("inf")
-    #: the error with every weight at its default, and with every choice kept
+    #: the error with every weight at its default
     default_error: float = float("inf")
-    all_error: float = float("inf")
     #: choices left out: ``(weight label, error with it, error without it)`` when it was decided
     kept_out: list[tuple[str, float, float]] = field(default_factory=list)
     #: choices judged
@@ -177,7 +177,7 @@ class ModelGuard:
         current = {**base}
         for candidate in candidates:
             current.update(candidate.chosen)
-        self.all_error = error = self._error(current)
+        error = self._error(current)
         keep = [True] * len(candidates)
         for i in reversed(range(len(candidates))):
             trial = {**current, **candidates[i].default}

@@ -36,7 +36,7 @@ STORE_BATCHES = 32
 STORE_BYTES = 256 * 2**20
 
 
-def _fits(count: int, stored: int, size: int, max_batches: int, max_bytes: int) -> bool:
+def fits(count: int, stored: int, size: int, max_batches: int, max_bytes: int) -> bool:
     """Whether a batch of ``size`` bytes joins a store holding ``count`` batches of ``stored`` bytes."""
     return count < max_batches and (count == 0 or stored + size <= max_bytes)
 
@@ -59,7 +59,7 @@ class InputStore(nn.Module):
     def forward(self, *inputs: Any) -> None:
         self.seen += 1
         size = batch_bytes(inputs)
-        if not _fits(len(self.batches), self.bytes, size, self.max_batches, self.max_bytes):
+        if not fits(len(self.batches), self.bytes, size, self.max_batches, self.max_bytes):
             return
         self.batches.append(tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs))
         self.bytes += size
@@ -90,7 +90,7 @@ def merged_store(sizes: Sequence[Sequence[int]], max_batches: int, max_bytes: in
             if index >= len(rank_sizes):
                 continue
             size = int(rank_sizes[index])
-            if _fits(len(chosen), stored, size, max_batches, max_bytes):
+            if fits(len(chosen), stored, size, max_batches, max_bytes):
                 chosen.append((rank, index))
                 stored += size
     return chosen
