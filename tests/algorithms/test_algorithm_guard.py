@@ -318,3 +318,60 @@ def test_a_transform_that_helps_is_kept() -> None:
     assert prepared.meta[RUN_KEY].undone == []
     unguarded, _ = convnet_outputs(["cle"], guard=False, model=model)
     assert torch.equal(guarded, unguarded)
+
+
+# -- what users bring ----------------------------------------------------------------------------
+
+
+def test_a_guard_that_is_not_a_bool_is_a_typed_error() -> None:
+    x = data()
+    ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("reference", preset="int8")
+    with pytest.raises(quantplug.OptionError, match="algorithm_guard must be True or False, got 'no'"):
+        quantplug.prepare(ep, quantizer, algorithms=["gptq"], algorithm_guard="no")  # type: ignore[arg-type]
+
+
+def test_the_callers_program_is_untouched_by_a_guarded_transform() -> None:
+    """The trial quantizations and the undo work on quantplug's copy: the program's tensors keep
+    their values (an undone and a kept transform both)."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    ep = torch.export.export(ConvNet().eval(), (x[:8],))
+    before = {k: v.clone() for k, v in ep.state_dict.items()}
+    quantizer = quantplug.get_quantizer("reference", preset="int8_per_tensor")
+    batches = [(x[i : i + 8],) for i in range(0, 32, 8)]
+    prepared = quantplug.prepare(ep, quantizer, algorithms=[Unbalance(), "cle"], calibration=batches)
+    assert "unbalance" in [name for name, _, _ in prepared.meta[RUN_KEY].undone]
+    assert all(torch.equal(ep.state_dict[k], v) for k, v in before.items())
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+def test_the_guard_on_an_lstm_with_a_dynamic_batch_and_nan_samples_left_out() -> None:
+    """Batches of 3, 5 and 7 sequences through a program exported with a free batch dimension,
+    one sample holding a NaN under ``nonfinite="ignore"``: the guard judges on finite positions
+    only, refuses a harmful choice (the head's codes shifted) and the result runs any batch."""
+    torch.manual_seed(0)
+    model = Recurrent().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(n, 6, 8, generator=g) for n in (3, 5, 7, 3, 5, 7)]
+    batches[1][2, 4, 0] = math.nan
+    ep = torch.export.export(model, (batches[0],), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    algorithms = ["gptq", Shift({"head.weight"}, step=3)]
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, nonfinite="ignore")
+    with torch.no_grad():
+        for b in batches:
+            prepared(b)
+    converted = quantplug.convert(prepared)
+    assert [label for label, _, _ in prepared.meta[RUN_KEY].guarded.kept_out] == ["head.weight"]
+    out = converted(torch.randn(11, 6, 8))
+    assert out.shape == (11, 6, 4) and bool(torch.isfinite(out).all())

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import quantplug
 from tests.zoo.harness import float_case, quantizer, quiet, run, sqnr
@@ -30,3 +31,28 @@ def held_out_sqnr(algorithms: list[Any]) -> float:
 )
 def test_weight_algorithms_run_and_gain_on_squeezenet(algorithm: tuple[str, dict[str, Any]]) -> None:
     assert held_out_sqnr([algorithm]) > held_out_sqnr([]) + 1.0
+
+
+def test_the_guard_keeps_a_transformers_decoder_no_worse_than_the_default() -> None:
+    """The zoo's Llama (transformers, random weights, causal mask) with every layer's codes
+    perturbed (``Perturb``: most choices hurt): guarded, the converted program's SQNR on its
+    calibration batches (all the guard saw) is at least the default's; unguarded, it falls."""
+    from tests.algorithms.test_algorithm_guard import Perturb
+
+    case = float_case("llama")
+    with torch.no_grad():
+        reference = [case.model(*batch) for batch in case.calibration]
+
+    def calibration_sqnr(algorithms: list[Any], guard: bool = True) -> float:
+        with quiet():
+            q = quantizer("reference", "weight_only_int8")
+            prepared = quantplug.prepare(
+                case.program, q, algorithms=algorithms or None, algorithm_guard=guard
+            )
+            run(prepared, case.calibration)
+            converted = quantplug.convert(prepared)
+        return sqnr(reference, run(converted, case.calibration))
+
+    default = calibration_sqnr([])
+    assert calibration_sqnr([Perturb(7, 0.0)]) >= default - 1e-3
+    assert calibration_sqnr([Perturb(7, 0.0)], guard=False) < default - 1.0

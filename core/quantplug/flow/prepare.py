@@ -25,7 +25,7 @@ from quantplug.algorithms.registry import resolve_algorithms
 from quantplug.algorithms.runtime import RUN_KEY as ALGORITHMS_KEY
 from quantplug.algorithms.runtime import install_collectors, run_transforms
 from quantplug.annotation.spec_view import SpecKind, spec_kind
-from quantplug.errors import AnnotationError, QuantplugError
+from quantplug.errors import AnnotationError, OptionError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
 from quantplug.flow.calls import in_spec_of
 from quantplug.flow.computed_weights import materialize_computed_weights
@@ -194,6 +194,11 @@ def prepare(
     _check_float_program(program)
     _check_qat_agrees(quantizer, qat)
     check_policy(nonfinite)
+    if not isinstance(algorithm_guard, bool):
+        raise OptionError(
+            f"algorithm_guard must be True or False, got {algorithm_guard!r}; pass "
+            "prepare(..., algorithm_guard=False) to keep every choice of the algorithms"
+        )
     chosen = resolve_algorithms(algorithms)  # issue 15: names -> configured objects, before any work
     with paused_gc():
         return _prepare(
