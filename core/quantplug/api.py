@@ -40,6 +40,7 @@ def quantize(
     nonfinite: str = "error",
     algorithms: Sequence[Any] | None = None,
     algorithm_guard: bool = True,
+    held_out: Iterable[Any] | None = None,
     **options: Any,
 ) -> torch.fx.GraphModule:
     """Export (if needed), prepare, calibrate and convert in one call.
@@ -56,6 +57,8 @@ def quantize(
             :func:`quantplug.prepare`; those needing data before annotation get ``calibration``.
         algorithm_guard: keep an algorithm's weight choice only where the model does no worse
             (see :func:`quantplug.prepare`).
+        held_out: batches not calibrated on for the guard to judge on (see
+            :func:`quantplug.prepare`).
         **options: backend options.
 
     Returns:
@@ -81,6 +84,7 @@ def quantize(
         algorithms=algorithms,
         calibration=[_as_args(b) for b in batches] if algorithms else None,
         algorithm_guard=algorithm_guard,
+        held_out=[_as_args(b) for b in held_out] if held_out is not None else None,
     )
     with torch.no_grad():
         for batch in batches:

@@ -375,3 +375,137 @@ def test_the_guard_on_an_lstm_with_a_dynamic_batch_and_nan_samples_left_out() ->
     assert [label for label, _, _ in prepared.meta[RUN_KEY].guarded.kept_out] == ["head.weight"]
     out = converted(torch.randn(11, 6, 8))
     assert out.shape == (11, 6, 4) and bool(torch.isfinite(out).all())
+
+
+# -- held-out batches (prepare(..., held_out=...)) ----------------------------------------------
+
+
+class Wide(nn.Module):
+    """64 inputs, 64 hidden: one calibration batch of 8 gives each layer 8 rows for 64 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def correlated(count: int, g: torch.Generator) -> list[torch.Tensor]:
+    mix = torch.randn(64, 64, generator=torch.Generator().manual_seed(5)) * 0.2
+    return [torch.randn(BATCH, 64, generator=g) @ mix for _ in range(count)]
+
+
+def wide_converted(held_out: list[torch.Tensor] | None, algorithms: list[Any]) -> tuple[Any, Any]:
+    """``Wide`` at weight-only int4, calibrated on one batch of 8 (its converted module and prepared)."""
+    calibration = correlated(1, torch.Generator().manual_seed(1))
+    ep = torch.export.export(Wide().eval(), (calibration[0],))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    prepared = quantplug.prepare(
+        ep,
+        quantizer,
+        algorithms=algorithms or None,
+        held_out=[(b,) for b in held_out] if held_out is not None else None,
+    )
+    with torch.no_grad():
+        prepared(calibration[0])
+    return quantplug.convert(prepared), prepared
+
+
+def wide_error(converted: Any, batches: list[torch.Tensor]) -> float:
+    with torch.no_grad():
+        model = Wide().eval()
+        return relative_error(
+            [[model(b).double()] for b in batches], [[converted(b).double()] for b in batches]
+        )
+
+
+def test_held_out_batches_refuse_a_choice_that_only_fits_the_calibration_data(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """GPTQ on layers that saw 8 rows for 64 inputs fits its one calibration batch: judged there the
+    guard keeps it, and it loses on new data; judged on held-out batches (``held_out=``) it is
+    refused, and on those batches the model is no worse than the default (the guarantee)."""
+    held_out = correlated(2, torch.Generator().manual_seed(7))
+    unseen = correlated(8, torch.Generator().manual_seed(9))  # neither calibrated nor judged on
+    default, _ = wide_converted(None, [])
+    on_calibration, prepared = wide_converted(None, ["gptq"])
+    assert prepared.meta[RUN_KEY].guarded.kept_out == []  # it fits the batch the guard judges on
+    assert wide_error(on_calibration, unseen) > 1.2 * wide_error(default, unseen)
+    with caplog.at_level(logging.INFO, logger="quantplug.algorithms"):
+        judged, prepared = wide_converted(held_out, ["gptq"])
+    verdicts = prepared.meta[RUN_KEY].guarded
+    assert verdicts.kept_out and verdicts.judged_on == "held-out"
+    assert "SQNR on the held-out batches" in caplog.text
+    assert wide_error(judged, held_out) <= wide_error(default, held_out) * (1 + 1e-4)
+    assert wide_error(judged, unseen) < wide_error(on_calibration, unseen)
+    assert prepared.meta[RUN_KEY].inputs is None  # nothing of the calibration data is stored for it
+
+
+class ZeroUnseenInputs(quantplug.Algorithm):
+    """Zeroes fc1's weight columns for the inputs the calibration batches leave at zero: the same
+    float function on those batches and a finer per-channel grid, another model everywhere else."""
+
+    name = "zero_unseen"
+
+    def transform_program(self, gm: torch.fx.GraphModule, context: TransformContext) -> None:
+        seen = torch.stack([b[0].abs().amax(0) for b in context.calibration]).amax(0) > 0
+        weight = fetch_attr(gm, "fc1.weight")
+        context.set_constant(gm, "fc1.weight", weight * seen.to(weight.dtype))
+
+
+def test_held_out_batches_undo_a_transform_that_only_holds_on_the_calibration_data() -> None:
+    g = torch.Generator().manual_seed(4)
+    calibration = [torch.randn(BATCH, 16, generator=g) for _ in range(4)]
+    for b in calibration:
+        b[:, 8:] = 0  # half the inputs never vary in calibration
+    held_out = [(torch.randn(BATCH, 16, generator=g),) for _ in range(2)]
+    ep = torch.export.export(Mlp().eval(), (calibration[0],))
+
+    def undone(**kw: Any) -> list[str]:
+        quantizer = quantplug.get_quantizer("reference", preset="int8")
+        batches = [(b,) for b in calibration]
+        algorithms = [ZeroUnseenInputs()]
+        prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, calibration=batches, **kw)
+        return [name for name, _, _ in prepared.meta[RUN_KEY].undone]
+
+    assert undone() == []  # on the calibration batches it changes nothing of the float model
+    assert undone(held_out=held_out) == ["zero_unseen"]
+
+
+def test_held_out_batches_are_copied_and_checked() -> None:
+    """The caller's tensors may change after prepare; a batch that does not fit the program, no
+    batch at all, or held-out batches with the guard off are typed errors naming the argument."""
+    x = data()
+    ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    held_out = [(x[:BATCH].clone(),)]
+    prepared = quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=held_out)
+    kept = prepared.meta[RUN_KEY].held_out[0][0].clone()
+    held_out[0][0].fill_(math.nan)
+    assert torch.equal(prepared.meta[RUN_KEY].held_out[0][0], kept)
+    with pytest.raises(quantplug.QuantplugError, match=r"held_out batch 1: input 'x' has shape \(8, 15\)"):
+        quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=[(x[:BATCH],), (x[:BATCH, :15],)])
+    with pytest.raises(quantplug.AlgorithmError, match="held_out holds no batch"):
+        quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=[])
+    with pytest.raises(quantplug.OptionError, match="algorithm_guard=False turns the guard off"):
+        quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=held_out, algorithm_guard=False)
+
+
+def test_quantize_passes_held_out_batches_to_the_guard() -> None:
+    held_out = correlated(2, torch.Generator().manual_seed(7))
+    calibration = correlated(1, torch.Generator().manual_seed(1))
+    converted = quantplug.quantize(
+        Wide().eval(),
+        (calibration[0],),
+        backend="reference",
+        preset="weight_only_int4",
+        calibration=calibration,
+        algorithms=["gptq"],
+        held_out=held_out,
+    )
+    judged, _ = wide_converted(held_out, ["gptq"])
+    with torch.no_grad():
+        assert torch.equal(converted(held_out[0]), judged(held_out[0]))
+        assert not torch.equal(converted(held_out[0]), wide_converted(None, ["gptq"])[0](held_out[0]))

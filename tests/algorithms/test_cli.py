@@ -46,6 +46,9 @@ def test_listing_describes_each_algorithm_from_metadata() -> None:
         (["-A", "cle", "-A", "smoothquant", "--algorithm-option", "alpha=0.5"], "name the algorithm"),
         (["-A", "cle", "--algorithm-option", "smoothquant.alpha=0.5"], "not among --algorithm"),
         (["--algorithm-option", "alpha=0.5"], "without --algorithm"),
+        (["--held-out", "h.pt"], "--held-out is what the algorithm guard judges on; give --algorithm"),
+        (["-A", "gptq", "--held-out", "h.pt", "--no-algorithm-guard"], "give one or the other"),
+        (["-A", "gptq", "--held-out", "nowhere.pt"], "held-out data 'nowhere.pt' not found"),
     ],
 )
 def test_argument_errors_are_one_line_and_import_nothing_heavy(args: list[str], message: str) -> None:
@@ -82,3 +85,22 @@ def test_quantize_can_keep_every_choice_without_the_guard(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["options"]["algorithm_guard"] == "off (--no-algorithm-guard)"
+
+
+def test_quantize_judges_on_held_out_batches(tmp_path: Path) -> None:
+    import torch
+
+    held_out = tmp_path / "held_out.pt"
+    g = torch.Generator().manual_seed(11)
+    torch.save([torch.randn(1, 3, 32, 32, generator=g) for _ in range(3)], held_out)
+    out = tmp_path / "out"
+    done = run_cli("quantize", "--out", str(out), "-A", "gptq", "--held-out", str(held_out), "-q")
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["options"]["algorithm_guard"].startswith(f"on (judged on held-out data {held_out}): ")
+    wrong = tmp_path / "wrong.pt"
+    torch.save([torch.randn(1, 3, 16, 16)], wrong)
+    done = run_cli("quantize", "--out", str(out), "-A", "gptq", "--held-out", str(wrong), "-q")
+    assert done.returncode == 2
+    (line,) = _errors(done)
+    assert "held-out batch 0 (wrong.pt): input 'x' has shape (1, 3, 16, 16)" in line

@@ -60,3 +60,14 @@ def augmented() -> Iterator[torch.Tensor]:
 
     for x in algo_batches(8):
         yield x * (1.0 + random.random())
+
+
+def fitting_on_rank_0_only() -> Iterator[torch.Tensor]:
+    """``augmented``'s items on rank 0; on any other rank, items of the wrong width: a rank that
+    reads this itself instead of receiving rank 0's batches fails the shape check."""
+    import os
+
+    from tests.distributed.worker import algo_batches
+
+    for x in algo_batches(4):
+        yield x if os.environ.get("RANK", "0") == "0" else x[..., :-1]

@@ -111,16 +111,23 @@ def test_algorithms_on_two_processes_write_what_one_writes(
     assert report["options"]["algorithms"].startswith(name) and report["calibration"]["processes"] == 2
 
 
-def test_transforms_see_rank_0s_batches_on_every_rank(tmp_path: Path) -> None:
+def test_transforms_and_the_guard_see_rank_0s_batches_on_every_rank(tmp_path: Path) -> None:
     """A data factory whose items differ on every call (an unseeded augmentation): each rank
     reading the transform batches itself would smooth other weights into its program (the sync
-    names the difference); rank 0 reads them and sends them to the others."""
+    names the difference); rank 0 reads them and sends them to the others. So it does with the
+    guard's ``--held-out`` batches, here from a factory that fits the model on rank 0 only."""
     result = run_cli(
         "quantize", "tests.distributed.data:norm_mlp", "-c", "tests.distributed.data:augmented",
-        "-o", "activation_observer=minmax", "-A", "smoothquant", "--algorithm-option", "alpha=0.5",
+        "-o", "activation_observer=minmax", "-A", "smoothquant", "-A", "gptq",
+        "--algorithm-option", "smoothquant.alpha=0.5",
+        "--held-out", "tests.distributed.data:fitting_on_rank_0_only",
         "--compare-batches", "1", "--nproc", "2", "--out", str(tmp_path / "out"), timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["options"]["algorithm_guard"].startswith(
+        "on (judged on held-out data tests.distributed.data:fitting_on_rank_0_only)"
+    )
 
 
 def test_ranks_end_without_finalisation_but_run_the_users_exit_handlers(tmp_path: Path) -> None:

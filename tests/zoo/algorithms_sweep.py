@@ -8,10 +8,15 @@ measured on its 4 held-out ones (``tests/zoo/harness.py``). AdaRound runs 100 st
 
     .venv/bin/python -m tests.zoo.algorithms_sweep                    # every model
     .venv/bin/python -m tests.zoo.algorithms_sweep resnet18 convnext  # some of them
+    .venv/bin/python -m tests.zoo.algorithms_sweep --held-out         # the guard judges on held-out data
+    .venv/bin/python -m tests.zoo.algorithms_sweep --measure-last     # ... the same batches measure, guard
+                                                                      # on calibration (to compare with)
 
 One line per model and configuration: the default's SQNR, then each algorithm's gain over it
 (held out) and its run time, or the exception's type and first line. The exit status is 1 when
-any algorithm raised.
+any algorithm raised. With ``--held-out`` the guard judges on the first :data:`JUDGED` held-out
+batches (``prepare(..., held_out=...)``) and every SQNR, the default's too, is measured on the
+others only; ``--measure-last`` measures on those same batches, the guard judging on calibration.
 """
 
 from __future__ import annotations
@@ -29,9 +34,14 @@ from tests.zoo.models import MODELS
 
 CONFIGS: tuple[tuple[str, str], ...] = (("qnn_htp", "16a4w"), ("reference", "weight_only_int4"))
 OPTIONS: dict[str, dict[str, Any]] = {"adaround": {"iterations": 100}}
+#: with --held-out: the held-out batches the guard judges on (the rest measure)
+JUDGED = 2
 
 
-def held_out_sqnr(name: str, backend: str, preset: str, algorithms: list[Any]) -> float:
+def held_out_sqnr(
+    name: str, backend: str, preset: str, algorithms: list[Any], skipped: int = 0, judged: bool = False
+) -> float:
+    """The held-out SQNR past the first ``skipped`` batches (with ``judged``: the guard's)."""
     case = float_case(name)
     with quiet():
         prepared = quantplug.prepare(
@@ -39,21 +49,23 @@ def held_out_sqnr(name: str, backend: str, preset: str, algorithms: list[Any]) -
             quantizer(backend, preset),
             algorithms=algorithms or None,
             calibration=case.calibration if algorithms else None,
+            held_out=case.held_out[:skipped] if judged and algorithms else None,
         )
         run(prepared, case.calibration)
         converted = quantplug.convert(prepared)
-    return sqnr(case.reference, run(converted, case.held_out))
+    return sqnr(case.reference[skipped:], run(converted, case.held_out[skipped:]))
 
 
-def sweep(name: str, algorithms: list[str]) -> tuple[list[str], int]:
+def sweep(name: str, algorithms: list[str], skipped: int = 0, judged: bool = False) -> tuple[list[str], int]:
     lines, failed = [], 0
     for backend, preset in CONFIGS:
-        default = held_out_sqnr(name, backend, preset, [])
+        default = held_out_sqnr(name, backend, preset, [], skipped)
         cells = []
         for algorithm in algorithms:
             started = time.perf_counter()
             try:
-                found = held_out_sqnr(name, backend, preset, [(algorithm, OPTIONS.get(algorithm, {}))])
+                chosen = [(algorithm, OPTIONS.get(algorithm, {}))]
+                found = held_out_sqnr(name, backend, preset, chosen, skipped, judged)
             except Exception as error:  # the sweep reports every failure and goes on
                 failed += 1
                 first = (str(error).splitlines() or [""])[0][:160]
@@ -66,13 +78,15 @@ def sweep(name: str, algorithms: list[str]) -> tuple[list[str], int]:
 
 def main(argv: list[str]) -> int:
     names = [a for a in argv if not a.startswith("-")] or list(MODELS)
+    judged = "--held-out" in argv
+    skipped = JUDGED if judged or "--measure-last" in argv else 0
     algorithms = [entry.name for entry in quantplug.list_algorithms()]
     torch.set_num_threads(2)
     # the zoo calibrates on 16 images or sequences by design: every late layer would be named
     logging.getLogger("quantplug.algorithms").setLevel(logging.ERROR)
     failed = 0
     for name in names:
-        lines, failures = sweep(name, algorithms)
+        lines, failures = sweep(name, algorithms, skipped, judged)
         failed += failures
         for line in lines:
             print(line, flush=True)

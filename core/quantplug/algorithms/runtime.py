@@ -63,6 +63,22 @@ def algorithm_name(algorithm: Any) -> str:
     return str(getattr(algorithm, "name", "") or type(algorithm).__name__)
 
 
+def flat_batches(gm: GraphModule, batches: Sequence[Any], in_spec: Any, what: str) -> list[tuple[Any, ...]]:
+    """The guard's held-out batches as the program's flat inputs (copies, so the caller may reuse
+    its tensors), each checked against the program, and capped as the guard caps calibration
+    batches (:func:`~quantplug.algorithms.guard.guard_batches`)."""
+    from quantplug.flow.calls import Call, check_flat_inputs
+
+    flat: list[tuple[Any, ...]] = []
+    for index, batch in enumerate(batches):
+        inputs = Call.of(batch).flat(in_spec, what=f"{what} batch {index}")
+        check_flat_inputs(gm, inputs, what=f"{what} batch {index}")
+        flat.append(tuple(v.detach().clone() if isinstance(v, torch.Tensor) else v for v in inputs))
+    if not flat:
+        raise AlgorithmError(f"{what} holds no batch; give at least one, or leave it out")
+    return guard_batches(flat)
+
+
 def run_transforms(
     gm: GraphModule,
     algorithms: Sequence[Any],
@@ -71,24 +87,27 @@ def run_transforms(
     quantizer: Any = None,
     guard: bool = False,
     nonfinite: str = "error",
+    held_out: Sequence[tuple[Any, ...]] | None = None,
 ) -> tuple[GraphModule, list[tuple[str, float, float]]]:
     """Every algorithm's ``transform_program``, in order, on the float working copy.
 
     ``calibration`` batches come as the user gives them to the prepared module (a tuple, a dict of
     keyword inputs, one tensor); the transforms see them as the program's flat inputs. With
-    ``guard`` (and calibration batches), a transform whose quantized model does worse on the first
-    batches than without it is undone (:func:`quantplug.algorithms.guard.quantized_error`); those
-    come back as ``(algorithm, error with it, error without it)``.
+    ``guard`` (and calibration batches), a transform whose quantized model, calibrated on the
+    first batches, does worse on them (or on the flat ``held_out`` batches, when given) than
+    without it is undone (:func:`quantplug.algorithms.guard.quantized_error`); those come back as
+    ``(algorithm, error with it, error without it)``.
     """
     if calibration is not None:
         from quantplug.flow.calls import Call
 
         calibration = [tuple(Call.of(b).flat(in_spec)) for b in calibration]
     judged = guard_batches(calibration) if guard and calibration and quantizer is not None else []
+    measured = list(held_out) if held_out is not None else judged
     reference: list[list[torch.Tensor]] = []
     if judged:
         with torch.no_grad():
-            reference = [output_tensors(Interpreter(gm).run(*batch)) for batch in judged]
+            reference = [output_tensors(Interpreter(gm).run(*batch)) for batch in measured]
     error: float | None = None  # the quantized error of the program as transformed so far
     left_out: list[tuple[str, float, float]] = []
     for algorithm in algorithms:
@@ -110,10 +129,10 @@ def run_transforms(
         if error is None:  # the program before this transform, quantized (later: the last kept one)
             for target, value in changed.items():
                 put_attr(gm, target, value)
-            error = quantized_error(gm, quantizer, judged, reference, nonfinite)
+            error = quantized_error(gm, quantizer, judged, reference, nonfinite, measured)
             for target in changed:
                 put_attr(gm, target, now[target])
-        found = quantized_error(gm, quantizer, judged, reference, nonfinite)
+        found = quantized_error(gm, quantizer, judged, reference, nonfinite, measured)
         if found <= error:
             error = found
             continue
@@ -122,8 +141,9 @@ def run_transforms(
         left_out.append((name, found, error))
         logger.info(
             "algorithm guard: %s undone: it lowered the quantized model's output SQNR on the "
-            "calibration batches by %.2f dB",
+            "%s batches by %.2f dB",
             name,
+            "held-out" if held_out is not None else "calibration",
             -decibels(found, error),
         )
     return gm, left_out
@@ -183,6 +203,9 @@ class AlgorithmRun:
     guarded: ModelGuard | None = None
     #: transforms the guard undid at prepare: ``(algorithm, error with it, error without it)``
     undone: list[tuple[str, float, float]] = field(default_factory=list)
+    #: the held-out batches (flat) the guard judges on instead of the stored calibration batches
+    #: (``prepare(..., held_out=...)``); None: the calibration batches
+    held_out: list[tuple[Any, ...]] | None = None
 
 
 def is_sequential(algorithm: Any) -> bool:
@@ -275,15 +298,25 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
 
 
 def install_collectors(
-    gm: GraphModule, state: Any, algorithms: Sequence[Any], nonfinite: str = "error", guard: bool = True
+    gm: GraphModule,
+    state: Any,
+    algorithms: Sequence[Any],
+    nonfinite: str = "error",
+    guard: bool = True,
+    held_out: Sequence[tuple[Any, ...]] | None = None,
 ) -> AlgorithmRun:
     """Ask each algorithm for a collector per weight site and tap the layers' inputs for them.
 
     The program's inputs are tapped too (an :class:`InputStore`) when convert will re-run stored
     batches: for sequential layer inputs, or for the guard (:mod:`quantplug.algorithms.guard`)
-    when some algorithm chooses weights.
+    when some algorithm chooses weights and no ``held_out`` batches (flat) were given to judge on.
     """
-    run = AlgorithmRun(list(algorithms), nonfinite=nonfinite, guard=guard)
+    run = AlgorithmRun(
+        list(algorithms),
+        nonfinite=nonfinite,
+        guard=guard,
+        held_out=list(held_out) if guard and held_out is not None else None,
+    )
     container = nn.Module()
     gm.add_module(TAPS, container)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -300,9 +333,14 @@ def install_collectors(
         site.input_index is not None and any(is_sequential(algorithms[i]) for i in wanted)
         for site, wanted in planned
     )
-    guarded = guard and bool(planned) and any(callable(getattr(a, "choose_weight", None)) for a in algorithms)
+    judged_on_store = (
+        guard
+        and run.held_out is None
+        and bool(planned)
+        and any(callable(getattr(a, "choose_weight", None)) for a in algorithms)
+    )
     count = 0
-    if sequential_layers or guarded:  # batches kept for convert to re-run
+    if sequential_layers or judged_on_store:  # batches kept for convert to re-run
         run.inputs = InputStore() if sequential_layers else InputStore(GUARD_BATCHES, GUARD_BYTES)
         container.add_module("inputs", run.inputs)
         user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -431,8 +469,11 @@ def choose_weights(
         else []
         for ref in refs
     ]
-    judged = guard_batches(batches) if run.guard else []
-    simulate = bool(batches) and (any(wants) or bool(judged))
+    if run.held_out is not None:  # prepare(..., held_out=...): batches the algorithms never saw
+        judged = run.held_out
+    else:
+        judged = guard_batches(batches) if run.guard else []
+    simulate = (bool(batches) and any(wants)) or bool(judged)
     order = (
         stages(list(prepared.graph.nodes), [ref.site.node for ref in refs])
         if simulate
@@ -443,7 +484,7 @@ def choose_weights(
         for ref, grid in zip(refs, grids):
             current[ref.site.name] = grid.dequantize(grid.quantize(ref.site.weight)).to(ref.site.weight.dtype)
     activation = _activation_encodings(state, qparams_of) if simulate else {}
-    guard = _model_guard(prepared, activation, judged) if judged else None
+    guard = _model_guard(prepared, activation, judged, run.held_out is not None) if judged else None
     base = dict(current)  # every weight rounded to nearest: the default
     chosen: list[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]] = []  # (site index, ...)
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
@@ -544,6 +585,7 @@ def _model_guard(
     prepared: GraphModule,
     activation: dict[int, tuple[Any, tuple[Any, Any] | None]],
     batches: Sequence[tuple[Any, ...]],
+    held_out: bool,
 ) -> ModelGuard:
     """The guard over ``batches``, the float model's outputs its reference."""
     from quantplug.flow.prepare import OBSERVERS
@@ -554,7 +596,11 @@ def _model_guard(
         simulation = QuantizedSimulation(prepared, OBSERVERS, encodings, replaced, {}, is_tap)
         return [output_tensors(simulation.outputs(batch)) for batch in batches]
 
-    return ModelGuard(lambda replaced: outputs(activation, dict(replaced)), outputs({}, {}))
+    return ModelGuard(
+        lambda replaced: outputs(activation, dict(replaced)),
+        outputs({}, {}),
+        judged_on="held-out" if held_out else "calibration",
+    )
 
 
 def warn_ignored(ignored: dict[str, int]) -> None:

@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from quantplug.cli.checks import check_calibration_path
 from quantplug.cli.errors import InputError
 from quantplug.suggest import did_you_mean
 
@@ -66,6 +67,13 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
         help="keep every weight choice of the algorithms, even where the model's output on the first "
         "calibration batches is worse than with round-to-nearest (by default such a layer keeps "
         "round-to-nearest)",
+    )
+    p.add_argument(
+        "--held-out",
+        metavar="PATH",
+        help="batches not calibrated on (the --calibration formats; the first 8 are used) for the "
+        "algorithm guard to judge the algorithms' choices on, instead of the calibration batches "
+        "they were fitted to: a choice that only fits the calibration data is refused",
     )
 
 
@@ -125,6 +133,15 @@ def check_algorithm_arguments(args: argparse.Namespace) -> list[tuple[str, dict[
     """
     names: list[str] = list(getattr(args, "algorithm", []) or [])
     raw: list[str] = list(getattr(args, "algorithm_option", []) or [])
+    if getattr(args, "held_out", None) is not None:
+        if not names:
+            raise InputError("--held-out is what the algorithm guard judges on; give --algorithm NAME too")
+        if not getattr(args, "algorithm_guard", True):
+            raise InputError(
+                "--held-out is what the algorithm guard judges on, and --no-algorithm-guard turns the "
+                "guard off; give one or the other"
+            )
+        check_calibration_path(args.held_out, "held-out data")
     if not names:
         if raw:
             raise InputError("--algorithm-option given without --algorithm NAME")

@@ -46,11 +46,11 @@ def check_model_spec(spec: str | None) -> None:
     )
 
 
-def check_calibration_path(spec: str | None) -> None:
+def check_calibration_path(spec: str | None, what: str = "calibration data") -> None:
     """A file, a folder, or a ``package.module:factory`` returning an iterable of batches."""
     if spec is not None and not Path(spec).exists() and not FACTORY.match(spec):
         raise InputError(
-            f"calibration data {spec!r} not found (a .pt file, a folder of them or a "
+            f"{what} {spec!r} not found (a .pt file, a folder of them or a "
             "package.module:factory returning an iterable of batches)"
         )
 

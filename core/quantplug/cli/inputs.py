@@ -401,9 +401,11 @@ def _factory_batches(
         index += 1
 
 
-def open_calibration(spec: str, inputs: Sequence[InputSpec]) -> CalibrationData:
-    """Calibration data from a .pt file, a folder of them (sorted by name) or a
-    ``package.module:factory`` returning an iterable of batches (a DataLoader, a generator)."""
+def open_calibration(
+    spec: str, inputs: Sequence[InputSpec], what: str = "calibration data"
+) -> CalibrationData:
+    """Calibration data (or ``what`` else: held-out batches) from a .pt file, a folder of them
+    (sorted by name) or a ``package.module:factory`` returning an iterable of batches."""
     path = Path(spec)
     if not path.exists():
         if FACTORY.match(spec):
@@ -415,12 +417,12 @@ def open_calibration(spec: str, inputs: Sequence[InputSpec]) -> CalibrationData:
                 shards_itself=shards,
             )
         raise InputError(
-            f"calibration data {spec!r} not found (a .pt file, a folder of them or package.module:factory)"
+            f"{what} {spec!r} not found (a .pt file, a folder of them or package.module:factory)"
         )
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
         if not files:
-            raise InputError(f"calibration folder {spec!r} has no {'/'.join(DATA_SUFFIXES)} files")
+            raise InputError(f"{what} folder {spec!r} has no {'/'.join(DATA_SUFFIXES)} files")
     else:
         files = [path]
     return CalibrationData(
@@ -444,13 +446,14 @@ def check_batches(
     *,
     finite: bool = False,
     start: int = 0,
+    what: str = "calibration",
 ) -> None:
     """Every batch matches the model's inputs (positional and keyword), each with its dtype and
     (static) shape, and with ``finite``, holds no NaN or infinite values. Keyword inputs are
     matched by the calling convention of ``program``."""
     in_spec = None if program is None else in_spec_of(program)
     for index, (given, origin) in enumerate(zip(batches, origins), start):
-        where = f"calibration batch {index} ({origin})"
+        where = f"{what} batch {index} ({origin})"
         flat = _flat_inputs(Call.of(given), in_spec, where)
         if len(flat) != len(inputs):
             raise InputError(

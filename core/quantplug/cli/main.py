@@ -262,7 +262,7 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
 TRANSFORM_BATCHES = 128
 
 
-def _guard_verdict(prepared: Any, on: bool, console: Any) -> str:
+def _guard_verdict(prepared: Any, on: bool, held_out: str | None, console: Any) -> str:
     """What the algorithm guard did at convert, for the report (and the console when it kept a
     default: the user asked for an algorithm that some layer does not get)."""
     from quantplug.algorithms.guard import decibels
@@ -277,11 +277,12 @@ def _guard_verdict(prepared: Any, on: bool, console: Any) -> str:
         for name, worse, better in getattr(run, "undone", [])
     ]
     verdicts = [*undone, *([guard.summary()] if guard is not None else [])]
+    on_what = f" (judged on held-out data {held_out})" if held_out else ""
     if not verdicts:
-        return "on (nothing to judge)"
+        return f"on{on_what} (nothing to judge)"
     if undone or (guard is not None and guard.kept_out):
         console.info("algorithm guard: " + "; ".join(verdicts))
-    return "on: " + "; ".join(verdicts)
+    return f"on{on_what}: " + "; ".join(verdicts)
 
 
 def _transform_batches(data: Any, group: Any) -> list[Any]:
@@ -289,13 +290,35 @@ def _transform_batches(data: Any, group: Any) -> list[Any]:
     :data:`TRANSFORM_BATCHES` of the whole data, read by rank 0 and sent to the others, so every
     rank transforms with the same batches (a factory shuffling without a seed reads other batches
     on every rank) and prepares the same program."""
+    return [b for b, _ in _first_batches(data, TRANSFORM_BATCHES, group)]
+
+
+def _first_batches(data: Any, count: int, group: Any) -> list[Any]:
+    """The first ``count`` ``(batch, origin)`` pairs of ``data`` as rank 0 reads them, on every rank."""
     if group is None:
-        return [b for b, _ in data.head(TRANSFORM_BATCHES)]
+        return list(data.head(count))
     import torch.distributed as dist
 
-    holder: list[Any] = [[b for b, _ in data.head(TRANSFORM_BATCHES)] if group.writer else None]
+    holder: list[Any] = [list(data.head(count)) if group.writer else None]
     dist.broadcast_object_list(holder, src=0)
     return list(holder[0])
+
+
+def _held_out_batches(args: argparse.Namespace, model: Any, group: Any) -> list[Any] | None:
+    """``--held-out``'s first batches (the guard judges on at most that many), read by rank 0
+    and sent to the others, as :func:`_transform_batches`, so every rank judges alike."""
+    from quantplug.algorithms.guard import GUARD_BATCHES
+    from quantplug.cli.inputs import check_batches, open_calibration
+
+    if args.held_out is None:
+        return None
+    data = open_calibration(args.held_out, model.inputs, "held-out data")
+    head = _first_batches(data, GUARD_BATCHES, group)
+    if not head:
+        raise InputError(f"held-out data {args.held_out!r} holds no batches")
+    batches, origins = [b for b, _ in head], [o for _, o in head]
+    check_batches(batches, origins, model.inputs, model.program, what="held-out")
+    return batches
 
 
 def _calibration_data(args: argparse.Namespace, model: Any, warn: Any) -> tuple[Any, dict[str, Any]]:
@@ -472,6 +495,7 @@ def _quantize_into(
         algorithms=args.algorithms or None,
         calibration=_transform_batches(data, group) if args.algorithms else None,
         algorithm_guard=args.algorithm_guard,
+        held_out=_held_out_batches(args, model, group),
     )
     if group is not None and args.algorithms:
         from quantplug.algorithms.merge import check_mergeable
@@ -499,7 +523,7 @@ def _quantize_into(
     quantized = quantplug.convert(prepared)
     t = lap("convert", t)
     if args.algorithms:
-        options["algorithm_guard"] = _guard_verdict(prepared, args.algorithm_guard, console)
+        options["algorithm_guard"] = _guard_verdict(prepared, args.algorithm_guard, args.held_out, console)
 
     artifact = None  # measured beside the program by compare() when the backend can run it
     bar = console.progress("lowering", 0, "steps", done_label="lowered")

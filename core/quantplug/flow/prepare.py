@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 from quantplug.algorithms.registry import resolve_algorithms
 from quantplug.algorithms.runtime import RUN_KEY as ALGORITHMS_KEY
-from quantplug.algorithms.runtime import install_collectors, run_transforms
+from quantplug.algorithms.runtime import flat_batches, install_collectors, run_transforms
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, OptionError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
@@ -155,6 +155,7 @@ def prepare(
     algorithms: Sequence[Any] | None = None,
     calibration: Sequence[Any] | None = None,
     algorithm_guard: bool = True,
+    held_out: Sequence[Any] | None = None,
 ) -> GraphModule:
     """Annotate ``program`` with ``quantizer`` and insert observers (or fake-quants if ``qat``).
 
@@ -182,6 +183,12 @@ def prepare(
             batches, and undo a transform whose quantized program does worse on the
             ``calibration`` batches (:mod:`quantplug.algorithms.guard`), so algorithms never make
             the model worse than the default on those batches; ``False`` keeps every choice.
+        held_out: batches not calibrated on (as ``calibration``'s) for the guard to judge on
+            instead of the calibration batches (the first 8, at most 32 MiB of them). The
+            algorithms fit their choices to the calibration data, where a choice that overfits
+            (GPTQ on a layer that saw fewer rows than it has inputs) still looks good; judged on
+            held-out data it is refused, and the guarantee reads "never worse than the default on
+            ``held_out``". Used only with algorithms and the guard.
 
     Returns:
         A GraphModule to calibrate (or train) and pass to :func:`quantplug.convert`.
@@ -199,6 +206,11 @@ def prepare(
             f"algorithm_guard must be True or False, got {algorithm_guard!r}; pass "
             "prepare(..., algorithm_guard=False) to keep every choice of the algorithms"
         )
+    if held_out is not None and not algorithm_guard:
+        raise OptionError(
+            "held_out batches are what the algorithm guard judges on, and algorithm_guard=False "
+            "turns the guard off; pass one or the other"
+        )
     chosen = resolve_algorithms(algorithms)  # issue 15: names -> configured objects, before any work
     with paused_gc():
         return _prepare(
@@ -209,6 +221,7 @@ def prepare(
             algorithms=chosen,
             calibration=calibration,
             algorithm_guard=algorithm_guard,
+            held_out=held_out,
         )
 
 
@@ -259,6 +272,7 @@ def _prepare(
     algorithms: list[Any],
     calibration: Sequence[Any] | None,
     algorithm_guard: bool,
+    held_out: Sequence[Any] | None,
 ) -> GraphModule:
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
     for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
@@ -270,6 +284,11 @@ def _prepare(
     rewrite_fixed_bags(gm)  # no ONNX Loop, a quantized table (flow.embedding_bag)
     if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
         materialize_computed_weights(gm)
+    judged = (  # the guard's held-out batches, flat and checked against the program
+        flat_batches(gm, held_out, in_spec_of(program), "held_out")
+        if algorithms and algorithm_guard and held_out is not None
+        else None
+    )
     if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
         gm, undone = run_transforms(
             gm,
@@ -279,6 +298,7 @@ def _prepare(
             quantizer,
             guard=algorithm_guard and not qat,  # a QAT model is trained after: nothing to judge now
             nonfinite=nonfinite,
+            held_out=judged,
         )
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
@@ -306,7 +326,9 @@ def _prepare(
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
-        gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite, algorithm_guard)
+        gm.meta[ALGORITHMS_KEY] = install_collectors(
+            gm, state, algorithms, nonfinite, algorithm_guard, held_out=judged
+        )
         gm.meta[ALGORITHMS_KEY].undone = undone
     _as_prepared_module(gm)
     compile_now(gm)
