@@ -430,14 +430,18 @@ def test_held_out_batches_refuse_a_choice_that_only_fits_the_calibration_data(
     held_out = correlated(2, torch.Generator().manual_seed(7))
     unseen = correlated(8, torch.Generator().manual_seed(9))  # neither calibrated nor judged on
     default, _ = wide_converted(None, [])
-    on_calibration, prepared = wide_converted(None, ["gptq"])
+    with caplog.at_level(logging.INFO, logger="quantplug.algorithms"):
+        on_calibration, prepared = wide_converted(None, ["gptq"])
     assert prepared.meta[RUN_KEY].guarded.kept_out == []  # it fits the batch the guard judges on
     assert wide_error(on_calibration, unseen) > 1.2 * wide_error(default, unseen)
+    assert "8 rows, 64 inputs" in caplog.text and "prepare(..., held_out=...)" in caplog.text  # advised
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="quantplug.algorithms"):
         judged, prepared = wide_converted(held_out, ["gptq"])
     verdicts = prepared.meta[RUN_KEY].guarded
     assert verdicts.kept_out and verdicts.judged_on == "held-out"
     assert "SQNR on the held-out batches" in caplog.text
+    assert "8 rows, 64 inputs" in caplog.text and "held_out=" not in caplog.text  # already given
     assert wide_error(judged, held_out) <= wide_error(default, held_out) * (1 + 1e-4)
     assert wide_error(judged, unseen) < wide_error(on_calibration, unseen)
     assert prepared.meta[RUN_KEY].inputs is None  # nothing of the calibration data is stored for it
@@ -476,7 +480,8 @@ def test_held_out_batches_undo_a_transform_that_only_holds_on_the_calibration_da
 
 def test_held_out_batches_are_copied_and_checked() -> None:
     """The caller's tensors may change after prepare; a batch that does not fit the program, no
-    batch at all, or held-out batches with the guard off are typed errors naming the argument."""
+    batch at all, NaN (unless ignored, as in calibration data) or held-out batches with the guard
+    off are typed errors naming the argument."""
     x = data()
     ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
@@ -491,6 +496,14 @@ def test_held_out_batches_are_copied_and_checked() -> None:
         quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=[])
     with pytest.raises(quantplug.OptionError, match="algorithm_guard=False turns the guard off"):
         quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=held_out, algorithm_guard=False)
+    with pytest.raises(quantplug.NonFiniteError, match="held_out batch 0: input 'x' holds 128 NaN and 0 inf"):
+        quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=held_out)  # its tensor: all NaN now
+    mixed = x[:BATCH].clone()
+    mixed[0, 0] = math.nan
+    prepared = quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=[(mixed,)], nonfinite="ignore")
+    with torch.no_grad():
+        prepared(x[BATCH:])
+        assert bool(torch.isfinite(quantplug.convert(prepared)(x[:BATCH])).all())
 
 
 def test_quantize_passes_held_out_batches_to_the_guard() -> None:

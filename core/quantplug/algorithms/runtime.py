@@ -36,7 +36,7 @@ from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, sta
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.algorithms.weight_layers import LayerHessian
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
-from quantplug.errors import AlgorithmError
+from quantplug.errors import AlgorithmError, NonFiniteError
 from quantplug.flow.batchnorm import FOLDED_FROM
 from quantplug.flow.inspect import fetch_attr, put_attr
 
@@ -63,16 +63,35 @@ def algorithm_name(algorithm: Any) -> str:
     return str(getattr(algorithm, "name", "") or type(algorithm).__name__)
 
 
-def flat_batches(gm: GraphModule, batches: Sequence[Any], in_spec: Any, what: str) -> list[tuple[Any, ...]]:
+def flat_batches(
+    gm: GraphModule, batches: Sequence[Any], in_spec: Any, what: str, nonfinite: str = "error"
+) -> list[tuple[Any, ...]]:
     """The guard's held-out batches as the program's flat inputs (copies, so the caller may reuse
     its tensors), each checked against the program, and capped as the guard caps calibration
-    batches (:func:`~quantplug.algorithms.guard.guard_batches`)."""
+    batches (:func:`~quantplug.algorithms.guard.guard_batches`). NaN/inf in them raise as they
+    would in calibration data, unless ``nonfinite="ignore"`` (the guard then leaves the outputs
+    they reach out of its measure)."""
     from quantplug.flow.calls import Call, check_flat_inputs
 
     flat: list[tuple[Any, ...]] = []
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     for index, batch in enumerate(batches):
         inputs = Call.of(batch).flat(in_spec, what=f"{what} batch {index}")
         check_flat_inputs(gm, inputs, what=f"{what} batch {index}")
+        for name, value in zip(placeholders, inputs):
+            if nonfinite == "ignore" or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
+            if nan or inf:
+                raise NonFiniteError(
+                    f"{what} batch {index}: input {name!r} holds {nan} NaN and {inf} infinite value(s); "
+                    "the guard judges the algorithms on these batches: give finite data, or "
+                    "nonfinite='ignore' to leave the outputs they reach out of its measure",
+                    where=name,
+                    nan=nan,
+                    inf=inf,
+                    reached=f"{what} batch {index}",
+                )
         flat.append(tuple(v.detach().clone() if isinstance(v, torch.Tensor) else v for v in inputs))
     if not flat:
         raise AlgorithmError(f"{what} holds no batch; give at least one, or leave it out")
@@ -779,6 +798,12 @@ def warn_underdetermined(run: AlgorithmRun) -> None:
     (ConvNeXt's classifier calibrated on 16 images, 64 inputs: GPTQ -4.4 dB held out). The user
     learns it at convert, not from the deployed model.
     """
+    judged = (
+        ""
+        if run.held_out is not None or not run.guard
+        else ", or give the algorithm guard batches not calibrated on (prepare(..., held_out=...), "
+        "quantize --held-out PATH) to judge the choices on"
+    )
     for name, layers in underdetermined_layers(run).items():
         shown = ", ".join(f"{w} ({rows} rows, {inputs} inputs)" for w, rows, inputs in layers[:5])
         more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
@@ -786,9 +811,10 @@ def warn_underdetermined(run: AlgorithmRun) -> None:
             "%s: %d layer(s) saw fewer calibration rows than they have inputs: %s%s. Its choices "
             "there fit the calibration data and may lose accuracy on other data; calibrate on more "
             "batches (a linear's rows are its input's samples or tokens, a convolution's its output "
-            "positions).",
+            "positions)%s.",
             name,
             len(layers),
             shown,
             more,
+            judged,
         )

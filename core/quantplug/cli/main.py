@@ -317,7 +317,8 @@ def _held_out_batches(args: argparse.Namespace, model: Any, group: Any) -> list[
     if not head:
         raise InputError(f"held-out data {args.held_out!r} holds no batches")
     batches, origins = [b for b, _ in head], [o for _, o in head]
-    check_batches(batches, origins, model.inputs, model.program, what="held-out")
+    finite = args.nonfinite != "ignore"
+    check_batches(batches, origins, model.inputs, model.program, finite=finite, what="held-out")
     return batches
 
 

@@ -285,7 +285,7 @@ def _prepare(
     if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
         materialize_computed_weights(gm)
     judged = (  # the guard's held-out batches, flat and checked against the program
-        flat_batches(gm, held_out, in_spec_of(program), "held_out")
+        flat_batches(gm, held_out, in_spec_of(program), "held_out", nonfinite)
         if algorithms and algorithm_guard and held_out is not None
         else None
     )
