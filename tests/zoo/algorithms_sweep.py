@@ -71,7 +71,8 @@ def sweep(name: str, algorithms: list[str], skipped: int = 0, judged: bool = Fal
                 first = (str(error).splitlines() or [""])[0][:160]
                 cells.append(f"{algorithm} FAIL {type(error).__name__}: {first}")
                 continue
-            cells.append(f"{algorithm} {found - default:+.2f} ({time.perf_counter() - started:.0f} s)")
+            gain = 0.0 if found == default else found - default  # both exact (inf): no change
+            cells.append(f"{algorithm} {gain:+.2f} ({time.perf_counter() - started:.0f} s)")
         lines.append(f"{name:18} {backend} {preset:17} default {default:6.2f} | " + " | ".join(cells))
     return lines, failed
 
