@@ -18,7 +18,7 @@ from torch import nn
 
 import quantplug
 from quantplug.algorithms.cle import find_pairs
-from quantplug.algorithms.guard import Candidate, ModelGuard, relative_error
+from quantplug.algorithms.guard import TIE, Candidate, ModelGuard, relative_error
 from quantplug.algorithms.runtime import RUN_KEY
 from quantplug.algorithms.spec import TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.flow.inspect import fetch_attr
@@ -172,14 +172,15 @@ def test_choices_that_help_are_kept_layer_by_layer() -> None:
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.05]))
 def test_the_guarded_model_is_never_worse_than_the_default_on_its_batches(seed: int, bias: float) -> None:
     """Whatever the algorithm chooses: the error of the converted program on the calibration
-    batches (all of which the guard saw here) is at most the default's; unguarded, it is not."""
+    batches (all of which the guard saw here) is at most the default's (within the tie margin);
+    unguarded, it is not."""
     x = data()
     default, _ = convert([])
     guarded, prepared = convert([Perturb(seed, bias)])
     verdicts = prepared.meta[RUN_KEY].guarded
     assert verdicts.tried == 3
     # the simulation leaves out the biases' int32 rounding, which the converted program has
-    assert calibration_error(guarded, x) <= calibration_error(default, x) * (1 + 1e-4)
+    assert calibration_error(guarded, x) <= calibration_error(default, x) / (1 - TIE) * (1 + 1e-4)
     unguarded, _ = convert([Perturb(seed, bias)], guard=False)
     if verdicts.kept_out:  # the guard refused something: what it refused made the model worse
         assert calibration_error(unguarded, x) > calibration_error(guarded, x)
@@ -233,26 +234,57 @@ def test_relative_error_is_zero_only_for_the_reference_and_scale_free(
     assert relative_error([[ref * scale]], [[(ref + noise) * scale]]) == pytest.approx(error, rel=1e-9)
 
 
-@given(st.integers(1, 5).flatmap(lambda n: st.lists(st.floats(0, 10), min_size=2**n, max_size=2**n)))
-def test_the_selection_is_never_worse_than_the_default_nor_than_every_choice(errors: list[float]) -> None:
-    """Any interplay of the choices (``errors[mask]``: the model's error with the choices in
-    ``mask`` kept): the selection's error is at most the default's (nothing kept) and, unless the
-    default beats it, at most that of every choice kept; it is the error of what it keeps."""
+def select(errors: list[float], noise: list[float] | None = None) -> tuple[ModelGuard, list[bool]]:
+    """The guard's selection over ``len(errors).bit_length() - 1`` choices whose model error with
+    the choices in ``mask`` kept is ``errors[mask]`` (times ``1 + noise[k]`` at the k-th measure)."""
     n = len(errors).bit_length() - 1
     candidates = [Candidate(f"w{i}", {f"w{i}": torch.ones(1)}, {f"w{i}": torch.zeros(1)}) for i in range(n)]
+    measured = iter(noise or [])
 
     def evaluate(weights: Any) -> list[list[torch.Tensor]]:
         mask = sum(1 << i for i in range(n) if bool(weights[f"w{i}"] == 1))
-        return [[torch.ones(1, dtype=torch.float64) + math.sqrt(errors[mask])]]
+        error = errors[mask] * (1 + next(measured, 0.0))
+        return [[torch.ones(1, dtype=torch.float64) + math.sqrt(error)]]
 
     guard = ModelGuard(evaluate, [[torch.ones(1, dtype=torch.float64)]])
-    keep = guard.select({f"w{i}": torch.zeros(1) for i in range(n)}, candidates)
+    return guard, guard.select({f"w{i}": torch.zeros(1) for i in range(n)}, candidates)
+
+
+@given(st.integers(1, 5).flatmap(lambda n: st.lists(st.floats(0, 10), min_size=2**n, max_size=2**n)))
+def test_the_selection_is_never_worse_than_the_default_nor_than_every_choice(errors: list[float]) -> None:
+    """Any interplay of the choices (``errors[mask]``: the model's error with the choices in
+    ``mask`` kept): the selection's error is at most that of every choice kept and at most the
+    default's (nothing kept) within the tie margin; it is the error of what it keeps."""
+    guard, keep = select(errors)
     kept = sum(1 << i for i, k in enumerate(keep) if k)
     assert guard.error == pytest.approx(errors[kept], rel=1e-9, abs=1e-12)
-    assert guard.error <= errors[0] * (1 + 1e-9) + 1e-12
-    if errors[-1] <= errors[0]:  # pruning starts no worse than the default: it never rises from there
-        assert guard.error <= errors[-1] * (1 + 1e-9) + 1e-12
-    assert len(guard.kept_out) == keep.count(False) and guard.tried == n
+    assert guard.error <= errors[0] / (1 - TIE) * (1 + 1e-9) + 1e-12
+    assert guard.error <= errors[-1] * (1 + 1e-9) + 1e-12
+    assert len(guard.kept_out) == keep.count(False) and guard.tried == len(keep)
+
+
+# errors of 1, 2 or 3 choices on a coarse grid: every two of them equal, or 8 % apart or more
+coarse_errors = st.integers(1, 3).flatmap(
+    lambda n: st.lists(st.integers(0, 12).map(lambda k: 1.08**k), min_size=2**n, max_size=2**n)
+)
+
+
+#: relative noise on every measure: above what 1e-7 input noise did to the guard's errors on the
+#: bench's models (up to 2.3e-4), a quarter of the margin
+NOISE = 2.5e-4
+
+
+@given(coarse_errors, st.lists(st.floats(-NOISE, NOISE), min_size=64, max_size=64))
+def test_float_noise_below_the_tie_margin_changes_no_verdict(errors: list[float], noise: list[float]) -> None:
+    """What the guard measures carries float noise that differs between machines (thread count,
+    CPU). Choices whose true errors are equal (a choice that does nothing measurable, common) or
+    clearly apart get the same verdicts whatever that noise: the converted program does not depend
+    on the machine's rounding. Without the margin a tie would go by the noise's sign (this fails
+    with ``TIE = 0``)."""
+    assert NOISE <= TIE / 4
+    _, clean = select(errors)
+    _, noisy = select(errors, noise)
+    assert noisy == clean
 
 
 # -- transforms of the float program ----------------------------------------------------------------

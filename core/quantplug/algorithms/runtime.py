@@ -29,6 +29,7 @@ from quantplug.algorithms.guard import (
     ModelGuard,
     decibels,
     guard_batches,
+    lower,
     output_tensors,
     quantized_error,
 )
@@ -152,7 +153,7 @@ def run_transforms(
             for target in changed:
                 put_attr(gm, target, now[target])
         found = quantized_error(gm, quantizer, judged, reference, nonfinite, measured)
-        if found <= error:
+        if not lower(error, found):  # not worse beyond the tie margin: kept
             error = found
             continue
         for target, value in changed.items():  # undone: the program as it was before

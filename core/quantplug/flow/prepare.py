@@ -182,7 +182,8 @@ def prepare(
             rounded to nearest) by the quantized model's output error on the first calibration
             batches, and undo a transform whose quantized program does worse on the
             ``calibration`` batches (:mod:`quantplug.algorithms.guard`), so algorithms never make
-            the model worse than the default on those batches; ``False`` keeps every choice.
+            the model worse than the default on those batches (beyond a 0.004 dB tie margin,
+            float noise); ``False`` keeps every choice.
         held_out: batches not calibrated on (as ``calibration``'s) for the guard to judge on
             instead of the calibration batches (the first 8, at most 32 MiB of them). The
             algorithms fit their choices to the calibration data, where a choice that overfits
