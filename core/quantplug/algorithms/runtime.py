@@ -40,6 +40,7 @@ from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, 
 from quantplug.errors import AlgorithmError, NonFiniteError
 from quantplug.flow.batchnorm import FOLDED_FROM
 from quantplug.flow.inspect import fetch_attr, put_attr
+from quantplug.observers.nonfinite import nonfinite_counts
 
 logger = logging.getLogger("quantplug.algorithms")
 
@@ -82,7 +83,7 @@ def flat_batches(
         for name, value in zip(placeholders, inputs):
             if nonfinite == "ignore" or not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 continue
-            nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
+            nan, inf, _ = nonfinite_counts(value)
             if nan or inf:
                 raise NonFiniteError(
                     f"{what} batch {index}: input {name!r} holds {nan} NaN and {inf} infinite value(s); "
@@ -799,7 +800,7 @@ def warn_underdetermined(run: AlgorithmRun) -> None:
     (ConvNeXt's classifier calibrated on 16 images, 64 inputs: GPTQ -4.4 dB held out). The user
     learns it at convert, not from the deployed model.
     """
-    judged = (
+    advice = (
         ""
         if run.held_out is not None or not run.guard
         else ", or give the algorithm guard batches not calibrated on (prepare(..., held_out=...), "
@@ -817,5 +818,5 @@ def warn_underdetermined(run: AlgorithmRun) -> None:
             len(layers),
             shown,
             more,
-            judged,
+            advice,
         )
