@@ -554,3 +554,26 @@ def test_quantize_passes_held_out_batches_to_the_guard() -> None:
     with torch.no_grad():
         assert torch.equal(converted(held_out[0]), judged(held_out[0]))
         assert not torch.equal(converted(held_out[0]), wide_converted(None, ["gptq"])[0](held_out[0]))
+
+
+def test_held_out_batches_of_other_sizes_on_an_lstm_with_a_dynamic_batch() -> None:
+    """Held-out batches of 2 and 9 sequences for a program calibrated on 3, 5 and 7 (a free batch
+    dimension): the guard judges on them and refuses the harmful head choice."""
+    torch.manual_seed(0)
+    model = Recurrent().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(n, 6, 8, generator=g) for n in (3, 5, 7)]
+    held_out = [(torch.randn(n, 6, 8, generator=g),) for n in (2, 9)]
+    ep = torch.export.export(model, (batches[0],), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    algorithms = ["gptq", Shift({"head.weight"}, step=3)]
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, held_out=held_out)
+    with torch.no_grad():
+        for b in batches:
+            prepared(b)
+    converted = quantplug.convert(prepared)
+    verdicts = prepared.meta[RUN_KEY].guarded
+    assert verdicts.judged_on == "held-out"
+    assert [label for label, _, _ in verdicts.kept_out] == ["head.weight"]
+    out = converted(torch.randn(11, 6, 8))
+    assert out.shape == (11, 6, 4) and bool(torch.isfinite(out).all())
