@@ -16,9 +16,10 @@ tests/reference/test_reference_digits.py). Configs: ``qnn_htp`` 16a4w, 16a4w_blo
 Calibration: 8 batches; SQNR measured on 4 other batches (the float model's output vs the
 converted Q/DQ program's). Every installed algorithm runs alone (those needing data before
 annotation get the calibration batches), then every combination in ``COMBINATIONS`` whose
-algorithms are installed; "best" is the highest SQNR among them. Time columns: prepare +
-calibrate + convert with the algorithm minus the same without it, against the calibration time
-of the default run.
+algorithms are installed (a configured algorithm, ``("gptq", {"scale_search": 20})``, is named
+``gptq(scale_search=20)``; tried alone it gets a column); "best" is the highest SQNR among them.
+Time columns: prepare + calibrate + convert with the algorithm minus the same without it, against
+the calibration time of the default run.
 
 Writes ``bench/results/algorithms.md`` and ``algorithms.json``.
 """
@@ -55,8 +56,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 HTP = {"soc_model": "SM8650"}
 
+#: an algorithm as prepare() takes it: a name, or a name and its options
+Spec = str | tuple[str, dict[str, Any]]
+#: GPTQ choosing each channel's range by the error it leaves (off by default: it multiplies
+#: GPTQ's time by the candidates tried; see docs/weight-algorithms.md)
+GPTQ_SCALE_SEARCH: Spec = ("gptq", {"scale_search": 20})
+
 #: combinations tried for "best" (in application order); those with a missing algorithm are skipped
-COMBINATIONS: tuple[tuple[str, ...], ...] = (
+COMBINATIONS: tuple[tuple[Spec, ...], ...] = (
     ("cle", "bias_correction"),
     ("smoothquant", "bias_correction"),
     ("cle", "smoothquant", "bias_correction"),
@@ -71,7 +78,23 @@ COMBINATIONS: tuple[tuple[str, ...], ...] = (
     ("cle", "gptq", "bias_correction"),
     ("smoothquant", "gptq", "bias_correction"),
     ("seq_mse", "gptq", "bias_correction"),
+    (GPTQ_SCALE_SEARCH,),
+    (GPTQ_SCALE_SEARCH, "bias_correction"),
+    ("cle", GPTQ_SCALE_SEARCH, "bias_correction"),
+    ("smoothquant", GPTQ_SCALE_SEARCH, "bias_correction"),
 )
+
+
+def spec_name(spec: Spec) -> str:
+    return spec if isinstance(spec, str) else spec[0]
+
+
+def spec_label(spec: Spec) -> str:
+    """``gptq`` or ``gptq(scale_search=20)``: how the table names a (configured) algorithm."""
+    if isinstance(spec, str):
+        return spec
+    name, options = spec
+    return f"{name}({', '.join(f'{k}={v}' for k, v in options.items())})"
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -87,7 +110,7 @@ def run_once(
     ep: torch.export.ExportedProgram,
     backend: str,
     options: dict[str, Any],
-    algorithms: Sequence[str],
+    algorithms: Sequence[Spec],
     calibration: list[tuple[torch.Tensor, ...]],
     measure: list[tuple[torch.Tensor, ...]],
     refs: list[torch.Tensor],
@@ -121,13 +144,13 @@ def run_once(
 def _attempt(
     row: dict[str, Any],
     where: tuple[Any, ...],
-    algs: Sequence[str],
+    algs: Sequence[Spec],
     opts: dict[str, Any],
     log: Callable[[str], None],
 ) -> dict[str, Any] | None:
     """One run recorded in ``row`` (a failing algorithm is a row of the table, not the end of the bench)."""
     name, config, ep, backend, extra, calibration, measure, refs, guard = where
-    label = "+".join(algs) or "default"
+    label = "+".join(spec_label(a) for a in algs) or "default"
     try:
         found = run_once(ep, backend, {**extra, **opts}, algs, calibration, measure, refs, guard)
     except Exception as exc:
@@ -162,7 +185,7 @@ def bench_model(
         for alg in algorithms:
             _attempt(row, where, (alg,), options, log)
         for combo in COMBINATIONS:
-            if all(a in algorithms for a in combo):
+            if all(spec_name(a) in algorithms for a in combo):
                 _attempt(row, where, combo, options, log)
         results[config] = row
     return results
@@ -177,7 +200,13 @@ def _fmt(x: float | None) -> str:
     return "inf" if math.isinf(x) else f"{x:.1f}"
 
 
-def table(all_results: dict[str, dict[str, Any]], algorithms: list[str]) -> str:
+def table(all_results: dict[str, dict[str, Any]], installed: list[str]) -> str:
+    # each algorithm alone, and each configured one tried alone (``gptq(scale_search=20)``)
+    algorithms = installed + [
+        spec_label(c[0])
+        for c in COMBINATIONS
+        if len(c) == 1 and not isinstance(c[0], str) and spec_name(c[0]) in installed
+    ]
     head = [
         "model",
         "config",

@@ -107,14 +107,16 @@ def test_smoothquant_measures_its_alpha_on_rows_that_did_not_set_the_ranges() ->
     assert all(alpha < 0.5 for alpha in algorithm.chosen.values())
 
 
-def brute_force_codes(weight: torch.Tensor, scale: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+def brute_force_codes(
+    weight: torch.Tensor, scale: torch.Tensor, hessian: torch.Tensor, low: int = -8, high: int = 7
+) -> torch.Tensor:
     """The floor/ceil rounding of a one-row weight with the least output error (every combination)."""
-    low = torch.floor(weight / scale)
-    best, best_loss = low, float("inf")
+    floor = torch.floor(weight / scale)
+    best, best_loss = floor, float("inf")
     n = weight.shape[1]
     for mask in range(2**n):
         up = torch.tensor([(mask >> j) & 1 for j in range(n)], dtype=weight.dtype)
-        codes = (low + up).clamp(-8, 7)
+        codes = (floor + up).clamp(low, high)
         d = weight - codes * scale
         loss = float((d @ hessian @ d.t()).sum())
         if loss < best_loss:
@@ -171,6 +173,44 @@ def test_rounding_algorithms_never_undo_a_better_choice(seed: int, name: str) ->
     assert choice.codes is not None
     best_error = output_error(weight, best, scale[:, None], hessian)
     assert output_error(weight, choice.codes, scale[:, None], hessian) <= best_error * (1 + 1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.booleans())
+def test_gptq_scale_search_never_replaces_better_codes_with_a_worse_encoding(
+    seed: int, outlier: bool
+) -> None:
+    """Given the best codes of the default grid, GPTQ with its scale search returns them, codes
+    as good, or an encoding whose codes leave less output error."""
+    weight, hessian, scale, site = one_row_problem(seed, outlier=outlier)
+
+    def observe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tensor.abs().amax(dim=1) / 7, torch.zeros(tensor.shape[0])
+
+    grid = WeightGrid(
+        -7,
+        7,
+        torch.int8,
+        torch.per_channel_symmetric,
+        "channel",
+        scale.float(),
+        torch.zeros(1),
+        True,
+        ch_axis=0,
+        _observe=observe,
+    )
+    algorithm = GPTQ(scale_search=10)
+    collector = algorithm.collector(site)
+    assert collector is not None
+    collector.update(torch.linalg.cholesky(hessian * 12).t().float())  # 6 rows whose x x^T sums to H
+    best = brute_force_codes(weight, scale[:, None], hessian, low=-7, high=7)
+    choice = algorithm.choose_weight(site, grid, best.to(torch.int64), hessian)
+    if choice is None:
+        return
+    assert choice.codes is not None
+    chosen_scale = scale if choice.scale is None else choice.scale.to(torch.float64)
+    best_error = output_error(weight, best, scale[:, None], hessian)
+    assert output_error(weight, choice.codes, chosen_scale[:, None], hessian) <= best_error * (1 + 1e-9)
 
 
 @settings(max_examples=25, deadline=None)

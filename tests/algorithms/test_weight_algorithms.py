@@ -111,7 +111,9 @@ def _weight_qparams(quantized: Any) -> list[Any]:
     ]
 
 
-@pytest.mark.parametrize("algorithm", ["seq_mse", "gptq", ("adaround", {"iterations": 20})])
+@pytest.mark.parametrize(
+    "algorithm", ["seq_mse", "gptq", ("gptq", {"scale_search": 10}), ("adaround", {"iterations": 20})]
+)
 def test_lpbq_weights_stay_per_block_on_the_lpbq_scale_lattice(algorithm: Any) -> None:
     from quantplug_qnn_htp.observers import LPBQ_SCALE_STEPS
 
@@ -148,6 +150,47 @@ def test_seq_mse_changes_scales_and_gptq_adaround_only_codes() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(scales["['seq_mse']"], base))
     for key in ("['gptq']", "[('adaround', {'iterations': 20})]"):
         assert all(torch.equal(a, b) for a, b in zip(scales[key], base)), key
+
+
+@pytest.mark.parametrize(("backend", "options"), FOUR_BIT)
+def test_gptq_scale_search_beats_gptq_on_the_backends_encoding(backend: str, options: dict[str, Any]) -> None:
+    """Each channel's range chosen by the error GPTQ leaves, on the backend's own grid: the
+    calibration data's output error falls below plain GPTQ's, with other scales."""
+    model, x = block_model()
+    plain = quantize(model, x, ["gptq"], backend, guard=False, **options)
+    searched = quantize(model, x, [("gptq", {"scale_search": 20})], backend, guard=False, **options)
+    assert sqnr(model, searched, x) > sqnr(model, plain, x) + 0.1
+    assert any(
+        not torch.equal(a.scale, b.scale) for a, b in zip(_weight_qparams(searched), _weight_qparams(plain))
+    )
+
+
+def test_gptq_scale_search_leaves_layers_with_fewer_rows_than_inputs_alone() -> None:
+    """A singular H knows nothing of the directions its rows leave out: no scale is chosen on it
+    (the linears see 24 rows for 32 and 64 inputs), while the conv (12 inputs, 192 rows) is searched."""
+    model, x = block_model()
+    few = x[:24]
+    options = {"precision": "16a4w", "per_channel_linear": True}
+
+    def scales(algorithm: Any) -> list[torch.Tensor]:
+        ep = torch.export.export(model, (few,))
+        prepared = quantplug.prepare(
+            ep, quantplug.get_quantizer("qnn_htp", **options), algorithms=[algorithm], algorithm_guard=False
+        )
+        prepared(few)
+        return [qp.scale for qp in _weight_qparams(quantplug.convert(prepared))]
+
+    plain, searched = scales("gptq"), scales(("gptq", {"scale_search": 20}))
+    changed = [not torch.equal(a, b) for a, b in zip(searched, plain)]
+    # per-channel weights and their derived bias encodings: fc1's, fc2's, the conv's
+    assert changed == [False, False, False, False, True, True], changed
+
+
+def test_gptq_options_are_checked() -> None:
+    with pytest.raises(OptionError, match="scale_search"):
+        GPTQ(scale_search=-1)
+    with pytest.raises(OptionError, match="max_fraction"):
+        GPTQ(max_fraction=0.5)
 
 
 class OutlierHead(nn.Module):

@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import quantplug.algorithms.gptq as gptq_module
 from quantplug.algorithms.adaround import AdaroundSchedule, adaround_codes, rectified_sigmoid
-from quantplug.algorithms.gptq import gptq_codes
+from quantplug.algorithms.gptq import gptq_codes, gptq_scale_search
 from quantplug.algorithms.seq_mse import (
     Encoder,
     candidate_fractions,
@@ -164,6 +165,94 @@ def test_gptq_rounds_inputs_no_sample_reached_to_nearest() -> None:
     for act_order in (False, True):
         codes = gptq_codes(w, h, s, z, grid, act_order=act_order).codes.double()
         assert torch.equal(codes[:, 2], quantize_codes(w[:, 2], s[:, 2], z[:, 2], grid))
+
+
+def row_group_losses(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    grid: IntegerGrid,
+    groups: tuple[int, int],
+    fraction: float,
+    act_order: bool,
+) -> torch.Tensor:
+    """Each row group's output error after GPTQ on the uniformly clipped encoding (one gptq_codes run)."""
+    symmetric = grid.quant_min < 0
+    uniform = torch.full((w.shape[0] // groups[0], w.shape[1] // groups[1]), fraction, dtype=torch.float64)
+    s, z = encoding(candidate_weight(w, uniform, groups, symmetric), grid, groups)
+    codes = gptq_codes(w, h, s, z, grid, act_order=act_order).codes.double()
+    return output_error(w - dequantize_codes(codes, s, z), h).reshape(-1, groups[0]).sum(dim=1)
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.sampled_from([(1, 6), (2, 3), (3, 2)]),
+    st.sampled_from(["tensor", "channel", "block"]),
+    GRIDS,
+    st.booleans(),
+)
+def test_gptq_scale_search_keeps_each_row_groups_best_candidate(
+    seed: int, shape: tuple[int, int], granularity: str, grid: IntegerGrid, act_order: bool
+) -> None:
+    """Rows never interact in GPTQ, so each row group's choice among the candidates, rounded
+    stacked, is the brute-force best of running GPTQ once per candidate; the default (fraction 1)
+    is a candidate, so the search never does worse than GPTQ on the backend's encoding."""
+    rows, blocks = shape
+    w, h = problem(seed, rows * 2, 4 * blocks)
+    groups = {"tensor": (w.shape[0], w.shape[1]), "channel": (1, w.shape[1]), "block": (1, 4)}[granularity]
+    symmetric = grid.quant_min < 0
+    result = gptq_scale_search(
+        w, h, encoder(grid, groups), grid, groups, symmetric=symmetric, candidates=4, act_order=act_order
+    )
+    fractions = candidate_fractions(4, 1.5)
+    brute = torch.stack([row_group_losses(w, h, grid, groups, f, act_order) for f in fractions])
+    best = brute.min(dim=0).values
+    assert abs(result.loss - float(best.sum())) <= 1e-9 * (1 + result.loss)
+    assert result.loss <= float(brute[0].sum()) + 1e-12  # never worse than the default encoding
+    per_group = result.fraction.reshape(w.shape[0] // groups[0], -1)
+    assert bool((per_group == per_group[:, :1]).all())  # one fraction per row group
+    assert set(per_group[:, 0].tolist()) <= set(fractions)
+    assert result.codes.min() >= grid.quant_min and result.codes.max() <= grid.quant_max
+    chosen = output_error(w - dequantize_codes(result.codes, result.scale, result.zero_point), h)
+    assert abs(float(chosen.sum()) - result.loss) <= 1e-9 * (1 + result.loss)  # the loss is its codes'
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 6), GRIDS)
+def test_gptq_scale_search_gives_the_same_result_in_any_number_of_passes(
+    seed: int, rows: int, grid: IntegerGrid
+) -> None:
+    """How many candidates are rounded per stacked pass is memory only (SEARCH_BYTES)."""
+    w, h = problem(seed, rows, 8)
+    symmetric = grid.quant_min < 0
+
+    def search() -> gptq_module.GptqSearchResult:
+        return gptq_scale_search(w, h, encoder(grid, (1, 4)), grid, (1, 4), symmetric=symmetric, candidates=5)
+
+    stacked = search()
+    before = gptq_module.SEARCH_BYTES
+    try:
+        gptq_module.SEARCH_BYTES = 1  # one candidate per pass
+        alone = search()
+    finally:
+        gptq_module.SEARCH_BYTES = before
+    assert torch.equal(alone.fraction, stacked.fraction)
+    assert torch.equal(alone.codes, stacked.codes)
+
+
+def test_gptq_scale_search_clips_where_feedback_pays_for_a_finer_grid() -> None:
+    """On correlated inputs and heavy-tailed weights the search picks ranges other than
+    min-max's and leaves less error than GPTQ on min-max's encoding."""
+    g = torch.Generator().manual_seed(5)
+    w, h = problem(5, 16, 32, samples=256)
+    w = w * (1 + 4 * (torch.rand(w.shape, generator=g, dtype=torch.float64) > 0.97))  # a few large weights
+    grid = IntegerGrid(-7, 7)
+    s, z = encoding(w, grid, (1, 32))
+    plain = gptq_codes(w, h, s, z, grid, act_order=True).codes.double()
+    plain_loss = float(output_error(w - dequantize_codes(plain, s, z), h).sum())
+    result = gptq_scale_search(w, h, encoder(grid, (1, 32)), grid, (1, 32), symmetric=True, act_order=True)
+    assert bool((result.fraction != 1).any())
+    assert result.loss < 0.9 * plain_loss, (result.loss, plain_loss)
 
 
 @FAST

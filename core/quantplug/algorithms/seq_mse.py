@@ -50,9 +50,11 @@ from quantplug.algorithms.spec import (
 from quantplug.algorithms.weight_layers import (
     SEQUENTIAL,
     SEQUENTIAL_OPTION,
+    Encoder,
     LayerHessian,
     hessian_of,
     layer_kind,
+    site_encoder,
     site_matrix,
 )
 from quantplug.algorithms.weight_matrix import (
@@ -64,9 +66,6 @@ from quantplug.algorithms.weight_matrix import (
     to_matrix,
 )
 from quantplug.errors import OptionError
-
-#: clipped weight matrix ``[O, I]`` -> its encoding expanded to ``[O, I]`` (scale, zero point)
-Encoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -293,17 +292,10 @@ class SeqMSE(Algorithm):
                 return None
             hessian = torch.eye(matrix.weight.shape[1], dtype=torch.float64)
 
-        def encode(clipped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            scale, zero_point = grid.observe(matrix.weight_of(clipped))
-            return (
-                to_matrix(grid.expand(scale.to(torch.float64), matrix.shape).contiguous()),
-                to_matrix(grid.expand(zero_point.to(torch.float64), matrix.shape).contiguous()),
-            )
-
         result = seq_mse_encoding(
             matrix.weight,
             hessian,
-            encode,
+            site_encoder(matrix, grid),
             matrix.grid,
             matrix.groups,
             symmetric=grid.symmetric,

@@ -15,7 +15,7 @@ backend's default encoding: :func:`site_matrix` or the collector returns None fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,9 @@ from quantplug.algorithms.weight_matrix import (
     output_error,
     to_matrix,
 )
+
+#: clipped weight matrix ``[O, I]`` -> its encoding expanded to ``[O, I]`` (scale, zero point)
+Encoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 LINEAR_OPS = frozenset({"aten.linear.default"})
 CONV_OPS = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"})
@@ -182,6 +185,22 @@ def site_matrix(site: WeightSite, grid: WeightGrid) -> SiteMatrix | None:
         groups=groups,
         shape=shape,
     )
+
+
+def site_encoder(matrix: SiteMatrix, grid: WeightGrid) -> Encoder:
+    """The encoding the backend's own observer gives a candidate weight matrix, expanded to
+    ``[O, I]``: how SeqMSE and GPTQ's scale search try encodings without computing a scale
+    themselves (whatever they choose, the backend could have produced: its symmetry, eps,
+    LPBQ's 4-bit scale lattice)."""
+
+    def encode(candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, zero_point = grid.observe(matrix.weight_of(candidate))
+        return (
+            to_matrix(grid.expand(scale.to(torch.float64), matrix.shape).contiguous()),
+            to_matrix(grid.expand(zero_point.to(torch.float64), matrix.shape).contiguous()),
+        )
+
+    return encode
 
 
 def hessian_of(collected: Any, matrix: SiteMatrix) -> torch.Tensor | None:
