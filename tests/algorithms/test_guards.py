@@ -141,6 +141,23 @@ def one_row_problem(
     return weight, x.t() @ x / 12, weight.abs().amax(dim=1) / 7, site
 
 
+def symmetric_4_bit_grid(scale: torch.Tensor) -> WeightGrid:
+    """A per-channel ``[-7, 7]`` grid on ``scale`` whose observer is min-max (as SeqMSE and
+    GPTQ's scale search ask the backend's)."""
+    return WeightGrid(
+        -7,
+        7,
+        torch.int8,
+        torch.per_channel_symmetric,
+        "channel",
+        scale.float(),
+        torch.zeros(1),
+        True,
+        ch_axis=0,
+        _observe=lambda t: (t.abs().amax(dim=1) / 7, torch.zeros(t.shape[0])),
+    )
+
+
 def output_error(
     weight: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, hessian: torch.Tensor
 ) -> float:
@@ -184,21 +201,7 @@ def test_gptq_scale_search_never_replaces_better_codes_with_a_worse_encoding(
     as good, or an encoding whose codes leave less output error."""
     weight, hessian, scale, site = one_row_problem(seed, outlier=outlier)
 
-    def observe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tensor.abs().amax(dim=1) / 7, torch.zeros(tensor.shape[0])
-
-    grid = WeightGrid(
-        -7,
-        7,
-        torch.int8,
-        torch.per_channel_symmetric,
-        "channel",
-        scale.float(),
-        torch.zeros(1),
-        True,
-        ch_axis=0,
-        _observe=observe,
-    )
+    grid = symmetric_4_bit_grid(scale)
     algorithm = GPTQ(scale_search=10)
     collector = algorithm.collector(site)
     assert collector is not None
@@ -219,18 +222,7 @@ def test_seq_mse_never_replaces_better_codes_with_a_worse_encoding(seed: int) ->
     """Given the best codes of the default grid, SeqMSE only moves to an encoding whose nearest
     rounding has less output error than those codes."""
     weight, hessian, scale, site = one_row_problem(seed, outlier=True)
-    grid = WeightGrid(
-        -7,
-        7,
-        torch.int8,
-        torch.per_channel_symmetric,
-        "channel",
-        scale.float(),
-        torch.zeros(1),
-        True,
-        ch_axis=0,
-        _observe=lambda t: (t.abs().amax(dim=1) / 7, torch.zeros(t.shape[0])),
-    )
+    grid = symmetric_4_bit_grid(scale)
     best = brute_force_codes(weight, scale[:, None], hessian).clamp(-7, 7)
     choice = SeqMSE().choose_weight(site, grid, best.to(torch.int64), hessian)
     if choice is None:
