@@ -20,7 +20,8 @@ Same 8 calibration batches, SQNR on 4 others, in one run.
   no backup precision) -- round to nearest, ``scale_estimation`` (its output-L2 scale search, the
   counterpart of SeqMSE), AWQ, and ``gptq`` (which NNCF 3.4 runs on OpenVINO models only) --
   against quantplug ``reference`` ``weight_only_int4`` (int4 symmetric, group 32): default,
-  ``gptq``, ``seq_mse``, both.
+  ``gptq``, ``seq_mse``, both, and GPTQ with its scale search (``gptq(scale_search=20)``, which
+  like NNCF's scale estimation chooses each group's scale on the layer's output error).
 * AIMET ``QuantizationSimModel`` (4-bit per-channel symmetric weights, 16-bit min-max activations)
   -- its default, ``apply_seq_mse``, ``Adaround`` (500 steps per layer, as quantplug's default)
   -- on qnn_htp's 4-bit grid ``[-7, 7]`` and on AIMET's own ``[-8, 7]`` (:func:`aimet_run`),
@@ -53,6 +54,7 @@ from torch import nn
 
 import quantplug
 from bench.algorithm_models import batch_dynamic_shapes
+from bench.algorithms import GPTQ_SCALE_SEARCH, spec_label
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -367,8 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}:", flush=True)
         if "nncf" in args.tools:
             wo4 = {"preset": "weight_only_int4", "group_size": 32}
-            for algs in ((), ("gptq",), ("seq_mse",), ("seq_mse", "gptq")):
-                label = "quantplug reference wo_int4 g32 " + ("+".join(algs) or "default")
+            for algs in ((), ("gptq",), ("seq_mse",), ("seq_mse", "gptq"), (GPTQ_SCALE_SEARCH,)):
+                label = "quantplug reference wo_int4 g32 " + ("+".join(map(spec_label, algs)) or "default")
                 attempt(label, partial(ours, model, batches, "reference", algs, **wo4), rows)
             for label, flags in (
                 ("rtn", {}),

@@ -11,6 +11,10 @@ measured on its 4 held-out ones (``tests/zoo/harness.py``). AdaRound runs 100 st
     .venv/bin/python -m tests.zoo.algorithms_sweep --held-out         # the guard judges on held-out data
     .venv/bin/python -m tests.zoo.algorithms_sweep --measure-last     # ... the same batches measure, guard
                                                                       # on calibration (to compare with)
+    .venv/bin/python -m tests.zoo.algorithms_sweep --only gptq --option gptq.scale_search=20
+
+``--only NAME`` (repeatable) sweeps those algorithms only; ``--option NAME.KEY=VALUE`` (repeatable)
+configures one, as ``quantize --algorithm-option`` does (values are read as JSON, else text).
 
 One line per model and configuration: the default's SQNR, then each algorithm's gain over it
 (held out) and its run time, or the exception's type and first line. The exit status is 1 when
@@ -21,6 +25,8 @@ others only; ``--measure-last`` measures on those same batches, the guard judgin
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import sys
 import time
@@ -77,11 +83,40 @@ def sweep(name: str, algorithms: list[str], skipped: int = 0, judged: bool = Fal
     return lines, failed
 
 
+def _option_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def main(argv: list[str]) -> int:
-    names = [a for a in argv if not a.startswith("-")] or list(MODELS)
-    judged = "--held-out" in argv
-    skipped = JUDGED if judged or "--measure-last" in argv else 0
-    algorithms = [entry.name for entry in quantplug.list_algorithms()]
+    parser = argparse.ArgumentParser(prog="python -m tests.zoo.algorithms_sweep")
+    parser.add_argument("models", nargs="*", metavar="MODEL", help=f"default: all of {', '.join(MODELS)}")
+    parser.add_argument("--held-out", action="store_true", help="the guard judges on held-out batches")
+    parser.add_argument("--measure-last", action="store_true", help="measure on those batches only")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="sweep this algorithm")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE")
+    args = parser.parse_args(argv)
+    strangers = [m for m in args.models if m not in MODELS]
+    if strangers:
+        parser.error(f"no zoo model {', '.join(strangers)} (the zoo has: {', '.join(MODELS)})")
+    names = args.models or list(MODELS)
+    judged = args.held_out
+    skipped = JUDGED if judged or args.measure_last else 0
+    installed = [entry.name for entry in quantplug.list_algorithms()]
+    unknown = [a for a in args.only if a not in installed]
+    if unknown:
+        parser.error(f"no installed algorithm {', '.join(unknown)} (installed: {', '.join(installed)})")
+    algorithms = args.only or installed
+    for item in args.option:
+        target, _, value = item.partition("=")
+        algorithm, _, key = target.partition(".")
+        if not (value and key and algorithm in installed):
+            parser.error(
+                f"--option {item!r}: expected NAME.KEY=VALUE with NAME one of {', '.join(installed)}"
+            )
+        OPTIONS.setdefault(algorithm, {})[key] = _option_value(value)
     torch.set_num_threads(2)
     # the zoo calibrates on 16 images or sequences by design: every late layer would be named
     logging.getLogger("quantplug.algorithms").setLevel(logging.ERROR)
