@@ -172,13 +172,11 @@ def row_group_losses(
     h: torch.Tensor,
     grid: IntegerGrid,
     groups: tuple[int, int],
-    fraction: float,
+    fraction: torch.Tensor,
     act_order: bool,
 ) -> torch.Tensor:
-    """Each row group's output error after GPTQ on the uniformly clipped encoding (one gptq_codes run)."""
-    symmetric = grid.quant_min < 0
-    uniform = torch.full((w.shape[0] // groups[0], w.shape[1] // groups[1]), fraction, dtype=torch.float64)
-    s, z = encoding(candidate_weight(w, uniform, groups, symmetric), grid, groups)
+    """Each row group's output error after GPTQ on the clipped encoding (one gptq_codes run)."""
+    s, z = encoding(candidate_weight(w, fraction, groups, grid.quant_min < 0), grid, groups)
     codes = gptq_codes(w, h, s, z, grid, act_order=act_order).codes.double()
     return output_error(w - dequantize_codes(codes, s, z), h).reshape(-1, groups[0]).sum(dim=1)
 
@@ -194,9 +192,10 @@ def row_group_losses(
 def test_gptq_scale_search_keeps_each_row_groups_best_candidate(
     seed: int, shape: tuple[int, int], granularity: str, grid: IntegerGrid, act_order: bool
 ) -> None:
-    """Rows never interact in GPTQ, so each row group's choice among the candidates, rounded
-    stacked, is the brute-force best of running GPTQ once per candidate; the default (fraction 1)
-    is a candidate, so the search never does worse than GPTQ on the backend's encoding."""
+    """Rows never interact in GPTQ, so each row group's choice among the candidates (every
+    fraction for the whole row, and SeqMSE's per-group choice), rounded stacked, is the brute-force
+    best of running GPTQ once per candidate; the default (fraction 1) is a candidate, so the search
+    never does worse than GPTQ on the backend's encoding."""
     rows, blocks = shape
     w, h = problem(seed, rows * 2, 4 * blocks)
     groups = {"tensor": (w.shape[0], w.shape[1]), "channel": (1, w.shape[1]), "block": (1, 4)}[granularity]
@@ -204,14 +203,19 @@ def test_gptq_scale_search_keeps_each_row_groups_best_candidate(
     result = gptq_scale_search(
         w, h, encoder(grid, groups), grid, groups, symmetric=symmetric, candidates=4, act_order=act_order
     )
-    fractions = candidate_fractions(4, 1.5)
-    brute = torch.stack([row_group_losses(w, h, grid, groups, f, act_order) for f in fractions])
+    shape_of_groups = (w.shape[0] // groups[0], w.shape[1] // groups[1])
+    per_group = seq_mse_encoding(
+        w, h, encoder(grid, groups), grid, groups, symmetric=symmetric, candidates=4
+    ).fraction
+    options = [torch.full(shape_of_groups, f, dtype=torch.float64) for f in candidate_fractions(4, 1.5)]
+    brute = torch.stack([row_group_losses(w, h, grid, groups, f, act_order) for f in [*options, per_group]])
     best = brute.min(dim=0).values
     assert abs(result.loss - float(best.sum())) <= 1e-9 * (1 + result.loss)
     assert result.loss <= float(brute[0].sum()) + 1e-12  # never worse than the default encoding
-    per_group = result.fraction.reshape(w.shape[0] // groups[0], -1)
-    assert bool((per_group == per_group[:, :1]).all())  # one fraction per row group
-    assert set(per_group[:, 0].tolist()) <= set(fractions)
+    assert result.loss <= float(brute[-1].sum()) * (1 + 1e-12)  # nor than GPTQ on SeqMSE's choice
+    chosen_rows = result.fraction.reshape(shape_of_groups)
+    for row, fraction in enumerate(chosen_rows):  # each row group's fractions are one option's
+        assert any(torch.equal(fraction, option[row]) for option in [*options, per_group])
     assert result.codes.min() >= grid.quant_min and result.codes.max() <= grid.quant_max
     chosen = output_error(w - dequantize_codes(result.codes, result.scale, result.zero_point), h)
     assert abs(float(chosen.sum()) - result.loss) <= 1e-9 * (1 + result.loss)  # the loss is its codes'
@@ -238,6 +242,25 @@ def test_gptq_scale_search_gives_the_same_result_in_any_number_of_passes(
         gptq_module.SEARCH_BYTES = before
     assert torch.equal(alone.fraction, stacked.fraction)
     assert torch.equal(alone.codes, stacked.codes)
+
+
+def test_gptq_scale_search_gives_an_outlier_inputs_block_its_own_range() -> None:
+    """Two input channels 20x the others (LLM activations' outliers) in the first block of each
+    row: that block needs another range than the rest of its row, which no row-wide fraction
+    gives and SeqMSE's per-block choice does."""
+    w, h = problem(1, 8, 32, samples=256)
+    spread = torch.ones(32, dtype=torch.float64)
+    spread[[1, 5]] = 20.0
+    h = h * spread[:, None] * spread[None, :]
+    grid, groups = IntegerGrid(-8, 7), (1, 8)
+    result = gptq_scale_search(w, h, encoder(grid, groups), grid, groups, symmetric=True, act_order=True)
+    row_wide = torch.stack(
+        [
+            row_group_losses(w, h, grid, groups, torch.full((8, 4), f, dtype=torch.float64), True)
+            for f in candidate_fractions(20, 1.5)
+        ]
+    )
+    assert result.loss < 0.8 * float(row_wide.min(dim=0).values.sum())
 
 
 def test_gptq_scale_search_clips_where_feedback_pays_for_a_finer_grid() -> None:

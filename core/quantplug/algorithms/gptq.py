@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from quantplug.algorithms.seq_mse import candidate_fractions, candidate_weight
+from quantplug.algorithms.seq_mse import candidate_fractions, candidate_weight, seq_mse_encoding
 from quantplug.algorithms.spec import (
     Algorithm,
     AlgorithmOption,
@@ -213,12 +213,15 @@ def gptq_scale_search(
     SeqMSE before GPTQ picks each scale by the error *nearest rounding* leaves; GPTQ then
     compensates most of that error, and a range that was best for nearest rounding is often not
     the best one to compensate on (a finer grid clips more, and clipping errors are what feedback
-    cannot take back). Here every fraction of :func:`~.seq_mse.candidate_fractions` is rounded by
-    GPTQ itself and each row group keeps the one whose output error ``d^T H d`` is least, on the
-    undampened ``H`` (the data's error, not the regularised one GPTQ solves with). Rows never
-    interact in GPTQ (:func:`_gptq_pass`), so a row group's choice is exact, and candidates are
-    rounded stacked, many per pass. Encodings come from ``encode`` (the backend's observer on
-    the clipped weight), so every candidate is one the backend could have produced.
+    cannot take back). Here the candidates are every fraction of
+    :func:`~.seq_mse.candidate_fractions` for a whole row, and SeqMSE's own choice per scale group
+    (per block: the block of an outlier input needs another range than the rest of its row, and
+    blocks interact through GPTQ's feedback, so they cannot be searched one by one exactly). Each
+    is rounded by GPTQ itself and each row group keeps the one whose output error ``d^T H d`` is
+    least, on the undampened ``H`` (the data's error, not the regularised one GPTQ solves with).
+    Rows never interact in GPTQ (:func:`_gptq_pass`), so a row group's choice is exact, and
+    candidates are rounded stacked, many per pass. Encodings come from ``encode`` (the backend's
+    observer on the clipped weight), so every candidate is one the backend could have produced.
     """
     w = weight.detach().to(torch.float64)
     h = hessian.detach().to(torch.float64)
@@ -227,25 +230,31 @@ def gptq_scale_search(
     n_row_groups, n_col_groups = out // rows, inputs // groups[1]
     order = column_order(h, act_order)
     factor = _factor(h, damp, order)
-    fractions = candidate_fractions(candidates, max_fraction)
+    shape = (n_row_groups, n_col_groups)
+    uniform = torch.ones(shape, dtype=torch.float64)
+    # every fraction for the whole row, and SeqMSE's choice per scale group (a block of one row
+    # can need another range than the others: an outlier input's block)
+    per_group = seq_mse_encoding(
+        w, h, encode, grid, groups, symmetric=symmetric, candidates=candidates, max_fraction=max_fraction
+    ).fraction
+    options = [uniform * f for f in candidate_fractions(candidates, max_fraction)] + [per_group]
     per_pass = max(1, SEARCH_BYTES // (5 * 8 * w.numel()))
     best_loss = torch.full((n_row_groups,), float("inf"), dtype=torch.float64)
-    best_fraction = torch.ones(n_row_groups, dtype=torch.float64)
-    for first in range(0, len(fractions), per_pass):
-        chunk = fractions[first : first + per_pass]
-        uniform = torch.ones(n_row_groups, n_col_groups, dtype=torch.float64)
-        encodings = [encode(candidate_weight(w, uniform * f, groups, symmetric)) for f in chunk]
+    best = torch.zeros(n_row_groups, dtype=torch.int64)  # index into options, per row group
+    for first in range(0, len(options), per_pass):
+        chunk = options[first : first + per_pass]
+        encodings = [encode(candidate_weight(w, fraction, groups, symmetric)) for fraction in chunk]
         scale = torch.cat([e[0].to(torch.float64) for e in encodings])
         zero_point = torch.cat([e[1].to(torch.float64) for e in encodings])
         stacked = w.repeat(len(chunk), 1)
         codes, _ = _gptq_pass(stacked, scale, zero_point, factor, order, grid, block)
         errors = output_error(stacked - (codes - zero_point) * scale, h)
         losses = errors.reshape(len(chunk), n_row_groups, rows).sum(dim=2)
-        for k, f in enumerate(chunk):  # ties keep the earlier fraction: 1 (the default) first
+        for k in range(len(chunk)):  # ties keep the earlier option: fraction 1 (the default) first
             better = losses[k] < best_loss
             best_loss = torch.where(better, losses[k], best_loss)
-            best_fraction = torch.where(better, torch.full_like(best_fraction, f), best_fraction)
-    fraction = best_fraction.unsqueeze(1).expand(n_row_groups, n_col_groups).contiguous()
+            best = torch.where(better, torch.full_like(best, first + k), best)
+    fraction = torch.stack(options)[best, torch.arange(n_row_groups)]
     scale, zero_point = encode(candidate_weight(w, fraction, groups, symmetric))
     scale, zero_point = scale.to(torch.float64), zero_point.to(torch.float64)
     codes, _ = _gptq_pass(w, scale, zero_point, factor, order, grid, block)
