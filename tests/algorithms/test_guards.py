@@ -141,11 +141,11 @@ def one_row_problem(
     return weight, x.t() @ x / 12, weight.abs().amax(dim=1) / 7, site
 
 
-def symmetric_4_bit_grid(scale: torch.Tensor) -> WeightGrid:
-    """A per-channel ``[-7, 7]`` grid on ``scale`` whose observer is min-max (as SeqMSE and
+def symmetric_4_bit_grid(scale: torch.Tensor, quant_min: int = -7) -> WeightGrid:
+    """A per-channel ``[quant_min, 7]`` grid on ``scale`` whose observer is min-max (as SeqMSE and
     GPTQ's scale search ask the backend's)."""
     return WeightGrid(
-        -7,
+        quant_min,
         7,
         torch.int8,
         torch.per_channel_symmetric,
@@ -171,17 +171,7 @@ def test_rounding_algorithms_never_undo_a_better_choice(seed: int, name: str) ->
     """Given the best codes there are (as an earlier algorithm may have found), GPTQ and AdaRound
     keep them or return codes exactly as good on their own objective, never worse."""
     weight, hessian, scale, site = one_row_problem(seed)
-    grid = WeightGrid(
-        -8,
-        7,
-        torch.int8,
-        torch.per_channel_symmetric,
-        "channel",
-        scale.float(),
-        torch.zeros(1),
-        True,
-        ch_axis=0,
-    )
+    grid = symmetric_4_bit_grid(scale, quant_min=-8)
     best = brute_force_codes(weight, scale[:, None], hessian)
     algorithm = GPTQ() if name == "gptq" else AdaRound(iterations=20)
     choice = algorithm.choose_weight(site, grid, best.to(torch.int64), hessian)
