@@ -195,7 +195,9 @@ def test_gptq_scale_search_never_replaces_better_codes_with_a_worse_encoding(
     algorithm = GPTQ(scale_search=10)
     collector = algorithm.collector(site)
     assert collector is not None
-    collector.update(torch.linalg.cholesky(hessian * 12).t().float())  # 6 rows whose x x^T sums to H
+    collector.update(torch.linalg.cholesky(hessian * 6).t().float())  # 6 rows, mean x x^T ~ H
+    hessian = collector.result()  # what convert hands choose_weight
+    assert hessian is not None
     best = brute_force_codes(weight, scale[:, None], hessian, low=-7, high=7)
     choice = algorithm.choose_weight(site, grid, best.to(torch.int64), hessian)
     if choice is None:

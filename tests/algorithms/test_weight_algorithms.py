@@ -186,6 +186,31 @@ def test_gptq_scale_search_leaves_layers_with_fewer_rows_than_inputs_alone() -> 
     assert changed == [False, False, False, False, True, True], changed
 
 
+def test_gptq_scale_search_reads_the_row_counts_of_the_program_it_converts() -> None:
+    """One GPTQ instance preparing two programs: converting the first (too few rows to search its
+    linears) does not take the second's row counts (enough rows) for its own."""
+    model, x = block_model()
+    few, many = x[:24], x
+    options = {"precision": "16a4w", "per_channel_linear": True}
+    algorithm = GPTQ(scale_search=20)
+    ep = torch.export.export(model, (x[:BATCH],), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+
+    def prepared() -> Any:
+        quantizer = quantplug.get_quantizer("qnn_htp", **options)
+        return quantplug.prepare(ep, quantizer, algorithms=[algorithm], algorithm_guard=False)
+
+    first, second = prepared(), prepared()
+    first(few)
+    second(many)
+    plain = quantplug.prepare(
+        ep, quantplug.get_quantizer("qnn_htp", **options), algorithms=["gptq"], algorithm_guard=False
+    )
+    plain(few)
+    searched = [qp.scale for qp in _weight_qparams(quantplug.convert(first))]
+    expected = [qp.scale for qp in _weight_qparams(quantplug.convert(plain))]
+    assert [torch.equal(a, b) for a, b in zip(searched, expected)][:4] == [True] * 4  # fc1, fc2 kept
+
+
 def test_gptq_options_are_checked() -> None:
     with pytest.raises(OptionError, match="scale_search"):
         GPTQ(scale_search=-1)

@@ -340,17 +340,24 @@ class GPTQ(Algorithm):
         self._hessians[site.name] = collector = LayerHessian(site)
         return collector
 
-    def _searches(self, site: WeightSite) -> bool:
+    def _searches(self, site: WeightSite, collected: Any) -> bool:
         """Whether ``site``'s scales are searched: asked for, not shared, and ``H`` summed over at
         least as many rows as the layer has inputs. A singular ``H`` knows nothing of the
         directions its rows leave out, and a scale chosen on it fits the calibration rows (on
-        the zoo's CNNs calibrated on 16 images, searching there lost up to 3 dB held out)."""
+        the zoo's CNNs calibrated on 16 images, searching there lost up to 3 dB held out).
+
+        The row count is the collector's that produced ``collected``; where the one remembered
+        for this weight is not it (this instance prepared another program since), nothing is
+        searched rather than trusting another calibration's count."""
         hessian = self._hessians.get(site.name)
+        if self.scale_search <= 0 or site.shared_with or hessian is None:
+            return False  # a shared encoding stays shared: codes only
+        own = hessian.result()
         return (
-            self.scale_search > 0
-            and not site.shared_with  # a shared encoding stays shared: codes only
-            and hessian is not None
-            and hessian.rows >= hessian.columns
+            hessian.rows >= hessian.columns
+            and isinstance(collected, torch.Tensor)
+            and own is not None
+            and torch.equal(own, collected)
         )
 
     def choose_weight(
@@ -378,7 +385,7 @@ class GPTQ(Algorithm):
         )
         best = loss(result.codes, matrix.scale, matrix.zero_point)
         choice = WeightChoice(codes=matrix.codes(result.codes))
-        if self._searches(site):
+        if self._searches(site, collected):
             search = gptq_scale_search(
                 matrix.weight,
                 h,
