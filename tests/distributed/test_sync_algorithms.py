@@ -79,3 +79,28 @@ def test_transforms_given_other_data_on_each_rank_are_named(two_ranks: list[dict
     assert errors[0] is not None and errors[0] == errors[1]
     assert errors[0].startswith("DistributedError")
     assert "calibration=" in errors[0] and "weight" in errors[0], errors[0]
+
+
+def test_held_out_batches_given_per_rank_are_merged_so_every_rank_judges_alike(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    from tests.distributed.worker import algo_batches
+
+    r0, r1 = (r["held_out"] for r in two_ranks)
+    expected = algo_batches()[:4]  # rank 0's batches 0 and 2, rank 1's 1 and 3, round robin
+    for found in (r0, r1):
+        assert len(found["batches"]) == 4
+        for got, want in zip(found["batches"], expected):
+            assert torch.equal(got, want)
+    assert r0["digest"] == r1["digest"] == r0["single_digest"]
+    for found in (r0, r1):  # given the same batches everywhere (as quantize --nproc): kept, not doubled
+        assert len(found["same_batches"]) == 3
+        assert all(torch.equal(got, want) for got, want in zip(found["same_batches"], expected))
+
+
+def test_held_out_batches_on_some_ranks_only_are_named(two_ranks: list[dict[str, Any]]) -> None:
+    errors = [r["held_out_on_one_rank"] for r in two_ranks]
+    assert errors[0] is not None and errors[0] == errors[1]
+    assert errors[0].startswith("DistributedError")
+    for words in ("algorithm guard judging on held-out batches", "held_out=...) on every rank"):
+        assert words in errors[0], errors[0]

@@ -236,10 +236,17 @@ ALGORITHM_RUNS: dict[str, list[Any]] = {
 }
 
 
-def _algo_prepare(algorithms: list[Any], data: list[torch.Tensor], guard: bool = True) -> nn.Module:
+def _algo_prepare(
+    algorithms: list[Any], data: list[torch.Tensor], guard: bool = True, held_out: Any = None
+) -> nn.Module:
     quantizer = quantplug.get_quantizer("qnn_htp", act_observer="minmax", precision="16a4w")
     return quantplug.prepare(
-        algo_program(), quantizer, algorithms=algorithms, calibration=data, algorithm_guard=guard
+        algo_program(),
+        quantizer,
+        algorithms=algorithms,
+        calibration=data,
+        algorithm_guard=guard,
+        held_out=held_out,
     )
 
 
@@ -284,11 +291,45 @@ def scenario_algorithms(rank: int) -> dict[str, Any]:
     quantplug.convert(prepared)
     found["sample_rows"] = sampler.samples
     found["unmergeable"] = _sync_error(_algo_prepare([Unmergeable()], data), data[rank])
+    found["held_out"] = _held_out_merge(rank, data)
+    found["held_out_on_one_rank"] = _sync_error(
+        _algo_prepare(["gptq"], data, held_out=data[:2] if rank == 0 else None), data[rank]
+    )
     # transforms given each rank's share instead of the same batches (unguarded: the guard may
     # undo the transform on every rank, leaving the same program on each, with nothing to name)
     found["transform_data"] = _sync_error(
         _algo_prepare([("smoothquant", {"alpha": 0.5})], list(shard(data)), guard=False), data[rank]
     )
+    return found
+
+
+def _held_out_merge(rank: int, data: list[torch.Tensor]) -> dict[str, Any]:
+    """Each rank prepared with its own held-out batches (rank r: batches r and r + 2): after the
+    sync both judge on the merged ones (round robin: batches 0, 1, 2, 3), as one process given
+    those does."""
+    from quantplug.algorithms.runtime import RUN_KEY
+
+    prepared = _algo_prepare(["gptq"], data, held_out=data[rank::2][:2])
+    with torch.no_grad():
+        for x in shard(data):
+            prepared(x)
+    sync_observers(prepared, timeout=60)
+    found: dict[str, Any] = {
+        "batches": [b[0] for b in prepared.meta[RUN_KEY].held_out],  # type: ignore[operator]
+        "digest": digest(quantplug.convert(prepared)),
+    }
+    if rank == 0:
+        single = _algo_prepare(["gptq"], data, held_out=data[:4])
+        with torch.no_grad():
+            for x in data:
+                single(x)
+        found["single_digest"] = digest(quantplug.convert(single))
+    same = _algo_prepare(["gptq"], data, held_out=data[:3])  # the same batches on every rank
+    with torch.no_grad():
+        for x in shard(data):
+            same(x)
+    sync_observers(same, timeout=60)
+    found["same_batches"] = [b[0] for b in same.meta[RUN_KEY].held_out]  # type: ignore[operator]
     return found
 
 

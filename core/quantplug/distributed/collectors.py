@@ -8,7 +8,10 @@ After the observers, three exchanges over the group (gathered, never reduced by 
    alone when it is larger): each round is gathered, every collector of it merged in rank order
    (:func:`quantplug.algorithms.merge.merge_collector`) and the gathered states dropped;
 3. the stored batches the merged store keeps (:func:`quantplug.algorithms.sequential.merged_store`),
-   each sent by the rank that has it.
+   each sent by the rank that has it; and likewise the algorithm guard's held-out batches
+   (``prepare(..., held_out=...)``) when the ranks were given different ones, merged under the
+   guard's own caps, so every rank's guard judges on the same batches (ranks given the same
+   batches, as ``quantize --nproc`` gives them, keep them).
 
 Memory beyond the collectors themselves: N states of one round, and the merged store (within its
 caps); no rank ever holds the data set. Collectors merge once: they are sums and samples, and a
@@ -18,15 +21,17 @@ with no new data leaves them as they are).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES
 from quantplug.algorithms.merge import fed_collectors, merge_collector, on_cpu, state_bytes
 from quantplug.algorithms.runtime import RUN_KEY, taps
-from quantplug.algorithms.sequential import InputStore, batch_bytes, merged_store
+from quantplug.algorithms.sequential import batch_bytes, merged_store
 from quantplug.errors import DistributedError
 
 #: at most this many bytes of collector state per rank in one gathering round
@@ -100,6 +105,8 @@ def sync_collectors(prepared: nn.Module, group: Any, world: int) -> CollectorSyn
         "sizes": [state_bytes(s) for s in states],
         "stored": [batch_bytes(b) for b in store.batches] if store is not None else [],
         "seen": store.seen if store is not None else 0,
+        "held_out": None if run.held_out is None else [batch_bytes(b) for b in run.held_out],
+        "held_out_digest": None if run.held_out is None else batches_digest(run.held_out),
     }
     headers: list[Any] = [None] * world
     dist.all_gather_object(headers, header, group=group)
@@ -117,33 +124,53 @@ def sync_collectors(prepared: nn.Module, group: Any, world: int) -> CollectorSyn
     del states
     stored = 0
     if store is not None:
-        stored, bytes_sent = _merge_store(store, headers, group, world)
+        order = merged_store([h["stored"] for h in headers], store.max_batches, store.max_bytes)
+        batches, bytes_sent = _merged_batches(store.batches, order, group, world)
+        store.replace_(batches, sum(int(h["seen"]) for h in headers))
+        stored, sent = len(batches), sent + bytes_sent
+    if run.held_out is not None and len({h["held_out_digest"] for h in headers}) > 1:
+        # each rank its own batches (the same ones everywhere, as the CLI sends, stay as they are)
+        order = merged_store([h["held_out"] for h in headers], GUARD_BATCHES, GUARD_BYTES)
+        run.held_out, bytes_sent = _merged_batches(run.held_out, order, group, world)
         sent += bytes_sent
     run.synced_at = _fed_batches(prepared)
     return CollectorSync(len(fed), stored, sent)
 
 
-def _merge_store(store: InputStore, headers: list[dict[str, Any]], group: Any, world: int) -> tuple[int, int]:
-    """Every rank's store replaced by the merged one; (batches kept, bytes this rank sent)."""
+def batches_digest(batches: list[tuple[Any, ...]]) -> str:
+    """A digest of batches' values (tensors by their bytes, dtype and shape; others by repr)."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for batch in batches:
+        for value in batch:
+            if isinstance(value, torch.Tensor):
+                hasher.update(f"{value.dtype}{list(value.shape)}".encode())
+                hasher.update(
+                    value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                )
+            else:
+                hasher.update(repr(value).encode())
+        hasher.update(b"|")
+    return hasher.hexdigest()
+
+
+def _merged_batches(
+    batches: list[tuple[Any, ...]], order: list[tuple[int, int]], group: Any, world: int
+) -> tuple[list[tuple[Any, ...]], int]:
+    """The batches ``order`` names (``(rank, index)``, :func:`merged_store`), each sent by the rank
+    that has it, on this rank's devices; and the bytes this rank sent."""
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
-    order = merged_store([h["stored"] for h in headers], store.max_batches, store.max_bytes)
-    mine = [on_cpu(store.batches[i]) for r, i in order if r == rank]
-    devices = (
-        [t.device if isinstance(t, torch.Tensor) else None for t in store.batches[0]]
-        if store.batches
-        else None
-    )
+    mine = [on_cpu(batches[i]) for r, i in order if r == rank]
+    devices = [t.device if isinstance(t, torch.Tensor) else None for t in batches[0]] if batches else None
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
     taken = [0] * world
-    batches = []
+    merged = []
     for r, _ in order:
-        batches.append(_on_devices(gathered[r][taken[r]], devices))
+        merged.append(_on_devices(gathered[r][taken[r]], devices))
         taken[r] += 1
-    store.replace_(batches, sum(int(h["seen"]) for h in headers))
-    return len(batches), sum(batch_bytes(b) for b in mine)
+    return merged, sum(batch_bytes(b) for b in mine)
 
 
 def _on_devices(batch: tuple[Any, ...], devices: list[Any] | None) -> tuple[Any, ...]:

@@ -38,10 +38,26 @@ def observer_signature(obs: nn.Module) -> str:
 def fingerprint(prepared: GraphModule, observers: list[tuple[str, nn.Module]]) -> list[str]:
     """The lines that must agree across ranks: graph nodes, observers, then (with accuracy
     algorithms) their collectors and a digest of every constant of the program."""
-    lines = [f"node {n.op} {n.target} -> {n.name}{_meta(n.meta.get('val'))}" for n in prepared.graph.nodes]
+    lines = _guard_lines(prepared)
+    lines += [f"node {n.op} {n.target} -> {n.name}{_meta(n.meta.get('val'))}" for n in prepared.graph.nodes]
     where = {name: str(getattr(obs, "where", "") or "") for name, obs in observers}
     lines += [f"observer {name} [{where[name]}] {observer_signature(obs)}" for name, obs in observers]
     return lines + _algorithm_lines(prepared)
+
+
+def _guard_lines(prepared: GraphModule) -> list[str]:
+    """What the algorithm guard judges on: first, so that ranks prepared with ``held_out`` on
+    some and not on others are told so, not that their graphs differ (the calibration store
+    the guard needs without ``held_out`` is a node of the graph)."""
+    from quantplug.algorithms.runtime import RUN_KEY
+
+    run = getattr(prepared, "meta", {}).get(RUN_KEY)
+    if run is None:
+        return []
+    if not run.guard:
+        return ["algorithm guard off"]
+    judged = "held-out batches (held_out=...)" if run.held_out is not None else "calibration batches"
+    return [f"algorithm guard judging on {judged}"]
 
 
 def _algorithm_lines(prepared: GraphModule) -> list[str]:
@@ -108,6 +124,12 @@ def mismatch_advice(all_lines: list[list[str]]) -> str:
     reference = all_lines[0]
     for lines in all_lines[1:]:
         first = next((a for a, b in zip(reference, lines) if a != b), None)
+        if first is not None and first.startswith("algorithm guard"):
+            return (
+                "the algorithm guard must judge alike on every rank: pass prepare(..., held_out=...) on "
+                "every rank (each rank's held-out batches are merged at the sync) or on none, and "
+                "algorithm_guard the same everywhere"
+            )
         if first is not None and first.startswith("constant "):
             return (
                 "the ranks' weights differ: algorithms that transform the float program with data "
