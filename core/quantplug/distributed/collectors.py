@@ -32,6 +32,7 @@ from quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES
 from quantplug.algorithms.merge import fed_collectors, merge_collector, on_cpu, state_bytes
 from quantplug.algorithms.runtime import RUN_KEY, taps
 from quantplug.algorithms.sequential import batch_bytes, merged_store
+from quantplug.distributed.fingerprint import tensor_digest
 from quantplug.errors import DistributedError
 
 #: at most this many bytes of collector state per rank in one gathering round
@@ -138,19 +139,15 @@ def sync_collectors(prepared: nn.Module, group: Any, world: int) -> CollectorSyn
 
 
 def batches_digest(batches: list[tuple[Any, ...]]) -> str:
-    """A digest of batches' values (tensors by their bytes, dtype and shape; others by repr)."""
-    hasher = hashlib.blake2b(digest_size=16)
-    for batch in batches:
-        for value in batch:
-            if isinstance(value, torch.Tensor):
-                hasher.update(f"{value.dtype}{list(value.shape)}".encode())
-                hasher.update(
-                    value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                )
-            else:
-                hasher.update(repr(value).encode())
-        hasher.update(b"|")
-    return hasher.hexdigest()
+    """A digest of batches' values (tensors by dtype, shape and bytes; others by repr)."""
+    parts = [
+        [
+            f"{v.dtype}{list(v.shape)}:{tensor_digest(v)}" if isinstance(v, torch.Tensor) else repr(v)
+            for v in batch
+        ]
+        for batch in batches
+    ]
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
 
 
 def _merged_batches(

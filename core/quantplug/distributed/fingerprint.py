@@ -84,11 +84,12 @@ def _algorithm_lines(prepared: GraphModule) -> list[str]:
             continue
         value = fetch_attr(prepared, target)
         if isinstance(value, torch.Tensor):
-            lines.append(f"constant {target}{_meta(value)} {_tensor_digest(value)}")
+            lines.append(f"constant {target}{_meta(value)} {tensor_digest(value)}")
     return lines
 
 
-def _tensor_digest(value: torch.Tensor) -> str:
+def tensor_digest(value: torch.Tensor) -> str:
+    """A digest of a tensor's bytes (its dtype and shape are the caller's to add)."""
     data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.blake2b(data.data, digest_size=12).hexdigest()
 
