@@ -368,11 +368,7 @@ class GPTQ(Algorithm):
             return None
         matrix, hessian = found
         h = hessian.to(torch.float64)
-
-        def loss(ints: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> float:
-            return float(output_error(matrix.weight - (ints - zero_point) * scale, h).sum())
-
-        given = loss(to_matrix(codes.to(torch.float64)), matrix.scale, matrix.zero_point)
+        given = matrix.error(to_matrix(codes.to(torch.float64)), h)
         result = gptq_codes(
             matrix.weight,
             hessian,
@@ -383,7 +379,7 @@ class GPTQ(Algorithm):
             damp=self.damp,
             act_order=self.act_order,
         )
-        best = loss(result.codes, matrix.scale, matrix.zero_point)
+        best = matrix.error(result.codes, h)
         choice = WeightChoice(codes=matrix.codes(result.codes))
         if self._searches(site, collected):
             search = gptq_scale_search(

@@ -304,8 +304,7 @@ class SeqMSE(Algorithm):
         )
         if bool((result.fraction == 1).all()):
             return None
-        current = matrix.weight - (to_matrix(codes.to(torch.float64)) - matrix.zero_point) * matrix.scale
-        if not result.loss < float(output_error(current, hessian.to(torch.float64)).sum()):
+        if not result.loss < matrix.error(to_matrix(codes.to(torch.float64)), hessian):
             return None  # the codes it was given (e.g. GPTQ's, AdaRound's) beat nearest on any clipping
         scale, zero_point = grid.observe(
             matrix.weight_of(candidate_weight(matrix.weight, result.fraction, matrix.groups, grid.symmetric))

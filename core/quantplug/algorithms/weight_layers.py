@@ -153,6 +153,20 @@ class SiteMatrix:
         """Codes of the matrix back in the weight's shape (int64)."""
         return from_matrix(matrix.round(), self.shape).to(torch.int64)
 
+    def error(
+        self,
+        codes: torch.Tensor,
+        hessian: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        zero_point: torch.Tensor | None = None,
+    ) -> float:
+        """The output error ``tr(D H D^T)`` of codes (an ``[O, I]`` matrix) on this encoding, or on
+        ``scale``/``zero_point`` (expanded to ``[O, I]``) where another one is weighed."""
+        scale = self.scale if scale is None else scale
+        zero_point = self.zero_point if zero_point is None else zero_point
+        delta = self.weight - (codes.to(torch.float64) - zero_point) * scale
+        return float(output_error(delta, hessian.to(torch.float64)).sum())
+
     def weight_of(self, matrix: torch.Tensor) -> torch.Tensor:
         """A float matrix back in the weight's shape (float32)."""
         return from_matrix(matrix, self.shape).to(torch.float32)
@@ -225,12 +239,7 @@ def improves(matrix: SiteMatrix, hessian: torch.Tensor, new: torch.Tensor, curre
     """Whether codes ``new`` (an ``[O, I]`` matrix) give no more output error ``tr(D H D^T)`` than
     the ``current`` codes (the weight's shape): the guard that keeps a rounding algorithm from
     undoing a better choice (round-to-nearest, or an earlier algorithm's) on its own objective."""
-
-    def loss(codes: torch.Tensor) -> float:
-        delta = matrix.weight - (codes.to(torch.float64) - matrix.zero_point) * matrix.scale
-        return float(output_error(delta, hessian.to(torch.float64)).sum())
-
-    return loss(new) <= loss(to_matrix(current.to(torch.float64)))
+    return matrix.error(new, hessian) <= matrix.error(to_matrix(current.to(torch.float64)), hessian)
 
 
 #: whether SeqMSE, AdaRound and GPTQ take their layers' inputs from the partly quantized model
