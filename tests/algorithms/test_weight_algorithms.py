@@ -216,6 +216,8 @@ def test_gptq_options_are_checked() -> None:
         GPTQ(scale_search=-1)
     with pytest.raises(OptionError, match="max_fraction"):
         GPTQ(max_fraction=0.5)
+    with pytest.raises(OptionError, match=r"shrinkage.*'singular'"):
+        GPTQ(shrinkage="ledoit")
 
 
 class OutlierHead(nn.Module):
@@ -342,6 +344,26 @@ def test_conv_patches_are_unfold_read_through_the_layer(stride: int, padding: in
     torch.testing.assert_close(collector.result(), expected)
 
 
+@pytest.mark.parametrize("shrinkage", ["singular", "all", "off"])
+def test_layer_hessian_shrinks_where_asked(shrinkage: str) -> None:
+    """``"singular"`` shrinks while the rows are fewer than the 27 inputs and stops once they
+    are not; ``"all"`` always, ``"off"`` never. The diagonal is the rows' own either way."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 2, 3)
+    collector = LayerHessian(_conv_site(conv), shrinkage)
+    collector.update(torch.randn(1, 3, 7, 7))  # 25 output positions: 25 rows for 27 inputs
+    for rows, singular in ((25, True), (25 + 49, False)):
+        assert collector.rows == rows
+        assert collector.hessian is not None
+        raw, got = collector.hessian.mean(), collector.result()
+        assert got is not None
+        shrunk = shrinkage == "all" or (shrinkage == "singular" and singular)
+        assert collector.shrinks == shrunk
+        assert torch.equal(got, raw) != shrunk
+        torch.testing.assert_close(torch.diagonal(got), torch.diagonal(raw), rtol=0, atol=0)
+        collector.update(torch.randn(1, 3, 9, 9))  # 49 more
+
+
 def test_a_shared_encoding_stays_shared() -> None:
     weight = torch.randn(4, 8)
     site = WeightSite(
@@ -410,6 +432,7 @@ def test_layers_calibrated_on_fewer_rows_than_inputs_are_named_in_a_warning(
             assert len(messages) == 1
             assert messages[0].startswith(f"{algorithm}: 1 layer(s)")
             assert "fc.weight (16 rows, 64 inputs)" in messages[0]
+            assert ("H is shrunk toward its diagonal" in messages[0]) == (algorithm == "gptq")
         else:
             assert messages == []
 

@@ -47,6 +47,7 @@ def _collectors(kind: str) -> Any:
     return {
         "hessian": lambda: LayerHessian(_site(False)),
         "conv_hessian": lambda: LayerHessian(_site(True)),
+        "shrunk_hessian": lambda: LayerHessian(_site(False), "all"),  # the fourth moments merge too
         "gram": Gram,
         "mean": lambda: RunningMean(conv=False),
         "conv_mean": lambda: RunningMean(conv=True),
@@ -61,7 +62,7 @@ def _batch(kind: str, i: int) -> torch.Tensor:
 
 @settings(max_examples=25, deadline=None)
 @given(
-    st.sampled_from(["hessian", "conv_hessian", "gram", "mean", "conv_mean"]),
+    st.sampled_from(["hessian", "conv_hessian", "shrunk_hessian", "gram", "mean", "conv_mean"]),
     st.integers(1, 9),
     st.integers(1, 4),
     st.randoms(use_true_random=False),

@@ -20,6 +20,15 @@ With ``scale_search`` (off by default), GPTQ also chooses each channel's range a
 fractions, judged by the error GPTQ itself leaves at each (:func:`gptq_scale_search`): not a
 detail of the paper, whose reference code takes its grid from min-max or an MSE search on the
 weights alone, which is what ``["seq_mse", "gptq"]`` reproduces with the layer's ``H``.
+
+Neither is the ``shrinkage`` option (``"singular"`` by default): a layer calibrated on fewer
+rows than it has inputs has a singular ``H``, and the updates then move error into the
+directions no row measured, which costs nothing on the calibration data and does on other data
+(the zoo's ConvNeXt classifier, 16 images for 64 inputs: -4.4 dB held out against the default).
+There ``H`` is shrunk toward its diagonal by Ledoit and Wolf's estimate of how little the rows
+say about its off-diagonal terms (:func:`~quantplug.algorithms.weight_matrix.shrunk_toward_diagonal`).
+Layers with enough rows keep the paper's ``H``: shrinking them too cost the zoo's encoders about
+1 dB (``"all"`` does it).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from quantplug.algorithms.spec import (
 from quantplug.algorithms.weight_layers import (
     SEQUENTIAL,
     SEQUENTIAL_OPTION,
+    SHRINKAGE_CHOICES,
     Encoder,
     LayerHessian,
     layer_kind,
@@ -291,6 +301,14 @@ class GPTQ(Algorithm):
             "GPTQ leaves (0: keep the encoding given)",
         ),
         AlgorithmOption("max_fraction", "float", 1.5, "largest range fraction the scale search tries"),
+        AlgorithmOption(
+            "shrinkage",
+            "str",
+            "singular",
+            "shrink H toward its diagonal (Ledoit-Wolf) on layers calibrated on fewer rows than "
+            "inputs ('singular'), on every layer ('all') or nowhere ('off')",
+            SHRINKAGE_CHOICES,
+        ),
         SEQUENTIAL_OPTION,
     )
 
@@ -301,6 +319,7 @@ class GPTQ(Algorithm):
         lazy_batch: int = 128,
         scale_search: int = 0,
         max_fraction: float = 1.5,
+        shrinkage: str = "singular",
         sequential: bool = SEQUENTIAL,
     ) -> None:
         values = option_values(
@@ -312,6 +331,7 @@ class GPTQ(Algorithm):
                 "lazy_batch": lazy_batch,
                 "scale_search": scale_search,
                 "max_fraction": max_fraction,
+                "shrinkage": shrinkage,
                 "sequential": sequential,
             },
         )
@@ -321,6 +341,7 @@ class GPTQ(Algorithm):
         self.lazy_batch: int = values["lazy_batch"]
         self.scale_search: int = values["scale_search"]
         self.max_fraction: float = values["max_fraction"]
+        self.shrinkage: str = values["shrinkage"]
         if self.damp < 0 or self.lazy_batch < 1 or self.scale_search < 0:
             raise OptionError(
                 f"algorithm 'gptq' needs damp >= 0, lazy_batch >= 1 and scale_search >= 0, got "
@@ -337,7 +358,7 @@ class GPTQ(Algorithm):
     def collector(self, site: WeightSite) -> LayerHessian | None:
         if layer_kind(site) is None:
             return None
-        self._hessians[site.name] = collector = LayerHessian(site)
+        self._hessians[site.name] = collector = LayerHessian(site, self.shrinkage)
         return collector
 
     def _searches(self, site: WeightSite, collected: Any) -> bool:

@@ -9,8 +9,9 @@ rank ends with the same collectors and converts the same program. The rules:
 =====================================  ==========================================  ===========================
 collector                              merged state                                against one process
 =====================================  ==========================================  ===========================
-``LayerHessian`` (seq_mse, adaround,   ``sum x x^T`` and row counts added in rank  equal up to the order of
-gptq), ``Gram``                        order (float64)                             the float64 additions
+``LayerHessian`` (seq_mse, adaround,   ``sum x x^T``, its shrinkage's fourth       equal up to the order of
+gptq), ``Gram``                        moments and row counts added in rank order  the float64 additions
+                                       (float64)
 ``RunningMean`` (bias_correction)      sums and counts added in rank order         the same
 ``InputSample``                        :func:`~quantplug.algorithms.collectors.    a uniform sample of every
                                        merge_samples`                              rank's rows (another one)

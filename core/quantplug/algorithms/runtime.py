@@ -779,15 +779,15 @@ def _representable(grid: WeightGrid, shape: Sequence[int], scale: torch.Tensor) 
     return not fixed_point(grid.scale) or fixed_point(scale)
 
 
-def underdetermined_layers(run: AlgorithmRun) -> dict[str, list[tuple[str, int, int]]]:
+def underdetermined_layers(run: AlgorithmRun) -> dict[str, list[tuple[str, int, int, bool]]]:
     """Per algorithm, the layers whose ``H`` summed fewer input rows than the layer has inputs:
-    ``(weight label, rows, inputs)``, in site order."""
-    found: dict[str, list[tuple[str, int, int]]] = {}
+    ``(weight label, rows, inputs, whether the algorithm's H is shrunk there)``, in site order."""
+    found: dict[str, list[tuple[str, int, int, bool]]] = {}
     for by_algorithm in run.collectors.values():
         for i, collector in by_algorithm.items():
             if isinstance(collector, LayerHessian) and 0 < collector.rows < collector.columns:
                 found.setdefault(algorithm_name(run.algorithms[i]), []).append(
-                    (collector.site.label, collector.rows, collector.columns)
+                    (collector.site.label, collector.rows, collector.columns, collector.shrinks)
                 )
     return found
 
@@ -797,8 +797,8 @@ def warn_underdetermined(run: AlgorithmRun) -> None:
 
     Their ``H`` is singular: a choice fits the calibration rows in the directions they span and
     knows nothing of the others, so it can win on the calibration data and lose on new data
-    (ConvNeXt's classifier calibrated on 16 images, 64 inputs: GPTQ -4.4 dB held out). The user
-    learns it at convert, not from the deployed model.
+    (ConvNeXt's classifier calibrated on 16 images, 64 inputs: GPTQ -4.4 dB held out without its
+    shrinkage, -0.2 with it). The user learns it at convert, not from the deployed model.
     """
     advice = (
         ""
@@ -807,16 +807,22 @@ def warn_underdetermined(run: AlgorithmRun) -> None:
         "quantize --held-out PATH) to judge the choices on"
     )
     for name, layers in underdetermined_layers(run).items():
-        shown = ", ".join(f"{w} ({rows} rows, {inputs} inputs)" for w, rows, inputs in layers[:5])
+        shown = ", ".join(f"{w} ({rows} rows, {inputs} inputs)" for w, rows, inputs, _ in layers[:5])
         more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
+        shrunk = (
+            " (their H is shrunk toward its diagonal, which limits this without removing it)"
+            if all(shrinks for *_, shrinks in layers)
+            else ""
+        )
         logger.warning(
             "%s: %d layer(s) saw fewer calibration rows than they have inputs: %s%s. Its choices "
-            "there fit the calibration data and may lose accuracy on other data; calibrate on more "
-            "batches (a linear's rows are its input's samples or tokens, a convolution's its output "
-            "positions)%s.",
+            "there fit the calibration data and may lose accuracy on other data%s; calibrate on "
+            "more batches (a linear's rows are its input's samples or tokens, a convolution's its "
+            "output positions)%s.",
             name,
             len(layers),
             shown,
             more,
+            shrunk,
             advice,
         )

@@ -29,8 +29,10 @@ from quantplug.algorithms.weight_matrix import (
     column_groups,
     from_matrix,
     output_error,
+    shrunk_toward_diagonal,
     to_matrix,
 )
+from quantplug.errors import OptionError
 
 #: clipped weight matrix ``[O, I]`` -> its encoding expanded to ``[O, I]`` (scale, zero point)
 Encoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -80,11 +82,24 @@ def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
     return patches.movedim(1, -1).reshape(-1, columns)
 
 
-class LayerHessian:
-    """Collector of ``H = sum x x^T`` for one linear or convolution weight (``[I, I]`` memory)."""
+#: where :class:`LayerHessian` shrinks ``H`` toward its diagonal (:func:`shrunk_toward_diagonal`)
+SHRINKAGE_CHOICES = ("singular", "all", "off")
 
-    def __init__(self, site: WeightSite) -> None:
+
+class LayerHessian:
+    """Collector of ``H = sum x x^T`` for one linear or convolution weight (``[I, I]`` memory).
+
+    ``shrinkage`` says which layers' ``H`` :meth:`result` shrinks toward its diagonal: those
+    calibrated on fewer rows than they have inputs (``"singular"``), every layer, or none.
+    """
+
+    def __init__(self, site: WeightSite, shrinkage: str = "off") -> None:
+        if shrinkage not in SHRINKAGE_CHOICES:
+            raise OptionError(
+                f"LayerHessian's shrinkage must be one of {SHRINKAGE_CHOICES}, got {shrinkage!r}"
+            )
         self.site = site
+        self.shrinkage = shrinkage
         self.kind = layer_kind(site)
         self.columns = site.weight[0].numel()
         self.hessian: HessianAccumulator | None = None
@@ -111,17 +126,27 @@ class LayerHessian:
         output positions); fewer than :attr:`columns` leaves ``H`` singular."""
         return 0 if self.hessian is None else self.hessian.rows
 
+    @property
+    def shrinks(self) -> bool:
+        """Whether :meth:`result` is shrunk toward its diagonal (by :attr:`shrinkage` and rows)."""
+        return self.shrinkage == "all" or (self.shrinkage == "singular" and 0 < self.rows < self.columns)
+
     def result(self) -> torch.Tensor | None:
-        """The mean ``x x^T`` (float64), or None when the layer never ran or is not supported."""
-        if self.hessian is None or self.hessian.rows == 0:
+        """The mean ``x x^T`` (float64), shrunk where :attr:`shrinks`, or None when the layer never
+        ran or is not supported."""
+        hessian = self.hessian
+        if hessian is None or hessian.rows == 0:
             return None
-        return self.hessian.mean()
+        if not self.shrinks:
+            return hessian.mean()
+        return shrunk_toward_diagonal(hessian.mean(), float(hessian.fourth), hessian.rows)[0]
 
     def state(self) -> dict[str, Any]:
         hessian = self.hessian
         return {
             "unsupported": self.unsupported,
             "sum": None if hessian is None else hessian.sum,
+            "fourth": None if hessian is None else hessian.fourth,
             "rows": 0 if hessian is None else hessian.rows,
         }
 
@@ -134,6 +159,9 @@ class LayerHessian:
         if total is not None:
             self.hessian = HessianAccumulator(self.columns)
             self.hessian.sum = total.to(torch.float64)
+            fourth = sum_in_order([s["fourth"] for s in states])
+            if fourth is not None:  # every rank with a sum has one
+                self.hessian.fourth = fourth.to(torch.float64)
             self.hessian.rows = sum(int(s["rows"]) for s in states)
 
 

@@ -159,6 +159,9 @@ class HessianAccumulator:
         self.columns = int(columns)
         self.sum = torch.zeros(self.columns, self.columns, dtype=torch.float64)
         self.rows = 0
+        #: ``sum_k sum_{i != j} x_ki^2 x_kj^2``: how much ``H``'s off-diagonal terms vary from row
+        #: to row, which is what :func:`shrunk_toward_diagonal` needs (one number, not ``I^2``)
+        self.fourth = torch.zeros((), dtype=torch.float64)
 
     def add(self, rows: torch.Tensor) -> None:
         x = rows.detach().reshape(-1, self.columns).to(torch.float64)
@@ -166,11 +169,39 @@ class HessianAccumulator:
         if not bool(finite.all()):  # a masked/broken row says nothing about this layer's inputs
             x = x[finite]
         self.sum.addmm_(x.T, x)
+        squares = x * x
+        self.fourth += (squares.sum(dim=1).square() - squares.square().sum(dim=1)).sum()
         self.rows += int(x.shape[0])
 
     def mean(self) -> torch.Tensor:
         """``H / N`` as float64 (what the algorithms' losses are normalised by)."""
         return self.sum / max(self.rows, 1)
+
+
+def shrunk_toward_diagonal(mean: torch.Tensor, fourth: float, rows: int) -> tuple[torch.Tensor, float]:
+    """The mean ``x x^T`` shrunk toward its own diagonal, and the shrinkage intensity in [0, 1].
+
+    ``(1 - d) * S + d * diag(S)`` with Ledoit and Wolf's estimate of the intensity that makes it
+    the closest (in expected Frobenius norm) to the mean over all data, as Schaefer and Strimmer
+    (2005) give it for a diagonal target: the sampling variance of ``S``'s off-diagonal terms over
+    their squares, ``d = sum_{i!=j} Var(s_ij) / sum_{i!=j} s_ij^2``, with ``Var(s_ij)`` estimated
+    from the rows as ``(mean_k x_ki^2 x_kj^2 - s_ij^2) / N``. ``fourth`` is ``sum_k sum_{i!=j}
+    x_ki^2 x_kj^2`` (:attr:`HessianAccumulator.fourth`) and ``rows`` is ``N``.
+
+    Why: fewer rows than inputs leave ``S`` singular, and GPTQ's error feedback then moves error
+    into directions no calibration row measured, free on the calibration data and not on other
+    data. The diagonal keeps each input's own energy (outlier channels stay heavy) and drops only
+    the correlations the rows are too few to estimate; with many rows ``d`` tends to 0.
+    """
+    if rows < 2:
+        return mean, 0.0
+    off = mean - torch.diag(torch.diagonal(mean))
+    squared = float(off.square().sum())
+    if squared <= 0.0:
+        return mean, 0.0  # already diagonal
+    variance = (float(fourth) / rows - squared) / rows
+    intensity = min(max(variance / squared, 0.0), 1.0)
+    return mean - intensity * off, intensity
 
 
 def dampened(hessian: torch.Tensor, relative: float) -> torch.Tensor:
