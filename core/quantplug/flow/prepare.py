@@ -37,6 +37,7 @@ from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
 from quantplug.observers.nonfinite import check_policy
 from quantplug.observers.nonfinite import configure as configure_nonfinite
+from quantplug.quantizer.index_arithmetic import index_arithmetic
 from quantplug.quantizer.quantizer import Quantizer
 from quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from quantplug.sharing.problem import solve
@@ -463,13 +464,19 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         obs.meta["quantplug_group"] = group.gid
         return obs
 
+    # index arithmetic left float reads a quantized producer's float value: a dequantized whole
+    # number can come back just below itself and its cast to integers would truncate it
+    edges_observed = {key[1] for key in state.group_of if isinstance(key, tuple)}
+    float_readers = {n.name for n in index_arithmetic(graph)} - edges_observed
     output_obs: dict[str, Node] = {}
     for n in nodes:
         gid = state.group_of.get(n.name)
         if gid is None or state.groups[gid].constant:
             continue
         obs = new_observer(n, state.groups[gid])
-        n.replace_all_uses_with(obs, delete_user_cb=lambda user, obs=obs: user is not obs)
+        n.replace_all_uses_with(
+            obs, delete_user_cb=lambda user, obs=obs: user is not obs and user.name not in float_readers
+        )
         output_obs[n.name] = obs
 
     edge_obs: dict[tuple[str, int], Node] = {}

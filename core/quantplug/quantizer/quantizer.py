@@ -31,6 +31,7 @@ from quantplug.quantizer.fusion import (
     plan_fusions,
     remove_fused_encodings,
 )
+from quantplug.quantizer.index_arithmetic import index_arithmetic
 from quantplug.quantizer.mutation import mutated_aliases
 from quantplug.quantizer.rules import RuleSet
 from quantplug.quantizer.selection import ConfigSelector
@@ -253,12 +254,12 @@ class Quantizer:
             for head, tail in plan.fused.items():
                 by_name[head].meta[FUSED_TAIL_KEY] = tail
                 by_name[tail].meta[FUSED_HEAD_KEY] = head
-        written = mutated_aliases(graph)
+        kept_float = {**index_arithmetic(graph), **mutated_aliases(graph)}
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
-            if node in written:
-                node.meta[FLOAT_REASON_KEY] = written[node]
+            if node in kept_float:
+                node.meta[FLOAT_REASON_KEY] = kept_float[node]
                 continue
             name = op_name(node.target)
             rule = rules.get(name)
