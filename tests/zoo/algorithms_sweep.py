@@ -12,6 +12,7 @@ measured on its 4 held-out ones (``tests/zoo/harness.py``). AdaRound runs 100 st
     .venv/bin/python -m tests.zoo.algorithms_sweep --measure-last     # ... the same batches measure, guard
                                                                       # on calibration (to compare with)
     .venv/bin/python -m tests.zoo.algorithms_sweep --only gptq --option gptq.scale_search=20
+    .venv/bin/python -m tests.zoo.algorithms_sweep --more             # tests/zoo/more_models.py too
 
 ``--only NAME`` (repeatable) sweeps those algorithms only; ``--option NAME.KEY=VALUE`` (repeatable)
 configures one, as ``quantize --algorithm-option`` does (values are read as JSON, else text).
@@ -37,6 +38,7 @@ import torch
 import quantplug
 from tests.zoo.harness import float_case, quantizer, quiet, run, sqnr
 from tests.zoo.models import MODELS
+from tests.zoo.more_models import MORE_MODELS
 
 CONFIGS: tuple[tuple[str, str], ...] = (("qnn_htp", "16a4w"), ("reference", "weight_only_int4"))
 OPTIONS: dict[str, dict[str, Any]] = {"adaround": {"iterations": 100}}
@@ -93,15 +95,19 @@ def _option_value(text: str) -> Any:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.zoo.algorithms_sweep")
     parser.add_argument("models", nargs="*", metavar="MODEL", help=f"default: all of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--more", action="store_true", help=f"sweep tests/zoo/more_models.py too: {', '.join(MORE_MODELS)}"
+    )
     parser.add_argument("--held-out", action="store_true", help="the guard judges on held-out batches")
     parser.add_argument("--measure-last", action="store_true", help="measure on those batches only")
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="sweep this algorithm")
     parser.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE")
     args = parser.parse_args(argv)
-    strangers = [m for m in args.models if m not in MODELS]
+    known = {**MODELS, **MORE_MODELS}
+    strangers = [m for m in args.models if m not in known]
     if strangers:
-        parser.error(f"no zoo model {', '.join(strangers)} (the zoo has: {', '.join(MODELS)})")
-    names = args.models or list(MODELS)
+        parser.error(f"no zoo model {', '.join(strangers)} (the zoo has: {', '.join(known)})")
+    names = args.models or list(MODELS) + (list(MORE_MODELS) if args.more else [])
     judged = args.held_out
     skipped = JUDGED if judged or args.measure_last else 0
     installed = [entry.name for entry in quantplug.list_algorithms()]

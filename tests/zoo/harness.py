@@ -23,6 +23,7 @@ from torch.fx import GraphModule
 
 import quantplug
 from tests.zoo.models import MODELS, Inputs
+from tests.zoo.more_models import MORE_MODELS
 
 CALIBRATION_BATCHES = 2
 HELD_OUT_BATCHES = 4
@@ -63,7 +64,7 @@ class FloatCase:
 
 @functools.cache
 def float_case(name: str) -> FloatCase:
-    zoo = MODELS[name]
+    zoo = MODELS[name] if name in MODELS else MORE_MODELS[name]
     model = zoo.build()
     gen = torch.Generator().manual_seed(1234)
     example = zoo.draw(gen)
