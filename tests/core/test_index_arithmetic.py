@@ -61,6 +61,17 @@ def _ids(seed: int) -> tuple[torch.Tensor]:
     return (torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(seed)),)
 
 
+def _held_out_sqnr_above(model: nn.Module, quantizer: Any, floor: float) -> Any:
+    """Calibrated on two batches of token ids, converted, and checked against float on a third."""
+    prepared = quantplug.prepare(torch.export.export(model, _ids(0)), quantizer)
+    for seed in (1, 2):
+        prepared(*_ids(seed))
+    converted = quantplug.convert(prepared)
+    with torch.no_grad():
+        assert sqnr([model(*_ids(3))], [converted(*_ids(3))]) > floor
+    return converted
+
+
 def _ops(nodes: Any) -> set[str]:
     return {str(n.target).split(".")[1] for n in nodes}
 
@@ -83,13 +94,7 @@ def test_positions_computed_in_float_pick_their_own_rows(
     3.5 dB at reference int8, 6 dB at qnn_htp 16a16w, whatever the grid."""
     torch.manual_seed(0)
     model = FloatPositions(gate).eval()
-    quantizer = quantplug.get_quantizer(backend, **options)
-    prepared = quantplug.prepare(torch.export.export(model, _ids(0)), quantizer)
-    for seed in (1, 2):
-        prepared(*_ids(seed))
-    converted = quantplug.convert(prepared)
-    with torch.no_grad():
-        assert sqnr([model(*_ids(3))], [converted(*_ids(3))]) > 25.0
+    converted = _held_out_sqnr_above(model, quantplug.get_quantizer(backend, **options), 25.0)
     (cumsum,) = [n for n in converted.graph.nodes if n.target == torch.ops.aten.cumsum.default]
     assert all(  # the running sum reads the mask unquantized, whoever else quantizes it
         not str(arg.target).startswith("quantized_decomposed")
@@ -145,12 +150,5 @@ def test_opt_computes_its_positions_right() -> None:
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.model(input_ids=ids)[0]  # type: ignore[no-any-return]
 
-    wrapped = Hidden().eval()
     with quiet():
-        quantizer = quantplug.get_quantizer("qnn_htp", precision="16a16w")
-        prepared = quantplug.prepare(torch.export.export(wrapped, _ids(0)), quantizer)
-        for seed in (1, 2):
-            prepared(*_ids(seed))
-        converted = quantplug.convert(prepared)
-        with torch.no_grad():
-            assert sqnr([wrapped(*_ids(3))], [converted(*_ids(3))]) > 25.0
+        _held_out_sqnr_above(Hidden().eval(), quantplug.get_quantizer("qnn_htp", precision="16a16w"), 25.0)
