@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,20 @@ class _LogitsOf(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids)
         return out[0]  # type: ignore[no-any-return]
+
+
+def hugging_face(
+    model_cls: str, config_cls: str, wrap: Callable[[nn.Module], nn.Module] = _LogitsOf, **config: Any
+) -> Callable[[], nn.Module]:
+    """A builder of ``transformers.<model_cls>(<config_cls>(**config))``, wrapped (by default to
+    take ``input_ids`` and return the first output); imported only when built."""
+
+    def make() -> nn.Module:
+        import transformers
+
+        return wrap(getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)))
+
+    return make
 
 
 def _bert() -> nn.Module:

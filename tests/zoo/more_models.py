@@ -10,13 +10,11 @@ index arithmetic stayed float, 36.7 after).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.zoo.models import VOCAB, ZooModel, _LogitsOf, _torchvision
+from tests.zoo.models import VOCAB, ZooModel, _torchvision, hugging_face
 
 # --- transformers ----------------------------------------------------------------------------------
 
@@ -31,30 +29,22 @@ _SMALL = dict(
 )
 
 
-def _hf(config_name: str, model_name: str, **kwargs: object) -> Callable[[], nn.Module]:
-    def make() -> nn.Module:
-        import transformers
-
-        config = getattr(transformers, config_name)(**kwargs)
-        return _LogitsOf(getattr(transformers, model_name)(config))
-
-    return make
-
-
-_mistral = _hf("MistralConfig", "MistralForCausalLM", **_SMALL, num_key_value_heads=2, sliding_window=None)
-_qwen2 = _hf("Qwen2Config", "Qwen2ForCausalLM", **_SMALL, num_key_value_heads=2)
-_phi3 = _hf(
-    "Phi3Config",
+_mistral = hugging_face(
+    "MistralForCausalLM", "MistralConfig", **_SMALL, num_key_value_heads=2, sliding_window=None
+)
+_qwen2 = hugging_face("Qwen2ForCausalLM", "Qwen2Config", **_SMALL, num_key_value_heads=2)
+_phi3 = hugging_face(
     "Phi3ForCausalLM",
+    "Phi3Config",
     **_SMALL,
     num_key_value_heads=2,
     pad_token_id=0,
     bos_token_id=0,
     eos_token_id=0,
 )
-_opt = _hf(
-    "OPTConfig",
+_opt = hugging_face(
     "OPTForCausalLM",
+    "OPTConfig",
     vocab_size=VOCAB,
     hidden_size=32,
     ffn_dim=64,
@@ -67,9 +57,9 @@ _opt = _hf(
     bos_token_id=0,
     eos_token_id=0,
 )
-_distilbert = _hf(
-    "DistilBertConfig",
+_distilbert = hugging_face(
     "DistilBertModel",
+    "DistilBertConfig",
     vocab_size=VOCAB,
     dim=32,
     hidden_dim=64,
@@ -78,9 +68,9 @@ _distilbert = _hf(
     max_position_embeddings=32,
     pad_token_id=0,
 )
-_roberta = _hf(
-    "RobertaConfig",
+_roberta = hugging_face(
     "RobertaModel",
+    "RobertaConfig",
     vocab_size=VOCAB,
     hidden_size=32,
     num_hidden_layers=2,
@@ -89,9 +79,9 @@ _roberta = _hf(
     max_position_embeddings=40,
     pad_token_id=1,
 )
-_t5 = _hf(
-    "T5Config",
+_t5 = hugging_face(
     "T5EncoderModel",
+    "T5Config",
     vocab_size=VOCAB,
     d_model=32,
     d_kv=16,
@@ -103,9 +93,9 @@ _t5 = _hf(
     eos_token_id=1,
     decoder_start_token_id=0,
 )
-_falcon = _hf(
-    "FalconConfig",
+_falcon = hugging_face(
     "FalconForCausalLM",
+    "FalconConfig",
     vocab_size=VOCAB,
     hidden_size=32,
     num_hidden_layers=2,
@@ -115,9 +105,9 @@ _falcon = _hf(
     bos_token_id=0,
     eos_token_id=0,
 )
-_bloom = _hf(
-    "BloomConfig",
+_bloom = hugging_face(
     "BloomForCausalLM",
+    "BloomConfig",
     vocab_size=VOCAB,
     hidden_size=32,
     n_layer=2,
@@ -127,9 +117,9 @@ _bloom = _hf(
     eos_token_id=0,
     pad_token_id=0,
 )
-_neox = _hf(
-    "GPTNeoXConfig",
+_neox = hugging_face(
     "GPTNeoXForCausalLM",
+    "GPTNeoXConfig",
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,

@@ -32,6 +32,7 @@ from torch import nn
 import quantplug
 from tests.zoo.harness import quantizer, quiet, run, sqnr
 from tests.zoo.models import VOCAB, ZooModel
+from tests.zoo.models import hugging_face as _hf
 
 PRESETS: tuple[tuple[str, str], ...] = (
     ("reference", "int8"),
@@ -204,18 +205,6 @@ class _Seq2Seq(nn.Module):
 
 
 SMALL: dict[str, Any] = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-
-
-def _hf(
-    model_cls: str, config_cls: str, wrap: Callable[[nn.Module], nn.Module] = _First, **config: Any
-) -> Callable[[], nn.Module]:
-    def make() -> nn.Module:
-        import transformers
-
-        cfg = getattr(transformers, config_cls)(**config)
-        return wrap(getattr(transformers, model_cls)(cfg))
-
-    return make
 
 
 def _whisper() -> nn.Module:
