@@ -152,3 +152,18 @@ def test_opt_computes_its_positions_right() -> None:
 
     with quiet():
         _held_out_sqnr_above(Hidden().eval(), quantplug.get_quantizer("qnn_htp", precision="16a16w"), 25.0)
+
+
+def test_positions_stay_right_with_a_dynamic_batch() -> None:
+    """Exported with a free batch dimension, calibrated on 4 sequences, run on 7."""
+    torch.manual_seed(0)
+    model = FloatPositions(gate=True).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(model, _ids(0), dynamic_shapes=({0: batch},))
+    prepared = quantplug.prepare(program, quantplug.get_quantizer("qnn_htp", precision="16a16w"))
+    for seed in (1, 2):
+        prepared(*_ids(seed))
+    converted = quantplug.convert(prepared)
+    ids = torch.randint(0, 100, (7, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert sqnr([model(ids)], [converted(ids)]) > 25.0
