@@ -11,10 +11,15 @@ import pytest
 from tests.cli.conftest import run_cli
 from tests.cli.test_fast_cli import _errors, _heavy, _imported
 
+#: option bounds, checked from metadata: torch-free and no algorithm's
+LIGHT_CHECKS = "quantplug.algorithms.option_checks"
+
 
 def _no_algorithm_module(modules: set[str]) -> list[str]:
     return sorted(
-        m for m in modules if m.startswith("quantplug.algorithms.") and m != "quantplug.algorithms.registry"
+        m
+        for m in modules
+        if m.startswith("quantplug.algorithms.") and m not in ("quantplug.algorithms.registry", LIGHT_CHECKS)
     )
 
 
@@ -43,6 +48,12 @@ def test_listing_describes_each_algorithm_from_metadata() -> None:
         (["-A", "cle_"], "unknown algorithm 'cle_' (did you mean 'cle'?)"),
         (["-A", "cle", "--algorithm-option", "iteratons=3"], "did you mean 'iterations'"),
         (["-A", "cle", "--algorithm-option", "iterations=many"], "must be a int"),
+        (
+            ["-A", "gptq", "--algorithm-option", "damp=nan"],
+            "option 'damp' of algorithm 'gptq' must be a finite",
+        ),
+        (["-A", "cle", "--algorithm-option", "sigmas=-1"], "option 'sigmas' of algorithm 'cle' must be >= 0"),
+        (["-A", "seq_mse", "--algorithm-option", "candidates=100000"], "must be in [1, 1000], got '100000'"),
         (["-A", "cle", "-A", "smoothquant", "--algorithm-option", "alpha=0.5"], "name the algorithm"),
         (["-A", "cle", "--algorithm-option", "smoothquant.alpha=0.5"], "not among --algorithm"),
         (["--algorithm-option", "alpha=0.5"], "without --algorithm"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -100,6 +101,70 @@ def test_options_are_checked_and_converted() -> None:
         option_values("x", declared, {"alpah": 1.0})
     with pytest.raises(OptionError, match="must be a float"):
         option_values("x", declared, {"alpha": "big"})
+
+
+@pytest.mark.parametrize("value", ["nan", float("nan"), float("inf"), "-inf"])
+def test_a_float_option_is_finite(value: object) -> None:
+    declared = (AlgorithmOption("alpha", "float", 0.5),)
+    with pytest.raises(OptionError, match="option 'alpha' of algorithm 'x' must be a finite number"):
+        option_values("x", declared, {"alpha": value})
+
+
+def test_an_option_stays_within_its_declared_bounds() -> None:
+    declared = (
+        AlgorithmOption("rows", "int", 8, minimum=1),
+        AlgorithmOption("mix", "float", 0.5, maximum=1.0),
+    )
+    assert option_values("x", declared, {"rows": 1, "mix": -3.0}) == {"rows": 1, "mix": -3.0}  # inclusive
+    with pytest.raises(OptionError, match=r"option 'rows' of algorithm 'x' must be >= 1, got 0"):
+        option_values("x", declared, {"rows": 0})
+    with pytest.raises(OptionError, match=r"option 'mix' of algorithm 'x' must be <= 1, got '1.5'"):
+        option_values("x", declared, {"mix": "1.5"})
+    both = (AlgorithmOption("f", "float", 1.5, minimum=1.0, maximum=16.0),)
+    with pytest.raises(OptionError, match=r"must be in \[1, 16\], got 0.5"):
+        option_values("x", both, {"f": 0.5})
+
+
+def test_every_built_in_default_lies_within_its_bounds() -> None:
+    built_in = [e for e in quantplug.list_algorithms() if e.source == "entry-point"]
+    assert {"adaround", "cle", "gptq", "seq_mse", "smoothquant"} <= {e.name for e in built_in}
+    for entry in built_in:
+        factory = registry.load_algorithm(entry.name)
+        for option in factory.options:
+            assert option_values(entry.name, (option,), {option.name: option.default})  # checked as given
+        assert list(entry.options) == registry.metadata_of(factory)["options"]  # the bounds listed too
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("gptq", {"damp": float("nan")}, "'damp' of algorithm 'gptq' must be a finite number"),
+        ("gptq", {"damp": float("inf")}, "'damp' of algorithm 'gptq' must be a finite number"),
+        ("gptq", {"scale_search": 5000}, "'scale_search' of algorithm 'gptq' must be in [0, 1000]"),
+        (
+            "adaround",
+            {"learning_rate": float("inf")},
+            "'learning_rate' of algorithm 'adaround' must be a finite",
+        ),
+        ("adaround", {"learning_rate": 0.0}, "'learning_rate' of algorithm 'adaround' must be > 0"),
+        ("adaround", {"damp": float("nan")}, "'damp' of algorithm 'adaround' must be a finite number"),
+        ("cle", {"sigmas": -1.0}, "'sigmas' of algorithm 'cle' must be >= 0"),
+        ("cle", {"iterations": 0}, "'iterations' of algorithm 'cle' must be >= 1"),
+        ("smoothquant", {"sample_rows": 0}, "'sample_rows' of algorithm 'smoothquant' must be >= 1"),
+        ("smoothquant", {"alpha": 2.0}, "'alpha' of algorithm 'smoothquant' must be in [-1, 1]"),
+        ("smoothquant", {"alpha": -0.5}, "'alpha' of algorithm 'smoothquant' must be in [0, 1], or -1"),
+        ("smoothquant", {"alpha": float("nan")}, "'alpha' of algorithm 'smoothquant' must be a finite"),
+        ("smoothquant", {"act_bits": 64}, "'act_bits' of algorithm 'smoothquant' must be in [-1, 16]"),
+        ("smoothquant", {"weight_bits": 1}, "'weight_bits' of algorithm 'smoothquant' must be 0"),
+        ("seq_mse", {"candidates": 100000}, "'candidates' of algorithm 'seq_mse' must be in [1, 1000]"),
+    ],
+)
+def test_built_in_options_out_of_range_are_option_errors(name: str, options: dict, message: str) -> None:
+    """By name (as prepare and the CLI build them) and built directly: the same typed error."""
+    with pytest.raises(OptionError, match=re.escape(message)):
+        registry.resolve_algorithms([(name, options)])
+    with pytest.raises(OptionError, match=re.escape(message)):
+        registry.load_algorithm(name)(**options)
 
 
 class Scaled(Algorithm):

@@ -6,6 +6,8 @@ never produces exact rounding ties that would make "the same codes" ill-defined.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -317,6 +319,27 @@ def test_adaround_learns_a_rounding_better_than_nearest() -> None:
     codes = result.codes.double()  # the loss reported is the output error of the codes returned
     actual = float(output_error(w - dequantize_codes(codes, s, z), h).sum())
     assert abs(actual - result.loss) < 1e-3 * result.loss
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(-100, 100), st.integers(-200, 200), GRIDS)
+def test_adaround_is_the_same_at_any_magnitude(
+    seed: int, weight_exp: int, input_exp: int, grid: IntegerGrid
+) -> None:
+    """Weights and scales times 2^a, H times 2^b (inputs of 1e30 make H 1e60, beyond float32):
+    the same codes bit for bit, the losses times 2^(2a + b). Powers of two keep the scaled
+    problem exact, so any difference is the algorithm's. Unnormalised, such inputs overflowed
+    float32 in the steps (a bare RuntimeError at convert)."""
+    w, h = problem(seed, 4, 8, samples=32)
+    s, z = encoding(w, grid, (1, 8))
+    schedule = AdaroundSchedule(iterations=40)
+    base = adaround_codes(w, h, s, z, grid, schedule)
+    a, b = 2.0**weight_exp, 2.0**input_exp
+    scaled = adaround_codes(w * a, h * b, s * a, z, grid, schedule)
+    assert torch.equal(scaled.codes, base.codes)
+    units = a * a * b
+    assert math.isclose(scaled.loss, base.loss * units, rel_tol=1e-9, abs_tol=1e-300)
+    assert math.isclose(scaled.nearest_loss, base.nearest_loss * units, rel_tol=1e-9, abs_tol=1e-300)
 
 
 def test_rectified_sigmoid_reaches_both_ends() -> None:

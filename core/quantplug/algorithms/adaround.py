@@ -116,19 +116,25 @@ def adaround_codes(
     quadratic form) rather than taken by autograd: the same steps at about half the cost.
     """
     sched = schedule or AdaroundSchedule()
-    w = weight.detach().to(torch.float32)
-    s = scale.detach().to(torch.float32).expand_as(w)
+    # The steps run in float32 on a problem of unit size: the weights in units of their largest
+    # step and H over its mean diagonal (the minimiser does not change). Unscaled, inputs of 1e30
+    # make H 1e60 and overflow float32; losses are given back in the caller's units.
+    step_size = _finite_positive(float(scale.detach().abs().max()))
+    energy = float(torch.diagonal(hessian).to(torch.float64).mean().clamp(min=0))
+    units = step_size**2 * _finite_positive(energy)
+    w = weight.detach().to(torch.float32) / step_size
+    s = scale.detach().to(torch.float32).div(step_size).expand_as(w)
     z = zero_point.detach().to(torch.float32).expand_as(w)
     scaled = w / s
     floor = torch.floor(scaled)
     lo, hi = grid.quant_min - z, grid.quant_max - z  # floor + h must stay in range
-    factor = hessian_factor(hessian).to(torch.float32)
+    factor = hessian_factor(hessian.to(torch.float64) / _finite_positive(energy)).to(torch.float32)
     # H + damp * mean(diag H) * I, the damped part kept apart so steps stay low-rank
-    ridge = float(sched.damp) * float(torch.diagonal(hessian).mean().clamp(min=0))
+    ridge = float(sched.damp) if energy > 0 else 0.0
 
     def loss_of(rounded: torch.Tensor) -> torch.Tensor:
-        error = w - rounded * s
-        delta = error @ factor
+        error = (w - rounded * s).to(torch.float64)
+        delta = error @ factor.to(torch.float64)
         return (delta * delta).sum() + ridge * (error * error).sum()
 
     nearest_codes = quantize_codes(w, s, z, grid)
@@ -169,7 +175,12 @@ def adaround_codes(
         loss = float(loss_of(codes - z))
     if not loss <= nearest_loss:  # never worse than rounding to nearest on the calibration data
         codes, loss = nearest_codes, nearest_loss
-    return AdaroundResult(codes, step, stopped, loss, nearest_loss)
+    return AdaroundResult(codes, step, stopped, loss * units, nearest_loss * units)
+
+
+def _finite_positive(value: float) -> float:
+    """``value`` where it is a usable unit (finite, above zero), else 1."""
+    return value if 0 < value < math.inf else 1.0
 
 
 class _Adam:
@@ -206,11 +217,17 @@ class AdaRound(Algorithm):
     description = "AdaRound: learned per-layer rounding (up or down) minimising each layer's output error"
     paper = "Nagel et al. 2020, Up or Down? Adaptive Rounding for Post-Training Quantization"
     options = (
-        AlgorithmOption("iterations", "int", 500, "Adam steps per layer"),
-        AlgorithmOption("reg_weight", "float", 5.0, "weight of the rounding regulariser (scale-free)"),
-        AlgorithmOption("learning_rate", "float", 1e-2, "Adam's learning rate"),
-        AlgorithmOption("time_budget", "float", 0.0, "seconds for the whole model (0: no limit)"),
-        AlgorithmOption("damp", "float", 0.01, "ridge on the Hessian, relative to its mean diagonal"),
+        AlgorithmOption("iterations", "int", 500, "Adam steps per layer", minimum=0),
+        AlgorithmOption(
+            "reg_weight", "float", 5.0, "weight of the rounding regulariser (scale-free)", minimum=0.0
+        ),
+        AlgorithmOption("learning_rate", "float", 1e-2, "Adam's learning rate (> 0)", minimum=0.0),
+        AlgorithmOption(
+            "time_budget", "float", 0.0, "seconds for the whole model (0: no limit)", minimum=0.0
+        ),
+        AlgorithmOption(
+            "damp", "float", 0.01, "ridge on the Hessian, relative to its mean diagonal", minimum=0.0
+        ),
         SEQUENTIAL_OPTION,
     )
 
@@ -241,11 +258,8 @@ class AdaRound(Algorithm):
         self.learning_rate: float = values["learning_rate"]
         self.time_budget: float = values["time_budget"]
         self.damp: float = values["damp"]
-        if min(self.iterations, self.reg_weight, self.time_budget, self.damp) < 0 or self.learning_rate <= 0:
-            raise OptionError(
-                "algorithm 'adaround' needs iterations, reg_weight, time_budget and damp >= 0 and "
-                f"learning_rate > 0, got {values}"
-            )
+        if self.learning_rate == 0:
+            raise OptionError("option 'learning_rate' of algorithm 'adaround' must be > 0, got 0.0")
         self._sites: set[str] = set()  # weights this instance trains (from its collectors)
         self._done: set[str] = set()  # ... already trained in the current convert
         self._deadline: float | None = None

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from quantplug.algorithms.spec import Algorithm, AlgorithmOption, TransformContext
+from quantplug.algorithms.spec import Algorithm, AlgorithmOption, TransformContext, option_values
 from quantplug.flow.inspect import fetch_attr
 
 LAYERS = {
@@ -144,17 +144,28 @@ class CrossLayerEqualization(Algorithm):
     description = "cross-layer equalization of conv/linear pairs through ReLU, with high-bias absorption"
     paper = "Nagel et al. 2019, Data-Free Quantization Through Weight Equalization and Bias Correction"
     options = (
-        AlgorithmOption("iterations", "int", 20, "passes over the layer pairs (chains settle over passes)"),
+        AlgorithmOption(
+            "iterations", "int", 20, "passes over the layer pairs (chains settle over passes)", minimum=1
+        ),
         AlgorithmOption("absorb_high_bias", "bool", True, "absorb high biases (needs calibration data)"),
         AlgorithmOption(
-            "sigmas", "float", 3.0, "absorb what the ReLU input exceeds with mean - sigmas * std"
+            "sigmas",
+            "float",
+            3.0,
+            "absorb what the ReLU input exceeds with mean - sigmas * std",
+            minimum=0.0,
         ),
     )
 
     def __init__(self, iterations: int = 20, absorb_high_bias: bool = True, sigmas: float = 3.0) -> None:
-        self.iterations = iterations
-        self.absorb_high_bias = absorb_high_bias
-        self.sigmas = sigmas
+        values = option_values(
+            self.name,
+            self.options,
+            {"iterations": iterations, "absorb_high_bias": absorb_high_bias, "sigmas": sigmas},
+        )
+        self.iterations: int = values["iterations"]
+        self.absorb_high_bias: bool = values["absorb_high_bias"]
+        self.sigmas: float = values["sigmas"]
         self.pairs: list[Pair] = []
 
     def transform_program(self, gm: GraphModule, context: TransformContext) -> None:
@@ -166,7 +177,7 @@ class CrossLayerEqualization(Algorithm):
             for p in pairs
             for n in (_weight(p.first), _weight(p.second), *_bias(p.first), *_bias(p.second))
         }
-        for _ in range(max(1, self.iterations)):
+        for _ in range(self.iterations):
             moved = 0.0
             for pair in pairs:
                 w1, w2 = str(_weight(pair.first).target), str(_weight(pair.second).target)

@@ -38,7 +38,12 @@ from typing import Any
 
 import torch
 
-from quantplug.algorithms.seq_mse import candidate_fractions, candidate_weight, seq_mse_encoding
+from quantplug.algorithms.seq_mse import (
+    MAX_CANDIDATES,
+    candidate_fractions,
+    candidate_weight,
+    seq_mse_encoding,
+)
 from quantplug.algorithms.spec import (
     Algorithm,
     AlgorithmOption,
@@ -65,7 +70,6 @@ from quantplug.algorithms.weight_matrix import (
     small_products,
     to_matrix,
 )
-from quantplug.errors import OptionError
 
 
 @dataclass(frozen=True)
@@ -291,16 +295,27 @@ class GPTQ(Algorithm):
     )
     options = (
         AlgorithmOption("act_order", "bool", True, "quantize the most active input columns first"),
-        AlgorithmOption("damp", "float", 0.01, "Hessian dampening, relative to its mean diagonal"),
-        AlgorithmOption("lazy_batch", "int", 128, "columns per lazy batch update (speed only)"),
+        AlgorithmOption(
+            "damp", "float", 0.01, "Hessian dampening, relative to its mean diagonal", minimum=0.0
+        ),
+        AlgorithmOption("lazy_batch", "int", 128, "columns per lazy batch update (speed only)", minimum=1),
         AlgorithmOption(
             "scale_search",
             "int",
             0,
             "range fractions per unit of range tried for each channel's scale, judged by the error "
             "GPTQ leaves (0: keep the encoding given)",
+            minimum=0,
+            maximum=MAX_CANDIDATES,
         ),
-        AlgorithmOption("max_fraction", "float", 1.5, "largest range fraction the scale search tries"),
+        AlgorithmOption(
+            "max_fraction",
+            "float",
+            1.5,
+            "largest range fraction the scale search tries",
+            minimum=1.0,
+            maximum=16.0,
+        ),
         AlgorithmOption(
             "shrinkage",
             "str",
@@ -342,16 +357,6 @@ class GPTQ(Algorithm):
         self.scale_search: int = values["scale_search"]
         self.max_fraction: float = values["max_fraction"]
         self.shrinkage: str = values["shrinkage"]
-        if self.damp < 0 or self.lazy_batch < 1 or self.scale_search < 0:
-            raise OptionError(
-                f"algorithm 'gptq' needs damp >= 0, lazy_batch >= 1 and scale_search >= 0, got "
-                f"damp={self.damp}, lazy_batch={self.lazy_batch}, scale_search={self.scale_search}"
-            )
-        if not 1.0 <= self.max_fraction <= 16.0:
-            raise OptionError(
-                f"option 'max_fraction' of algorithm 'gptq' must be in [1, 16], got {self.max_fraction} "
-                "(1: clipping only)"
-            )
 
         self._hessians: dict[str, LayerHessian] = {}  # the collectors it made, by weight
 

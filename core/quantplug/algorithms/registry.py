@@ -167,6 +167,8 @@ def _option_dict(option: Any) -> dict[str, Any]:
         "default": option.default,
         "help": option.help,
         "choices": list(option.choices) if option.choices is not None else None,
+        "minimum": getattr(option, "minimum", None),
+        "maximum": getattr(option, "maximum", None),
     }
 
 

@@ -28,7 +28,8 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from quantplug.algorithms.collectors import InputSample
-from quantplug.algorithms.spec import Algorithm, AlgorithmOption, TransformContext
+from quantplug.algorithms.spec import Algorithm, AlgorithmOption, TransformContext, option_values
+from quantplug.errors import OptionError
 from quantplug.flow.inspect import fetch_attr
 
 LINEAR = "aten.linear.default"
@@ -133,21 +134,57 @@ class SmoothQuant(Algorithm):
     description = "SmoothQuant: migrate activation outliers into linear weights, alpha searched per input"
     paper = "Xiao et al. 2023, SmoothQuant (ICML)"
     options = (
-        AlgorithmOption("alpha", "float", -1.0, "migration strength in [0, 1]; -1 searches it per input"),
         AlgorithmOption(
-            "act_bits", "int", 0, "activation bits simulated in the search (0: the quantizer's; -1: float)"
+            "alpha",
+            "float",
+            -1.0,
+            "migration strength in [0, 1]; -1 searches it per input",
+            minimum=-1.0,
+            maximum=1.0,
         ),
-        AlgorithmOption("weight_bits", "int", 0, "weight bits (per channel) simulated (0: the quantizer's)"),
-        AlgorithmOption("sample_rows", "int", 512, "calibration rows kept per input for the search"),
+        AlgorithmOption(
+            "act_bits",
+            "int",
+            0,
+            "activation bits simulated in the search (0: the quantizer's; -1: float)",
+            minimum=-1,
+            maximum=16,
+        ),
+        AlgorithmOption(
+            "weight_bits",
+            "int",
+            0,
+            "weight bits (per channel) simulated (0: the quantizer's)",
+            minimum=0,
+            maximum=16,
+        ),
+        AlgorithmOption(
+            "sample_rows", "int", 512, "calibration rows kept per input for the search", minimum=1
+        ),
     )
 
     def __init__(
         self, alpha: float = -1.0, act_bits: int = 0, weight_bits: int = 0, sample_rows: int = 512
     ) -> None:
-        self.alpha = alpha
-        self.act_bits = act_bits
-        self.weight_bits = weight_bits
-        self.sample_rows = sample_rows
+        values = option_values(
+            self.name,
+            self.options,
+            {"alpha": alpha, "act_bits": act_bits, "weight_bits": weight_bits, "sample_rows": sample_rows},
+        )
+        self.alpha: float = values["alpha"]
+        self.act_bits: int = values["act_bits"]
+        self.weight_bits: int = values["weight_bits"]
+        self.sample_rows: int = values["sample_rows"]
+        if -1 < self.alpha < 0:
+            raise OptionError(
+                "option 'alpha' of algorithm 'smoothquant' must be in [0, 1], or -1 to search it, "
+                f"got {alpha!r}"
+            )
+        if self.weight_bits == 1:
+            raise OptionError(
+                "option 'weight_bits' of algorithm 'smoothquant' must be 0 (the quantizer's) or in [2, 16], "
+                "got 1 (a symmetric 1-bit grid has no level but zero)"
+            )
         #: per smoothed input: the alpha chosen (-1: left alone; for reports and tests)
         self.chosen: dict[str, float] = {}
         self._bits: tuple[int | None, int] = (8, 8)

@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch.fx import GraphModule
 
+from quantplug.algorithms.option_checks import range_problem
 from quantplug.errors import CalibrationError
 
 #: the kinds of values ``AlgorithmOption.type`` may name (also what metadata files spell)
@@ -54,6 +55,12 @@ class AlgorithmOption:
     default: Any
     help: str = ""
     choices: tuple[Any, ...] | None = None
+    #: the least and the greatest value an ``int``/``float`` option accepts (None: unbounded).
+    #: Checked with the type (:func:`~.option_checks.range_problem`; a ``float`` must also be
+    #: finite) before the algorithm is built, so a value that would fail deep in its arithmetic
+    #: (a negative damping, no sampled rows) is an ``OptionError`` naming the option.
+    minimum: float | None = None
+    maximum: float | None = None
 
 
 @dataclass(frozen=True)
@@ -433,4 +440,7 @@ def _convert_option(algorithm: str, option: AlgorithmOption, raw: Any) -> Any:
             f"option {option.name!r} of algorithm {algorithm!r} must be one of "
             f"{', '.join(map(repr, option.choices))}, got {value!r}"
         )
+    problem = range_problem(option.type, value, option.minimum, option.maximum)
+    if problem is not None:
+        raise OptionError(f"option {option.name!r} of algorithm {algorithm!r} must {problem}, got {raw!r}")
     return value

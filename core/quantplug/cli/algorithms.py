@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from quantplug.algorithms.option_checks import bounds_text, range_problem
 from quantplug.cli.checks import check_calibration_path
 from quantplug.cli.errors import InputError
 from quantplug.suggest import did_you_mean
@@ -120,6 +121,8 @@ def algorithms_help(rows: Sequence[Mapping[str, Any]] | None = None) -> str:
             shown = f"{option['name']} ({option['type']}, default {option['default']!r})"
             if option.get("choices"):
                 shown += f" one of {', '.join(map(str, option['choices']))}"
+            if option.get("minimum") is not None or option.get("maximum") is not None:
+                shown += f" {bounds_text(option.get('minimum'), option.get('maximum'))}"
             text = f"{shown}: {option.get('help', '')}"
             lines.extend(textwrap.wrap(text, 100, initial_indent="      ", subsequent_indent="        "))
     return "\n".join(lines)
@@ -200,4 +203,9 @@ def _check_value(algorithm: str, option: Mapping[str, Any], value: str) -> None:
         raise InputError(
             f"option {option['name']!r} of algorithm {algorithm!r} must be one of "
             f"{', '.join(map(str, choices))}, got {value!r}"
+        )
+    problem = range_problem(str(option.get("type")), converted, option.get("minimum"), option.get("maximum"))
+    if problem is not None:
+        raise InputError(
+            f"option {option['name']!r} of algorithm {algorithm!r} must {problem}, got {value!r}"
         )
