@@ -510,6 +510,33 @@ def test_held_out_batches_undo_a_transform_that_only_holds_on_the_calibration_da
     assert undone(held_out=held_out) == ["zero_unseen"]
 
 
+@pytest.mark.parametrize(
+    ("bad", "got"),
+    [
+        (
+            lambda x: (x[:, :15],),
+            r"input .x. has shape \(8, 15\) and dtype float32; the program expects \(8, 16\)",
+        ),
+        (
+            lambda x: (x.double(),),
+            r"input .x. has shape \(8, 16\) and dtype float64; the program expects \(8, 16\)",
+        ),
+        (lambda x: (x, x), r"which takes 1 positional: 1 positional input\(s\) too many"),
+    ],
+    ids=["shape", "dtype", "arity"],
+)
+def test_a_calibration_batch_that_does_not_fit_is_named(bad: Any, got: str) -> None:
+    """Transforms run the float program on ``calibration``: where a batch does not fit and the run
+    fails, the error names the batch, as a held-out one is named, rather than being a torch
+    RuntimeError from inside the transform. Another batch size is not refused: it runs."""
+    x = data()[:BATCH]
+    ep = torch.export.export(Mlp().eval(), (x,))
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="16a4w")
+    with pytest.raises(quantplug.QuantplugError, match=f"calibration batch 1(: |, ){got}"):
+        quantplug.prepare(ep, quantizer, algorithms=["smoothquant"], calibration=[(x,), bad(x)])
+    quantplug.prepare(ep, quantizer, algorithms=["smoothquant"], calibration=[(x,), (data()[: BATCH - 1],)])
+
+
 def test_held_out_batches_are_copied_and_checked() -> None:
     """The caller's tensors may change after prepare; a batch that does not fit the program, no
     batch at all, NaN (unless ignored, as in calibration data) or held-out batches with the guard

@@ -12,8 +12,9 @@ The state between prepare and convert (algorithms, sites, collectors) lives in
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, sta
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.algorithms.weight_layers import LayerHessian
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
-from quantplug.errors import AlgorithmError, NonFiniteError
+from quantplug.errors import AlgorithmError, NonFiniteError, QuantplugError
 from quantplug.flow.batchnorm import FOLDED_FROM
 from quantplug.flow.inspect import fetch_attr, put_attr
 from quantplug.observers.nonfinite import nonfinite_counts
@@ -119,15 +120,25 @@ def run_transforms(
     without it is undone (:func:`quantplug.algorithms.guard.quantized_error`); those come back as
     ``(algorithm, error with it, error without it)``.
     """
+    misfit = ""  # the first calibration batch whose shape or dtype the program did not record
     if calibration is not None:
-        from quantplug.flow.calls import Call
+        from quantplug.flow.calls import Call, check_flat_inputs
 
-        calibration = [tuple(Call.of(b).flat(in_spec)) for b in calibration]
+        flat = []
+        for index, batch in enumerate(calibration):
+            inputs = Call.of(batch).flat(in_spec, what=f"calibration batch {index}")
+            if not misfit:  # not refused: a static batch size often runs at another size
+                try:
+                    check_flat_inputs(gm, inputs, what=f"calibration batch {index}")
+                except QuantplugError as exc:
+                    misfit = str(exc)
+            flat.append(tuple(inputs))
+        calibration = flat
     judged = guard_batches(calibration) if guard and calibration and quantizer is not None else []
     measured = list(held_out) if held_out is not None else judged
     reference: list[list[torch.Tensor]] = []
     if judged:
-        with torch.no_grad():
+        with torch.no_grad(), _naming(misfit, "the algorithm guard"):
             reference = [output_tensors(Interpreter(gm).run(*batch)) for batch in measured]
     error: float | None = None  # the quantized error of the program as transformed so far
     left_out: list[tuple[str, float, float]] = []
@@ -138,7 +149,8 @@ def run_transforms(
         name = algorithm_name(algorithm)
         before = _constants(gm) if judged else {}
         code = gm.code
-        result = hook(gm, TransformContext(name, calibration, quantizer))
+        with _naming(misfit, f"algorithm {name!r}"):
+            result = hook(gm, TransformContext(name, calibration, quantizer))
         if isinstance(result, GraphModule):
             gm = result
         gm.graph.lint()
@@ -150,10 +162,12 @@ def run_transforms(
         if error is None:  # the program before this transform, quantized (later: the last kept one)
             for target, value in changed.items():
                 put_attr(gm, target, value)
-            error = quantized_error(gm, quantizer, judged, reference, nonfinite, measured)
+            with _naming(misfit, "the algorithm guard"):
+                error = quantized_error(gm, quantizer, judged, reference, nonfinite, measured)
             for target in changed:
                 put_attr(gm, target, now[target])
-        found = quantized_error(gm, quantizer, judged, reference, nonfinite, measured)
+        with _naming(misfit, "the algorithm guard"):
+            found = quantized_error(gm, quantizer, judged, reference, nonfinite, measured)
         if not lower(error, found):  # not worse beyond the tie margin: kept
             error = found
             continue
@@ -168,6 +182,23 @@ def run_transforms(
             -decibels(found, error),
         )
     return gm, left_out
+
+
+@contextlib.contextmanager
+def _naming(misfit: str, who: str) -> Iterator[None]:
+    """Where running the program fails and a calibration batch does not fit it (``misfit``: what
+    :func:`~quantplug.flow.calls.check_flat_inputs` said), a QuantplugError naming that batch."""
+    try:
+        yield
+    except QuantplugError:
+        raise
+    except Exception as exc:
+        if not misfit:
+            raise
+        raise QuantplugError(
+            f"{who} failed running the program on the calibration batches, and {misfit} "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _constants(gm: GraphModule) -> dict[str, Any]:

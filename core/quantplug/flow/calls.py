@@ -50,6 +50,19 @@ class Call:
         """'2 positional', 'keyword a, b' or both: what a message says the caller gave."""
         return _inputs_phrase(len(self.args), list(self.kwargs))
 
+    def _extra(self, in_spec: pytree.TreeSpec) -> str:
+        """The inputs given beyond what ``in_spec`` takes, for a message ('' when none)."""
+        if in_spec.num_children != 2:
+            return ""
+        args_spec, kwargs_spec = in_spec.children_specs
+        extra = []
+        if len(self.args) > args_spec.num_children:
+            extra.append(f"{len(self.args) - args_spec.num_children} positional input(s) too many")
+        unknown = sorted(set(self.kwargs) - {str(k) for k in kwargs_spec.context or ()})
+        if unknown and kwargs_spec.num_children:
+            extra.append(f"unknown keyword input(s) {', '.join(unknown)}")
+        return "; ".join(extra)
+
     def flat(self, in_spec: pytree.TreeSpec | None, what: str = "the program") -> list[Any]:
         """The program's flat (placeholder-order) inputs for this call, per its ``in_spec``.
 
@@ -68,6 +81,11 @@ class Call:
             and all(isinstance(a, torch.Tensor) for a in self.args)
         ):
             return list(self.args)  # every input by position, as the generated forward takes them
+        extra = self._extra(in_spec)
+        if extra:  # tree_flatten_spec reads only what the spec names: the rest would vanish unseen
+            raise QuantplugError(
+                f"{self.describe()} input(s) do not match {what}, which takes {signature(in_spec)}: {extra}"
+            )
         try:
             return list(fx_pytree.tree_flatten_spec((self.args, dict(self.kwargs)), in_spec))
         except Exception as exc:
