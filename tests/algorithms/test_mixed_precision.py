@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from torch import nn
 
 import quantplug
 from quantplug.algorithms.mixed_precision import MixedPrecision, search_mixed_precision
-from quantplug.errors import OptionError
+from quantplug.errors import NonFiniteError, OptionError
 
 OPTIONS = {"soc_model": "SM8650"}
 
@@ -75,6 +77,33 @@ def test_bad_requests_are_typed_errors() -> None:
     with pytest.raises(OptionError, match="did you mean '16a8w'"):
         search_mixed_precision(
             ep, "qnn_htp", ["16a4w", "16a8x"], _batches(x), target_sqnr_db=20, options=OPTIONS
+        )
+    for target, message in [
+        ({"target_sqnr_db": math.nan}, "target_sqnr_db must be a finite number of decibels, got nan"),
+        ({"max_weight_bytes": math.nan}, "max_weight_bytes must be a number of bytes >= 0, got nan"),
+        ({"max_weight_bytes": -1.0}, "max_weight_bytes must be a number of bytes >= 0, got -1.0"),
+        ({"max_weight_growth": math.inf}, "max_weight_growth must be a fraction >= 0"),
+    ]:
+        with pytest.raises(OptionError, match=re.escape(message)):
+            search_mixed_precision(ep, "qnn_htp", ["16a4w", "16a8w"], _batches(x), options=OPTIONS, **target)
+
+
+def test_a_nan_measure_is_an_error_not_a_choice() -> None:
+    """On outputs holding NaN every SQNR is NaN and every comparison false: the search would
+    return the cheapest model as if it met the floor, and save NaN (not JSON) in its curve."""
+    _, x, ep = _model()
+    nan = [(torch.full_like(x[:16], math.nan),)]
+    with pytest.raises(
+        NonFiniteError, match="output SQNR as NaN: the float program's outputs on the compare_inputs"
+    ):
+        search_mixed_precision(
+            ep,
+            "qnn_htp",
+            ["16a4w", "16a8w"],
+            _batches(x),
+            target_sqnr_db=20,
+            compare_inputs=nan,
+            options=OPTIONS,
         )
 
 

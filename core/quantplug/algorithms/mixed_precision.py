@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from quantplug.errors import OptionError, QuantplugError
+from quantplug.errors import NonFiniteError, OptionError, QuantplugError
 
 LAYER_OPS = ("aten.linear.default", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
 FORMAT = "quantplug-mixed-precision/1"
@@ -245,10 +245,14 @@ def search_mixed_precision(
             "give exactly one target: target_sqnr_db (an SQNR floor), max_weight_bytes (a budget) "
             "or max_weight_growth (a budget relative to the cheapest model)"
         )
-    if max_weight_growth is not None and not max_weight_growth >= 0:
+    if max_weight_growth is not None and not 0 <= max_weight_growth < math.inf:
         raise OptionError(
             f"max_weight_growth must be a fraction >= 0 (0.25: 25 % more), got {max_weight_growth}"
         )
+    if max_weight_bytes is not None and not 0 <= max_weight_bytes < math.inf:
+        raise OptionError(f"max_weight_bytes must be a number of bytes >= 0, got {max_weight_bytes}")
+    if target_sqnr_db is not None and not math.isfinite(target_sqnr_db):
+        raise OptionError(f"target_sqnr_db must be a finite number of decibels, got {target_sqnr_db}")
     if len(set(presets)) < 2:
         raise OptionError(f"mixed precision needs at least two presets to choose from, got {list(presets)}")
     options = dict(options or {})
@@ -293,6 +297,13 @@ def search_mixed_precision(
         quantized = quantplug.convert(prepared)
         report = quantplug.debug.compare(program, quantized, measured)
         value = report.output_sqnr_db
+        if value is not None and math.isnan(value):  # every choice would compare NaN with NaN
+            raise NonFiniteError(
+                "mixed precision measured the output SQNR as NaN: the float program's outputs on "
+                f"the {'compare_inputs' if compare_inputs else 'calibration'} batches hold NaN "
+                "(NaN in those inputs, or an overflow in the model); measure on finite data",
+                reached="the output SQNR of mixed precision's search",
+            )
         return float("inf") if value is None else float(value)
 
     base = {layer.module: order[0] for layer in layers}
