@@ -232,20 +232,29 @@ def _no_constant(token: str) -> Any:
     raise AssertionError(f"non-finite JSON token {token}")
 
 
-def test_nan_weights_are_rejected_at_convert_whatever_the_policy(
-    program: torch.export.ExportedProgram,
-) -> None:
-    """A NaN weight is a broken model, not calibration data: ignoring it would store garbage."""
+@pytest.mark.parametrize("bad", [NAN, math.inf], ids=["nan", "inf"])
+def test_nonfinite_weights_are_named_at_prepare_whatever_the_policy(bad: float) -> None:
+    """A NaN/inf weight is a broken model, not calibration data: ignoring it would store garbage,
+    and found at the next activation's observer it read as bad data ("output of node 'linear'")."""
     model = Net().eval()
     with torch.no_grad():
-        model.fc.weight[1, 2] = NAN
+        model.fc.weight[1, 2] = bad
     ep = torch.export.export(model, (torch.randn(1, 3, 8, 8),))
-    prepared = quantplug.prepare(ep, quantplug.get_quantizer("reference"))
-    with pytest.raises(NonFiniteError, match="output of node 'linear'"):  # where it first shows
-        prepared(torch.randn(1, 3, 8, 8))
+    kind = "NaN" if math.isnan(bad) else "inf"
+    named = rf"constant 'fc.weight' \(node 'fc_weight', .*\) holds 1 {kind} value\(s\).*fix the model"
+    for policy in ("error", "ignore"):
+        with pytest.raises(NonFiniteError, match=named) as raised:
+            quantplug.prepare(ep, quantplug.get_quantizer("reference"), nonfinite=policy)
+        assert raised.value.where == "fc_weight" and raised.value.nan + raised.value.inf == 1
+
+
+def test_a_weight_made_nan_after_prepare_is_named_at_convert() -> None:
+    ep = torch.export.export(Net().eval(), (torch.randn(1, 3, 8, 8),))
     prepared = quantplug.prepare(ep, quantplug.get_quantizer("reference"), nonfinite="ignore")
     prepared(torch.randn(1, 3, 8, 8))
-    with pytest.raises(NonFiniteError, match="input 'fc_weight' of node 'linear'"):
+    with torch.no_grad():
+        prepared.get_parameter("fc.weight")[0, 0] = NAN
+    with pytest.raises(NonFiniteError, match=r"the model's constant 'fc.weight' .* holds 1 NaN"):
         quantplug.convert(prepared)
 
 

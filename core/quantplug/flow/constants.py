@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node, map_arg
 
+from quantplug.errors import NonFiniteError
 from quantplug.flow.inspect import fetch_attr
 
 
@@ -116,3 +117,26 @@ def module_attr(module: torch.nn.Module) -> Callable[[str], Any]:
             return None
 
     return read
+
+
+def check_finite_constant(node: Node, value: torch.Tensor, group: str) -> None:
+    """A quantized constant (a weight) holding NaN or inf: a broken model, never calibration data.
+
+    Raised at prepare, before calibration (whose first observer after the layer would otherwise
+    report the NaN as the layer's output, and blame the data), and again at convert; it names the
+    parameter, whatever ``nonfinite`` says (that policy is for calibration data).
+    """
+    if not value.is_floating_point() or bool(torch.isfinite(value).all()):
+        return
+    nan = int(torch.isnan(value).sum())
+    inf = int(torch.isinf(value).sum())
+    counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "inf")) if n)
+    raise NonFiniteError(
+        f"the model's constant {str(node.target)!r} (node {node.name!r}, quantized as {group}) holds "
+        f"{counts} value(s): a weight's encoding cannot be computed from them; fix the model's "
+        "weights (no calibration data causes this)",
+        where=node.name,
+        nan=nan,
+        inf=inf,
+        reached=f"the weight {str(node.target)!r}",
+    )
