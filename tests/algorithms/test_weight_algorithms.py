@@ -7,6 +7,7 @@ range, a shared encoding stays shared, weights they cannot handle keep the defau
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from quantplug.algorithms.adaround import AdaRound
 from quantplug.algorithms.gptq import GPTQ
 from quantplug.algorithms.seq_mse import SeqMSE
 from quantplug.algorithms.spec import WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian, conv_patches
+from quantplug.algorithms.weight_layers import MAX_HESSIAN_INPUTS, LayerHessian, conv_patches
 from quantplug.errors import OptionError
 
 BATCH = 16
@@ -318,6 +319,29 @@ def test_grouped_convolutions_keep_the_default() -> None:
         quantize(model, x, [("seq_mse", {"data_free": False}), "gptq"], "qnn_htp", **options)
     )
     torch.testing.assert_close(chosen[0].scale, default[0].scale)  # the depthwise one: untouched
+
+
+def test_a_layer_too_wide_for_its_hessian_keeps_its_codes_and_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A layer over MAX_HESSIAN_INPUTS inputs would need an [I, I] float64 H for every batch (VGG's
+    25088-input classifier: 5 GiB a copy, a 24 GB machine out of memory): no Hessian algorithm
+    collects it, each says so naming it, and the narrow layer beside it is still chosen."""
+    wide = MAX_HESSIAN_INPUTS + 1
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(wide, 2), nn.Linear(2, 8)).eval()
+    x = torch.randn(2 * BATCH, wide)
+    options = {"preset": "weight_only_int4", "group_size": 0}
+    default = quantize(model, x, [], "reference", **options).state_dict()
+    algorithms = [("seq_mse", {"data_free": False}), ("adaround", {"iterations": 20}), "gptq"]
+    with caplog.at_level(logging.WARNING, logger="quantplug.algorithms"):
+        chosen = quantize(model, x, algorithms, "reference", guard=False, **options).state_dict()
+    named = [r.getMessage() for r in caplog.records if "beyond the 16384-input limit" in r.getMessage()]
+    assert [m.split(":")[0] for m in named] == ["seq_mse", "adaround", "gptq"]
+    assert all(f"0.weight has {wide} inputs per output" in m for m in named)
+    for wide_layer in ("0_weight_q0", "g0_scale0"):  # the wide layer: nearest codes on its encoding
+        assert torch.equal(chosen[wide_layer], default[wide_layer])
+    assert not torch.equal(chosen["1_weight_q0"], default["1_weight_q0"])  # the narrow one: chosen
 
 
 def _conv_site(conv: nn.Conv2d) -> WeightSite:

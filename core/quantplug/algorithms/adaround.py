@@ -36,8 +36,8 @@ from quantplug.algorithms.weight_layers import (
     SEQUENTIAL,
     SEQUENTIAL_OPTION,
     LayerHessian,
+    collects_hessian,
     improves,
-    layer_kind,
     matrix_and_hessian,
 )
 from quantplug.algorithms.weight_matrix import IntegerGrid, hessian_factor, quantize_codes, small_products
@@ -265,7 +265,7 @@ class AdaRound(Algorithm):
         self._deadline: float | None = None
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
-        if layer_kind(site) is None:
+        if not collects_hessian(site, self.name):
             return None
         self._sites.add(site.name)
         return LayerHessian(site)

@@ -58,7 +58,7 @@ from quantplug.algorithms.weight_layers import (
     SHRINKAGE_CHOICES,
     Encoder,
     LayerHessian,
-    layer_kind,
+    collects_hessian,
     matrix_and_hessian,
     site_encoder,
 )
@@ -361,7 +361,7 @@ class GPTQ(Algorithm):
         self._hessians: dict[str, LayerHessian] = {}  # the collectors it made, by weight
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
-        if layer_kind(site) is None:
+        if not collects_hessian(site, self.name):
             return None
         self._hessians[site.name] = collector = LayerHessian(site, self.shrinkage)
         return collector

@@ -52,8 +52,8 @@ from quantplug.algorithms.weight_layers import (
     SEQUENTIAL_OPTION,
     Encoder,
     LayerHessian,
+    collects_hessian,
     hessian_of,
-    layer_kind,
     site_encoder,
     site_matrix,
 )
@@ -281,7 +281,7 @@ class SeqMSE(Algorithm):
         self.data_free: bool = values["data_free"]
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
-        return LayerHessian(site) if layer_kind(site) is not None else None
+        return LayerHessian(site) if collects_hessian(site, self.name) else None
 
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any

@@ -15,6 +15,7 @@ backend's default encoding: :func:`site_matrix` or the collector returns None fo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ from quantplug.errors import OptionError
 #: clipped weight matrix ``[O, I]`` -> its encoding expanded to ``[O, I]`` (scale, zero point)
 Encoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
+logger = logging.getLogger("quantplug.algorithms")
+
 LINEAR_OPS = frozenset({"aten.linear.default"})
 CONV_OPS = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"})
 
@@ -50,6 +53,37 @@ def layer_kind(site: WeightSite) -> str | None:
     if site.op in CONV_OPS:
         return "conv"
     return None
+
+
+#: the widest layer (inputs per output) whose ``H`` the Hessian algorithms collect. ``H`` is
+#: ``[I, I]`` float64 for every such layer at once during calibration, and shrinking, damping and
+#: factoring it copy it a few times: 16384 inputs are 2 GiB a copy. VGG's first classifier layer
+#: (25088 inputs: 5 GiB a copy, and hours of factoring on 2 cores) took a 24 GB machine out of
+#: memory; a wider layer is left to the codes it is given, with a warning.
+MAX_HESSIAN_INPUTS = 16384
+
+
+def collects_hessian(site: WeightSite, algorithm: str) -> bool:
+    """Whether ``algorithm`` collects ``H`` for ``site``: a conv/linear it can express
+    (:func:`layer_kind`) no wider than :data:`MAX_HESSIAN_INPUTS` (warned about, by name)."""
+    if layer_kind(site) is None:
+        return False
+    inputs = site.weight[0].numel()
+    if inputs <= MAX_HESSIAN_INPUTS:
+        return True
+    logger.warning(
+        "%s: %s has %d inputs per output; its Hessian (%d x %d float64, %.1f GiB a copy) is beyond "
+        "the %d-input limit, so it keeps the codes it is given (round to nearest, or an earlier "
+        "algorithm's choice)",
+        algorithm,
+        site.label,
+        inputs,
+        inputs,
+        inputs,
+        inputs * inputs * 8 / 2**30,
+        MAX_HESSIAN_INPUTS,
+    )
+    return False
 
 
 def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
