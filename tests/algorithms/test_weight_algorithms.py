@@ -370,13 +370,14 @@ def test_conv_patches_are_unfold_read_through_the_layer(stride: int, padding: in
 
 @pytest.mark.parametrize("shrinkage", ["singular", "all", "off"])
 def test_layer_hessian_shrinks_where_asked(shrinkage: str) -> None:
-    """``"singular"`` shrinks while the rows are fewer than the 27 inputs and stops once they
-    are not; ``"all"`` always, ``"off"`` never. The diagonal is the rows' own either way."""
+    """``"singular"`` shrinks while the rows are fewer than twice the 27 inputs (H singular, then
+    nearly so) and stops once they are not; ``"all"`` always, ``"off"`` never. The diagonal is the
+    rows' own either way."""
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 2, 3)
     collector = LayerHessian(_conv_site(conv), shrinkage)
     collector.update(torch.randn(1, 3, 7, 7))  # 25 output positions: 25 rows for 27 inputs
-    for rows, singular in ((25, True), (25 + 49, False)):
+    for rows, singular in ((25, True), (50, True), (50 + 49, False)):
         assert collector.rows == rows
         assert collector.hessian is not None
         raw, got = collector.hessian.mean(), collector.result()
@@ -385,7 +386,7 @@ def test_layer_hessian_shrinks_where_asked(shrinkage: str) -> None:
         assert collector.shrinks == shrunk
         assert torch.equal(got, raw) != shrunk
         torch.testing.assert_close(torch.diagonal(got), torch.diagonal(raw), rtol=0, atol=0)
-        collector.update(torch.randn(1, 3, 9, 9))  # 49 more
+        collector.update(torch.randn(1, 3, 7, 7) if rows == 25 else torch.randn(1, 3, 9, 9))  # 25, 49 more
 
 
 def test_a_shared_encoding_stays_shared() -> None:
