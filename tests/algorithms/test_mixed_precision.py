@@ -86,6 +86,10 @@ def test_bad_requests_are_typed_errors() -> None:
     ]:
         with pytest.raises(OptionError, match=re.escape(message)):
             search_mixed_precision(ep, "qnn_htp", ["16a4w", "16a8w"], _batches(x), options=OPTIONS, **target)
+    with pytest.raises(OptionError, match=r"options set precision='8a8w', which mixed precision chooses"):
+        presets = ["16a4w", "16a8w"]
+        bad = {**OPTIONS, "precision": "8a8w"}
+        search_mixed_precision(ep, "qnn_htp", presets, _batches(x), target_sqnr_db=20.0, options=bad)
 
 
 def test_a_nan_measure_is_an_error_not_a_choice() -> None:

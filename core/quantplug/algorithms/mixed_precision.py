@@ -262,6 +262,11 @@ def search_mixed_precision(
         raise OptionError(
             f"backend {backend!r} declares no preset option; mixed precision chooses among presets"
         )
+    if preset_option in options:  # it would be overridden layer by layer, silently
+        raise OptionError(
+            f"options set {preset_option}={options[preset_option]!r}, which mixed precision chooses "
+            f"for each layer among {list(presets)}; leave it out of options"
+        )
     known = [p.name for p in probe.info.presets]
     for preset in presets:
         if preset not in known:
