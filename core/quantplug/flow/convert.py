@@ -23,7 +23,7 @@ from quantplug.algorithms.runtime import WeightOverrides, choose_weights, is_tap
 from quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from quantplug.annotation.spec_view import is_per_channel, spec_range
 from quantplug.annotation.specs import Q_ANNOTATION_KEY
-from quantplug.errors import CalibrationError, ConversionError
+from quantplug.errors import CalibrationError, ConversionError, NonFiniteError
 from quantplug.flow.constants import ConstantValues, check_finite_constant, constant_nodes, module_attr
 from quantplug.flow.graph_copy import (
     AttrNamer,
@@ -40,6 +40,7 @@ from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import observer_saw_data
 from quantplug.observers.fixed import DerivedObserver
 from quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
+from quantplug.observers.nonfinite import configure as configure_nonfinite
 from quantplug.validation.calibrated import CALIBRATED_REPORT_KEY, check_calibrated
 
 qd = torch.ops.quantized_decomposed
@@ -257,10 +258,14 @@ def compute_qparams(
         with torch.no_grad():
             for group in constants:
                 obs = used[group.gid] = fresh_copy(prepared_obs[group.gid])
+                configure_nonfinite(obs, "error", group.describe())  # NaN weights: a broken model
                 for name in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
                     value = fetch_attr(prepared, str(nodes[name].target))
-                    check_finite_constant(nodes[name], value, group.describe())  # a broken model
-                    obs(value)
+                    try:
+                        obs(value)
+                    except NonFiniteError:  # named as the weight it is, not as calibration data
+                        check_finite_constant(nodes[name], value, group.describe())
+                        raise
     for group in state.groups:
         if not group.dynamic:
             check_state(group.describe(), used[group.gid])

@@ -29,13 +29,11 @@ from quantplug.errors import AnnotationError, OptionError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
 from quantplug.flow.calls import in_spec_of
 from quantplug.flow.computed_weights import materialize_computed_weights
-from quantplug.flow.constants import check_finite_constant, written
+from quantplug.flow.constants import written
 from quantplug.flow.embedding_bag import rewrite_fixed_bags
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
-from quantplug.flow.inspect import fetch_attr
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
-from quantplug.observers.base import ObserverBase
 from quantplug.observers.factory import create_observer
 from quantplug.observers.nonfinite import check_policy
 from quantplug.observers.nonfinite import configure as configure_nonfinite
@@ -318,7 +316,6 @@ def _prepare(
     state.validation = report if isinstance(report, ValidationReport) else None
     state.calibrated_checks = checks
     observers = _create_observers(state, keys)
-    _check_constants(gm, state, observers)
     callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
     if callable(callback):
         observers = _run_pt2e_callback(gm, callback, state, observers)
@@ -360,19 +357,6 @@ def _own_parameters(gm: GraphModule) -> None:
         for name, buf in list(module._buffers.items()):
             if buf is not None:  # batch-norm statistics move during training too
                 module._buffers[name] = buf.detach().clone()
-
-
-def _check_constants(gm: GraphModule, state: PreparedState, observers: dict[int, nn.Module]) -> None:
-    """The weights convert will encode are finite (:func:`check_finite_constant`), checked before
-    any calibration batch runs: a NaN weight reported at the next activation's observer reads as
-    bad data."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for group in state.groups:
-        obs = observers.get(group.gid)
-        if not group.constant or (isinstance(obs, ObserverBase) and not obs.needs_data):
-            continue  # fixed and derived encodings read no value
-        for name in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
-            check_finite_constant(nodes[name], fetch_attr(gm, str(nodes[name].target)), group.describe())
 
 
 def _observes_input(gm: GraphModule, group: Group) -> bool:
