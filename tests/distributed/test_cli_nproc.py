@@ -36,10 +36,17 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def quantize(demo: dict[str, Path], out: str, data: str, *extra: str) -> Result:
+    """The command, with a temporary folder of its own that it must leave as it found it: a
+    launcher left to itself makes a folder there on every run and never removes it. (ONNX
+    Runtime keeps one file of a fixed name there, ``.ses``, rewritten by each run.)"""
+    temporary = demo["root"] / f"{out}-tmp"
+    temporary.mkdir(exist_ok=True)
     result = run_cli(
         "quantize", str(demo["pt2"]), "-c", data, "-o", "activation_observer=minmax",
         "--compare-batches", "1", "--out", str(demo["root"] / out), *extra, timeout=600,
+        env={"TMPDIR": str(temporary)},
     )  # fmt: skip
+    assert sorted(p.name for p in temporary.iterdir() if p.name != ".ses") == [], result.stderr
     return result
 
 

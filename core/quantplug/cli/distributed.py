@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -50,30 +51,38 @@ def launch(argv: list[str], nproc: int, console: Console) -> int:
 
     A rank that fails makes the launcher stop the others; the exit code is the failed rank's
     (2 for bad input, as a one-process run would return).
+
+    The launcher's per-rank log folders go to a temporary folder removed when the run ends: left
+    to itself it makes ``torchelastic_*`` in the system's temporary folder on every run and never
+    removes it. Nothing is lost: ranks print to the terminal, and a failed rank's error reaches
+    the caller through its exit code and its own message.
     """
     import logging
 
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not console.verbose:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-    )
     console.info(f"calibrating on {nproc} processes (torch.distributed, gloo)")
-    try:
-        elastic_launch(config, sys.executable)("-m", "quantplug.cli.main", *argv)
-    except ChildFailedError as exc:
-        codes = [failure.exitcode for failure in exc.failures.values()]
-        return next((c for c in codes if c > 0), 1)
+    with tempfile.TemporaryDirectory(prefix="quantplug-nproc-") as logs:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            max_restarts=0,
+            monitor_interval=0.1,
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
+        try:
+            elastic_launch(config, sys.executable)("-m", "quantplug.cli.main", *argv)
+        except ChildFailedError as exc:
+            codes = [failure.exitcode for failure in exc.failures.values()]
+            return next((c for c in codes if c > 0), 1)
     return 0
 
 
