@@ -13,14 +13,23 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
+from quantplug.algorithms import weight_layers
 from quantplug.algorithms.adaround import AdaRound
 from quantplug.algorithms.gptq import GPTQ
 from quantplug.algorithms.seq_mse import SeqMSE
 from quantplug.algorithms.spec import WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import MAX_HESSIAN_INPUTS, LayerHessian, conv_patches
+from quantplug.algorithms.weight_layers import (
+    HESSIAN_MEMORY_SHARE,
+    MAX_HESSIAN_INPUTS,
+    LayerHessian,
+    conv_patches,
+    hessian_memory_problem,
+)
 from quantplug.errors import OptionError
 
 BATCH = 16
@@ -342,6 +351,54 @@ def test_a_layer_too_wide_for_its_hessian_keeps_its_codes_and_is_named(
     for wide_layer in ("0_weight_q0", "g0_scale0"):  # the wide layer: nearest codes on its encoding
         assert torch.equal(chosen[wide_layer], default[wide_layer])
     assert not torch.equal(chosen["1_weight_q0"], default["1_weight_q0"])  # the narrow one: chosen
+
+
+@given(
+    st.lists(st.integers(1, 20000), max_size=12),
+    st.one_of(st.none(), st.integers(0, 2**40)),
+)
+def test_hessian_memory_is_a_problem_exactly_past_its_share(columns: list[int], memory: int | None) -> None:
+    held = [("gptq" if i % 2 else "seq_mse", f"layer{i}.weight", c) for i, c in enumerate(columns)]
+    problem = hessian_memory_problem(held, memory)
+    total = sum(c * c * 8 for c in columns)
+    assert (problem is not None) == (memory is not None and total > HESSIAN_MEMORY_SHARE * memory)
+    if problem is not None:
+        widest = max(held, key=lambda h: h[2])
+        assert f"{widest[1]} ({widest[2]} inputs" in problem and "sequential=true" in problem
+
+
+def test_hessians_that_may_not_fit_are_warned_of_before_calibration(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every Hessian fed during calibration is allocated at its first batch and held to convert, so
+    a model of many layers each under the width limit can still need more than the machine has
+    (a 7B Llama: 53 GiB for GPTQ alone); the kernel would kill the process with no word. Prepare
+    warns first, naming the total, each algorithm's count and the widest layers. A smaller machine
+    warns and nothing else: the quantized model is the same bit for bit, and sequential algorithms
+    (one stage's Hessians at a time, at convert) are not counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    x = torch.randn(4 * BATCH, 64)
+    options = {"preset": "weight_only_int4", "group_size": 0}
+    algorithms: list[Any] = ["seq_mse", "gptq"]
+    roomy = quantize(model, x, algorithms, "reference", **options).state_dict()
+    per_algorithm = (64 * 64 + 32 * 32) * 8  # both layers' H, float64
+    monkeypatch.setattr(weight_layers, "physical_memory", lambda: 3 * per_algorithm)
+    with caplog.at_level(logging.WARNING, logger="quantplug.algorithms"):
+        ep = torch.export.export(model, (x[:BATCH],))
+        quantizer = quantplug.get_quantizer("reference", **options)
+        prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms)
+        (warning,) = [r.getMessage() for r in caplog.records if "layer Hessians" in r.getMessage()]
+        for i in range(0, len(x), BATCH):
+            prepared(x[i : i + BATCH])
+        tight = quantplug.convert(prepared).state_dict()
+    assert "2 for seq_mse, 2 for gptq" in warning and "0.weight (64 inputs" in warning
+    assert roomy.keys() == tight.keys() and all(torch.equal(roomy[k], tight[k]) for k in roomy)
+    caplog.clear()
+    sequential = [("seq_mse", {"sequential": True}), "gptq"]  # one algorithm's Hessians: they fit
+    with caplog.at_level(logging.WARNING, logger="quantplug.algorithms"):
+        quantplug.prepare(ep, quantizer, algorithms=sequential)
+    assert not [r for r in caplog.records if "layer Hessians" in r.getMessage()]
 
 
 def _conv_site(conv: nn.Conv2d) -> WeightSite:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 
+from quantplug.algorithms import weight_layers
 from quantplug.algorithms.finite_inputs import finite_samples
 from quantplug.algorithms.guard import (
     GUARD_BATCHES,
@@ -36,7 +37,7 @@ from quantplug.algorithms.guard import (
 )
 from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian
+from quantplug.algorithms.weight_layers import LayerHessian, hessian_memory_problem
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
 from quantplug.errors import AlgorithmError, NonFiniteError, QuantplugError
 from quantplug.flow.batchnorm import FOLDED_FROM
@@ -400,6 +401,7 @@ def install_collectors(
         and bool(planned)
         and any(callable(getattr(a, "choose_weight", None)) for a in algorithms)
     )
+    _warn_of_hessian_memory(planned, algorithms)
     count = 0
     if sequential_layers or judged_on_store:  # batches kept for convert to re-run
         run.inputs = InputStore() if sequential_layers else InputStore(GUARD_BATCHES, GUARD_BYTES)
@@ -413,11 +415,7 @@ def install_collectors(
         if not wanted:
             continue
         run.collectors[(site.name, site.group)] = wanted
-        fed = [
-            i
-            for i in wanted
-            if not is_sequential(algorithms[i]) or getattr(algorithms[i], "float_inputs", False)
-        ]
+        fed = [i for i in wanted if _fed_in_calibration(algorithms[i])]
         if site.input_index is None or not fed:
             continue  # no layer input to see (the collectors give their empty result), or fed at convert
         consumer = nodes[site.node]
@@ -431,6 +429,27 @@ def install_collectors(
     if not count:
         delattr(gm, TAPS)
     return run
+
+
+def _fed_in_calibration(algorithm: Any) -> bool:
+    """Whether ``algorithm``'s collectors are fed by calibration (else by convert's sequential pass)."""
+    return not is_sequential(algorithm) or bool(getattr(algorithm, "float_inputs", False))
+
+
+def _warn_of_hessian_memory(
+    planned: Sequence[tuple[WeightSite, dict[int, Any]]], algorithms: Sequence[Any]
+) -> None:
+    """A warning, before calibration allocates them, when the Hessians it will feed may not fit."""
+    held = [
+        (algorithm_name(algorithms[i]), site.label, collector.columns)
+        for site, wanted in planned
+        if site.input_index is not None
+        for i, collector in wanted.items()
+        if isinstance(collector, LayerHessian) and _fed_in_calibration(algorithms[i])
+    ]
+    problem = hessian_memory_problem(held, weight_layers.physical_memory())
+    if problem is not None:
+        logger.warning("%s", problem)
 
 
 def is_tap(node: Node) -> bool:

@@ -16,6 +16,7 @@ backend's default encoding: :func:`site_matrix` or the collector returns None fo
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,54 @@ def collects_hessian(site: WeightSite, algorithm: str) -> bool:
         MAX_HESSIAN_INPUTS,
     )
     return False
+
+
+#: prepare warns when the Hessians fed during calibration would take more than this share of the
+#: machine's memory: each is allocated at the first batch and held until convert, so a model whose
+#: layers are each under :data:`MAX_HESSIAN_INPUTS` can still need more than the machine has in
+#: all (a 7B-parameter Llama: 224 Hessians, 53 GiB for one algorithm), and the kernel would kill
+#: the process in the first batch, with no word of why.
+HESSIAN_MEMORY_SHARE = 0.5
+
+
+def hessian_bytes(columns: int) -> int:
+    """Bytes of one layer's ``H``: ``[I, I]`` float64 (:class:`HessianAccumulator`)."""
+    return columns * columns * 8
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes, or None where the platform does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def hessian_memory_problem(held: Sequence[tuple[str, str, int]], memory: int | None) -> str | None:
+    """Why the Hessians ``held`` during calibration (algorithm, layer label, inputs) may not fit in
+    ``memory`` bytes (more than :data:`HESSIAN_MEMORY_SHARE` of it), with what to do; None if they
+    fit or the memory is unknown.
+
+    Only a warning: the same request runs on a larger machine, and the result must not depend on
+    the machine it was prepared on.
+    """
+    total = sum(hessian_bytes(columns) for _, _, columns in held)
+    if memory is None or total <= HESSIAN_MEMORY_SHARE * memory:
+        return None
+    gib = 2**30
+    counts: dict[str, int] = {}
+    for algorithm, _, _ in held:
+        counts[algorithm] = counts.get(algorithm, 0) + 1
+    largest = sorted(held, key=lambda h: -h[2])[:3]  # ties in graph order
+    return (
+        f"calibration will hold {total / gib:.1f} GiB of layer Hessians (float64, inputs x inputs "
+        f"per layer: {', '.join(f'{n} for {a}' for a, n in counts.items())}), more than "
+        f"{HESSIAN_MEMORY_SHARE:.0%} of this machine's {memory / gib:.1f} GiB of memory; the largest: "
+        + ", ".join(f"{a} {label} ({c} inputs, {hessian_bytes(c) / gib:.2f} GiB)" for a, label, c in largest)
+        + ". An algorithm with sequential=true collects one stage's Hessians at a time, at convert "
+        "(quantize: --algorithm-option NAME.sequential=true); each algorithm holds its own, so "
+        "fewer Hessian algorithms at once (gptq, seq_mse, adaround) hold less"
+    )
 
 
 def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
