@@ -21,6 +21,7 @@ import quantplug
 from quantplug.algorithms import weight_layers
 from quantplug.algorithms.adaround import AdaRound
 from quantplug.algorithms.gptq import GPTQ
+from quantplug.algorithms.runtime import RUN_KEY
 from quantplug.algorithms.seq_mse import SeqMSE
 from quantplug.algorithms.spec import WeightGrid, WeightSite
 from quantplug.algorithms.weight_layers import (
@@ -29,8 +30,9 @@ from quantplug.algorithms.weight_layers import (
     LayerHessian,
     conv_patches,
     hessian_memory_problem,
+    share_hessians,
 )
-from quantplug.errors import OptionError
+from quantplug.errors import AlgorithmError, OptionError
 
 BATCH = 16
 
@@ -372,33 +374,98 @@ def test_hessians_that_may_not_fit_are_warned_of_before_calibration(
 ) -> None:
     """Every Hessian fed during calibration is allocated at its first batch and held to convert, so
     a model of many layers each under the width limit can still need more than the machine has
-    (a 7B Llama: 53 GiB for GPTQ alone); the kernel would kill the process with no word. Prepare
-    warns first, naming the total, each algorithm's count and the widest layers. A smaller machine
-    warns and nothing else: the quantized model is the same bit for bit, and sequential algorithms
-    (one stage's Hessians at a time, at convert) are not counted."""
+    (a 7B Llama: 41 GiB); the kernel would kill the process with no word. Prepare
+    warns first, naming the total, the count and the widest layers; sums two algorithms share
+    count once, and sequential algorithms (one stage's Hessians at a time, at convert) not at
+    all. A smaller machine warns and nothing else: the quantized model is the same bit for bit."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
     x = torch.randn(4 * BATCH, 64)
     options = {"preset": "weight_only_int4", "group_size": 0}
-    algorithms: list[Any] = ["seq_mse", "gptq"]
-    roomy = quantize(model, x, algorithms, "reference", **options).state_dict()
-    per_algorithm = (64 * 64 + 32 * 32) * 8  # both layers' H, float64
-    monkeypatch.setattr(weight_layers, "physical_memory", lambda: 3 * per_algorithm)
-    with caplog.at_level(logging.WARNING, logger="quantplug.algorithms"):
-        ep = torch.export.export(model, (x[:BATCH],))
-        quantizer = quantplug.get_quantizer("reference", **options)
-        prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms)
-        (warning,) = [r.getMessage() for r in caplog.records if "layer Hessians" in r.getMessage()]
-        for i in range(0, len(x), BATCH):
+    ep = torch.export.export(model, (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("reference", **options)
+    sums = (64 * 64 + 32 * 32) * 8  # both layers' H, float64: one set for both algorithms
+
+    def warnings_at(memory: int, algorithms: list[Any]) -> tuple[list[str], dict[str, torch.Tensor]]:
+        caplog.clear()
+        monkeypatch.setattr(weight_layers, "physical_memory", lambda: memory)
+        with caplog.at_level(logging.WARNING, logger="quantplug.algorithms"):
+            prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms)
+            said = [r.getMessage() for r in caplog.records if "layer Hessians" in r.getMessage()]
+        for i in range(0, len(x), BATCH):  # said before the first batch
             prepared(x[i : i + BATCH])
-        tight = quantplug.convert(prepared).state_dict()
-    assert "2 for seq_mse, 2 for gptq" in warning and "0.weight (64 inputs" in warning
+        return said, quantplug.convert(prepared).state_dict()
+
+    both = ["seq_mse", "gptq"]
+    (warning,), tight = warnings_at(sums, both)
+    assert "(float64, inputs x inputs per layer: 2 for seq_mse)" in warning
+    assert "the largest: seq_mse 0.weight (64 inputs" in warning and "sequential=true" in warning
+    roomy_said, roomy = warnings_at(3 * sums, both)  # 2 x sums, were each algorithm's its own
+    assert roomy_said == []
     assert roomy.keys() == tight.keys() and all(torch.equal(roomy[k], tight[k]) for k in roomy)
-    caplog.clear()
-    sequential = [("seq_mse", {"sequential": True}), "gptq"]  # one algorithm's Hessians: they fit
-    with caplog.at_level(logging.WARNING, logger="quantplug.algorithms"):
-        quantplug.prepare(ep, quantizer, algorithms=sequential)
-    assert not [r for r in caplog.records if "layer Hessians" in r.getMessage()]
+    sequential = [(name, {"sequential": True}) for name in both]
+    assert warnings_at(sums, sequential)[0] == []
+
+
+class ThreeHeads(nn.Module):
+    """Query, key and value reading one input (one Hessian between them), and a layer after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 16)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.q(x) * self.k(x) + self.v(x)))
+
+
+def test_collectors_of_the_same_rows_hold_one_hessian() -> None:
+    """Three Hessian algorithms on q, k, v (one input) and on the layer after: two sets of sums,
+    not twelve. Each collector still reads what it would have summed alone (the mean x x^T of its
+    own input, bit for bit), and GPTQ keeps its own shrinkage on the shared sums."""
+    torch.manual_seed(0)
+    model = ThreeHeads().eval()
+    x = torch.randn(4 * BATCH, 32)
+    ep = torch.export.export(model, (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4", group_size=0)
+    algorithms = ["seq_mse", ("gptq", {"shrinkage": "all"}), ("adaround", {"iterations": 5})]
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, algorithm_guard=False)
+    for i in range(0, len(x), BATCH):
+        prepared(x[i : i + BATCH])
+    collectors = [c for by_alg in prepared.meta[RUN_KEY].collectors.values() for c in by_alg.values()]
+    assert len(collectors) == 12
+    assert len({id(c.sums) for c in collectors}) == 2 and sum(c.leads for c in collectors) == 2
+    with torch.no_grad():
+        hidden = torch.relu(model.q(x) * model.k(x) + model.v(x))
+    for collector in collectors:
+        alone = LayerHessian(collector.site, collector.shrinkage)
+        for i in range(0, len(x), BATCH):
+            alone.update((x if collector.columns == 32 else hidden)[i : i + BATCH])
+        assert torch.equal(collector.result(), alone.result()), collector.site.label
+    shrunk = [c for c in collectors if c.shrinkage == "all"]
+    assert shrunk and all(not torch.equal(c.result(), c.hessian.mean()) for c in shrunk)
+    quantplug.convert(prepared)  # and every algorithm chooses on them
+
+
+def test_a_hessian_follows_only_a_leader_of_the_same_rows() -> None:
+    linear = _linear_site(nn.Linear(5, 3))
+    a, b, c = LayerHessian(linear), LayerHessian(linear, "all"), LayerHessian(linear)
+    wider = LayerHessian(_linear_site(nn.Linear(6, 3)))
+    assert share_hessians([("x", a), ("x", b), ("y", wider)]) == [a, wider]
+    b.update(torch.ones(2, 5))  # a follower is not fed: its leader is
+    assert a.result() is None and b.result() is None
+    a.update(torch.randn(4, 5))
+    assert b.rows == 4 and torch.equal(b.hessian.mean(), a.result())
+    for leader in (wider, b, c):  # another width; a follower; itself
+        with pytest.raises(AlgorithmError, match="cannot read that of"):
+            c.follow(leader if leader is not c else c)
+
+
+def _linear_site(linear: nn.Linear) -> WeightSite:
+    return WeightSite(
+        "fc.weight", "fc", "aten.linear.default", linear.weight.detach(), None, 0,
+        _call=lambda x, w: F.linear(x, w),
+    )  # fmt: skip
 
 
 def _conv_site(conv: nn.Conv2d) -> WeightSite:

@@ -23,7 +23,7 @@ from quantplug.algorithms.collectors import Gram, InputSample, merge_samples, mi
 from quantplug.algorithms.merge import check_mergeable
 from quantplug.algorithms.sequential import InputStore, merged_store
 from quantplug.algorithms.spec import WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian
+from quantplug.algorithms.weight_layers import LayerHessian, share_hessians
 from quantplug.distributed import shard, sync_observers
 from quantplug.distributed.collectors import rounds
 from tests.distributed.worker import SampleRows, Unmergeable, _algo_prepare, algo_batches
@@ -84,6 +84,31 @@ def test_merged_sums_equal_one_collector_fed_every_batch(
         part.merge_(states)
         # integer data: every float64 partial sum is exact, so the order of additions cannot show
         torch.testing.assert_close(part.result(), whole.result(), rtol=0, atol=0)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 3))
+def test_shared_hessians_merge_through_their_leader(batches: int, ranks: int) -> None:
+    """A follower sends nothing and merges nothing: after every rank merges its fed collectors
+    in order, leader and follower both read the sums of every batch (each its own shrinkage)."""
+    data = [_batch("hessian", i) for i in range(batches)]
+    whole = LayerHessian(_site(False), "all")
+    for x in data:
+        whole.update(x)
+    pairs = [(LayerHessian(_site(False)), LayerHessian(_site(False), "all")) for _ in range(ranks)]
+    for leader, follower in pairs:
+        share_hessians([("x", leader), ("x", follower)])
+    for i, x in enumerate(data):
+        leader, follower = pairs[i % ranks]
+        leader.update(x)
+        follower.update(x)
+    assert all(f.state()["sum"] is None for _, f in pairs)
+    states = [[p.state() for p in pair] for pair in pairs]
+    for leader, follower in pairs:
+        leader.merge_([s[0] for s in states])
+        follower.merge_([s[1] for s in states])
+        torch.testing.assert_close(follower.result(), whole.result(), rtol=0, atol=0)
+        assert follower.rows == leader.rows == whole.rows
 
 
 def test_a_convolution_mean_drops_to_channels_when_ranks_saw_other_sizes() -> None:

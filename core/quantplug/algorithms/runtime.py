@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from quantplug.algorithms.guard import (
 )
 from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian, hessian_memory_problem
+from quantplug.algorithms.weight_layers import LayerHessian, hessian_memory_problem, share_hessians
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
 from quantplug.errors import AlgorithmError, NonFiniteError, QuantplugError
 from quantplug.flow.batchnorm import FOLDED_FROM
@@ -401,7 +401,7 @@ def install_collectors(
         and bool(planned)
         and any(callable(getattr(a, "choose_weight", None)) for a in algorithms)
     )
-    _warn_of_hessian_memory(planned, algorithms)
+    _share_hessians(planned, algorithms, nodes)
     count = 0
     if sequential_layers or judged_on_store:  # batches kept for convert to re-run
         run.inputs = InputStore() if sequential_layers else InputStore(GUARD_BATCHES, GUARD_BYTES)
@@ -436,17 +436,30 @@ def _fed_in_calibration(algorithm: Any) -> bool:
     return not is_sequential(algorithm) or bool(getattr(algorithm, "float_inputs", False))
 
 
-def _warn_of_hessian_memory(
-    planned: Sequence[tuple[WeightSite, dict[int, Any]]], algorithms: Sequence[Any]
+def _share_hessians(
+    planned: Sequence[tuple[WeightSite, dict[int, Any]]], algorithms: Sequence[Any], nodes: dict[str, Node]
 ) -> None:
-    """A warning, before calibration allocates them, when the Hessians it will feed may not fit."""
-    held = [
-        (algorithm_name(algorithms[i]), site.label, collector.columns)
-        for site, wanted in planned
-        if site.input_index is not None
-        for i, collector in wanted.items()
-        if isinstance(collector, LayerHessian) and _fed_in_calibration(algorithms[i])
-    ]
+    """One set of Hessian sums per distinct layer input fed during calibration
+    (:func:`~quantplug.algorithms.weight_layers.share_hessians`): algorithms on the same layer,
+    and linears reading the same input, share it. Then a warning, before calibration allocates
+    them, when those sums may not fit in the machine's memory."""
+    fed: list[tuple[Hashable, LayerHessian]] = []
+    owner: dict[int, str] = {}
+    for site, wanted in planned:
+        if site.input_index is None:
+            continue
+        source = nodes[site.node].args[site.input_index]
+        for i, collector in wanted.items():
+            if isinstance(collector, LayerHessian) and _fed_in_calibration(algorithms[i]):
+                key: Hashable = (
+                    ("linear", str(source), collector.columns)
+                    if collector.kind == "linear"
+                    else ("conv", site.name, site.group)
+                )
+                fed.append((key, collector))
+                owner[id(collector)] = algorithm_name(algorithms[i])
+    leaders = share_hessians(fed)
+    held = [(owner[id(c)], c.site.label, c.columns) for c in leaders]
     problem = hessian_memory_problem(held, weight_layers.physical_memory())
     if problem is not None:
         logger.warning("%s", problem)

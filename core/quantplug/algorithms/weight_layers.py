@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from quantplug.algorithms.weight_matrix import (
     shrunk_toward_diagonal,
     to_matrix,
 )
-from quantplug.errors import OptionError
+from quantplug.errors import AlgorithmError, OptionError
 
 #: clipped weight matrix ``[O, I]`` -> its encoding expanded to ``[O, I]`` (scale, zero point)
 Encoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -90,7 +90,7 @@ def collects_hessian(site: WeightSite, algorithm: str) -> bool:
 #: prepare warns when the Hessians fed during calibration would take more than this share of the
 #: machine's memory: each is allocated at the first batch and held until convert, so a model whose
 #: layers are each under :data:`MAX_HESSIAN_INPUTS` can still need more than the machine has in
-#: all (a 7B-parameter Llama: 224 Hessians, 53 GiB for one algorithm), and the kernel would kill
+#: all (a 7B-parameter Llama: 128 distinct layer inputs, 41 GiB of Hessians), and the kernel would kill
 #: the process in the first batch, with no word of why.
 HESSIAN_MEMORY_SHARE = 0.5
 
@@ -130,8 +130,7 @@ def hessian_memory_problem(held: Sequence[tuple[str, str, int]], memory: int | N
         f"{HESSIAN_MEMORY_SHARE:.0%} of this machine's {memory / gib:.1f} GiB of memory; the largest: "
         + ", ".join(f"{a} {label} ({c} inputs, {hessian_bytes(c) / gib:.2f} GiB)" for a, label, c in largest)
         + ". An algorithm with sequential=true collects one stage's Hessians at a time, at convert "
-        "(quantize: --algorithm-option NAME.sequential=true); each algorithm holds its own, so "
-        "fewer Hessian algorithms at once (gptq, seq_mse, adaround) hold less"
+        "(quantize: --algorithm-option NAME.sequential=true)"
     )
 
 
@@ -175,12 +174,25 @@ SHRINKAGE_CHOICES = ("singular", "all", "off")
 NEAR_SINGULAR_ROWS = 2
 
 
+class HessianSums:
+    """The sums one layer input gives (``sum x x^T`` and its row count), or that it cannot give
+    them (an input of another width); shared by every :class:`LayerHessian` that reads that input."""
+
+    def __init__(self) -> None:
+        self.accumulator: HessianAccumulator | None = None
+        self.unsupported = False
+
+
 class LayerHessian:
     """Collector of ``H = sum x x^T`` for one linear or convolution weight (``[I, I]`` memory).
 
     ``shrinkage`` says which layers' ``H`` :meth:`result` shrinks toward its diagonal: those
     calibrated on fewer than :data:`NEAR_SINGULAR_ROWS` rows per input (``"singular"``), every
     layer, or none.
+
+    Collectors of the same rows (several algorithms on one layer, or linears reading one input:
+    a transformer's query, key and value) need not each hold ``[I, I]``: :meth:`follow` makes one
+    read another's sums (:func:`share_hessians`), each keeping its own shrinkage.
     """
 
     def __init__(self, site: WeightSite, shrinkage: str = "off") -> None:
@@ -192,23 +204,45 @@ class LayerHessian:
         self.shrinkage = shrinkage
         self.kind = layer_kind(site)
         self.columns = site.weight[0].numel()
-        self.hessian: HessianAccumulator | None = None
-        self.unsupported = False
+        self.sums = HessianSums()
+        #: whether this collector sums its rows (else it reads a leader's: :meth:`follow`)
+        self.leads = True
+
+    def follow(self, leader: LayerHessian) -> None:
+        """Read ``leader``'s sums from now on instead of summing the same rows again: the caller
+        feeds both the same inputs (so the sums are the same), and only the leader is fed,
+        merged across processes and counted in memory."""
+        if not leader.leads or leader is self or (leader.kind, leader.columns) != (self.kind, self.columns):
+            raise AlgorithmError(
+                f"the Hessian of {self.site.label} ({self.kind}, {self.columns} inputs) cannot read "
+                f"that of {leader.site.label} ({leader.kind}, {leader.columns} inputs"
+                f"{'' if leader.leads else ', itself a follower'})"
+            )
+        self.sums = leader.sums
+        self.leads = False
+
+    @property
+    def hessian(self) -> HessianAccumulator | None:
+        return self.sums.accumulator
+
+    @property
+    def unsupported(self) -> bool:
+        return self.sums.unsupported
 
     def update(self, x: torch.Tensor) -> None:
-        if self.unsupported or self.kind is None:
+        if not self.leads or self.sums.unsupported or self.kind is None:
             return
         if self.kind == "linear":
             rows: torch.Tensor | None = x.reshape(-1, x.shape[-1]) if x.shape[-1] == self.columns else None
         else:
             rows = conv_patches(self.site, x)
         if rows is None:
-            self.unsupported = True
-            self.hessian = None
+            self.sums.unsupported = True
+            self.sums.accumulator = None
             return
-        if self.hessian is None:
-            self.hessian = HessianAccumulator(self.columns)
-        self.hessian.add(rows)
+        if self.sums.accumulator is None:
+            self.sums.accumulator = HessianAccumulator(self.columns)
+        self.sums.accumulator.add(rows)
 
     @property
     def rows(self) -> int:
@@ -233,9 +267,10 @@ class LayerHessian:
         return shrunk_toward_diagonal(hessian.mean(), float(hessian.fourth), hessian.rows)[0]
 
     def state(self) -> dict[str, Any]:
-        hessian = self.hessian
+        """This rank's sums (a follower's are its leader's, merged there: it sends none)."""
+        hessian = self.hessian if self.leads else None
         return {
-            "unsupported": self.unsupported,
+            "unsupported": self.unsupported if self.leads else False,
             "sum": None if hessian is None else hessian.sum,
             "fourth": None if hessian is None else hessian.fourth,
             "rows": 0 if hessian is None else hessian.rows,
@@ -243,17 +278,38 @@ class LayerHessian:
 
     def merge_(self, states: Sequence[dict[str, Any]]) -> None:
         """Every rank's ``sum x x^T`` added in rank order, rows counted; a layer one rank could not
-        collect for (an input of another shape) is not collected for, as in one process."""
-        self.unsupported = any(bool(s["unsupported"]) for s in states)
-        total = None if self.unsupported else sum_in_order([s["sum"] for s in states])
-        self.hessian = None
+        collect for (an input of another shape) is not collected for, as in one process. A
+        follower has nothing to merge: its leader's merge is what it reads."""
+        if not self.leads:
+            return
+        sums = self.sums
+        sums.unsupported = any(bool(s["unsupported"]) for s in states)
+        total = None if sums.unsupported else sum_in_order([s["sum"] for s in states])
+        sums.accumulator = None
         if total is not None:
-            self.hessian = HessianAccumulator(self.columns)
-            self.hessian.sum = total.to(torch.float64)
+            merged = HessianAccumulator(self.columns)
+            merged.sum = total.to(torch.float64)
             fourth = sum_in_order([s["fourth"] for s in states])
             if fourth is not None:  # every rank with a sum has one
-                self.hessian.fourth = fourth.to(torch.float64)
-            self.hessian.rows = sum(int(s["rows"]) for s in states)
+                merged.fourth = fourth.to(torch.float64)
+            merged.rows = sum(int(s["rows"]) for s in states)
+            sums.accumulator = merged
+
+
+def share_hessians(collectors: Sequence[tuple[Hashable, LayerHessian]]) -> list[LayerHessian]:
+    """Make the collectors under one key read the sums of the first under it; the leaders, in order.
+
+    The key says which rows a collector is fed: equal keys must mean the same rows (the same
+    layer input, and for a convolution the same layer, whose patches depend on its stride and
+    padding). Exact, and every collector keeps its own shrinkage; what it saves is the memory
+    and the time of summing the same ``[I, I]`` again.
+    """
+    leaders: dict[Hashable, LayerHessian] = {}
+    for key, collector in collectors:
+        leader = leaders.setdefault(key, collector)
+        if leader is not collector:
+            collector.follow(leader)
+    return list(leaders.values())
 
 
 @dataclass(frozen=True)
