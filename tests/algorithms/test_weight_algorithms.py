@@ -447,6 +447,26 @@ def test_collectors_of_the_same_rows_hold_one_hessian() -> None:
     quantplug.convert(prepared)  # and every algorithm chooses on them
 
 
+def test_sequential_collectors_of_one_stage_hold_one_hessian() -> None:
+    """With sequential inputs the Hessians are collected at convert, stage by stage: query, key
+    and value (one stage, one input) read one set of sums there too, which is the model's input
+    itself (weight-only: nothing quantized before them)."""
+    torch.manual_seed(0)
+    model = ThreeHeads().eval()
+    x = torch.randn(4 * BATCH, 32)
+    ep = torch.export.export(model, (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4", group_size=0)
+    gptq = GPTQ(sequential=True)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=[gptq], algorithm_guard=False)
+    for i in range(0, len(x), BATCH):
+        prepared(x[i : i + BATCH])
+    quantplug.convert(prepared)
+    q, k, v, out = (gptq._hessians[f"{name}.weight"] for name in ("q", "k", "v", "out"))
+    assert q.sums is k.sums is v.sums and [q.leads, k.leads, v.leads] == [True, False, False]
+    assert out.sums is not q.sums and out.leads and out.rows == q.rows == len(x)
+    torch.testing.assert_close(k.result(), x.double().T @ x.double() / len(x), rtol=1e-12, atol=0)
+
+
 def test_a_hessian_follows_only_a_leader_of_the_same_rows() -> None:
     linear = _linear_site(nn.Linear(5, 3))
     a, b, c = LayerHessian(linear), LayerHessian(linear, "all"), LayerHessian(linear)

@@ -448,21 +448,23 @@ def _share_hessians(
     for site, wanted in planned:
         if site.input_index is None:
             continue
-        source = nodes[site.node].args[site.input_index]
         for i, collector in wanted.items():
             if isinstance(collector, LayerHessian) and _fed_in_calibration(algorithms[i]):
-                key: Hashable = (
-                    ("linear", str(source), collector.columns)
-                    if collector.kind == "linear"
-                    else ("conv", site.name, site.group)
-                )
-                fed.append((key, collector))
+                fed.append((_rows_key(site, nodes, collector), collector))
                 owner[id(collector)] = algorithm_name(algorithms[i])
     leaders = share_hessians(fed)
     held = [(owner[id(c)], c.site.label, c.columns) for c in leaders]
     problem = hessian_memory_problem(held, weight_layers.physical_memory())
     if problem is not None:
         logger.warning("%s", problem)
+
+
+def _rows_key(site: WeightSite, nodes: dict[str, Node], collector: LayerHessian) -> Hashable:
+    """Which rows ``collector`` sums: a linear's input node and width, a convolution's own layer
+    (its patches depend on its stride and padding). Equal keys, equal sums."""
+    if collector.kind == "linear" and site.input_index is not None:
+        return ("linear", str(nodes[site.node].args[site.input_index]), collector.columns)
+    return ("site", site.name, site.group)
 
 
 def is_tap(node: Node) -> bool:
@@ -581,6 +583,7 @@ def choose_weights(
     base = dict(current)  # every weight rounded to nearest: the default
     chosen: list[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]] = []  # (site index, ...)
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
+    nodes = {n.name: n for n in prepared.graph.nodes}
     for stage in order:
         fresh: dict[tuple[int, int], Any] = {}  # (site index, algorithm index) -> collector
         feeds: dict[str, list[Callable[[torch.Tensor], None]]] = {}
@@ -589,6 +592,15 @@ def choose_weights(
             asked = {i: run.algorithms[i].collector(refs[k].site) for i in wants[k]}
             made = {i: c for i, c in asked.items() if c is not None}
             fresh.update({(k, i): c for i, c in made.items()})
+        share_hessians(  # the stage's collectors of the same rows: one set of sums
+            [
+                (_rows_key(refs[k].site, nodes, c), c)
+                for (k, _), c in fresh.items()
+                if isinstance(c, LayerHessian)
+            ]
+        )
+        for k in stage:
+            made = {i: c for (j, i), c in fresh.items() if j == k}
             if made:
                 owners = [algorithm_name(run.algorithms[i]) for i in made]
                 tap = Tap(refs[k].site.label, list(made.values()), owners, run.nonfinite)
