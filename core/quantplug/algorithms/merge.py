@@ -20,7 +20,9 @@ layer inputs                           merged_store`: round robin under the caps
 =====================================  ==========================================  ===========================
 
 Collectors that calibration does not feed (sequential algorithms' own, which convert feeds from
-the merged store; weights without a layer input) are the same on every rank and not merged. A fed
+the merged store; weights without a layer input) are the same on every rank and not merged. A
+``LayerHessian`` that reads another's sums (:func:`~quantplug.algorithms.weight_layers.share_hessians`)
+sends an empty state and merges nothing: its leader's merge is what it reads. A fed
 collector without the hook is refused by :func:`check_mergeable`, naming its algorithm and class.
 """
 
