@@ -443,17 +443,15 @@ def _share_hessians(
     (:func:`~quantplug.algorithms.weight_layers.share_hessians`): algorithms on the same layer,
     and linears reading the same input, share it. Then a warning, before calibration allocates
     them, when those sums may not fit in the machine's memory."""
-    fed: list[tuple[Hashable, LayerHessian]] = []
-    owner: dict[int, str] = {}
-    for site, wanted in planned:
-        if site.input_index is None:
-            continue
-        for i, collector in wanted.items():
-            if isinstance(collector, LayerHessian) and _fed_in_calibration(algorithms[i]):
-                fed.append((_rows_key(site, nodes, collector), collector))
-                owner[id(collector)] = algorithm_name(algorithms[i])
-    leaders = share_hessians(fed)
-    held = [(owner[id(c)], c.site.label, c.columns) for c in leaders]
+    fed = [
+        (algorithm_name(algorithms[i]), collector)
+        for site, wanted in planned
+        if site.input_index is not None
+        for i, collector in wanted.items()
+        if isinstance(collector, LayerHessian) and _fed_in_calibration(algorithms[i])
+    ]
+    share_hessians([(_rows_key(c.site, nodes, c), c) for _, c in fed])
+    held = [(name, c.site.label, c.columns) for name, c in fed if c.leads]
     problem = hessian_memory_problem(held, weight_layers.physical_memory())
     if problem is not None:
         logger.warning("%s", problem)
@@ -588,19 +586,15 @@ def choose_weights(
         fresh: dict[tuple[int, int], Any] = {}  # (site index, algorithm index) -> collector
         feeds: dict[str, list[Callable[[torch.Tensor], None]]] = {}
         sequential_taps = []
+        made_at: dict[int, dict[int, Any]] = {}  # site index -> {algorithm index: collector}
         for k in stage:
             asked = {i: run.algorithms[i].collector(refs[k].site) for i in wants[k]}
-            made = {i: c for i, c in asked.items() if c is not None}
-            fresh.update({(k, i): c for i, c in made.items()})
+            made_at[k] = {i: c for i, c in asked.items() if c is not None}
+            fresh.update({(k, i): c for i, c in made_at[k].items()})
         share_hessians(  # the stage's collectors of the same rows: one set of sums
-            [
-                (_rows_key(refs[k].site, nodes, c), c)
-                for (k, _), c in fresh.items()
-                if isinstance(c, LayerHessian)
-            ]
+            [(_rows_key(c.site, nodes, c), c) for c in fresh.values() if isinstance(c, LayerHessian)]
         )
-        for k in stage:
-            made = {i: c for (j, i), c in fresh.items() if j == k}
+        for k, made in made_at.items():
             if made:
                 owners = [algorithm_name(run.algorithms[i]) for i in made]
                 tap = Tap(refs[k].site.label, list(made.values()), owners, run.nonfinite)

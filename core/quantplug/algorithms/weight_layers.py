@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,7 @@ def collects_hessian(site: WeightSite, algorithm: str) -> bool:
         inputs,
         inputs,
         inputs,
-        inputs * inputs * 8 / 2**30,
+        hessian_bytes(inputs) / 2**30,
         MAX_HESSIAN_INPUTS,
     )
     return False
@@ -120,9 +121,7 @@ def hessian_memory_problem(held: Sequence[tuple[str, str, int]], memory: int | N
     if memory is None or total <= HESSIAN_MEMORY_SHARE * memory:
         return None
     gib = 2**30
-    counts: dict[str, int] = {}
-    for algorithm, _, _ in held:
-        counts[algorithm] = counts.get(algorithm, 0) + 1
+    counts = Counter(algorithm for algorithm, _, _ in held)
     largest = sorted(held, key=lambda h: -h[2])[:3]  # ties in graph order
     return (
         f"calibration will hold {total / gib:.1f} GiB of layer Hessians (float64, inputs x inputs "
