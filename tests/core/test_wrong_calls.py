@@ -174,3 +174,57 @@ def test_compare_with_a_wrong_input_shape(program: torch.export.ExportedProgram,
         quantplug.debug.compare(program, quantized, [(torch.randn(3, 5),)])
     with pytest.raises(QuantplugError, match=r"dtype float64.*expects \(2, 8\) float32"):
         quantplug.debug.compare(program, quantized, [(torch.randn(2, 8, dtype=torch.float64),)])
+
+
+class Keyword(nn.Module):
+    def forward(self, ids: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.relu(ids * scale)
+
+
+WRONG_CALIBRATION_CALLS = [
+    (
+        (torch.randn(2, 5),),
+        {},
+        r"input 'x' has shape \(2, 5\) and dtype float32; the program expects \(2, 8\)",
+    ),
+    ((torch.randn(2, 8, dtype=torch.float64),), {}, r"input 'x' has shape \(2, 8\) and dtype float64"),
+    ((torch.randn(2, 8), torch.randn(2, 8)), {}, r"1 positional input\(s\) too many"),
+    ((), {}, r"takes 1 positional"),
+    ((torch.randn(2, 8),), {"y": torch.randn(2, 8)}, r"unknown keyword input\(s\) y"),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), WRONG_CALIBRATION_CALLS)
+def test_a_calibration_call_that_does_not_fit_names_the_input(
+    program: torch.export.ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any], message: str
+) -> None:
+    """torch's own refusal (a shape error deep in a matmul, Python's TypeError for the arity)
+    becomes quantplug's, naming the input; the prepared model still calibrates afterwards."""
+    prepared = quantplug.prepare(program, quantplug.get_quantizer("reference"))
+    with pytest.raises(QuantplugError, match=message) as info:
+        prepared(*args, **kwargs)
+    assert isinstance(info.value.__cause__, (TypeError, RuntimeError))
+    prepared(torch.randn(2, 8))
+    prepared(torch.randn(5, 8))  # another batch size still runs on a static export
+    quantplug.convert(prepared)
+
+
+def test_a_keyword_input_that_does_not_fit_is_named() -> None:
+    ids, scale = torch.randn(2, 4), torch.randn(2, 4)
+    program = torch.export.export(Keyword(), (ids,), {"scale": scale})
+    prepared = quantplug.prepare(program, quantplug.get_quantizer("reference"))
+    prepared(ids, scale=scale)
+    with pytest.raises(QuantplugError, match=r"input 'scale' has shape \(2, 3\)"):
+        prepared(ids, scale=torch.randn(2, 3))
+    with pytest.raises(QuantplugError, match=r"unknown keyword input\(s\) scales"):
+        prepared(ids, scales=scale)
+
+
+def test_an_error_inside_a_call_that_fits_is_torchs_own(program: torch.export.ExportedProgram) -> None:
+    """Inputs that fit explain nothing: the original error comes through unchanged."""
+    prepared = quantplug.prepare(program, quantplug.get_quantizer("reference"))
+    layer = prepared.get_submodule("encoder.0")
+    layer.weight = nn.Parameter(layer.weight.detach()[:, :5].clone())
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+        prepared(torch.randn(2, 8))
+    assert not isinstance(info.value, QuantplugError)

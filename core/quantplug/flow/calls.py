@@ -54,12 +54,12 @@ class Call:
         """The inputs given beyond what ``in_spec`` takes, for a message ('' when none)."""
         if in_spec.num_children != 2:
             return ""
-        args_spec, kwargs_spec = in_spec.children_specs
+        args_spec, kwargs_spec = in_spec.children()
         extra = []
         if len(self.args) > args_spec.num_children:
             extra.append(f"{len(self.args) - args_spec.num_children} positional input(s) too many")
         unknown = sorted(set(self.kwargs) - {str(k) for k in kwargs_spec.context or ()})
-        if unknown and kwargs_spec.num_children:
+        if unknown:
             extra.append(f"unknown keyword input(s) {', '.join(unknown)}")
         return "; ".join(extra)
 
@@ -106,7 +106,7 @@ def signature(in_spec: pytree.TreeSpec | None) -> str:
     """What a program with ``in_spec`` takes, for messages: 'N positional and keyword a, b'."""
     if in_spec is None or in_spec.num_children != 2:
         return "positional inputs"
-    args_spec, kwargs_spec = in_spec.children_specs
+    args_spec, kwargs_spec = in_spec.children()
     return _inputs_phrase(args_spec.num_children, [str(k) for k in kwargs_spec.context or ()])
 
 
@@ -153,3 +153,18 @@ def check_flat_inputs(module: torch.nn.Module, flat: list[Any], what: str = "the
                 f"{what}: input {node.name!r} has shape {got} and dtype "
                 f"{str(value.dtype).removeprefix('torch.')}; the program expects {wanted} {dtype}"
             )
+
+
+def input_misfit(
+    module: torch.nn.Module, call: Call, what: str = "the prepared model"
+) -> QuantplugError | None:
+    """Why ``call`` does not fit ``module`` (wrong count, names, dtype or static shape), or None.
+
+    For explaining a call torch has already refused: the error names the input at fault instead
+    of the op deep inside the program that tripped over it.
+    """
+    try:
+        check_flat_inputs(module, call.flat(in_spec_of(module), what=what), what=what)
+    except QuantplugError as exc:
+        return exc
+    return None

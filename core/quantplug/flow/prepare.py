@@ -27,7 +27,7 @@ from quantplug.algorithms.runtime import flat_batches, install_collectors, run_t
 from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, OptionError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
-from quantplug.flow.calls import in_spec_of
+from quantplug.flow.calls import Call, in_spec_of, input_misfit
 from quantplug.flow.computed_weights import materialize_computed_weights
 from quantplug.flow.constants import written
 from quantplug.flow.embedding_bag import rewrite_fixed_bags
@@ -108,6 +108,22 @@ class PreparedModule(GraphModule):
     otherwise and names a ``call_module`` node resolves to the module that node calls. The lookup
     only runs on a miss and builds its name table once (again if the graph changed).
     """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run one calibration call; a call torch refuses is named by the input that does not fit.
+
+        The check runs only after torch has refused the call, so calls that fit cost nothing and
+        another batch size, which often runs on a static export, is still accepted.
+        """
+        try:
+            return super().__call__(*args, **kwargs)
+        except QuantplugError:
+            raise
+        except (TypeError, RuntimeError, ValueError, IndexError) as exc:
+            misfit = input_misfit(self, Call(args, kwargs))
+            if misfit is None:
+                raise
+            raise misfit from exc
 
     def __getattr__(self, name: str) -> Any:
         try:
