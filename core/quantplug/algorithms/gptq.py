@@ -90,9 +90,10 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     Row ``i`` of ``U`` divided by ``U[i, i]`` is row ``i`` of the inverse of the Hessian
     restricted to columns ``i..``, the only rows the column-by-column update needs.
     """
-    h = dampened(hessian.to(torch.float64), damp)
-    lower = torch.linalg.cholesky(h)
+    # one I x I intermediate alive at a time (the widest layers' are gigabytes)
+    lower = torch.linalg.cholesky(dampened(hessian.to(torch.float64), damp))
     inverse = torch.cholesky_inverse(lower)
+    del lower
     return torch.linalg.cholesky(inverse, upper=True)
 
 
@@ -380,13 +381,10 @@ class GPTQ(Algorithm):
         hessian = self._hessians.get(site.name)
         if self.scale_search <= 0 or site.shared_with or hessian is None:
             return False  # a shared encoding stays shared: codes only
+        if hessian.rows < hessian.columns or not isinstance(collected, torch.Tensor):
+            return False
         own = hessian.result()
-        return (
-            hessian.rows >= hessian.columns
-            and isinstance(collected, torch.Tensor)
-            and own is not None
-            and torch.equal(own, collected)
-        )
+        return own is not None and torch.equal(own, collected)
 
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any

@@ -546,10 +546,6 @@ def choose_weights(
     warn_underdetermined(run)
     sequential = {i for i, a in enumerate(run.algorithms) if is_sequential(a)}
     both = {i for i in sequential if getattr(run.algorithms[i], "float_inputs", False)}
-    results: dict[tuple[str, int], dict[int, Any]] = {
-        key: {i: c.result() for i, c in by_alg.items() if i not in sequential or i in both}
-        for key, by_alg in run.collectors.items()
-    }
     groups = {g.gid: g for g in state.groups}
     refs = weight_sites(prepared, state)
     grids = [
@@ -612,7 +608,13 @@ def choose_weights(
         for k in stage:
             ref = refs[k]
             site = ref.site
-            collected = dict(results.get((site.name, site.group), {}))
+            # each site's results made as it is chosen, not all first: a Hessian's result is a
+            # copy as large as its sums, and the largest layers' copies would otherwise coexist
+            collected = {
+                i: c.result()
+                for i, c in run.collectors.get((site.name, site.group), {}).items()
+                if i not in sequential or i in both
+            }
             quantized = {i: c.result() for (j, i), c in fresh.items() if j == k}
             for i in sequential:
                 if i in both:  # no sequential result (no stored batches, no layer): quantized None

@@ -94,6 +94,10 @@ def collects_hessian(site: WeightSite, algorithm: str) -> bool:
 #: all (a 7B-parameter Llama: 128 distinct layer inputs, 41 GiB of Hessians), and the kernel would kill
 #: the process in the first batch, with no word of why.
 HESSIAN_MEMORY_SHARE = 0.5
+#: copies of the widest ``H`` convert works with beside the calibrated sums (its shrunk mean,
+#: GPTQ's reordered copy, its Cholesky factors and their inverse's workspace): measured on
+#: torchvision's r3d_18, whose 13824-input layers peaked at the sums plus 6.5 copies
+CONVERT_COPIES = 6
 
 
 def hessian_bytes(columns: int) -> int:
@@ -110,22 +114,26 @@ def physical_memory() -> int | None:
 
 
 def hessian_memory_problem(held: Sequence[tuple[str, str, int]], memory: int | None) -> str | None:
-    """Why the Hessians ``held`` during calibration (algorithm, layer label, inputs) may not fit in
-    ``memory`` bytes (more than :data:`HESSIAN_MEMORY_SHARE` of it), with what to do; None if they
-    fit or the memory is unknown.
+    """Why the Hessians ``held`` during calibration (algorithm, layer label, inputs), with convert's
+    :data:`CONVERT_COPIES` of the widest, may not fit in ``memory`` bytes (more than
+    :data:`HESSIAN_MEMORY_SHARE` of it), with what to do; None if they fit or the memory is unknown.
 
     Only a warning: the same request runs on a larger machine, and the result must not depend on
     the machine it was prepared on.
     """
-    total = sum(hessian_bytes(columns) for _, _, columns in held)
-    if memory is None or total <= HESSIAN_MEMORY_SHARE * memory:
+    if not held:
+        return None
+    sums = sum(hessian_bytes(columns) for _, _, columns in held)
+    working = CONVERT_COPIES * hessian_bytes(max(columns for _, _, columns in held))
+    if memory is None or sums + working <= HESSIAN_MEMORY_SHARE * memory:
         return None
     gib = 2**30
     counts = Counter(algorithm for algorithm, _, _ in held)
     largest = sorted(held, key=lambda h: -h[2])[:3]  # ties in graph order
     return (
-        f"calibration will hold {total / gib:.1f} GiB of layer Hessians (float64, inputs x inputs "
-        f"per layer: {', '.join(f'{n} for {a}' for a, n in counts.items())}), more than "
+        f"calibration will hold {sums / gib:.1f} GiB of layer Hessians (float64, inputs x inputs "
+        f"per layer: {', '.join(f'{n} for {a}' for a, n in counts.items())}) and convert about "
+        f"{working / gib:.1f} GiB more while it works on the widest, more than "
         f"{HESSIAN_MEMORY_SHARE:.0%} of this machine's {memory / gib:.1f} GiB of memory; the largest: "
         + ", ".join(f"{a} {label} ({c} inputs, {hessian_bytes(c) / gib:.2f} GiB)" for a, label, c in largest)
         + ". An algorithm with sequential=true collects one stage's Hessians at a time, at convert "

@@ -195,13 +195,14 @@ def shrunk_toward_diagonal(mean: torch.Tensor, fourth: float, rows: int) -> tupl
     """
     if rows < 2:
         return mean, 0.0
-    off = mean - torch.diag(torch.diagonal(mean))
+    off = mean.clone()  # then in place: I x I float64 can be gigabytes (fewer copies at once)
+    off.diagonal().zero_()
     squared = float(off.square().sum())
     if squared <= 0.0:
         return mean, 0.0  # already diagonal
     variance = (float(fourth) / rows - squared) / rows
     intensity = min(max(variance / squared, 0.0), 1.0)
-    return mean - intensity * off, intensity
+    return mean - off.mul_(intensity), intensity
 
 
 def dampened(hessian: torch.Tensor, relative: float) -> torch.Tensor:
