@@ -159,14 +159,14 @@ def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
     x = x.to(w.dtype)
     with torch.no_grad():
         base = site.forward(x, torch.zeros_like(w))  # the bias alone
-        eye = torch.eye(columns, dtype=w.dtype).reshape(columns, *w.shape[1:])
         parts = []
         for start in range(0, columns, out_channels):
-            chunk = eye[start : start + out_channels]
-            taken = chunk.shape[0]
-            if taken < out_channels:
-                chunk = torch.cat([chunk, chunk.new_zeros(out_channels - taken, *chunk.shape[1:])])
-            parts.append((site.forward(x, chunk) - base)[:, :taken])
+            # rows start.. of the identity, padded to out_channels (never the whole [I, I] identity:
+            # a 13824-input conv's would be 0.7 GiB at every batch)
+            taken = min(out_channels, columns - start)
+            chunk = torch.zeros(out_channels, columns, dtype=w.dtype)
+            chunk[torch.arange(taken), torch.arange(start, start + taken)] = 1
+            parts.append((site.forward(x, chunk.reshape(out_channels, *w.shape[1:])) - base)[:, :taken])
         patches = torch.cat(parts, dim=1)
     return patches.movedim(1, -1).reshape(-1, columns)
 
