@@ -13,6 +13,7 @@ measured on its 4 held-out ones (``tests/zoo/harness.py``). AdaRound runs 100 st
                                                                       # on calibration (to compare with)
     .venv/bin/python -m tests.zoo.algorithms_sweep --only gptq --option gptq.scale_search=20
     .venv/bin/python -m tests.zoo.algorithms_sweep --more             # tests/zoo/more_models.py too
+    .venv/bin/python -m tests.zoo.algorithms_sweep r3d_18 mobilevit   # tests/zoo/sweep.py's, by name
 
 ``--only NAME`` (repeatable) sweeps those algorithms only; ``--option NAME.KEY=VALUE`` (repeatable)
 configures one, as ``quantize --algorithm-option`` does (values are read as JSON, else text).
@@ -39,6 +40,7 @@ import quantplug
 from tests.zoo.harness import float_case, quantizer, quiet, run, sqnr
 from tests.zoo.models import MODELS
 from tests.zoo.more_models import MORE_MODELS
+from tests.zoo.sweep import SWEEP
 
 CONFIGS: tuple[tuple[str, str], ...] = (("qnn_htp", "16a4w"), ("reference", "weight_only_int4"))
 OPTIONS: dict[str, dict[str, Any]] = {"adaround": {"iterations": 100}}
@@ -103,7 +105,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="sweep this algorithm")
     parser.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE")
     args = parser.parse_args(argv)
-    known = {**MODELS, **MORE_MODELS}
+    known = {**SWEEP, **MODELS, **MORE_MODELS}
     strangers = [m for m in args.models if m not in known]
     if strangers:
         parser.error(f"no zoo model {', '.join(strangers)} (the zoo has: {', '.join(known)})")

@@ -22,7 +22,7 @@ import torch
 from torch.fx import GraphModule
 
 import quantplug
-from tests.zoo.models import MODELS, Inputs
+from tests.zoo.models import IMAGE, MODELS, Inputs
 from tests.zoo.more_models import MORE_MODELS
 
 CALIBRATION_BATCHES = 2
@@ -64,12 +64,20 @@ class FloatCase:
 
 @functools.cache
 def float_case(name: str) -> FloatCase:
-    zoo = MODELS[name] if name in MODELS else MORE_MODELS[name]
+    zoo: Any
+    if name in MODELS or name in MORE_MODELS:
+        zoo = MODELS[name] if name in MODELS else MORE_MODELS[name]
+        draw = zoo.draw
+    else:  # one of the architectures tests/zoo/sweep.py tries (it imports this module)
+        from tests.zoo.sweep import SWEEP
+
+        zoo = SWEEP[name]
+        draw = functools.partial(zoo.draw, batch=IMAGE[0])  # the zoo's batch
     model = zoo.build()
     gen = torch.Generator().manual_seed(1234)
-    example = zoo.draw(gen)
-    calibration = [zoo.draw(gen) for _ in range(CALIBRATION_BATCHES)]
-    held_out = [zoo.draw(gen) for _ in range(HELD_OUT_BATCHES)]
+    example = draw(gen)
+    calibration = [draw(gen) for _ in range(CALIBRATION_BATCHES)]
+    held_out = [draw(gen) for _ in range(HELD_OUT_BATCHES)]
     with quiet():
         program = torch.export.export(model, example)
         with torch.no_grad():

@@ -57,13 +57,15 @@ class SweepModel:
         zoo = ZooModel(self.name, family, self.make, needs="torchvision")  # imports it (and transformers)
         if self.kind == "vision":
             # the zoo's LSUV initialisation draws IMAGE-shaped inputs; draw ours instead
-            object.__setattr__(zoo, "draw", lambda gen, batch=None: self.draw(gen))
+            object.__setattr__(zoo, "draw", lambda gen, batch=None: self.draw(gen, batch))
         return zoo.build()
 
-    def draw(self, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    def draw(self, gen: torch.Generator, batch: int | None = None) -> tuple[torch.Tensor, ...]:
+        """One input of the model's shape, with ``batch`` samples if given."""
+        shape = self.shape if batch is None else (batch, *self.shape[1:])
         if self.kind == "tokens":
-            return (torch.randint(0, VOCAB, self.shape, generator=gen),)
-        return (torch.randn(self.shape, generator=gen),)
+            return (torch.randint(0, VOCAB, shape, generator=gen),)
+        return (torch.randn(shape, generator=gen),)
 
 
 # --- torchvision ---------------------------------------------------------------------------------
@@ -283,6 +285,124 @@ class EmbeddingNet(nn.Module):
         return self.fc(F.silu(self.norm(tokens)))  # type: ignore[no-any-return]
 
 
+# --- tried first by the algorithm sweep (stop 28): 3-D convolutions, weight-normed and state-space
+# layers, soft-capped attention, a projected LSTM, a weight computed from a low-rank update
+
+
+def _r3d() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.video.r3d_18(num_classes=10)  # type: ignore[no-any-return]
+
+
+def _wav2vec2() -> nn.Module:
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        vocab_size=VOCAB,
+        **SMALL,
+    )
+    return _First(Wav2Vec2Model(config), "input_values")
+
+
+def _mamba() -> nn.Module:
+    from transformers import MambaConfig, MambaModel
+
+    config = MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4
+    )
+    return _First(MambaModel(config))
+
+
+def _gemma2() -> nn.Module:
+    from transformers import Gemma2Config, Gemma2Model
+
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=32,
+        sliding_window=8,
+        **SMALL,
+    )
+    return _First(Gemma2Model(config))
+
+
+def _mobilevit() -> nn.Module:
+    from transformers import MobileViTConfig, MobileViTModel
+
+    config = MobileViTConfig(
+        image_size=64, hidden_sizes=[32, 40, 48], neck_hidden_sizes=[8, 8, 16, 24, 32, 40, 80]
+    )
+    return _First(MobileViTModel(config, expand_output=False), "pixel_values")
+
+
+def _segformer() -> nn.Module:
+    from transformers import SegformerConfig, SegformerModel
+
+    config = SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[16, 32],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+    )
+    return _First(SegformerModel(config), "pixel_values")
+
+
+def _convnextv2() -> nn.Module:
+    from transformers import ConvNextV2Config, ConvNextV2Model
+
+    config = ConvNextV2Config(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)
+    return _First(ConvNextV2Model(config), "pixel_values")
+
+
+class WeightNormNet(nn.Module):
+    """Weights computed from weight_norm's parametrization (``g * v / |v|``) at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(16, 32, 5, padding=2))
+        self.fc = nn.utils.parametrizations.weight_norm(nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.gelu(self.conv(x.transpose(1, 2))).transpose(1, 2))  # type: ignore[no-any-return]
+
+
+class ProjectedLSTM(nn.Module):
+    """A 2-layer bidirectional LSTM with ``proj_size`` (its hidden state projected by weight_hr)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, num_layers=2, bidirectional=True, proj_size=8, batch_first=True)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.rnn(x)[0])  # type: ignore[no-any-return]
+
+
+class LowRankUpdate(nn.Module):
+    """A linear whose weight is computed, ``W + B A`` (a LoRA adapter left unmerged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(32, 64)
+        self.a = nn.Parameter(0.1 * torch.randn(4, 32))
+        self.b = nn.Parameter(0.1 * torch.randn(64, 4))
+        self.fc = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(F.linear(x, self.base.weight + self.b @ self.a, self.base.bias)))  # type: ignore[no-any-return]
+
+
 TEXT = (4, 12)
 IMG = (4, 3, 32, 32)
 
@@ -459,6 +579,16 @@ SWEEP: dict[str, SweepModel] = {
         SweepModel("conv1d", Conv1dNet, (4, 12, 16)),
         SweepModel("decoder", DecoderNet, IMG),
         SweepModel("embedding", EmbeddingNet, TEXT, "tokens"),
+        SweepModel("r3d_18", _r3d, (4, 3, 4, 32, 32), "vision"),
+        SweepModel("wav2vec2", _wav2vec2, (4, 400)),
+        SweepModel("mamba", _mamba, TEXT, "tokens"),
+        SweepModel("gemma2", _gemma2, TEXT, "tokens"),
+        SweepModel("mobilevit", _mobilevit, (4, 3, 64, 64), "vision"),
+        SweepModel("segformer", _segformer, IMG, "vision"),
+        SweepModel("convnextv2", _convnextv2, IMG, "vision"),
+        SweepModel("weight_norm", WeightNormNet, (4, 12, 16)),
+        SweepModel("projected_lstm", ProjectedLSTM, (4, 12, 16)),
+        SweepModel("low_rank_update", LowRankUpdate, (4, 12, 32)),
     )
 }
 
