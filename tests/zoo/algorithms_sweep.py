@@ -14,9 +14,12 @@ measured on its 4 held-out ones (``tests/zoo/harness.py``). AdaRound runs 100 st
     .venv/bin/python -m tests.zoo.algorithms_sweep --only gptq --option gptq.scale_search=20
     .venv/bin/python -m tests.zoo.algorithms_sweep --more             # tests/zoo/more_models.py too
     .venv/bin/python -m tests.zoo.algorithms_sweep r3d_18 mobilevit   # tests/zoo/sweep.py's, by name
+    .venv/bin/python -m tests.zoo.algorithms_sweep --together --only smoothquant --only gptq \
+        --option gptq.scale_search=20 --only bias_correction           # one combination, in order
 
 ``--only NAME`` (repeatable) sweeps those algorithms only; ``--option NAME.KEY=VALUE`` (repeatable)
 configures one, as ``quantize --algorithm-option`` does (values are read as JSON, else text).
+``--together`` runs the ``--only`` algorithms as one combination, in the order given.
 
 One line per model and configuration: the default's SQNR, then each algorithm's gain over it
 (held out) and its run time, or the exception's type and first line. The exit status is 1 when
@@ -66,23 +69,27 @@ def held_out_sqnr(
     return sqnr(case.reference[skipped:], run(converted, case.held_out[skipped:]))
 
 
-def sweep(name: str, algorithms: list[str], skipped: int = 0, judged: bool = False) -> tuple[list[str], int]:
+def sweep(
+    name: str, algorithms: list[str], skipped: int = 0, judged: bool = False, together: bool = False
+) -> tuple[list[str], int]:
     lines, failed = [], 0
+    runs = [algorithms] if together else [[a] for a in algorithms]
     for backend, preset in CONFIGS:
         default = held_out_sqnr(name, backend, preset, [], skipped)
         cells = []
-        for algorithm in algorithms:
+        for combination in runs:
+            label = "+".join(combination)
             started = time.perf_counter()
             try:
-                chosen = [(algorithm, OPTIONS.get(algorithm, {}))]
+                chosen = [(algorithm, OPTIONS.get(algorithm, {})) for algorithm in combination]
                 found = held_out_sqnr(name, backend, preset, chosen, skipped, judged)
             except Exception as error:  # the sweep reports every failure and goes on
                 failed += 1
                 first = (str(error).splitlines() or [""])[0][:160]
-                cells.append(f"{algorithm} FAIL {type(error).__name__}: {first}")
+                cells.append(f"{label} FAIL {type(error).__name__}: {first}")
                 continue
             gain = 0.0 if found == default else found - default  # both exact (inf): no change
-            cells.append(f"{algorithm} {gain:+.2f} ({time.perf_counter() - started:.0f} s)")
+            cells.append(f"{label} {gain:+.2f} ({time.perf_counter() - started:.0f} s)")
         lines.append(f"{name:18} {backend} {preset:17} default {default:6.2f} | " + " | ".join(cells))
     return lines, failed
 
@@ -104,6 +111,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--measure-last", action="store_true", help="measure on those batches only")
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="sweep this algorithm")
     parser.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE")
+    parser.add_argument("--together", action="store_true", help="the --only algorithms as one combination")
     args = parser.parse_args(argv)
     known = {**SWEEP, **MODELS, **MORE_MODELS}
     strangers = [m for m in args.models if m not in known]
@@ -117,6 +125,8 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"no installed algorithm {', '.join(unknown)} (installed: {', '.join(installed)})")
     algorithms = args.only or installed
+    if args.together and not args.only:
+        parser.error("--together runs the --only algorithms as one combination: name them with --only")
     for item in args.option:
         target, _, value = item.partition("=")
         algorithm, _, key = target.partition(".")
@@ -130,7 +140,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger("quantplug.algorithms").setLevel(logging.ERROR)
     failed = 0
     for name in names:
-        lines, failures = sweep(name, algorithms, skipped, judged)
+        lines, failures = sweep(name, algorithms, skipped, judged, args.together)
         failed += failures
         for line in lines:
             print(line, flush=True)
