@@ -17,6 +17,7 @@ distance from the program in output steps), or the exception's type and first li
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 import time
@@ -295,42 +296,40 @@ def _r3d() -> nn.Module:
     return torchvision.models.video.r3d_18(num_classes=10)  # type: ignore[no-any-return]
 
 
-def _wav2vec2() -> nn.Module:
-    from transformers import Wav2Vec2Config, Wav2Vec2Model
-
-    config = Wav2Vec2Config(
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4,
-        vocab_size=VOCAB,
-        **SMALL,
-    )
-    return _First(Wav2Vec2Model(config), "input_values")
-
-
-def _mamba() -> nn.Module:
-    from transformers import MambaConfig, MambaModel
-
-    config = MambaConfig(
-        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4
-    )
-    return _First(MambaModel(config))
-
-
-def _gemma2() -> nn.Module:
-    from transformers import Gemma2Config, Gemma2Model
-
-    config = Gemma2Config(
-        vocab_size=VOCAB,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=32,
-        sliding_window=8,
-        **SMALL,
-    )
-    return _First(Gemma2Model(config))
+_wav2vec2 = _hf(
+    "Wav2Vec2Model",
+    "Wav2Vec2Config",
+    functools.partial(_First, key="input_values"),
+    conv_dim=(16, 16),
+    conv_stride=(5, 2),
+    conv_kernel=(10, 3),
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=4,
+    vocab_size=VOCAB,
+    **SMALL,
+)
+_mamba = _hf(
+    "MambaModel",
+    "MambaConfig",
+    _First,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    state_size=8,
+    num_hidden_layers=2,
+    expand=2,
+    conv_kernel=4,
+)
+_gemma2 = _hf(
+    "Gemma2Model",
+    "Gemma2Config",
+    _First,
+    vocab_size=VOCAB,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=32,
+    sliding_window=8,
+    **SMALL,
+)
 
 
 def _mobilevit() -> nn.Module:
@@ -342,27 +341,27 @@ def _mobilevit() -> nn.Module:
     return _First(MobileViTModel(config, expand_output=False), "pixel_values")
 
 
-def _segformer() -> nn.Module:
-    from transformers import SegformerConfig, SegformerModel
-
-    config = SegformerConfig(
-        num_encoder_blocks=2,
-        depths=[1, 1],
-        sr_ratios=[2, 1],
-        hidden_sizes=[16, 32],
-        patch_sizes=[7, 3],
-        strides=[4, 2],
-        num_attention_heads=[1, 2],
-        mlp_ratios=[2, 2],
-    )
-    return _First(SegformerModel(config), "pixel_values")
-
-
-def _convnextv2() -> nn.Module:
-    from transformers import ConvNextV2Config, ConvNextV2Model
-
-    config = ConvNextV2Config(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)
-    return _First(ConvNextV2Model(config), "pixel_values")
+_segformer = _hf(
+    "SegformerModel",
+    "SegformerConfig",
+    functools.partial(_First, key="pixel_values"),
+    num_encoder_blocks=2,
+    depths=[1, 1],
+    sr_ratios=[2, 1],
+    hidden_sizes=[16, 32],
+    patch_sizes=[7, 3],
+    strides=[4, 2],
+    num_attention_heads=[1, 2],
+    mlp_ratios=[2, 2],
+)
+_convnextv2 = _hf(
+    "ConvNextV2Model",
+    "ConvNextV2Config",
+    functools.partial(_First, key="pixel_values"),
+    hidden_sizes=[16, 32],
+    depths=[1, 1],
+    num_stages=2,
+)
 
 
 class WeightNormNet(nn.Module):
