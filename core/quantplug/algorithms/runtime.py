@@ -579,16 +579,19 @@ def choose_weights(
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
     nodes = {n.name: n for n in prepared.graph.nodes}
     for stage in order:
-        fresh: dict[tuple[int, int], Any] = {}  # (site index, algorithm index) -> collector
         feeds: dict[str, list[Callable[[torch.Tensor], None]]] = {}
         sequential_taps = []
         made_at: dict[int, dict[int, Any]] = {}  # site index -> {algorithm index: collector}
         for k in stage:
             asked = {i: run.algorithms[i].collector(refs[k].site) for i in wants[k]}
             made_at[k] = {i: c for i, c in asked.items() if c is not None}
-            fresh.update({(k, i): c for i, c in made_at[k].items()})
         share_hessians(  # the stage's collectors of the same rows: one set of sums
-            [(_rows_key(c.site, nodes, c), c) for c in fresh.values() if isinstance(c, LayerHessian)]
+            [
+                (_rows_key(c.site, nodes, c), c)
+                for made in made_at.values()
+                for c in made.values()
+                if isinstance(c, LayerHessian)
+            ]
         )
         for k, made in made_at.items():
             if made:
@@ -615,7 +618,7 @@ def choose_weights(
                 for i, c in run.collectors.get((site.name, site.group), {}).items()
                 if i not in sequential or i in both
             }
-            quantized = {i: c.result() for (j, i), c in fresh.items() if j == k}
+            quantized = {i: c.result() for i, c in made_at[k].items()}
             for i in sequential:
                 if i in both:  # no sequential result (no stored batches, no layer): quantized None
                     collected[i] = LayerInputs(collected.get(i), quantized.get(i))
