@@ -215,6 +215,35 @@ def test_int8_is_the_default_preset() -> None:
     assert q.options["preset"] == "int8"
 
 
+class LayerScale(nn.Module):
+    """A residual branch scaled by a small learned factor (ConvNeXt's and CaiT's layer scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.gamma = nn.Parameter(torch.full((16,), 1e-3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) * self.gamma  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("preset", ["int8", "int8_per_tensor"])
+@pytest.mark.parametrize("observer", ["minmax", "histogram"])
+def test_narrow_8bit_activations_keep_their_resolution(preset: str, observer: str) -> None:
+    """An 8-bit activation spanning about 0.002 gets all 255 steps: the scale floor is float32's
+    eps there. At 2**-12 (XNNPACK's, which 16-bit activations keep) it got 8, and Gemma 2's
+    soft-capped logits (scores / 50) landed on 0 or 1 step: its int8 program kept 4 dB."""
+    torch.manual_seed(0)
+    model = LayerScale().eval()
+    batches = [(torch.randn(8, 16),) for _ in range(4)]
+    ep = torch.export.export(model, batches[0])
+    converted = convert(ep, quantizer(preset=preset, activation_observer=observer), batches[:2])
+    with torch.no_grad():
+        ref = torch.cat([model(*b) for b in batches[2:]])
+        got = sqnr(ref, torch.cat([converted(*b) for b in batches[2:]]))
+    assert float(ref.amax()) < 255 * 2**-12 and got > 30, got
+
+
 # --- op coverage: everything torchao's X86 and XNNPACK quantizers annotate ----------------------
 
 
