@@ -107,6 +107,57 @@ def test_float_ops_are_listed_not_missing() -> None:
     assert {t.tensor for t in report.float_tensors} == {"x", "e", "out"}
 
 
+def test_tensors_computed_from_shapes_are_constants() -> None:
+    """``Shape`` reads no values: QNN graphs have static shapes, so the converter folds what is
+    computed from shapes as from constants. A dynamic-batch ``torch.zeros`` exports as
+    ``Expand(0.0, Shape...)``, whose ``0.0`` once counted as a tensor of a quantized op without an
+    encoding; a float tensor computed from values still counts."""
+    nodes = [
+        *_qdq("x", "x_dq"),
+        helper.make_node("Shape", ["x"], ["dims"]),
+        helper.make_node("Expand", ["lo", "dims"], ["zeros"]),
+        *_qdq("zeros", "zeros_dq"),
+        helper.make_node("Add", ["x_dq", "zeros_dq"], ["y"]),
+        helper.make_node("Expand", ["x_dq", "dims"], ["wide"]),  # from x's values: inherits
+        helper.make_node("Mul", ["wide", "x_dq"], ["sq"]),  # from x's values: missing
+        helper.make_node("Sqrt", ["sq"], ["r"]),
+        *_qdq("y", "out"),
+        *_qdq("r", "out2"),
+    ]
+    report = check(_model(nodes, INITS, ["x"], ["out", "out2"]), ["x", "zeros", "y", "r"])
+    assert [t.tensor for t in report.missing] == ["sq"]
+    assert report.inherited == 1  # the Expand of x
+
+
+class ZeroInitialState(nn.Module):
+    """A recurrent step from a zero state sized by the batch, as ``nn.LSTM`` with ``proj_size``
+    and Mamba make it: ``torch.zeros(batch, n)`` exports as ``Expand(0.0, Concat(Shape(x)...))``
+    (its ``0.0`` once counted as a tensor missing an encoding, and strict lowering refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.rec = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = torch.zeros(x.shape[0], 8)
+        return torch.tanh(self.inp(x) + self.rec(state))
+
+
+def test_a_zero_state_sized_by_a_dynamic_batch_lowers(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(ZeroInitialState().eval(), (x,), dynamic_shapes=({0: batch},))
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="8a8w")
+    prepared = quantplug.prepare(program, quantizer)
+    prepared(torch.randn(4, 8))
+    artifact = quantplug.lower(quantplug.convert(prepared), quantizer)  # strict
+    artifact.save(tmp_path)
+    report = json.loads((tmp_path / "artifact.json").read_text())["encoding_completeness"]
+    assert report["complete"] and report["fraction"] == 1.0
+
+
 class HalfCast(nn.Module):
     """A linear, then a round trip through float16: ONNX Cast ops the HTP quantized graph does
     not encode (the fp16 tensor has no Q/DQ)."""

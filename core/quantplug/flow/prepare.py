@@ -34,6 +34,7 @@ from quantplug.flow.embedding_bag import rewrite_fixed_bags
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.flow.no_op_arguments import drop_no_op_arguments
+from quantplug.flow.unread_writes import drop_unread_writes
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
 from quantplug.observers.nonfinite import check_policy
@@ -302,6 +303,7 @@ def _prepare(
         fold_batch_norm(gm)
     rewrite_fixed_bags(gm)  # no ONNX Loop, a quantized table (flow.embedding_bag)
     drop_no_op_arguments(gm)  # empty cat inputs, own dtypes: ONNX drops or splits them
+    drop_unread_writes(gm)  # a state written for a cache nothing returns: ONNX drops it
     if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
         materialize_computed_weights(gm)
     judged = (  # the guard's held-out batches, flat and checked against the program

@@ -10,8 +10,8 @@ the written ONNX model and the names written to ``model.encodings`` and classifi
   expanded into several ONNX ops (no Q/DQ between them);
 * a **float op** is one quantplug left float (no rule, discarded: the reason recorded at
   annotation), or one that touches no encoded tensor; its unencoded tensors are listed with that
-  reason. Constant subgraphs (ops computing from constants only) are skipped: the converter folds
-  them into the static tensors they make.
+  reason. Constant subgraphs (ops computing from constants and tensor shapes only) are skipped:
+  the converter, whose graphs have static shapes, folds them into the static tensors they make.
 
 A tensor counts as encoded when ``model.encodings`` names it, when it is the dequantized copy of
 an encoded tensor (``x -> QuantizeLinear -> DequantizeLinear``, the converter's view), or when a
@@ -373,12 +373,19 @@ def _value_inputs(node: Any) -> list[str]:
     return [i for i in inputs if i]
 
 
+#: ONNX ops that read only their input's shape. QNN graphs have static shapes (the converter is
+#: given the input dimensions), so the converter folds what is computed from them, as from
+#: constants: a dynamic-batch ``torch.zeros(batch, n)`` (an initial state) exports as
+#: ``Expand(0.0, Concat(Shape(x)...))`` and becomes a static tensor
+SHAPE_READERS = frozenset({"Shape", "Size"})
+
+
 def _constant_tensors(graph: Any) -> set[str]:
-    """Initializers, Constant outputs, and what ops compute from nothing else (in graph order)."""
+    """Initializers, Constant outputs, shapes, and what ops compute from nothing else (in graph order)."""
     constant = {i.name for i in graph.initializer}
     for node in graph.node:
         inputs = _value_inputs(node)
-        if node.op_type == "Constant" or (inputs and all(i in constant for i in inputs)):
+        if node.op_type in ("Constant", *SHAPE_READERS) or (inputs and all(i in constant for i in inputs)):
             constant.update(o for o in node.output if o)
     return constant
 
