@@ -321,16 +321,38 @@ def test_seq_mse_without_layer_inputs_minimises_the_weights_own_error() -> None:
         assert sqnr(model, quantize(model, x, [kept], "reference", **options), x) == default
 
 
-def test_grouped_convolutions_keep_the_default() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=4), nn.ReLU(), nn.Conv2d(4, 6, 1)).eval()
-    x = torch.randn(2 * BATCH, 4, 6, 6)
+class GroupedConvs(nn.Module):
+    """depthwise -> relu -> grouped (2 outputs per group): MobileNet's and RegNet's convolutions,
+    heavy-tailed weights; nothing else for an algorithm to choose."""
+
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.grouped = nn.Conv2d(8, 16, 3, padding=1, groups=4)
+        with torch.no_grad():
+            for layer in (self.depthwise, self.grouped):
+                layer.weight.copy_(heavy_tailed(layer.weight.shape, g) * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.grouped(torch.relu(self.depthwise(x)))  # type: ignore[no-any-return]
+
+
+def test_grouped_convolutions_are_chosen_group_by_group() -> None:
+    """Each group of a grouped convolution has its own ``H`` (once: none, and they kept the
+    default): SeqMSE gives them new scales, GPTQ new codes, and the model gains."""
+    g = torch.Generator().manual_seed(0)
+    model = GroupedConvs(g).eval()
+    x = torch.randn(4 * BATCH, 8, 6, 6, generator=g)
     options = {"precision": "16a4w"}
-    default = _weight_qparams(quantize(model, x, [], "qnn_htp", **options))
-    chosen = _weight_qparams(
-        quantize(model, x, [("seq_mse", {"data_free": False}), "gptq"], "qnn_htp", **options)
-    )
-    torch.testing.assert_close(chosen[0].scale, default[0].scale)  # the depthwise one: untouched
+    default_model = quantize(model, x, [], "qnn_htp", **options)
+    default = _weight_qparams(default_model)
+    seq_mse = _weight_qparams(quantize(model, x, [("seq_mse", {"data_free": False})], "qnn_htp", **options))
+    for grouped in (0, 1):  # the depthwise and the grouped convolution
+        assert not torch.equal(seq_mse[grouped].scale, default[grouped].scale)
+    base = sqnr(model, default_model, x)
+    for algorithm in ("gptq", ("seq_mse", {"data_free": False}), ("adaround", {"iterations": 200})):
+        gained = sqnr(model, quantize(model, x, [algorithm], "qnn_htp", **options), x)
+        assert gained > base + 0.1, (algorithm, base, gained)
 
 
 def test_a_layer_too_wide_for_its_hessian_keeps_its_codes_and_is_named(
@@ -512,6 +534,26 @@ def test_conv_patches_are_unfold_read_through_the_layer(stride: int, padding: in
     collector.update(x)
     expected = got.double().T @ got.double() / got.shape[0]
     torch.testing.assert_close(collector.result(), expected)
+
+
+@pytest.mark.parametrize(
+    ("channels", "outputs", "groups"), [(6, 4, 2), (4, 4, 4), (4, 12, 4)]
+)  # grouped, depthwise, depthwise with 3 outputs per channel
+def test_grouped_conv_patches_are_each_groups_unfold(channels: int, outputs: int, groups: int) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(channels, outputs, 3, stride=2, padding=1, groups=groups)
+    x = torch.randn(2, channels, 7, 7)
+    got = conv_patches(_conv_site(conv), x)
+    width = channels // groups * 9
+    assert got is not None and got.shape == (groups, 2 * 16, width)
+    for g, chunk in enumerate(x.split(channels // groups, dim=1)):
+        unfolded = F.unfold(chunk, 3, padding=1, stride=2).transpose(1, 2).reshape(-1, width)
+        torch.testing.assert_close(got[g], unfolded, atol=1e-5, rtol=1e-5)
+    collector = LayerHessian(_conv_site(conv))
+    collector.update(x)
+    result = collector.result()
+    assert result is not None and result.shape == (groups, width, width)
+    torch.testing.assert_close(result, got.double().transpose(1, 2) @ got.double() / got.shape[1])
 
 
 @pytest.mark.parametrize("shrinkage", ["singular", "all", "off"])

@@ -590,3 +590,101 @@ def test_seq_mse_losses_through_the_factor_equal_the_direct_ones(
     direct = group_losses(delta, h, groups)
     assert fast.shape == direct.shape
     assert torch.allclose(fast, direct, rtol=1e-6, atol=1e-9 * float(direct.abs().max()))
+
+
+def stacked_problem(seed: int, blocks: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A grouped layer's weight ``[blocks * rows, cols]`` and one Hessian per row block."""
+    parts = [problem(seed + b, rows, cols) for b in range(blocks)]
+    return torch.cat([w for w, _ in parts]), torch.stack([h for _, h in parts])
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.sampled_from([4, 8]),
+    st.sampled_from(["channel", "block"]),
+    GRIDS,
+    st.booleans(),
+)
+def test_a_stack_of_hessians_is_each_row_block_on_its_own(
+    seed: int, blocks: int, rows: int, cols: int, granularity: str, grid: IntegerGrid, act_order: bool
+) -> None:
+    """A grouped convolution's row blocks each have their own ``H`` (``[G, I, I]``): the output
+    error, GPTQ's codes, SeqMSE's encoding and GPTQ's scale search on the stack are what each
+    block gets alone, side by side (the losses up to float summation order)."""
+    w, h = stacked_problem(seed, blocks, rows, cols)
+    groups = (1, cols) if granularity == "channel" else (1, 4)
+    symmetric = grid.quant_min < 0
+    s, z = encoding(w, grid, groups)
+    spans = [slice(b * rows, (b + 1) * rows) for b in range(blocks)]
+
+    def close(stacked: float, parts: list[float]) -> bool:
+        return abs(stacked - sum(parts)) <= 1e-9 * (1 + abs(stacked))
+
+    delta = w - fake_quantize(w, s, z, grid)
+    expected = torch.cat([output_error(delta[r], h[b]) for b, r in enumerate(spans)])
+    torch.testing.assert_close(output_error(delta, h), expected, rtol=1e-12, atol=1e-12)
+    codes = gptq_codes(w, h, s, z, grid, act_order=act_order)
+    alone = [gptq_codes(w[r], h[b], s[r], z[r], grid, act_order=act_order) for b, r in enumerate(spans)]
+    assert torch.equal(codes.codes, torch.cat([a.codes for a in alone]))
+    assert close(codes.loss, [a.loss for a in alone])
+    encode = encoder(grid, groups)
+    chosen = seq_mse_encoding(w, h, encode, grid, groups, symmetric=symmetric, candidates=6)
+    each = [
+        seq_mse_encoding(w[r], h[b], encode, grid, groups, symmetric=symmetric, candidates=6)
+        for b, r in enumerate(spans)
+    ]
+    assert close(chosen.loss, [e.loss for e in each])
+    searched = gptq_scale_search(
+        w, h, encode, grid, groups, symmetric=symmetric, candidates=4, act_order=act_order
+    )
+    apart = [
+        gptq_scale_search(
+            w[r], h[b], encode, grid, groups, symmetric=symmetric, candidates=4, act_order=act_order
+        )
+        for b, r in enumerate(spans)
+    ]
+    assert close(searched.loss, [a.loss for a in apart])
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 4), st.integers(1, 30), GRIDS)
+def test_adaround_on_a_stack_of_hessians_rounds_each_weight_down_or_up(
+    seed: int, blocks: int, steps: int, grid: IntegerGrid
+) -> None:
+    w, h = stacked_problem(seed, blocks, 2, 6)
+    s, z = encoding(w, grid, (1, 6))
+    result = adaround_codes(w, h, s, z, grid, AdaroundSchedule(iterations=steps))
+    scaled = w / s + z
+    assert bool(
+        (
+            (result.codes == torch.floor(scaled))
+            | (result.codes == torch.ceil(scaled))
+            | (result.codes == grid.quant_min)
+            | (result.codes == grid.quant_max)
+        ).all()
+    )
+    assert result.loss <= result.nearest_loss * (1 + 1e-9)
+
+
+def test_a_grouped_accumulator_sums_each_groups_rows() -> None:
+    """``[G, N, I]`` patches: each group's ``H`` is its own rows' (a position broken in any group
+    is dropped from all, so every ``H`` counts the same rows), and each shrinks on its own."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 20, 5, generator=g, dtype=torch.float64)
+    x[1, 4, 2] = float("nan")
+    grouped = HessianAccumulator(5, 3)
+    grouped.add(x)
+    kept = torch.cat([x[:, :4], x[:, 5:]], dim=1)
+    assert grouped.rows == 19
+    for b in range(3):
+        alone = HessianAccumulator(5)
+        alone.add(kept[b])
+        torch.testing.assert_close(grouped.sum[b], alone.sum)
+        torch.testing.assert_close(grouped.fourth[b], alone.fourth)
+        shrunk = shrunk_toward_diagonal(grouped.mean(), grouped.fourth, grouped.rows)[0][b]
+        torch.testing.assert_close(
+            shrunk, shrunk_toward_diagonal(alone.mean(), float(alone.fourth), alone.rows)[0]
+        )

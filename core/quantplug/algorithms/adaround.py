@@ -40,7 +40,13 @@ from quantplug.algorithms.weight_layers import (
     improves,
     matrix_and_hessian,
 )
-from quantplug.algorithms.weight_matrix import IntegerGrid, hessian_factor, quantize_codes, small_products
+from quantplug.algorithms.weight_matrix import (
+    IntegerGrid,
+    hessian_factor,
+    quantize_codes,
+    rows_times,
+    small_products,
+)
 from quantplug.errors import OptionError
 
 ZETA = 1.1
@@ -110,7 +116,8 @@ def adaround_codes(
 ) -> AdaroundResult:
     """Learned rounding of ``weight`` ``[O, I]`` on ``scale``/``zero_point`` (expanded to ``[O, I]``).
 
-    ``hessian`` is the mean ``x x^T`` of the layer's inputs (``[I, I]``); it is factored once
+    ``hessian`` is the mean ``x x^T`` of the layer's inputs (``[I, I]``, or ``[G, I, I]`` for the
+    row blocks of a grouped convolution, :func:`~.weight_matrix.rows_times`); it is factored once
     (``H = L L^T``, :func:`~.weight_matrix.hessian_factor`) so the loss is
     ``||D L||^2 + ridge ||D||^2``. Nothing is random. The gradient is written out (the loss is a
     quadratic form) rather than taken by autograd: the same steps at about half the cost.
@@ -120,7 +127,7 @@ def adaround_codes(
     # step and H over its mean diagonal (the minimiser does not change). Unscaled, inputs of 1e30
     # make H 1e60 and overflow float32; losses are given back in the caller's units.
     step_size = _finite_positive(float(scale.detach().abs().max()))
-    energy = float(torch.diagonal(hessian).to(torch.float64).mean().clamp(min=0))
+    energy = float(torch.diagonal(hessian, dim1=-2, dim2=-1).to(torch.float64).mean().clamp(min=0))
     units = step_size**2 * _finite_positive(energy)
     w = weight.detach().to(torch.float32) / step_size
     s = scale.detach().to(torch.float32).div(step_size).expand_as(w)
@@ -134,7 +141,7 @@ def adaround_codes(
 
     def loss_of(rounded: torch.Tensor) -> torch.Tensor:
         error = (w - rounded * s).to(torch.float64)
-        delta = error @ factor.to(torch.float64)
+        delta = rows_times(error, factor.to(torch.float64))
         return (delta * delta).sum() + ridge * (error * error).sum()
 
     nearest_codes = quantize_codes(w, s, z, grid)
@@ -144,11 +151,11 @@ def adaround_codes(
     adam = _Adam(v, sched.learning_rate)
     recon_norm = 1.0 / max(nearest_loss, 1e-30)
     reg_scale = sched.reg_weight / max(w.numel(), 1)
-    factor_t = factor.T.contiguous()
+    factor_t = factor.transpose(-2, -1).contiguous()
     started = time.perf_counter()
     stopped = False
     step = 0
-    with torch.no_grad(), small_products(w.numel() * factor.shape[1]):
+    with torch.no_grad(), small_products(w.numel() * factor.shape[-1]):
         while step < sched.iterations:
             if sched.time_budget is not None and time.perf_counter() - started > sched.time_budget:
                 stopped = True
@@ -161,7 +168,8 @@ def adaround_codes(
             inside = (soft >= lo) & (soft <= hi) & (raw > 0) & (raw < 1)
             error = w - soft.clamp(lo, hi) * s
             # d recon / d h = -2 s * (error (L L^T + ridge I)), normalised by round-to-nearest's loss
-            grad = ((error @ factor) @ factor_t).add_(error, alpha=ridge).mul_(s).mul_(-2 * recon_norm)
+            grad = rows_times(rows_times(error, factor), factor_t)
+            grad.add_(error, alpha=ridge).mul_(s).mul_(-2 * recon_norm)
             if step >= sched.warm_start * sched.iterations:  # d/dh of 1 - |2h - 1|^beta
                 beta = sched.beta(step)
                 t = 2 * h - 1

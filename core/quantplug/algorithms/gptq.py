@@ -98,13 +98,60 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def column_order(hessian: torch.Tensor, act_order: bool) -> torch.Tensor | None:
-    """The order columns are quantized in: act-order's (largest ``H`` diagonal first), or None."""
-    return torch.argsort(torch.diagonal(hessian), descending=True, stable=True) if act_order else None
+    """The order columns are quantized in: act-order's (largest ``H`` diagonal first), or None
+    (``[G, I]`` for a stack of Hessians: each row block's own order)."""
+    if not act_order:
+        return None
+    return torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
 
 
 def _factor(hessian: torch.Tensor, damp: float, order: torch.Tensor | None) -> torch.Tensor:
+    if hessian.dim() == 3:  # a grouped layer: one factor per row block
+        return torch.stack([_factor(h, damp, None if order is None else o) for h, o in _with(hessian, order)])
     h = hessian if order is None else hessian[order][:, order]
     return inverse_hessian_factor(h, damp)
+
+
+def _with(stack: torch.Tensor, order: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    return [(item, None if order is None else order[g]) for g, item in enumerate(stack)]
+
+
+def _gptq_rows(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    factor: torch.Tensor,
+    order: torch.Tensor | None,
+    grid: IntegerGrid,
+    block: int,
+    out: int,
+) -> tuple[torch.Tensor, float]:
+    """:func:`_gptq_pass` on rows that are copies of an ``out``-row matrix stacked (candidate
+    encodings); with a factor per row block (``[G, I, I]``: a grouped layer), each block's rows
+    of every copy are one pass on that block's factor and order."""
+    if factor.dim() == 2:
+        return _gptq_pass(weight, scale, zero_point, factor, order, grid, block)
+    groups, inputs = factor.shape[0], weight.shape[1]
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # [copies, G, out / G, I]
+        return t.expand_as(weight).reshape(-1, groups, out // groups, inputs)
+
+    w, s, z = blocks(weight), blocks(scale), blocks(zero_point)
+    codes = torch.empty_like(w)
+    loss = 0.0
+    for g in range(groups):
+        found, part = _gptq_pass(
+            w[:, g].reshape(-1, inputs),
+            s[:, g].reshape(-1, inputs),
+            z[:, g].reshape(-1, inputs),
+            factor[g],
+            None if order is None else order[g],
+            grid,
+            block,
+        )
+        codes[:, g] = found.reshape(codes[:, g].shape)
+        loss += part
+    return codes.reshape(weight.shape), loss
 
 
 def _gptq_pass(
@@ -168,7 +215,8 @@ def gptq_codes(
 
     Args:
         weight: the float weight matrix (not modified).
-        hessian: ``sum x x^T`` of the layer's inputs, ``[I, I]``.
+        hessian: ``sum x x^T`` of the layer's inputs, ``[I, I]``; or ``[G, I, I]``, one per
+            block of ``O / G`` rows (a grouped convolution's groups).
         scale, zero_point: the encoding, expanded to one value per weight.
         grid: the backend's integer range.
         block: columns per lazy batch (any value gives the same codes up to float rounding).
@@ -182,7 +230,7 @@ def gptq_codes(
     w = weight.detach().to(torch.float64)
     h = hessian.detach().to(torch.float64)
     order = column_order(h, act_order)
-    codes, loss = _gptq_pass(
+    codes, loss = _gptq_rows(
         w,
         scale.detach().to(torch.float64),
         zero_point.detach().to(torch.float64),
@@ -190,6 +238,7 @@ def gptq_codes(
         order,
         grid,
         block,
+        w.shape[0],
     )
     return GptqResult(codes.to(weight.dtype if weight.dtype.is_floating_point else torch.float32), loss)
 
@@ -264,8 +313,14 @@ def gptq_scale_search(
         scale = torch.cat([e[0].to(torch.float64) for e in encodings])
         zero_point = torch.cat([e[1].to(torch.float64) for e in encodings])
         stacked = w.repeat(len(chunk), 1)
-        codes, _ = _gptq_pass(stacked, scale, zero_point, factor, order, grid, block)
-        errors = output_error(stacked - (codes - zero_point) * scale, h)
+        codes, _ = _gptq_rows(stacked, scale, zero_point, factor, order, grid, block, out)
+        delta = stacked - (codes - zero_point) * scale
+        # a stack of Hessians weighs each copy's row blocks: one copy at a time
+        errors = (
+            output_error(delta, h)
+            if h.dim() == 2
+            else torch.cat([output_error(d, h) for d in delta.split(out)])
+        )
         losses = errors.reshape(len(chunk), n_row_groups, rows).sum(dim=2)
         for k in range(len(chunk)):  # ties keep the earlier option: fraction 1 (the default) first
             better = losses[k] < best_loss
@@ -274,7 +329,7 @@ def gptq_scale_search(
     fraction = torch.stack(options)[best, torch.arange(n_row_groups)]
     scale, zero_point = encode(candidate_weight(w, fraction, groups, symmetric))
     scale, zero_point = scale.to(torch.float64), zero_point.to(torch.float64)
-    codes, _ = _gptq_pass(w, scale, zero_point, factor, order, grid, block)
+    codes, _ = _gptq_rows(w, scale, zero_point, factor, order, grid, block, out)
     loss = float(output_error(w - (codes - zero_point) * scale, h).sum())
     return GptqSearchResult(scale, zero_point, codes, fraction, loss)
 

@@ -91,13 +91,20 @@ def expand_groups(per_group: torch.Tensor, groups: tuple[int, int]) -> torch.Ten
 
 
 def group_losses(delta: torch.Tensor, hessian: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
-    """Output error of each scale group, using the group's diagonal block of ``H``."""
+    """Output error of each scale group, using the group's diagonal block of ``H`` (of its row
+    block's ``H`` where ``hessian`` is a stack ``[G, I, I]``: a grouped convolution)."""
     rows, cols = groups
     o, i = delta.shape
     g = i // cols
-    blocks = hessian.reshape(g, cols, g, cols).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [g, c, c]
-    d = delta.reshape(o, g, cols)
-    per_row = torch.einsum("ogb,gbc,ogc->og", d, blocks, d)
+    if hessian.dim() == 3:
+        stack = hessian.shape[0]
+        blocks = hessian.reshape(stack, g, cols, g, cols).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+        d = delta.reshape(stack, o // stack, g, cols)
+        per_row = torch.einsum("rogb,rgbc,rogc->rog", d, blocks, d).reshape(o, g)
+    else:
+        blocks = hessian.reshape(g, cols, g, cols).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [g, c, c]
+        d = delta.reshape(o, g, cols)
+        per_row = torch.einsum("ogb,gbc,ogc->og", d, blocks, d)
     return per_row.reshape(o // rows, rows, g).sum(dim=1)
 
 
@@ -156,7 +163,7 @@ def group_loss_function(
     """
     rows, cols = groups
     out, inputs = int(shape[0]), int(shape[1])
-    if cols == inputs and evaluations * out > 10 * inputs:
+    if hessian.dim() == 2 and cols == inputs and evaluations * out > 10 * inputs:
         factor = hessian_factor(hessian)
         if factor.shape[1] < inputs // 2:
             return lambda delta: (delta @ factor).pow(2).sum(dim=1).reshape(out // rows, rows, 1).sum(dim=1)
@@ -178,7 +185,8 @@ def seq_mse_encoding(
 
     Args:
         weight: ``[O, I]`` float weights.
-        hessian: ``sum x x^T`` (or its mean) of the layer's inputs, ``[I, I]``.
+        hessian: ``sum x x^T`` (or its mean) of the layer's inputs, ``[I, I]``, or one per
+            block of ``O / G`` rows, ``[G, I, I]`` (a grouped convolution).
         encode: the backend's encoding of a weight (:func:`candidate_weight`), expanded to ``[O, I]``.
         grid: the backend's integer range.
         groups: ``(rows, cols)`` sharing one scale (:func:`~.weight_matrix.column_groups`).
@@ -222,7 +230,7 @@ def seq_mse_encoding(
 class SeqMSE(Algorithm):
     """SeqMSE at convert: a new encoding per linear/convolution weight, codes rounded to nearest.
 
-    Weights without collected layer inputs (an LSTM's, a grouped convolution's, a layer the
+    Weights without collected layer inputs (an LSTM's, a transposed convolution's, a layer the
     calibration data never reached) have no output error to measure; with ``data_free`` they get
     the clipping that minimises the weights' own squared error instead (``H = I``), which still
     beats min-max at 4 bits. A weight whose

@@ -8,7 +8,9 @@
   pure algorithms take (:mod:`quantplug.algorithms.weight_matrix`), and the way back to codes of
   the weight's shape.
 
-Weights these algorithms cannot express as ``y = W x`` on collected rows (grouped or transposed
+A grouped convolution (depthwise included) is collected group by group: ``H`` is a stack
+``[G, I, I]``, one per group of output channels (:mod:`~quantplug.algorithms.weight_matrix`).
+Weights these algorithms cannot express as ``y = W x`` on collected rows (transposed
 convolutions, an LSTM's weights, block shapes that are not contiguous in a row) keep the
 backend's default encoding: :func:`site_matrix` or the collector returns None for them.
 """
@@ -101,7 +103,9 @@ CONVERT_COPIES = 6
 
 
 def hessian_bytes(columns: int) -> int:
-    """Bytes of one layer's ``H``: ``[I, I]`` float64 (:class:`HessianAccumulator`)."""
+    """Bytes of one layer's ``H``: ``[I, I]`` float64 (:class:`HessianAccumulator`). A grouped
+    convolution's is ``G`` times this (one per group); counted as one: its ``I`` is a group's
+    ``C / G * prod(kernel)`` inputs, so even its stack is smaller than a dense layer's ``H``."""
     return columns * columns * 8
 
 
@@ -142,33 +146,41 @@ def hessian_memory_problem(held: Sequence[tuple[str, str, int]], memory: int | N
 
 
 def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
-    """The patches a convolution multiplies its weight with, ``[positions, C * prod(kernel)]``.
+    """The patches a convolution multiplies its weight with, ``[positions, C * prod(kernel)]``; for
+    a grouped convolution, each group's, ``[G, positions, C / G * prod(kernel)]``.
 
     Column ``j`` is what a one-hot kernel ``e_j`` (in the flattened ``[C, *kernel]`` order of
     the weight's rows) reads at every output position, so ``weight.reshape(O, -1) @ patch`` is the
-    convolution at that position without bias. None for grouped convolutions (each output channel
-    sees another slice of the input: no single ``H``).
+    convolution at that position without bias. The layer itself is run (stride, padding,
+    dilation and groups are the op's own): each output channel carries one column of its group's
+    patches, so ``I / (O / G)`` runs read them all. None when the input does not fit the weight.
     """
     w = site.weight
     if x.dim() == w.dim() - 1:  # unbatched input
         x = x.unsqueeze(0)
-    if x.dim() != w.dim() or x.shape[1] != w.shape[1]:
+    if x.dim() != w.dim() or x.shape[1] % w.shape[1]:
         return None
+    groups = x.shape[1] // w.shape[1]
     out_channels = w.shape[0]
+    if out_channels % groups:
+        return None
+    per_group = out_channels // groups
     columns = int(torch.tensor(w.shape[1:]).prod())
     x = x.to(w.dtype)
     with torch.no_grad():
         base = site.forward(x, torch.zeros_like(w))  # the bias alone
         parts = []
-        for start in range(0, columns, out_channels):
-            # rows start.. of the identity, padded to out_channels (never the whole [I, I] identity:
-            # a 13824-input conv's would be 0.7 GiB at every batch)
-            taken = min(out_channels, columns - start)
-            chunk = torch.zeros(out_channels, columns, dtype=w.dtype)
-            chunk[torch.arange(taken), torch.arange(start, start + taken)] = 1
-            parts.append((site.forward(x, chunk.reshape(out_channels, *w.shape[1:])) - base)[:, :taken])
-        patches = torch.cat(parts, dim=1)
-    return patches.movedim(1, -1).reshape(-1, columns)
+        for start in range(0, columns, per_group):
+            # in every group, rows start.. of the identity (never the whole [I, I] identity: a
+            # 13824-input conv's would be 0.7 GiB at every batch)
+            taken = min(per_group, columns - start)
+            chunk = torch.zeros(groups, per_group, columns, dtype=w.dtype)
+            chunk[:, torch.arange(taken), torch.arange(start, start + taken)] = 1
+            read = site.forward(x, chunk.reshape(out_channels, *w.shape[1:])) - base
+            parts.append(read.reshape(read.shape[0], groups, per_group, *read.shape[2:])[:, :, :taken])
+        patches = torch.cat(parts, dim=2)  # [N, G, I, *positions]
+    patches = patches.movedim(2, -1).movedim(1, 0).reshape(groups, -1, columns)
+    return patches[0] if groups == 1 else patches
 
 
 #: where :class:`LayerHessian` shrinks ``H`` toward its diagonal (:func:`shrunk_toward_diagonal`)
@@ -248,7 +260,8 @@ class LayerHessian:
             self.sums.accumulator = None
             return
         if self.sums.accumulator is None:
-            self.sums.accumulator = HessianAccumulator(self.columns)
+            groups = rows.shape[0] if rows.dim() == 3 else None
+            self.sums.accumulator = HessianAccumulator(self.columns, groups)
         self.sums.accumulator.add(rows)
 
     @property
@@ -271,7 +284,7 @@ class LayerHessian:
             return None
         if not self.shrinks:
             return hessian.mean()
-        return shrunk_toward_diagonal(hessian.mean(), float(hessian.fourth), hessian.rows)[0]
+        return shrunk_toward_diagonal(hessian.mean(), hessian.fourth, hessian.rows)[0]
 
     def state(self) -> dict[str, Any]:
         """This rank's sums (a follower's are its leader's, merged there: it sends none)."""
@@ -294,7 +307,7 @@ class LayerHessian:
         total = None if sums.unsupported else sum_in_order([s["sum"] for s in states])
         sums.accumulator = None
         if total is not None:
-            merged = HessianAccumulator(self.columns)
+            merged = HessianAccumulator(self.columns, total.shape[0] if total.dim() == 3 else None)
             merged.sum = total.to(torch.float64)
             fourth = sum_in_order([s["fourth"] for s in states])
             if fourth is not None:  # every rank with a sum has one
@@ -400,10 +413,15 @@ def site_encoder(matrix: SiteMatrix, grid: WeightGrid) -> Encoder:
 
 
 def hessian_of(collected: Any, matrix: SiteMatrix) -> torch.Tensor | None:
-    """The collected Hessian if it fits the matrix (None: no data, keep the default)."""
-    if not isinstance(collected, torch.Tensor) or collected.shape != (matrix.weight.shape[1],) * 2:
+    """The collected Hessian if it fits the matrix, ``[I, I]`` or one per row block ``[G, I, I]``
+    (None: no data, keep the default)."""
+    if not isinstance(collected, torch.Tensor) or collected.dim() not in (2, 3):
         return None
-    if not float(torch.diagonal(collected).sum()) > 0:  # only zeros reached it (an initial state)
+    out, inputs = matrix.weight.shape
+    if collected.shape[-2:] != (inputs, inputs) or (collected.dim() == 3 and out % collected.shape[0]):
+        return None
+    # only zeros reached it (an initial state)
+    if not float(torch.diagonal(collected, dim1=-2, dim2=-1).sum()) > 0:
         return None
     return collected
 

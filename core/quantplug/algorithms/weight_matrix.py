@@ -9,6 +9,11 @@ quantized ``Ŵ`` by the layer's output error on calibration data:
 where ``H = sum x x^T`` is accumulated batch by batch (:class:`HessianAccumulator`). So no
 algorithm here keeps calibration samples: ``H`` is ``I x I`` whatever the data set's size.
 
+A grouped convolution (depthwise: one group per channel) is ``G`` such layers side by side: the
+``O / G`` rows of group ``g`` multiply only that group's input patches, so its ``H`` is a stack
+``[G, I, I]``, row block ``g`` weighed by ``H[g]`` (:func:`rows_times`). Rows never interact in
+these losses, so each block's choice is exactly that of a layer of its own.
+
 Scales and zero points arrive expanded to the matrix (one value per weight), so the same code
 serves per-tensor, per-channel and per-block (groupwise, LPBQ) grids; :func:`column_groups` is the
 one place that says which columns share a scale.
@@ -60,8 +65,21 @@ def fake_quantize(
     return dequantize_codes(quantize_codes(w, scale, zero_point, grid), scale, zero_point)
 
 
+def rows_times(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``rows @ matrix`` where ``matrix`` is one ``[J, K]`` for every row, or a stack ``[G, J, K]``:
+    then the rows are ``G`` equal consecutive blocks, block ``g`` multiplied by ``matrix[g]`` (a
+    grouped convolution's row blocks and their Hessians)."""
+    if matrix.dim() == 2:
+        return rows @ matrix
+    groups = matrix.shape[0]
+    if rows.shape[0] % groups:
+        raise AnnotationError(f"{rows.shape[0]} rows do not split into {groups} equal row blocks")
+    return (rows.reshape(groups, -1, rows.shape[1]) @ matrix).reshape(rows.shape[0], matrix.shape[2])
+
+
 def hessian_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch.Tensor:
-    """``L`` ``[I, k]`` (float64) with ``L L^T = H``, up to eigenvalues below ``relative_floor * max``.
+    """``L`` ``[I, k]`` (float64) with ``L L^T = H``, up to eigenvalues below ``relative_floor * max``;
+    for a stack ``[G, I, I]``, the stack of each one's factor, zero columns padding them to one ``k``.
 
     Calibration sets smaller than a layer's input width give a low-rank ``H``; dropping its null
     space makes every product with ``L`` ``k / I`` as costly as one with ``H``, with the same loss
@@ -73,6 +91,10 @@ def hessian_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch
     SqueezeNet's and ResNet-18's convolutions). Should it still fail, the SVD of the symmetric
     ``H`` gives the same factor.
     """
+    if hessian.dim() == 3:
+        factors = [hessian_factor(h, relative_floor) for h in hessian]
+        width = max(f.shape[1] for f in factors)
+        return torch.stack([torch.nn.functional.pad(f, (0, width - f.shape[1])) for f in factors])
     h = hessian.detach().to(torch.float64)
     live = torch.diagonal(h) > 0
     sub = h[live][:, live]
@@ -89,8 +111,9 @@ def hessian_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch
 
 
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
-    """Per-row output error ``d_o^T H d_o`` of a weight error ``delta`` ``[O, I]``."""
-    return ((delta @ hessian) * delta).sum(dim=1)
+    """Per-row output error ``d_o^T H d_o`` of a weight error ``delta`` ``[O, I]`` (``H``: one
+    ``[I, I]``, or a stack of ``[I, I]`` for the row blocks of a grouped layer, :func:`rows_times`)."""
+    return (rows_times(delta, hessian) * delta).sum(dim=1)
 
 
 def to_matrix(weight: torch.Tensor, axis: int = 0) -> torch.Tensor:
@@ -153,33 +176,50 @@ class HessianAccumulator:
 
     ``add`` takes the rows a batch contributes (``[N, I]``, linear inputs flattened over leading
     dims or a conv's unfolded patches), so memory stays ``I x I`` whatever the data set's size.
+    With ``groups`` (a grouped convolution) it takes ``[G, N, I]``, each group's patches at the
+    same ``N`` positions, and sums a stack ``[G, I, I]``.
     """
 
-    def __init__(self, columns: int) -> None:
+    def __init__(self, columns: int, groups: int | None = None) -> None:
         self.columns = int(columns)
-        self.sum = torch.zeros(self.columns, self.columns, dtype=torch.float64)
+        self.groups = groups
+        stack = () if groups is None else (int(groups),)
+        self.sum = torch.zeros(*stack, self.columns, self.columns, dtype=torch.float64)
         self.rows = 0
         #: ``sum_k sum_{i != j} x_ki^2 x_kj^2``: how much ``H``'s off-diagonal terms vary from row
-        #: to row, which is what :func:`shrunk_toward_diagonal` needs (one number, not ``I^2``)
-        self.fourth = torch.zeros((), dtype=torch.float64)
+        #: to row, which is what :func:`shrunk_toward_diagonal` needs (one number per ``H``)
+        self.fourth = torch.zeros(stack, dtype=torch.float64)
 
     def add(self, rows: torch.Tensor) -> None:
-        x = rows.detach().reshape(-1, self.columns).to(torch.float64)
-        finite = torch.isfinite(x).all(dim=1)
-        if not bool(finite.all()):  # a masked/broken row says nothing about this layer's inputs
-            x = x[finite]
-        self.sum.addmm_(x.T, x)
+        if self.groups is None:
+            x = rows.detach().reshape(-1, self.columns).to(torch.float64)
+            finite = torch.isfinite(x).all(dim=1)
+            if not bool(finite.all()):  # a masked/broken row says nothing about this layer's inputs
+                x = x[finite]
+            self.sum.addmm_(x.T, x)
+            squares = x * x
+            self.fourth += (squares.sum(dim=1).square() - squares.square().sum(dim=1)).sum()
+            self.rows += int(x.shape[0])
+            return
+        x = rows.detach().reshape(self.groups, -1, self.columns).to(torch.float64)
+        finite = torch.isfinite(x).all(dim=2).all(dim=0)  # a position broken in any group goes
+        if not bool(finite.all()):
+            x = x[:, finite]
+        self.sum.baddbmm_(x.transpose(1, 2), x)
         squares = x * x
-        self.fourth += (squares.sum(dim=1).square() - squares.square().sum(dim=1)).sum()
-        self.rows += int(x.shape[0])
+        self.fourth += (squares.sum(dim=2).square() - squares.square().sum(dim=2)).sum(dim=1)
+        self.rows += int(x.shape[1])
 
     def mean(self) -> torch.Tensor:
         """``H / N`` as float64 (what the algorithms' losses are normalised by)."""
         return self.sum / max(self.rows, 1)
 
 
-def shrunk_toward_diagonal(mean: torch.Tensor, fourth: float, rows: int) -> tuple[torch.Tensor, float]:
-    """The mean ``x x^T`` shrunk toward its own diagonal, and the shrinkage intensity in [0, 1].
+def shrunk_toward_diagonal(
+    mean: torch.Tensor, fourth: float | torch.Tensor, rows: int
+) -> tuple[torch.Tensor, float]:
+    """The mean ``x x^T`` shrunk toward its own diagonal, and the shrinkage intensity in [0, 1]
+    (a stack ``[G, I, I]``: each shrunk with its own ``fourth``; the largest intensity).
 
     ``(1 - d) * S + d * diag(S)`` with Ledoit and Wolf's estimate of the intensity that makes it
     the closest (in expected Frobenius norm) to the mean over all data, as Schaefer and Strimmer
@@ -195,6 +235,12 @@ def shrunk_toward_diagonal(mean: torch.Tensor, fourth: float, rows: int) -> tupl
     """
     if rows < 2:
         return mean, 0.0
+    if mean.dim() == 3:  # a grouped layer: each group's H on its own evidence
+        shrunk = [
+            shrunk_toward_diagonal(m, float(f), rows)
+            for m, f in zip(mean, torch.as_tensor(fourth).reshape(-1))
+        ]
+        return torch.stack([h for h, _ in shrunk]), max(d for _, d in shrunk)
     off = mean.clone()  # then in place: I x I float64 can be gigabytes (fewer copies at once)
     off.diagonal().zero_()
     squared = float(off.square().sum())
@@ -212,6 +258,8 @@ def dampened(hessian: torch.Tensor, relative: float) -> torch.Tensor:
     cannot change the output on the data, so it gets a unit diagonal (any choice is equally good)
     and the matrix stays positive definite for the Cholesky factorisations.
     """
+    if hessian.dim() == 3:
+        return torch.stack([dampened(h, relative) for h in hessian])
     h = hessian.clone()
     diag = torch.diagonal(h)
     dead = diag <= 0
