@@ -58,7 +58,7 @@ class LayerBounds(Algorithm):
         self._seq_mse = SeqMSE()
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
-        return LayerHessian(site) if layer_kind(site) is not None else None
+        return LayerHessian(site, grouped=True) if layer_kind(site) is not None else None
 
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
@@ -82,8 +82,8 @@ class LayerBounds(Algorithm):
             if choice is not None and choice.scale is not None:
                 zp = grid.zero_point if choice.zero_point is None else choice.zero_point
                 clip = min(rtn, loss(grid.with_encoding(choice.scale, zp)))
-        live = torch.diagonal(h) > 0  # inputs no sample reached: no error there to feed back
-        eig = torch.linalg.eigvalsh(dampened(h[live][:, live], 0.01)).clamp(min=1e-30)
+        # a grouped convolution's H is block-diagonal: its eigenvalues are its groups'
+        eig = torch.cat([_eigenvalues(block) for block in (h if h.dim() == 3 else h.unsqueeze(0))])
         am_gm = float(eig.mean()) / math.exp(float(eig.log().mean()))
         self.rows.append(
             {
@@ -95,6 +95,11 @@ class LayerBounds(Algorithm):
             }
         )
         return None
+
+
+def _eigenvalues(h: torch.Tensor) -> torch.Tensor:
+    live = torch.diagonal(h) > 0  # inputs no sample reached: no error there to feed back
+    return torch.linalg.eigvalsh(dampened(h[live][:, live], 0.01)).clamp(min=1e-30)
 
 
 def bounds(name: str, config: str) -> dict[str, Any]:

@@ -612,8 +612,9 @@ def test_a_stack_of_hessians_is_each_row_block_on_its_own(
     seed: int, blocks: int, rows: int, cols: int, granularity: str, grid: IntegerGrid, act_order: bool
 ) -> None:
     """A grouped convolution's row blocks each have their own ``H`` (``[G, I, I]``): the output
-    error, GPTQ's codes, SeqMSE's encoding and GPTQ's scale search on the stack are what each
-    block gets alone, side by side (the losses up to float summation order)."""
+    error and GPTQ's codes on the stack are what each block gets alone, side by side; so are
+    SeqMSE's encoding and GPTQ's scale search where SeqMSE's layer-wide fallback to the default
+    does not join the blocks (losses up to float summation order)."""
     w, h = stacked_problem(seed, blocks, rows, cols)
     groups = (1, cols) if granularity == "channel" else (1, 4)
     symmetric = grid.quant_min < 0
@@ -631,22 +632,32 @@ def test_a_stack_of_hessians_is_each_row_block_on_its_own(
     assert torch.equal(codes.codes, torch.cat([a.codes for a in alone]))
     assert close(codes.loss, [a.loss for a in alone])
     encode = encoder(grid, groups)
-    chosen = seq_mse_encoding(w, h, encode, grid, groups, symmetric=symmetric, candidates=6)
+    chosen = seq_mse_encoding(w, h, encode, grid, groups, symmetric=symmetric, candidates=4)
     each = [
-        seq_mse_encoding(w[r], h[b], encode, grid, groups, symmetric=symmetric, candidates=6)
+        seq_mse_encoding(w[r], h[b], encode, grid, groups, symmetric=symmetric, candidates=4)
         for b, r in enumerate(spans)
     ]
-    assert close(chosen.loss, [e.loss for e in each])
+    assert close(chosen.default_loss, [e.default_loss for e in each])
+    assert chosen.loss <= chosen.default_loss
+    # SeqMSE keeps a layer's mixed choice only where it beats the default as a whole, so the
+    # blocks agree with the layer where each block's own mix beats its own default (the scale
+    # search tries SeqMSE's choice at the same candidates as a candidate of its own)
+    separable = all(e.loss < e.default_loss for e in each)
+    if separable:
+        assert close(chosen.loss, [e.loss for e in each])
     searched = gptq_scale_search(
         w, h, encode, grid, groups, symmetric=symmetric, candidates=4, act_order=act_order
     )
-    apart = [
-        gptq_scale_search(
-            w[r], h[b], encode, grid, groups, symmetric=symmetric, candidates=4, act_order=act_order
-        )
-        for b, r in enumerate(spans)
-    ]
-    assert close(searched.loss, [a.loss for a in apart])
+    on_default = float(output_error(w - dequantize_codes(codes.codes, s, z), h).sum())
+    assert searched.loss <= on_default * (1 + 1e-12) + 1e-15  # fraction 1 is a candidate
+    if separable:
+        apart = [
+            gptq_scale_search(
+                w[r], h[b], encode, grid, groups, symmetric=symmetric, candidates=4, act_order=act_order
+            )
+            for b, r in enumerate(spans)
+        ]
+        assert close(searched.loss, [a.loss for a in apart])
 
 
 @FAST

@@ -31,11 +31,17 @@ from tests.distributed.worker import SampleRows, Unmergeable, _algo_prepare, alg
 # --- sums: any split, merged in rank order, is the collector fed every batch ------------------
 
 
-def _site(conv: bool) -> WeightSite:
+def _site(conv: bool, groups: int = 1) -> WeightSite:
     if conv:
-        weight = torch.zeros(4, 3, 3, 3)
+        weight = torch.zeros(6, 6 // groups, 3, 3)
         return WeightSite(
-            "w", "conv", "aten.conv2d.default", weight, None, 0, _call=lambda x, w: F.conv2d(x, w)
+            "w",
+            "conv",
+            "aten.conv2d.default",
+            weight,
+            None,
+            0,
+            _call=lambda x, w: F.conv2d(x, w, groups=groups),
         )
     weight = torch.zeros(4, 5)
     return WeightSite(
@@ -47,6 +53,7 @@ def _collectors(kind: str) -> Any:
     return {
         "hessian": lambda: LayerHessian(_site(False)),
         "conv_hessian": lambda: LayerHessian(_site(True)),
+        "conv_grouped_hessian": lambda: LayerHessian(_site(True, groups=3), "all", grouped=True),  # [3, I, I]
         "shrunk_hessian": lambda: LayerHessian(_site(False), "all"),  # the fourth moments merge too
         "gram": Gram,
         "mean": lambda: RunningMean(conv=False),
@@ -56,13 +63,15 @@ def _collectors(kind: str) -> Any:
 
 def _batch(kind: str, i: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(i)
-    shape = (2, 3, 6, 6) if kind.startswith("conv") else (2, 3, 5)
+    shape = (2, 6, 6, 6) if kind.startswith("conv") else (2, 3, 5)
     return torch.randint(-8, 9, shape, generator=g).to(torch.float32)  # small integers: exact sums
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    st.sampled_from(["hessian", "conv_hessian", "shrunk_hessian", "gram", "mean", "conv_mean"]),
+    st.sampled_from(
+        ["hessian", "conv_hessian", "conv_grouped_hessian", "shrunk_hessian", "gram", "mean", "conv_mean"]
+    ),
     st.integers(1, 9),
     st.integers(1, 4),
     st.randoms(use_true_random=False),

@@ -276,7 +276,7 @@ class AdaRound(Algorithm):
         if not collects_hessian(site, self.name):
             return None
         self._sites.add(site.name)
-        return LayerHessian(site)
+        return LayerHessian(site, grouped=True)
 
     def _layer_budget(self, site: WeightSite) -> float | None:
         if not self.time_budget:

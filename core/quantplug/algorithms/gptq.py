@@ -421,7 +421,7 @@ class GPTQ(Algorithm):
     def collector(self, site: WeightSite) -> LayerHessian | None:
         if not collects_hessian(site, self.name):
             return None
-        self._hessians[site.name] = collector = LayerHessian(site, self.shrinkage)
+        self._hessians[site.name] = collector = LayerHessian(site, self.shrinkage, grouped=True)
         return collector
 
     def _searches(self, site: WeightSite, collected: Any) -> bool:

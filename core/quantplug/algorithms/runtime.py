@@ -459,10 +459,11 @@ def _share_hessians(
 
 def _rows_key(site: WeightSite, nodes: dict[str, Node], collector: LayerHessian) -> Hashable:
     """Which rows ``collector`` sums: a linear's input node and width, a convolution's own layer
-    (its patches depend on its stride and padding). Equal keys, equal sums."""
+    (its patches depend on its stride and padding) and whether it sums a grouped one's stack.
+    Equal keys, equal sums."""
     if collector.kind == "linear" and site.input_index is not None:
         return ("linear", str(nodes[site.node].args[site.input_index]), collector.columns)
-    return ("site", site.name, site.group)
+    return ("site", site.name, site.group, collector.grouped)
 
 
 def is_tap(node: Node) -> bool:

@@ -289,7 +289,7 @@ class SeqMSE(Algorithm):
         self.data_free: bool = values["data_free"]
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
-        return LayerHessian(site) if collects_hessian(site, self.name) else None
+        return LayerHessian(site, grouped=True) if collects_hessian(site, self.name) else None
 
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any

@@ -212,9 +212,14 @@ class LayerHessian:
     Collectors of the same rows (several algorithms on one layer, or linears reading one input:
     a transformer's query, key and value) need not each hold ``[I, I]``: :meth:`follow` makes one
     read another's sums (:func:`share_hessians`), each keeping its own shrinkage.
+
+    ``grouped``: a grouped convolution's collector sums one ``H`` per group, a stack ``[G, I, I]``
+    (:func:`conv_patches`), which its algorithm must take (:func:`~.weight_matrix.rows_times`:
+    SeqMSE, AdaRound and GPTQ do). Off by default, so an algorithm written for ``[I, I]`` gets
+    None for such a layer, as before stacks existed.
     """
 
-    def __init__(self, site: WeightSite, shrinkage: str = "off") -> None:
+    def __init__(self, site: WeightSite, shrinkage: str = "off", grouped: bool = False) -> None:
         if shrinkage not in SHRINKAGE_CHOICES:
             raise OptionError(
                 f"LayerHessian's shrinkage must be one of {SHRINKAGE_CHOICES}, got {shrinkage!r}"
@@ -223,6 +228,7 @@ class LayerHessian:
         self.shrinkage = shrinkage
         self.kind = layer_kind(site)
         self.columns = site.weight[0].numel()
+        self.grouped = grouped
         self.sums = HessianSums()
         #: whether this collector sums its rows (else it reads a leader's: :meth:`follow`)
         self.leads = True
@@ -231,10 +237,12 @@ class LayerHessian:
         """Read ``leader``'s sums from now on instead of summing the same rows again: the caller
         feeds both the same inputs (so the sums are the same), and only the leader is fed,
         merged across processes and counted in memory."""
-        if not leader.leads or leader is self or (leader.kind, leader.columns) != (self.kind, self.columns):
+        mine, theirs = (self.kind, self.columns, self.grouped), (leader.kind, leader.columns, leader.grouped)
+        if not leader.leads or leader is self or mine != theirs:
             raise AlgorithmError(
-                f"the Hessian of {self.site.label} ({self.kind}, {self.columns} inputs) cannot read "
-                f"that of {leader.site.label} ({leader.kind}, {leader.columns} inputs"
+                f"the Hessian of {self.site.label} ({self.kind}, {self.columns} inputs, grouped="
+                f"{self.grouped}) cannot read that of {leader.site.label} ({leader.kind}, "
+                f"{leader.columns} inputs, grouped={leader.grouped}"
                 f"{'' if leader.leads else ', itself a follower'})"
             )
         self.sums = leader.sums
@@ -255,6 +263,8 @@ class LayerHessian:
             rows: torch.Tensor | None = x.reshape(-1, x.shape[-1]) if x.shape[-1] == self.columns else None
         else:
             rows = conv_patches(self.site, x)
+            if rows is not None and rows.dim() == 3 and not self.grouped:
+                rows = None  # a stack of H its algorithm did not ask for
         if rows is None:
             self.sums.unsupported = True
             self.sums.accumulator = None
