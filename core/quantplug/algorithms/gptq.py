@@ -107,13 +107,11 @@ def column_order(hessian: torch.Tensor, act_order: bool) -> torch.Tensor | None:
 
 def _factor(hessian: torch.Tensor, damp: float, order: torch.Tensor | None) -> torch.Tensor:
     if hessian.dim() == 3:  # a grouped layer: one factor per row block
-        return torch.stack([_factor(h, damp, None if order is None else o) for h, o in _with(hessian, order)])
+        return torch.stack(
+            [_factor(h, damp, None if order is None else order[g]) for g, h in enumerate(hessian)]
+        )
     h = hessian if order is None else hessian[order][:, order]
     return inverse_hessian_factor(h, damp)
-
-
-def _with(stack: torch.Tensor, order: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    return [(item, None if order is None else order[g]) for g, item in enumerate(stack)]
 
 
 def _gptq_rows(
