@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quantplug.algorithms.gptq as gptq_module
+import quantplug.algorithms.seq_mse as seq_mse_module
 from quantplug.algorithms.adaround import AdaroundSchedule, adaround_codes, rectified_sigmoid
 from quantplug.algorithms.gptq import gptq_codes, gptq_scale_search
 from quantplug.algorithms.seq_mse import (
@@ -20,6 +21,7 @@ from quantplug.algorithms.seq_mse import (
     candidate_fractions,
     candidate_weight,
     expand_groups,
+    factor_group_losses,
     group_loss_function,
     group_losses,
     group_view,
@@ -34,6 +36,7 @@ from quantplug.algorithms.weight_matrix import (
     fake_quantize,
     from_matrix,
     hessian_factor,
+    low_rank_factor,
     output_error,
     quantize_codes,
     shrunk_toward_diagonal,
@@ -699,3 +702,52 @@ def test_a_grouped_accumulator_sums_each_groups_rows() -> None:
         torch.testing.assert_close(
             shrunk, shrunk_toward_diagonal(alone.mean(), float(alone.fourth), alone.rows)[0]
         )
+
+
+def wide_few_rows(seed: int, inputs: int, rows: int) -> torch.Tensor:
+    """The mean ``x x^T`` of ``rows`` correlated samples of ``inputs`` inputs: rank ``rows``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inputs, generator=g, dtype=torch.float64) * torch.rand(
+        inputs, generator=g, dtype=torch.float64
+    )
+    return x.T @ x / rows
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 100), st.sampled_from([(1, 512), (1, 32)]))
+def test_a_low_rank_factor_is_the_hessian_and_gives_its_losses(
+    seed: int, rows: int, groups: tuple[int, int]
+) -> None:
+    """A layer seen on fewer rows than inputs has ``rank(H) <= rows``: the randomized factor
+    (``I^2 k``) reproduces ``H`` and the group losses SeqMSE compares; above ``max_rank`` there is none."""
+    h = wide_few_rows(seed, 512, rows)
+    factor = low_rank_factor(h, 128)
+    assert factor is not None and factor.shape[1] <= rows
+    torch.testing.assert_close(factor @ factor.T, h, rtol=0, atol=1e-9 * float(h.abs().max()))
+    delta = torch.randn(4, 512, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    torch.testing.assert_close(factor_group_losses(delta, factor, groups), group_losses(delta, h, groups))
+    assert low_rank_factor(wide_few_rows(seed, 512, 300), 128) is None  # rank 300 > 128
+
+
+def test_seq_mse_on_a_wide_layer_seen_on_few_rows_chooses_as_with_the_full_hessian() -> None:
+    """The low-rank path (taken where the direct products would cost over LOW_RANK_WORK) makes
+    the same choice, at the same loss."""
+    h = wide_few_rows(0, 512, 40)
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grid = IntegerGrid(-7, 7)
+
+    def run() -> seq_mse_module.SeqMseResult:
+        return seq_mse_encoding(w, h, encoder(grid, (1, 512)), grid, (1, 512), symmetric=True, candidates=20)
+
+    direct = run()
+    before, factor = seq_mse_module.LOW_RANK_WORK, seq_mse_module.low_rank_factor
+    factored: list[int] = []
+    try:
+        seq_mse_module.LOW_RANK_WORK = 0
+        seq_mse_module.low_rank_factor = lambda *a: factored.append(1) or factor(*a)  # type: ignore[assignment]
+        low = run()
+    finally:
+        seq_mse_module.LOW_RANK_WORK, seq_mse_module.low_rank_factor = before, factor
+    assert factored == [1]  # the low-rank path ran
+    assert torch.equal(low.fraction, direct.fraction)
+    assert abs(low.loss - direct.loss) <= 1e-9 * direct.loss

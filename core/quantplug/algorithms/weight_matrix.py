@@ -110,6 +110,45 @@ def hessian_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch
     return factor
 
 
+#: probe columns that check a low-rank factor's range (:func:`low_rank_factor`)
+RANGE_PROBES = 8
+#: how far outside a factor's range ``H`` may reach, relative to ``H`` on the same probes
+RANGE_TOLERANCE = 1e-10
+
+
+def low_rank_factor(hessian: torch.Tensor, max_rank: int, seed: int = 0) -> torch.Tensor | None:
+    """:func:`hessian_factor` at ``I^2 k`` cost instead of ``I^3``, for an ``H`` of rank ``k`` at
+    most ``max_rank``; None when its rank is higher.
+
+    A layer calibrated on ``N`` rows has ``rank(H) <= N``: torchvision's r3d_18 has 13824-input
+    convolutions that see 64 rows, whose eigendecomposition takes minutes and whose SeqMSE
+    losses cost an ``[O, I] x [I, I]`` product per candidate. ``H`` times ``k`` random columns
+    spans its range (a randomized range finder, Halko, Martinsson and Tropp 2011; exact for a
+    matrix of rank ``k`` up to rounding); ``H`` restricted to that range is ``k x k``. Ranks
+    ``64, 128, ...`` are tried up to ``max_rank``; a few more random columns of ``H`` must lie in
+    the range found (:data:`RANGE_TOLERANCE`), else the rank is higher. The random columns come
+    from ``seed``: the same factor on every run.
+    """
+    h = hessian.detach().to(torch.float64)
+    inputs = h.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    rank = 64
+    while rank <= max_rank:
+        probes = torch.randn(inputs, rank + RANGE_PROBES, generator=generator, dtype=torch.float64)
+        reach = h @ probes
+        basis = torch.linalg.qr(reach[:, :rank]).Q
+        check = reach[:, rank:]
+        outside = check - basis @ (basis.T @ check)
+        if float(outside.norm()) <= RANGE_TOLERANCE * float(check.norm()):
+            values, vectors = torch.linalg.eigh(basis.T @ h @ basis)
+            keep = values > 1e-7 * float(values.max().clamp(min=0))
+            if not bool(keep.any()):
+                return torch.zeros(inputs, 1, dtype=torch.float64)
+            return (basis @ vectors[:, keep]) * values[keep].sqrt()
+        rank *= 2
+    return None
+
+
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
     """Per-row output error ``d_o^T H d_o`` of a weight error ``delta`` ``[O, I]`` (``H``: one
     ``[I, I]``, or a stack of ``[I, I]`` for the row blocks of a grouped layer, :func:`rows_times`)."""
