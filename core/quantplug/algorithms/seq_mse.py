@@ -151,6 +151,22 @@ def candidate_weight(
     return torch.where(wide > 1, weight * wide, clip_to(weight, fraction, groups, symmetric))
 
 
+#: multiply-adds of a layer's direct losses (evaluations x ``[O, I] x [I, I]``) above which a
+#: low-rank ``H`` is factored at ``I^2 k`` first (:func:`~.weight_matrix.low_rank_factor`):
+#: torchvision's r3d_18, 13824 inputs seen on 64 rows, spent half an hour in those products
+LOW_RANK_WORK = 10**12
+
+
+def factor_group_losses(delta: torch.Tensor, factor: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
+    """:func:`group_losses` with ``H = L L^T`` given as ``L`` ``[I, k]``: a scale group's diagonal
+    block of ``H`` is ``L_j L_j^T`` (``L_j`` its columns' rows of ``L``)."""
+    rows, cols = groups
+    o, i = delta.shape
+    g = i // cols
+    per_row = torch.einsum("ogb,gbk->ogk", delta.reshape(o, g, cols), factor.reshape(g, cols, -1))
+    return per_row.pow(2).sum(dim=2).reshape(o // rows, rows, g).sum(dim=1)
+
+
 def group_loss_function(
     hessian: torch.Tensor, groups: tuple[int, int], shape: torch.Size, evaluations: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -174,22 +190,6 @@ def group_loss_function(
         if low is not None:
             return lambda delta: factor_group_losses(delta, low, groups)
     return lambda delta: group_losses(delta, hessian, groups)
-
-
-#: multiply-adds of a layer's direct losses (evaluations x ``[O, I] x [I, I]``) above which a
-#: low-rank ``H`` is factored at ``I^2 k`` first (:func:`~.weight_matrix.low_rank_factor`):
-#: torchvision's r3d_18, 13824 inputs seen on 64 rows, spent half an hour in those products
-LOW_RANK_WORK = 10**12
-
-
-def factor_group_losses(delta: torch.Tensor, factor: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
-    """:func:`group_losses` with ``H = L L^T`` given as ``L`` ``[I, k]``: a scale group's diagonal
-    block of ``H`` is ``L_j L_j^T`` (``L_j`` its columns' rows of ``L``)."""
-    rows, cols = groups
-    o, i = delta.shape
-    g = i // cols
-    per_row = torch.einsum("ogb,gbk->ogk", delta.reshape(o, g, cols), factor.reshape(g, cols, -1))
-    return per_row.pow(2).sum(dim=2).reshape(o // rows, rows, g).sum(dim=1)
 
 
 def seq_mse_encoding(

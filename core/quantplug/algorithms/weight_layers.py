@@ -145,7 +145,7 @@ def hessian_memory_problem(held: Sequence[tuple[str, str, int]], memory: int | N
     )
 
 
-def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
+def conv_patches(site: WeightSite, x: torch.Tensor, grouped: bool = True) -> torch.Tensor | None:
     """The patches a convolution multiplies its weight with, ``[positions, C * prod(kernel)]``; for
     a grouped convolution, each group's, ``[G, positions, C / G * prod(kernel)]``.
 
@@ -153,7 +153,8 @@ def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
     the weight's rows) reads at every output position, so ``weight.reshape(O, -1) @ patch`` is the
     convolution at that position without bias. The layer itself is run (stride, padding,
     dilation and groups are the op's own): each output channel carries one column of its group's
-    patches, so ``I / (O / G)`` runs read them all. None when the input does not fit the weight.
+    patches, so ``I / (O / G)`` runs read them all. None when the input does not fit the weight,
+    or the convolution is grouped and ``grouped`` is False (nothing is run then).
     """
     w = site.weight
     if x.dim() == w.dim() - 1:  # unbatched input
@@ -162,7 +163,7 @@ def conv_patches(site: WeightSite, x: torch.Tensor) -> torch.Tensor | None:
         return None
     groups = x.shape[1] // w.shape[1]
     out_channels = w.shape[0]
-    if out_channels % groups:
+    if out_channels % groups or (groups > 1 and not grouped):
         return None
     per_group = out_channels // groups
     columns = int(torch.tensor(w.shape[1:]).prod())
@@ -262,9 +263,7 @@ class LayerHessian:
         if self.kind == "linear":
             rows: torch.Tensor | None = x.reshape(-1, x.shape[-1]) if x.shape[-1] == self.columns else None
         else:
-            rows = conv_patches(self.site, x)
-            if rows is not None and rows.dim() == 3 and not self.grouped:
-                rows = None  # a stack of H its algorithm did not ask for
+            rows = conv_patches(self.site, x, self.grouped)
         if rows is None:
             self.sums.unsupported = True
             self.sums.accumulator = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantplug.errors import AnnotationError
+from quantplug.errors import AlgorithmError, AnnotationError
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def rows_times(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
         return rows @ matrix
     groups = matrix.shape[0]
     if rows.shape[0] % groups:
-        raise AnnotationError(f"{rows.shape[0]} rows do not split into {groups} equal row blocks")
+        raise AlgorithmError(f"{rows.shape[0]} rows do not split into {groups} equal row blocks")
     return (rows.reshape(groups, -1, rows.shape[1]) @ matrix).reshape(rows.shape[0], matrix.shape[2])
 
 
@@ -230,23 +230,17 @@ class HessianAccumulator:
         self.fourth = torch.zeros(stack, dtype=torch.float64)
 
     def add(self, rows: torch.Tensor) -> None:
-        if self.groups is None:
-            x = rows.detach().reshape(-1, self.columns).to(torch.float64)
-            finite = torch.isfinite(x).all(dim=1)
-            if not bool(finite.all()):  # a masked/broken row says nothing about this layer's inputs
-                x = x[finite]
-            self.sum.addmm_(x.T, x)
-            squares = x * x
-            self.fourth += (squares.sum(dim=1).square() - squares.square().sum(dim=1)).sum()
-            self.rows += int(x.shape[0])
-            return
-        x = rows.detach().reshape(self.groups, -1, self.columns).to(torch.float64)
+        x = rows.detach().reshape(self.groups or 1, -1, self.columns).to(torch.float64)
         finite = torch.isfinite(x).all(dim=2).all(dim=0)  # a position broken in any group goes
-        if not bool(finite.all()):
+        if not bool(finite.all()):  # a masked/broken row says nothing about this layer's inputs
             x = x[:, finite]
-        self.sum.baddbmm_(x.transpose(1, 2), x)
+        if self.groups is None:
+            self.sum.addmm_(x[0].T, x[0])
+        else:
+            self.sum.baddbmm_(x.transpose(1, 2), x)
         squares = x * x
-        self.fourth += (squares.sum(dim=2).square() - squares.square().sum(dim=2)).sum(dim=1)
+        fourth = (squares.sum(dim=2).square() - squares.square().sum(dim=2)).sum(dim=1)
+        self.fourth += fourth if self.groups is not None else fourth[0]
         self.rows += int(x.shape[1])
 
     def mean(self) -> torch.Tensor:

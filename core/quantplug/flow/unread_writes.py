@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from quantplug.quantizer.mutation import written_args
+
 aten = torch.ops.aten
 
 #: ops whose output is a new tensor that aliases nothing the caller can see
@@ -42,31 +44,20 @@ FRESH_ALLOCATIONS = frozenset(
 )
 
 
-def _writes_only_its_first_argument(node: Node) -> bool:
-    """An aten op that mutates its first argument (``copy_``, ``fill_``, ``add_``...) and nothing else."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.arguments:
-        return False
-    written = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
-    return written[0] and not any(written[1:])
-
-
-def _unread_allocation(node: Node) -> Node | None:
-    """The fresh allocation ``node`` writes into, when nothing reads it but such writes."""
+def _writes_an_unread_allocation(node: Node) -> bool:
+    """``node`` writes only its first argument, a fresh allocation nothing but such unused writes reads."""
     target = node.args[0] if node.args else None
-    if not isinstance(target, Node) or target.op != "call_function" or target.target not in FRESH_ALLOCATIONS:
-        return None
-    for user in target.users:
-        if user.users or not _writes_only_its_first_argument(user) or user.args[0] is not target:
-            return None
-    return target
+    if written_args(node) != [target] or not isinstance(target, Node):
+        return False
+    if target.op != "call_function" or target.target not in FRESH_ALLOCATIONS:
+        return False
+    return all(not user.users and written_args(user) == [target] for user in target.users)
 
 
 def drop_unread_writes(gm: GraphModule) -> int:
     """Erase in-place writes nothing can see, the allocations they wrote and what only they read;
     returns how many writes went. The program's outputs are unchanged by construction."""
-    writes = [n for n in gm.graph.nodes if not n.users and _writes_only_its_first_argument(n)]
-    writes = [n for n in writes if _unread_allocation(n) is not None]
+    writes = [n for n in gm.graph.nodes if not n.users and _writes_an_unread_allocation(n)]
     for node in writes:
         gm.graph.erase_node(node)
     if writes:

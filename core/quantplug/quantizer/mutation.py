@@ -29,7 +29,7 @@ def writes_in_place(node: Node) -> bool:
     return node.op == "call_function" and schema is not None and schema.is_mutable
 
 
-def _written_args(node: Node) -> list[Node]:
+def written_args(node: Node) -> list[Node]:
     """The node arguments an op writes (``Tensor(a!)`` in its schema)."""
     if not writes_in_place(node):
         return []
@@ -79,7 +79,7 @@ def mutated_aliases(graph: Graph) -> dict[Node, str]:
     order = {node: i for i, node in enumerate(graph.nodes)}
     reasons: dict[Node, str] = {}
     for node in graph.nodes:
-        for written in _written_args(node):
+        for written in written_args(node):
             base = _base(written)
             if base.op != "call_function":
                 continue
