@@ -23,7 +23,7 @@ from quantplug import (
     register_annotator,
 )
 from quantplug.observers.minmax import MinMaxObserver
-from quantplug_reference.configs import full_int8_range
+from quantplug_reference.configs import EPS, full_int8_range
 from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 from quantplug_reference.rules.fusion import has_fused_activation
 
@@ -80,7 +80,7 @@ def transposed_config(node: Node, config: QuantizationConfig) -> QuantizationCon
             weight,
             qscheme=torch.per_tensor_symmetric,
             ch_axis=None,
-            observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12),
+            observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=EPS),
         )
     bias = None if config.bias is None else (lambda n: derived_bias_spec(n, weight_spec=spec))
     return dataclasses.replace(config, weight=spec, bias=bias)
