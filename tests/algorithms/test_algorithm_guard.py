@@ -404,7 +404,9 @@ def test_the_guard_on_an_lstm_with_a_dynamic_batch_and_nan_samples_left_out() ->
         for b in batches:
             prepared(b)
     converted = quantplug.convert(prepared)
-    assert [label for label, _, _ in prepared.meta[RUN_KEY].guarded.kept_out] == ["head.weight"]
+    # the LSTM's weights are judged too (GPTQ gains little on its independent inputs); the head's
+    # harmful codes must be refused whatever they decide
+    assert "head.weight" in [label for label, _, _ in prepared.meta[RUN_KEY].guarded.kept_out]
     out = converted(torch.randn(11, 6, 8))
     assert out.shape == (11, 6, 4) and bool(torch.isfinite(out).all())
 
@@ -601,6 +603,6 @@ def test_held_out_batches_of_other_sizes_on_an_lstm_with_a_dynamic_batch() -> No
     converted = quantplug.convert(prepared)
     verdicts = prepared.meta[RUN_KEY].guarded
     assert verdicts.judged_on == "held-out"
-    assert [label for label, _, _ in verdicts.kept_out] == ["head.weight"]
+    assert "head.weight" in [label for label, _, _ in verdicts.kept_out]
     out = converted(torch.randn(11, 6, 8))
     assert out.shape == (11, 6, 4) and bool(torch.isfinite(out).all())

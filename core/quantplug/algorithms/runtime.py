@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 
@@ -35,6 +36,7 @@ from quantplug.algorithms.guard import (
     output_tensors,
     quantized_error,
 )
+from quantplug.algorithms.recurrent import RecurrentLayout, RecurrentRole, recurrent_layout
 from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
 from quantplug.algorithms.weight_layers import LayerHessian, hessian_memory_problem, share_hessians
@@ -236,6 +238,28 @@ class Tap(nn.Module):
                 collector.update(value)
 
 
+class RecurrentTap(nn.Module):
+    """Feeds the :class:`Tap` of each weight of one recurrent op (called with the op's arguments):
+    the rows each weight multiplies, computed by re-running the op layer by layer
+    (:mod:`quantplug.algorithms.recurrent`). The taps it feeds are the container's own children
+    (what :func:`taps` finds, merges and counts), referenced here, not owned."""
+
+    def __init__(self, layout: RecurrentLayout, fed: Sequence[tuple[RecurrentRole, Tap]]) -> None:
+        super().__init__()
+        self.layout = layout
+        self.fed = list(fed)
+
+    def forward(self, *args: Any) -> None:
+        rows = self.layout.layer_inputs(args, {role for role, _ in self.fed})
+        for role, tap in self.fed:
+            if role in rows:
+                tap(rows[role])
+
+
+#: a recurrent op's layout and the taps of its weights, by role
+RecurrentFeeds = tuple[RecurrentLayout, list[tuple[RecurrentRole, Tap]]]
+
+
 @dataclass
 class AlgorithmRun:
     """What convert needs from prepare: the algorithms and, per weight site, their collectors."""
@@ -299,13 +323,44 @@ def _weight_call(
     return _layer_call(gm, node) if weight_index == 1 else None
 
 
+def _constant(gm: GraphModule, node: Any) -> tuple[str | None, torch.Tensor | None]:
+    if isinstance(node, Node) and node.op == "get_attr":
+        return str(node.target), fetch_attr(gm, str(node.target))
+    return None, None
+
+
 def _bias_of(gm: GraphModule, node: Node) -> tuple[str | None, torch.Tensor | None]:
     if str(node.target) not in LAYER_OPS or len(node.args) < 3:
         return None, None
-    bias = node.args[2]
-    if isinstance(bias, Node) and bias.op == "get_attr":
-        return str(bias.target), fetch_attr(gm, str(bias.target))
-    return None, None
+    return _constant(gm, node.args[2])
+
+
+@dataclass(frozen=True)
+class _RecurrentWeight:
+    """A recurrent op's ``w_ih``/``w_hh`` as a linear layer over rows the op computes inside."""
+
+    layout: RecurrentLayout
+    role: RecurrentRole
+    bias_target: str | None
+    bias: torch.Tensor | None
+
+    def call(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def _recurrent_weight(gm: GraphModule, node: Node, weight: Node) -> _RecurrentWeight | None:
+    """``weight`` as a linear layer of the recurrent op ``node`` (its ``w_ih``/``w_hh``), else None."""
+    layout = recurrent_layout(node)
+    if layout is None:
+        return None
+    params = list(node.args[2])  # type: ignore[arg-type]
+    index = next((i for i, p in enumerate(params) if p is weight), None)
+    role = None if index is None else layout.role(index)
+    if role is None:
+        return None
+    bias_index = layout.bias_index(role)
+    bias_target, bias = (None, None) if bias_index is None else _constant(gm, params[bias_index])
+    return _RecurrentWeight(layout, role, bias_target, None if bias is None else bias.detach())
 
 
 @dataclass(frozen=True)
@@ -313,6 +368,8 @@ class _SiteRef:
     site: WeightSite
     weight_node: str
     bias_target: str | None
+    #: set for a recurrent op's weight: the tap computes its rows from the op's arguments
+    recurrent: _RecurrentWeight | None = None
 
 
 def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
@@ -341,6 +398,12 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
             layers = ((c, _weight_call(gm, c, nodes[producer])) for c in consumers)
             node, call = next(((c, f) for c, f in layers if f is not None), (consumers[0], None))
             bias_target, bias = _bias_of(gm, node) if call is not None else (None, None)
+            recurrent = None
+            if call is None:
+                cells = ((c, _recurrent_weight(gm, c, nodes[producer])) for c in consumers)
+                node, recurrent = next(((c, r) for c, r in cells if r is not None), (node, None))
+                if recurrent is not None:
+                    call, bias_target, bias = recurrent.call, recurrent.bias_target, recurrent.bias
             target = str(nodes[producer].target)
             others = tuple(str(nodes[p].target) for p in producers if p != producer)
             site = WeightSite(
@@ -351,11 +414,11 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
                 bias=None if bias is None else bias.detach(),
                 group=group.gid,
                 shared_with=others,
-                input_index=0 if call is not None else None,
+                input_index=0 if call is not None and recurrent is None else None,
                 folded_from=folded.get(target),
                 _call=call,
             )
-            result.append(_SiteRef(site, producer, bias_target))
+            result.append(_SiteRef(site, producer, bias_target, recurrent))
     return result
 
 
@@ -383,6 +446,7 @@ def install_collectors(
     gm.add_module(TAPS, container)
     nodes = {n.name: n for n in gm.graph.nodes}
     planned: list[tuple[WeightSite, dict[int, Any]]] = []
+    recurrent: dict[str, _RecurrentWeight] = {}  # weight target -> its role in a recurrent op
     for ref in weight_sites(gm, state):
         wanted: dict[int, Any] = {}
         for index, algorithm in enumerate(algorithms):
@@ -391,9 +455,10 @@ def install_collectors(
             if collector is not None:
                 wanted[index] = collector
         planned.append((ref.site, wanted))
+        if ref.recurrent is not None:
+            recurrent[ref.site.name] = ref.recurrent
     sequential_layers = any(
-        site.input_index is not None and any(is_sequential(algorithms[i]) for i in wanted)
-        for site, wanted in planned
+        site.has_layer and any(is_sequential(algorithms[i]) for i in wanted) for site, wanted in planned
     )
     judged_on_store = (
         guard
@@ -411,21 +476,34 @@ def install_collectors(
             store = gm.graph.call_module(f"{TAPS}.inputs", tuple(user_inputs))
         store.meta["quantplug_algorithm_tap"] = "inputs"
         count += 1
+    cells: dict[str, RecurrentFeeds] = {}  # recurrent op node -> its weights' taps
     for site, wanted in planned:
         if not wanted:
             continue
         run.collectors[(site.name, site.group)] = wanted
         fed = [i for i in wanted if _fed_in_calibration(algorithms[i])]
-        if site.input_index is None or not fed:
+        if not site.has_layer or not fed:
             continue  # no layer input to see (the collectors give their empty result), or fed at convert
         consumer = nodes[site.node]
         name = f"t{count}"
         count += 1
         owners = [algorithm_name(algorithms[i]) for i in fed]
         container.add_module(name, Tap(site.label, [wanted[i] for i in fed], owners, nonfinite))
+        cell = recurrent.get(site.name)
+        if cell is not None:  # fed by the op's RecurrentTap, inserted below
+            cells.setdefault(site.node, (cell.layout, []))[1].append((cell.role, getattr(container, name)))
+            continue
         with gm.graph.inserting_before(consumer):
-            tap = gm.graph.call_module(f"{TAPS}.{name}", (consumer.args[site.input_index],))
+            tap = gm.graph.call_module(f"{TAPS}.{name}", (consumer.args[site.input_index or 0],))
         tap.meta["quantplug_algorithm_tap"] = site.name
+    for node_name, (layout, fed_taps) in cells.items():
+        consumer = nodes[node_name]
+        name = f"r{count}"
+        count += 1
+        container.add_module(name, RecurrentTap(layout, fed_taps))
+        with gm.graph.inserting_before(consumer):
+            tap = gm.graph.call_module(f"{TAPS}.{name}", consumer.args)
+        tap.meta["quantplug_algorithm_tap"] = node_name
     if not count:
         delattr(gm, TAPS)
     return run
@@ -446,7 +524,7 @@ def _share_hessians(
     fed = [
         (algorithm_name(algorithms[i]), collector)
         for site, wanted in planned
-        if site.input_index is not None
+        if site.has_layer
         for i, collector in wanted.items()
         if isinstance(collector, LayerHessian) and _fed_in_calibration(algorithms[i])
     ]
@@ -555,7 +633,7 @@ def choose_weights(
     batches = run.inputs.batches if run.inputs is not None else []
     wants = [
         [i for i in run.collectors.get((ref.site.name, ref.site.group), {}) if i in sequential]
-        if ref.site.input_index is not None
+        if ref.site.has_layer
         else []
         for ref in refs
     ]
@@ -580,8 +658,9 @@ def choose_weights(
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
     nodes = {n.name: n for n in prepared.graph.nodes}
     for stage in order:
-        feeds: dict[str, list[Callable[[torch.Tensor], None]]] = {}
+        feeds: dict[str, list[Callable[[Sequence[Any]], None]]] = {}
         sequential_taps = []
+        cells: dict[str, RecurrentFeeds] = {}
         made_at: dict[int, dict[int, Any]] = {}  # site index -> {algorithm index: collector}
         for k in stage:
             asked = {i: run.algorithms[i].collector(refs[k].site) for i in wants[k]}
@@ -599,7 +678,13 @@ def choose_weights(
                 owners = [algorithm_name(run.algorithms[i]) for i in made]
                 tap = Tap(refs[k].site.label, list(made.values()), owners, run.nonfinite)
                 sequential_taps.append(tap)
-                feeds.setdefault(refs[k].site.node, []).append(tap.forward)
+                cell = refs[k].recurrent
+                if cell is not None:
+                    cells.setdefault(refs[k].site.node, (cell.layout, []))[1].append((cell.role, tap))
+                else:
+                    feeds.setdefault(refs[k].site.node, []).append(_first_argument(tap))
+        for node_name, (layout, fed_taps) in cells.items():
+            feeds.setdefault(node_name, []).append(_all_arguments(RecurrentTap(layout, fed_taps)))
         if feeds:
             from quantplug.flow.prepare import OBSERVERS
 
@@ -657,6 +742,25 @@ def choose_weights(
             overrides.biases[bias_target] = corrected
     run.guarded = guard
     return overrides
+
+
+def _first_argument(tap: Tap) -> Callable[[Sequence[Any]], None]:
+    """A sequential feed of ``tap`` with a layer's input (its node's first argument)."""
+
+    def feed(args: Sequence[Any]) -> None:
+        if isinstance(args[0], torch.Tensor):
+            tap(args[0].detach())
+
+    return feed
+
+
+def _all_arguments(tap: RecurrentTap) -> Callable[[Sequence[Any]], None]:
+    """A sequential feed of a recurrent op's taps with the op's arguments."""
+
+    def feed(args: Sequence[Any]) -> None:
+        tap(*args)
+
+    return feed
 
 
 def _guarded(

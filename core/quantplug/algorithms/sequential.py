@@ -154,7 +154,7 @@ class QuantizedSimulation(Interpreter):
         observer_prefix: the qualified name prefix of its observers (``<container>.g<gid>``).
         activation: ``gid -> (spec, qparams or None)`` for every observer in the graph.
         weights: ``get_attr target -> tensor`` read instead of the float weight (dequantized codes).
-        feeds: ``layer node name -> callables`` given that layer's input (argument 0).
+        feeds: ``layer node name -> callables`` given that layer's arguments (as the node receives them).
         is_tap: which call_module nodes are calibration taps (skipped).
     """
 
@@ -164,7 +164,7 @@ class QuantizedSimulation(Interpreter):
         observer_prefix: str,
         activation: Mapping[int, tuple[Any, tuple[Any, Any] | None]],
         weights: Mapping[str, torch.Tensor],
-        feeds: Mapping[str, Sequence[Callable[[torch.Tensor], None]]],
+        feeds: Mapping[str, Sequence[Callable[[Sequence[Any]], None]]],
         is_tap: Callable[[Node], bool],
     ) -> None:
         super().__init__(prepared, garbage_collect_values=True)
@@ -194,10 +194,8 @@ class QuantizedSimulation(Interpreter):
             return None
         if n.name in self._left:
             args, _ = self.fetch_args_kwargs_from_env(n)
-            value = args[0]
-            if isinstance(value, torch.Tensor):
-                for feed in self.feeds[n.name]:
-                    feed(value.detach())
+            for feed in self.feeds[n.name]:
+                feed(args)
             self._left.discard(n.name)
             if not self._left:
                 raise _Done

@@ -8,7 +8,8 @@ optional, each called by the core at one step of ``prepare -> calibrate -> conve
    function stays the same but quantizes better (cross-layer equalization, SmoothQuant). It gets
    the calibration batches when the user passed ``prepare(..., calibration=...)``.
 2. :meth:`Algorithm.collector` -- at prepare, once per :class:`WeightSite` (a quantized constant
-   weight of a conv/linear-like op): returns a :class:`Collector` that sees the layer's input
+   weight of a conv/linear-like op, or of a recurrent op: an LSTM's ``weight_ih``/``weight_hh`` is
+   a linear layer over rows quantplug computes): returns a :class:`Collector` that sees the layer's input
    activation on every calibration batch and keeps a bounded summary of it (a running mean, a
    Hessian ``X^T X``, a capped sample of rows), never the whole data set. With its optional merge
    hook (:class:`MergeableCollector`) it takes part in calibration on several processes.
@@ -134,7 +135,9 @@ class WeightSite:
         group: the weight's sharing group; ``shared_with`` the other weights in it (an encoding
             shared by several weights must stay shared: such sites accept codes only).
         input_index: which argument of the op is the activation input a collector sees (None
-            when the op is not one quantplug can re-run on a layer input, e.g. an LSTM).
+            when the op is not one quantplug can re-run on a layer input, e.g. an embedding's
+            lookup; and for a recurrent op's ``weight_ih``/``weight_hh``, whose collectors see
+            the rows the op computes inside: :mod:`quantplug.algorithms.recurrent`).
         folded_from: the weight the user wrote, when this one is it with a batch norm folded in
             (quantplug's name for such a weight means nothing to the user).
     """
@@ -159,7 +162,9 @@ class WeightSite:
 
     @property
     def has_layer(self) -> bool:
-        """Whether :meth:`forward` can re-run the op (conv/linear-like ops with constant arguments)."""
+        """Whether :meth:`forward` can re-run the op (conv/linear-like ops with constant arguments;
+        for a recurrent op's ``weight_ih``/``weight_hh``, the linear map it applies to each step's
+        row, its bias included), and so whether collectors are fed a layer input."""
         return self._call is not None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

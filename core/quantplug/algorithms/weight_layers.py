@@ -10,9 +10,11 @@
 
 A grouped convolution (depthwise included) is collected group by group: ``H`` is a stack
 ``[G, I, I]``, one per group of output channels (:mod:`~quantplug.algorithms.weight_matrix`).
-Weights these algorithms cannot express as ``y = W x`` on collected rows (transposed
-convolutions, an LSTM's weights, block shapes that are not contiguous in a row) keep the
-backend's default encoding: :func:`site_matrix` or the collector returns None for them.
+A recurrent op's ``w_ih``/``w_hh`` is a linear layer over rows the op computes inside
+(:mod:`~quantplug.algorithms.recurrent`). Weights these algorithms cannot express as ``y = W x``
+on collected rows (transposed convolutions, a projected LSTM's ``w_hr``, block shapes that are not
+contiguous in a row) keep the backend's default encoding: :func:`site_matrix` or the collector
+returns None for them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from quantplug.algorithms.collectors import sum_in_order
+from quantplug.algorithms.recurrent import RECURRENT_OPS
 from quantplug.algorithms.spec import AlgorithmOption, WeightGrid, WeightSite
 from quantplug.algorithms.weight_matrix import (
     HessianAccumulator,
@@ -52,8 +55,8 @@ def layer_kind(site: WeightSite) -> str | None:
     """``"linear"``, ``"conv"`` or None (a weight these algorithms leave to the backend)."""
     if not site.has_layer or site.weight.dim() < 2:
         return None
-    if site.op in LINEAR_OPS and site.weight.dim() == 2:
-        return "linear"
+    if (site.op in LINEAR_OPS or site.op in RECURRENT_OPS) and site.weight.dim() == 2:
+        return "linear"  # a recurrent op's w_ih/w_hh: a linear over the rows the op computes
     if site.op in CONV_OPS:
         return "conv"
     return None
