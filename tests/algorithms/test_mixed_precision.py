@@ -157,3 +157,52 @@ def test_a_choice_naming_what_the_model_lacks_is_refused() -> None:
         MixedPrecision("qnn_htp", OPTIONS, "precision", "16a4w", {"3": "16a8w"}).check(ep)
     with pytest.raises(OptionError, match=r"'16a8'.*did you mean '16a8w'"):
         MixedPrecision("qnn_htp", OPTIONS, "precision", "16a4w", {"2": "16a8"}).check(ep)
+
+
+class _Tagger(nn.Module):
+    """An LSTM (most of the weights) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_a_recurrent_module_is_one_layer_with_all_its_weight_matrices() -> None:
+    """The LSTM counts with every weight_ih/weight_hh (not its biases) where the backend quantizes
+    them, and raising it to 8 bits reaches its weights: 8-bit codes are in the program."""
+    from quantplug.algorithms.mixed_precision import weighted_layers
+
+    x = torch.randn(24, 10, 8, generator=torch.Generator().manual_seed(1))
+    ep = torch.export.export(_Tagger().eval(), (x[:8],))
+    layers = {layer.module: layer.weight_elements for layer in weighted_layers(ep)}
+    assert layers == {"rnn": 4 * 16 * (8 + 16) + 4 * 16 * (16 + 16), "head": 16 * 4}
+    presets = ["weight_only_int4", "weight_only_int8"]
+    batches = [x[i : i + 8] for i in range(0, 24, 8)]
+    found = search_mixed_precision(ep, "reference", presets, batches, max_weight_growth=1.0)
+    assert found.sensitivity["rnn"]["weight_only_int8"] > found.curve[0].sqnr_db + 1  # measured raised
+    assert found.choice["rnn"] == "weight_only_int8"
+    converted = quantplug.convert(_calibrated(ep, found.quantizer(), batches))
+    codes = {
+        str(n.args[0].target): getattr(converted, str(n.args[0].target))
+        for n in converted.graph.nodes
+        if "dequantize_per" in str(n.target) and n.args[0].op == "get_attr"
+    }
+    assert int(codes["rnn_weight_hh_l1_q0"].abs().max()) > 8  # 8-bit codes, not 4-bit ones
+    # qnn_htp leaves the LSTM float: nothing to choose there, its float32 weights shipped as they are
+    htp = search_mixed_precision(
+        ep, "qnn_htp", ["16a4w", "16a8w"], batches, max_weight_growth=1.0, options=OPTIONS
+    )
+    assert set(htp.sensitivity) == {"head"}
+    assert [p.weight_bytes for p in htp.curve] == [layers["rnn"] * 4 + 16 * 4 / 2, layers["rnn"] * 4 + 16 * 4]
+
+
+def _calibrated(ep: torch.export.ExportedProgram, quantizer: object, batches: list[torch.Tensor]) -> object:
+    prepared = quantplug.prepare(ep, quantizer)
+    for batch in batches:
+        prepared(batch)
+    return prepared

@@ -1,7 +1,8 @@
 """Mixed precision: per-layer presets chosen from measured sensitivity to meet an SQNR floor or a size budget.
 
 Works with any backend through its presets (``qnn_htp``: ``16a4w``, ``8a8w``, ``16a8w``...;
-``reference``: ``int8``, ``a16w8``...): a *layer* is a leaf module that owns a conv/linear weight,
+``reference``: ``int8``, ``a16w8``...): a *layer* is a leaf module that owns a conv/linear weight
+(or an LSTM/GRU/RNN's weight matrices: one layer per module, its layers and directions together),
 and a choice is ``{module name: preset}``, applied as the Quantizer's ``set_module_name``
 overrides with that preset's config. The choice is plain JSON the user can read, edit and apply
 again (:meth:`MixedPrecision.apply`).
@@ -15,19 +16,25 @@ The search (as AIMET's AMP does, measured rather than modelled):
    accuracy-size trade-off curve.
 3. The answer: the smallest measured point meeting ``target_sqnr_db``, or the most accurate within
    ``max_weight_bytes``.
+
+Weight bytes are what the layers' weights take in the model shipped: each weight a preset
+quantizes at that preset's bits, each weight no preset quantizes (``qnn_htp`` leaves an LSTM float;
+``reference``'s weight-only presets leave convolutions float) at its own size, the same at every
+point. Only layers with weights some preset quantizes are chosen for.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from quantplug.algorithms.recurrent import RECURRENT_OPS
 from quantplug.errors import NonFiniteError, OptionError, QuantplugError
 
 LAYER_OPS = ("aten.linear.default", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
@@ -157,7 +164,7 @@ class MixedPrecision:
             shown = ", ".join(f"{m!r}{did_you_mean(m, layers)}" for m in missing[:5])
             raise OptionError(
                 f"mixed precision names {len(missing)} layer(s) the model does not have: {shown}; "
-                f"its layers (modules owning a conv/linear weight): {', '.join(layers[:20])}"
+                f"its layers (modules owning a conv/linear/recurrent weight): {', '.join(layers[:20])}"
                 + (" ..." if len(layers) > 20 else "")
             )
         known = [p.name for p in quantplug.get_quantizer(self.backend, **self.options).info.presets]
@@ -177,24 +184,71 @@ def _diff(choice: Mapping[str, str], default: str) -> dict[str, str]:
     return {m: p for m, p in sorted(choice.items()) if p != default}
 
 
-def weighted_layers(program: torch.export.ExportedProgram) -> list[Layer]:
-    """Leaf modules that own a conv/linear weight, in graph order."""
+def _layer_weights(program: torch.export.ExportedProgram) -> list[tuple[str, str, torch.Tensor]]:
+    """``(module, weight target, weight)`` of every conv/linear weight and recurrent weight
+    matrix owned by a leaf module, in graph order."""
     from quantplug.flow.graph_copy import working_copy
     from quantplug.flow.inspect import fetch_attr
 
     gm = working_copy(program)
-    layers: dict[str, int] = {}
+    found: list[tuple[str, str, torch.Tensor]] = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or str(node.target) not in LAYER_OPS:
+        if node.op != "call_function":
+            continue
+        if str(node.target) in LAYER_OPS:
+            weights = [node.args[1]]
+        elif str(node.target) in RECURRENT_OPS and isinstance(node.args[2], (list, tuple)):
+            weights = list(node.args[2])
+        else:
             continue
         stack = node.meta.get("nn_module_stack") or {}
-        if not stack:
-            continue
-        module = str(list(stack.values())[-1][0])
-        weight = node.args[1]
-        if module and getattr(weight, "op", None) == "get_attr":
-            layers[module] = layers.get(module, 0) + int(fetch_attr(gm, str(weight.target)).numel())
+        module = str(list(stack.values())[-1][0]) if stack else ""
+        for weight in weights:
+            if not module or getattr(weight, "op", None) != "get_attr":
+                continue
+            value = fetch_attr(gm, str(weight.target))
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                found.append((module, str(weight.target), value))
+    return found
+
+
+def weighted_layers(
+    program: torch.export.ExportedProgram, quantized: Collection[str] | None = None
+) -> list[Layer]:
+    """Leaf modules that own a conv/linear weight or a recurrent op's weight matrices (an
+    ``nn.LSTM``: every layer's ``weight_ih``/``weight_hh``), in graph order; with ``quantized``
+    (weight targets), only the weights in it count (:func:`quantized_weights`)."""
+    layers: dict[str, int] = {}
+    for module, target, value in _layer_weights(program):
+        if quantized is None or target in quantized:
+            layers[module] = layers.get(module, 0) + int(value.numel())
     return [Layer(m, n) for m, n in layers.items()]
+
+
+def float_weight_bytes(program: torch.export.ExportedProgram, quantized: Collection[str]) -> int:
+    """The bytes of the layers' weights outside ``quantized``: shipped as they are, whatever the choice."""
+    kept = [value for _, target, value in _layer_weights(program) if target not in quantized]
+    return sum(value.numel() * value.element_size() for value in kept)
+
+
+def quantized_weights(program: torch.export.ExportedProgram, quantizers: Sequence[Any]) -> set[str]:
+    """The constants (get_attr targets) some of ``quantizers`` quantize in ``program``: the
+    weights whose bits a preset sets. A layer whose weights no preset quantizes (``qnn_htp``
+    leaves an LSTM float) has nothing to choose, and its float weights are no preset's bytes."""
+    import quantplug
+    from quantplug.flow.batchnorm import FOLDED_FROM
+    from quantplug.flow.prepare import STATE_KEY
+
+    found: set[str] = set()
+    for quantizer in quantizers:
+        prepared = quantplug.prepare(program, quantizer)
+        state = prepared.meta[STATE_KEY]
+        folded: dict[str, str] = prepared.meta.get(FOLDED_FROM, {})  # a conv's weight, batch norm folded in
+        nodes = {n.name: n for n in prepared.graph.nodes}
+        names = {producer for producer, _ in state.constant_edges} | set(state.constant_outputs)
+        targets = {str(nodes[n].target) for n in names if n in nodes and nodes[n].op == "get_attr"}
+        found |= {folded.get(t, t) for t in targets}
+    return found
 
 
 def _weight_bits(config: Any) -> int:
@@ -281,16 +335,20 @@ def search_mixed_precision(
         for p in presets
     }
     order = sorted(dict.fromkeys(presets), key=lambda p: (bits[p], list(presets).index(p)))
-    layers = weighted_layers(program)
+    quantizers = [quantplug.get_quantizer(backend, **{**options, preset_option: p}) for p in order]
+    quantized = quantized_weights(program, quantizers)
+    layers = weighted_layers(program, quantized)
+    fixed = float_weight_bytes(program, quantized)
     if not layers:
         raise QuantplugError(
-            "the program has no conv/linear layer owned by a module to choose a precision for"
+            "the program has no conv/linear/recurrent layer owned by a module whose weights "
+            f"{backend} quantizes at {', '.join(order)}: nothing to choose a precision for"
         )
     batches = [Call.of(b) for b in calibration]
     measured = [Call.of(b) for b in (compare_inputs or calibration)]
 
     def size(choice: Mapping[str, str]) -> float:
-        return sum(layer.weight_elements * bits[choice[layer.module]] / 8 for layer in layers)
+        return fixed + sum(layer.weight_elements * bits[choice[layer.module]] / 8 for layer in layers)
 
     def measure(choice: Mapping[str, str]) -> float:
         result = MixedPrecision(backend, options, preset_option, order[0], dict(choice))

@@ -58,7 +58,8 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weight-budget",
         metavar="SIZE",
-        help="with --mixed-precision: the most accurate model whose conv/linear weights fit SIZE: bytes "
+        help="with --mixed-precision: the most accurate model whose conv/linear/recurrent weights fit SIZE "
+        "(those the backend leaves float counted at their size): bytes "
         "(1500000, 800KiB, 1.5MB) or growth over the all-cheapest model (+25%%)",
     )
     p.add_argument(
