@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.algorithms_weights", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--models", nargs="+", default=list(MODELS[:5]), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--configs", nargs="+", default=list(FOUR_BIT), choices=list(CONFIGS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="default: results/algorithms_weights[_sequential].md")

@@ -1,9 +1,10 @@
 """How much can a weight algorithm gain at all? Per-layer bounds at 4-bit weights, measured.
 
-    python -m bench.weight_bounds                       # llama, encoder, cnn, digits; 4-bit configs
+    python -m bench.weight_bounds                       # llama, encoder, cnn, digits, lstm; 4-bit configs
     python -m bench.weight_bounds --models llama --configs "htp 16a4w"
 
-For every linear/conv layer, on the backend's own grid and the layer's calibration Hessian
+For every linear/conv layer (and recurrent weight matrix: an LSTM's ``weight_ih``/``weight_hh``),
+on the backend's own grid and the layer's calibration Hessian
 ``H = E[x x^T]`` (8 batches, as in :mod:`bench.algorithms_weights`), with output error
 ``tr(D H D^T)`` (``D`` the weight error):
 
@@ -44,7 +45,7 @@ from quantplug.algorithms.spec import Algorithm, WeightChoice, WeightGrid, Weigh
 from quantplug.algorithms.weight_layers import LayerHessian, layer_kind, matrix_and_hessian
 from quantplug.algorithms.weight_matrix import dampened, output_error, to_matrix
 
-MODELS = ("llama", "encoder", "cnn", "digits_mlp", "digits_cnn")
+MODELS = ("llama", "encoder", "cnn", "digits_mlp", "digits_cnn", "lstm")
 FOUR_BIT = ("htp 16a4w", "htp 16a4w_block", "ref wo_int4")
 
 
@@ -151,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"`python -m bench.weight_bounds {' '.join(sys.argv[1:] if argv is None else argv)}` "
         f"({(time.perf_counter() - started) / 60:.1f} min); method in the module's docstring.\n",
         "Layer SQNR = tr(W H W^T) / tr(D H D^T) on the calibration Hessian, mean over the model's "
-        "linear/conv layers. rtn: the default; clip: best clipping per scale group (any encoding on "
+        "linear/conv layers and recurrent weight matrices. rtn: the default; clip: best clipping per "
+        "scale group (any encoding on "
         "this grid, nearest rounding); feedback: AM/GM of eig(H), the most error feedback "
         "(GPTQ/AdaRound) removes on top; bound = clip + feedback - rtn. measured: the best model "
         "output gain of `bench/results/algorithms_weights.md` (same models and data). The bound is the "
