@@ -373,3 +373,34 @@ def test_per_block_error_is_at_most_half_a_step(
     slack = (obs.quant_max - obs.quant_min) * 2.0**-21
     assert ((dq - x).abs() <= step * (0.5 + slack)).all()
     assert torch.allclose(obs.fake_quantize(x), dq, rtol=0, atol=float(step.max()) * slack)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    margin=st.floats(1.0, 16.0),
+    lo=st.floats(-100.0, 0.0),
+    hi=st.floats(0.01, 100.0),
+    symmetric=st.booleans(),
+)
+def test_a_range_margin_is_the_observed_range_widened(
+    margin: float, lo: float, hi: float, symmetric: bool
+) -> None:
+    """``range_margin=k`` gives exactly the qparams of the range ``k`` times as wide (both ends
+    scaled away from zero); ``k = 1`` is the observer as it was."""
+    qscheme = torch.per_tensor_symmetric if symmetric else torch.per_tensor_affine
+    x = torch.tensor([lo, hi, 0.5 * (lo + hi)])
+    widened = MinMaxObserver(dtype=torch.uint16, qscheme=qscheme, range_margin=margin)
+    widened(x)
+    plain = MinMaxObserver(dtype=torch.uint16, qscheme=qscheme)
+    plain(x * margin)
+    assert [torch.equal(a, b) for a, b in zip(widened.calculate_qparams(), plain.calculate_qparams())] == [
+        True
+    ] * 2
+
+
+@pytest.mark.parametrize("margin", [0.5, float("inf"), float("nan")])
+def test_a_range_margin_below_one_or_not_finite_is_refused(margin: float) -> None:
+    from quantplug.errors import OptionError
+
+    with pytest.raises(OptionError, match="range_margin"):
+        MinMaxObserver(range_margin=margin)

@@ -227,12 +227,12 @@ class LayerScale(nn.Module):
         return torch.relu(self.fc(x)) * self.gamma  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("preset", ["int8", "int8_per_tensor"])
+@pytest.mark.parametrize("preset", ["int8", "int8_per_tensor", "a16w8"])
 @pytest.mark.parametrize("observer", ["minmax", "histogram"])
-def test_narrow_8bit_activations_keep_their_resolution(preset: str, observer: str) -> None:
-    """An 8-bit activation spanning about 0.002 gets all 255 steps: the scale floor is float32's
-    eps there. At 2**-12 (XNNPACK's, which 16-bit activations keep) it got 8, and Gemma 2's
-    soft-capped logits (scores / 50) landed on 0 or 1 step: its int8 program kept 4 dB."""
+def test_narrow_activations_keep_their_resolution(preset: str, observer: str) -> None:
+    """An activation spanning about 0.002 gets all its steps: the scale floor is float32's eps.
+    At 2**-12 (XNNPACK's) it got 8 at either width, and Gemma 2's soft-capped logits (scores / 50)
+    landed on 0 or 1 step: its int8 program kept 4 dB."""
     torch.manual_seed(0)
     model = LayerScale().eval()
     batches = [(torch.randn(8, 16),) for _ in range(4)]
@@ -242,6 +242,24 @@ def test_narrow_8bit_activations_keep_their_resolution(preset: str, observer: st
         ref = torch.cat([model(*b) for b in batches[2:]])
         got = sqnr(ref, torch.cat([converted(*b) for b in batches[2:]]))
     assert float(ref.amax()) < 255 * 2**-12 and got > 30, got
+
+
+@pytest.mark.parametrize("observer", ["minmax", "histogram"])
+def test_16bit_activations_keep_held_out_values_beyond_the_calibrated_range(observer: str) -> None:
+    """a16w8's grid covers 4 times the calibrated range: held-out inputs 3 times as wide as the
+    calibration's keep 16-bit accuracy (the 8-bit weights' error dominates) instead of clipping."""
+    torch.manual_seed(0)
+    model = LayerScale().eval()
+    with torch.no_grad():
+        model.gamma.fill_(1.0)
+    calibration = [(torch.randn(8, 16),) for _ in range(2)]
+    wide = [(3 * torch.randn(8, 16),) for _ in range(2)]
+    ep = torch.export.export(model, calibration[0])
+    converted = convert(ep, quantizer(preset="a16w8", activation_observer=observer), calibration)
+    with torch.no_grad():
+        ref = torch.cat([model(*b) for b in wide])
+        got = sqnr(ref, torch.cat([converted(*b) for b in wide]))
+    assert got > 40, got  # clipped at the calibrated range (no margin): 5.5 dB
 
 
 # --- op coverage: everything torchao's X86 and XNNPACK quantizers annotate ----------------------

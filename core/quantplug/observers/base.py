@@ -8,6 +8,7 @@ the same arithmetic as torchao's observers so both give bit-identical scales for
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -112,9 +113,17 @@ class ObserverBase(nn.Module):
         is_dynamic: bool = False,
         eps: float = DEFAULT_EPS,
         block_size: tuple[int, ...] | None = None,
+        range_margin: float = 1.0,
         **_ignored: Any,
     ) -> None:
         super().__init__()
+        if not 1.0 <= range_margin < math.inf:
+            from quantplug.errors import OptionError
+
+            raise OptionError(
+                f"{type(self).__qualname__}: range_margin must be a finite factor >= 1 (1: the "
+                f"observed range as it is), got {range_margin}"
+            )
         self.dtype = dtype
         self.qscheme = qscheme if qscheme is not None else torch.per_tensor_affine
         self.customized_range = quant_min is not None and quant_max is not None
@@ -123,6 +132,11 @@ class ObserverBase(nn.Module):
         self.is_dynamic = is_dynamic
         self.eps = float(eps)
         self.block_size = block_size
+        #: the grid covers ``range_margin`` times the observed range (both ends scaled away from
+        #: zero): values beyond what calibration saw keep their place instead of clipping. For
+        #: grids with steps to spare (16-bit activations), where held-out data exceed a few
+        #: calibration batches' range; 1 keeps the observed range.
+        self.range_margin = float(range_margin)
         self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64), persistent=False)
 
     @classmethod
@@ -160,6 +174,8 @@ class ObserverBase(nn.Module):
         self.num_batches.fill_(sum(int(o.num_batches) for o in (self, *others)))
 
     def _qparams(self, min_val: torch.Tensor, max_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.range_margin != 1.0:
+            min_val, max_val = min_val * self.range_margin, max_val * self.range_margin
         return qparams_from_range(
             min_val,
             max_val,
