@@ -294,3 +294,29 @@ def test_block_size_not_dividing_channels_names_node_and_shapes() -> None:
     with pytest.raises(AnnotationError) as err:
         _prepare(Lin(), (2, 40), soc_model="SM8650", precision="16a4w_block", block_size_map="linear:16")
     assert "linear" in str(err.value) and "(8, 40)" in str(err.value)
+
+
+@pytest.mark.parametrize("precision", ["16a8w", "8a8w"])
+def test_act_range_margin_widens_16_bit_activation_grids_only(precision: str) -> None:
+    """``act_range_margin=4`` gives every 16-bit activation 4 times the default's scale (the same
+    calibration, the grid covering 4 times its range); 8-bit grids have no steps to spare and keep
+    theirs. Fixed encodings (the sigmoid's) are not observed ranges and stay, and the concat that
+    joins one (with its inputs) is left out of the comparison."""
+    torch.manual_seed(1)  # the same weights for both
+    default, _ = _run(ConvNet(), (1, 3, 16, 16), precision=precision)
+    torch.manual_seed(1)
+    widened, _ = _run(ConvNet(), (1, 3, 16, 16), precision=precision, act_range_margin=4.0)
+    factor = 4.0 if precision.startswith("16a") else 1.0
+    pairs = list(zip(_calls(default, Q_OPS), _calls(widened, Q_OPS), strict=True))
+    assert pairs
+    # the concat joins the sigmoid's fixed encoding: it and its inputs take the union, not a margin
+    fixed = {"sigmoid", "cat", "max_pool2d"}
+    for a, b in pairs:
+        if a.args[0].name == "sigmoid":
+            assert b.args[1] == a.args[1]
+        elif a.args[0].name not in fixed:
+            assert b.args[1] == pytest.approx(a.args[1] * factor, rel=1e-6), a.args[0].name
+    widened_nodes = {a.args[0].name for a, _ in pairs} - fixed
+    assert widened_nodes == {"x", "conv2d", "relu", "conv2d_1", "conv2d_2", "add"}
+    with pytest.raises(OptionError, match="act_range_margin"):
+        quantplug.get_quantizer("qnn_htp", precision=precision, act_range_margin=0.5)

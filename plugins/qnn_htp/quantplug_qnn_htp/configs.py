@@ -158,15 +158,15 @@ class QnnQuantizationConfig(QuantizationConfig):
         )
 
 
-def activation_observer(name: str, eps: float) -> ObserverFactory:
+def activation_observer(name: str, eps: float, margin: float = 1.0) -> ObserverFactory:
     if name == "moving_average":
-        return MovingAverageMinMaxObserver.with_args(eps=eps)
+        return MovingAverageMinMaxObserver.with_args(eps=eps, range_margin=margin)
     if name == "minmax":
-        return MinMaxObserver.with_args(eps=eps)
+        return MinMaxObserver.with_args(eps=eps, range_margin=margin)
     if name == "histogram":
         from quantplug.observers.histogram import HistogramObserver
 
-        return HistogramObserver.with_args(eps=eps)
+        return HistogramObserver.with_args(eps=eps, range_margin=margin)
     raise OptionError(f"unknown act_observer {name!r}; valid values: {', '.join(ACT_OBSERVERS)}")
 
 
@@ -185,7 +185,9 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
     if eps <= 0:
         raise OptionError(f"option 'eps' of backend 'qnn_htp' must be positive, got {eps!r}")
     qat = bool(options.get("qat", False))
-    act_obs = activation_observer(options.get("act_observer") or "moving_average", eps)
+    # the margin is for 16-bit grids only: 8-bit ones have no steps to spare
+    margin = float(options.get("act_range_margin") or 1.0) if torch.iinfo(act_dtype).bits == 16 else 1.0
+    act_obs = activation_observer(options.get("act_observer") or "moving_average", eps, margin)
     symmetric_act = bool(options.get("act_symmetric", False))
     act = QuantizationSpec(
         dtype=act_dtype,

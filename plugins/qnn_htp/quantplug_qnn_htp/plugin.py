@@ -49,6 +49,15 @@ INFO = BackendInfo(
         ),
         BackendOption("act_symmetric", bool, False, "symmetric activations (zero point at the grid middle)"),
         BackendOption(
+            "act_range_margin",
+            float,
+            1.0,
+            "16-bit activations cover this many times their calibrated range (1: ExecuTorch's; 4 keeps "
+            "held-out values the calibration batches did not reach: bench/results/activation_margin.md)",
+            minimum=1.0,
+            maximum=65536.0,
+        ),
+        BackendOption(
             "eps",
             float,
             None,

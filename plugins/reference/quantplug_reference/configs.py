@@ -63,7 +63,7 @@ ACTIVATION_EPS = float(torch.finfo(torch.float32).eps)
 #: 65535 steps can afford to keep) fall inside, at the cost of 2 of 16 bits. On the zoo's 17
 #: models at a16w8 (held out), against the 2**-12 floor: 14 better (up to +23.6 dB), 2 within
 #: 0.05, ViT -0.2; a margin of 2 gives EfficientNet-B0 13 dB less, 16 costs ViT 5.8
-#: (``bench/results/reference_margin.md``)
+#: (``bench/results/activation_margin.md``)
 ACTIVATION_MARGIN_16BIT = 4.0
 #: presets whose linears/convs multiply 8-bit integers in ORT (weight_bits applies to them)
 INTEGER_PRODUCT_PRESETS = ("int8", "int8_per_tensor", "dynamic_int8")
