@@ -186,8 +186,8 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
         raise OptionError(f"option 'eps' of backend 'qnn_htp' must be positive, got {eps!r}")
     qat = bool(options.get("qat", False))
     # the margin is for 16-bit grids only: 8-bit ones have no steps to spare
-    margin = float(options.get("act_range_margin") or 1.0) if torch.iinfo(act_dtype).bits == 16 else 1.0
-    act_obs = activation_observer(options.get("act_observer") or "moving_average", eps, margin)
+    act_margin = float(options.get("act_range_margin") or 1.0) if torch.iinfo(act_dtype).bits == 16 else 1.0
+    act_obs = activation_observer(options.get("act_observer") or "moving_average", eps, act_margin)
     symmetric_act = bool(options.get("act_symmetric", False))
     act = QuantizationSpec(
         dtype=act_dtype,
@@ -265,7 +265,9 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
         qscheme=torch.per_tensor_symmetric,
         observer_or_fake_quant_ctr=tensor_obs.with_args(eps=eps),
     )
-    concat = dataclasses.replace(act, observer_or_fake_quant_ctr=ConcatMinMaxObserver.with_args(eps=eps))
+    concat = dataclasses.replace(
+        act, observer_or_fake_quant_ctr=ConcatMinMaxObserver.with_args(eps=eps, range_margin=act_margin)
+    )
     margin = options.get("mask_margin")
     margin = DEFAULT_MASK_MARGIN if margin is None else float(margin)
     if margin < 0:
