@@ -218,17 +218,23 @@ def weighted_layers(
     """Leaf modules that own a conv/linear weight or a recurrent op's weight matrices (an
     ``nn.LSTM``: every layer's ``weight_ih``/``weight_hh``), in graph order; with ``quantized``
     (weight targets), only the weights in it count (:func:`quantized_weights`)."""
+    return _layers(_layer_weights(program), quantized)
+
+
+LayerWeights = Sequence[tuple[str, str, torch.Tensor]]  # (module, weight target, weight)
+
+
+def _layers(weights: LayerWeights, quantized: Collection[str] | None) -> list[Layer]:
     layers: dict[str, int] = {}
-    for module, target, value in _layer_weights(program):
+    for module, target, value in weights:
         if quantized is None or target in quantized:
             layers[module] = layers.get(module, 0) + int(value.numel())
     return [Layer(m, n) for m, n in layers.items()]
 
 
-def float_weight_bytes(program: torch.export.ExportedProgram, quantized: Collection[str]) -> int:
+def _float_bytes(weights: LayerWeights, quantized: Collection[str]) -> int:
     """The bytes of the layers' weights outside ``quantized``: shipped as they are, whatever the choice."""
-    kept = [value for _, target, value in _layer_weights(program) if target not in quantized]
-    return sum(value.numel() * value.element_size() for value in kept)
+    return sum(v.numel() * v.element_size() for _, target, v in weights if target not in quantized)
 
 
 def quantized_weights(program: torch.export.ExportedProgram, quantizers: Sequence[Any]) -> set[str]:
@@ -337,8 +343,9 @@ def search_mixed_precision(
     order = sorted(dict.fromkeys(presets), key=lambda p: (bits[p], list(presets).index(p)))
     quantizers = [quantplug.get_quantizer(backend, **{**options, preset_option: p}) for p in order]
     quantized = quantized_weights(program, quantizers)
-    layers = weighted_layers(program, quantized)
-    fixed = float_weight_bytes(program, quantized)
+    weights = _layer_weights(program)  # one working copy for both
+    layers = _layers(weights, quantized)
+    fixed = _float_bytes(weights, quantized)
     if not layers:
         raise QuantplugError(
             "the program has no conv/linear/recurrent layer owned by a module whose weights "

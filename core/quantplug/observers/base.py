@@ -17,6 +17,7 @@ from torch import nn
 
 from quantplug.annotation.dtypes import UINT2, UINT4, full_range, resolve_range
 from quantplug.annotation.specs import SYMMETRIC_QSCHEMES
+from quantplug.errors import OptionError
 
 DEFAULT_EPS = float(torch.finfo(torch.float32).eps)
 
@@ -118,8 +119,6 @@ class ObserverBase(nn.Module):
     ) -> None:
         super().__init__()
         if not 1.0 <= range_margin < math.inf:
-            from quantplug.errors import OptionError
-
             raise OptionError(
                 f"{type(self).__qualname__}: range_margin must be a finite factor >= 1 (1: the "
                 f"observed range as it is), got {range_margin}"
