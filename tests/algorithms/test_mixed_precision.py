@@ -193,12 +193,26 @@ def test_a_recurrent_module_is_one_layer_with_all_its_weight_matrices() -> None:
         if "dequantize_per" in str(n.target) and n.args[0].op == "get_attr"
     }
     assert int(codes["rnn_weight_hh_l1_q0"].abs().max()) > 8  # 8-bit codes, not 4-bit ones
-    # qnn_htp leaves the LSTM float: nothing to choose there, its float32 weights shipped as they are
+    # qnn_htp unrolls the LSTM: its weights are the linears of every step, each counted once
+    # (weight_hh is read at every step); with unroll_recurrent=False it stays float, shipped as
+    # float32 weights, with nothing to choose there
     htp = search_mixed_precision(
         ep, "qnn_htp", ["16a4w", "16a8w"], batches, max_weight_growth=1.0, options=OPTIONS
     )
-    assert set(htp.sensitivity) == {"head"}
-    assert [p.weight_bytes for p in htp.curve] == [layers["rnn"] * 4 + 16 * 4 / 2, layers["rnn"] * 4 + 16 * 4]
+    assert set(htp.sensitivity) == {"head", "rnn"}
+    all_weights = layers["rnn"] + layers["head"]
+    assert [htp.curve[0].weight_bytes, htp.curve[-1].weight_bytes] == [all_weights / 2, all_weights]
+    whole = search_mixed_precision(
+        ep,
+        "qnn_htp",
+        ["16a4w", "16a8w"],
+        batches,
+        max_weight_growth=1.0,
+        options={**OPTIONS, "unroll_recurrent": False},
+    )
+    assert set(whole.sensitivity) == {"head"}
+    float_rnn = layers["rnn"] * 4
+    assert [p.weight_bytes for p in whole.curve] == [float_rnn + 16 * 4 / 2, float_rnn + 16 * 4]
 
 
 def _calibrated(ep: torch.export.ExportedProgram, quantizer: object, batches: list[torch.Tensor]) -> object:

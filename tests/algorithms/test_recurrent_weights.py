@@ -235,3 +235,51 @@ def test_an_lstm_with_algorithms_lowers_to_what_the_program_computes() -> None:
     with torch.no_grad():
         want = converted(x).numpy()
     assert np.allclose(got, want, atol=1e-4)
+
+
+class SharedDepth(nn.Module):
+    """One linear applied three times (ALBERT's shared layers; an unrolled recurrence's W_hh)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.tanh(self.shared(x))
+        return self.head(x)
+
+
+def test_a_weight_applied_at_several_nodes_collects_every_nodes_rows() -> None:
+    """The shared weight is one site whose tied nodes are its other applications: GPTQ's
+    Hessian sums the rows of all three (not the first application's alone)."""
+    from quantplug.algorithms.runtime import weight_sites
+    from quantplug.algorithms.weight_layers import LayerHessian
+    from quantplug.flow.prepare import STATE_KEY
+
+    model = SharedDepth().eval()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ torch.randn(16, 16) / 4
+    program = torch.export.export(model, (x,))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    prepared = quantplug.prepare(program, quantizer, algorithms=["gptq"], algorithm_guard=False)
+    with torch.no_grad():
+        prepared(x)
+    sites = {ref.site.name: ref.site for ref in weight_sites(prepared, prepared.meta[STATE_KEY])}
+    assert len(sites["shared.weight"].layer_nodes) == 3 and sites["head.weight"].tied == ()
+    run = prepared.meta[RUN_KEY]
+    (made,) = [made for (name, _), made in run.collectors.items() if name == "shared.weight"]
+    (collector,) = made.values()
+    assert isinstance(collector, LayerHessian)
+    hessian = collector.hessian
+    assert hessian is not None and hessian.rows == 3 * 8
+    with torch.no_grad():
+        inputs = [x]
+        for _ in range(2):
+            inputs.append(torch.tanh(model.shared(inputs[-1])))
+        want = sum(i.double().T @ i.double() for i in inputs)
+    assert torch.allclose(hessian.sum, want, rtol=1e-6, atol=1e-8)
+    converted = quantplug.convert(prepared)
+    with torch.no_grad():
+        assert converted(x).shape == (8, 4)

@@ -167,7 +167,7 @@ def test_stages_put_parallel_layers_together_and_chains_in_order() -> None:
     gm = torch.fx.symbolic_trace(Attention())
     names = {str(n.target): n.name for n in gm.graph.nodes if n.op == "call_module"}
     consumers = [names["up"], names["v"], names["o"], names["q"], names["k"]]
-    got = stages(list(gm.graph.nodes), consumers)
+    got = stages(list(gm.graph.nodes), [[name] for name in consumers])
     assert [sorted(consumers[i] for i in stage) for stage in got] == [
         sorted([names["q"], names["k"], names["v"]]),
         [names["o"]],
@@ -186,7 +186,7 @@ def test_stages_of_a_random_dag_respect_every_dependency(parents: list[int]) -> 
         nodes.append(graph.call_function(torch.relu, (nodes[p % i],)))
     graph.output(nodes[-1])
     consumers = [n.name for n in nodes[1:]]
-    got = stages(list(graph.nodes), consumers)
+    got = stages(list(graph.nodes), [[name] for name in consumers])
     stage_of = {consumers[k]: s for s, stage in enumerate(got) for k in stage}
     assert sorted(k for stage in got for k in stage) == list(range(len(consumers)))
     for i, p in enumerate(parents, start=1):
@@ -195,6 +195,74 @@ def test_stages_of_a_random_dag_respect_every_dependency(parents: list[int]) -> 
             assert stage_of[nodes[i].name] == stage_of[parent.name] + 1
         else:
             assert stage_of[nodes[i].name] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 100), st.integers(0, 100)), min_size=2, max_size=14),
+    st.lists(st.integers(0, 4), min_size=14, max_size=14),
+)
+def test_stages_of_weights_applied_at_several_nodes_follow_their_dependencies(
+    edges: list[tuple[int, int]], owners: list[int]
+) -> None:
+    """Nodes of a random DAG belong to up to five weights (a weight tied across steps applies at
+    several nodes). Against a brute-force closure of "some node of A is upstream of some node
+    of B": a weight comes after every weight it depends on, and weights depending on each other
+    (a cycle through their nodes) share a stage."""
+    graph = torch.fx.Graph()
+    nodes: list[Node] = [graph.placeholder("x")]
+    for i, (a, b) in enumerate(edges, start=1):
+        nodes.append(graph.call_function(torch.add, (nodes[a % i], nodes[b % i])))
+    graph.output(nodes[-1])
+    sites: dict[int, list[str]] = {}
+    for node, owner in zip(nodes[1:], owners):
+        sites.setdefault(owner, []).append(node.name)
+    keys = sorted(sites)
+    consumers = [sites[k] for k in keys]
+    ancestors: dict[str, set[str]] = {}
+    for node in nodes:
+        ancestors[node.name] = set().union(*({a.name} | ancestors[a.name] for a in node.all_input_nodes))
+    site_of = {name: k for k, names in enumerate(consumers) for name in names}
+    direct = {
+        (site_of[a], k)
+        for k, names in enumerate(consumers)
+        for n in names
+        for a in ancestors[n]
+        if a in site_of
+    }
+    closure = set(direct)
+    while True:
+        more = {(a, d) for a, b in closure for c, d in closure if b == c} - closure
+        if not more:
+            break
+        closure |= more
+    got = stages(list(graph.nodes), consumers)
+    stage_of = {k: s for s, stage in enumerate(got) for k in stage}
+    assert sorted(stage_of) == list(range(len(consumers)))
+    for a, b in closure:
+        if a == b:
+            continue
+        if (b, a) in closure:
+            assert stage_of[a] == stage_of[b]
+        else:
+            assert stage_of[a] < stage_of[b]
+
+
+def test_an_unrolled_recurrence_is_one_stage_after_its_input_projection() -> None:
+    """``h_t = tanh(ih_t + W_hh h_{t-1})`` over 20 steps with a projection after: three stages
+    (the input projection, the 20 tied steps, the projection), not one per step."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    ih = graph.call_function(torch.neg, (x,))
+    h = graph.placeholder("h0")
+    steps = []
+    for _ in range(20):
+        step = graph.call_function(torch.add, (ih, h))
+        steps.append(step.name)
+        h = graph.call_function(torch.tanh, (step,))
+    head = graph.call_function(torch.neg, (h,))
+    graph.output(head)
+    assert stages(list(graph.nodes), [[head.name], steps, [ih.name]]) == [[2], [1], [0]]
 
 
 def quantized_sqnr(algorithms: list[Any]) -> float:

@@ -174,7 +174,8 @@ def test_constants_computed_in_the_graph_are_folded(precision: str) -> None:
     x = _sequence(_gen(3))
     with torch.no_grad():
         ref, out = model(*x), converted(*x)
-    assert float((ref - out).pow(2).mean() / ref.pow(2).mean()) < 1e-2
+    # the LSTM is quantized too (qnn_htp unrolls it), calibrated on two sequences: 17 dB and up
+    assert float((ref - out).pow(2).mean() / ref.pow(2).mean()) < 2e-2
 
 
 class AddBuffer(nn.Module):

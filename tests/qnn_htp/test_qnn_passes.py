@@ -216,6 +216,7 @@ def test_block_size_map_check_pass_is_registered() -> None:
     assert names == [
         "qnn_htp.remove_asserts",
         "qnn_htp.fold_constant_views",
+        "qnn_htp.unroll_recurrent",
         "qnn_htp.decompose_composites",
         "qnn_htp.decompose",
         "qnn_htp.lift_scalars",

@@ -197,6 +197,21 @@ PEERS: dict[tuple[str, str], Peer] = {
 
 
 @functools.cache
+def peer_options(name: str, backend: str, preset: str) -> Options:
+    """The options ours runs under when compared with the peer: the peer's, and for a model with
+    LSTM/GRU/RNN ops at qnn_htp ``unroll_recurrent=False``: QnnQuantizer has no rule for them and
+    leaves them float, so the like-for-like comparison quantizes what it quantizes (by default
+    qnn_htp unrolls and quantizes them, a larger scope that the floors measure)."""
+    from quantplug.algorithms.recurrent import RECURRENT_OPS
+
+    options = PEERS[(backend, preset)].options
+    recurrent = any(str(n.target) in RECURRENT_OPS for n in float_case(name).program.graph.nodes)
+    if backend == "qnn_htp" and recurrent:
+        return (*options, ("unroll_recurrent", False))
+    return options
+
+
+@functools.cache
 def torchao_converted(name: str, backend: str, preset: str) -> GraphModule:
     """The peer's program: torchao's prepare_pt2e/convert_pt2e with the peer quantizer."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -234,7 +249,9 @@ def redrawn_sqnrs(name: str, backend: str, preset: str, draws: int) -> list[tupl
         held_out = [zoo.draw(gen) for _ in range(HELD_OUT_BATCHES)]
         reference = run(case.model, held_out)
         with quiet():
-            prepared = quantplug.prepare(case.program, quantizer(backend, preset, **dict(peer.options)))
+            prepared = quantplug.prepare(
+                case.program, quantizer(backend, preset, **dict(peer_options(name, backend, preset)))
+            )
             run(prepared, calibration)
             ours = sqnr(reference, run(quantplug.convert(prepared), held_out))
             theirs_prepared = prepare_pt2e(case.program.module(), peer.factory(preset))

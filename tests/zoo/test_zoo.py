@@ -54,6 +54,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 # (soc_model SM8650). qnn_htp's default moving-average activation
 # observer keeps the first batch's range, so on the random SE networks (MobileNetV3, EfficientNet)
 # it clips the squeeze-excitation gates: ExecuTorch's QnnQuantizer measures the same low SQNR.
+# qnn_htp unrolls the LSTM and GRU and quantizes every step (ExecuTorch leaves them float: the
+# peer comparison runs them with ``unroll_recurrent=False``; at 16a8w the quantized LSTM measures
+# 42.3 dB, the float one 42.5).
 FLOORS_TABLE = """
 model              int8   a16w8  weight_only_int4 dynamic_int8 | 8a8w   16a8w  16a4w  16a4w_block 16a16w
 resnet18           26.5   34.5   21.0             43.0         | 27.5   32.5   10.0   10.5        38.5
@@ -70,8 +73,8 @@ gpt2               30.0   41.5   16.5             37.0         | 29.5   34.0   1
 llama              29.0   40.5   15.0             35.5         | 29.0   33.0   13.5   17.5        34.5
 encoder_fast_path  31.0   51.0   25.5             45.0         | 31.0   37.0   25.0   25.0        37.5
 encoder            30.5   51.0   26.0             45.5         | 30.0   32.0   24.5   25.0        32.0
-lstm               41.0   57.0   29.0             45.5         | 39.5   41.5   29.0   27.5        41.5
-gru                35.0   47.5   24.5             42.0         | 33.5   34.5   23.0   23.0        34.5
+lstm               41.0   57.0   29.0             45.5         | 36.5   41.0   28.0   27.0        41.5
+gru                35.0   47.5   24.5             42.0         | 31.0   32.5   20.0   20.5        32.5
 unet               24.5   34.5   100.0            100.0        | 24.0   31.0   4.0    4.0         34.0
 """
 
@@ -174,13 +177,14 @@ def test_no_worse_than_peer(zoo: FloatCase, backend: str, preset: str) -> None:
         theirs = harness.peer_sqnr(zoo.name, backend, preset)
     except Exception as exc:  # the peer cannot run this model: nothing to compare with
         pytest.skip(f"{peer.name} does not run {zoo.name}: {type(exc).__name__}: {str(exc)[:200]}")
-    ours = harness.quantized(zoo.name, backend, preset, peer.options).sqnr
+    options = harness.peer_options(zoo.name, backend, preset)
+    ours = harness.quantized(zoo.name, backend, preset, options).sqnr
     harness.record(
         kind="peer",
         model=zoo.name,
         backend=backend,
         preset=preset,
-        options=dict(peer.options),
+        options=dict(options),
         peer=peer.name,
         ours=ours,
         theirs=theirs,

@@ -323,6 +323,20 @@ def _weight_call(
     return _layer_call(gm, node) if weight_index == 1 else None
 
 
+def _same_layer(a: Node, b: Node) -> bool:
+    """Whether ``a`` and ``b`` apply their (shared) weight as one layer: the same op with the same
+    arguments after the input (the same bias node, stride, padding...)."""
+    rest_a, rest_b = a.args[2:], b.args[2:]
+    return (
+        a.target == b.target
+        and len(rest_a) == len(rest_b)
+        and all(
+            x is y if isinstance(x, Node) or isinstance(y, Node) else x == y for x, y in zip(rest_a, rest_b)
+        )
+        and a.kwargs == b.kwargs
+    )
+
+
 def _constant(gm: GraphModule, node: Any) -> tuple[str | None, torch.Tensor | None]:
     if isinstance(node, Node) and node.op == "get_attr":
         return str(node.target), fetch_attr(gm, str(node.target))
@@ -377,7 +391,9 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
 
     Works on keys and specs only, so any backend's annotations (or a foreign quantizer's) yield
     the same sites. A weight consumed by several ops is one site: the first consumer (by node
-    name) that multiplies it as a layer's weight, else its first consumer. A language model's
+    name) that multiplies it as a layer's weight, else its first consumer; the other consumers
+    applying it as the same layer (an unrolled recurrence's steps) are its ``tied`` nodes, whose
+    inputs the collectors see too. A language model's
     tied embedding and head is its head's layer, whose inputs the algorithms can measure: by
     name the lookup came first, and GPTQ, AdaRound and SeqMSE chose nothing for the weight that
     writes the logits (GPT-2 at reference weight_only_int4: +0.00 dB; +0.66 measured at the head).
@@ -395,8 +411,10 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
             if not isinstance(value, torch.Tensor) or value.dim() < 2 or not value.is_floating_point():
                 continue
             consumers = [nodes[c] for p, c in edges if p == producer]
-            layers = ((c, _weight_call(gm, c, nodes[producer])) for c in consumers)
-            node, call = next(((c, f) for c, f in layers if f is not None), (consumers[0], None))
+            layers = [c for c in consumers if _weight_call(gm, c, nodes[producer]) is not None]
+            node = layers[0] if layers else consumers[0]
+            call = _weight_call(gm, node, nodes[producer]) if layers else None
+            tied = tuple(c.name for c in layers[1:] if _same_layer(c, node))
             bias_target, bias = _bias_of(gm, node) if call is not None else (None, None)
             recurrent = None
             if call is None:
@@ -416,6 +434,7 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
                 shared_with=others,
                 input_index=0 if call is not None and recurrent is None else None,
                 folded_from=folded.get(target),
+                tied=tied,
                 _call=call,
             )
             result.append(_SiteRef(site, producer, bias_target, recurrent))
@@ -484,7 +503,6 @@ def install_collectors(
         fed = [i for i in wanted if _fed_in_calibration(algorithms[i])]
         if not site.has_layer or not fed:
             continue  # no layer input to see (the collectors give their empty result), or fed at convert
-        consumer = nodes[site.node]
         name = f"t{count}"
         count += 1
         owners = [algorithm_name(algorithms[i]) for i in fed]
@@ -493,9 +511,11 @@ def install_collectors(
         if cell is not None:  # fed by the op's RecurrentTap, inserted below
             cells.setdefault(site.node, (cell.layout, []))[1].append((cell.role, getattr(container, name)))
             continue
-        with gm.graph.inserting_before(consumer):
-            tap = gm.graph.call_module(f"{TAPS}.{name}", (consumer.args[site.input_index or 0],))
-        tap.meta["quantplug_algorithm_tap"] = site.name
+        for layer in site.layer_nodes:  # one tap, called before each node applying the layer
+            consumer = nodes[layer]
+            with gm.graph.inserting_before(consumer):
+                tap = gm.graph.call_module(f"{TAPS}.{name}", (consumer.args[site.input_index or 0],))
+            tap.meta["quantplug_algorithm_tap"] = site.name
     for node_name, (layout, fed_taps) in cells.items():
         consumer = nodes[node_name]
         name = f"r{count}"
@@ -540,7 +560,8 @@ def _rows_key(site: WeightSite, nodes: dict[str, Node], collector: LayerHessian)
     (its patches depend on its stride and padding) and whether it sums a grouped one's stack.
     Equal keys, equal sums."""
     if collector.kind == "linear" and site.input_index is not None:
-        return ("linear", str(nodes[site.node].args[site.input_index]), collector.columns)
+        rows = tuple(str(nodes[layer].args[site.input_index]) for layer in site.layer_nodes)
+        return ("linear", rows, collector.columns)
     return ("site", site.name, site.group, collector.grouped)
 
 
@@ -643,7 +664,7 @@ def choose_weights(
         judged = guard_batches(batches) if run.guard else []
     simulate = (bool(batches) and any(wants)) or bool(judged)
     order = (
-        stages(list(prepared.graph.nodes), [ref.site.node for ref in refs])
+        stages(list(prepared.graph.nodes), [ref.site.layer_nodes for ref in refs])
         if simulate
         else [list(range(len(refs)))]
     )
@@ -682,7 +703,8 @@ def choose_weights(
                 if cell is not None:
                     cells.setdefault(refs[k].site.node, (cell.layout, []))[1].append((cell.role, tap))
                 else:
-                    feeds.setdefault(refs[k].site.node, []).append(_first_argument(tap))
+                    for layer in refs[k].site.layer_nodes:
+                        feeds.setdefault(layer, []).append(_first_argument(tap))
         for node_name, (layout, fed_taps) in cells.items():
             feeds.setdefault(node_name, []).append(_all_arguments(RecurrentTap(layout, fed_taps)))
         if feeds:

@@ -96,28 +96,57 @@ def merged_store(sizes: Sequence[Sequence[int]], max_batches: int, max_bytes: in
     return chosen
 
 
-def stages(graph_nodes: Sequence[Node], consumers: Sequence[str]) -> list[list[int]]:
-    """Indices of ``consumers`` (the layer node of each weight, in graph order or not) grouped in
-    stages: a layer's stage is one more than the latest stage among the layers upstream of it, so
-    a stage's inputs depend only on earlier stages (query/key/value projections share one)."""
-    names = list(dict.fromkeys(consumers))
-    index = {name: i for i, name in enumerate(names)}
-    upstream: dict[Node, int] = {}  # node -> bit set of the layers its value depends on
-    level: dict[int, int] = {}
+def stages(graph_nodes: Sequence[Node], consumers: Sequence[Sequence[str]]) -> list[list[int]]:
+    """Indices of ``consumers`` (the layer nodes of each weight, in graph order or not) grouped in
+    stages: a weight's stage is one more than the latest stage among the weights upstream of any
+    of its nodes, so a stage's inputs depend only on earlier stages (query/key/value projections
+    share one).
+
+    A weight applied at several nodes can depend on itself or on weights that depend on it (an
+    unrolled recurrence: ``W_hh`` at step t reads step t-1's; a projected LSTM's ``W_hh`` and
+    ``W_hr`` read each other). Weights on such a cycle share a stage, so the steps read each
+    other rounded to nearest until the stage is chosen: one stage per cycle, not one per step.
+    """
+    owner: dict[str, int] = {}
+    for k, names in enumerate(consumers):
+        for name in names:
+            owner.setdefault(name, k)
+    count = len(consumers)
+    deps = [0] * count  # weight -> bit set of the weights upstream of any of its nodes
+    upstream: dict[Node, int] = {}  # node -> bit set of the weights its value depends on
     for node in graph_nodes:
         bits = 0
         for arg in node.all_input_nodes:
             bits |= upstream.get(arg, 0)
-        mine = index.get(node.name)
+        mine = owner.get(node.name)
         if mine is not None:
-            before = [i for i in range(len(names)) if bits >> i & 1]
-            level[mine] = 1 + max((level.get(i, 0) for i in before), default=-1)
+            deps[mine] |= bits
             bits |= 1 << mine
         upstream[node] = bits
+    reach = list(deps)  # the transitive closure, by fixed point (bit sets: cheap for any model)
+    changed = True
+    while changed:
+        changed = False
+        for k in range(count):
+            merged = reach[k]
+            for d in _bits(reach[k]):
+                merged |= reach[d]
+            if merged != reach[k]:
+                reach[k], changed = merged, True
+    # a weight upstream of k that k is not upstream of has strictly fewer weights up to it, so
+    # visiting by that count sees every such weight's level first
+    level: dict[int, int] = {}
+    for k in sorted(range(count), key=lambda k: ((reach[k] | 1 << k).bit_count(), k)):
+        outside = [d for d in _bits(reach[k]) if d != k and not reach[d] >> k & 1]
+        level[k] = 1 + max((level[d] for d in outside), default=-1)
     grouped: dict[int, list[int]] = {}
-    for k, name in enumerate(consumers):
-        grouped.setdefault(level.get(index[name], 0), []).append(k)
+    for k in range(count):
+        grouped.setdefault(level[k], []).append(k)
     return [grouped[key] for key in sorted(grouped)]
+
+
+def _bits(value: int) -> list[int]:
+    return [i for i in range(value.bit_length()) if value >> i & 1]
 
 
 def fake_quantize_activation(x: torch.Tensor, spec: Any, qparams: tuple[Any, Any] | None) -> torch.Tensor:

@@ -140,6 +140,10 @@ class WeightSite:
             the rows the op computes inside: :mod:`quantplug.algorithms.recurrent`).
         folded_from: the weight the user wrote, when this one is it with a batch norm folded in
             (quantplug's name for such a weight means nothing to the user).
+        tied: the other nodes that multiply this weight as the same layer (same op, same bias and
+            arguments): a recurrence unrolled over time steps, layers shared across depth. Their
+            inputs are rows of this layer too, so collectors see every node's input, not ``node``'s
+            alone; one encoding and one set of codes serve them all.
     """
 
     name: str
@@ -151,6 +155,7 @@ class WeightSite:
     shared_with: tuple[str, ...] = ()
     input_index: int | None = None
     folded_from: str | None = None
+    tied: tuple[str, ...] = ()
     _call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(
         default=None, repr=False, compare=False
     )
@@ -159,6 +164,11 @@ class WeightSite:
     def label(self) -> str:
         """The weight as messages name it: as the user wrote it."""
         return f"{self.folded_from} (with its batch norm)" if self.folded_from else self.name
+
+    @property
+    def layer_nodes(self) -> tuple[str, ...]:
+        """Every node whose input is a row of this layer: ``node`` and the ``tied`` ones."""
+        return (self.node, *self.tied)
 
     @property
     def has_layer(self) -> bool:

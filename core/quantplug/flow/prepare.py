@@ -68,6 +68,8 @@ class Group:
     keys: list[Key]
     constant: bool
     dynamic: bool
+    #: its observer's calls in one forward pass make one update (``SharingGroups.observed_per_pass``)
+    per_pass: bool = False
 
     @property
     def target(self) -> str:
@@ -347,6 +349,7 @@ def _prepare(
         container.add_module(f"g{gid}", obs)
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
+    _count_calls_per_pass(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
         gm.meta[ALGORITHMS_KEY] = install_collectors(
             gm, state, algorithms, nonfinite, algorithm_guard, held_out=judged
@@ -401,7 +404,16 @@ def _build_groups(
         spec = keys.specs[groups.representative[gid]]
         dynamic = bool(getattr(spec, "is_dynamic", False))
         constant = not dynamic and all(from_constant(k) for k in members)
-        result.append(Group(gid=gid, spec=spec, keys=list(members), constant=constant, dynamic=dynamic))
+        result.append(
+            Group(
+                gid=gid,
+                spec=spec,
+                keys=list(members),
+                constant=constant,
+                dynamic=dynamic,
+                per_pass=gid in groups.observed_per_pass,
+            )
+        )
     state = PreparedState(groups=result, group_of=dict(groups.group_of), qat=qat, backend=backend)
     for key, gid in groups.group_of.items():
         if not result[gid].constant:
@@ -411,6 +423,23 @@ def _build_groups(
         elif groups.group_of.get(key[0]) != gid:  # an edge in its producer's group reads its output
             state.constant_edges[key] = gid
     return state
+
+
+def _count_calls_per_pass(gm: GraphModule, state: PreparedState) -> None:
+    """Tell the observer of each per-pass group how many of its calls make one forward pass (its
+    call sites in the graph: every node runs once per pass). Observers without a
+    ``calls_per_pass`` (min-max ones, whose result does not depend on it) are left alone."""
+    per_pass = {g.target: g for g in state.groups if g.per_pass}
+    if not per_pass:
+        return
+    calls: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in per_pass:
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    for target, count in calls.items():
+        obs = state.observer(gm, per_pass[target].gid)
+        if hasattr(obs, "calls_per_pass"):
+            setattr(obs, "calls_per_pass", count)  # noqa: B010 (nn.Module's typed __setattr__)
 
 
 def _create_observers(state: PreparedState, keys: AnnotatedKeys) -> dict[int, nn.Module]:

@@ -89,11 +89,36 @@ class MinMaxObserver(ObserverBase):
 
 
 class MovingAverageMinMaxObserver(MinMaxObserver):
-    """Exponential moving average of each batch's extremes: robust to a few extreme batches."""
+    """Exponential moving average of each batch's extremes: robust to a few extreme batches.
 
-    def __init__(self, averaging_constant: float = 0.01, **kwargs: Any) -> None:
+    ``calls_per_pass`` > 1 (set by prepare for a group observed per pass, see
+    ``SharingGroups.observed_per_pass``): that many consecutive calls are one batch, their joint
+    extremes one update. With 1, each call is one (torchao's behaviour, kept for parity).
+    """
+
+    def __init__(self, averaging_constant: float = 0.01, calls_per_pass: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.averaging_constant = float(averaging_constant)
+        self.calls_per_pass = int(calls_per_pass)
+        self._calls = 0  # calls of the current pass so far
+        self._pending: tuple[float, float] | None = None  # their extremes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls_per_pass <= 1:
+            return super().forward(x)
+        found = batch_extremes(self, x) if x.numel() else None
+        if found is not None:
+            pending = self._pending
+            if pending is not None:
+                found = (min(pending[0], found[0]), max(pending[1], found[1]))
+            self._pending = found
+        self._calls += 1
+        if self._calls >= self.calls_per_pass:
+            if self._pending is not None:
+                self._update(*self._pending)
+                self.num_batches += 1
+            self._calls, self._pending = 0, None
+        return x
 
     def _update(self, lo: float, hi: float) -> None:
         if int(self.num_batches) == 0:

@@ -59,11 +59,19 @@ class SharingGroups:
 
     ``representative[g]`` is the key whose concrete spec builds group ``g``'s observer: the
     first concrete key of the group in the caller's key order.
+
+    ``observed_per_pass`` holds groups whose several tensors are one tensor seen at several
+    places in one forward pass (an unrolled recurrence's gate at every step): their observer is
+    told how many calls make one pass, so a moving average averages calibration batches, not
+    calls (where the first call, a step from the zero state, would outweigh the rest). A backend
+    sets it in ``quantplug_resolve_sharing``; other groups' observers average every call, as
+    torchao's do.
     """
 
     group_of: dict[Key, int] = field(default_factory=dict)
     members: list[list[Key]] = field(default_factory=list)
     representative: list[Key] = field(default_factory=list)
+    observed_per_pass: set[int] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.members)

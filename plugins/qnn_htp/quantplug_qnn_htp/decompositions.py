@@ -81,8 +81,12 @@ class _Builder:
         self.anchor = anchor
         self.label = label
         self.meta = {k: anchor.meta[k] for k in _KEEP_META if k in anchor.meta}
+        #: when a list, every node made is appended to it (what one part of a rewrite made)
+        self.created: list[Node] | None = None
 
     def _finish(self, node: Node, value: Any) -> Node:
+        if self.created is not None:
+            self.created.append(node)
         node.meta.update(self.meta)
         node.meta[DECOMPOSED_FROM_KEY] = self.label
         node.meta["val"] = value

@@ -8,7 +8,10 @@ the same node names:
    annotation mode), inference-mode ``dropout`` and casts to a tensor's own dtype;
 1b. ``fold_constant_views`` -- slices and views of constants (``in_proj_weight.chunk(3)``) become
    constants, so the weights they are get weight quantization;
-1c. ``decompose_composites`` -- ops the ONNX exporter would expand into several ONNX ops
+1c. ``unroll_recurrent`` -- LSTM/GRU/RNN ops with a static sequence length unrolled over their
+   steps into linears, gates and the cell arithmetic, each quantized (ExecuTorch has no rule for
+   them: they stayed float; ``quantplug_qnn_htp.recurrent``);
+1d. ``decompose_composites`` -- ops the ONNX exporter would expand into several ONNX ops
    (attention, addmm, rsqrt, rms_norm...), rewritten into ops HTP runs one by one, each quantized
    (``quantplug_qnn_htp.decompositions``);
 2. ``decompose`` -- ops HTP has no rule for, rewritten into ops it has (``DecomposeSilu``,
@@ -42,6 +45,7 @@ from quantplug.quantizer.mutation import writes_in_place
 from quantplug_qnn_htp.configs import BLOCK_MAP_STATE
 from quantplug_qnn_htp.decompositions import decompose_composites
 from quantplug_qnn_htp.observers import MASK_THRESHOLD
+from quantplug_qnn_htp.recurrent import unroll_recurrent
 from quantplug_qnn_htp.rules.common import MASK_ARGS_KEY
 
 aten = torch.ops.aten
@@ -488,6 +492,7 @@ PassFn = Callable[[GraphModule, "BackendContext | None"], None]
 PASSES: tuple[tuple[str, PassFn], ...] = (
     ("qnn_htp.remove_asserts", remove_asserts),
     ("qnn_htp.fold_constant_views", fold_constant_views),
+    ("qnn_htp.unroll_recurrent", unroll_recurrent),
     ("qnn_htp.decompose_composites", decompose_composites),
     ("qnn_htp.decompose", decompose),
     ("qnn_htp.lift_scalars", lift_scalars),

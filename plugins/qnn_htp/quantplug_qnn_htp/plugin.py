@@ -58,6 +58,13 @@ INFO = BackendInfo(
             maximum=65536.0,
         ),
         BackendOption(
+            "unroll_recurrent",
+            bool,
+            True,
+            "LSTM/GRU/RNN ops with a static sequence length unrolled over their steps, so their weights "
+            "and gates are quantized (QNN's --expand_lstm_op_structure); False leaves them float",
+        ),
+        BackendOption(
             "eps",
             float,
             None,
@@ -199,13 +206,17 @@ def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[Name
 
 @quantplug.hookimpl
 def quantplug_resolve_sharing(problem: Any, resolve: Callable[[Any], Any], context: BackendContext) -> Any:
-    """Discarded nodes keep their edges float; each group's observer comes from its
-    highest-priority spec (concat and mask-aware observers govern the whole group they join,
-    wherever their key sits in graph order). See ``quantplug_qnn_htp.sharing``."""
+    """Discarded nodes keep their edges float; the steps of an unrolled recurrence share their
+    encodings, observed per calibration batch (``quantplug_qnn_htp.recurrent``); each group's
+    observer comes from its highest-priority spec (concat and mask-aware observers govern the
+    whole group they join, wherever their key sits in graph order). See
+    ``quantplug_qnn_htp.sharing``."""
+    from quantplug_qnn_htp.recurrent import observe_steps_per_pass, share_steps
     from quantplug_qnn_htp.sharing import drop_discarded_edges, prefer_priority_observers, share_fixed_outputs
 
-    reduced = drop_discarded_edges(problem)
-    return prefer_priority_observers(reduced, share_fixed_outputs(reduced, resolve(reduced)))
+    reduced = share_steps(drop_discarded_edges(problem))
+    groups = prefer_priority_observers(reduced, share_fixed_outputs(reduced, resolve(reduced)))
+    return observe_steps_per_pass(reduced, groups)
 
 
 @quantplug.hookimpl
