@@ -5,9 +5,10 @@ For each model of ``bench.algorithm_models`` and each 4-bit configuration, the s
 between the 4-bit preset and its 8-bit-weight counterpart on the 8 calibration batches (the
 selection never sees the held-out batches); each chosen point is then measured on the 4 held-out
 batches, as ``bench.algorithms`` measures everything. Budgets are weight bytes over the all-4-bit
-model (+10 %, +25 %), weights the backend leaves float (``qnn_htp``'s LSTM, ``reference``
-weight-only convolutions) counted at their float32 size; 'half the gap at' is the smallest point of
-the measured curve (calibration SQNR) that closes half the gap, with its size.
+model (+10 %, +25 %), weights the backend leaves float (``reference`` weight-only convolutions;
+``qnn_htp``'s LSTM with ``unroll_recurrent=False``) counted at their float32 size; 'half the gap
+at' is the smallest point of the measured curve (calibration SQNR) that closes half the gap,
+with its size.
 """
 
 from __future__ import annotations
