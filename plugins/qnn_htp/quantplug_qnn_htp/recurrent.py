@@ -23,7 +23,8 @@ arithmetic (equal up to float rounding order).
 
 A tensor of a step (a gate, the cell state, the ``W_hh`` product) shares one encoding with the
 same tensor of every other step (:func:`share_steps`), as QNN's and AIMET's recurrent encodings
-have it: the encodings file holds a gate once, and its observer sees every step. A moving
+have it (a gate is one tensor over time: one scale, whichever step), and its observer sees every
+step. A moving
 average (``act_observer``'s default) then updates once per calibration batch over all steps
 (``SharingGroups.observed_per_pass``): updated at each step, the first one, from the zero
 state, would outweigh the rest.
@@ -43,6 +44,7 @@ from torch.fx import GraphModule, Node
 
 from quantplug import BackendContext
 from quantplug.algorithms.recurrent import RecurrentLayout, recurrent_layout
+from quantplug.annotation.annotators import constant_value
 from quantplug.sharing.problem import SharingProblem
 from quantplug.sharing.resolution import Key, SharingGroups
 from quantplug_qnn_htp.decompositions import _Builder, _shape
@@ -54,15 +56,6 @@ STEP_ROLE_KEY = "qnn_htp_recurrent_role"
 
 #: gates per cell: LSTM (input, forget, cell, output), GRU (reset, update, new), RNN (one)
 _GATES = {"aten.lstm.input": 4, "aten.gru.input": 3, "aten.rnn_tanh.input": 1, "aten.rnn_relu.input": 1}
-
-
-def _constant(gm: GraphModule, node: Any) -> torch.Tensor | None:
-    if isinstance(node, Node) and node.op == "get_attr":
-        value = gm
-        for part in str(node.target).split("."):
-            value = getattr(value, part)
-        return value if isinstance(value, torch.Tensor) else None
-    return None
 
 
 class _Cell:
@@ -83,7 +76,7 @@ class _Cell:
         state is added once per sequence instead of once per step."""
         if biases is None:
             return None, None
-        b_ih, b_hh = (_constant(self.b.gm, p) for p in biases)
+        b_ih, b_hh = (constant_value(p) for p in biases)
         if b_ih is None or b_hh is None:  # not constants: each where the op adds it
             return biases[0], biases[1]
         with torch.no_grad():
