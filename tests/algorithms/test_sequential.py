@@ -263,6 +263,8 @@ def test_an_unrolled_recurrence_is_one_stage_after_its_input_projection() -> Non
     head = graph.call_function(torch.neg, (h,))
     graph.output(head)
     assert stages(list(graph.nodes), [[head.name], steps, [ih.name]]) == [[2], [1], [0]]
+    # two weights applied at one node (a product of two constants) share its stage
+    assert stages(list(graph.nodes), [[head.name], [head.name], steps]) == [[2], [0, 1]]
 
 
 def quantized_sqnr(algorithms: list[Any]) -> float:

@@ -107,10 +107,10 @@ def stages(graph_nodes: Sequence[Node], consumers: Sequence[Sequence[str]]) -> l
     ``W_hr`` read each other). Weights on such a cycle share a stage, so the steps read each
     other rounded to nearest until the stage is chosen: one stage per cycle, not one per step.
     """
-    owner: dict[str, int] = {}
+    owners: dict[str, list[int]] = {}  # node -> the weights applied there (two may share one)
     for k, names in enumerate(consumers):
-        for name in names:
-            owner.setdefault(name, k)
+        for name in dict.fromkeys(names):
+            owners.setdefault(name, []).append(k)
     count = len(consumers)
     deps = [0] * count  # weight -> bit set of the weights upstream of any of its nodes
     upstream: dict[Node, int] = {}  # node -> bit set of the weights its value depends on
@@ -118,10 +118,11 @@ def stages(graph_nodes: Sequence[Node], consumers: Sequence[Sequence[str]]) -> l
         bits = 0
         for arg in node.all_input_nodes:
             bits |= upstream.get(arg, 0)
-        mine = owner.get(node.name)
-        if mine is not None:
-            deps[mine] |= bits
-            bits |= 1 << mine
+        mine = owners.get(node.name, ())
+        for k in mine:
+            deps[k] |= bits
+        for k in mine:
+            bits |= 1 << k
         upstream[node] = bits
     reach = list(deps)  # the transitive closure, by fixed point (bit sets: cheap for any model)
     changed = True
