@@ -411,10 +411,10 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
             if not isinstance(value, torch.Tensor) or value.dim() < 2 or not value.is_floating_point():
                 continue
             consumers = [nodes[c] for p, c in edges if p == producer]
-            layers = [c for c in consumers if _weight_call(gm, c, nodes[producer]) is not None]
-            node = layers[0] if layers else consumers[0]
-            call = _weight_call(gm, node, nodes[producer]) if layers else None
-            tied = tuple(c.name for c in layers[1:] if _same_layer(c, node))
+            calls = ((c, _weight_call(gm, c, nodes[producer])) for c in consumers)
+            layers = [(c, f) for c, f in calls if f is not None]
+            node, call = layers[0] if layers else (consumers[0], None)
+            tied = tuple(c.name for c, _ in layers[1:] if _same_layer(c, node))
             bias_target, bias = _bias_of(gm, node) if call is not None else (None, None)
             recurrent = None
             if call is None:

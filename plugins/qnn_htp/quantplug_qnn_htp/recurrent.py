@@ -67,8 +67,7 @@ class _Cell:
         self.w_ih, self.w_hh = params[0], params[1]
         projected = layout.lstm and layout.stride in (3, 5)
         self.w_hr = params[-1] if projected else None
-        self.gates = _GATES[kind]
-        self.hidden = int(_shape(self.w_hh)[0]) // self.gates
+        self.hidden = int(_shape(self.w_hh)[0]) // _GATES[kind]
         self.bias_x, self.bias_h = self._biases(params[2:4] if layout.has_biases else None)
 
     def _biases(self, biases: list[Any] | None) -> tuple[Any, Any]:
