@@ -212,3 +212,25 @@ def test_shared_steps_keep_held_out_sequences_from_clipping() -> None:
     model = Sequence().eval()
     _, _, converted = _quantize(model, precision="16a8w")
     assert _sqnr(model, converted) > 50.0
+
+
+def test_nan_in_a_calibration_sequence_is_named_or_left_out() -> None:
+    """NaN in one step of one sequence reaches the unrolled ops: a typed error naming the
+    observer's node, or with ``nonfinite="ignore"`` a finite model; the caller's program is
+    not changed by the unroll."""
+    model = Sequence().eval()
+    x = _batches(1, 0)[0]
+    program = torch.export.export(model, (x,))
+    before = [str(n.target) for n in program.graph.nodes]
+    bad = x.clone()
+    bad[0, 3, 2] = float("nan")
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="16a8w")
+    with pytest.raises(quantplug.errors.NonFiniteError, match=r"NaN.*node '"):
+        quantplug.prepare(program, quantizer)(bad)
+    prepared = quantplug.prepare(program, quantizer, nonfinite="ignore")
+    prepared(bad)
+    prepared(x)
+    with torch.no_grad():
+        assert all(torch.isfinite(t).all() for t in quantplug.convert(prepared)(x))
+    assert [str(n.target) for n in program.graph.nodes] == before
+    assert "aten.lstm.input" in before
