@@ -1,6 +1,7 @@
-"""16-bit activations on the zoo: the scale floor and the range margin (observers' ``range_margin``).
+"""Activation ranges on the zoo: the scale floor, the range margin (observers' ``range_margin``) and
+qnn_htp's activation observer.
 
-    python -m bench.activation_margin            # the zoo's 17 models, about 3 minutes on 2 cores
+    python -m bench.activation_margin            # the zoo's 17 models, about 5 minutes on 2 cores
 
 Every zoo model quantized as ``tests/zoo`` does (calibrated on its 2 batches, the program's SQNR
 against float on its 4 held-out batches, one torch thread):
@@ -13,8 +14,10 @@ against float on its 4 held-out batches, one torch thread):
      calibration saw: a margin by accident, and too coarse a grid for narrow tensors);
    * ``margin k``: float32's eps as the floor, the grid covering ``k`` times the calibrated range.
 
-2. ``qnn_htp`` 16a8w and 16a4w with the ``act_range_margin`` option (default 1, ExecuTorch's
-   moving-average observer as it is).
+2. ``qnn_htp`` with the ``act_observer`` and ``act_range_margin`` options: ExecuTorch's
+   defaults (``moving_average``, margin 1), each change alone, and qnn_htp's defaults
+   (``minmax``, margin 4), at 16a8w and 16a4w; at 8a8w and 8a4w (no margin on 8-bit grids) the
+   two observers.
 
 Writes ``bench/results/activation_margin.md``.
 """
@@ -39,9 +42,21 @@ REFERENCE_VARIANTS: tuple[tuple[str, float, float], ...] = (
     ("margin 4 (default)", float(torch.finfo(torch.float32).eps), 4.0),
     ("margin 16", float(torch.finfo(torch.float32).eps), 16.0),
 )
-#: ``qnn_htp`` presets and ``act_range_margin`` values
-QNN_PRESETS = ("16a8w", "16a4w")
-QNN_MARGINS = (1.0, 2.0, 4.0, 8.0)
+#: ``qnn_htp`` (act_observer, act_range_margin) variants per preset; the first is ExecuTorch's
+_SIXTEEN_BIT = (
+    ("moving_average", 1.0),
+    ("moving_average", 4.0),
+    ("minmax", 1.0),
+    ("minmax", 4.0),
+    ("minmax", 8.0),
+)
+_EIGHT_BIT = (("moving_average", 1.0), ("minmax", 1.0))
+QNN_VARIANTS: dict[str, tuple[tuple[str, float], ...]] = {
+    "16a8w": _SIXTEEN_BIT,
+    "16a4w": _SIXTEEN_BIT,
+    "8a8w": _EIGHT_BIT,
+    "8a4w": _EIGHT_BIT,
+}
 
 
 def _measure(name: str, backend: str, preset: str, **options: float) -> float:
@@ -66,6 +81,18 @@ def reference_row(name: str) -> list[float]:
     finally:
         configs.ACTIVATION_EPS, configs.ACTIVATION_MARGIN_16BIT = kept
     return row
+
+
+def _label(observer: str, margin: float, preset: str) -> str:
+    from quantplug_qnn_htp.configs import DEFAULT_ACT_OBSERVER, DEFAULT_ACT_RANGE_MARGIN
+
+    sixteen = preset.startswith("16a")
+    label = f"{observer}, margin {margin:g}" if sixteen else observer
+    if (observer, margin) == ("moving_average", 1.0):
+        return label + " (ExecuTorch's)"
+    if observer == DEFAULT_ACT_OBSERVER and (margin == DEFAULT_ACT_RANGE_MARGIN or not sixteen):
+        return label + " (default)"
+    return label
 
 
 def table(title: str, labels: Sequence[str], rows: dict[str, list[float]]) -> list[str]:
@@ -100,20 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     reference = {name: reference_row(name) for name in args.models}
     qnn = {
         preset: {
-            name: [_measure(name, "qnn_htp", preset, act_range_margin=m) for m in QNN_MARGINS]
+            name: [_measure(name, "qnn_htp", preset, act_observer=o, act_range_margin=m) for o, m in variants]
             for name in args.models
         }
-        for preset in QNN_PRESETS
+        for preset, variants in QNN_VARIANTS.items()
     }
     lines = [
-        "# 16-bit activations: the scale floor and the range margin on the zoo\n",
+        "# Activation ranges on the zoo: the scale floor, the range margin and the observer\n",
         f"`python -m bench.activation_margin` ({(time.perf_counter() - started) / 60:.1f} min, one torch "
         "thread). SQNR (dB) of the program against float on the zoo's held-out batches, calibrated on "
         "its 2 batches; variants in the module's docstring.\n",
         *table("`reference` a16w8", [label for label, _, _ in REFERENCE_VARIANTS], reference),
     ]
     for preset, rows in qnn.items():
-        labels = [f"act_range_margin={m:g}" + (" (default)" if m == 1.0 else "") for m in QNN_MARGINS]
+        labels = [_label(o, m, preset) for o, m in QNN_VARIANTS[preset]]
         lines += table(f"`qnn_htp` {preset}", labels, rows)
     (RESULTS / "activation_margin.md").write_text("\n".join(lines))
     return 0

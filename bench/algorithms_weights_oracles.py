@@ -88,7 +88,7 @@ class Decoder(nn.Module):
 
 
 #: qnn_htp's options that give AIMET's grid (qnn_grid_study.md): per-channel linear weights, min-max
-AIMET_GRID_OPTIONS = {"per_channel_linear": True, "act_observer": "minmax"}
+AIMET_GRID_OPTIONS = {"per_channel_linear": True, "act_observer": "minmax", "act_range_margin": 1.0}
 AIMET_GRID_OPTIONS_LABEL = "per_channel_linear+minmax"
 #: (row, quantplug algorithms) compared with AIMET's same-named run
 AIMET_SIDE_BY_SIDE: tuple[tuple[str, tuple[Any, ...]], ...] = (

@@ -10,11 +10,12 @@ program. Flows:
 * ``quantplug`` : ``quantplug.prepare(ep, X86InductorQuantizer)`` / ``quantplug.convert`` (the very
                   same annotations: torchao's quantizer annotates the graph)
 * ``reference`` : ``quantplug.prepare(ep, quantplug.get_quantizer("reference"))`` / convert
-* ``qnn_htp``   : ``quantplug.prepare(ep, quantplug.get_quantizer("qnn_htp", precision="16a8w"))``
-                  / convert (quantplug's own Qualcomm HTP rules)
+* ``qnn_htp``   : ``quantplug.prepare(ep, quantplug.get_quantizer("qnn_htp", precision="16a8w",
+                  **EXECUTORCH_DEFAULTS))`` / convert (quantplug's own Qualcomm HTP rules, with
+                  ExecuTorch's moving-average activation observer)
 * ``executorch``: ``prepare_pt2e(ep.module(), QnnQuantizer)`` / ``convert_pt2e`` with ExecuTorch
-                  1.5.1's QnnQuantizer configured like ``qnn_htp``'s defaults (use_16a8w, per-channel
-                  conv weights, per-tensor linear weights, SM8750)
+                  1.5.1's QnnQuantizer configured like ``qnn_htp`` (use_16a8w, per-channel conv
+                  weights, per-tensor linear weights, SM8750)
 
 Stage times are the minimum over repeats. Memory (peak RSS growth and tracemalloc peak of prepare
 and of convert) is measured in a separate, untimed pass.
@@ -116,10 +117,12 @@ def make_flows(names: tuple[str, ...]) -> list[Flow]:
         )
     if "qnn_htp" in names:
         quantplug.get_quantizer("qnn_htp", precision="16a8w")  # raises now if the plugin is missing
+        from quantplug_qnn_htp import EXECUTORCH_DEFAULTS
+
         flows.append(
             Flow(
                 "qnn_htp",
-                lambda: quantplug.get_quantizer("qnn_htp", precision="16a8w"),
+                lambda: quantplug.get_quantizer("qnn_htp", precision="16a8w", **EXECUTORCH_DEFAULTS),
                 quantplug.prepare,
                 quantplug.convert,
             )

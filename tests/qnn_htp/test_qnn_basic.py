@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
@@ -298,16 +300,16 @@ def test_block_size_not_dividing_channels_names_node_and_shapes() -> None:
 
 @pytest.mark.parametrize("precision", ["16a8w", "8a8w"])
 def test_act_range_margin_widens_16_bit_activation_grids_only(precision: str) -> None:
-    """``act_range_margin=4`` gives every 16-bit activation 4 times the default's scale (the same
-    calibration, the grid covering 4 times its range); 8-bit grids have no steps to spare and keep
-    theirs. The concat's shared encoding is widened too; fixed encodings (the sigmoid's) are not
-    observed ranges and stay."""
+    """The default ``act_range_margin`` (4) gives every 16-bit activation 4 times the scale of
+    ExecuTorch's ``act_range_margin=1`` (the same calibration, the grid covering 4 times its
+    range); 8-bit grids have no steps to spare and keep theirs. The concat's shared encoding is
+    widened too; fixed encodings (the sigmoid's) are not observed ranges and stay."""
     torch.manual_seed(1)  # the same weights for both
-    default, _ = _run(ConvNet(), (1, 3, 16, 16), precision=precision)
+    narrow, _ = _run(ConvNet(), (1, 3, 16, 16), precision=precision, act_range_margin=1.0)
     torch.manual_seed(1)
-    widened, _ = _run(ConvNet(), (1, 3, 16, 16), precision=precision, act_range_margin=4.0)
+    widened, _ = _run(ConvNet(), (1, 3, 16, 16), precision=precision)
     factor = 4.0 if precision.startswith("16a") else 1.0
-    pairs = list(zip(_calls(default, Q_OPS), _calls(widened, Q_OPS), strict=True))
+    pairs = list(zip(_calls(narrow, Q_OPS), _calls(widened, Q_OPS), strict=True))
     assert pairs
     for a, b in pairs:
         wanted = a.args[1] if a.args[0].name == "sigmoid" else a.args[1] * factor
@@ -315,3 +317,36 @@ def test_act_range_margin_widens_16_bit_activation_grids_only(precision: str) ->
     assert {a.args[0].name for a, _ in pairs} >= {"x", "conv2d", "relu", "cat", "add", "sigmoid"}
     with pytest.raises(OptionError, match="act_range_margin"):
         quantplug.get_quantizer("qnn_htp", precision=precision, act_range_margin=0.5)
+
+
+def _encodings_after(
+    batches: list[torch.Tensor], order: list[int], **options: object
+) -> list[tuple[object, ...]]:
+    torch.manual_seed(0)  # the same weights for every order
+    ep = torch.export.export(ConvNet().eval(), (batches[0],))
+    prepared = quantplug.prepare(ep, quantplug.get_quantizer("qnn_htp", precision="16a8w", **options))
+    with torch.no_grad():
+        for index in order:
+            prepared(batches[index])
+    return [(n.args[0].name, *n.args[1:]) for n in _calls(quantplug.convert(prepared), Q_OPS)]
+
+
+@settings(max_examples=6, deadline=None)
+@given(order=st.permutations(range(5)))
+def test_default_encodings_do_not_depend_on_the_calibration_batches_order(order: list[int]) -> None:
+    """The default activation observer takes the extremes over every batch: any order of the same
+    batches gives the same encodings, bit for bit (ExecuTorch's moving average does not: below)."""
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(1, 3, 16, 16, generator=g) * (1 + i) for i in range(5)]
+    assert _encodings_after(batches, list(order)) == _encodings_after(batches, list(range(5)))
+
+
+def test_executorch_defaults_moving_average_depends_on_the_order() -> None:
+    """What the default fixes: with ``EXECUTORCH_DEFAULTS`` the first batch sets the range and
+    later ones move it by 1 %, so reversing the batches changes the encodings."""
+    from quantplug_qnn_htp import EXECUTORCH_DEFAULTS
+
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(1, 3, 16, 16, generator=g) * (1 + i) for i in range(5)]
+    forward = _encodings_after(batches, list(range(5)), **EXECUTORCH_DEFAULTS)
+    assert forward != _encodings_after(batches, list(reversed(range(5))), **EXECUTORCH_DEFAULTS)

@@ -40,6 +40,7 @@ pytest.importorskip("torchao.quantization.pt2e")
 qnn = pytest.importorskip("executorch.backends.qualcomm.quantizer.quantizer")
 
 from quantplug.flow.inspect import attr_value  # noqa: E402
+from quantplug_qnn_htp import EXECUTORCH_DEFAULTS  # noqa: E402
 from quantplug_qnn_htp.observers import lpbq_effective_scales  # noqa: E402
 from quantplug_qnn_htp.plugin import set_block_size_map  # noqa: E402
 
@@ -225,7 +226,9 @@ def run_executorch(name: str, preset: str, **config: Any) -> GraphModule:
 def run_quantplug(name: str, preset: str, **options: Any) -> GraphModule:
     model, example, batches = build(name)
     ep = torch.export.export(model, example)
-    quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", **{**PRESETS[preset][2], **options})
+    quantizer = quantplug.get_quantizer(
+        "qnn_htp", soc_model="SM8650", **{**EXECUTORCH_DEFAULTS, **PRESETS[preset][2], **options}
+    )
     if preset == "16a4w_block":
         set_block_size_map(quantizer, CASES[name].lpbq)
     prepared = quantplug.prepare(ep, quantizer)
@@ -453,7 +456,9 @@ def test_degenerate_weights_floor_only_the_clipping_bias_channels(preset: str) -
     for b in batches:
         prepared(*b)
     theirs = canonical(_silently(lambda: convert_pt2e(prepared)))
-    ours_prepared = quantplug.prepare(ep, quantplug.get_quantizer("qnn_htp", soc_model="SM8650", **options))
+    ours_prepared = quantplug.prepare(
+        ep, quantplug.get_quantizer("qnn_htp", soc_model="SM8650", **{**EXECUTORCH_DEFAULTS, **options})
+    )
     for b in batches:
         ours_prepared(*b)
     ours = canonical(quantplug.convert(ours_prepared))

@@ -5,6 +5,7 @@ complete and holds each recurrent weight once, and the weight algorithms see eve
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -145,7 +146,10 @@ def test_every_recurrent_weight_and_gate_is_encoded_and_stored_once(
     with torch.no_grad():
         want = converted(x)
     for g, w in zip(got, want):
-        assert np.allclose(g, w.numpy(), atol=1e-4)
+        # the same program: a Q/DQ rounding step that flips with the float summation order (ORT's
+        # matmuls against torch's) moves later steps by a few grid steps, a wrong op by far more
+        error = float(np.square(g - w.numpy()).sum())
+        assert 10 * math.log10(float(np.square(g).sum()) / max(error, 1e-30)) > 50.0
 
 
 def test_unroll_recurrent_false_leaves_the_op_float() -> None:
@@ -189,7 +193,8 @@ def test_the_algorithms_see_every_step_of_a_tied_state_weight() -> None:
 def _prepared(steps: int, precision: str = "16a8w") -> Any:
     x = torch.randn(3, steps, 6)
     program = torch.export.export(Sequence().eval(), (x,))
-    prepared = quantplug.prepare(program, quantplug.get_quantizer("qnn_htp", precision=precision))
+    quantizer = quantplug.get_quantizer("qnn_htp", precision=precision, act_observer="moving_average")
+    prepared = quantplug.prepare(program, quantizer)
     prepared(x)
     return prepared
 
@@ -208,9 +213,11 @@ def test_each_tensor_of_a_step_has_one_encoding_over_all_steps() -> None:
 def test_shared_steps_keep_held_out_sequences_from_clipping() -> None:
     """Per-step encodings see one step of each calibration sequence, and a moving average shared
     by the steps but updated at every call is dominated by the first step, from the zero state:
-    on this LSTM at 16a8w 43.1 dB and 22.5 dB. One update per batch over all steps: 54.2 dB."""
+    on this LSTM at 16a8w 43.1 dB and 22.5 dB. One update per batch over all steps: 54.2 dB.
+    (ExecuTorch's observer and grid, which QAT's default keeps: the default min-max observer does
+    not depend on the calls' order.)"""
     model = Sequence().eval()
-    _, _, converted = _quantize(model, precision="16a8w")
+    _, _, converted = _quantize(model, precision="16a8w", act_observer="moving_average", act_range_margin=1.0)
     assert _sqnr(model, converted) > 50.0
 
 

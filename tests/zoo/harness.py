@@ -196,18 +196,17 @@ PEERS: dict[tuple[str, str], Peer] = {
 }
 
 
-@functools.cache
-def peer_options(name: str, backend: str, preset: str) -> Options:
-    """The options ours runs under when compared with the peer: the peer's, and for a model with
-    LSTM/GRU/RNN ops at qnn_htp ``unroll_recurrent=False``: QnnQuantizer has no rule for them and
-    leaves them float, so the like-for-like comparison quantizes what it quantizes (by default
-    qnn_htp unrolls and quantizes them, a larger scope that the floors measure)."""
-    from quantplug.algorithms.recurrent import RECURRENT_OPS
-
+def peer_options(backend: str, preset: str) -> Options:
+    """The options ours runs under when compared with the peer: the peer's, and at qnn_htp
+    ``EXECUTORCH_DEFAULTS`` (QnnQuantizer's moving-average observer without a range margin, and
+    LSTM/GRU/RNN ops left float, as it has no rule for them): the like-for-like comparison
+    quantizes what it quantizes, as it does (qnn_htp's defaults, which the floors measure, observe
+    the calibrated extremes with a 16-bit margin and unroll recurrent layers)."""
     options = PEERS[(backend, preset)].options
-    recurrent = any(str(n.target) in RECURRENT_OPS for n in float_case(name).program.graph.nodes)
-    if backend == "qnn_htp" and recurrent:
-        return (*options, ("unroll_recurrent", False))
+    if backend == "qnn_htp":
+        from quantplug_qnn_htp import EXECUTORCH_DEFAULTS
+
+        return (*options, *sorted(EXECUTORCH_DEFAULTS.items()))
     return options
 
 
@@ -250,7 +249,7 @@ def redrawn_sqnrs(name: str, backend: str, preset: str, draws: int) -> list[tupl
         reference = run(case.model, held_out)
         with quiet():
             prepared = quantplug.prepare(
-                case.program, quantizer(backend, preset, **dict(peer_options(name, backend, preset)))
+                case.program, quantizer(backend, preset, **dict(peer_options(backend, preset)))
             )
             run(prepared, calibration)
             ours = sqnr(reference, run(quantplug.convert(prepared), held_out))

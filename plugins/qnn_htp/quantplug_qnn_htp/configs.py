@@ -92,6 +92,15 @@ PRECISIONS: dict[str, str] = {
 }
 DEFAULT_PRECISION = "8a8w"
 ACT_OBSERVERS = ("moving_average", "minmax", "histogram")
+#: PTQ activations are observed over every calibration batch's extremes: a moving average (ExecuTorch's
+#: choice) depends on batch order, its first batch dominates with torchao's averaging constant, and no
+#: split across processes reproduces it; QAT keeps the moving average, which follows the activations
+#: as training moves them (bench/results/activation_margin.md)
+DEFAULT_ACT_OBSERVER = "minmax"
+DEFAULT_QAT_ACT_OBSERVER = "moving_average"
+#: 16-bit activation grids cover 4 times their calibrated range: held-out values beyond what the
+#: calibration batches reached are kept at the cost of 2 of 16 bits (bench/results/activation_margin.md)
+DEFAULT_ACT_RANGE_MARGIN = 4.0
 DEFAULT_BLOCK_SIZE = 64
 #: the smallest LPBQ block chosen automatically (a smaller requested block_size lowers it): below
 #: it a 4-bit block scale per few weights costs more memory than per-channel weights lose
@@ -186,8 +195,11 @@ def build_config(precision: str | None, options: Mapping[str, Any]) -> QnnQuanti
         raise OptionError(f"option 'eps' of backend 'qnn_htp' must be positive, got {eps!r}")
     qat = bool(options.get("qat", False))
     # the margin is for 16-bit grids only: 8-bit ones have no steps to spare
-    act_margin = float(options.get("act_range_margin") or 1.0) if torch.iinfo(act_dtype).bits == 16 else 1.0
-    act_obs = activation_observer(options.get("act_observer") or "moving_average", eps, act_margin)
+    range_margin = options.get("act_range_margin")
+    range_margin = DEFAULT_ACT_RANGE_MARGIN if range_margin is None else float(range_margin)
+    act_margin = range_margin if torch.iinfo(act_dtype).bits == 16 else 1.0
+    default_observer = DEFAULT_QAT_ACT_OBSERVER if qat else DEFAULT_ACT_OBSERVER
+    act_obs = activation_observer(options.get("act_observer") or default_observer, eps, act_margin)
     symmetric_act = bool(options.get("act_symmetric", False))
     act = QuantizationSpec(
         dtype=act_dtype,

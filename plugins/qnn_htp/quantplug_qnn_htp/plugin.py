@@ -45,15 +45,20 @@ INFO = BackendInfo(
             "int8 per-channel embedding tables (else the activation grid)",
         ),
         BackendOption(
-            "act_observer", str, "moving_average", "activation range observer", choices=configs.ACT_OBSERVERS
+            "act_observer",
+            str,
+            None,
+            f"activation range observer (default {configs.DEFAULT_ACT_OBSERVER}, with qat "
+            f"{configs.DEFAULT_QAT_ACT_OBSERVER}; ExecuTorch's is moving_average)",
+            choices=configs.ACT_OBSERVERS,
         ),
         BackendOption("act_symmetric", bool, False, "symmetric activations (zero point at the grid middle)"),
         BackendOption(
             "act_range_margin",
             float,
-            1.0,
-            "16-bit activations cover this many times their calibrated range (1: ExecuTorch's; 4 keeps "
-            "held-out values the calibration batches did not reach: bench/results/activation_margin.md)",
+            configs.DEFAULT_ACT_RANGE_MARGIN,
+            "16-bit activations cover this many times their calibrated range, keeping held-out values "
+            "the calibration batches did not reach (1: ExecuTorch's; bench/results/activation_margin.md)",
             minimum=1.0,
             maximum=65536.0,
         ),
