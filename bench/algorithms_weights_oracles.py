@@ -26,10 +26,11 @@ Same 8 calibration batches, SQNR on 4 others, in one run.
   -- its default, ``apply_seq_mse``, ``Adaround`` (500 steps per layer, as quantplug's default)
   -- on qnn_htp's 4-bit grid ``[-7, 7]`` and on AIMET's own ``[-8, 7]`` (:func:`aimet_run`),
   against quantplug ``qnn_htp`` 16a4w with ``per_channel_linear=True, act_observer="minmax"``
-  (AIMET's grid options, ``bench/results/qnn_grid_study.md``; the preset itself, ExecuTorch's
-  per-tensor linear weights and moving-average observer, is listed too): default, ``seq_mse``,
-  ``adaround``, both, and ``seq_mse`` with AIMET's candidates (which reproduces AIMET's SeqMSE on
-  the same grid: the implementations agree; the defaults' wider search is what is ahead).
+  and ``act_range_margin=1`` (AIMET's grid options, ``bench/results/qnn_grid_study.md``; the
+  preset on ExecuTorch's grid, per-tensor linear weights and its moving-average observer, is
+  listed too): default, ``seq_mse``, ``adaround``, both, and ``seq_mse`` with AIMET's candidates
+  (which reproduces AIMET's SeqMSE on the same grid: the implementations agree; the defaults'
+  wider search is what is ahead).
 
 NNCF's grid differs slightly (its int4 is [-8, 7] with scale max/8, reference's [-8, 7] with
 max/7.5): compare each tool's gain over its own default as well as the absolute SQNR.
@@ -381,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ):
                 attempt(f"NNCF 3.4 INT4_SYM g32 {label}", partial(nncf_run, model, batches, **flags), rows)
         if "aimet" in args.tools:
-            preset = {"precision": "16a4w"}
+            # the preset on ExecuTorch's grid: per-tensor linear weights, its moving-average observer
+            preset = {"precision": "16a4w", "act_observer": "moving_average", "act_range_margin": 1.0}
             for algs in ((), ("seq_mse",), ("adaround",), ("seq_mse", "adaround")):
                 label = "quantplug qnn_htp 16a4w " + ("+".join(algs) or "default")
                 attempt(label, partial(ours, model, batches, "qnn_htp", algs, **preset), rows)

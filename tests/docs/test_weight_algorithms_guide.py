@@ -50,20 +50,23 @@ def test_the_recommendation_is_the_benchs_least_shortfall() -> None:
     shortfalls = _shortfalls()
     mean = {name: sum(s) / len(s) for name, s in shortfalls.items()}
     winner = min(mean, key=mean.__getitem__)
-    assert winner == "smoothquant+gptq(scale_search=20)+bias_correction"
+    assert winner == "cle+gptq(scale_search=20)+bias_correction"
     section = " ".join(_section().split())
     assert f"Of the {len(shortfalls)} single algorithms and combinations" in section
     assert f"{mean[winner]:.2f} dB on average, {max(shortfalls[winner]):.2f} at most" in section
-    assert f"Without SmoothQuant: {mean['gptq(scale_search=20)+bias_correction']:.2f}" in section
+    smoothquant = "smoothquant+gptq(scale_search=20)+bias_correction"
+    assert f"With SmoothQuant in CLE's place: {mean[smoothquant]:.2f} on average" in section
+    assert f"but {max(shortfalls[smoothquant]):.1f} short" in section
+    assert f"with neither, {mean['gptq(scale_search=20)+bias_correction']:.2f}" in section
     assert f"(`seq_mse`, `gptq`, `bias_correction`): {mean['seq_mse+gptq+bias_correction']:.2f}" in section
 
 
 def test_the_recommended_command_runs(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = _command()
-    assert args[:2] == ["-A", "smoothquant"]
+    assert args[:2] == ["-A", "cle"]
     backend = ["-b", "reference", "-o", "preset=weight_only_int4"]
     done = run_cli("quantize", "--out", str(out), *backend, *args, "-q")
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "report.json").read_text())
-    assert report["options"]["algorithms"] == "smoothquant, gptq(scale_search=20), bias_correction"
+    assert report["options"]["algorithms"] == "cle, gptq(scale_search=20), bias_correction"
