@@ -108,8 +108,10 @@ def main() -> None:
             f"`python -m bench.recurrent_unroll` ({minutes:.1f} min, torch threads 2). "
             + " ".join(__doc__.split("\n\n")[2].split()),
             "With `False` the LSTM's weights ship as float32 and run outside the quantized graph; "
-            "with `True` they are 4- or 8-bit and every gate has an encoding. Most of the unrolled "
-            "ONNX file is the exporter's per-node metadata (stack traces, names).",
+            "with `True` they are 4- or 8-bit and every gate has an encoding. The unrolled ONNX "
+            "file is mostly its graph: a Q/DQ pair on every tensor of every step, their names and "
+            "each node's module path (lowering drops the exporter's other per-node notes, stack "
+            "traces and FX text, which made the 100-step file 14.7 MiB).",
             "",
             *lines,
             "",

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 import quantplug
 from quantplug.lowering import onnx_translate
-from quantplug.lowering.onnx_export import export_qdq_onnx
+from quantplug.lowering.onnx_export import compact_node_metadata, export_qdq_onnx
 
 from .models import batches, build, quantize
 from .test_exact_mapping import check_exact
@@ -286,3 +286,61 @@ def test_module_names_that_are_not_identifiers_lower(preset: str) -> None:
     converted = quantplug.convert(prepared)
     artifact = quantplug.lower(converted, quantizer)
     assert torch.allclose(torch.as_tensor(artifact.run(x)), converted(x), atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "backend,options", [("reference", {}), ("qnn_htp", {"precision": "16a4w_block", "block_size": 16})]
+)
+def test_the_artifact_keeps_only_each_nodes_module_path(backend: str, options: dict[str, Any]) -> None:
+    """The exporter notes a stack trace, the FX node's text, class hierarchy and name scopes on
+    every ONNX node; the shipped model keeps the module path (``namespace``) of every node that
+    had one, and nothing else of them (the model as exported had them all)."""
+    quantizer, program = _program("transformer_block", backend, **options)
+    raw = export_qdq_onnx(program).model
+    noted = {p.key for n in raw.graph.node for p in n.metadata_props}
+    assert {"namespace", "pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node"} <= noted
+    shipped = onnx.load_from_string(quantplug.lower(program, quantizer).files["model.onnx"])
+    paths = {n.name: [p.value for p in n.metadata_props] for n in shipped.graph.node}
+    assert all(p.key == "namespace" for n in shipped.graph.node for p in n.metadata_props)
+    had = {n.name for n in raw.graph.node if any(p.key == "namespace" for p in n.metadata_props)}
+    assert had and all(len(paths[name]) == 1 for name in had if name in paths)
+
+
+def test_compacting_metadata_reaches_subgraphs_and_reports_the_bytes() -> None:
+    """``compact_node_metadata`` walks nested graphs (an ``If``'s branches) and functions, and
+    returns exactly the bytes it removed."""
+    from onnx import helper
+
+    def noted(name: str, op: str, inputs: list[str], outputs: list[str], **attrs: Any) -> Any:
+        node = helper.make_node(op, inputs, outputs, name=name, **attrs)
+        node.metadata_props.add(key="namespace", value=f"m: {name}")
+        node.metadata_props.add(key="pkg.torch.onnx.stack_trace", value="File x.py, line 1\n" * 20)
+        return node
+
+    branch = helper.make_graph(
+        [noted("inner", "Identity", ["x"], ["y"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    graph = helper.make_graph(
+        [noted("cond", "If", ["c"], ["y"], then_branch=branch, else_branch=branch)],
+        "g",
+        [
+            helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1]),
+        ],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    function = helper.make_function("local", "f", ["a"], ["b"], [noted("fn", "Identity", ["a"], ["b"])], [])
+    model = helper.make_model(graph, functions=[function])
+    before = model.ByteSize()
+    removed = compact_node_metadata(model)
+    assert removed == before - model.ByteSize() > 0
+    nodes = [
+        model.graph.node[0],
+        *(a.g.node[0] for a in model.graph.node[0].attribute),
+        model.functions[0].node[0],
+    ]
+    for node in nodes:
+        assert [(p.key, p.value) for p in node.metadata_props] == [("namespace", f"m: {node.name}")]

@@ -120,7 +120,8 @@ def test_every_recurrent_weight_and_gate_is_encoded_and_stored_once(
 ) -> None:
     """Strict lowering passes (every tensor of a quantized op has an encoding, nothing is left
     float); each recurrent weight, read at every step, is one initializer of the ONNX model and
-    one entry of the encodings; ONNX Runtime computes what the converted program does."""
+    one entry of the encodings, the folded biases named after the parameters they hold; ONNX
+    Runtime computes what the converted program does."""
     pytest.importorskip("onnxruntime")
     import numpy as np
     import onnx
@@ -140,6 +141,14 @@ def test_every_recurrent_weight_and_gate_is_encoded_and_stored_once(
     encodings = json.loads((tmp_path / "model.encodings").read_text())
     encoded = json.dumps(encodings)
     assert all(f"rnn.{name}" in encoded or f"rnn_{name}" in encoded for name in weights)
+    # the folded biases are named after the module's parameters they hold
+    folded = (
+        ["rnn_bias_ih_l0_plus_hh"] if cell is nn.LSTM else ["rnn_bias_ih_l0_plus_hh_rz", "rnn_bias_hh_l0_n"]
+    )
+    if options.get("bidirectional"):
+        folded += [name.replace("_l0", "_l0_reverse") for name in folded]
+    assert all(f'"{name}' in encoded for name in folded), folded
+    assert "_recurrent_bias" not in encoded
     session = ort.InferenceSession(str(tmp_path / "model.onnx"))
     x = _batches(1, 5)[0]
     got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
@@ -208,6 +217,24 @@ def test_each_tensor_of_a_step_has_one_encoding_over_all_steps() -> None:
     calls = {getattr(state.observer(long, g.gid), "calls_per_pass", None) for g in state.groups if g.per_pass}
     assert 9 in calls  # a gate of one layer and direction: once per step
     assert not any(g.per_pass for g in short.meta[STATE_KEY].groups if g.constant)
+
+
+def test_qat_fake_quantizes_a_shared_step_tensor_on_one_range_per_pass() -> None:
+    """QAT keeps the moving average (its default): the observer inside each step group's
+    fake-quant module is told the steps' calls, so one training forward pass is one update
+    and every step is fake-quantized on the same range."""
+    x = torch.randn(3, 9, 6)
+    program = torch.export.export(Sequence().train(), (x,))
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="16a8w", qat=True)
+    prepared = quantplug.prepare(program, quantizer, qat=True)
+    state = prepared.meta[STATE_KEY]
+    modules = [state.observer(prepared, g.gid) for g in state.groups if g.per_pass and not g.constant]
+    assert modules
+    inner = [m.activation_post_process for m in modules]
+    averages = [m for m in inner if type(m).__name__ == "MovingAverageMinMaxObserver"]
+    assert 9 in {m.calls_per_pass for m in averages}
+    prepared(x)
+    assert all(int(m.num_batches) == 1 for m in averages if m.calls_per_pass > 1)
 
 
 def test_shared_steps_keep_held_out_sequences_from_clipping() -> None:

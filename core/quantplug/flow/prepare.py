@@ -427,8 +427,9 @@ def _build_groups(
 
 def _count_calls_per_pass(gm: GraphModule, state: PreparedState) -> None:
     """Tell the observer of each per-pass group how many of its calls make one forward pass (its
-    call sites in the graph: every node runs once per pass). Observers without a
-    ``calls_per_pass`` (min-max ones, whose result does not depend on it) are left alone."""
+    call sites in the graph: every node runs once per pass), or in QAT of the observer its
+    fake-quant module wraps. Observers without a ``calls_per_pass`` (min-max ones, whose result
+    does not depend on it) are left alone."""
     per_pass = {g.target: g for g in state.groups if g.per_pass}
     if not per_pass:
         return
@@ -438,6 +439,7 @@ def _count_calls_per_pass(gm: GraphModule, state: PreparedState) -> None:
             calls[str(node.target)] = calls.get(str(node.target), 0) + 1
     for target, count in calls.items():
         obs = state.observer(gm, per_pass[target].gid)
+        obs = getattr(obs, "activation_post_process", obs)  # QAT: the observer a fake-quant wraps
         if hasattr(obs, "calls_per_pass"):
             setattr(obs, "calls_per_pass", count)  # noqa: B010 (nn.Module's typed __setattr__)
 

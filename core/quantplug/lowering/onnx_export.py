@@ -62,6 +62,7 @@ __all__ = [
     "STATIC_QUANTIZE",
     "OnnxExportResult",
     "OnnxTensorInfo",
+    "compact_node_metadata",
     "export_qdq_onnx",
     "onnx_block_form",
     "pack_int4_constants",
@@ -725,6 +726,40 @@ def pack_int4_constants(result: OnnxExportResult) -> list[str]:
 
 
 # --------------------------------------------------------------------------------- model helpers
+
+
+#: what an artifact keeps of the torch exporter's notes on each ONNX node: its module path and
+#: class (``"encoder.layers.0: EncoderLayer/linear_3: aten.linear.default"``), which viewers such
+#: as Netron show beside the node
+KEPT_NODE_METADATA = frozenset({"namespace"})
+
+
+def compact_node_metadata(model: Any, keep: frozenset[str] = KEPT_NODE_METADATA) -> int:
+    """Drop every node's metadata but ``keep`` (in subgraphs and functions too); return the bytes
+    removed.
+
+    The exporter notes the node's stack trace, FX text, class hierarchy and name scopes on every
+    ONNX node: per node what the program's provenance already holds, and most of a large graph's
+    file (two thirds of an unrolled LSTM's: ``bench/results/recurrent_unroll.md``). A backend calls
+    this after the checks that read them, so what it ships is the model without them.
+    """
+    before = model.ByteSize()
+
+    def nodes(listed: Any) -> Any:
+        for node in listed:
+            yield node
+            for attribute in node.attribute:
+                for graph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                    yield from nodes(graph.node)
+
+    for owner in (model.graph, *model.functions):
+        for node in nodes(owner.node):
+            kept = [(p.key, p.value) for p in node.metadata_props if p.key in keep]
+            if len(kept) != len(node.metadata_props):
+                del node.metadata_props[:]
+                for key, value in kept:
+                    node.metadata_props.add(key=key, value=value)
+    return int(before - model.ByteSize())
 
 
 def _value_infos(onnx: Any, values: Any, initializers: Any) -> list[OnnxTensorInfo]:

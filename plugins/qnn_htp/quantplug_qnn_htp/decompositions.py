@@ -105,12 +105,13 @@ class _Builder:
             node = self.gm.graph.call_function(target, tuple(args), kwargs)
         return self._finish(node, value)
 
-    def constant(self, prefix: str, tensor: torch.Tensor) -> Node:
-        """A ``get_attr`` of a new buffer holding ``tensor`` (a static mask, for example)."""
+    def constant(self, prefix: str, tensor: torch.Tensor, *, exact: bool = False) -> Node:
+        """A ``get_attr`` of a new buffer holding ``tensor`` (a static mask, for example), named
+        ``prefix`` and a number, or with ``exact`` ``prefix`` itself while that name is free."""
         i = 0
         while hasattr(self.gm, f"{prefix}{i}"):
             i += 1
-        name = f"{prefix}{i}"
+        name = prefix if exact and not hasattr(self.gm, prefix) else f"{prefix}{i}"
         self.gm.register_buffer(name, tensor)
         with self.gm.graph.inserting_before(self.anchor):
             node = self.gm.graph.get_attr(name)

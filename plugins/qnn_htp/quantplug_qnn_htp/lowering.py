@@ -199,9 +199,12 @@ def _quantizer_args(context: BackendContext, encs: Sequence[qnn_enc.QnnEncoding]
 
 def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
     """``model.onnx`` + ``model.encodings`` (AIMET ``encodings_version``) for QNN converters."""
+    from quantplug.lowering.onnx_export import compact_node_metadata
+
     version = context.option("encodings_version") or qnn_enc.DEFAULT_VERSION
     model, encs, conflicts = onnx_encodings(program, context)
     completeness = check_completeness(model, [e.name for e in encs], program, strict=context.strict)
+    compact_node_metadata(model)  # the check above read the exporter's notes; the file ships without
     try:
         document = qnn_enc.to_aimet(encs, version, quantizer_args=_quantizer_args(context, encs))
     except qnn_enc.EncodingError as exc:

@@ -58,6 +58,12 @@ STEP_ROLE_KEY = "qnn_htp_recurrent_role"
 _GATES = {"aten.lstm.input": 4, "aten.gru.input": 3, "aten.rnn_tanh.input": 1, "aten.rnn_relu.input": 1}
 
 
+def _parameter_name(node: Node) -> str:
+    """A parameter node's name as a buffer name: ``rnn.bias_ih_l0`` -> ``rnn_bias_ih_l0``."""
+    target = node.target if node.op == "get_attr" else node.name
+    return str(target).replace(".", "_")
+
+
 class _Cell:
     """One layer and direction of a recurrent op, its parameters as graph nodes."""
 
@@ -78,15 +84,21 @@ class _Cell:
         b_ih, b_hh = (constant_value(p) for p in biases)
         if b_ih is None or b_hh is None:  # not constants: each where the op adds it
             return biases[0], biases[1]
+        # named after the module's parameters, as the encodings list them: rnn.bias_ih_l0 and
+        # rnn.bias_hh_l0 folded -> rnn_bias_ih_l0_plus_hh (GRU: _plus_hh_rz, and bias_hh_l0_n)
+        ih, hh = (_parameter_name(p) for p in biases)
         with torch.no_grad():
             if self.kind != "aten.gru.input":
-                return self.b.constant("_recurrent_bias_", (b_ih + b_hh).detach()), None
+                return self.b.constant(f"{ih}_plus_hh", (b_ih + b_hh).detach(), exact=True), None
             h = self.hidden
             folded = b_ih.detach().clone()
             folded[: 2 * h] += b_hh.detach()[: 2 * h]
             kept = torch.zeros_like(b_hh.detach())
             kept[2 * h :] = b_hh.detach()[2 * h :]
-        return self.b.constant("_recurrent_bias_", folded), self.b.constant("_recurrent_bias_", kept)
+        return (
+            self.b.constant(f"{ih}_plus_hh_rz", folded, exact=True),
+            self.b.constant(f"{hh}_n", kept, exact=True),
+        )
 
     def _gate(self, x: Node, index: int, count: int = 1) -> Node:
         h = self.hidden

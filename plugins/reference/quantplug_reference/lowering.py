@@ -150,7 +150,7 @@ def _onnxruntime() -> Any:
 def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceArtifact:
     """Export the Q/DQ program to QDQ ONNX, keep it as ``model.pt2``, list the encodings, and
     check that ORT's integer kernels reproduce the program on every CPU."""
-    from quantplug.lowering.onnx_export import export_qdq_onnx
+    from quantplug.lowering.onnx_export import compact_node_metadata, export_qdq_onnx
     from quantplug_reference.session_probe import ensure_session_survives
 
     opset = int(context.option("onnx_opset", 21) or 21)
@@ -166,6 +166,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
         for name in (info.get("tensor"), info.get("quantized"), *info.get("dequantized", ())):
             if name:
                 onnx_tensors.setdefault(name, i)
+    compact_node_metadata(result.model)
     model_bytes = result.model_bytes()
     artifact = ReferenceArtifact(
         backend=context.backend,
