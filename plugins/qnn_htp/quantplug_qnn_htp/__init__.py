@@ -4,17 +4,18 @@ Importing this package imports nothing heavy: the hooks live in ``quantplug_qnn_
 the annotation rules in ``quantplug_qnn_htp.rules.*_rules`` modules the core loads on demand.
 """
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 __version__ = "0.1.0"
 
 #: the options under which qnn_htp's encodings are ExecuTorch 1.5.1 QnnQuantizer's: its moving-average
 #: activation observer without a range margin, and LSTM/GRU/RNN ops left float (it has no rule for
 #: them). qnn_htp's defaults observe the calibrated extremes with a margin at 16 bits and quantize
-#: recurrent layers (README, "Defaults that differ from ExecuTorch's").
-EXECUTORCH_DEFAULTS: dict[str, object] = {
-    "act_observer": "moving_average",
-    "act_range_margin": 1.0,
-    "unroll_recurrent": False,
-}
+#: recurrent layers (README, "Deliberate differences from ExecuTorch's QnnQuantizer", rows 20-21).
+EXECUTORCH_DEFAULTS: Mapping[str, object] = MappingProxyType(
+    {"act_observer": "moving_average", "act_range_margin": 1.0, "unroll_recurrent": False}
+)
 
 
 def make_config(precision: str = "8a8w", **options):  # type: ignore[no-untyped-def]
