@@ -108,10 +108,11 @@ class _Builder:
     def constant(self, prefix: str, tensor: torch.Tensor, *, exact: bool = False) -> Node:
         """A ``get_attr`` of a new buffer holding ``tensor`` (a static mask, for example), named
         ``prefix`` and a number, or with ``exact`` ``prefix`` itself while that name is free."""
-        i = 0
-        while hasattr(self.gm, f"{prefix}{i}"):
-            i += 1
-        name = prefix if exact and not hasattr(self.gm, prefix) else f"{prefix}{i}"
+        name, i = prefix, 0
+        if not exact or hasattr(self.gm, name):
+            while hasattr(self.gm, f"{prefix}{i}"):
+                i += 1
+            name = f"{prefix}{i}"
         self.gm.register_buffer(name, tensor)
         with self.gm.graph.inserting_before(self.anchor):
             node = self.gm.graph.get_attr(name)
