@@ -304,3 +304,39 @@ def test_stored_integers_are_named_by_identifiers_and_lower() -> None:
     targets = [str(n.target) for n in converted.graph.nodes if n.op == "get_attr"]
     assert targets and all(t.isidentifier() for t in targets), targets
     assert quantplug.lower(converted, quantizer).files["model.onnx"]
+
+
+class TwiceReadBias(nn.Module):
+    """One weight and bias read by two linears, on the same input or on a scaled copy."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * torch.nn.functional.linear(x * self.scale, self.fc.weight, self.fc.bias)
+
+
+def _row(gen: torch.Generator) -> tuple[torch.Tensor]:
+    return (torch.randn(4, 8, generator=gen),)
+
+
+@pytest.mark.parametrize(("scale", "stored"), [(1.0, 1), (3.0, 2)])
+def test_a_constant_read_under_equal_qparams_is_stored_once(scale: float, stored: int) -> None:
+    """Each read of a bias gets its own derived group (input scale times weight scale); reads
+    whose qparams are equal hold the same integers, which are stored once (a GRU's ``b_hn`` at
+    every unrolled step), and reads whose qparams differ keep their own."""
+    torch.manual_seed(0)
+    model = TwiceReadBias(scale).eval()
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="8a8w")
+    _, converted = _quantize(model, _row, quantizer)
+    biases = [n for n in converted.graph.nodes if n.op == "get_attr" and str(n.target).startswith("fc_bias")]
+    assert len(biases) == stored, [str(n.target) for n in biases]
+    _assert_integer_constants(converted)
+    reads = [dq for n in biases for dq in n.users]
+    assert len(reads) == 2  # each read still dequantizes on its own, with its own scale
+    for dq in reads:  # ...to the float bias, within half its step
+        args = [fetch_attr(converted, str(a.target)) if isinstance(a, torch.fx.Node) else a for a in dq.args]
+        step = args[1] if isinstance(args[1], float) else args[1].max()
+        assert float((dq.target(*args) - model.fc.bias).abs().max()) <= step / 2 + 1e-12

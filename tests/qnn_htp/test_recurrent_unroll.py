@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import pytest
@@ -147,6 +148,10 @@ def test_every_recurrent_weight_and_gate_is_encoded_and_stored_once(
     )
     if options.get("bidirectional"):
         folded += [name.replace("_l0", "_l0_reverse") for name in folded]
+    # GRU's b_hn is added at every step, each step's int32 bias derived from the same shared
+    # encodings: one initializer, as W_hh is
+    for name in folded:
+        assert len([i for i in initializers if re.fullmatch(f"{name}_q\\d*", i)]) == 1, name
     assert all(f'"{name}' in encoded for name in folded), folded
     assert "_recurrent_bias" not in encoded
     session = ort.InferenceSession(str(tmp_path / "model.onnx"))

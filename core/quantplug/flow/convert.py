@@ -9,6 +9,7 @@ understand. Each quantized consumer gets its own dequantize node, so a backend c
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -61,6 +62,22 @@ class QParams:
     axis: int | None = None
     block_size: tuple[int, ...] | None = None
     symmetric: bool = False
+
+
+def _qparams_key(qp: QParams) -> Hashable:
+    """``qp`` as a hashable value: equal keys quantize every tensor to the same integers."""
+    return (
+        qp.granularity,
+        qp.dtype,
+        qp.quant_min,
+        qp.quant_max,
+        qp.axis,
+        qp.block_size,
+        *(
+            (t.dtype, tuple(t.shape), t.detach().cpu().contiguous().numpy().tobytes())
+            for t in (qp.scale, qp.zero_point)
+        ),
+    )
 
 
 def _container(dtype: torch.dtype) -> torch.dtype:
@@ -372,12 +389,23 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
     for (producer, consumer), gid in state.constant_edges.items():
         constant_inputs.setdefault(consumer, {})[producer] = gid
-    edge_q: dict[tuple[str, int], Node] = {}  # (producer, group id) -> its quantize node
+    # (producer, group id or the qparams' value) -> its quantize node or integer tensor
+    edge_q: dict[tuple[str, Hashable], Node] = {}
     old_nodes = {n.name: n for n in prepared.graph.nodes}
 
     def quantized_edge(producer: Node, gid: int, user: Node) -> Node:
-        """The integer tensor of a parameter (or the quantize node of an already quantized one)."""
-        q = edge_q.get((producer.name, gid))
+        """The integer tensor of a parameter (or the quantize node of an already quantized one).
+
+        A constant read under several groups with equal qparams (a derived bias at every step of
+        an unrolled GRU, each step's group derived from the same shared encodings) is stored once:
+        its integers are a function of the value and the qparams only. An algorithm's codes are
+        per group, so those are keyed by the group.
+        """
+        by_value = (
+            producer.name not in state.constant_outputs and (str(producer.target), gid) not in chosen.codes
+        )
+        key: tuple[str, Hashable] = (producer.name, _qparams_key(qparams[gid]) if by_value else gid)
+        q = edge_q.get(key)
         if q is None:
             qp = qparams[gid]
             target = str(producer.target)
@@ -392,7 +420,7 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
                     ints = _quantize_tensor(value, qp)
                 q = emit.constant(target + "_q", ints)
             q.meta["quantplug_group"] = gid
-            edge_q[(producer.name, gid)] = q
+            edge_q[key] = q
         return q
 
     for target, corrected in chosen.biases.items():  # float biases an algorithm corrected
