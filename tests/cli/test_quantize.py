@@ -175,6 +175,9 @@ def test_quantized_program_loads_and_runs(demo_files: dict[str, Path], runs: Run
     program = torch.export.load(str(out / "quantized.pt2"))
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert any("quantize_per_tensor" in t for t in targets)
+    # notes on quantplug's own passes are not written; the model's module paths are
+    assert not [n.name for n in program.graph.nodes if {"from_node", "torch_fn"} & set(n.meta)]
+    assert any(n.meta.get("nn_module_stack") for n in program.graph.nodes)
     y = program.module()(torch.randn(1, 3, 32, 32))
     assert y.shape == (1, 10)
 

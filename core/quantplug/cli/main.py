@@ -186,6 +186,19 @@ class _LoweringWithProgress:
         return getattr(self._quantizer, name)
 
 
+#: node notes of the re-export that describe quantplug's own passes, not the user's model: which
+#: pass created a node from which (``from_node``) and the traced call (``torch_fn``). They were a
+#: fifth of an unrolled LSTM's ``quantized.pt2`` (15.2 -> 11.8 MB); the model's own notes (module
+#: path, stack trace into the user's code) stay.
+_PASS_PROVENANCE = ("from_node", "torch_fn")
+
+
+def _drop_pass_provenance(program: Any) -> None:
+    for node in program.graph.nodes:
+        for key in _PASS_PROVENANCE:
+            node.meta.pop(key, None)
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
@@ -549,6 +562,7 @@ def _quantize_into(
     example = compare_inputs[0]
     try:
         exported = torch.export.export(quantized, example.args, dict(example.kwargs))
+        _drop_pass_provenance(exported)
         torch.export.save(exported, str(stage.path / "quantized.pt2"))
     except Exception as exc:
         warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
