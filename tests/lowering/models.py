@@ -54,6 +54,19 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(x)[0])
 
 
+class ProjectedLSTM(nn.Module):
+    """Two bidirectional layers whose state is projected (``proj_size``): torch's ONNX exporter
+    mistranslates the op, so lowering decomposes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, D, num_layers=2, bidirectional=True, proj_size=8, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
 class Attention(nn.Module):
     """q/k/v projections and ``scaled_dot_product_attention`` with a causal mask."""
 
@@ -127,6 +140,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "encoder_no_fast_path": (lambda: encoder(False), (2, 8, D)),
     "lstm": (lambda: Recurrent(nn.LSTM), (2, 8, 16)),
     "gru": (lambda: Recurrent(nn.GRU), (2, 8, 16)),
+    "projected_lstm": (ProjectedLSTM, (2, 8, 16)),
     "sdpa": (Attention, (2, 8, D)),
     "decomposed": (Decomposed, (2, 8, D)),
     "constants": (Constants, (2, 8, D)),

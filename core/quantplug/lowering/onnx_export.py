@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 from quantplug import ops as qp_ops
 from quantplug.errors import LoweringError
@@ -205,6 +205,7 @@ def export_qdq_onnx(
     from quantplug.lowering import qdq_sites
     from quantplug.lowering.capture import dimension_names, to_exported_program
     from quantplug.lowering.onnx_translate import translate
+    from quantplug.lowering.projected_lstm import decompose_projected_lstms
 
     _check_opset(quantized, opset)
     newest = int(onnx.defs.onnx_opset_version())
@@ -218,7 +219,12 @@ def export_qdq_onnx(
         _check_example_inputs(quantized, example_inputs)
     table = read_encodings(quantized)
     sites = qdq_sites.find_sites(quantized)
-    program = to_exported_program(quantized, rewrite=lambda graph: qdq_sites.mark_sites(graph, sites))
+
+    def rewrite(graph: Graph) -> None:
+        qdq_sites.mark_sites(graph, sites)
+        decompose_projected_lstms(graph)
+
+    program = to_exported_program(quantized, rewrite=rewrite)
     translations: dict[Callable[..., Any], Callable[..., Any]] = {
         **translation_table(),
         **(custom_translations or {}),
