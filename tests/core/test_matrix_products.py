@@ -103,6 +103,10 @@ def test_products_are_quantized_and_close_to_float(backend: str, options: dict[s
     if weights_only:  # products of two activations have no weight: only the weighted ones count
         weighted = [n for n in coverage.nodes if n.node in ("addmm", "matmul")]
         assert len(weighted) == 2 and all(n.quantized for n in weighted), weighted
+        # the others are float by the configuration, which the report says (not "non-float")
+        assert floats and set(floats.values()) == {
+            "its rule quantized none of its tensors under this configuration"
+        }, floats
     else:
         assert not floats, floats
     with torch.no_grad():

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug.annotation.annotators import AnnotatorRule
+from quantplug.annotation.annotators import AnnotatorRule, is_float_tensor
 from quantplug.annotation.specs import Q_ANNOTATION_KEY, QuantizationConfig
 from quantplug.errors import BackendLoadError, ConstraintViolationError, OptionError
 from quantplug.plugins.contract import BackendInfo, BackendOption, LoweringPlan, NamedPass, op_name
@@ -286,7 +286,7 @@ class Quantizer:
             if node.op == "call_function" and _has_specs(node) and FLOAT_REASON_KEY in node.meta:
                 del node.meta[FLOAT_REASON_KEY]
             elif node.op == "call_function" and RULE_KEY in node.meta and not _has_specs(node):
-                node.meta.setdefault(FLOAT_REASON_KEY, "its rule left it float (non-float tensors)")
+                node.meta.setdefault(FLOAT_REASON_KEY, _why_unannotated(node))
         return model
 
     @property
@@ -489,3 +489,11 @@ def make_quantizer(backend: LoadedBackend, options: dict[str, Any]) -> Quantizer
     strict = STRICT_OPTION.coerce(options.pop("strict", True), backend=backend.info.name)
     resolved = backend.info.resolve_options(options)
     return Quantizer(backend, resolved, strict=strict)
+
+
+def _why_unannotated(node: Node) -> str:
+    """Why a node its rule saw holds no quantization: nothing of it can be quantized, or the
+    configuration quantizes none of it (a weight-only preset on a product of two activations)."""
+    if not any(is_float_tensor(n) for n in (node, *node.all_input_nodes)):
+        return "its rule left it float (no floating-point tensor: integer or boolean values)"
+    return "its rule quantized none of its tensors under this configuration"
