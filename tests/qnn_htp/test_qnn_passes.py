@@ -91,6 +91,43 @@ def test_decompositions_and_comparisons() -> None:
     assert not cov.float_nodes, cov.format()
 
 
+class RoutedRows(nn.Module):
+    """Mixtral's router pattern: each token's top-2 choices flattened, then ``index // top_k``
+    (an integer floor division) picks the token's row; and a float ``//`` for comparison."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = self.router(x).topk(2, dim=-1).indices.flatten()
+        rows = torch.arange(top.numel()) // 2
+        return self.fc(x[rows]) + torch.floor_divide(x[rows], 0.25)
+
+
+def test_integer_floor_divide_stays_whole_and_float_one_is_decomposed() -> None:
+    """An integer ``//`` rewritten as ``floor(a / b)`` became a float index, which ``index``
+    refused at the first calibration batch (IndexError in Mixtral and Qwen2-MoE)."""
+    torch.manual_seed(0)
+    model, x = RoutedRows().eval(), torch.randn(6, 16)
+    gm = _transformed(model, (x,))
+    whole = [n for n in gm.graph.nodes if n.target == aten.floor_divide.default]
+    assert len(whole) == 1 and whole[0].meta["val"].dtype == torch.int64
+    assert aten.floor.default in _targets(gm)  # the float one
+    torch.testing.assert_close(gm(x), model(x))
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="16a8w")
+    reasons = {n.node: n.reason for n in quantizer.coverage(torch.export.export(model, (x,))).float_nodes}
+    assert set(reasons) == {"arange", "floor_divide"}, reasons  # the index arithmetic, said why
+    assert all("no floating-point tensor" in r for r in reasons.values()), reasons
+    prepared = quantplug.prepare(torch.export.export(model, (x,)), quantizer)
+    prepared(x)
+    converted = quantplug.convert(prepared)
+    assert quantplug.lower(converted, quantizer).files["model.onnx"]
+    ref = model(x)
+    assert float((converted(x) - ref).pow(2).mean() / ref.pow(2).mean()) < 1e-3
+
+
 class InPlaceSilu(nn.Module):
     """``silu_`` (torchvision's ``inplace=True``), then a read of the tensor it overwrote."""
 

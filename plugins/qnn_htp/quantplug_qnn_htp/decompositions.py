@@ -18,7 +18,7 @@ the precision's quantization and each op's HTP constraints apply:
 * ``addmm`` that is not a fully connected layer (a non-constant ``mat2`` or bias, or
   ``alpha``/``beta`` other than 1) -> ``mm`` + ``add`` (+ ``mul``), ExecuTorch's
   ``DecomposeAddmm``; ``baddbmm`` -> ``bmm`` + ``add`` (+ ``mul``).
-* ``rsqrt`` -> ``sqrt`` + ``reciprocal`` (ONNX has no Rsqrt); ``floor_divide`` -> ``div`` + ``floor``;
+* ``rsqrt`` -> ``sqrt`` + ``reciprocal`` (ONNX has no Rsqrt); a float ``floor_divide`` -> ``div`` + ``floor``;
   ``square`` and ``pow(x, 2)``/``pow(x, 3)`` -> ``mul``s; ``rms_norm`` -> ``mul/mean/add/rsqrt/mul`` (ONNX
   opset 21 has no RMSNormalization).
 * ``layer_norm``/``group_norm``/``instance_norm`` without affine parameters -> the same op with
@@ -276,6 +276,12 @@ def decompose_rsqrt(b: _Builder, node: Node) -> Node | None:
 
 
 def decompose_floor_divide(b: _Builder, node: Node) -> Node | None:
+    """Float ``a // b`` -> ``floor(a / b)``. An integer one (an index: Mixtral's router computes
+    its experts' rows as ``token_index // top_k``) stays whole: ``div`` is true division, so the
+    rewrite would turn the index into a float tensor, which ``index`` refuses."""
+    value = _val(node)
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        return None
     return b.call(aten.floor.default, b.call(aten.div.Tensor, node.args[0], node.args[1]))
 
 
