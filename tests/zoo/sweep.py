@@ -402,6 +402,24 @@ class LowRankUpdate(nn.Module):
         return self.fc(F.relu(F.linear(x, self.base.weight + self.b @ self.a, self.base.bias)))  # type: ignore[no-any-return]
 
 
+def _moe(model_cls: str, config_cls: str, **config: Any) -> Callable[[], nn.Module]:
+    """A mixture-of-experts decoder (4 experts, 2 per token) whose experts are batched matmuls:
+    transformers' default kernel on CPU is a custom op looping over the experts, which no ONNX
+    form can express (lowering says so and names ``experts_implementation``)."""
+    return _hf(
+        model_cls,
+        config_cls,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        use_cache=False,
+        num_experts_per_tok=2,
+        num_key_value_heads=1,
+        experts_implementation="batched_mm",
+        **config,
+        **SMALL,
+    )
+
+
 TEXT = (4, 12)
 IMG = (4, 3, 32, 32)
 
@@ -588,6 +606,21 @@ SWEEP: dict[str, SweepModel] = {
         SweepModel("weight_norm", WeightNormNet, (4, 12, 16)),
         SweepModel("projected_lstm", ProjectedLSTM, (4, 12, 16)),
         SweepModel("low_rank_update", LowRankUpdate, (4, 12, 32)),
+        SweepModel(
+            "mixtral", _moe("MixtralForCausalLM", "MixtralConfig", num_local_experts=4), TEXT, "tokens"
+        ),
+        SweepModel(
+            "qwen2_moe",
+            _moe(
+                "Qwen2MoeForCausalLM",
+                "Qwen2MoeConfig",
+                num_experts=4,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+            ),
+            TEXT,
+            "tokens",
+        ),
     )
 }
 

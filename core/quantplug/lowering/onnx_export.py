@@ -617,10 +617,25 @@ def _check_translatable(exported: torch.export.ExportedProgram, table: Mapping[A
             continue
         if torch._C._dispatch_has_kernel_for_dispatch_key(node.target.name(), "CompositeImplicitAutograd"):
             continue
+        label = _op_label(node.target)
         raise LoweringError(
-            f"op {_op_label(node.target)} (node {node.name!r}{where(node)}) has no ONNX translation; "
-            "pass custom_translations={op: onnxscript_function} or keep that op out of the model"
+            f"op {label} (node {node.name!r}{where(node)}) has no ONNX translation; "
+            + _AVOIDING.get(
+                label.rsplit(".", 1)[0],
+                "pass custom_translations={op: onnxscript_function} or keep that op out of the model",
+            )
         )
+
+
+#: how to keep out of a model the custom ops of a library that no ONNX form can express
+_AVOIDING = {
+    # a loop over the experts whose bounds are the routing's data (transformers 5's default MoE
+    # kernel on CPU); batched_mm gathers each token's experts' weights and exports as bmm
+    "transformers.grouped_mm_fallback": "it is transformers' grouped-matmul mixture-of-experts kernel, "
+    "whose loop bounds depend on the routing: build the model with experts_implementation='batched_mm' "
+    "(an argument of from_pretrained/from_config, or the config's), whose experts export as batched "
+    "matmuls, are quantized and lower",
+}
 
 
 def _export_error(exc: Exception, exported: torch.export.ExportedProgram) -> LoweringError:

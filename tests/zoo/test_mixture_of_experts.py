@@ -1,0 +1,77 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE; 4 experts, 2 per token, random weights).
+
+Their sweep found that ``qnn_htp`` rewrote the router's integer ``token_index // top_k`` as
+``floor(a / b)``, a float index ``index`` refused at the first calibration batch (a bare
+IndexError). With experts as batched matmuls (``experts_implementation="batched_mm"``) both
+quantize and lower at both backends; transformers' default CPU kernel is a custom op looping over
+the experts, which lowering refuses with that fix named.
+
+Floors: measured with these models, data and seeds minus 3 dB, rounded down to 0.5 dB.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import quantplug
+from quantplug.errors import LoweringError
+from tests.zoo.harness import float_case, quantizer, quiet, run, sqnr
+
+pytest.importorskip("transformers")
+pytest.importorskip("quantplug_qnn_htp")
+pytest.importorskip("onnxruntime")
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
+
+#: model -> (qnn_htp 16a8w, reference int8) floors in dB
+FLOORS = {"mixtral": (36.5, 26.0), "qwen2_moe": (37.5, 27.5)}
+
+
+@pytest.mark.parametrize("name", list(FLOORS))
+def test_a_mixture_of_experts_quantizes_and_lowers(name: str) -> None:
+    case = float_case(name)
+    for (backend, preset), floor in zip((("qnn_htp", "16a8w"), ("reference", "int8")), FLOORS[name]):
+        q = quantizer(backend, preset)
+        with quiet():
+            prepared = quantplug.prepare(case.program, q)
+            run(prepared, case.calibration)
+            converted = quantplug.convert(prepared)
+            artifact = quantplug.lower(converted, q)  # qnn_htp: strict, every tensor encoded
+        outputs = run(converted, case.held_out)
+        measured = sqnr(case.reference, outputs)
+        assert measured > floor, f"{name} at {backend} {preset}: {measured:.2f} dB, floor {floor}"
+        if backend == "reference":  # ONNX Runtime runs what the program computes
+            ran = [np.asarray(artifact.run(*batch)) for batch in case.held_out]
+            assert abs(sqnr(case.reference, ran) - measured) < 0.5
+
+
+def test_the_default_experts_kernel_calibrates_and_lowering_names_the_fix() -> None:
+    """transformers' grouped-matmul kernel (its default on CPU) exports as one custom op."""
+    from tests.zoo.models import VOCAB, hugging_face
+    from tests.zoo.sweep import SMALL, TEXT, SweepModel
+
+    make = hugging_face(
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        use_cache=False,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_key_value_heads=1,
+        **SMALL,
+    )
+    spec = SweepModel("mixtral_grouped_mm", make, TEXT, "tokens")
+    gen = torch.Generator().manual_seed(0)
+    with quiet():
+        model = spec.build()
+        program = torch.export.export(model, spec.draw(gen))
+    q = quantizer("qnn_htp", "16a8w")
+    with quiet():
+        prepared = quantplug.prepare(program, q)
+        run(prepared, [spec.draw(gen)])  # the router's integer floor division stays an index
+        converted = quantplug.convert(prepared)
+        with pytest.raises(LoweringError, match=r"grouped_mm_fallback.*experts_implementation='batched_mm'"):
+            quantplug.lower(converted, q)
