@@ -47,6 +47,34 @@ def test_a_mixture_of_experts_quantizes_and_lowers(name: str) -> None:
             assert abs(sqnr(case.reference, ran) - measured) < 0.5
 
 
+@pytest.mark.parametrize("name", list(FLOORS))
+def test_weight_only_int4_quantizes_the_experts_weights(name: str) -> None:
+    """Each expert parameter ``[experts, out, in]``, gathered per token, is stored as int4 in
+    blocks of 32 inputs within one expert's row (``quantplug_reference.rules.gather_rules``), and
+    ONNX Runtime computes what the program does."""
+    case = float_case(name)
+    q = quantizer("reference", "weight_only_int4")
+    with quiet():
+        prepared = quantplug.prepare(case.program, q)
+        run(prepared, case.calibration)
+        converted = quantplug.convert(prepared)
+        artifact = quantplug.lower(converted, q)
+    experts = [
+        n
+        for n in converted.graph.nodes
+        if n.target == torch.ops.aten.index.Tensor and n.args[0].target == quantplug.ops.dequantize_per_block
+    ]
+    assert len(experts) == 4  # gate_up and down, in each of the 2 layers
+    for gather in experts:
+        dq = gather.args[0]
+        codes = getattr(converted, dq.args[0].target)
+        assert codes.dim() == 3 and list(dq.args[3]) == [1, 1, 32]
+        assert int(codes.min()) >= -8 and int(codes.max()) <= 7
+    measured = sqnr(case.reference, run(converted, case.held_out))
+    ran = [np.asarray(artifact.run(*batch)) for batch in case.held_out]
+    assert abs(sqnr(case.reference, ran) - measured) < 0.1
+
+
 def test_the_default_experts_kernel_calibrates_and_lowering_names_the_fix() -> None:
     """transformers' grouped-matmul kernel (its default on CPU) exports as one custom op."""
     from tests.zoo.models import VOCAB, hugging_face

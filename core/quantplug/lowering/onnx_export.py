@@ -409,7 +409,14 @@ def onnx_block_form(
         axis = varying[0]
         return scale.reshape(-1), zero_point.reshape(-1), axis, 0
     blocked = [i for i in varying if block[i] > 1]
-    axis = max(blocked, key=lambda i: (block[i], i)) if blocked else len(dims) - 1
+    if blocked:
+        axis = max(blocked, key=lambda i: (block[i], i))
+        size = block[axis]
+    else:  # scales vary only along axes of 1-wide blocks: the block is a whole axis (one scale
+        # per row of each expert of a [experts, out, in] weight) or, if none, a single element
+        spanning = [i for i, g in enumerate(grid) if g == 1 and dims[i] > 1]
+        axis = spanning[-1] if spanning else len(dims) - 1
+        size = dims[axis] if spanning else 1
     spread_s, spread_z = scale, zero_point
     if spread_s.dim() == 0:
         spread_s = spread_s.reshape([1] * len(dims))
@@ -421,7 +428,7 @@ def onnx_block_form(
         if reps > 1:
             spread_s = spread_s.repeat_interleave(reps, dim=i)
             spread_z = spread_z.repeat_interleave(reps, dim=i)
-    return spread_s.contiguous(), spread_z.contiguous(), axis, block[axis] if blocked else 1
+    return spread_s.contiguous(), spread_z.contiguous(), axis, size
 
 
 # --------------------------------------------------------------------------------- translations

@@ -38,10 +38,10 @@ PRESETS: dict[str, str] = {
     "int8": "uint8/int8 asymmetric activations, int8 per-channel symmetric weights, int32 bias",
     "int8_per_tensor": "as int8, with one weight scale per tensor",
     "a16w8": "16-bit asymmetric activations, int8 per-channel weights, int32 bias",
-    "weight_only_int8": "int8 symmetric weights of linear/embedding/LSTM/GRU/RNN (per channel, or per "
-    "group with group_size); activations stay float",
-    "weight_only_int4": "int4 symmetric weights of linear/embedding/LSTM/GRU/RNN, per group of "
-    "group_size inputs (default 32); activations stay float",
+    "weight_only_int8": "int8 symmetric weights of linear/embedding/LSTM/GRU/RNN/mixture-of-experts "
+    "(per channel, or per group with group_size); activations stay float",
+    "weight_only_int4": "int4 symmetric weights of linear/embedding/LSTM/GRU/RNN/mixture-of-experts, "
+    "per group of group_size inputs (default 32); activations stay float",
     "dynamic_int8": "linear inputs quantized at run time to int8 per token (row), int8 per-channel "
     "weights, float bias and outputs",
 }

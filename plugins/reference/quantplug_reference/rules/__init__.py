@@ -164,6 +164,7 @@ RULE_MODULES: tuple[RulesModule, ...] = (
         ],
     ),
     RulesModule(_P + "embedding_rules", ["aten.embedding.default"]),
+    RulesModule(_P + "gather_rules", ["aten.index.Tensor"]),
     RulesModule(_P + "attention_rules", ["aten.scaled_dot_product_attention.default"]),
     RulesModule(
         _P + "rnn_rules", ["aten.gru.input", "aten.lstm.input", "aten.rnn_tanh.input", "aten.rnn_relu.input"]

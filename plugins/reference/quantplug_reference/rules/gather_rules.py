@@ -1,0 +1,88 @@
+"""Gathers (``x[indices]``, ``aten.index.Tensor``): values moved under static presets, and
+mixture-of-experts weights quantized as weights under weight-only ones.
+
+Static presets treat a gather as ``index_select`` (``shape_rules``): the output reuses the
+input's encoding.
+
+A mixture-of-experts layer keeps every expert's weights in one ``[experts, out, in]`` parameter
+and, per token, gathers the rows of the experts the router chose: transformers'
+``experts_implementation="batched_mm"`` exports ``bmm(W[expert_ids], x)`` (``bmm(x,
+W[expert_ids])`` for ``[experts, in, out]`` weights). Those parameters are most of a Mixtral's or
+a Qwen-MoE's bytes, and no linear reads them: weight-only presets left them float. Under a
+weight-only config the gathered parameter is now quantized as a linear's weight is, one encoding
+per expert: the preset's groups of inputs become ``(1, 1, group)`` blocks (``(1, group, 1)`` for
+``[experts, in, out]``), and a per-channel preset one block per expert and output row. The
+gathered rows dequantize to float, as an embedding's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.fx import Node
+
+from quantplug import (
+    QuantizationConfig,
+    QuantizationSpec,
+    annotate_shared_in_out,
+    is_float_tensor,
+    register_annotator,
+)
+from quantplug.annotation.specs import annotate_node, is_annotated
+from quantplug_reference.configs import EPS
+from quantplug_reference.rules.common import static_activations, weight_only
+
+aten = torch.ops.aten
+
+
+def _input_axis(index: Node) -> int | None:
+    """Which axis of the gathered ``[experts, a, b]`` weight its every ``bmm`` reads as inputs
+    (2 for ``bmm(W, x)``, 1 for ``bmm(x, W)``), or None when it is read otherwise."""
+    axes = set()
+    for user in index.users:
+        if user.op != "call_function" or user.target is not aten.bmm.default:
+            return None
+        axes.add(2 if user.args[0] is index else 1)
+    return axes.pop() if len(axes) == 1 else None
+
+
+def expert_weight_spec(spec: QuantizationSpec, shape: torch.Size, axis: int) -> QuantizationSpec:
+    """``spec`` (a linear weight's: per output channel, or per group of inputs) for an
+    ``[experts, ...]`` weight whose inputs run along ``axis``: blocks within one expert's row."""
+    from quantplug.observers.per_block import PerBlockMinMaxObserver
+
+    group = spec.block_size[-1] if spec.block_size is not None else 0
+    inputs = int(shape[axis])
+    block = [1, 1, 1]
+    block[axis] = group if group and inputs % group == 0 else inputs
+    return dataclasses.replace(
+        spec,
+        qscheme=torch.per_channel_symmetric,
+        ch_axis=0,
+        block_size=tuple(block),
+        observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=EPS),
+    )
+
+
+@register_annotator([aten.index.Tensor])
+def annotate_gather(node: Node, config: QuantizationConfig) -> None:
+    if static_activations(config):
+        annotate_shared_in_out(node, config)
+    elif weight_only(config):
+        _annotate_expert_weights(node, config)
+
+
+def _annotate_expert_weights(node: Node, config: QuantizationConfig) -> None:
+    if is_annotated(node) or not isinstance(config.weight, QuantizationSpec):
+        return
+    weight, indices = node.args[0], node.args[1]
+    if not (isinstance(weight, Node) and weight.op == "get_attr" and is_float_tensor(weight)):
+        return
+    shape = weight.meta["val"].shape
+    if len(shape) != 3 or not isinstance(indices, (list, tuple)) or len(indices) != 1:
+        return  # one index tensor on the experts' axis: each token's expert
+    axis = _input_axis(node)
+    if axis is None:
+        return
+    annotate_node(node, {weight: expert_weight_spec(config.weight, shape, axis)})
