@@ -62,6 +62,12 @@ def _decompose(graph: Graph, node: Node) -> None:
     from torch._decomp import decomposition_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    whole = [u.name for u in node.users if u.op != "call_function" or u.target is not operator.getitem]
+    if whole:
+        raise LoweringError(
+            f"cannot decompose the projected LSTM {node.name!r} for the ONNX export: {whole[0]!r} "
+            "reads its result as a whole"
+        )
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     inputs = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
     values = [leaves[i].meta.get("val") for i in inputs]
@@ -112,11 +118,6 @@ def _decompose(graph: Graph, node: Node) -> None:
                     f"decomposition holds a {n.op} node {n.name!r}"
                 )
     for user in list(node.users):
-        if user.op != "call_function" or user.target is not operator.getitem:
-            raise LoweringError(
-                f"cannot decompose the projected LSTM {node.name!r} for the ONNX export: {user.name!r} "
-                "reads its result as a whole"
-            )
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
