@@ -402,6 +402,25 @@ class LowRankUpdate(nn.Module):
         return self.fc(F.relu(F.linear(x, self.base.weight + self.b @ self.a, self.base.bias)))  # type: ignore[no-any-return]
 
 
+def _beit() -> nn.Module:
+    """BEiT with relative position bias: the attention output's ``contiguous()`` before a
+    ``view`` failed inside torch's ONNX exporter with a dynamic batch (weight-only presets)."""
+    from transformers import BeitConfig, BeitModel
+
+    config = BeitConfig(image_size=32, patch_size=8, use_relative_position_bias=True, **SMALL)
+    return _First(BeitModel(config, add_pooling_layer=False), "pixel_values")
+
+
+def _swinv2() -> nn.Module:
+    """Swin V2: its continuous position bias is an MLP over a constant coordinate table."""
+    from transformers import Swinv2Config, Swinv2Model
+
+    config = Swinv2Config(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4
+    )
+    return _First(Swinv2Model(config), "pixel_values")
+
+
 def _moe(model_cls: str, config_cls: str, **config: Any) -> Callable[[], nn.Module]:
     """A mixture-of-experts decoder (4 experts, 2 per token) whose experts are batched matmuls:
     transformers' default kernel on CPU is a custom op looping over the experts, which no ONNX
@@ -606,6 +625,8 @@ SWEEP: dict[str, SweepModel] = {
         SweepModel("weight_norm", WeightNormNet, (4, 12, 16)),
         SweepModel("projected_lstm", ProjectedLSTM, (4, 12, 16)),
         SweepModel("low_rank_update", LowRankUpdate, (4, 12, 32)),
+        SweepModel("beit", _beit, IMG, "vision"),
+        SweepModel("swinv2", _swinv2, IMG, "vision"),
         SweepModel(
             "mixtral", _moe("MixtralForCausalLM", "MixtralConfig", num_local_experts=4), TEXT, "tokens"
         ),

@@ -204,6 +204,7 @@ def export_qdq_onnx(
     from quantplug.flow.inspect import encodings as read_encodings
     from quantplug.lowering import qdq_sites
     from quantplug.lowering.capture import dimension_names, to_exported_program
+    from quantplug.lowering.contiguous import contiguous_as_clone
     from quantplug.lowering.onnx_translate import translate
     from quantplug.lowering.projected_lstm import decompose_projected_lstms
 
@@ -220,9 +221,10 @@ def export_qdq_onnx(
     table = read_encodings(quantized)
     sites = qdq_sites.find_sites(quantized)
 
-    def rewrite(graph: Graph) -> None:
+    def rewrite(graph: Graph) -> None:  # on lowering's own copy: the exporter's known failures
         qdq_sites.mark_sites(graph, sites)
         decompose_projected_lstms(graph)
+        contiguous_as_clone(graph)
 
     program = to_exported_program(quantized, rewrite=rewrite)
     translations: dict[Callable[..., Any], Callable[..., Any]] = {
