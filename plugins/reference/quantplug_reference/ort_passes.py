@@ -22,7 +22,9 @@ way they are stored or spelled changes. ``encodings.json`` follows (``stored_as`
   in every session; a ``DequantizeLinear`` would instead be fused into ``MatMulNBits``, whose
   default accuracy level quantizes the float activations to int8 (not what the program does).
   The same holds for the int4 weights of products ``int4_linears_as_matmulnbits`` leaves alone
-  (an ``addmm`` weight stored ``[in, out]``, as GPT-2's ``Conv1D``).
+  (an ``addmm`` weight stored ``[in, out]``, as GPT-2's ``Conv1D``), and for an 8-bit weight
+  multiplied by another stored tensor (Swin V2's position-bias MLP over its constant coordinate
+  table), of which ORT makes no integer product but a ``MatMulNBits``.
 * ``int4_linears_as_matmulnbits``: a linear with a float input and a 4-bit weight is written as
   ORT's ``MatMulNBits`` (domain ``com.microsoft``) with ``accuracy_level=1``: the packed 4-bit
   weight is read directly and the products are float, as in the program. Left as
@@ -201,6 +203,15 @@ def _eight_bit_activation(g: _Graph, name: str) -> bool:
     return len(dq.input) > 2 and g.constant_type(dq.input[2]) in (TensorProto.UINT8, TensorProto.INT8)
 
 
+def _dequantized_constant(g: _Graph, name: str) -> bool:
+    """``name`` dequantizes a stored tensor: a product of it and a weight is a product of two
+    constants (SwinV2's position-bias MLP reads a constant coordinate table). ORT forms no integer
+    product of those; it fused the weight's DequantizeLinear into ``MatMulNBits``, at the
+    session's accuracy level, which quantizes the other operand to int8 on the fly."""
+    dq = g.producer.get(name)
+    return dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] in g.inits
+
+
 #: ops that move a weight on its way to a product (``MatMul(x, Transpose(DQ(W)))``)
 _MOVES = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
 
@@ -288,7 +299,7 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
         ):
             continue
         if any(
-            _eight_bit_activation(g, i)
+            _eight_bit_activation(g, i) and not _dequantized_constant(g, i)
             for r, fed in _product_readers(g, dq.output[0])
             for i in r.input
             if i and i != fed
