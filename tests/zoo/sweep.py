@@ -421,10 +421,12 @@ def _swinv2() -> nn.Module:
     return _First(Swinv2Model(config), "pixel_values")
 
 
-def _moe(model_cls: str, config_cls: str, **config: Any) -> Callable[[], nn.Module]:
-    """A mixture-of-experts decoder (4 experts, 2 per token) whose experts are batched matmuls:
-    transformers' default kernel on CPU is a custom op looping over the experts, which no ONNX
-    form can express (lowering says so and names ``experts_implementation``)."""
+def _moe(
+    model_cls: str, config_cls: str, experts_implementation: str | None = "batched_mm", **config: Any
+) -> Callable[[], nn.Module]:
+    """A mixture-of-experts decoder (2 experts per token) whose experts are batched matmuls:
+    transformers' default kernel on CPU (``experts_implementation=None``) is a custom op looping
+    over the experts, which no ONNX form can express (lowering says so and names the option)."""
     return _hf(
         model_cls,
         config_cls,
@@ -433,7 +435,7 @@ def _moe(model_cls: str, config_cls: str, **config: Any) -> Callable[[], nn.Modu
         use_cache=False,
         num_experts_per_tok=2,
         num_key_value_heads=1,
-        experts_implementation="batched_mm",
+        experts_implementation=experts_implementation,
         **config,
         **SMALL,
     )

@@ -77,20 +77,9 @@ def test_weight_only_int4_quantizes_the_experts_weights(name: str) -> None:
 
 def test_the_default_experts_kernel_calibrates_and_lowering_names_the_fix() -> None:
     """transformers' grouped-matmul kernel (its default on CPU) exports as one custom op."""
-    from tests.zoo.models import VOCAB, hugging_face
-    from tests.zoo.sweep import SMALL, TEXT, SweepModel
+    from tests.zoo.sweep import TEXT, SweepModel, _moe
 
-    make = hugging_face(
-        "MixtralForCausalLM",
-        "MixtralConfig",
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        use_cache=False,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        num_key_value_heads=1,
-        **SMALL,
-    )
+    make = _moe("MixtralForCausalLM", "MixtralConfig", experts_implementation=None, num_local_experts=4)
     spec = SweepModel("mixtral_grouped_mm", make, TEXT, "tokens")
     gen = torch.Generator().manual_seed(0)
     with quiet():

@@ -22,16 +22,11 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from quantplug import (
-    QuantizationConfig,
-    QuantizationSpec,
-    annotate_shared_in_out,
-    is_float_tensor,
-    register_annotator,
-)
+from quantplug import QuantizationConfig, QuantizationSpec, is_float_tensor, register_annotator
 from quantplug.annotation.specs import annotate_node, is_annotated
 from quantplug_reference.configs import EPS
-from quantplug_reference.rules.common import static_activations, weight_only
+from quantplug_reference.rules import shape_rules  # the module: its rules are not this one's
+from quantplug_reference.rules.common import weight_only
 
 aten = torch.ops.aten
 
@@ -67,10 +62,10 @@ def expert_weight_spec(spec: QuantizationSpec, shape: torch.Size, axis: int) -> 
 
 @register_annotator([aten.index.Tensor])
 def annotate_gather(node: Node, config: QuantizationConfig) -> None:
-    if static_activations(config):
-        annotate_shared_in_out(node, config)
-    elif weight_only(config):
+    if weight_only(config):
         _annotate_expert_weights(node, config)
+    else:
+        shape_rules.annotate_data_movement(node, config)  # as index_select: static presets only
 
 
 def _annotate_expert_weights(node: Node, config: QuantizationConfig) -> None:
