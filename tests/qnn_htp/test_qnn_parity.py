@@ -389,6 +389,20 @@ def test_same_placement_and_qparams_as_executorch(name: str, preset: str) -> Non
     assert len(ours) - len(diffs) >= len(ours) // 2
 
 
+@pytest.mark.parametrize("preset", ["8a8w_per_channel", "16a4w"])
+def test_per_channel_embedding_is_executorchs_is_embedding_per_channel(preset: str) -> None:
+    """The table on the weight grid, one scale per row; the looked-up rows on their own
+    activation encoding. (Gathered parameters such as mixture-of-experts weights follow the same
+    option in quantplug; ExecuTorch leaves them on the activation grid.)"""
+    ours = canonical(run_quantplug("embedding", preset, per_channel_embedding=True))
+    theirs = canonical(run_executorch("embedding", preset, is_embedding_per_channel=True))
+    assert set(ours) == set(theirs), "Q/DQ placement differs"
+    (table,) = ours[("embedding", "in0")]
+    assert table["g"] == "channel" and table["axis"] == 0 and len(table["scale"]) == 100
+    assert ours[("embedding", "out")] != ours[("embedding", "in0")]
+    assert not differences(ours, theirs)
+
+
 def test_16bit_symmetric_activations_keep_negatives() -> None:
     """act_symmetric with 16-bit activations: ExecuTorch's zero point 0 on [0, 65535] clips every
     negative value; ours sits at 32768 (same scale)."""

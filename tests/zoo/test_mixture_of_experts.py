@@ -11,6 +11,8 @@ Floors: measured with these models, data and seeds minus 3 dB, rounded down to 0
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -47,13 +49,21 @@ def test_a_mixture_of_experts_quantizes_and_lowers(name: str) -> None:
             assert abs(sqnr(case.reference, ran) - measured) < 0.5
 
 
+@pytest.mark.parametrize(
+    "preset, low, high, group",
+    [("weight_only_int4", -8, 7, 32), ("dynamic_int8", -127, 127, None)],
+    ids=["weight_only_int4", "dynamic_int8"],
+)
 @pytest.mark.parametrize("name", list(FLOORS))
-def test_weight_only_int4_quantizes_the_experts_weights(name: str) -> None:
-    """Each expert parameter ``[experts, out, in]``, gathered per token, is stored as int4 in
-    blocks of 32 inputs within one expert's row (``quantplug_reference.rules.gather_rules``), and
-    ONNX Runtime computes what the program does."""
+def test_weight_presets_quantize_the_experts_weights(
+    name: str, preset: str, low: int, high: int, group: int | None
+) -> None:
+    """Each expert parameter ``[experts, out, in]``, gathered per token, is stored as integers
+    in blocks within one expert's row (``quantplug_reference.rules.gather_rules``): groups of 32
+    inputs at int4, a whole row on the whole int8 grid under ``dynamic_int8`` (whose linears'
+    integer products keep ``[-64, 64]``). ONNX Runtime computes what the program does."""
     case = float_case(name)
-    q = quantizer("reference", "weight_only_int4")
+    q = quantizer("reference", preset)
     with quiet():
         prepared = quantplug.prepare(case.program, q)
         run(prepared, case.calibration)
@@ -68,11 +78,30 @@ def test_weight_only_int4_quantizes_the_experts_weights(name: str) -> None:
     for gather in experts:
         dq = gather.args[0]
         codes = getattr(converted, dq.args[0].target)
-        assert codes.dim() == 3 and list(dq.args[3]) == [1, 1, 32]
-        assert int(codes.min()) >= -8 and int(codes.max()) <= 7
+        assert codes.dim() == 3 and list(dq.args[3]) == [1, 1, group or codes.shape[2]]
+        assert int(codes.min()) >= low and int(codes.max()) <= high
+        assert int(codes.abs().max()) >= high  # the whole grid: dequantized rows, no integer product
     measured = sqnr(case.reference, run(converted, case.held_out))
     ran = [np.asarray(artifact.run(*batch)) for batch in case.held_out]
     assert abs(sqnr(case.reference, ran) - measured) < 0.1
+
+
+def test_qnn_htp_per_channel_embedding_puts_the_experts_on_the_weight_grid() -> None:
+    """By default ``qnn_htp`` gives a gathered parameter the activation grid (16-bit at 16a4w),
+    as an embedding table; ``per_channel_embedding`` gives each expert one 4-bit scale."""
+    case = float_case("mixtral")
+    q = quantizer("qnn_htp", "16a4w", per_channel_embedding=True)
+    with quiet():
+        prepared = quantplug.prepare(case.program, q)
+        run(prepared, case.calibration)
+        converted = quantplug.convert(prepared)
+        artifact = quantplug.lower(converted, q)  # strict: every tensor encoded
+    params = json.loads(artifact.files["model.encodings"])["param_encodings"]
+    experts = [e for e in params if "experts" in e["name"]]
+    assert len(experts) == 4  # gate_up and down, in each of the 2 layers
+    assert all(e["enc_type"] == "PER_CHANNEL" and e["bw"] == 4 and len(e["scale"]) == 4 for e in experts)
+    measured = sqnr(case.reference, run(converted, case.held_out))
+    assert measured > 11.0, f"{measured:.2f} dB"  # 14.4 measured; 15.6 with 16-bit experts
 
 
 def test_the_default_experts_kernel_calibrates_and_lowering_names_the_fix() -> None:

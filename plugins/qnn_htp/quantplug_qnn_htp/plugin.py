@@ -42,7 +42,8 @@ INFO = BackendInfo(
             "per_channel_embedding",
             bool,
             False,
-            "int8 per-channel embedding tables (else the activation grid)",
+            "per-channel embedding tables and gathered parameters (mixture-of-experts weights, one "
+            "scale per expert) on the weight grid (else the activation grid, shared with the rows)",
         ),
         BackendOption(
             "act_observer",

@@ -43,7 +43,7 @@ PRESETS: dict[str, str] = {
     "weight_only_int4": "int4 symmetric weights of linear/embedding/LSTM/GRU/RNN/mixture-of-experts, "
     "per group of group_size inputs (default 32); activations stay float",
     "dynamic_int8": "linear inputs quantized at run time to int8 per token (row), int8 per-channel "
-    "weights, float bias and outputs",
+    "weights, float bias and outputs; mixture-of-experts weights int8 per expert row",
 }
 #: presets that measure activations during calibration (the others need no calibration data)
 STATIC_PRESETS = ("int8", "int8_per_tensor", "a16w8")

@@ -139,8 +139,6 @@ RULE_MODULES: tuple[RulesModule, ...] = (
             "aten.flatten.using_ints",
             "aten.flip.default",
             "aten.gather.default",
-            "aten.index.Tensor",
-            "aten.index_select.default",
             "aten.narrow.default",
             "aten.pad.default",
             "aten.permute.default",
@@ -211,6 +209,8 @@ RULE_MODULES: tuple[RulesModule, ...] = (
         _P + "embedding_rules",
         [
             "aten.embedding.default",
+            "aten.index.Tensor",
+            "aten.index_select.default",
         ],
     ),
     RulesModule(

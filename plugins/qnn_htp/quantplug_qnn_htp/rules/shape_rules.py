@@ -59,9 +59,4 @@ for _op, _ops in _SISO.items():
     _register(_op, _ops, annotate_single_in_single_out, _op)
 # no 1:1 QNN op in ExecuTorch's table: never validated
 _register(None, [aten.expand_as.default], annotate_shared_in_out, "expand_as")
-_register(
-    None,
-    [aten.gather.default, aten.index.Tensor, aten.index_select.default],
-    annotate_shared_in_out,
-    "gather",
-)
+_register(None, [aten.gather.default], annotate_shared_in_out, "gather")  # index: embedding_rules

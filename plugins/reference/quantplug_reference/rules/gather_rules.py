@@ -1,5 +1,5 @@
 """Gathers (``x[indices]``, ``aten.index.Tensor``): values moved under static presets, and
-mixture-of-experts weights quantized as weights under weight-only ones.
+mixture-of-experts weights quantized as weights under weight-only and dynamic ones.
 
 Static presets treat a gather as ``index_select`` (``shape_rules``): the output reuses the
 input's encoding.
@@ -8,11 +8,14 @@ A mixture-of-experts layer keeps every expert's weights in one ``[experts, out, 
 and, per token, gathers the rows of the experts the router chose: transformers'
 ``experts_implementation="batched_mm"`` exports ``bmm(W[expert_ids], x)`` (``bmm(x,
 W[expert_ids])`` for ``[experts, in, out]`` weights). Those parameters are most of a Mixtral's or
-a Qwen-MoE's bytes, and no linear reads them: weight-only presets left them float. Under a
-weight-only config the gathered parameter is now quantized as a linear's weight is, one encoding
+a Qwen-MoE's bytes, and no linear reads them: weight-only and dynamic presets left them float.
+Under those configs the gathered parameter is quantized as a linear's weight is, one encoding
 per expert: the preset's groups of inputs become ``(1, 1, group)`` blocks (``(1, group, 1)`` for
 ``[experts, in, out]``), and a per-channel preset one block per expert and output row. The
-gathered rows dequantize to float, as an embedding's do.
+gathered rows dequantize to float, as an embedding's do, so int8 experts use the whole
+``[-127, 127]`` grid (``weight_bits`` bounds integer products only). Under ``dynamic_int8`` the
+``bmm`` they feed stays a float product: ONNX Runtime has no integer batched product with a
+scale per expert row.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from torch.fx import Node
 
 from quantplug import QuantizationConfig, QuantizationSpec, is_float_tensor, register_annotator
 from quantplug.annotation.specs import annotate_node, is_annotated
-from quantplug_reference.configs import EPS
+from quantplug_reference.configs import EPS, full_int8_range
 from quantplug_reference.rules import shape_rules  # the module: its rules are not this one's
-from quantplug_reference.rules.common import weight_only
+from quantplug_reference.rules.common import static_activations
 
 aten = torch.ops.aten
 
@@ -62,10 +65,10 @@ def expert_weight_spec(spec: QuantizationSpec, shape: torch.Size, axis: int) -> 
 
 @register_annotator([aten.index.Tensor])
 def annotate_gather(node: Node, config: QuantizationConfig) -> None:
-    if weight_only(config):
-        _annotate_expert_weights(node, config)
+    if static_activations(config):
+        shape_rules.annotate_data_movement(node, config)  # as index_select
     else:
-        shape_rules.annotate_data_movement(node, config)  # as index_select: static presets only
+        _annotate_expert_weights(node, config)
 
 
 def _annotate_expert_weights(node: Node, config: QuantizationConfig) -> None:
@@ -80,4 +83,5 @@ def _annotate_expert_weights(node: Node, config: QuantizationConfig) -> None:
     axis = _input_axis(node)
     if axis is None:
         return
-    annotate_node(node, {weight: expert_weight_spec(config.weight, shape, axis)})
+    spec = full_int8_range(config.weight)  # the rows dequantize: no integer product to saturate
+    annotate_node(node, {weight: expert_weight_spec(spec, shape, axis)})
