@@ -22,6 +22,7 @@ from quantplug_qnn_htp.rules.common import MASK_ARGS_KEY
 from .models import PassesNet, build
 
 aten = torch.ops.aten
+qd = torch.ops.quantized_decomposed
 
 
 def _transformed(
@@ -260,3 +261,45 @@ def test_block_size_map_check_pass_is_registered() -> None:
         "qnn_htp.mark_masks",
         "qnn_htp.check_block_size_map",
     ]
+
+
+UNFOLDS = {
+    "3x3, padded": dict(kernel_size=(3, 3), padding=1),
+    "ConvBERT's 9x1": dict(kernel_size=(9, 1), padding=(4, 0)),
+    "dilated, strided, uneven": dict(kernel_size=(2, 3), dilation=(2, 1), padding=(1, 2), stride=(2, 3)),
+    "patches": dict(kernel_size=4, stride=4),
+}
+
+
+@pytest.mark.parametrize("options", list(UNFOLDS.values()), ids=list(UNFOLDS))
+def test_im2col_becomes_data_movement_that_keeps_the_input_grid(options: dict) -> None:
+    """``nn.Unfold`` exported as one ``im2col``, which torch's ONNX translator expands into ops
+    whose tensors had no encoding: strict lowering refused ConvBERT. Decomposed into a pad, a
+    gather of constant positions and reshapes, it moves the same values and lowers; quantized,
+    its output is exactly im2col of the quantized input (the values never leave its grid)."""
+    torch.manual_seed(0)
+    model, x = nn.Unfold(**options).eval(), torch.randn(2, 3, 8, 10)
+    gm = _transformed(model, (x,))
+    assert aten.im2col.default not in _targets(gm)
+    assert torch.equal(gm(x), model(x))
+
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
+    quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="8a8w")
+    prepared = quantplug.prepare(program, quantizer)
+    prepared(x)
+    converted = quantplug.convert(prepared)
+    quantplug.lower(converted, quantizer)  # strict: every tensor has an encoding
+    first = next(n for n in converted.graph.nodes if n.target == qd.quantize_per_tensor.default)
+    scale, zero_point, low, high, dtype = first.args[1:]
+    for batch_size in (2, 5):
+        y = torch.randn(batch_size, 3, 8, 10)
+        on_grid = qd.dequantize_per_tensor(
+            qd.quantize_per_tensor(y, scale, zero_point, low, high, dtype),
+            scale,
+            zero_point,
+            low,
+            high,
+            dtype,
+        )
+        assert torch.equal(converted(y), model(on_grid))

@@ -27,6 +27,8 @@ the precision's quantization and each op's HTP constraints apply:
   make one after the Q/DQ; as a constant it gets the derived int32 bias grid).
 * ``adaptive_avg_pool2d(x, 1)`` on a non-contiguous ``x`` -> ``mean(x, [-2, -1], keepdim=True)``
   (the exporter otherwise adds a stride-restoring Gather after its ReduceMean).
+* ``im2col`` (``nn.Unfold``) -> ``pad``, ``flatten``, ``index_select`` of constant positions,
+  ``reshape``: data movement only, so the values stay on the input's grid.
 
 Every new node carries the original's stack and debug handle; shapes and dtypes (``meta["val"]``)
 are recomputed on fake tensors. (A linear on a 3-D input, which the exporter writes as
@@ -335,6 +337,40 @@ def decompose_global_avg_pool(b: _Builder, node: Node) -> Node | None:
     return b.call(aten.mean.dim, x, [-2, -1], True)
 
 
+def decompose_im2col(b: _Builder, node: Node) -> Node | None:
+    """``im2col`` (``nn.Unfold``: ConvBERT's span-based convolution, patch extraction) ->
+    ``pad``, ``flatten``, ``index_select`` of constant positions, ``reshape``. QNN has no im2col and
+    torch's ONNX translator writes one as a chain of Pad, Gathers and Reshapes whose intermediate
+    tensors have no encoding. This rewrite moves the same values with ops that export to one ONNX
+    op each, all data movement: the gathered rows share the padded tensor's encoding, and the
+    zero padding lies inside every calibrated range, so the quantized program computes what
+    ``im2col`` of the quantized input does. Spatial sizes must be static (the positions are a
+    constant); a 3-D (unbatched) input is left alone."""
+    x = node.args[0]
+    shape = _shape(x)
+    if not isinstance(x, Node) or len(shape) != 4 or not _static(shape[1:]):
+        return None
+    kh, kw = (int(v) for v in _arg(node, 1, "kernel_size", ()))
+    dh, dw = (int(v) for v in _arg(node, 2, "dilation", ()))
+    ph, pw = (int(v) for v in _arg(node, 3, "padding", ()))
+    sh, sw = (int(v) for v in _arg(node, 4, "stride", ()))
+    _, channels, height, width = (int(v) for v in shape)
+    padded_h, padded_w = height + 2 * ph, width + 2 * pw
+    out_h = (padded_h - dh * (kh - 1) - 1) // sh + 1
+    out_w = (padded_w - dw * (kw - 1) - 1) // sw + 1
+    if out_h <= 0 or out_w <= 0:
+        return None
+    # position of (kernel row i, kernel column j, output row r, output column c) in the padded
+    # plane, in im2col's order: kernel offsets (i, j) outer, output positions (r, c) inner
+    rows = (torch.arange(kh) * dh).view(kh, 1, 1, 1) + (torch.arange(out_h) * sh).view(1, 1, out_h, 1)
+    cols = (torch.arange(kw) * dw).view(1, kw, 1, 1) + (torch.arange(out_w) * sw).view(1, 1, 1, out_w)
+    positions = (rows * padded_w + cols).reshape(-1)
+    padded = b.call(aten.pad.default, x, [pw, pw, ph, ph], "constant", 0.0) if ph or pw else x
+    flat = b.call(aten.flatten.using_ints, padded, 2)  # [batch, channels, padded plane]
+    gathered = b.call(aten.index_select.default, flat, 2, b.constant("im2col_positions", positions))
+    return b.call(aten.reshape.default, gathered, [-1, channels * kh * kw, out_h * out_w])
+
+
 #: norm op -> (index of its weight argument, of its bias argument, whether ONNX needs the bias):
 #: ONNX's GroupNormalization and InstanceNormalization require both, LayerNormalization the scale
 _NORM_PARAMETERS: dict[Any, tuple[int, int, bool]] = {
@@ -418,6 +454,7 @@ DECOMPOSITIONS: dict[Any, Decomposition] = {
     aten.pow.Tensor_Scalar: decompose_pow,
     aten.rms_norm.default: decompose_rms_norm,
     aten.adaptive_avg_pool2d.default: decompose_global_avg_pool,
+    aten.im2col.default: decompose_im2col,
     **dict.fromkeys(_NORM_PARAMETERS, materialize_norm_parameters),
     **dict.fromkeys(_CONVOLUTIONS, materialize_conv_bias),
 }
