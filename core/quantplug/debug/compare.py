@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from quantplug.errors import QuantplugError
 from quantplug.flow.calls import Call, check_flat_inputs, in_spec_of
 from quantplug.flow.graph_copy import working_copy
-from quantplug.quantizer.mutation import writes_in_place
+from quantplug.quantizer.mutation import mutated_aliases, writes_in_place
 
 DEBUG_HANDLE_KEY = "quantplug_debug_handle"  # same value as quantplug.flow.prepare.DEBUG_HANDLE_KEY
 PREPARED_KEY = "quantplug_prepared"
@@ -526,7 +526,10 @@ def _plan(float_gm: GraphModule, quantized: GraphModule) -> _Plan:
         src = n.args[0] if n.args else None
         return n.target is operator.getitem and isinstance(src, Node) and src.target in helper_ops
 
-    # the dequantize that carries each node's own output quantization: dq(q(node))
+    # the dequantize that carries each node's own output quantization: dq(q(node)). A tensor
+    # written in place after it is made has none (it stays float): a dq(q(...)) of it is a
+    # reader's, after the writes, and comparing it with the float value as made would be wrong
+    written_later = {n.name for n in mutated_aliases(quantized.graph)}
     output_dq: dict[str, Node] = {}
     for n in quantized.graph.nodes:
         if n.op == "call_function" and n.target in dequant_ops:
@@ -534,7 +537,8 @@ def _plan(float_gm: GraphModule, quantized: GraphModule) -> _Plan:
             if isinstance(q, Node) and q.op == "call_function" and q.target in quant_ops:
                 src = q.args[0]
                 if isinstance(src, Node) and src.op in ("call_function", "placeholder"):
-                    output_dq.setdefault(src.name, n)
+                    if src.name not in written_later:
+                        output_dq.setdefault(src.name, n)
 
     entries: list[NodeComparison] = []
     by_quant: dict[str, list[NodeComparison]] = {}
@@ -586,7 +590,11 @@ def _plan(float_gm: GraphModule, quantized: GraphModule) -> _Plan:
             float_node=counterpart.name,
             quantized=quantized_flag,
             output_quantized=dq is not None,
-            note=f"{counterpart.name} folded into it" if counterpart.name != str(handle) else "",
+            note=f"{counterpart.name} folded into it"
+            if counterpart.name != str(handle)
+            else "written in place later: compared as made, before the writes"
+            if n.name in written_later
+            else "",
         )
         entries.append(entry)
         by_quant.setdefault((dq or n).name, []).append(entry)

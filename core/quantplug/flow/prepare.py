@@ -40,6 +40,7 @@ from quantplug.observers.factory import create_observer
 from quantplug.observers.nonfinite import check_policy
 from quantplug.observers.nonfinite import configure as configure_nonfinite
 from quantplug.quantizer.index_arithmetic import index_arithmetic
+from quantplug.quantizer.mutation import mutated_aliases
 from quantplug.quantizer.quantizer import Quantizer
 from quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from quantplug.sharing.problem import solve
@@ -505,9 +506,9 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         if n.op == "placeholder":
             last_placeholder = n
 
-    def new_observer(source: Node, group: Group) -> Node:
+    def new_observer(source: Node, group: Group, before: Node | None = None) -> Node:
         anchor = last_placeholder if source.op == "placeholder" and last_placeholder is not None else source
-        with graph.inserting_after(anchor):
+        with graph.inserting_before(before) if before is not None else graph.inserting_after(anchor):
             obs = graph.call_module(group.target, (source,))
         for k in ("val", "tensor_meta", "nn_module_stack", "stack_trace", DEBUG_HANDLE_KEY):
             if k in source.meta:
@@ -530,6 +531,11 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         )
         output_obs[n.name] = obs
 
+    # a tensor the program writes in place later (``out = zeros_like(h); out[:, t] = ...``) holds
+    # its final values only once the writes ran: its readers observe it just before they read it,
+    # each on its own, not where it was made (where the observer saw zeros and convert's quantize
+    # copied them: RWKV's attention read an all-zero output, -2.2 dB at int8)
+    written_later = {n.name for n in mutated_aliases(graph)}
     edge_obs: dict[tuple[str, int], Node] = {}
     for key, gid in state.group_of.items():
         if not isinstance(key, tuple):
@@ -539,7 +545,11 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         if group.constant or state.group_of.get(producer_name) == gid:
             continue
         current = output_obs.get(producer_name, by_name[producer_name])
+        consumer = by_name[consumer_name]
+        if producer_name in written_later:
+            consumer.replace_input_with(current, new_observer(current, group, before=consumer))
+            continue
         edge_observer = edge_obs.get((producer_name, gid))
         if edge_observer is None:
             edge_observer = edge_obs[(producer_name, gid)] = new_observer(current, group)
-        by_name[consumer_name].replace_input_with(current, edge_observer)
+        consumer.replace_input_with(current, edge_observer)
