@@ -303,3 +303,67 @@ def test_im2col_becomes_data_movement_that_keeps_the_input_grid(options: dict) -
             dtype,
         )
         assert torch.equal(converted(y), model(on_grid))
+
+
+class RunningSoftmaxAverage(nn.Module):
+    """RWKV's numerically stable recurrence: a running maximum that starts at ``zeros - 1e38``, a
+    sentinel ``maximum`` and ``exp`` make vanish; the output is a softmax-weighted mean over time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        top = torch.zeros_like(h[:, 0]) - 1e38
+        num = torch.zeros_like(h[:, 0])
+        den = torch.zeros_like(h[:, 0])
+        for t in range(h.shape[1]):
+            k = h[:, t]
+            new_top = torch.maximum(top, k)
+            old, cur = torch.exp(top - new_top), torch.exp(k - new_top)
+            num, den, top = old * num + cur * k, old * den + cur, new_top
+        return self.head(num / den)
+
+
+class RunningSoftmaxAverageFromFirstStep(RunningSoftmaxAverage):
+    """The same function with the running maximum started at the first step: no sentinel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        top = h[:, 0]
+        num, den = torch.zeros_like(top), torch.zeros_like(top)
+        for t in range(h.shape[1]):
+            k = h[:, t]
+            new_top = torch.maximum(top, k)
+            old, cur = torch.exp(top - new_top), torch.exp(k - new_top)
+            num, den, top = old * num + cur * k, old * den + cur, new_top
+        return self.head(num / den)
+
+
+def _held_out_sqnr(model: nn.Module, precision: str) -> float:
+    torch.manual_seed(1)
+    x, held_out = torch.randn(16, 6, 8), torch.randn(16, 6, 8)
+    quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision=precision)
+    prepared = quantplug.prepare(torch.export.export(model, (x,)), quantizer)
+    prepared(x)
+    converted = quantplug.convert(prepared)
+    quantplug.lower(converted, quantizer)
+    with torch.no_grad():
+        ref = model(held_out)
+        return float(10 * torch.log10(ref.pow(2).mean() / (converted(held_out) - ref).pow(2).mean()))
+
+
+@pytest.mark.parametrize("precision", ["8a8w", "16a8w"])
+def test_a_sentinel_that_only_ever_holds_mask_values_is_quantized_below_zero(precision: str) -> None:
+    """The sentinel's observers saw nothing but mask values: calibration ended in a
+    CalibrationError ("never saw data"). Taken as real data of 0, the sentinel lands
+    ``mask_margin`` below it, where ``maximum`` ignores it and ``exp`` makes it ~0: the program
+    is as accurate as the same function written without the sentinel."""
+    torch.manual_seed(0)
+    model = RunningSoftmaxAverage().eval()
+    plain = RunningSoftmaxAverageFromFirstStep().eval()
+    plain.load_state_dict(model.state_dict())
+    got = _held_out_sqnr(model, precision)
+    assert got > 10 and abs(got - _held_out_sqnr(plain, precision)) < 0.5, got

@@ -151,6 +151,8 @@ class MaskAwareObserver(ObserverBase):
         if data.numel():
             self.inner(data)
             self.num_batches += 1
+        elif bool(self.saw_negative_mask) or bool(self.saw_positive_mask):
+            self.num_batches += 1  # masks alone are data too: see calculate_qparams
         return x
 
     def merge_(self, others: Sequence[Any]) -> None:
@@ -165,13 +167,19 @@ class MaskAwareObserver(ObserverBase):
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         inner: Any = self.inner
-        scale, zero_point = inner.calculate_qparams()
-        if not bool(self.saw_negative_mask) and not bool(self.saw_positive_mask):
-            return scale, zero_point
-        s = float(scale.reshape(-1)[0])
-        z = int(zero_point.reshape(-1)[0])
-        lo = (self.quant_min - z) * s
-        hi = (self.quant_max - z) * s
+        if int(getattr(inner, "num_batches", 1)) == 0:
+            # only mask values, ever: a sentinel such as RWKV's initial ``max_state``, ``zeros - 1e38``,
+            # which ``maximum`` and ``exp`` make vanish. The real data is taken to be 0, so the
+            # sentinel lands ``margin`` below it, as a mask lands below a tensor's smallest value.
+            lo = hi = 0.0
+        else:
+            scale, zero_point = inner.calculate_qparams()
+            if not bool(self.saw_negative_mask) and not bool(self.saw_positive_mask):
+                return scale, zero_point
+            s = float(scale.reshape(-1)[0])
+            z = int(zero_point.reshape(-1)[0])
+            lo = (self.quant_min - z) * s
+            hi = (self.quant_max - z) * s
         if bool(self.saw_negative_mask):
             lo = min(lo, 0.0) - self.margin
         if bool(self.saw_positive_mask):
