@@ -58,6 +58,12 @@ EPS = 2**-12
 #: logits, about +-0.00025 with random weights, landed on 0 or 1 step: 4.7 dB at int8, now 17.7),
 #: and every 16-bit one narrower than 16 a coarse grid (the zoo's Llama at a16w8: 20.3 dB, now 41.7)
 ACTIVATION_EPS = float(torch.finfo(torch.float32).eps)
+#: the smallest scale of weights no integer product reads (weight-only presets' weights, embedding
+#: tables, gathered expert weights): they dequantize to float, so XNNPACK's floor buys nothing and
+#: an absolute floor cuts a table of small values (RWKV's embeddings, about +-3e-4 with its own
+#: initialisation, before a layer norm) to one or two steps: the zoo's RWKV at weight_only_int8
+#: 1.8 dB, 35.7 with this floor
+DEQUANTIZED_WEIGHT_EPS = ACTIVATION_EPS
 #: 16-bit activations cover 4 times their calibrated range (``range_margin``): held-out values
 #: beyond a few calibration batches' range (and the tails the histogram observer clips, which
 #: 65535 steps can afford to keep) fall inside, at the cost of 2 of 16 bits. On the zoo's 17
@@ -83,7 +89,9 @@ def activation_observer(name: str, margin: float = 1.0) -> ObserverFactory:
     raise OptionError(f"unknown activation_observer {name!r}; valid: {', '.join(ACTIVATION_OBSERVERS)}")
 
 
-def per_channel_weight(dtype: torch.dtype = torch.int8, int8_max: int = INT8_WEIGHT_MAX) -> QuantizationSpec:
+def per_channel_weight(
+    dtype: torch.dtype = torch.int8, int8_max: int = INT8_WEIGHT_MAX, eps: float = EPS
+) -> QuantizationSpec:
     """Symmetric weights, one scale per output channel (axis 0); int8 ones on ``[-int8_max, int8_max]``."""
     qmin, qmax = (-int8_max, int8_max) if dtype == torch.int8 else (-8, 7)
     return QuantizationSpec(
@@ -92,11 +100,11 @@ def per_channel_weight(dtype: torch.dtype = torch.int8, int8_max: int = INT8_WEI
         quant_max=qmax,
         qscheme=torch.per_channel_symmetric,
         ch_axis=0,
-        observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=EPS),
+        observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=eps),
     )
 
 
-def per_group_weight(dtype: torch.dtype, group: int) -> QuantizationSpec:
+def per_group_weight(dtype: torch.dtype, group: int, eps: float = EPS) -> QuantizationSpec:
     """Symmetric weights, one scale per output channel and group of ``group`` inputs."""
     from quantplug.observers.per_block import PerBlockMinMaxObserver
 
@@ -107,7 +115,7 @@ def per_group_weight(dtype: torch.dtype, group: int) -> QuantizationSpec:
         quant_max=qmax,
         qscheme=torch.per_channel_symmetric,
         block_size=(1, group),
-        observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=EPS),
+        observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=eps),
     )
 
 
@@ -116,7 +124,9 @@ def weight_only_spec(preset: str, group_size: int) -> QuantizationSpec:
     dtype = int4 if preset == "weight_only_int4" else torch.int8
     if dtype == int4 and not group_size:
         group_size = DEFAULT_INT4_GROUP
-    return per_group_weight(dtype, group_size) if group_size else per_channel_weight(dtype)
+    if group_size:
+        return per_group_weight(dtype, group_size, eps=DEQUANTIZED_WEIGHT_EPS)
+    return per_channel_weight(dtype, eps=DEQUANTIZED_WEIGHT_EPS)
 
 
 def dynamic_token_spec() -> QuantizationSpec:
@@ -134,6 +144,23 @@ def full_int8_range(spec: Any) -> Any:
     saturating product: depthwise convolutions, embedding tables); other specs unchanged."""
     if isinstance(spec, QuantizationSpec) and spec.dtype == torch.int8 and spec.quant_max != INT8_WEIGHT_MAX:
         return dataclasses.replace(spec, quant_min=-INT8_WEIGHT_MAX, quant_max=INT8_WEIGHT_MAX)
+    return spec
+
+
+def weight_eps(spec: Any) -> float:
+    """The scale floor ``spec``'s observer was made with (:data:`EPS` when it names none)."""
+    ctr = getattr(spec, "observer_or_fake_quant_ctr", None)
+    return float(getattr(ctr, "kwargs", {}).get("eps", EPS))
+
+
+def lookup_table_spec(spec: Any) -> Any:
+    """``spec`` for a table that is looked up and dequantized, never multiplied as integers
+    (embedding tables, gathered expert weights): the whole int8 grid, floored at
+    :data:`DEQUANTIZED_WEIGHT_EPS`."""
+    spec = full_int8_range(spec)
+    ctr = getattr(spec, "observer_or_fake_quant_ctr", None)
+    if isinstance(spec, QuantizationSpec) and isinstance(ctr, ObserverFactory):
+        spec = dataclasses.replace(spec, observer_or_fake_quant_ctr=ctr.with_args(eps=DEQUANTIZED_WEIGHT_EPS))
     return spec
 
 

@@ -1,4 +1,6 @@
-"""Embedding lookup: the table is quantized like a weight (per row, per group or per tensor).
+"""Embedding lookup: the table is quantized like a weight (per row, per group or per tensor), on
+the whole int8 grid and with the fine scale floor of weights that only dequantize
+(``configs.lookup_table_spec``).
 
 Per-row and per-group tables dequantize to float rows; under a static config the output then
 gets its own activation encoding. A per-tensor table's rows share the table's encoding. Dynamic
@@ -12,7 +14,7 @@ from torch.fx import Node
 
 from quantplug import QuantizationConfig, SharedQuantizationSpec, is_float_tensor, register_annotator
 from quantplug.annotation.specs import annotate_node, is_annotated
-from quantplug_reference.configs import full_int8_range
+from quantplug_reference.configs import lookup_table_spec
 from quantplug_reference.rules.common import static_activations, weight_only
 from quantplug_reference.rules.linear_rules import fit_block_spec
 
@@ -28,7 +30,7 @@ def annotate_embedding(node: Node, config: QuantizationConfig) -> None:
     table = node.args[0]
     if not isinstance(table, Node) or not is_float_tensor(table):
         return
-    weight = full_int8_range(fit_block_spec(config.weight, table))  # a lookup multiplies nothing
+    weight = lookup_table_spec(fit_block_spec(config.weight, table))  # a lookup multiplies nothing
     if getattr(weight, "block_size", None) is not None or getattr(weight, "qscheme", None) in (
         torch.per_channel_symmetric,
         torch.per_channel_affine,

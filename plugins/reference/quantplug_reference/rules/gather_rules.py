@@ -13,7 +13,8 @@ Under those configs the gathered parameter is quantized as a linear's weight is,
 per expert: the preset's groups of inputs become ``(1, 1, group)`` blocks (``(1, group, 1)`` for
 ``[experts, in, out]``), and a per-channel preset one block per expert and output row. The
 gathered rows dequantize to float, as an embedding's do, so int8 experts use the whole
-``[-127, 127]`` grid (``weight_bits`` bounds integer products only). Under ``dynamic_int8`` the
+``[-127, 127]`` grid (``weight_bits`` bounds integer products only) and the fine scale floor of
+``configs.DEQUANTIZED_WEIGHT_EPS``. Under ``dynamic_int8`` the
 ``bmm`` they feed stays a float product: ONNX Runtime has no integer batched product with a
 scale per expert row.
 """
@@ -27,7 +28,7 @@ from torch.fx import Node
 
 from quantplug import QuantizationConfig, QuantizationSpec, is_float_tensor, register_annotator
 from quantplug.annotation.specs import annotate_node, is_annotated
-from quantplug_reference.configs import EPS, full_int8_range
+from quantplug_reference.configs import lookup_table_spec, weight_eps
 from quantplug_reference.rules import shape_rules  # the module: its rules are not this one's
 from quantplug_reference.rules.common import static_activations
 
@@ -59,7 +60,7 @@ def expert_weight_spec(spec: QuantizationSpec, shape: torch.Size, axis: int) -> 
         qscheme=torch.per_channel_symmetric,
         ch_axis=0,
         block_size=tuple(block),
-        observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=EPS),
+        observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=weight_eps(spec)),
     )
 
 
@@ -83,5 +84,5 @@ def _annotate_expert_weights(node: Node, config: QuantizationConfig) -> None:
     axis = _input_axis(node)
     if axis is None:
         return
-    spec = full_int8_range(config.weight)  # the rows dequantize: no integer product to saturate
+    spec = lookup_table_spec(config.weight)  # the rows dequantize: no integer product to saturate
     annotate_node(node, {weight: expert_weight_spec(spec, shape, axis)})

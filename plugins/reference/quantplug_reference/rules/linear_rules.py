@@ -15,7 +15,7 @@ from torch.fx import Node
 
 from quantplug import QuantizationConfig, QuantizationSpec, annotate_weighted, register_annotator
 from quantplug.observers.minmax import PerChannelMinMaxObserver
-from quantplug_reference.configs import EPS
+from quantplug_reference.configs import weight_eps
 from quantplug_reference.rules.common import reuse_fixed_inputs
 from quantplug_reference.rules.fusion import has_fused_activation
 
@@ -41,7 +41,7 @@ def per_channel_form(spec: QuantizationSpec) -> QuantizationSpec:
         block_size=None,
         qscheme=torch.per_channel_symmetric,
         ch_axis=0,
-        observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=EPS),
+        observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=weight_eps(spec)),
     )
 
 
