@@ -187,3 +187,28 @@ def test_artifact_run_checks_the_static_dimensions(dynamic_program: torch.export
         artifact.run(tokens, features[..., :31])
     with pytest.raises(ArtifactInputError, match="shape"):
         artifact.run(tokens, features[0])
+
+
+class RuntimeWeight(nn.Module):
+    """A linear whose weight is an input: weight-only presets quantize it per block at run time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.fc(x), w)
+
+
+def test_a_weight_quantized_per_block_at_run_time_lowers() -> None:
+    """Its dequantize reads convert's quantize, which has no recorded value: lowering took the
+    weight's (static) shape for unknown and refused it as dynamic."""
+    torch.manual_seed(0)
+    model, x, w = RuntimeWeight().eval(), torch.randn(3, 64), torch.randn(8, 64)
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    prepared = quantplug.prepare(torch.export.export(model, (x, w)), quantizer)
+    prepared(x, w)
+    converted = quantplug.convert(prepared)
+    assert any(n.target == quantplug.ops.quantize_per_block for n in converted.graph.nodes)
+    artifact = quantplug.lower(converted, quantizer)
+    np.testing.assert_allclose(np.asarray(artifact.run(x, w)), converted(x, w).detach().numpy(), atol=1e-5)

@@ -115,6 +115,8 @@ def _site(gm: GraphModule, node: Node, granularity: str, key: int) -> Site:
     src_val = attr_value(gm, src) if isinstance(src, Node) and src.op == "get_attr" else None
     if src_val is None and isinstance(src, Node):
         src_val = src.meta.get("val")
+        if src_val is None and src.target in STATIC_QUANTIZE and isinstance(src.args[0], Node):
+            src_val = src.args[0].meta.get("val")  # convert's quantize keeps its input's shape
     shape = (
         tuple(int(d) for d in src_val.shape) if isinstance(src_val, torch.Tensor) and _static(src_val) else ()
     )
