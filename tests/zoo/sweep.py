@@ -441,6 +441,32 @@ def _moe(
     )
 
 
+#: RWKV-4 (transformers' PyTorch path): each step's output written into ``zeros_like`` in place, a
+#: running maximum that starts at ``zeros - 1e38``, embeddings of about +-1e-4 before a layer norm
+_rwkv = _hf(
+    "RwkvModel",
+    "RwkvConfig",
+    _First,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    attention_hidden_size=32,
+    intermediate_size=64,
+    context_length=32,
+    use_cache=False,
+)
+#: ConvBERT: span-based dynamic convolution through ``nn.Unfold`` (``im2col``)
+_convbert = _hf(
+    "ConvBertModel",
+    "ConvBertConfig",
+    _First,
+    vocab_size=VOCAB,
+    max_position_embeddings=32,
+    embedding_size=32,
+    **SMALL,
+)
+
+
 TEXT = (4, 12)
 IMG = (4, 3, 32, 32)
 
@@ -644,6 +670,8 @@ SWEEP: dict[str, SweepModel] = {
             TEXT,
             "tokens",
         ),
+        SweepModel("rwkv", _rwkv, (4, 6), "tokens"),
+        SweepModel("convbert", _convbert, TEXT, "tokens"),
     )
 }
 

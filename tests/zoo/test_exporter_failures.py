@@ -10,7 +10,10 @@ ONNX Runtime artifact on held-out batches):
   that product into a ``MatMulNBits`` that quantizes the table to int8 on the fly, which the
   exactness check refused (``quantplug_reference.ort_passes``: such weights are spelled as
   arithmetic);
-* a projected LSTM at ``int8`` (``quantplug/lowering/projected_lstm.py``).
+* a projected LSTM at ``int8`` (``quantplug/lowering/projected_lstm.py``);
+* HF ConvBERT at ``qnn_htp`` 8a8w: the exporter expanded its ``nn.Unfold`` (``im2col``) into
+  Pad, Gathers and Reshapes whose tensors had no encoding, which strict lowering refused
+  (``quantplug_qnn_htp.decompositions.decompose_im2col``).
 """
 
 from __future__ import annotations
@@ -26,19 +29,25 @@ pytest.importorskip("onnxruntime")
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 CASES = [
-    ("beit", "weight_only_int4"),
-    ("swinv2", "int8"),
-    ("projected_lstm", "int8"),
+    ("beit", "reference", "weight_only_int4"),
+    ("swinv2", "reference", "int8"),
+    ("projected_lstm", "reference", "int8"),
+    ("convbert", "qnn_htp", "8a8w"),
 ]
 
 
-@pytest.mark.parametrize(("name", "preset"), CASES, ids=[f"{n}-{p}" for n, p in CASES])
-def test_lowers_and_the_artifact_computes_the_program(name: str, preset: str) -> None:
-    if name in ("beit", "swinv2"):
+@pytest.mark.parametrize(("name", "backend", "preset"), CASES, ids=[f"{n}-{p}" for n, _, p in CASES])
+def test_lowers_and_the_artifact_computes_the_program(name: str, backend: str, preset: str) -> None:
+    if name in ("beit", "swinv2", "convbert"):
         pytest.importorskip("transformers")
-    rows = sweep(name, presets=(("reference", preset),))
+    if backend == "qnn_htp":
+        pytest.importorskip("quantplug_qnn_htp")
+    rows = sweep(name, presets=((backend, preset),))
     assert rows["export"] == "dyn", rows
-    row = rows[f"reference:{preset}"]
+    row = rows[f"{backend}:{preset}"]
+    if backend == "qnn_htp":  # lowered strictly; no runtime here to run the artifact
+        assert re.match(r"ok \S+ \(", row), row
+        return
     found = re.match(r"ok (\S+) art (\S+) d", row)
     assert found, row
     program, artifact = float(found[1]), float(found[2])
