@@ -257,6 +257,7 @@ def test_block_size_map_check_pass_is_registered() -> None:
         "qnn_htp.unroll_recurrent",
         "qnn_htp.decompose_composites",
         "qnn_htp.decompose",
+        "qnn_htp.cast_bool_operands",
         "qnn_htp.lift_scalars",
         "qnn_htp.mark_masks",
         "qnn_htp.check_block_size_map",
@@ -367,3 +368,37 @@ def test_a_sentinel_that_only_ever_holds_mask_values_is_quantized_below_zero(pre
     plain.load_state_dict(model.state_dict())
     got = _held_out_sqnr(model, precision)
     assert got > 10 and abs(got - _held_out_sqnr(plain, precision)) < 0.5, got
+
+
+class ResetGate(nn.Module):
+    """RecurrentGemma's RG-LRU reset: ``reset + ~reset * a`` with ``reset`` a boolean mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        a = torch.sigmoid(self.fc(x))
+        reset = (positions == 0).unsqueeze(-1)
+        return self.fc(x * (reset + ~reset * a))
+
+
+def test_a_boolean_operand_of_float_arithmetic_is_cast_explicitly_and_quantized() -> None:
+    """torch promotes the mask inside the op; the ONNX exporter wrote a Cast whose float output
+    fed the quantized Mul and Add with no encoding, and strict lowering refused RecurrentGemma."""
+    torch.manual_seed(0)
+    model = ResetGate().eval()
+    x, positions = torch.randn(2, 6, 8), torch.arange(6).repeat(2, 1)
+    gm = _transformed(model, (x, positions))
+    casts = [n for n in gm.graph.nodes if n.target == aten.to.dtype]
+    assert len(casts) == 2 and all(c.args[0].meta["val"].dtype == torch.bool for c in casts)
+    torch.testing.assert_close(gm(x, positions), model(x, positions))
+    quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="8a8w")
+    prepared = quantplug.prepare(torch.export.export(model, (x, positions)), quantizer)
+    prepared(x, positions)
+    converted = quantplug.convert(prepared)
+    quantplug.lower(converted, quantizer)  # strict: the cast's output has an encoding
+    with torch.no_grad():
+        ref = model(x, positions)
+        sqnr = 10 * torch.log10(ref.pow(2).mean() / (converted(x, positions) - ref).pow(2).mean())
+    assert float(sqnr) > 25, float(sqnr)

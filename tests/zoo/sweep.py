@@ -466,6 +466,24 @@ _convbert = _hf(
     **SMALL,
 )
 
+#: RecurrentGemma: RG-LRU recurrences reset by a boolean mask (``reset + ~reset * a``), a conv1d
+#: and local attention
+_recurrent_gemma = _hf(
+    "RecurrentGemmaModel",
+    "RecurrentGemmaConfig",
+    _First,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    lru_width=32,
+    attention_window_size=8,
+    conv1d_width=4,
+    use_cache=False,
+)
+
 
 TEXT = (4, 12)
 IMG = (4, 3, 32, 32)
@@ -672,6 +690,7 @@ SWEEP: dict[str, SweepModel] = {
         ),
         SweepModel("rwkv", _rwkv, (4, 6), "tokens"),
         SweepModel("convbert", _convbert, TEXT, "tokens"),
+        SweepModel("recurrent_gemma", _recurrent_gemma, TEXT, "tokens"),
     )
 }
 

@@ -13,7 +13,10 @@ ONNX Runtime artifact on held-out batches):
 * a projected LSTM at ``int8`` (``quantplug/lowering/projected_lstm.py``);
 * HF ConvBERT at ``qnn_htp`` 8a8w: the exporter expanded its ``nn.Unfold`` (``im2col``) into
   Pad, Gathers and Reshapes whose tensors had no encoding, which strict lowering refused
-  (``quantplug_qnn_htp.decompositions.decompose_im2col``).
+  (``quantplug_qnn_htp.decompositions.decompose_im2col``);
+* HF RecurrentGemma at ``qnn_htp`` 8a8w: torch promotes the boolean reset mask of
+  ``reset + ~reset * a`` inside the op, and the exporter's Cast fed a quantized Mul and Add with
+  no encoding (``quantplug_qnn_htp.passes.cast_bool_operands``).
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ CASES = [
     ("swinv2", "reference", "int8"),
     ("projected_lstm", "reference", "int8"),
     ("convbert", "qnn_htp", "8a8w"),
+    ("recurrent_gemma", "qnn_htp", "8a8w"),
 ]
 
 
 @pytest.mark.parametrize(("name", "backend", "preset"), CASES, ids=[f"{n}-{p}" for n, _, p in CASES])
 def test_lowers_and_the_artifact_computes_the_program(name: str, backend: str, preset: str) -> None:
-    if name in ("beit", "swinv2", "convbert"):
+    if name in ("beit", "swinv2", "convbert", "recurrent_gemma"):
         pytest.importorskip("transformers")
     if backend == "qnn_htp":
         pytest.importorskip("quantplug_qnn_htp")
