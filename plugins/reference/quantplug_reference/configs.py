@@ -60,9 +60,9 @@ EPS = 2**-12
 ACTIVATION_EPS = float(torch.finfo(torch.float32).eps)
 #: the smallest scale of weights no integer product reads (weight-only presets' weights, embedding
 #: tables, gathered expert weights): they dequantize to float, so XNNPACK's floor buys nothing and
-#: an absolute floor cuts a table of small values (RWKV's embeddings, about +-3e-4 with its own
-#: initialisation, before a layer norm) to one or two steps: the zoo's RWKV at weight_only_int8
-#: 1.8 dB, 35.7 with this floor
+#: an absolute floor cuts a table of small values (RWKV's embeddings: standard deviation 1e-4 with
+#: its own initialisation, before a layer norm) to a step or two per row: the zoo's RWKV program at
+#: weight_only_int8 1.8 dB, 35.7 with this floor
 DEQUANTIZED_WEIGHT_EPS = ACTIVATION_EPS
 #: 16-bit activations cover 4 times their calibrated range (``range_margin``): held-out values
 #: beyond a few calibration batches' range (and the tails the histogram observer clips, which
