@@ -315,11 +315,13 @@ class RunningSoftmaxAverage(nn.Module):
         self.fc = nn.Linear(8, 8)
         self.head = nn.Linear(8, 4)
 
+    def start(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(h[:, 0]) - 1e38
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        top = torch.zeros_like(h[:, 0]) - 1e38
-        num = torch.zeros_like(h[:, 0])
-        den = torch.zeros_like(h[:, 0])
+        top = self.start(h)
+        num, den = torch.zeros_like(h[:, 0]), torch.zeros_like(h[:, 0])
         for t in range(h.shape[1]):
             k = h[:, t]
             new_top = torch.maximum(top, k)
@@ -331,16 +333,8 @@ class RunningSoftmaxAverage(nn.Module):
 class RunningSoftmaxAverageFromFirstStep(RunningSoftmaxAverage):
     """The same function with the running maximum started at the first step: no sentinel."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        top = h[:, 0]
-        num, den = torch.zeros_like(top), torch.zeros_like(top)
-        for t in range(h.shape[1]):
-            k = h[:, t]
-            new_top = torch.maximum(top, k)
-            old, cur = torch.exp(top - new_top), torch.exp(k - new_top)
-            num, den, top = old * num + cur * k, old * den + cur, new_top
-        return self.head(num / den)
+    def start(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, 0]
 
 
 def _held_out_sqnr(model: nn.Module, precision: str) -> float:
