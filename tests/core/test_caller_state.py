@@ -78,6 +78,38 @@ def test_the_prepared_module_keeps_the_programs_semantics() -> None:
     assert int(prepared.get_buffer("calls")) == 1
 
 
+class RescaledOnFirstCall(nn.Module):
+    """transformers' RWKV: the first forward divides weights in place under ``torch.no_grad()``
+    (torch.export records a ``wrap_with_set_grad_enabled`` region whose subgraph writes them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.rescaled = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rescaled:
+            with torch.no_grad():
+                self.fc.weight.div_(2)
+            self.rescaled = True
+        return self.fc(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("preset", ["int8", "weight_only_int8"])
+def test_a_parameter_written_inside_a_no_grad_region_is_the_working_copys(preset: str) -> None:
+    """The writes are in the region's subgraph, not in the program's graph: the working copy
+    shared the parameter, and every calibration batch halved the caller's weight."""
+    x = torch.randn(4, 8)
+    ep = torch.export.export(RescaledOnFirstCall().eval(), (x,))
+    assert any("wrap_with_set_grad_enabled" in str(n.target) for n in ep.graph.nodes)
+    before = _snapshot(ep.state_dict)
+    prepared = quantplug.prepare(ep, quantplug.get_quantizer("reference", preset=preset))
+    for _ in range(3):
+        prepared(x)
+    quantplug.convert(prepared)(x)
+    assert _same(before, ep.state_dict) == []
+
+
 def test_inference_programs_share_the_callers_tensors() -> None:
     """Only written state is copied: an eval-mode program costs no copy of its weights."""
     model = Stateful().eval()

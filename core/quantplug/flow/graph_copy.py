@@ -158,14 +158,8 @@ def own_written_state(gm: GraphModule) -> list[str]:
     """
     written: dict[str, None] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        positions, (implicit, flag) = _written_positions(node.target)
-        if flag < len(node.args) and node.args[flag] is True:
-            positions += implicit
-        for position in positions:
-            arg = node.args[position] if position < len(node.args) else None
-            if isinstance(arg, Node) and arg.op == "get_attr":
+        for arg in _written_args(gm, node):
+            if arg.op == "get_attr":
                 written[str(arg.target)] = None
     for target in written:
         holder_path, _, name = target.rpartition(".")
@@ -181,6 +175,39 @@ def own_written_state(gm: GraphModule) -> list[str]:
         else:
             setattr(holder, name, copy_)
     return list(written)
+
+
+def _written_args(gm: GraphModule, node: Node) -> list[Node]:
+    """The node arguments ``node`` writes in place: by its schema, or, for a higher-order op that
+    runs a subgraph (torch.export's ``with torch.no_grad():`` regions), the operands that
+    subgraph writes. transformers' RWKV rescales its weights in place (``weight.div_(...)``) in
+    such a region on its first forward; exported before that call, every run of the program
+    divides them again, and calibration divided the caller's parameters."""
+    if node.op != "call_function":
+        return []
+    positions, (implicit, flag) = _written_positions(node.target)
+    if flag < len(node.args) and node.args[flag] is True:
+        positions += implicit
+    found = [node.args[p] for p in positions if p < len(node.args) and isinstance(node.args[p], Node)]
+    for i, arg in enumerate(node.args):
+        body = getattr(gm, str(arg.target), None) if isinstance(arg, Node) and arg.op == "get_attr" else None
+        if not isinstance(body, GraphModule):
+            continue
+        operands = node.args[i + 1 :]  # a region op's operands follow its subgraph
+        inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+        for index in _written_placeholders(body):
+            if index < len(operands) and index < len(inputs) and isinstance(operands[index], Node):
+                found.append(operands[index])  # type: ignore[arg-type]
+        break
+    return found
+
+
+def _written_placeholders(body: GraphModule) -> list[int]:
+    """Indices of the placeholders of ``body`` that it (or a region inside it) writes in place."""
+    inputs = {n: i for i, n in enumerate(n for n in body.graph.nodes if n.op == "placeholder")}
+    return sorted(
+        {inputs[arg] for node in body.graph.nodes for arg in _written_args(body, node) if arg in inputs}
+    )
 
 
 _NO_WRITES: tuple[tuple[int, ...], tuple[tuple[int, ...], int]] = ((), ((), 1 << 30))
