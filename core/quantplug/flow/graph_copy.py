@@ -188,16 +188,16 @@ def _written_args(gm: GraphModule, node: Node) -> list[Node]:
     positions, (implicit, flag) = _written_positions(node.target)
     if flag < len(node.args) and node.args[flag] is True:
         positions += implicit
-    found = [node.args[p] for p in positions if p < len(node.args) and isinstance(node.args[p], Node)]
+    found = [a for p in positions if p < len(node.args) and isinstance(a := node.args[p], Node)]
     for i, arg in enumerate(node.args):
         body = getattr(gm, str(arg.target), None) if isinstance(arg, Node) and arg.op == "get_attr" else None
         if not isinstance(body, GraphModule):
             continue
         operands = node.args[i + 1 :]  # a region op's operands follow its subgraph
-        inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
         for index in _written_placeholders(body):
-            if index < len(operands) and index < len(inputs) and isinstance(operands[index], Node):
-                found.append(operands[index])  # type: ignore[arg-type]
+            operand = operands[index] if index < len(operands) else None
+            if isinstance(operand, Node):
+                found.append(operand)
         break
     return found
 
