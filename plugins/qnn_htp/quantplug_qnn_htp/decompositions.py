@@ -30,6 +30,9 @@ the precision's quantization and each op's HTP constraints apply:
 * ``im2col`` (``nn.Unfold``) -> ``pad``, ``flatten``, ``index_select`` of constant positions,
   ``reshape``: data movement only, so the values stay on the input's grid.
 
+The pass ``cast_bool_operands`` (its own step, after ``decompose``) uses the same builder: a
+boolean operand of float arithmetic gets an explicit ``to(dtype)``.
+
 Every new node carries the original's stack and debug handle; shapes and dtypes (``meta["val"]``)
 are recomputed on fake tensors. (A linear on a 3-D input, which the exporter writes as
 ``Transpose + MatMul + Add``, keeps its quantization: ``fully_connected.linear_to_2d`` reshapes it
@@ -55,7 +58,7 @@ DECOMPOSED_FROM_KEY = "qnn_htp_decomposed_from"
 #: the absolute range, since a moving average clips the rows with the smallest or largest values
 #: and the clipped factor then scales the whole row wrongly
 ABSOLUTE_RANGE_KEY = "qnn_htp_absolute_range"
-KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "quantplug_debug_handle", "from_node")
+_KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "quantplug_debug_handle", "from_node")
 
 
 def _val(arg: Any) -> Any:
@@ -82,7 +85,7 @@ class _Builder:
         self.gm = gm
         self.anchor = anchor
         self.label = label
-        self.meta = {k: anchor.meta[k] for k in KEEP_META if k in anchor.meta}
+        self.meta = {k: anchor.meta[k] for k in _KEEP_META if k in anchor.meta}
         #: when a list, every node made is appended to it (what one part of a rewrite made)
         self.created: list[Node] | None = None
 
@@ -474,4 +477,46 @@ def decompose_composites(gm: GraphModule, context: BackendContext | None = None)
             changed = True
     if changed:
         gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+#: arithmetic whose boolean operand torch promotes to the other operand's float type
+_PROMOTING = frozenset(
+    {
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        aten.rsub.Tensor,
+        aten.mul.Tensor,
+        aten.div.Tensor,
+        aten.maximum.default,
+        aten.minimum.default,
+    }
+)
+
+
+def cast_bool_operands(gm: GraphModule, context: BackendContext | None = None) -> None:
+    """Make the promotion of a boolean operand of float arithmetic an explicit ``to(dtype)``.
+
+    RecurrentGemma resets its recurrence with ``reset + ~reset * a`` (``reset`` a boolean mask).
+    torch promotes the mask to float inside the op; the ONNX exporter writes that as a Cast the
+    program never had, whose float output fed a quantized Mul/Add with no encoding, and strict
+    lowering refused it. As an explicit ``to`` (a QNN Cast), its output is quantized like any
+    activation: 0 and 1 are on every grid."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _PROMOTING:
+            continue
+        out = _val(node)
+        if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+            continue
+        args = list(node.args)
+        for i, arg in enumerate(args[:2]):
+            val = _val(arg)
+            if isinstance(val, torch.Tensor) and val.dtype == torch.bool:
+                args[i] = _Builder(gm, node, f"{node.name} ({node.target})").call(
+                    aten.to.dtype, arg, out.dtype
+                )
+                changed = True
+        node.args = tuple(args)
+    if changed:
         gm.recompile()

@@ -43,7 +43,7 @@ from quantplug import BackendContext
 from quantplug.errors import OptionError
 from quantplug.quantizer.mutation import writes_in_place
 from quantplug_qnn_htp.configs import BLOCK_MAP_STATE
-from quantplug_qnn_htp.decompositions import KEEP_META, decompose_composites
+from quantplug_qnn_htp.decompositions import cast_bool_operands, decompose_composites
 from quantplug_qnn_htp.observers import MASK_THRESHOLD
 from quantplug_qnn_htp.recurrent import unroll_recurrent
 from quantplug_qnn_htp.rules.common import MASK_ARGS_KEY
@@ -484,51 +484,6 @@ def check_block_size_map(gm: GraphModule, context: BackendContext | None = None)
             "this graph (names after the qnn_htp passes); conv/linear nodes: "
             + (", ".join(candidates) or "none")
         )
-
-
-#: arithmetic whose boolean operand torch promotes to the other operand's float type
-_PROMOTING = frozenset(
-    {
-        aten.add.Tensor,
-        aten.sub.Tensor,
-        aten.rsub.Tensor,
-        aten.mul.Tensor,
-        aten.div.Tensor,
-        aten.maximum.default,
-        aten.minimum.default,
-    }
-)
-
-
-def cast_bool_operands(gm: GraphModule, context: BackendContext | None = None) -> None:
-    """Make the promotion of a boolean operand of float arithmetic an explicit ``to(dtype)``.
-
-    RecurrentGemma resets its recurrence with ``reset + ~reset * a`` (``reset`` a boolean mask).
-    torch promotes the mask to float inside the op; the ONNX exporter writes that as a Cast the
-    program never had, whose float output fed a quantized Mul/Add with no encoding, and strict
-    lowering refused it. As an explicit ``to`` (a QNN Cast), its output is quantized like any
-    activation: 0 and 1 are on every grid."""
-    changed = False
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _PROMOTING:
-            continue
-        out = node.meta.get("val")
-        if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
-            continue
-        args = list(node.args)
-        for i, arg in enumerate(args[:2]):
-            val = arg.meta.get("val") if isinstance(arg, Node) else None
-            if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
-                continue
-            with gm.graph.inserting_before(node):
-                cast = gm.graph.call_function(aten.to.dtype, (arg, out.dtype))
-            cast.meta.update({k: node.meta[k] for k in KEEP_META if k in node.meta})
-            cast.meta["val"] = val.to(out.dtype)
-            args[i] = cast
-            changed = True
-        node.args = tuple(args)
-    if changed:
-        gm.recompile()
 
 
 PassFn = Callable[[GraphModule, "BackendContext | None"], None]
