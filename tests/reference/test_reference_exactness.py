@@ -208,7 +208,7 @@ def test_the_check_finds_the_old_scheme(tmp_path) -> None:  # type: ignore[no-un
     assert {f.path for f in report.violations} == {acc.ACCUMULATION_PATHS[0].name}
     assert len(report.violations) == 3
     assert "saturates" in report.violations[0].message and "AVX2" in report.violations[0].cpus
-    with pytest.raises(quantplug.LoweringError, match="VPMADDUBSW"):
+    with pytest.raises(quantplug.LoweringError, match=r"(?s)VPMADDUBSW.*weight_bits=7"):
         from quantplug_reference.lowering import ReferenceArtifact, _check_integer_kernels
 
         _check_integer_kernels(model.SerializeToString(), ReferenceArtifact(backend="reference"))
@@ -311,10 +311,18 @@ def test_matmulnbits_accuracy_level_is_checked() -> None:
             onnx.numpy_helper.from_array(np.ones(4, np.float32), "s"),
         ],
     )
-    report = acc.integer_products(helper.make_model(graph))
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    report = acc.integer_products(model)
     assert [f.path for f in report.violations] == ["numerics"] and "accuracy_level 4" in report.violations[
         0
     ].message
+    # no weight grid the user could choose changes it: the advice is not weight_bits
+    from quantplug_reference.lowering import ReferenceArtifact, _check_integer_kernels
+
+    with pytest.raises(quantplug.LoweringError, match="quantplug bug") as info:
+        _check_integer_kernels(model.SerializeToString(), ReferenceArtifact(backend="reference"))
+    assert "weight_bits" not in str(info.value)
 
 
 def test_unknown_integer_kernels_are_reported() -> None:

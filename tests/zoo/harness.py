@@ -8,6 +8,7 @@ fixed seeds, so every machine quantizes the same numbers.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -80,8 +81,9 @@ def float_case(name: str) -> FloatCase:
     held_out = [draw(gen) for _ in range(HELD_OUT_BATCHES)]
     with quiet():
         program = torch.export.export(model, example)
-        with torch.no_grad():
-            reference = [model(*batch) for batch in held_out]
+        with torch.no_grad():  # on a copy: RWKV writes its weights, the program's, on its first call
+            eager = copy.deepcopy(model)
+            reference = [eager(*batch) for batch in held_out]
     return FloatCase(name, model, program, calibration, held_out, reference)
 
 

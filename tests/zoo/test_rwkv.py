@@ -11,12 +11,14 @@ model written for eager mode brings, each found by the sweep and fixed at its ro
 * Its embeddings are about +-1e-4 (before a layer norm): ``reference``'s weight scale floor of
   ``2**-12`` left them one or two steps (3 dB at the embedding); tables that are only looked up
   now floor at float32's eps.
-
-Not covered: weight-only presets. Exported before its first call, the model divides its weights
-in place inside the program (transformers rescales them once, on the first forward), so they are
-computed, not stored, and ONNX Runtime fuses their quantization into a ``MatMulNBits`` that the
-exactness check refuses (a typed LoweringError). Called once before export, RWKV lowers at both
-(weight_only_int8 37.1 dB, int4 12.3, artifact equal).
+* Its first forward divides its output weights in place (``weight.div_(2 ** layer)`` under
+  ``torch.no_grad()``, once: a Python flag). Exported before that call, every run of the
+  program divides them again: calibration drifted (3.6 dB at ``reference`` int8, the artifact
+  49 output steps from the program) and weight-only presets did not lower (the weights were
+  computed, ONNX Runtime fused them into a ``MatMulNBits`` at int8 accuracy).
+  ``quantplug.flow.parameter_writes`` makes the write functional: every call computes what the
+  model computes after its first one. The zoo's config divides by ``2 ** layer``
+  (``rescale_every=1``), so that a drift shows.
 
 Floors: measured with these models, data and seeds minus 3 dB, rounded down to 0.5 dB.
 """
@@ -35,7 +37,8 @@ pytest.importorskip("quantplug_qnn_htp")
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
-FLOORS = {("reference", "int8"): 15.5, ("qnn_htp", "8a8w"): 15.5}  # 18.9 and 18.8 measured
+#: 18.9, 12.3 and 18.8 measured
+FLOORS = {("reference", "int8"): 15.5, ("reference", "weight_only_int4"): 9.0, ("qnn_htp", "8a8w"): 15.5}
 
 
 def test_rwkv_quantizes_and_lowers() -> None:

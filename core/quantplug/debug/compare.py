@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from quantplug.errors import QuantplugError
 from quantplug.flow.calls import Call, check_flat_inputs, in_spec_of
 from quantplug.flow.graph_copy import working_copy
+from quantplug.flow.parameter_writes import functionalize_parameter_writes
 from quantplug.quantizer.mutation import mutated_aliases, writes_in_place
 
 DEBUG_HANDLE_KEY = "quantplug_debug_handle"  # same value as quantplug.flow.prepare.DEBUG_HANDLE_KEY
@@ -320,7 +321,9 @@ def _as_batches(inputs: Any) -> list[Call]:
 def _float_graph_module(model: Any, example: Call) -> GraphModule:
     """A GraphModule of the float program whose node names are the debug handles."""
     if isinstance(model, torch.export.ExportedProgram):
-        return working_copy(model)  # ep.module() shares (and would update) training-mode state
+        gm = working_copy(model)  # ep.module() shares (and would update) training-mode state
+        functionalize_parameter_writes(gm)  # as prepare computes it: weights written once
+        return gm
     if isinstance(model, GraphModule):
         return model
     if isinstance(model, torch.nn.Module):

@@ -20,27 +20,17 @@ from torch.fx import Graph, Node, map_arg
 
 from quantplug.errors import NonFiniteError
 from quantplug.flow.inspect import fetch_attr
+from quantplug.quantizer.mutation import written_args
 
 
 def written(attr_node: Node) -> bool:
     """Whether an op writes into this parameter/buffer (``copy_``, in-place updates)."""
-    for user in attr_node.users:
-        schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
-        if schema is None or not schema.is_mutable:
-            continue
-        for arg, value in zip(schema.arguments, user.args):
-            if value is attr_node and arg.alias_info is not None and arg.alias_info.is_write:
-                return True
-        for arg in schema.arguments:
-            info = arg.alias_info
-            if user.kwargs.get(arg.name) is attr_node and info is not None and info.is_write:
-                return True
-    return False
+    return any(attr_node in written_args(user) for user in attr_node.users)
 
 
 #: higher-order ops that only run their subgraph under a grad/autocast setting (torch.export
 #: records ``with torch.no_grad():`` regions this way): as pure as the subgraph they run
-_REGION_OPS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")
+REGION_OPS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")
 
 
 def _foldable(node: Node, attr: Callable[[str], Any]) -> bool:
@@ -52,7 +42,7 @@ def _foldable(node: Node, attr: Callable[[str], Any]) -> bool:
     if isinstance(node.target, torch._ops.OpOverload):
         # asserts (tensor metadata, scalars) have an effect only when they fail
         return not node.is_impure() or node.target.__name__.startswith("_assert")
-    if getattr(node.target, "__name__", None) in _REGION_OPS:
+    if getattr(node.target, "__name__", None) in REGION_OPS:
         region = next((a for a in node.args if isinstance(a, Node) and a.op == "get_attr"), None)
         body = attr(str(region.target)) if region is not None else None
         return isinstance(body, torch.fx.GraphModule) and all(

@@ -156,11 +156,7 @@ def own_written_state(gm: GraphModule) -> list[str]:
     norm in training mode, a counter buffer, ``copy_`` into a buffer) would change the caller's
     model during calibration. Only written tensors are copied, so inference programs cost nothing.
     """
-    written: dict[str, None] = {}
-    for node in gm.graph.nodes:
-        for arg in _written_args(gm, node):
-            if arg.op == "get_attr":
-                written[str(arg.target)] = None
+    written = _written_targets(gm)
     for target in written:
         holder_path, _, name = target.rpartition(".")
         holder = gm.get_submodule(holder_path)
@@ -174,6 +170,29 @@ def own_written_state(gm: GraphModule) -> list[str]:
             holder._buffers[name] = copy_
         else:
             setattr(holder, name, copy_)
+    return list(written)
+
+
+def written_parameters(gm: GraphModule) -> list[str]:
+    """The parameters (not buffers) ``gm``'s forward writes in place, by qualified name.
+
+    Buffers are state by design (batch-norm statistics, caches); a parameter written at every call
+    is a model that prepares its weights on its first forward and was exported before it."""
+    found = []
+    for target in _written_targets(gm):
+        holder_path, _, name = target.rpartition(".")
+        if name in gm.get_submodule(holder_path)._parameters:
+            found.append(target)
+    return found
+
+
+def _written_targets(gm: GraphModule) -> list[str]:
+    """The attributes (parameters, buffers, constants) ``gm``'s forward writes in place."""
+    written: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        for arg in _written_args(gm, node):
+            if arg.op == "get_attr":
+                written[str(arg.target)] = None
     return list(written)
 
 

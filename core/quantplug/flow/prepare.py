@@ -34,6 +34,7 @@ from quantplug.flow.embedding_bag import rewrite_fixed_bags
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.flow.no_op_arguments import drop_no_op_arguments
+from quantplug.flow.parameter_writes import functionalize_parameter_writes
 from quantplug.flow.unread_writes import drop_unread_writes
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
@@ -298,6 +299,7 @@ def _prepare(
     held_out: Sequence[Any] | None,
 ) -> GraphModule:
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
+    functionalize_parameter_writes(gm, rewrite=not qat)  # weights prepared on a first forward
     for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
         node.meta.setdefault(DEBUG_HANDLE_KEY, node.name)
     if qat:

@@ -222,8 +222,8 @@ def _check_integer_kernels(model_bytes: bytes, artifact: ReferenceArtifact) -> d
         raise LoweringError(
             "model.onnx would not compute what the Q/DQ program computes on every CPU:\n  "
             + "\n  ".join(f.format() for f in report.violations)
-            + "\nquantize conv/linear weights on [-64, 64] (the reference backend's weight_bits=7) or "
-            "report this as a quantplug bug"
+            + "\n"
+            + _advice(report.violations)
         )
     if report.unverified:
         warnings.warn(
@@ -232,6 +232,16 @@ def _check_integer_kernels(model_bytes: bytes, artifact: ReferenceArtifact) -> d
             stacklevel=3,
         )
     return report.summary()
+
+
+def _advice(violations: Sequence[Any]) -> str:
+    """A product that can saturate has a remedy the user can apply; anything else is ours."""
+    if any(f.path not in ("numerics", "model") for f in violations):
+        return (
+            "quantize conv/linear weights on [-64, 64] (the reference backend's weight_bits=7) or "
+            "report this as a quantplug bug"
+        )
+    return "this is a quantplug bug: please report it with the model (ORT's optimized graph above)"
 
 
 def _program_writer(program: GraphModule) -> Callable[[Path], None]:
