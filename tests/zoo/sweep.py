@@ -1007,25 +1007,6 @@ SWEEP: dict[str, SweepModel] = {
             "tokens",
         ),
         SweepModel(
-            "bart",
-            _hf(
-                "BartModel",
-                "BartConfig",
-                _Seq2Seq,
-                vocab_size=VOCAB,
-                d_model=32,
-                encoder_layers=1,
-                decoder_layers=1,
-                encoder_attention_heads=2,
-                decoder_attention_heads=2,
-                encoder_ffn_dim=64,
-                decoder_ffn_dim=64,
-                max_position_embeddings=32,
-            ),
-            TEXT,
-            "tokens",
-        ),
-        SweepModel(
             "olmoe",
             _hf(
                 "OlmoeForCausalLM",
