@@ -104,6 +104,30 @@ def test_decomposition_computes_the_same_attention(name: str) -> None:
             torch.testing.assert_close(gm(*x), model(*x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["gqa", "gqa_causal"])
+def test_grouped_query_decomposition_keeps_dynamic_shapes(causal: bool) -> None:
+    """Batch and sequence exported as ``torch.export.Dim``: the repeated K/V heads and the causal
+    mask are sized by ``sym_size`` nodes. The sizes themselves (SymInts) went into the argument
+    lists, and the generated code named a symbol it never defined (Falcon: NameError 's72')."""
+    model = SdpaBlock(kv_heads=2, causal=causal).eval()
+    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=16)
+    ep = torch.export.export(model, (torch.randn(2, 8, 32),), dynamic_shapes=({0: batch, 1: seq},))
+    quantizer = quantplug.get_quantizer("qnn_htp", precision="16a8w")
+    gm = quantizer.transform_for_annotation(working_copy(ep))
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(b, t, 32, generator=g),) for b, t in ((1, 5), (3, 8), (2, 11))]
+    with torch.no_grad():
+        for x in data:
+            torch.testing.assert_close(gm(*x), model(*x), rtol=1e-5, atol=1e-5)
+    prepared = quantplug.prepare(ep, quantizer)
+    for x in data:
+        prepared(*x)
+    converted = quantplug.convert(prepared)
+    quantplug.lower(converted, quantizer)  # strict: every tensor of a quantized op encoded
+    with torch.no_grad():
+        assert min(_sqnr(model(*x), converted(*x)) for x in data) > 30
+
+
 def _executorch(
     ep: torch.export.ExportedProgram, batches: list[Inputs], precision: str, observer: str = "moving_average"
 ) -> Any:

@@ -170,7 +170,7 @@ def own_written_state(gm: GraphModule) -> list[str]:
             holder._buffers[name] = copy_
         else:
             setattr(holder, name, copy_)
-    return list(written)
+    return written
 
 
 def written_parameters(gm: GraphModule) -> list[str]:

@@ -152,20 +152,26 @@ def _is_constant(node: Any) -> bool:
 # --- scaled dot-product attention ------------------------------------------------------------------
 
 
-def _repeat_heads(b: _Builder, x: Node, repeats: int) -> Node:
+def _size(b: _Builder, x: Node, dim: int) -> Any:
+    """Dimension ``dim`` of ``x`` as an argument: the int, or a ``sym_size`` node where it is
+    dynamic (a SymInt itself in an argument list is a name the generated code does not define)."""
+    size = _shape(x)[dim]
+    return size if isinstance(size, int) else b.call(aten.sym_size.int, x, dim % len(_shape(x)))
+
+
+def _repeat_heads(b: _Builder, x: Node, repeats: int, heads: int) -> Node:
     """``[B, Hk, S, D] -> [B, Hk * repeats, S, D]``, each K/V head repeated (GQA)."""
-    batch, heads, seq, dim = _shape(x)
-    expanded = b.call(
-        aten.expand.default, b.call(aten.unsqueeze.default, x, 2), [batch, heads, repeats, seq, dim]
-    )
-    return b.call(aten.reshape.default, expanded, [batch, heads * repeats, seq, dim])
+    expanded = b.call(aten.expand.default, b.call(aten.unsqueeze.default, x, 2), [-1, -1, repeats, -1, -1])
+    shape = [_size(b, x, 0), heads * repeats, _size(b, x, 2), _size(b, x, 3)]
+    return b.call(aten.reshape.default, expanded, shape)
 
 
-def _causal_mask(b: _Builder, length: Any, source: Any) -> Node:
+def _causal_mask(b: _Builder, q: Node, k: Node) -> Node:
     """Boolean ``[L, S]``, True where attention is *not* allowed (above the diagonal)."""
+    length, source = _shape(q)[-2], _shape(k)[-2]
     if isinstance(length, int) and isinstance(source, int):
         return b.constant("_qnn_causal_mask_", torch.ones(length, source, dtype=torch.bool).triu(1))
-    ones = b.call(aten.ones.default, [length, source], dtype=torch.bool)
+    ones = b.call(aten.new_ones.default, q, [_size(b, q, -2), _size(b, k, -2)], dtype=torch.bool)
     return b.call(aten.triu.default, ones, 1)
 
 
@@ -188,11 +194,11 @@ def decompose_sdpa(b: _Builder, node: Node) -> Node | None:
         if not (isinstance(q_shape[1], int) and isinstance(k_shape[1], int)) or q_shape[1] % k_shape[1]:
             return None
         repeats = q_shape[1] // k_shape[1]
-        k, v = _repeat_heads(b, k, repeats), _repeat_heads(b, v, repeats)  # type: ignore[arg-type]
+        k, v = _repeat_heads(b, k, repeats, k_shape[1]), _repeat_heads(b, v, repeats, k_shape[1])  # type: ignore[arg-type]
     scaled_q = b.call(aten.mul.Tensor, q, float(scale))
     scores = b.call(aten.matmul.default, scaled_q, b.call(aten.transpose.int, k, -2, -1))
     if causal:
-        blocked = _causal_mask(b, q_shape[-2], k_shape[-2])
+        blocked = _causal_mask(b, q, k)  # type: ignore[arg-type]
         scores = b.call(aten.masked_fill.Scalar, scores, blocked, float("-inf"))
     if isinstance(mask, Node):
         mask_val = _val(mask)
