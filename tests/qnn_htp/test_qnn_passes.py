@@ -396,3 +396,49 @@ def test_a_boolean_operand_of_float_arithmetic_is_cast_explicitly_and_quantized(
         ref = model(x, positions)
         sqnr = 10 * torch.log10(ref.pow(2).mean() / (converted(x, positions) - ref).pow(2).mean())
     assert float(sqnr) > 25, float(sqnr)
+
+
+class HandWrittenLinear(nn.Module):
+    """``x @ W.T (+ b)`` written out (Falcon's ``FalconLinear``), or as ``nn.Linear``."""
+
+    def __init__(self, how: str, bias: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(64, 32, bias=bias)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.fc.weight, self.fc.bias
+        if self.how == "linear":
+            y = self.fc(x)
+        else:
+            wt = {"t": w.t(), "T": w.T, "transpose": w.transpose(1, 0), "permute": w.permute(1, 0)}[self.how]
+            y = x @ wt if x.dim() > 2 else torch.mm(x, wt)
+            y = y + b if b is not None else y
+        return torch.relu(y)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["t", "T", "transpose", "permute"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("precision", ["8a8w", "16a4w_block"])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_hand_written_linear_is_quantized_as_a_linear(
+    how: str, bias: bool, precision: str, rank: int
+) -> None:
+    """As a MatMul, the transposed weight took the activation grid: 16-bit per tensor at
+    ``16a4w_block`` (not 4-bit per block), and no weight encoding at all at 8a8w."""
+    shape = (4, 5, 64) if rank == 3 else (6, 64)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(*shape, generator=g),) for _ in range(3)]
+    results = []
+    for written in ("linear", how):
+        ep = torch.export.export(HandWrittenLinear(written, bias).eval(), data[0])
+        quantizer = quantplug.get_quantizer("qnn_htp", precision=precision)
+        prepared = quantplug.prepare(ep, quantizer)
+        for x in data:
+            prepared(*x)
+        converted = quantplug.convert(prepared)
+        quantplug.lower(converted, quantizer)  # strict: every tensor of a quantized op encoded
+        results.append([converted(*x) for x in data])
+    for reference, found in zip(*results):
+        torch.testing.assert_close(found, reference, rtol=0, atol=0)

@@ -15,6 +15,7 @@ the precision's quantization and each op's HTP constraints apply:
   multiplies both ``q`` and ``k^T`` by its square root: one more quantized tensor).
 * ``x @ W + b`` (``matmul``/``mm`` with a constant ``[in, out]`` weight, then the add of a constant
   bias) -> ``addmm``, a FullyConnected quantized as a linear (the rule in ``linear_rules``);
+  without a bias (Falcon's ``x @ W.T``, the transpose folded) -> ``addmm`` with a zero bias;
 * ``addmm`` that is not a fully connected layer (a non-constant ``mat2`` or bias, or
   ``alpha``/``beta`` other than 1) -> ``mm`` + ``add`` (+ ``mul``), ExecuTorch's
   ``DecomposeAddmm``; ``baddbmm`` -> ``bmm`` + ``add`` (+ ``mul``).
@@ -245,28 +246,59 @@ def decompose_baddbmm(b: _Builder, node: Node) -> Node | None:
     return b.call(aten.add.Tensor, product, _scaled(b, bias, node.kwargs.get("beta", 1)))  # type: ignore[arg-type]
 
 
+def _fully_connected(b: _Builder, x: Node, weight: Node, bias: Node) -> Node | None:
+    """``x @ W + bias`` with a constant ``W [in, out]`` as ``addmm(bias, x2d, W)`` (``reshape``
+    around it for inputs of rank > 2, whose leading sizes must be static), else None."""
+    w_shape, x_shape = _shape(weight), _shape(x)
+    if len(x_shape) < 2 or not _static(x_shape[:-1]):
+        return None
+    flat = x if len(x_shape) == 2 else b.call(aten.reshape.default, x, [-1, w_shape[0]])
+    out = b.call(aten.addmm.default, bias, flat, weight)
+    return out if len(x_shape) == 2 else b.call(aten.view.default, out, [*x_shape[:-1], w_shape[1]])
+
+
+def _constant_weight(product: Node) -> Node | None:
+    """The constant 2-D second operand of a ``matmul``/``mm`` (``W.T`` arrives folded)."""
+    if product.target not in (aten.matmul.default, aten.mm.default) or not _is_constant(product.args[1]):
+        return None
+    weight = product.args[1]
+    return weight if len(_shape(weight)) == 2 else None  # type: ignore[return-value]
+
+
+def _bias_of(add: Node, product: Node) -> Node | None:
+    """The constant bias ``add(product, bias)`` adds to every output feature, else None."""
+    if add.target is not aten.add.Tensor or add.args[0] is not product or add.kwargs.get("alpha", 1) != 1:
+        return None
+    bias, weight = add.args[1], product.args[1]
+    b_shape, w_shape = _shape(bias), _shape(weight)
+    if not (_is_constant(bias) and b_shape and b_shape[-1] == w_shape[1] == math.prod(b_shape)):
+        return None
+    return bias  # type: ignore[return-value]
+
+
+def recompose_matmul_weight(b: _Builder, node: Node) -> Node | None:
+    """``x @ W`` with a constant 2-D ``W`` and no bias after it (``x @ self.weight.T`` of a
+    bias-free hand-written linear: Falcon's ``FalconLinear``) -> ``addmm`` with a zero bias, a
+    FullyConnected whose weight gets the precision's weight grid. As a MatMul, the weight took
+    the activation grid: 16-bit per tensor at ``16a4w_block``, not 4-bit per block. With a bias
+    added after it, ``recompose_linear_add`` makes the FullyConnected."""
+    weight = _constant_weight(node)
+    if weight is None or (len(node.users) == 1 and _bias_of(next(iter(node.users)), node) is not None):
+        return None
+    value = _val(weight)
+    zeros = b.constant("_qnn_fc_bias_", torch.zeros(int(value.shape[1]), dtype=value.dtype))
+    return _fully_connected(b, node.args[0], weight, zeros)  # type: ignore[arg-type]
+
+
 def recompose_linear_add(b: _Builder, node: Node) -> Node | None:
     """``add(matmul(x, W), bias)`` with a constant ``W [in, out]`` and a constant bias of ``out``
     values (``x @ W + b``) -> ``addmm(bias, x2d, W)``, a FullyConnected quantized as a linear
     (``reshape`` around it for inputs of rank > 2); the product must have no other user."""
-    product, bias = node.args[0], node.args[1]
-    if not (isinstance(product, Node) and product.target in (aten.matmul.default, aten.mm.default)):
+    product = node.args[0]
+    if not isinstance(product, Node) or len(product.users) != 1 or _constant_weight(product) is None:
         return None
-    if len(product.users) != 1 or node.kwargs.get("alpha", 1) != 1:
-        return None
-    x, weight = product.args[0], product.args[1]
-    w_shape, x_shape = _shape(weight), _shape(x)
-    if not (_is_constant(weight) and _is_constant(bias) and len(w_shape) == 2 and len(x_shape) >= 2):
-        return None
-    b_shape = _shape(bias)
-    if not b_shape or b_shape[-1] != w_shape[1] or math.prod(b_shape) != w_shape[1]:
-        return None
-    lead = x_shape[:-1]
-    if not _static(lead):
-        return None
-    flat = x if len(x_shape) == 2 else b.call(aten.reshape.default, x, [-1, w_shape[0]])
-    out = b.call(aten.addmm.default, bias, flat, weight)
-    return out if len(x_shape) == 2 else b.call(aten.view.default, out, [*lead, w_shape[1]])
+    bias = _bias_of(node, product)
+    return None if bias is None else _fully_connected(b, product.args[0], product.args[1], bias)  # type: ignore[arg-type]
 
 
 # --- elementwise ----------------------------------------------------------------------------------
@@ -455,6 +487,8 @@ Decomposition = Callable[[_Builder, Node], "Node | None"]
 DECOMPOSITIONS: dict[Any, Decomposition] = {
     aten.scaled_dot_product_attention.default: decompose_sdpa,
     aten.addmm.default: decompose_addmm,
+    aten.matmul.default: recompose_matmul_weight,
+    aten.mm.default: recompose_matmul_weight,
     aten.add.Tensor: recompose_linear_add,
     aten.baddbmm.default: decompose_baddbmm,
     aten.rsqrt.default: decompose_rsqrt,

@@ -123,6 +123,8 @@ _VIEW_OPS = frozenset(
         aten.select.int,
         aten.narrow.default,
         aten.t.default,
+        aten.numpy_T.default,  # W.T
+        aten.mT.default,
         aten.transpose.int,
         aten.permute.default,
         aten.view.default,
