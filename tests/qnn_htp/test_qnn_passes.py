@@ -421,18 +421,23 @@ class HandWrittenLinear(nn.Module):
 @pytest.mark.parametrize("how", ["t", "T", "transpose", "permute"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("precision", ["8a8w", "16a4w_block"])
-@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("rank", [2, 3, "3_dynamic"])
 def test_a_hand_written_linear_is_quantized_as_a_linear(
-    how: str, bias: bool, precision: str, rank: int
+    how: str, bias: bool, precision: str, rank: int | str
 ) -> None:
     """As a MatMul, the transposed weight took the activation grid: 16-bit per tensor at
-    ``16a4w_block`` (not 4-bit per block), and no weight encoding at all at 8a8w."""
-    shape = (4, 5, 64) if rank == 3 else (6, 64)
+    ``16a4w_block`` (not 4-bit per block), and no weight encoding at all at 8a8w. With a
+    dynamic batch (Falcon in the zoo) the leading sizes are read by ``sym_size``."""
+    shape = (6, 64) if rank == 2 else (4, 5, 64)
+    dynamic = ({0: torch.export.Dim("batch", min=1, max=8)},) if rank == "3_dynamic" else None
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(*shape, generator=g),) for _ in range(3)]
+    if dynamic:
+        data[1] = (torch.randn(2, 5, 64, generator=g),)
     results = []
     for written in ("linear", how):
-        ep = torch.export.export(HandWrittenLinear(written, bias).eval(), data[0])
+        model = HandWrittenLinear(written, bias).eval()
+        ep = torch.export.export(model, data[0], dynamic_shapes=dynamic)
         quantizer = quantplug.get_quantizer("qnn_htp", precision=precision)
         prepared = quantplug.prepare(ep, quantizer)
         for x in data:

@@ -12,6 +12,7 @@ measured on its 4 held-out ones (``tests/zoo/harness.py``). AdaRound runs 100 st
     .venv/bin/python -m tests.zoo.algorithms_sweep --measure-last     # ... the same batches measure, guard
                                                                       # on calibration (to compare with)
     .venv/bin/python -m tests.zoo.algorithms_sweep --only gptq --option gptq.scale_search=20
+    .venv/bin/python -m tests.zoo.algorithms_sweep rwkv --only gptq --calibration-batches 8
     .venv/bin/python -m tests.zoo.algorithms_sweep --more             # tests/zoo/more_models.py too
     .venv/bin/python -m tests.zoo.algorithms_sweep r3d_18 mobilevit   # tests/zoo/sweep.py's, by name
     .venv/bin/python -m tests.zoo.algorithms_sweep --together --only smoothquant --only gptq \
@@ -40,13 +41,15 @@ from typing import Any
 import torch
 
 import quantplug
-from tests.zoo.harness import float_case, quantizer, quiet, run, sqnr
+from tests.zoo.harness import CALIBRATION_BATCHES, float_case, quantizer, quiet, run, sqnr
 from tests.zoo.models import MODELS
 from tests.zoo.more_models import MORE_MODELS
 from tests.zoo.sweep import SWEEP
 
 CONFIGS: tuple[tuple[str, str], ...] = (("qnn_htp", "16a4w"), ("reference", "weight_only_int4"))
 OPTIONS: dict[str, dict[str, Any]] = {"adaround": {"iterations": 100}}
+#: calibration batches per model (--calibration-batches; the zoo's 2 by default)
+CALIBRATION: dict[str, int] = {"batches": CALIBRATION_BATCHES}
 #: with --held-out: the held-out batches the guard judges on (the rest measure)
 JUDGED = 2
 
@@ -55,7 +58,7 @@ def held_out_sqnr(
     name: str, backend: str, preset: str, algorithms: list[Any], skipped: int = 0, judged: bool = False
 ) -> float:
     """The held-out SQNR past the first ``skipped`` batches (with ``judged``: the guard's)."""
-    case = float_case(name)
+    case = float_case(name, CALIBRATION["batches"])
     with quiet():
         prepared = quantplug.prepare(
             case.program,
@@ -112,6 +115,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="sweep this algorithm")
     parser.add_argument("--option", action="append", default=[], metavar="NAME.KEY=VALUE")
     parser.add_argument("--together", action="store_true", help="the --only algorithms as one combination")
+    parser.add_argument(
+        "--calibration-batches",
+        type=int,
+        default=CALIBRATION_BATCHES,
+        metavar="N",
+        help=f"calibrate on N batches (default {CALIBRATION_BATCHES}; the held-out ones stay the same)",
+    )
     args = parser.parse_args(argv)
     known = {**SWEEP, **MODELS, **MORE_MODELS}
     strangers = [m for m in args.models if m not in known]
@@ -127,6 +137,9 @@ def main(argv: list[str]) -> int:
     algorithms = args.only or installed
     if args.together and not args.only:
         parser.error("--together runs the --only algorithms as one combination: name them with --only")
+    if args.calibration_batches < CALIBRATION_BATCHES:
+        parser.error(f"--calibration-batches must be at least {CALIBRATION_BATCHES} (the zoo's own)")
+    CALIBRATION["batches"] = args.calibration_batches
     for item in args.option:
         target, _, value = item.partition("=")
         algorithm, _, key = target.partition(".")

@@ -64,7 +64,9 @@ class FloatCase:
 
 
 @functools.cache
-def float_case(name: str) -> FloatCase:
+def float_case(name: str, calibration_batches: int = CALIBRATION_BATCHES) -> FloatCase:
+    """``calibration_batches`` beyond the zoo's 2 are drawn after the held-out batches, so the
+    first 2 and the held-out batches are the same whatever the count."""
     zoo: Any
     if name in MODELS or name in MORE_MODELS:
         zoo = MODELS[name] if name in MODELS else MORE_MODELS[name]
@@ -79,6 +81,7 @@ def float_case(name: str) -> FloatCase:
     example = draw(gen)
     calibration = [draw(gen) for _ in range(CALIBRATION_BATCHES)]
     held_out = [draw(gen) for _ in range(HELD_OUT_BATCHES)]
+    calibration += [draw(gen) for _ in range(calibration_batches - CALIBRATION_BATCHES)]
     with quiet():
         program = torch.export.export(model, example)
         with torch.no_grad():  # on a copy: RWKV writes its weights, the program's, on its first call

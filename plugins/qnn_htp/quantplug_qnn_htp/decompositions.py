@@ -247,14 +247,16 @@ def decompose_baddbmm(b: _Builder, node: Node) -> Node | None:
 
 
 def _fully_connected(b: _Builder, x: Node, weight: Node, bias: Node) -> Node | None:
-    """``x @ W + bias`` with a constant ``W [in, out]`` as ``addmm(bias, x2d, W)`` (``reshape``
-    around it for inputs of rank > 2, whose leading sizes must be static), else None."""
+    """``x @ W + bias`` with a constant ``W [in, out]`` as ``addmm(bias, x2d, W)``, with
+    ``reshape`` around it for inputs of rank > 2 (dynamic leading sizes read by ``sym_size``)."""
     w_shape, x_shape = _shape(weight), _shape(x)
-    if len(x_shape) < 2 or not _static(x_shape[:-1]):
+    if len(x_shape) < 2:
         return None
     flat = x if len(x_shape) == 2 else b.call(aten.reshape.default, x, [-1, w_shape[0]])
     out = b.call(aten.addmm.default, bias, flat, weight)
-    return out if len(x_shape) == 2 else b.call(aten.view.default, out, [*x_shape[:-1], w_shape[1]])
+    if len(x_shape) == 2:
+        return out
+    return b.call(aten.view.default, out, [*(_size(b, x, i) for i in range(len(x_shape) - 1)), w_shape[1]])
 
 
 def _constant_weight(product: Node) -> Node | None:
