@@ -211,6 +211,14 @@ class _Seq2Seq(nn.Module):
 SMALL: dict[str, Any] = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 _PIXELS = functools.partial(_First, key="pixel_values")
 _AUDIO = functools.partial(_First, key="input_values")
+#: the small convolutional feature extractor and positional convolution of the speech encoders
+_AUDIO_FRONT: dict[str, Any] = dict(
+    conv_dim=(16, 16),
+    conv_stride=(5, 2),
+    conv_kernel=(10, 3),
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=4,
+)
 
 
 def _whisper() -> nn.Module:
@@ -303,11 +311,7 @@ _wav2vec2 = _hf(
     "Wav2Vec2Model",
     "Wav2Vec2Config",
     functools.partial(_First, key="input_values"),
-    conv_dim=(16, 16),
-    conv_stride=(5, 2),
-    conv_kernel=(10, 3),
-    num_conv_pos_embeddings=16,
-    num_conv_pos_embedding_groups=4,
+    **_AUDIO_FRONT,
     vocab_size=VOCAB,
     **SMALL,
 )
@@ -931,11 +935,7 @@ SWEEP: dict[str, SweepModel] = {
                 "WavLMModel",
                 "WavLMConfig",
                 _AUDIO,
-                conv_dim=(16, 16),
-                conv_stride=(5, 2),
-                conv_kernel=(10, 3),
-                num_conv_pos_embeddings=16,
-                num_conv_pos_embedding_groups=4,
+                **_AUDIO_FRONT,
                 num_buckets=32,
                 max_bucket_distance=64,
                 vocab_size=VOCAB,
@@ -949,11 +949,7 @@ SWEEP: dict[str, SweepModel] = {
                 "HubertModel",
                 "HubertConfig",
                 _AUDIO,
-                conv_dim=(16, 16),
-                conv_stride=(5, 2),
-                conv_kernel=(10, 3),
-                num_conv_pos_embeddings=16,
-                num_conv_pos_embedding_groups=4,
+                **_AUDIO_FRONT,
                 vocab_size=VOCAB,
                 **SMALL,
             ),
@@ -1101,11 +1097,7 @@ SWEEP: dict[str, SweepModel] = {
                 "Wav2Vec2ConformerModel",
                 "Wav2Vec2ConformerConfig",
                 _AUDIO,
-                conv_dim=(16, 16),
-                conv_stride=(5, 2),
-                conv_kernel=(10, 3),
-                num_conv_pos_embeddings=16,
-                num_conv_pos_embedding_groups=4,
+                **_AUDIO_FRONT,
                 conv_depthwise_kernel_size=3,
                 position_embeddings_type="rotary",
                 vocab_size=VOCAB,
@@ -1223,11 +1215,7 @@ SWEEP: dict[str, SweepModel] = {
                 "SEWModel",
                 "SEWConfig",
                 _AUDIO,
-                conv_dim=(16, 16),
-                conv_stride=(5, 2),
-                conv_kernel=(10, 3),
-                num_conv_pos_embeddings=16,
-                num_conv_pos_embedding_groups=4,
+                **_AUDIO_FRONT,
                 squeeze_factor=2,
                 vocab_size=VOCAB,
                 **SMALL,
