@@ -48,21 +48,29 @@ def functionalize_parameter_writes(gm: GraphModule, *, rewrite: bool = True) -> 
         rewrite: False only warns (quantization-aware training: a parameter written in place is
             still the one trained, where the functional value would carry no gradient).
     """
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
     done: list[str] = []
     regions = [n for n in gm.graph.nodes if getattr(n.target, "__name__", None) in REGION_OPS]
+    order = {node: i for i, node in enumerate(gm.graph.nodes)} if regions and rewrite else {}
     for region in regions if rewrite else []:
         at = next((i for i, a in enumerate(region.args) if _is_subgraph(gm, a)), None)
         if at is None:
             continue
         body_node = cast(Node, region.args[at])
         operands = region.args[at + 1 :]
-        body = copy.deepcopy(fetch_attr(gm, str(body_node.target)))
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        original = fetch_attr(gm, str(body_node.target))
+        chosen = [
+            i
+            for i, p in enumerate(_placeholders(original)[: len(operands)])
+            if any(p in written_args(user) for user in p.users)
+            and _read_only_through(region, operands[i], gm, order)
+        ]
+        if not chosen:
+            continue  # most regions write nothing (rotary tables): no copy
+        body = copy.deepcopy(original)
+        placeholders = _placeholders(body)
         rewritten = []
-        for placeholder, operand in zip(placeholders, operands):
-            if not _read_only_through(region, operand, gm, order):
-                continue
+        for i in chosen:
+            placeholder, operand = placeholders[i], operands[i]
             if _make_writes_functional(body, placeholder):
                 rewritten.append(str(operand.target))  # type: ignore[union-attr]
         if rewritten:
@@ -92,6 +100,10 @@ def functionalize_parameter_writes(gm: GraphModule, *, rewrite: bool = True) -> 
             else "outside a no-grad region, read apart from the write, or by an op with no functional form",
         )
     return done
+
+
+def _placeholders(body: GraphModule) -> list[Node]:
+    return [n for n in body.graph.nodes if n.op == "placeholder"]
 
 
 def _names(names: list[str]) -> str:

@@ -246,12 +246,10 @@ def decompose_baddbmm(b: _Builder, node: Node) -> Node | None:
     return b.call(aten.add.Tensor, product, _scaled(b, bias, node.kwargs.get("beta", 1)))  # type: ignore[arg-type]
 
 
-def _fully_connected(b: _Builder, x: Node, weight: Node, bias: Node) -> Node | None:
+def _fully_connected(b: _Builder, x: Node, weight: Node, bias: Node) -> Node:
     """``x @ W + bias`` with a constant ``W [in, out]`` as ``addmm(bias, x2d, W)``, with
     ``reshape`` around it for inputs of rank > 2 (dynamic leading sizes read by ``sym_size``)."""
     w_shape, x_shape = _shape(weight), _shape(x)
-    if len(x_shape) < 2:
-        return None
     flat = x if len(x_shape) == 2 else b.call(aten.reshape.default, x, [-1, w_shape[0]])
     out = b.call(aten.addmm.default, bias, flat, weight)
     if len(x_shape) == 2:
@@ -260,11 +258,13 @@ def _fully_connected(b: _Builder, x: Node, weight: Node, bias: Node) -> Node | N
 
 
 def _constant_weight(product: Node) -> Node | None:
-    """The constant 2-D second operand of a ``matmul``/``mm`` (``W.T`` arrives folded)."""
+    """The constant 2-D second operand of a ``matmul``/``mm`` whose first has rank 2 or more
+    (``W.T`` arrives folded), else None."""
     if product.target not in (aten.matmul.default, aten.mm.default) or not _is_constant(product.args[1]):
         return None
     weight = product.args[1]
-    return weight if len(_shape(weight)) == 2 else None  # type: ignore[return-value]
+    fits = len(_shape(weight)) == 2 and len(_shape(product.args[0])) >= 2
+    return weight if fits else None  # type: ignore[return-value]
 
 
 def _bias_of(add: Node, product: Node) -> Node | None:
