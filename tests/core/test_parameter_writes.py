@@ -77,6 +77,15 @@ def test_a_first_forward_write_is_applied_once_at_every_call(
     assert report.output_sqnr_db is not None and report.output_sqnr_db > 20, report.output_sqnr_db
     assert program.graph_module.submod_1.code == before  # type: ignore[union-attr]
     assert "div_" in before
+    # given the module, never called yet, the debugger exports it and reads the same weights
+    torch.manual_seed(0)
+    fresh = RescaledOnFirstCall().eval()
+    untouched = {k: v.clone() for k, v in fresh.state_dict().items()}
+    from_module = quantplug.debug.compare(fresh, converted, [(b,) for b in batches])
+    assert from_module.output_sqnr_db == pytest.approx(report.output_sqnr_db, abs=1e-3)
+    assert not fresh.rescaled
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, untouched[name]), name
 
 
 def test_quantization_aware_training_keeps_the_write(caplog: pytest.LogCaptureFixture) -> None:

@@ -502,3 +502,24 @@ def test_a_table_of_small_values_keeps_its_resolution(preset: str) -> None:
         got = sqnr(ref, torch.cat([converted(*b) for b in batches[2:]]))
     # measured 48.9 / 69.3 / 43.6 dB; 23.6 at each with the 2**-12 floor
     assert got > {"int8": 40, "weight_only_int8": 55, "weight_only_int4": 35}[preset], got
+
+
+def test_a_preset_that_quantizes_nothing_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """weight_only_int4 quantizes linear layers; on a network of convolutions (BiT, PoolFormer)
+    convert gives back the float model, and the report's infinite SQNR must not pass for a
+    perfect quantization."""
+    convs = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 1)).eval()
+    program = torch.export.export(convs, (torch.randn(1, 3, 8, 8),))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    with caplog.at_level("WARNING", logger="quantplug.flow.prepare"):
+        prepared = quantplug.prepare(program, quantizer)
+    assert "quantizes no node of this program" in caplog.text
+    assert "preset='weight_only_int4'" in caplog.text
+    assert "aten.conv2d.default x2" in caplog.text, caplog.text
+    x = torch.randn(2, 3, 8, 8)
+    converted = quantplug.convert(prepared)
+    torch.testing.assert_close(converted(x), convs(x))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="quantplug.flow.prepare"):  # int8 covers convolutions
+        quantplug.prepare(program, quantplug.get_quantizer("reference", preset="int8"))
+    assert "quantizes no node" not in caplog.text

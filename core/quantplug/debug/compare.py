@@ -330,12 +330,13 @@ def _float_graph_module(model: Any, example: Call) -> GraphModule:
         # export a copy so neither the user's module nor its train/eval flag is touched
         twin = copy.deepcopy(model).eval()
         try:
-            return torch.export.export(twin, example.args, dict(example.kwargs)).module()
+            exported = torch.export.export(twin, example.args, dict(example.kwargs))
         except Exception as exc:
             raise QuantplugError(
                 f"compare() could not export the float model ({type(exc).__name__}: {exc}); "
                 "pass the ExportedProgram that was quantized instead"
             ) from exc
+        return _float_graph_module(exported, example)  # as prepare reads a program
     raise QuantplugError(
         "compare() expects the float model as an ExportedProgram, a GraphModule or an nn.Module, "
         f"got {type(model).__name__}"

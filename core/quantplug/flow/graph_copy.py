@@ -26,6 +26,7 @@ from torch.fx import Graph, GraphModule, Node, map_arg
 from torch.fx.node import Argument, Target
 
 from quantplug.errors import QuantplugError
+from quantplug.quantizer.mutation import written_args
 
 try:  # private torch helpers; without them we fall back to ep.module()
     from torch.export._unlift import _get_codegen
@@ -140,15 +141,6 @@ def _forget_sources(keys: tuple[str, ...]) -> None:
             loader.eval_cache.pop(key, None)
 
 
-#: ops that write arguments their schema does not mark as written, when a flag argument is
-#: true: batch norm in training mode updates its running statistics (positions 3, 4) in place
-_IMPLICIT_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
-    "aten::batch_norm": ((3, 4), 5),
-    "aten::instance_norm": ((3, 4), 5),
-    "aten::_batch_norm_impl_index": ((3, 4), 5),
-}
-
-
 def own_written_state(gm: GraphModule) -> list[str]:
     """Give ``gm`` private copies of the tensors its forward writes in place; returns their names.
 
@@ -197,17 +189,15 @@ def _written_targets(gm: GraphModule) -> list[str]:
 
 
 def _written_args(gm: GraphModule, node: Node) -> list[Node]:
-    """The node arguments ``node`` writes in place: by its schema, or, for a higher-order op that
-    runs a subgraph (torch.export's ``with torch.no_grad():`` regions), the operands that
-    subgraph writes. transformers' RWKV rescales its weights in place (``weight.div_(...)``) in
-    such a region on its first forward; exported before that call, every run of the program
-    divides them again, and calibration divided the caller's parameters."""
+    """The node arguments ``node`` writes in place: by its schema (``written_args``), or, for a
+    higher-order op that runs a subgraph (torch.export's ``with torch.no_grad():`` regions), the
+    operands that subgraph writes. transformers' RWKV rescales its weights in place
+    (``weight.div_(...)``) in such a region on its first forward; exported before that call,
+    every run of the program divides them again, and calibration divided the caller's
+    parameters."""
     if node.op != "call_function":
         return []
-    positions, (implicit, flag) = _written_positions(node.target)
-    if flag < len(node.args) and node.args[flag] is True:
-        positions += implicit
-    found = [a for p in positions if p < len(node.args) and isinstance(a := node.args[p], Node)]
+    found = written_args(node)
     for i, arg in enumerate(node.args):
         body = getattr(gm, str(arg.target), None) if isinstance(arg, Node) and arg.op == "get_attr" else None
         if not isinstance(body, GraphModule):
@@ -227,29 +217,6 @@ def _written_placeholders(body: GraphModule) -> list[int]:
     return sorted(
         {inputs[arg] for node in body.graph.nodes for arg in _written_args(body, node) if arg in inputs}
     )
-
-
-_NO_WRITES: tuple[tuple[int, ...], tuple[tuple[int, ...], int]] = ((), ((), 1 << 30))
-_written_cache: dict[Any, tuple[tuple[int, ...], tuple[tuple[int, ...], int]]] = {}
-
-
-def _written_positions(target: Any) -> tuple[tuple[int, ...], tuple[tuple[int, ...], int]]:
-    """(positions the schema marks as written, (positions written when the flag at the given
-    position is True))."""
-    found = _written_cache.get(target)
-    if found is None:
-        schema = getattr(target, "_schema", None)
-        if schema is None:
-            found = _NO_WRITES
-        else:
-            marked = tuple(
-                i
-                for i, a in enumerate(schema.arguments)
-                if a.alias_info is not None and a.alias_info.is_write
-            )
-            found = (marked, _IMPLICIT_WRITES.get(schema.name, _NO_WRITES[1]))
-        _written_cache[target] = found
-    return found
 
 
 @contextmanager

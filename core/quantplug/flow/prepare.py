@@ -13,6 +13,7 @@ stores all of them as integers (see ``flow.constants``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,12 +43,14 @@ from quantplug.observers.nonfinite import check_policy
 from quantplug.observers.nonfinite import configure as configure_nonfinite
 from quantplug.quantizer.index_arithmetic import index_arithmetic
 from quantplug.quantizer.mutation import mutated_aliases
-from quantplug.quantizer.quantizer import Quantizer
+from quantplug.quantizer.quantizer import Quantizer, coverage_of
 from quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from quantplug.sharing.problem import solve
 from quantplug.sharing.resolution import Key, SharingGroups, describe_key
 from quantplug.validation.engine import CalibratedPlan
 from quantplug.validation.report import ValidationReport
+
+logger = logging.getLogger(__name__)
 
 STATE_KEY = "quantplug_prepared"
 #: meta naming the backend a program was prepared for (kept by convert; lower checks it)
@@ -333,6 +336,8 @@ def _prepare(
     with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
         _call(quantizer, "annotate", gm)
     keys = collect_keys(gm.graph)
+    if not keys.specs:
+        _warn_nothing_quantized(gm, quantizer)
     problem = keys.problem(gm.graph)
     resolver = getattr(quantizer, "resolve_sharing", None)
     groups = resolver(problem) if callable(resolver) else solve(problem)
@@ -363,6 +368,23 @@ def _prepare(
     gm.meta[STATE_KEY] = state
     gm.meta[BACKEND_KEY] = state.backend
     return gm
+
+
+def _warn_nothing_quantized(gm: GraphModule, quantizer: Any) -> None:
+    """A preset whose scope misses every op of a model (weight-only int4, which quantizes linear
+    layers, on a network of convolutions) would otherwise convert to the float model in silence,
+    and the report would read an infinite SQNR as a perfect quantization."""
+    report = coverage_of(gm)
+    ops = ", ".join(f"{op} x{n}" for op, n in report.float_ops().most_common(5))
+    reasons = sorted({n.reason for n in report.float_nodes})[:3]
+    logger.warning(
+        "prepare: %r quantizes no node of this program, so convert gives back the float model. "
+        "Its most common ops: %s (%s). Choose a preset or backend whose scope covers them; "
+        "quantizer.coverage(program).format() gives the reason for every node.",
+        quantizer,
+        ops or "none",
+        "; ".join(reasons) or "no op nodes",
+    )
 
 
 def _validate(quantizer: Any, gm: GraphModule, groups: SharingGroups) -> tuple[Any, CalibratedPlan | None]:

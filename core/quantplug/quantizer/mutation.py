@@ -29,19 +29,49 @@ def writes_in_place(node: Node) -> bool:
     return node.op == "call_function" and schema is not None and schema.is_mutable
 
 
+#: ops that write arguments their schema does not mark as written, when a flag argument is
+#: true: batch norm in training mode updates its running statistics (positions 3, 4) in place
+_IMPLICIT_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+    "aten::batch_norm": ((3, 4), 5),
+    "aten::instance_norm": ((3, 4), 5),
+    "aten::_batch_norm_impl_index": ((3, 4), 5),
+}
+_NO_FLAG = 1 << 30
+#: target -> (the (position, name) its schema marks as written, (implicit positions, flag position));
+#: graph copies ask this of every node, so each op's schema is read once
+_written_cache: dict[Any, tuple[tuple[tuple[int, str], ...], tuple[tuple[int, ...], int]]] = {}
+
+
+def _written_positions(target: Any) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[int, ...], int]]:
+    found = _written_cache.get(target)
+    if found is None:
+        schema = getattr(target, "_schema", None)
+        if schema is None:
+            found = ((), ((), _NO_FLAG))
+        else:
+            marked = tuple(
+                (i, a.name)
+                for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+            found = (marked, _IMPLICIT_WRITES.get(schema.name, ((), _NO_FLAG)))
+        _written_cache[target] = found
+    return found
+
+
 def written_args(node: Node) -> list[Node]:
-    """The node arguments an op writes (``Tensor(a!)`` in its schema)."""
-    if not writes_in_place(node):
+    """The node arguments an op writes: those its schema marks ``Tensor(a!)``, and batch norm's
+    running statistics in training mode, which it updates without saying so."""
+    if node.op != "call_function":
         return []
-    schema = _schema(node)
+    marked, (implicit, flag) = _written_positions(node.target)
     written = []
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+    for i, name in marked:
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         if isinstance(value, Node):
             written.append(value)
+    if flag < len(node.args) and node.args[flag] is True:
+        written += [a for i in implicit if i < len(node.args) and isinstance(a := node.args[i], Node)]
     return written
 
 
