@@ -72,24 +72,16 @@ def _randomize_bn(model: nn.Module) -> None:
 
 
 def _digits(kind: str) -> tuple[nn.Module, list[torch.Tensor]]:
-    """Calibrated on training images (unlabelled, as calibration data is in practice): 8 batches
-    of 128, so the CNN's classifier (512 inputs) sees more rows than it has inputs; measured on 4
-    batches of 30 held-out test images."""
-    from sklearn import datasets
+    """The stored trained model (``bench.digits_weights``: trained once, so every host measures
+    the same weights), calibrated on training images (unlabelled, as calibration data is in
+    practice): 8 batches of 128, so the CNN's classifier (512 inputs) sees more rows than it has
+    inputs; measured on 4 batches of 30 held-out test images."""
+    from bench.digits_weights import images, trained
 
-    from tests.reference.test_reference_digits import DigitsCNN, DigitsMLP, train
-
-    data = datasets.load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    x, y = x[order], y[order]
-    model = train(
-        DigitsMLP() if kind == "mlp" else DigitsCNN(), x[:-360], y[:-360], 30 if kind == "mlp" else 15
-    )
+    x, _ = images()
     calibration = [x[i : i + 128] for i in range(0, 1024, 128)]
     test = x[-120:]
-    return model.eval(), calibration + [test[i : i + 30] for i in range(0, 120, 30)]
+    return trained(kind), calibration + [test[i : i + 30] for i in range(0, 120, 30)]
 
 
 def build(name: str) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:

@@ -5,9 +5,9 @@
 ``weight_bits=7`` (the default: weights on ``[-64, 64]``, ONNX Runtime's fast U8S8 kernels, exact
 on every CPU) against ``weight_bits=8`` (``[-127, 127]`` stored as uint8: ORT's U8U8 kernels,
 exact too, about half as fast): the output SQNR against float of the Q/DQ program and of the ORT
-artifact, on the digits models (trained here, with their test accuracy) and on random-weight
-models (the speed bench's MLP and decoder block, ``nn.TransformerEncoder``, torchvision's
-resnet18 and mobilenet_v2 when torchvision imports). Writes
+artifact, on the digits models (the stored ones of ``bench.digits_weights``, with their test
+accuracy) and on random-weight models (the speed bench's MLP and decoder block,
+``nn.TransformerEncoder``, torchvision's resnet18 and mobilenet_v2 when torchvision imports). Writes
 ``bench/results/reference_weight_bits.md``. The speed side is ``bench.reference_speed
 --weight-bits 7|8``.
 """
@@ -124,23 +124,17 @@ def measure_random(
 
 
 def measure_digits(bits_list: tuple[int, ...]) -> list[dict[str, Any]]:
-    from sklearn import datasets
+    from bench.digits_weights import HELD_OUT, images, trained
+    from tests.reference.test_reference_digits import accuracy
 
-    from tests.reference.test_reference_digits import TEST_SIZE, DigitsCNN, DigitsMLP, accuracy, train
-
-    data = datasets.load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    x, y = x[order], y[order]
-    x_train, y_train, x_test, y_test = x[:-TEST_SIZE], y[:-TEST_SIZE], x[-TEST_SIZE:], y[-TEST_SIZE:]
+    x, y = images()
+    x_train, x_test, y_test = x[:-HELD_OUT], x[-HELD_OUT:], y[-HELD_OUT:]
     rows = []
-    for ctor, epochs in ((DigitsMLP, 30), (DigitsCNN, 12)):
-        torch.manual_seed(0)
-        model = train(ctor(), x_train, y_train, epochs)
+    for kind in ("mlp", "cnn"):
+        model = trained(kind)
         with torch.no_grad():
             ref = model(x_test)
-        calibration = [x_train[i : i + TEST_SIZE] for i in range(0, len(x_train) - TEST_SIZE + 1, TEST_SIZE)]
+        calibration = [x_train[i : i + HELD_OUT] for i in range(0, len(x_train) - HELD_OUT + 1, HELD_OUT)]
         for bits in bits_list:
             converted, artifact = _quantize(model, x_test, calibration, preset="int8", weight_bits=bits)
             with torch.no_grad():
@@ -148,7 +142,7 @@ def measure_digits(bits_list: tuple[int, ...]) -> list[dict[str, Any]]:
             shipped = artifact.run(x_test)
             rows.append(
                 {
-                    "model": f"digits {ctor.__name__} (accuracy: float {accuracy(ref, y_test):.2f} %)",
+                    "model": f"digits {type(model).__name__} (accuracy: float {accuracy(ref, y_test):.2f} %)",
                     "preset": "int8",
                     "bits": bits,
                     "program": _sqnr(ref, program),
