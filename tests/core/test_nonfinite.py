@@ -307,16 +307,18 @@ def test_unknown_policy_is_rejected(program: torch.export.ExportedProgram) -> No
 
 class MaskedScores(nn.Module):
     """Causal attention probabilities, the scores masked with ``-inf`` (``masked_fill``): the
-    model itself computes the infinities, from finite inputs."""
+    model itself computes the infinities, from finite inputs. ``fill``: what the mask holds
+    instead (transformers fills with ``torch.finfo(dtype).min``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fill: float = float("-inf")) -> None:
         super().__init__()
         self.q = nn.Linear(8, 8)
         self.register_buffer("causal", torch.ones(6, 6).triu(1).bool())
+        self.fill = fill
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = self.q(x) @ x.transpose(-1, -2)
-        return torch.softmax(scores.masked_fill(self.causal, float("-inf")), dim=-1)
+        return torch.softmax(scores.masked_fill(self.causal, self.fill), dim=-1)
 
 
 @pytest.fixture(scope="module")
@@ -325,12 +327,17 @@ def masked_program() -> torch.export.ExportedProgram:
     return torch.export.export(MaskedScores().eval(), (torch.randn(2, 6, 8),))
 
 
+MASK_FILLS = {"-inf": float("-inf"), "finfo.min": float(torch.finfo(torch.float32).min), "-1e9": -1e9}
+
+
+@pytest.mark.parametrize("fill", list(MASK_FILLS))
 @pytest.mark.parametrize("observer", ["histogram", "minmax", "moving_average"])
-def test_infinities_the_model_computes_are_masks_left_out_and_counted(
-    masked_program: torch.export.ExportedProgram, observer: str
-) -> None:
+def test_infinities_the_model_computes_are_masks_left_out_and_counted(observer: str, fill: str) -> None:
     from quantplug.observers.nonfinite import ignored_counts, masked_counts
 
+    torch.manual_seed(0)
+    model = MaskedScores(MASK_FILLS[fill]).eval()
+    masked_program = torch.export.export(model, (torch.randn(2, 6, 8),))
     quantizer = quantplug.get_quantizer("reference", activation_observer=observer)
     prepared = quantplug.prepare(masked_program, quantizer)
     for seed in range(3):
@@ -348,6 +355,24 @@ def test_infinities_the_model_computes_are_masks_left_out_and_counted(
     causal = torch.ones(6, 6).triu(1).bool().expand(2, 6, 6)
     assert float(probs[causal].max()) == 0.0
     assert torch.allclose(probs.sum(-1), torch.ones(2, 6), atol=0.05)
+    # and the real scores keep their grid: a range reaching finfo.min rounded every one of them to
+    # the same code, and each row became a plain average of the visible positions (error 0.5)
+    with torch.no_grad():
+        expected = model(torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1)))
+    assert float((probs - expected).abs().max()) < 0.2
+
+
+def test_huge_values_in_the_inputs_are_data_not_masks() -> None:
+    """Only what the model computes can be a mask; calibration data is measured as it is."""
+    from quantplug.observers.nonfinite import masked_counts
+
+    program = torch.export.export(nn.Sequential(nn.Linear(8, 8)).eval(), (torch.randn(2, 8),))
+    prepared = quantplug.prepare(program, quantplug.get_quantizer("reference"))
+    prepared(_batch(-1e9, (2, 8)))
+    assert not [where for where in masked_counts(prepared) if "input" in where]
+    quantized = quantplug.convert(prepared)
+    scales = [float(qp.scale.max()) for qp in quantized.meta["quantplug_qparams"].values()]
+    assert max(scales) > 1e9 / 256  # the input's grid spans -1e9
 
 
 def test_strict_policy_refuses_masks_too(masked_program: torch.export.ExportedProgram) -> None:

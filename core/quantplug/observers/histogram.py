@@ -199,7 +199,7 @@ class HistogramObserver(ObserverBase):
             lo_f, hi_f, cur_min, cur_max = torch.stack([lo, hi, self.min_val, self.max_val]).tolist()
         else:
             (lo_f, hi_f), cur_min, cur_max = extremes, self.min_val.item(), self.max_val.item()
-        if not nonfinite.finite(lo_f, hi_f):
+        if not nonfinite.ordinary(self, lo_f, hi_f):
             # one inf (or nan) would make every bin infinitely wide: the calibration's policy
             # decides (raise, or leave them out and count them)
             data = data[nonfinite.handle(self, data)]

@@ -48,7 +48,7 @@ def batch_extremes(observer: Any, x: torch.Tensor) -> tuple[float, float] | None
         lo, hi = torch.stack(list(torch.aminmax(data))).tolist()
     else:
         lo, hi = found
-    if nonfinite.finite(lo, hi):
+    if nonfinite.ordinary(observer, lo, hi):
         return lo, hi
     lo_t, hi_t = nonfinite.finite_extremes(observer, data.float())
     lo, hi = lo_t.item(), hi_t.item()
@@ -140,7 +140,7 @@ def _per_channel_extremes(observer: Any, x: torch.Tensor, axis: int) -> tuple[to
     flat = x.detach().float().movedim(axis, 0).reshape(x.shape[axis], -1)
     # amin + amax: two passes, yet about 10x faster than aminmax(dim=1) on CPU
     lo, hi = torch.amin(flat, dim=1), torch.amax(flat, dim=1)
-    if not nonfinite.all_finite(lo, hi):  # amin/amax propagate NaN; an inf shows as an extreme
+    if not nonfinite.all_ordinary(observer, lo, hi):  # amin/amax propagate NaN; an inf shows as an extreme
         lo, hi = nonfinite.finite_extremes(observer, flat, dims=(1,))
     return lo, hi
 

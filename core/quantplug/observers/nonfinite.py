@@ -10,17 +10,20 @@ The policy, chosen with ``prepare(..., nonfinite=...)``:
   command line adds the file, batch and input). Infinities the model computes itself from finite
   inputs are attention masks (``masked_fill(mask, -inf)``, ``generate_square_subsequent_mask``):
   they are left out of the statistics and counted per observer (``infinities_masked``;
-  :func:`masked_counts` gathers them), and at convert the grid is extended :data:`MASK_MARGIN`
+  :func:`masked_counts` gathers them), and so are the finite stand-ins for ``-inf`` that
+  transformers and others fill masks with (``torch.finfo(dtype).min``, -1e9: any computed value
+  at or below :data:`MASK_SENTINEL`); at convert the grid is extended :data:`MASK_MARGIN`
   below the smallest real value (above the largest for ``+inf``; :func:`widen_for_masks`), so that
   a masked entry, which quantize clamps to the grid's end, keeps its meaning: after a softmax its
   weight is below ``exp(-MASK_MARGIN)``, where a grid ending at the real values would give it
   the weight of the smallest score;
-* ``"strict"``: any NaN or infinity raises, masks included;
+* ``"strict"``: any NaN or infinity raises, masks included (finite sentinels are data then);
 * ``"ignore"``: every NaN and infinity is left out of the statistics and counted per observer
   (``nonfinite_ignored``; :func:`ignored_counts` gathers them for the report).
 
-Observers find out for free: they compute each batch's min and max anyway, and a NaN or infinite
-extreme is the only sign needed; only then is the batch scanned again. Observers built to hold
+Observers find out for free: they compute each batch's min and max anyway, and a NaN, infinite
+or sentinel extreme is the only sign needed (:func:`ordinary`); only then is the batch scanned
+again. Observers built to hold
 infinities (the QNN backend's mask-aware observer: ``-inf`` attention masks) keep doing so; NaN
 is never a mask. Whatever an observer does, :func:`check_qparams` makes ``convert`` refuse a
 non-finite scale or zero point (e.g. from a third-party observer), so no output file ever holds
@@ -49,6 +52,11 @@ COUNT_ATTR = "nonfinite_ignored"
 MASKED_ATTR = "infinities_masked"
 #: which ends saw mask infinities: "-inf" and/or "+inf" (a set on the observer)
 MASK_ENDS_ATTR = "mask_ends"
+#: a value the model computes at or below this is a mask entry, not data: transformers fills its
+#: attention masks with ``torch.finfo(dtype).min`` (-3.4e38), other code with -1e9 or -65504. A
+#: grid spanning one of them rounds every score to the same code (MPT's attention became a plain
+#: average at int8). The fp16 range's end, the threshold ExecuTorch's QNN quantizer uses.
+MASK_SENTINEL = -float(torch.finfo(torch.float16).max)
 #: how far below the smallest real value a ``-inf`` mask entry dequantizes (above for ``+inf``):
 #: the softmax weight of a masked entry is then below exp(-16) ~ 1e-7
 MASK_MARGIN = 16.0
@@ -72,9 +80,28 @@ def configure(observer: nn.Module, policy: str, where: str, *, observes_input: b
             setattr(module, INPUT_ATTR, observes_input)
 
 
-def finite(lo: float, hi: float) -> bool:
-    """Whether a batch's extremes are finite (False with NaN)."""
-    return math.isfinite(lo) and math.isfinite(hi)
+def _takes_sentinels(observer: Any) -> bool:
+    """Whether values at or below :data:`MASK_SENTINEL` are masks to ``observer``: it measures a
+    tensor the model computes (in calibration data they are data) and the policy is not "strict"."""
+    return not getattr(observer, INPUT_ATTR, True) and getattr(observer, POLICY_ATTR, "error") != "strict"
+
+
+def ordinary(observer: Any, lo: float, hi: float) -> bool:
+    """Whether a batch whose extremes are ``lo`` and ``hi`` needs no :func:`handle`: both finite
+    (False with NaN), and no mask sentinel among the values ``observer`` sees."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return False
+    return lo > MASK_SENTINEL or not _takes_sentinels(observer)
+
+
+def all_ordinary(observer: Any, *tensors: torch.Tensor) -> bool:
+    """:func:`ordinary` for tensors of extremes (per channel, per block) or for a whole batch."""
+    sentinels = _takes_sentinels(observer)
+    return all(
+        bool(torch.isfinite(t).all()) and not (sentinels and bool((t <= MASK_SENTINEL).any()))
+        for t in tensors
+        if t.numel()
+    )
 
 
 def nonfinite_counts(data: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[int, int, str]:
@@ -87,23 +114,31 @@ def nonfinite_counts(data: torch.Tensor, finite: torch.Tensor | None = None) -> 
 
 
 def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
-    """``data``'s finite-element mask, once its extremes were found non-finite.
+    """The mask of ``data``'s values to keep, once its extremes were found not :func:`ordinary`.
 
     Raises NonFiniteError where the policy says so (module docstring); otherwise counts the other
     elements on the observer (as ignored, or as masks) and returns the mask of those to keep.
     """
-    keep = torch.isfinite(data)
-    nan, inf, counts = nonfinite_counts(data, keep)
+    finite = torch.isfinite(data)
+    nan, inf, counts = nonfinite_counts(data, finite)
+    keep = finite
+    if _takes_sentinels(observer):
+        sentinel = data <= MASK_SENTINEL  # -inf included, counted once below
+        keep = finite & ~sentinel
+        _record_masks(observer, int((sentinel & finite).sum()), negative=bool(sentinel.any()), positive=False)
     policy = getattr(observer, POLICY_ATTR, "error")
+    if not nan and not inf:
+        return keep
     if policy == "ignore":
         setattr(observer, COUNT_ATTR, getattr(observer, COUNT_ATTR, 0) + nan + inf)
         return keep
     if policy == "error" and not nan and not getattr(observer, INPUT_ATTR, True):
-        setattr(observer, MASKED_ATTR, getattr(observer, MASKED_ATTR, 0) + inf)
-        ends = set(getattr(observer, MASK_ENDS_ATTR, ()))
-        ends |= {"-inf"} if bool((data == -math.inf).any()) else set()
-        ends |= {"+inf"} if bool((data == math.inf).any()) else set()
-        setattr(observer, MASK_ENDS_ATTR, frozenset(ends))
+        _record_masks(
+            observer,
+            inf,
+            negative=bool((data == -math.inf).any()),
+            positive=bool((data == math.inf).any()),
+        )
         return keep
     where = getattr(observer, WHERE_ATTR, "") or f"a {type(observer).__name__}"
     if nan:
@@ -122,6 +157,17 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _record_masks(observer: Any, count: int, *, negative: bool, positive: bool) -> None:
+    """Count ``count`` mask entries on ``observer`` and the ends of its grid they lie beyond."""
+    if not count and not negative and not positive:
+        return
+    setattr(observer, MASKED_ATTR, getattr(observer, MASKED_ATTR, 0) + count)
+    ends = set(getattr(observer, MASK_ENDS_ATTR, ()))
+    ends |= {"-inf"} if negative else set()
+    ends |= {"+inf"} if positive else set()
+    setattr(observer, MASK_ENDS_ATTR, frozenset(ends))
+
+
 def finite_extremes(
     observer: Any, data: torch.Tensor, dims: Sequence[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,10 +184,6 @@ def finite_extremes(
     if dims is None:
         return low.amin(), high.amax()
     return low.amin(dim=tuple(dims)), high.amax(dim=tuple(dims))
-
-
-def all_finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
 
 
 def widen_for_masks(observer: nn.Module, qparams: tuple[Any, Any]) -> tuple[Any, Any]:

@@ -164,7 +164,7 @@ class PerBlockMinMaxObserver(ObserverBase):
         blocks = x.detach().float().reshape(_interleaved(grid, resolved))
         inner = tuple(range(1, 2 * len(grid), 2))
         lo, hi = blocks.amin(dim=inner), blocks.amax(dim=inner)
-        if not nonfinite.all_finite(lo, hi):  # amin/amax propagate NaN; an inf shows as an extreme
+        if not nonfinite.all_ordinary(self, lo, hi):  # amin/amax propagate NaN; an inf shows as an extreme
             lo, hi = nonfinite.finite_extremes(self, blocks, dims=inner)
         return lo, hi
 

@@ -45,7 +45,7 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
         x = x_orig.detach() if x_orig.requires_grad else x_orig  # as torchao, without a dispatch
         state = self._state(x)
         if state is None:
-            if x.is_floating_point() and not nonfinite.all_finite(x):  # off the fast path: a scan
+            if x.is_floating_point() and not nonfinite.all_ordinary(self, x):  # off the fast path: a scan
                 return self._forward_finite(x, x_orig)
             return super().forward(x_orig)
         hist, min_val, max_val = state
@@ -58,7 +58,7 @@ class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-define
         else:
             lo, hi = extremes
         cur_min, cur_max = min_val.item(), max_val.item()
-        if not (math.isfinite(lo) and math.isfinite(hi)):
+        if not nonfinite.ordinary(self, lo, hi):
             return self._forward_finite(x, x_orig)
         if cur_min == math.inf or cur_max == -math.inf:  # uninitialized: reset_histogram
             self._count(x, lo, hi, hist, accumulate=False)
@@ -549,7 +549,7 @@ class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[mi
         axes[0] = self.ch_axis
         y = torch.flatten(x.permute(axes), start_dim=1)
         lo, hi = torch.amin(y, dim=1), torch.amax(y, dim=1)
-        if not nonfinite.all_finite(lo, hi):
+        if not nonfinite.all_ordinary(self, lo, hi):
             lo, hi = nonfinite.finite_extremes(self, y, dims=(1,))
         if self.min_val.numel() == 0 or self.max_val.numel() == 0:
             min_val, max_val = lo, hi
