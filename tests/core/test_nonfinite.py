@@ -387,3 +387,34 @@ def test_infinities_in_the_inputs_are_bad_data_even_where_the_model_masks(
     prepared = quantplug.prepare(masked_program, quantplug.get_quantizer("reference"))
     with pytest.raises(NonFiniteError, match=r"input 'x' of node .*model's inputs"):
         prepared(_batch(-INF, (2, 6, 8)))
+
+
+class LogSpaceStart(nn.Module):
+    """RWKV's recurrence starts from a state of -1e38 (log-space zero): its first step's tensors
+    hold nothing but that value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = torch.full_like(x, -1e38) - x
+        return self.fc(x) + torch.exp(start)
+
+
+@pytest.mark.parametrize("observer", ["histogram", "minmax", "moving_average"])
+def test_a_tensor_of_nothing_but_masks_still_gets_a_grid(observer: str) -> None:
+    from quantplug.observers.nonfinite import masked_counts
+
+    torch.manual_seed(0)
+    model = LogSpaceStart().eval()
+    program = torch.export.export(model, (torch.randn(2, 8),))
+    quantizer = quantplug.get_quantizer("reference", activation_observer=observer)
+    prepared = quantplug.prepare(program, quantizer)
+    for seed in range(2):
+        prepared(torch.randn(2, 8, generator=torch.Generator().manual_seed(seed)))
+    assert any("sub" in where for where in masked_counts(prepared)), masked_counts(prepared)
+    quantized = quantplug.convert(prepared)  # was: CalibrationError, the observer never saw data
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))  # within the calibrated range
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(x), model(x), atol=0.05, rtol=0.05)

@@ -20,6 +20,7 @@ from quantplug.observers.base import ObserverBase, ObserverFactory
 from quantplug.observers.fake_quantize import FakeQuantize
 from quantplug.observers.fixed import DerivedObserver, FixedQParamsObserver
 from quantplug.observers.minmax import MinMaxObserver, PerChannelMinMaxObserver
+from quantplug.observers.nonfinite import saw_masks
 
 
 class DynamicPlaceholder(ObserverBase):
@@ -104,7 +105,10 @@ def create_observer(spec: Any, *, qat: bool, sources: Sequence[nn.Module] = ()) 
 
 
 def observer_saw_data(obs: nn.Module) -> bool:
-    """Whether ``obs`` has statistics (works for ours and for torchao's observers/fake-quants)."""
+    """Whether ``obs`` has statistics (works for ours and for torchao's observers/fake-quants);
+    mask entries count: a tensor holding nothing but masks still gets a grid."""
+    if saw_masks(obs):
+        return True
     if isinstance(obs, (ObserverBase, FakeQuantize)):
         return bool(obs.observed)
     inner = getattr(obs, "activation_post_process", None)

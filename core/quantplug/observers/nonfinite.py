@@ -186,6 +186,15 @@ def finite_extremes(
     return low.amin(dim=tuple(dims)), high.amax(dim=tuple(dims))
 
 
+def saw_masks(observer: nn.Module) -> bool:
+    """Whether ``observer`` (or an observer it wraps) counted mask entries. One that saw nothing
+    else still has a grid: :func:`widen_for_masks` gives it ``[-MASK_MARGIN, 0]`` (RWKV starts
+    its recurrence from a state of -1e38: its first step's tensors hold nothing but that)."""
+    return any(
+        vars(module).get(MASKED_ATTR, 0) or vars(module).get(MASK_ENDS_ATTR) for module in observer.modules()
+    )
+
+
 def widen_for_masks(observer: nn.Module, qparams: tuple[Any, Any]) -> tuple[Any, Any]:
     """``qparams`` of a per-tensor grid extended :data:`MASK_MARGIN` past the real values on each
     end where the observer saw mask infinities (module docstring); unchanged otherwise."""
