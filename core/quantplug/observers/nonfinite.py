@@ -123,9 +123,10 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     nan, inf, counts = nonfinite_counts(data, finite)
     keep = finite
     if _takes_sentinels(observer):
-        sentinel = data <= MASK_SENTINEL  # -inf included, counted once below
+        sentinel = (data <= MASK_SENTINEL) & finite  # -inf follows the policy below
         keep = finite & ~sentinel
-        _record_masks(observer, int((sentinel & finite).sum()), negative=bool(sentinel.any()), positive=False)
+        found = int(sentinel.sum())
+        _record_masks(observer, found, negative=found > 0, positive=False)
     policy = getattr(observer, POLICY_ATTR, "error")
     if not nan and not inf:
         return keep
