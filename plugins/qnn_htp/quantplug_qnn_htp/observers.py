@@ -40,8 +40,9 @@ from quantplug.observers.per_block import PerBlockMinMaxObserver
 #: LPBQ block scales are 4-bit multiples (1..16) of the per-channel scale.
 LPBQ_SCALE_BITS = 4
 LPBQ_SCALE_STEPS = 2**LPBQ_SCALE_BITS
-#: |x| at or above this is a mask value (ExecuTorch's threshold: the fp16 range).
-MASK_THRESHOLD = float(torch.finfo(torch.float16).max)
+#: |x| at or above this is a mask value (ExecuTorch's threshold: the fp16 range; the core's
+#: observers take values at or below its negative as masks too).
+MASK_THRESHOLD = -nonfinite.MASK_SENTINEL
 DEFAULT_MASK_MARGIN = 16.0
 
 
