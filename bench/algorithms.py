@@ -9,9 +9,10 @@ Models (random weights unless said): ``encoder`` (nn.TransformerEncoder, 2 layer
 (transformers LlamaForCausalLM, 2 layers, hidden 64), ``lstm`` (2-layer nn.LSTM 32 -> 64 and a
 head), ``cnn`` (conv-bn-relu x3, depthwise in the middle, BN statistics randomized), and the two
 digits models trained on scikit-learn's digits (``digits_mlp``, ``digits_cnn``, as in
-tests/reference/test_reference_digits.py). Configs: ``qnn_htp`` 16a4w, 16a4w_block, 8a4w and
-``reference`` weight_only_int4 and int8_per_tensor; the 8-bit-weight counterpart (16a8w, 16a8w,
-8a8w, weight_only_int8, int8) is measured too, for the "gap closed" column.
+tests/reference/test_reference_digits.py; stored weights, ``bench.digits_weights``). Configs:
+``qnn_htp`` 16a4w, 16a4w_block, 8a4w and ``reference`` weight_only_int4 and int8_per_tensor; the
+8-bit-weight counterpart (16a8w, 16a8w, 8a8w, weight_only_int8, int8) is measured too, for the
+"gap closed" column.
 
 Calibration: 8 batches; SQNR measured on 4 other batches (the float model's output vs the
 converted Q/DQ program's). Every installed algorithm runs alone (those needing data before
