@@ -6,7 +6,7 @@ runs in its own environment with torch pinned:
     python3.11 -m venv /tmp/oracles && V=/tmp/oracles/bin/python
     $V -m pip install torch==2.13.0 && $V -m pip install torchvision==0.28.0 --no-deps
     printf 'torch==2.13.0\ntorchvision==0.28.0\n' > /tmp/pins.txt
-    $V -m pip install -c /tmp/pins.txt nncf==3.4.0 aimet-torch==2.42.0
+    $V -m pip install -c /tmp/pins.txt nncf==3.4.0 aimet-torch==2.42.0 scikit-learn
     $V -m pip install torchao==0.18.0 --no-deps             # NNCF's TorchFX backend imports it
     $V -m pip install --no-deps -e . -e plugins/reference -e plugins/qnn_htp pluggy
     $V -m bench.algorithms_weights_oracles

@@ -38,7 +38,7 @@ def images() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _architecture(kind: str) -> nn.Module:
-    from tests.reference.test_reference_digits import DigitsCNN, DigitsMLP
+    from tests.reference.digits_models import DigitsCNN, DigitsMLP
 
     if kind not in EPOCHS:
         raise SystemExit(f"unknown digits model {kind!r}: one of {', '.join(EPOCHS)}")
@@ -60,7 +60,7 @@ def trained(kind: str) -> nn.Module:
 
 
 def train_and_store(kind: str) -> nn.Module:
-    from tests.reference.test_reference_digits import train
+    from tests.reference.digits_models import train
 
     x, y = images()
     torch.manual_seed(0)

@@ -125,7 +125,7 @@ def measure_random(
 
 def measure_digits(bits_list: tuple[int, ...]) -> list[dict[str, Any]]:
     from bench.digits_weights import HELD_OUT, images, trained
-    from tests.reference.test_reference_digits import accuracy
+    from tests.reference.digits_models import accuracy
 
     x, y = images()
     x_train, x_test, y_test = x[:-HELD_OUT], x[-HELD_OUT:], y[-HELD_OUT:]
