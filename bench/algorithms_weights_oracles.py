@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 label = f"quantplug qnn_htp 16a4w {AIMET_GRID_OPTIONS_LABEL} {key}"
                 attempt(
                     label,
-                    partial(ours, model, batches, "qnn_htp", algs, **preset, **AIMET_GRID_OPTIONS),
+                    partial(ours, model, batches, "qnn_htp", algs, **{**preset, **AIMET_GRID_OPTIONS}),
                     rows,
                 )
                 side.setdefault(key, {})["quantplug"] = rows[-1][1]
