@@ -76,7 +76,8 @@ def _digits(kind: str) -> tuple[nn.Module, list[torch.Tensor]]:
     the same weights), calibrated on training images (unlabelled, as calibration data is in
     practice): 8 batches of 128, so the CNN's classifier (512 inputs) sees more rows than it has
     inputs; measured on 4 batches of 30 held-out test images."""
-    from bench.digits_weights import images, trained
+    from bench.digits_weights import trained
+    from tests.reference.digits_models import images
 
     x, _ = images()
     calibration = [x[i : i + 128] for i in range(0, 1024, 128)]

@@ -20,26 +20,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tests.reference.digits_models import HELD_OUT, DigitsCNN, DigitsMLP, accuracy, images, train
+
 DATA = Path(__file__).parent / "data"
 # kind -> training epochs: the MLP needs more passes to converge than the CNN
 EPOCHS = {"mlp": 30, "cnn": 15}
-HELD_OUT = 360
-
-
-def images() -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's digits (bundled with it, no download) scaled to [0, 1], in one seeded order."""
-    from sklearn import datasets
-
-    data = datasets.load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    return x[order], y[order]
 
 
 def _architecture(kind: str) -> nn.Module:
-    from tests.reference.digits_models import DigitsCNN, DigitsMLP
-
     if kind not in EPOCHS:
         raise SystemExit(f"unknown digits model {kind!r}: one of {', '.join(EPOCHS)}")
     return DigitsMLP() if kind == "mlp" else DigitsCNN()
@@ -60,8 +48,6 @@ def trained(kind: str) -> nn.Module:
 
 
 def train_and_store(kind: str) -> nn.Module:
-    from tests.reference.digits_models import train
-
     x, y = images()
     torch.manual_seed(0)
     model = train(_architecture(kind), x[:-HELD_OUT], y[:-HELD_OUT], EPOCHS[kind])
@@ -73,8 +59,7 @@ def train_and_store(kind: str) -> nn.Module:
 def held_out_accuracy(model: nn.Module) -> float:
     x, y = images()
     with torch.no_grad():
-        predicted = model(x[-HELD_OUT:]).argmax(dim=-1)
-    return 100.0 * float((predicted == y[-HELD_OUT:]).float().mean())
+        return accuracy(model(x[-HELD_OUT:]), y[-HELD_OUT:])
 
 
 def main() -> None:

@@ -124,8 +124,8 @@ def measure_random(
 
 
 def measure_digits(bits_list: tuple[int, ...]) -> list[dict[str, Any]]:
-    from bench.digits_weights import HELD_OUT, images, trained
-    from tests.reference.digits_models import accuracy
+    from bench.digits_weights import trained
+    from tests.reference.digits_models import HELD_OUT, accuracy, images
 
     x, y = images()
     x_train, x_test, y_test = x[:-HELD_OUT], x[-HELD_OUT:], y[-HELD_OUT:]

@@ -8,6 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: the last images of the seeded order are held out (test set); the rest train and calibrate
+HELD_OUT = 360
+
+
+def images() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits (bundled with it, no download) scaled to [0, 1], in one seeded order."""
+    from sklearn import datasets
+
+    data = datasets.load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    return x[order], y[order]
+
 
 class DigitsMLP(nn.Module):
     def __init__(self) -> None:

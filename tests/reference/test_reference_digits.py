@@ -8,23 +8,19 @@ import pytest
 import torch
 
 import quantplug
-from tests.reference.digits_models import DigitsCNN, DigitsMLP, accuracy, train
+from tests.reference.digits_models import HELD_OUT, DigitsCNN, DigitsMLP, accuracy, images, train
 
-datasets = pytest.importorskip("sklearn.datasets")
+pytest.importorskip("sklearn.datasets")
 pytest.importorskip("onnxruntime")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-TEST_SIZE = 360
+TEST_SIZE = HELD_OUT
 
 
 @pytest.fixture(scope="module")
 def digits() -> dict[str, torch.Tensor]:
-    data = datasets.load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    x, y = x[order], y[order]
+    x, y = images()
     return {
         "x_train": x[:-TEST_SIZE],
         "y_train": y[:-TEST_SIZE],

@@ -125,8 +125,7 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     if _takes_sentinels(observer):
         sentinel = (data <= MASK_SENTINEL) & finite  # -inf follows the policy below
         keep = finite & ~sentinel
-        found = int(sentinel.sum())
-        _record_masks(observer, found, negative=found > 0, positive=False)
+        _record_masks(observer, int(sentinel.sum()), {"-inf"})
     policy = getattr(observer, POLICY_ATTR, "error")
     if not nan and not inf:
         return keep
@@ -134,12 +133,8 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
         setattr(observer, COUNT_ATTR, getattr(observer, COUNT_ATTR, 0) + nan + inf)
         return keep
     if policy == "error" and not nan and not getattr(observer, INPUT_ATTR, True):
-        _record_masks(
-            observer,
-            inf,
-            negative=bool((data == -math.inf).any()),
-            positive=bool((data == math.inf).any()),
-        )
+        ends = {end for end, inf_ in (("-inf", -math.inf), ("+inf", math.inf)) if bool((data == inf_).any())}
+        _record_masks(observer, inf, ends)
         return keep
     where = getattr(observer, WHERE_ATTR, "") or f"a {type(observer).__name__}"
     if nan:
@@ -158,15 +153,12 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _record_masks(observer: Any, count: int, *, negative: bool, positive: bool) -> None:
-    """Count ``count`` mask entries on ``observer`` and the ends of its grid they lie beyond."""
-    if not count and not negative and not positive:
-        return
-    setattr(observer, MASKED_ATTR, getattr(observer, MASKED_ATTR, 0) + count)
-    ends = set(getattr(observer, MASK_ENDS_ATTR, ()))
-    ends |= {"-inf"} if negative else set()
-    ends |= {"+inf"} if positive else set()
-    setattr(observer, MASK_ENDS_ATTR, frozenset(ends))
+def _record_masks(observer: Any, count: int, ends: set[str]) -> None:
+    """Count ``count`` mask entries on ``observer`` and the ends of its grid (``"-inf"``,
+    ``"+inf"``) they lie beyond."""
+    if count:
+        setattr(observer, MASKED_ATTR, getattr(observer, MASKED_ATTR, 0) + count)
+        setattr(observer, MASK_ENDS_ATTR, frozenset(set(getattr(observer, MASK_ENDS_ATTR, ())) | ends))
 
 
 def finite_extremes(
@@ -187,21 +179,25 @@ def finite_extremes(
     return low.amin(dim=tuple(dims)), high.amax(dim=tuple(dims))
 
 
+def _mask_ends(observer: nn.Module) -> set[str]:
+    """The ends of the grid past which ``observer`` (or an observer it wraps) saw mask entries."""
+    ends: set[str] = set()
+    for module in observer.modules():
+        ends |= set(vars(module).get(MASK_ENDS_ATTR, ()))
+    return ends
+
+
 def saw_masks(observer: nn.Module) -> bool:
-    """Whether ``observer`` (or an observer it wraps) counted mask entries. One that saw nothing
-    else still has a grid: :func:`widen_for_masks` gives it ``[-MASK_MARGIN, 0]`` (RWKV starts
-    its recurrence from a state of -1e38: its first step's tensors hold nothing but that)."""
-    return any(
-        vars(module).get(MASKED_ATTR, 0) or vars(module).get(MASK_ENDS_ATTR) for module in observer.modules()
-    )
+    """Whether ``observer`` counted mask entries. One that saw nothing else still has a grid:
+    :func:`widen_for_masks` gives it ``[-MASK_MARGIN, 0]`` (RWKV starts its recurrence from a
+    state of -1e38: its first step's tensors hold nothing but that)."""
+    return bool(_mask_ends(observer))
 
 
 def widen_for_masks(observer: nn.Module, qparams: tuple[Any, Any]) -> tuple[Any, Any]:
     """``qparams`` of a per-tensor grid extended :data:`MASK_MARGIN` past the real values on each
     end where the observer saw mask infinities (module docstring); unchanged otherwise."""
-    ends: set[str] = set()
-    for module in observer.modules():
-        ends |= set(vars(module).get(MASK_ENDS_ATTR, ()))
+    ends = _mask_ends(observer)
     scale, zero_point = qparams
     scale_t, zp_t = torch.as_tensor(scale), torch.as_tensor(zero_point)
     if not ends or scale_t.numel() != 1:
