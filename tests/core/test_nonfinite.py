@@ -327,7 +327,12 @@ def masked_program() -> torch.export.ExportedProgram:
     return torch.export.export(MaskedScores().eval(), (torch.randn(2, 6, 8),))
 
 
-MASK_FILLS = {"-inf": float("-inf"), "finfo.min": float(torch.finfo(torch.float32).min), "-1e9": -1e9}
+MASK_FILLS = {
+    "-inf": float("-inf"),
+    "finfo.min": float(torch.finfo(torch.float32).min),
+    "-1e9": -1e9,
+    "-1e4": -1e4,  # OpenAI GPT, BigBird, MarkupLM, TAPAS: a mask only on the way into a softmax
+}
 
 
 @pytest.mark.parametrize("fill", list(MASK_FILLS))
@@ -373,6 +378,38 @@ def test_huge_values_in_the_inputs_are_data_not_masks() -> None:
     quantized = quantplug.convert(prepared)
     scales = [float(qp.scale.max()) for qp in quantized.meta["quantplug_qparams"].values()]
     assert max(scales) > 1e9 / 256  # the input's grid spans -1e9
+
+
+class ShiftedFeatures(nn.Module):
+    """The same features go into a softmax, and, -1e4 subtracted where a mask says so, into a
+    linear layer: on that way -1e4 is data, and the grid must reach it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("mask", (torch.arange(8) % 3 == 0).float())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return torch.softmax(h, dim=-1), self.b(h - 1e4 * self.mask)
+
+
+def test_minus_1e4_off_the_way_into_a_softmax_is_data() -> None:
+    from quantplug.observers.nonfinite import masked_counts
+
+    model = ShiftedFeatures().eval()
+    program = torch.export.export(model, (torch.randn(2, 8),))
+    prepared = quantplug.prepare(program, quantplug.get_quantizer("reference"))
+    prepared(torch.randn(4, 8))
+    assert masked_counts(prepared) == {}
+    quantized = quantplug.convert(prepared)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        (probs, out), (want_probs, want) = quantized(x), model(x)
+    # the linear layer weighs the -1e4 entries: a grid clamping them 16 below the features would
+    # move its output by thousands; the grid's step (~40 at 8 bits) moves it by tens
+    assert float((out - want).abs().max()) < 0.02 * float(want.abs().max())
+    assert float((probs - want_probs).abs().max()) < 0.05
 
 
 def test_strict_policy_refuses_masks_too(masked_program: torch.export.ExportedProgram) -> None:

@@ -208,6 +208,18 @@ class _Seq2Seq(nn.Module):
         return self.model(input_ids=ids, decoder_input_ids=ids)[0]  # type: ignore[no-any-return]
 
 
+class _Padded(nn.Module):
+    """A model called with an attention mask it builds from the ids: those below 4 are padding
+    (about one position in 25), so the model's own masking code runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=(ids > 3).long())[0]  # type: ignore[no-any-return]
+
+
 SMALL: dict[str, Any] = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 _PIXELS = functools.partial(_First, key="pixel_values")
 _AUDIO = functools.partial(_First, key="input_values")
@@ -1049,6 +1061,33 @@ SWEEP: dict[str, SweepModel] = {
                 n_layer=2,
                 n_head=2,
                 use_cache=False,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(  # masks with -1e4: w * b + -1e4 * (1 - b)
+            "openai_gpt",
+            _hf(
+                "OpenAIGPTModel",
+                "OpenAIGPTConfig",
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                n_positions=32,
+            ),
+            TEXT,
+            "tokens",
+        ),
+        SweepModel(  # masks padding with (1 - mask) * -10000
+            "markuplm",
+            _hf(
+                "MarkupLMModel",
+                "MarkupLMConfig",
+                _Padded,
+                vocab_size=VOCAB,
+                max_position_embeddings=64,
+                **SMALL,
             ),
             TEXT,
             "tokens",

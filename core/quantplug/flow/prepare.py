@@ -36,6 +36,7 @@ from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
 from quantplug.flow.no_op_arguments import drop_no_op_arguments
 from quantplug.flow.parameter_writes import functionalize_parameter_writes
+from quantplug.flow.softmax_inputs import score_values
 from quantplug.flow.unread_writes import drop_unread_writes
 from quantplug.observers.accelerated import accelerate, clonable, fresh_copy
 from quantplug.observers.factory import create_observer
@@ -350,10 +351,19 @@ def _prepare(
     if callable(callback):
         observers = _run_pt2e_callback(gm, callback, state, observers)
     container = nn.Module()
+    inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    scores = score_values(gm.graph)
     for gid, obs in observers.items():
         obs = accelerate(obs)
         group = state.groups[gid]
-        configure_nonfinite(obs, nonfinite, group.describe(), observes_input=_observes_input(gm, group))
+        producers = {k[0] if isinstance(k, tuple) else k for k in group.keys}
+        configure_nonfinite(
+            obs,
+            nonfinite,
+            group.describe(),
+            observes_input=bool(producers & inputs),
+            observes_scores=bool(producers & scores),
+        )
         container.add_module(f"g{gid}", obs)
     gm.add_module(OBSERVERS, container)
     _insert_observer_nodes(gm, state)
@@ -405,13 +415,6 @@ def _own_parameters(gm: GraphModule) -> None:
         for name, buf in list(module._buffers.items()):
             if buf is not None:  # batch-norm statistics move during training too
                 module._buffers[name] = buf.detach().clone()
-
-
-def _observes_input(gm: GraphModule, group: Group) -> bool:
-    """Whether a group measures a model input (a user input placeholder), where an infinity is
-    bad calibration data rather than a mask the model computed."""
-    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    return any((k[0] if isinstance(k, tuple) else k) in nodes for k in group.keys)
 
 
 def _build_groups(

@@ -12,11 +12,12 @@ The policy, chosen with ``prepare(..., nonfinite=...)``:
   they are left out of the statistics and counted per observer (``infinities_masked``;
   :func:`masked_counts` gathers them), and so are the finite stand-ins for ``-inf`` that
   transformers and others fill masks with (``torch.finfo(dtype).min``, -1e9: any computed value
-  at or below :data:`MASK_SENTINEL`); at convert the grid is extended :data:`MASK_MARGIN`
-  below the smallest real value (above the largest for ``+inf``; :func:`widen_for_masks`), so that
-  a masked entry, which quantize clamps to the grid's end, keeps its meaning: after a softmax its
-  weight is below ``exp(-MASK_MARGIN)``, where a grid ending at the real values would give it
-  the weight of the smallest score;
+  at or below :data:`MASK_SENTINEL`; -1e4 on the way into a softmax, at or below
+  :data:`SCORE_MASK_SENTINEL`: see ``quantplug.flow.softmax_inputs``); at convert the grid is
+  extended :data:`MASK_MARGIN` below the smallest real value (above the largest for ``+inf``;
+  :func:`widen_for_masks`), so that a masked entry, which quantize clamps to the grid's end, keeps
+  its meaning: after a softmax its weight is below ``exp(-MASK_MARGIN)``, where a grid ending at
+  the real values would give it the weight of the smallest score;
 * ``"strict"``: any NaN or infinity raises, masks included (finite sentinels are data then);
 * ``"ignore"``: every NaN and infinity is left out of the statistics and counted per observer
   (``nonfinite_ignored``; :func:`ignored_counts` gathers them for the report).
@@ -48,6 +49,8 @@ POLICY_ATTR = "nonfinite"
 WHERE_ATTR = "where"
 #: whether the observer measures a model input (calibration data: an infinity there is bad data)
 INPUT_ATTR = "observes_input"
+#: whether the observer measures values that reach a softmax as its scores (``flow.softmax_inputs``)
+SCORES_ATTR = "observes_scores"
 COUNT_ATTR = "nonfinite_ignored"
 MASKED_ATTR = "infinities_masked"
 #: which ends saw mask infinities: "-inf" and/or "+inf" (a set on the observer)
@@ -57,6 +60,12 @@ MASK_ENDS_ATTR = "mask_ends"
 #: grid spanning one of them rounds every score to the same code (MPT's attention became a plain
 #: average at int8). The fp16 range's end, the threshold ExecuTorch's QNN quantizer uses.
 MASK_SENTINEL = -float(torch.finfo(torch.float16).max)
+#: the same for values that reach a softmax as its scores: there a value 1000 below its row's
+#: largest has no weight in any float format (``exp(-1000)`` is 0 even in float64), and code older
+#: than ``finfo.min`` masks with -1e4 or -10000 (OpenAI GPT, BigBird, MarkupLM, TAPAS), which a
+#: plain activation may well hold as data. A row whose real scores all lie below -255 would feel
+#: the difference; attention logits lie in the tens (Gemma 2 softcaps them at 50).
+SCORE_MASK_SENTINEL = -1000.0
 #: how far below the smallest real value a ``-inf`` mask entry dequantizes (above for ``+inf``):
 #: the softmax weight of a masked entry is then below exp(-16) ~ 1e-7
 MASK_MARGIN = 16.0
@@ -70,20 +79,31 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def configure(observer: nn.Module, policy: str, where: str, *, observes_input: bool = True) -> None:
-    """Give ``observer`` (and the observers it wraps) the policy, the node names it serves and
-    whether one of them is a model input."""
+def configure(
+    observer: nn.Module,
+    policy: str,
+    where: str,
+    *,
+    observes_input: bool = True,
+    observes_scores: bool = False,
+) -> None:
+    """Give ``observer`` (and the observers it wraps) the policy, the node names it serves,
+    whether one of them is a model input and whether its values reach a softmax as scores."""
     for module in observer.modules():
         if hasattr(module, POLICY_ATTR):
             setattr(module, POLICY_ATTR, policy)
             setattr(module, WHERE_ATTR, where)
             setattr(module, INPUT_ATTR, observes_input)
+            setattr(module, SCORES_ATTR, observes_scores)
 
 
-def _takes_sentinels(observer: Any) -> bool:
-    """Whether values at or below :data:`MASK_SENTINEL` are masks to ``observer``: it measures a
-    tensor the model computes (in calibration data they are data) and the policy is not "strict"."""
-    return not getattr(observer, INPUT_ATTR, True) and getattr(observer, POLICY_ATTR, "error") != "strict"
+def mask_sentinel(observer: Any) -> float:
+    """The value at or below which what ``observer`` sees is a mask entry: :data:`MASK_SENTINEL`,
+    or :data:`SCORE_MASK_SENTINEL` for a softmax's scores; -inf (none) where it measures a model
+    input (in calibration data huge values are data) or the policy is "strict"."""
+    if getattr(observer, INPUT_ATTR, True) or getattr(observer, POLICY_ATTR, "error") == "strict":
+        return -math.inf
+    return SCORE_MASK_SENTINEL if getattr(observer, SCORES_ATTR, False) else MASK_SENTINEL
 
 
 def ordinary(observer: Any, lo: float, hi: float) -> bool:
@@ -91,16 +111,14 @@ def ordinary(observer: Any, lo: float, hi: float) -> bool:
     (False with NaN), and no mask sentinel among the values ``observer`` sees."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return False
-    return lo > MASK_SENTINEL or not _takes_sentinels(observer)
+    return lo > SCORE_MASK_SENTINEL or lo > mask_sentinel(observer)  # the first: no attribute read
 
 
 def all_ordinary(observer: Any, *tensors: torch.Tensor) -> bool:
     """:func:`ordinary` for tensors of extremes (per channel, per block) or for a whole batch."""
-    sentinels = _takes_sentinels(observer)
+    sentinel = mask_sentinel(observer)
     return all(
-        bool(torch.isfinite(t).all()) and not (sentinels and bool((t <= MASK_SENTINEL).any()))
-        for t in tensors
-        if t.numel()
+        bool(torch.isfinite(t).all()) and not bool((t <= sentinel).any()) for t in tensors if t.numel()
     )
 
 
@@ -122,8 +140,9 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(data)
     nan, inf, counts = nonfinite_counts(data, finite)
     keep = finite
-    if _takes_sentinels(observer):
-        sentinel = (data <= MASK_SENTINEL) & finite  # -inf follows the policy below
+    threshold = mask_sentinel(observer)
+    if threshold > -math.inf:
+        sentinel = (data <= threshold) & finite  # -inf follows the policy below
         keep = finite & ~sentinel
         _record_masks(observer, int(sentinel.sum()), {"-inf"})
     policy = getattr(observer, POLICY_ATTR, "error")
