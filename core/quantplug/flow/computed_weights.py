@@ -13,6 +13,10 @@ own parameter holding the computed value. The program computes the same function
 parameter stays for its other readers and is dropped from the graph when none is left. It runs
 on prepare's private copy when algorithms are given, never in QAT (training must keep updating
 the one parameter the pieces come from).
+
+:func:`linear_from_addmm` does the same for transformers' ``Conv1D`` (GPT-2, OpenAI GPT, their
+kin): ``addmm(bias, x, W)`` with ``W`` stored ``[in, out]``, which no algorithm took for a layer,
+so every one of those models' layers kept round-to-nearest and only a linear head gained.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from torch.fx import GraphModule, Node
 from quantplug.algorithms.runtime import LAYER_OPS as RERUNNABLE_OPS
 from quantplug.flow.constants import ConstantValues, constant_nodes, module_attr
 from quantplug.flow.graph_copy import AttrNamer
+
+aten = torch.ops.aten
 
 #: the layers whose weights the algorithms choose (transposed convolutions keep the default)
 LAYER_OPS = frozenset(op for op in RERUNNABLE_OPS if "conv_transpose" not in op)
@@ -75,3 +81,45 @@ def materialize_computed_weights(gm: GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return len(made)
+
+
+def linear_from_addmm(gm: GraphModule) -> int:
+    """Rewrite every fully connected ``addmm(bias, x, W)`` (constant ``W [in, out]`` and bias,
+    ``beta = alpha = 1``) as ``linear(x, W^T, bias)``, ``W^T`` a new parameter: the same function,
+    in the form the weight algorithms take for a layer. Returns how many were rewritten."""
+    attr = module_attr(gm)
+    namer = AttrNamer(gm)
+    transposed: dict[Node, Node] = {}
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != aten.addmm.default or len(node.args) != 3:
+            continue
+        if any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
+            continue
+        bias, x, weight = node.args
+        if not (isinstance(weight, Node) and weight.op == "get_attr" and isinstance(bias, Node)):
+            continue
+        if bias.op != "get_attr":
+            continue
+        value = attr(str(weight.target))
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_floating_point():
+            continue
+        if weight not in transposed:
+            name = namer(f"{weight.target}_t".replace(".", "_"))
+            gm.register_parameter(
+                name, torch.nn.Parameter(value.detach().t().contiguous(), requires_grad=False)
+            )
+            with gm.graph.inserting_before(node):
+                transposed[weight] = gm.graph.get_attr(name)
+            if "val" in weight.meta:
+                transposed[weight].meta["val"] = weight.meta["val"].t()
+        with gm.graph.inserting_before(node):
+            linear = gm.graph.call_function(aten.linear.default, (x, transposed[weight], bias))
+        linear.meta.update(node.meta)
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return count
