@@ -19,6 +19,7 @@ read 40 dB against float where they read 76-77 with the grid on the real scores.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -40,21 +41,32 @@ FLOORS = {"t5": 25.0, "mpt": 24.0, "bloom": 32.0}
 WIDEST = 1e3
 
 
-@pytest.mark.parametrize("name", list(FLOORS))
-def test_finfo_min_masks_stay_out_of_the_grids(name: str) -> None:
+def _calibrated(name: str, backend: str, preset: str) -> tuple[Any, Any, Any, list[Any]]:
+    """The sweep's model ``name`` exported, prepared and calibrated on 2 batches (the sweep's seed),
+    and 2 held-out batches."""
     spec = SWEEP[name]
     gen = torch.Generator().manual_seed(1234)
     model = spec.build()
     program, _ = export(model, spec.draw(gen))
     calibration = [spec.draw(gen) for _ in range(2)]
     held_out = [spec.draw(gen) for _ in range(2)]
-    reference = run(copy.deepcopy(model), held_out)
-    prepared = quantplug.prepare(program, quantizer("reference", "int8"))
+    prepared = quantplug.prepare(program, quantizer(backend, preset))
     run(prepared, calibration)
     assert masked_counts(prepared), "the observers saw no mask"
+    return model, program, prepared, held_out
+
+
+def _width(qp: Any) -> float:
+    return float(torch.as_tensor(qp.scale).max()) * (qp.quant_max - qp.quant_min)
+
+
+@pytest.mark.parametrize("name", list(FLOORS))
+def test_finfo_min_masks_stay_out_of_the_grids(name: str) -> None:
+    model, _, prepared, held_out = _calibrated(name, "reference", "int8")
+    reference = run(copy.deepcopy(model), held_out)
     converted = quantplug.convert(prepared)
     widths = {
-        key: float(torch.as_tensor(qp.scale).max()) * (qp.quant_max - qp.quant_min)
+        key: _width(qp)
         for key, qp in converted.meta["quantplug_qparams"].items()
         if qp.quant_max - qp.quant_min < 2**16  # activations and weights, not int32 biases
     }
@@ -76,15 +88,7 @@ SOFTMAX_FLOORS = {
 
 @pytest.mark.parametrize(("name", "backend", "preset"), list(SOFTMAX_FLOORS))
 def test_minus_1e4_masks_stay_out_of_the_softmax_grids(name: str, backend: str, preset: str) -> None:
-    spec = SWEEP[name]
-    gen = torch.Generator().manual_seed(1234)
-    model = spec.build()
-    program, _ = export(model, spec.draw(gen))
-    calibration = [spec.draw(gen) for _ in range(2)]
-    held_out = [spec.draw(gen) for _ in range(2)]
-    prepared = quantplug.prepare(program, quantizer(backend, preset))
-    run(prepared, calibration)
-    assert masked_counts(prepared), "the observers saw no mask"
+    _, program, prepared, held_out = _calibrated(name, backend, preset)
     converted = quantplug.convert(prepared)
     softmaxes = {n.name for n in prepared.graph.nodes if n.target in SOFTMAX_SCORES}
     state = prepared.meta[STATE_KEY]
@@ -94,8 +98,7 @@ def test_minus_1e4_masks_stay_out_of_the_softmax_grids(name: str, backend: str, 
     ]
     assert into_softmax, "no quantized softmax input"
     for group in into_softmax:
-        qp = qparams[group.gid]
-        width = float(torch.as_tensor(qp.scale).max()) * (qp.quant_max - qp.quant_min)
+        width = _width(qparams[group.gid])
         assert width < WIDEST, f"{group.describe()} spans {width:.3g}"
     report = compare(program, converted, held_out)
     probabilities = [n for n in report.nodes if n.float_node in softmaxes or n.node in softmaxes]
