@@ -21,6 +21,8 @@ so every one of those models' layers kept round-to-nearest and only a linear hea
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -49,6 +51,24 @@ def _source(node: Node) -> str:
     return node.name
 
 
+def _parameter(gm: GraphModule, name: str, value: torch.Tensor, before: Node, val: Any) -> Node:
+    """A new parameter ``name`` of ``gm`` holding a copy of ``value``, read by a ``get_attr``
+    inserted before ``before`` (whose ``meta["val"]`` is ``val``, when known)."""
+    gm.register_parameter(name, torch.nn.Parameter(value.detach().clone().contiguous(), requires_grad=False))
+    with gm.graph.inserting_before(before):
+        node = gm.graph.get_attr(name)
+    if val is not None:
+        node.meta["val"] = val
+    return node
+
+
+def _finish(gm: GraphModule, changed: int) -> int:
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return changed
+
+
 def materialize_computed_weights(gm: GraphModule) -> int:
     """Replace each conv/linear weight or bias computed from constants by a new parameter holding
     its value; returns how many were made. The graph is edited in place."""
@@ -69,18 +89,9 @@ def materialize_computed_weights(gm: GraphModule) -> int:
                 if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                     continue
                 name = namer(f"{_source(arg)}_part")  # mha.in_proj_weight -> mha_in_proj_weight_part0
-                gm.register_parameter(
-                    name, torch.nn.Parameter(value.detach().clone().contiguous(), requires_grad=False)
-                )
-                with gm.graph.inserting_before(node):
-                    made[arg] = gm.graph.get_attr(name)
-                if "val" in arg.meta:
-                    made[arg].meta["val"] = arg.meta["val"]
+                made[arg] = _parameter(gm, name, value, node, arg.meta.get("val"))
             node.update_arg(index, made[arg])
-    if made:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return len(made)
+    return _finish(gm, len(made))
 
 
 def linear_from_addmm(gm: GraphModule) -> int:
@@ -94,32 +105,20 @@ def linear_from_addmm(gm: GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target != aten.addmm.default or len(node.args) != 3:
             continue
-        if any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
-            continue
         bias, x, weight = node.args
-        if not (isinstance(weight, Node) and weight.op == "get_attr" and isinstance(bias, Node)):
-            continue
-        if bias.op != "get_attr":
+        constant = all(isinstance(a, Node) and a.op == "get_attr" for a in (bias, weight))
+        if not constant or any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
             continue
         value = attr(str(weight.target))
         if not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_floating_point():
             continue
         if weight not in transposed:
-            name = namer(f"{weight.target}_t".replace(".", "_"))
-            gm.register_parameter(
-                name, torch.nn.Parameter(value.detach().t().contiguous(), requires_grad=False)
-            )
-            with gm.graph.inserting_before(node):
-                transposed[weight] = gm.graph.get_attr(name)
-            if "val" in weight.meta:
-                transposed[weight].meta["val"] = weight.meta["val"].t()
+            val = weight.meta["val"].t() if "val" in weight.meta else None
+            transposed[weight] = _parameter(gm, namer(f"{weight.target}_t"), value.t(), node, val)
         with gm.graph.inserting_before(node):
             linear = gm.graph.call_function(aten.linear.default, (x, transposed[weight], bias))
         linear.meta.update(node.meta)
         node.replace_all_uses_with(linear)
         gm.graph.erase_node(node)
         count += 1
-    if count:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return count
+    return _finish(gm, count)

@@ -13,7 +13,6 @@ softmax's input, and what reaches it through data movement, casts, scaling by a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,15 +91,15 @@ def _arguments_at(node: Node, positions: tuple[int, ...]) -> list[Node]:
     return found
 
 
-def _score_arguments(node: Node, reaches: Callable[[Node], bool]) -> list[Node]:
-    """The arguments of ``node`` whose values become scores, given whether ``node``'s own output
-    ``reaches`` a softmax."""
+def _score_arguments(node: Node, scores: set[str]) -> list[Node]:
+    """The arguments of ``node`` whose values become scores. ``scores``: the nodes found so far;
+    ``node``'s users all come later in the graph, so whether ``node`` is one is settled."""
     target = node.target
     if target in SOFTMAX_SCORES:
         found = _arguments_at(node, SOFTMAX_SCORES[target])
         mask = node.kwargs.get(_SDPA_MASK_KWARG)
         return [*found, mask] if isinstance(mask, Node) else found
-    if not reaches(node):
+    if node.name not in scores:
         return []
     if target in _MOVERS:
         return _arguments_at(node, _MOVERS[target])
@@ -110,15 +109,10 @@ def _score_arguments(node: Node, reaches: Callable[[Node], bool]) -> list[Node]:
 
 
 def score_values(graph: Graph) -> set[str]:
-    """Names of the nodes whose output reaches a softmax as its scores (module docstring).
-
-    One pass from the outputs back: a node's users come after it, so each node is decided once
-    its users are.
-    """
+    """Names of the nodes whose output reaches a softmax as its scores (module docstring), in one
+    pass from the outputs back."""
     scores: set[str] = set()
     for node in reversed(graph.nodes):
-        if node.op != "call_function":
-            continue
-        for arg in _score_arguments(node, lambda n: n.name in scores):
-            scores.add(arg.name)
+        if node.op == "call_function":
+            scores.update(arg.name for arg in _score_arguments(node, scores))
     return scores
