@@ -159,3 +159,36 @@ def test_the_debugger_compares_a_tensor_written_later_as_made() -> None:
     (entry,) = [e for e in report.nodes if e.node == "zeros_like"]
     assert entry.sqnr_db == float("inf") and "written in place later" in entry.note
     assert report.output_sqnr_db is not None and report.output_sqnr_db > 15
+
+
+class WritesReadOrNot(nn.Module):
+    """Three writes: one read afterwards through a view taken before it, one through the base of
+    the view it writes, one whose readers take the op's result only (Falcon's ``y += x``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2.0
+        row = h[0]
+        h.add_(1.0)  # read below through row
+        base = x * 3.0
+        base.view(-1).mul_(0.5)  # the base is read below
+        y = x * 4.0
+        y += x  # readers take the result
+        return row + base + y
+
+
+def test_lowering_writes_out_of_place_only_what_no_one_reads_afterwards() -> None:
+    """Exact by construction: a write is rewritten only when every later reader takes the op's
+    result; the others stay writes (``quantplug.lowering.in_place_writes``)."""
+    from quantplug.flow.graph_copy import working_copy
+    from quantplug.lowering.in_place_writes import writes_out_of_place
+
+    x = torch.randn(3, 4)
+    model = WritesReadOrNot()
+    gm = working_copy(torch.export.export(model, (x,)))
+    in_place = (torch.ops.aten.add_.Tensor, torch.ops.aten.mul_.Tensor)
+    writes = [n.name for n in gm.graph.nodes if n.target in in_place]
+    assert len(writes) == 3
+    assert writes_out_of_place(gm.graph) == 1
+    gm.recompile()
+    assert [n.name for n in gm.graph.nodes if n.target in in_place] == writes[:2]
+    torch.testing.assert_close(gm(x), model(x))

@@ -16,7 +16,16 @@ ONNX Runtime artifact on held-out batches):
   (``quantplug_qnn_htp.decompositions.decompose_im2col``);
 * HF RecurrentGemma at ``qnn_htp`` 8a8w: torch promotes the boolean reset mask of
   ``reset + ~reset * a`` inside the op, and the exporter's Cast fed a quantized Mul and Add with
-  no encoding (``quantplug_qnn_htp.passes.cast_bool_operands``).
+  no encoding (``quantplug_qnn_htp.passes.cast_bool_operands``);
+* HF Falcon at ``qnn_htp`` 16a8w, once its ``x @ W.T`` layers were linears
+  (``quantplug.flow.hand_written_linear``): ``mlp_output += attention_output`` wrote into the
+  view ``linear_to_2d`` puts after a linear's dequantize, which the exporter functionalized into
+  reshapes between the sum and its quantize, leaving the sum unencoded
+  (``quantplug/lowering/in_place_writes.py``);
+* HF Falcon at ``weight_only_int4``, with no in-place op left to decompose: the exporter's
+  decomposition, which had inlined the rotary embedding's autocast region, no longer ran, and
+  that region's dtype assertions reached the translator (``quantplug.lowering.onnx_translate``
+  looks into subgraphs now).
 """
 
 from __future__ import annotations
@@ -37,12 +46,14 @@ CASES = [
     ("projected_lstm", "reference", "int8"),
     ("convbert", "qnn_htp", "8a8w"),
     ("recurrent_gemma", "qnn_htp", "8a8w"),
+    ("falcon", "qnn_htp", "16a8w"),
+    ("falcon", "reference", "weight_only_int4"),
 ]
 
 
 @pytest.mark.parametrize(("name", "backend", "preset"), CASES, ids=[f"{n}-{p}" for n, _, p in CASES])
 def test_lowers_and_the_artifact_computes_the_program(name: str, backend: str, preset: str) -> None:
-    if name in ("beit", "swinv2", "convbert", "recurrent_gemma"):
+    if name in ("beit", "swinv2", "convbert", "recurrent_gemma", "falcon"):
         pytest.importorskip("transformers")
     if backend == "qnn_htp":
         pytest.importorskip("quantplug_qnn_htp")

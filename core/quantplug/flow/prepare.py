@@ -34,6 +34,7 @@ from quantplug.flow.constants import written
 from quantplug.flow.embedding_bag import rewrite_fixed_bags
 from quantplug.flow.fast_matching import fast_partition_matching
 from quantplug.flow.graph_copy import compile_now, paused_gc, working_copy
+from quantplug.flow.hand_written_linear import linear_from_matmul
 from quantplug.flow.no_op_arguments import drop_no_op_arguments
 from quantplug.flow.parameter_writes import functionalize_parameter_writes
 from quantplug.flow.softmax_inputs import score_values
@@ -313,6 +314,7 @@ def _prepare(
     rewrite_fixed_bags(gm)  # no ONNX Loop, a quantized table (flow.embedding_bag)
     drop_no_op_arguments(gm)  # empty cat inputs, own dtypes: ONNX drops or splits them
     drop_unread_writes(gm)  # a state written for a cache nothing returns: ONNX drops it
+    linear_from_matmul(gm)  # x @ W.T (Falcon): a linear every rule and algorithm knows
     if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
         materialize_computed_weights(gm)
         linear_from_addmm(gm)  # transformers' Conv1D (GPT-2): a layer the algorithms take

@@ -205,6 +205,7 @@ def export_qdq_onnx(
     from quantplug.lowering import qdq_sites
     from quantplug.lowering.capture import dimension_names, to_exported_program
     from quantplug.lowering.contiguous import contiguous_as_clone
+    from quantplug.lowering.in_place_writes import writes_out_of_place
     from quantplug.lowering.onnx_translate import translate
     from quantplug.lowering.projected_lstm import decompose_projected_lstms
 
@@ -225,6 +226,7 @@ def export_qdq_onnx(
         qdq_sites.mark_sites(graph, sites)
         decompose_projected_lstms(graph)
         contiguous_as_clone(graph)
+        writes_out_of_place(graph)
 
     program = to_exported_program(quantized, rewrite=rewrite)
     translations: dict[Callable[..., Any], Callable[..., Any]] = {

@@ -120,17 +120,30 @@ def _prepare(program: torch.export.ExportedProgram, registry: Any, internals: _I
     """The exporter's ``_prepare_exported_program_for_export``, each pass run only if it would act."""
     opset = registry.opset_version
     table = _decomposition_table(opset)
-    nodes = [n for n in program.graph.nodes if n.op == "call_function"]
+    nodes = _call_nodes(program)
     if any(_needs_decomposition(n, registry, table) for n in nodes):
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             program = internals.fx_passes.decompose_with_registry(program, registry)
-        nodes = [n for n in program.graph.nodes if n.op == "call_function"]
+        nodes = _call_nodes(program)
     promotions = internals.type_promotion.TypePromotionTable()
     if any(_needs_type_promotion(n, promotions, internals) for n in nodes):
         internals.fx_passes.insert_type_promotion_nodes(program.graph_module)
+        nodes = _call_nodes(program)  # its casts are retraced: each ``to`` brings an assertion
     if any(n.target in _ASSERTIONS for n in nodes):
         program._graph_module = internals.fx_passes.remove_assertion_nodes(program.graph_module)
     return program
+
+
+def _call_nodes(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    """The op nodes of the program's graph and of every subgraph it calls (an autocast region,
+    Falcon's rotary embedding, is one): the exporter translates those too."""
+    return [
+        n
+        for module in program.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for n in module.graph.nodes
+        if n.op == "call_function"
+    ]
 
 
 _ASSERTIONS = {

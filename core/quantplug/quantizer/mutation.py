@@ -84,13 +84,13 @@ def is_view(node: Node) -> bool:
     return info is not None and not info.is_write
 
 
-def _base(node: Node) -> Node:
+def base_of(node: Node) -> Node:
     while is_view(node) and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node
 
 
-def _views_of(base: Node) -> list[Node]:
+def views_of(base: Node) -> list[Node]:
     found, stack = {base: None}, [base]  # a dict: ordered, and a set for the membership tests
     while stack:
         for user in stack.pop().users:
@@ -110,11 +110,11 @@ def mutated_aliases(graph: Graph) -> dict[Node, str]:
     reasons: dict[Node, str] = {}
     for node in graph.nodes:
         for written in written_args(node):
-            base = _base(written)
+            base = base_of(written)
             if base.op != "call_function":
                 continue
-            aliases = _views_of(base)
-            if not _read_after(node, aliases, order):
+            aliases = views_of(base)
+            if not read_after(node, aliases, order):
                 continue
             why = (
                 f"written in place by {node.target} (node {node.name!r}): a quantize on it would copy "
@@ -126,7 +126,7 @@ def mutated_aliases(graph: Graph) -> dict[Node, str]:
     return reasons
 
 
-def _read_after(write: Node, aliases: list[Node], order: dict[Node, int]) -> bool:
+def read_after(write: Node, aliases: list[Node], order: dict[Node, int]) -> bool:
     """Some node other than the write reads one of the aliases after the write."""
     members = set(aliases)
     return any(

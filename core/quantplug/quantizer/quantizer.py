@@ -418,10 +418,12 @@ class Quantizer:
         from quantplug.errors import AnnotationError
         from quantplug.flow.batchnorm import fold_batch_norm
         from quantplug.flow.graph_copy import working_copy
+        from quantplug.flow.hand_written_linear import linear_from_matmul
         from quantplug.sharing.keys import collect_keys
 
         gm = working_copy(program)
         fold_batch_norm(gm)
+        linear_from_matmul(gm)
         gm = self.transform_for_annotation(gm)
         self.annotate(gm)
         try:
