@@ -70,7 +70,6 @@ from quantplug.algorithms.weight_matrix import (
     output_error,
     quantize_codes,
     small_products,
-    to_matrix,
 )
 
 
@@ -447,7 +446,7 @@ class GPTQ(Algorithm):
             return None
         matrix, hessian = found
         h = hessian.to(torch.float64)
-        given = matrix.error(to_matrix(codes.to(torch.float64)), h)
+        given = matrix.error(matrix.matrix_of(codes.to(torch.float64)), h)
         result = gptq_codes(
             matrix.weight,
             hessian,

@@ -24,6 +24,13 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 
 from quantplug.algorithms import weight_layers
+from quantplug.algorithms.experts import (
+    ExpertsLayer,
+    experts_forward,
+    experts_layer,
+    packed_rows,
+    routed_rows,
+)
 from quantplug.algorithms.finite_inputs import finite_samples
 from quantplug.algorithms.guard import (
     GUARD_BATCHES,
@@ -232,10 +239,38 @@ class Tap(nn.Module):
         with torch.no_grad():
             value, dropped = finite_samples(x.detach(), self.nonfinite, self.site, self.owners)
             self.ignored += dropped
-            if value is None:
-                return
-            for collector in self.collectors:
-                collector.update(value)
+            if value is not None:
+                self._feed(value)
+
+    def _feed(self, value: torch.Tensor) -> None:
+        for collector in self.collectors:
+            collector.update(value)
+
+
+class ExpertsTap(Tap):
+    """The tap of a mixture-of-experts weight (:mod:`quantplug.algorithms.experts`): called with
+    the product's input rows and the expert ids, it feeds the collectors each expert's rows,
+    packed (:func:`~quantplug.algorithms.experts.packed_rows`). Rows holding NaN or inf follow
+    ``nonfinite`` one by one, as a linear's samples do."""
+
+    def __init__(
+        self, site: str, collectors: list[Any], owners: list[str], experts: int, nonfinite: str = "error"
+    ) -> None:
+        super().__init__(site, collectors, owners, nonfinite)
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> None:  # type: ignore[override]
+        self.batches += 1
+        with torch.no_grad():
+            rows, owner = routed_rows(x.detach(), ids.detach())
+            finite = torch.isfinite(rows).all(dim=1)
+            if not bool(finite.all()):
+                # raises unless "ignore"
+                _, dropped = finite_samples(rows, self.nonfinite, self.site, self.owners)
+                self.ignored += dropped
+                rows, owner = rows[finite], owner[finite]
+            if rows.shape[0]:
+                self._feed(packed_rows(rows, owner, self.experts))
 
 
 class RecurrentTap(nn.Module):
@@ -384,6 +419,8 @@ class _SiteRef:
     bias_target: str | None
     #: set for a recurrent op's weight: the tap computes its rows from the op's arguments
     recurrent: _RecurrentWeight | None = None
+    #: set for a mixture-of-experts weight: the tap packs each expert's rows
+    experts: ExpertsLayer | None = None
 
 
 def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
@@ -416,12 +453,17 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
             node, call = layers[0] if layers else (consumers[0], None)
             tied = tuple(c.name for c, _ in layers[1:] if _same_layer(c, node))
             bias_target, bias = _bias_of(gm, node) if call is not None else (None, None)
-            recurrent = None
+            recurrent, experts = None, None
             if call is None:
                 cells = ((c, _recurrent_weight(gm, c, nodes[producer])) for c in consumers)
                 node, recurrent = next(((c, r) for c, r in cells if r is not None), (node, None))
                 if recurrent is not None:
                     call, bias_target, bias = recurrent.call, recurrent.bias_target, recurrent.bias
+            if call is None:
+                gathers = (experts_layer(c, nodes[producer]) for c in consumers)
+                experts = next((e for e in gathers if e is not None), None)
+                if experts is not None:  # its layer: the gather, then the product reading it
+                    node, call, tied = nodes[experts.gather], experts_forward, (experts.product,)
             target = str(nodes[producer].target)
             others = tuple(str(nodes[p].target) for p in producers if p != producer)
             site = WeightSite(
@@ -432,12 +474,12 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
                 bias=None if bias is None else bias.detach(),
                 group=group.gid,
                 shared_with=others,
-                input_index=0 if call is not None and recurrent is None else None,
+                input_index=0 if call is not None and recurrent is None and experts is None else None,
                 folded_from=folded.get(target),
                 tied=tied,
                 _call=call,
             )
-            result.append(_SiteRef(site, producer, bias_target, recurrent))
+            result.append(_SiteRef(site, producer, bias_target, recurrent, experts))
     return result
 
 
@@ -466,6 +508,7 @@ def install_collectors(
     nodes = {n.name: n for n in gm.graph.nodes}
     planned: list[tuple[WeightSite, dict[int, Any]]] = []
     recurrent: dict[str, _RecurrentWeight] = {}  # weight target -> its role in a recurrent op
+    experts: dict[str, ExpertsLayer] = {}  # weight target -> its mixture-of-experts layer
     for ref in weight_sites(gm, state):
         wanted: dict[int, Any] = {}
         for index, algorithm in enumerate(algorithms):
@@ -476,6 +519,8 @@ def install_collectors(
         planned.append((ref.site, wanted))
         if ref.recurrent is not None:
             recurrent[ref.site.name] = ref.recurrent
+        if ref.experts is not None:
+            experts[ref.site.name] = ref.experts
     sequential_layers = any(
         site.has_layer and any(is_sequential(algorithms[i]) for i in wanted) for site, wanted in planned
     )
@@ -506,6 +551,16 @@ def install_collectors(
         name = f"t{count}"
         count += 1
         owners = [algorithm_name(algorithms[i]) for i in fed]
+        moe = experts.get(site.name)
+        if moe is not None:  # one tap before the product, given its rows and the expert ids
+            container.add_module(
+                name, ExpertsTap(site.label, [wanted[i] for i in fed], owners, moe.experts, nonfinite)
+            )
+            product = nodes[moe.product]
+            with gm.graph.inserting_before(product):
+                tap = gm.graph.call_module(f"{TAPS}.{name}", (product.args[1], nodes[moe.ids]))
+            tap.meta["quantplug_algorithm_tap"] = site.name
+            continue
         container.add_module(name, Tap(site.label, [wanted[i] for i in fed], owners, nonfinite))
         cell = recurrent.get(site.name)
         if cell is not None:  # fed by the op's RecurrentTap, inserted below
@@ -680,7 +735,7 @@ def choose_weights(
     nodes = {n.name: n for n in prepared.graph.nodes}
     for stage in order:
         feeds: dict[str, list[Callable[[Sequence[Any]], None]]] = {}
-        sequential_taps = []
+        sequential_taps: list[Tap] = []
         cells: dict[str, RecurrentFeeds] = {}
         made_at: dict[int, dict[int, Any]] = {}  # site index -> {algorithm index: collector}
         for k in stage:
@@ -697,6 +752,14 @@ def choose_weights(
         for k, made in made_at.items():
             if made:
                 owners = [algorithm_name(run.algorithms[i]) for i in made]
+                moe = refs[k].experts
+                if moe is not None:
+                    site = refs[k].site
+                    routed = ExpertsTap(site.label, list(made.values()), owners, moe.experts, run.nonfinite)
+                    sequential_taps.append(routed)
+                    for node_name, feed in zip((moe.gather, moe.product), _routed(routed), strict=True):
+                        feeds.setdefault(node_name, []).append(feed)
+                    continue
                 tap = Tap(refs[k].site.label, list(made.values()), owners, run.nonfinite)
                 sequential_taps.append(tap)
                 cell = refs[k].recurrent
@@ -774,6 +837,21 @@ def _first_argument(tap: Tap) -> Callable[[Sequence[Any]], None]:
             tap(args[0].detach())
 
     return feed
+
+
+def _routed(tap: ExpertsTap) -> tuple[Callable[[Sequence[Any]], None], Callable[[Sequence[Any]], None]]:
+    """The sequential feeds of a mixture-of-experts tap: the gather's (which keeps its expert ids)
+    and the product's (which feeds its rows with them)."""
+    routed: list[torch.Tensor] = []
+
+    def gather(args: Sequence[Any]) -> None:
+        routed[:] = [args[1][0]]
+
+    def product(args: Sequence[Any]) -> None:
+        if routed and isinstance(args[1], torch.Tensor):
+            tap(args[1].detach(), routed.pop())
+
+    return gather, product
 
 
 def _all_arguments(tap: RecurrentTap) -> Callable[[Sequence[Any]], None]:

@@ -64,7 +64,6 @@ from quantplug.algorithms.weight_matrix import (
     low_rank_factor,
     output_error,
     small_products,
-    to_matrix,
 )
 
 
@@ -339,7 +338,7 @@ class SeqMSE(Algorithm):
         )
         if bool((result.fraction == 1).all()):
             return None
-        if not result.loss < matrix.error(to_matrix(codes.to(torch.float64)), hessian):
+        if not result.loss < matrix.error(matrix.matrix_of(codes.to(torch.float64)), hessian):
             return None  # the codes it was given (e.g. GPTQ's, AdaRound's) beat nearest on any clipping
         scale, zero_point = grid.observe(
             matrix.weight_of(candidate_weight(matrix.weight, result.fraction, matrix.groups, grid.symmetric))

@@ -137,7 +137,12 @@ class WeightSite:
         input_index: which argument of the op is the activation input a collector sees (None
             when the op is not one quantplug can re-run on a layer input, e.g. an embedding's
             lookup; and for a recurrent op's ``weight_ih``/``weight_hh``, whose collectors see
-            the rows the op computes inside: :mod:`quantplug.algorithms.recurrent`).
+            the rows the op computes inside: :mod:`quantplug.algorithms.recurrent`; and for a
+            mixture-of-experts weight ``[experts, out, in]``, whose ``node`` is the gather
+            ``W[ids]`` (``op`` ``"aten.index.Tensor"``) and ``tied`` the ``bmm`` reading it: its
+            collectors see each expert's rows packed, ``[experts, R, in]`` with zero rows after
+            each expert's own, and :meth:`forward` takes that layout:
+            :mod:`quantplug.algorithms.experts`).
         folded_from: the weight the user wrote, when this one is it with a batch norm folded in
             (quantplug's name for such a weight means nothing to the user).
         tied: the other nodes that multiply this weight as the same layer (same op, same bias and

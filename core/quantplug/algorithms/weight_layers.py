@@ -11,10 +11,12 @@
 A grouped convolution (depthwise included) is collected group by group: ``H`` is a stack
 ``[G, I, I]``, one per group of output channels (:mod:`~quantplug.algorithms.weight_matrix`).
 A recurrent op's ``w_ih``/``w_hh`` is a linear layer over rows the op computes inside
-(:mod:`~quantplug.algorithms.recurrent`). Weights these algorithms cannot express as ``y = W x``
-on collected rows (transposed convolutions, a projected LSTM's ``w_hr``, block shapes that are not
-contiguous in a row) keep the backend's default encoding: :func:`site_matrix` or the collector
-returns None for them.
+(:mod:`~quantplug.algorithms.recurrent`); a mixture-of-experts weight ``[experts, out, in]`` is
+one linear per expert over the rows routed to it, collected expert by expert as a grouped
+convolution is group by group (:mod:`~quantplug.algorithms.experts`). Weights these algorithms
+cannot express as ``y = W x`` on collected rows (transposed convolutions, a projected LSTM's
+``w_hr``, block shapes that are not contiguous in a row) keep the backend's default encoding:
+:func:`site_matrix` or the collector returns None for them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from quantplug.algorithms.collectors import sum_in_order
+from quantplug.algorithms.experts import GATHER_OP
 from quantplug.algorithms.recurrent import RECURRENT_OPS
 from quantplug.algorithms.spec import AlgorithmOption, WeightGrid, WeightSite
 from quantplug.algorithms.weight_matrix import (
@@ -52,14 +55,24 @@ CONV_OPS = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d
 
 
 def layer_kind(site: WeightSite) -> str | None:
-    """``"linear"``, ``"conv"`` or None (a weight these algorithms leave to the backend)."""
+    """``"linear"``, ``"conv"``, ``"experts"`` or None (a weight these algorithms leave to the
+    backend)."""
     if not site.has_layer or site.weight.dim() < 2:
         return None
     if (site.op in LINEAR_OPS or site.op in RECURRENT_OPS) and site.weight.dim() == 2:
         return "linear"  # a recurrent op's w_ih/w_hh: a linear over the rows the op computes
     if site.op in CONV_OPS:
         return "conv"
+    if site.op == GATHER_OP and site.weight.dim() == 3:
+        return "experts"  # [experts, out, in]: a linear per expert
     return None
+
+
+def layer_inputs(site: WeightSite) -> int:
+    """How many inputs each output of the layer reads: the width of its ``H``."""
+    if layer_kind(site) == "experts":
+        return int(site.weight.shape[-1])
+    return int(site.weight[0].numel())
 
 
 #: the widest layer (inputs per output) whose ``H`` the Hessian algorithms collect. ``H`` is
@@ -75,7 +88,7 @@ def collects_hessian(site: WeightSite, algorithm: str) -> bool:
     (:func:`layer_kind`) no wider than :data:`MAX_HESSIAN_INPUTS` (warned about, by name)."""
     if layer_kind(site) is None:
         return False
-    inputs = site.weight[0].numel()
+    inputs = layer_inputs(site)
     if inputs <= MAX_HESSIAN_INPUTS:
         return True
     logger.warning(
@@ -218,7 +231,8 @@ class LayerHessian:
     read another's sums (:func:`share_hessians`), each keeping its own shrinkage.
 
     ``grouped``: a grouped convolution's collector sums one ``H`` per group, a stack ``[G, I, I]``
-    (:func:`conv_patches`), which its algorithm must take (:func:`~.weight_matrix.rows_times`:
+    (:func:`conv_patches`), and a mixture-of-experts weight's one per expert (fed packed rows
+    ``[experts, R, I]``), which its algorithm must take (:func:`~.weight_matrix.rows_times`:
     SeqMSE, AdaRound and GPTQ do). Off by default, so an algorithm written for ``[I, I]`` gets
     None for such a layer, as before stacks existed.
     """
@@ -231,7 +245,7 @@ class LayerHessian:
         self.site = site
         self.shrinkage = shrinkage
         self.kind = layer_kind(site)
-        self.columns = site.weight[0].numel()
+        self.columns = layer_inputs(site)
         self.grouped = grouped
         self.sums = HessianSums()
         #: whether this collector sums its rows (else it reads a leader's: :meth:`follow`)
@@ -265,6 +279,9 @@ class LayerHessian:
             return
         if self.kind == "linear":
             rows: torch.Tensor | None = x.reshape(-1, x.shape[-1]) if x.shape[-1] == self.columns else None
+        elif self.kind == "experts":
+            fits = x.dim() == 3 and x.shape[0] == self.site.weight.shape[0] and x.shape[-1] == self.columns
+            rows = x if fits and self.grouped else None
         else:
             rows = conv_patches(self.site, x, self.grouped)
         if rows is None:
@@ -356,6 +373,10 @@ class SiteMatrix:
     groups: tuple[int, int]
     shape: tuple[int, ...]
 
+    def matrix_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor of the weight's shape (codes, a candidate weight) as this view's matrix."""
+        return tensor.reshape(self.weight.shape)
+
     def codes(self, matrix: torch.Tensor) -> torch.Tensor:
         """Codes of the matrix back in the weight's shape (int64)."""
         return from_matrix(matrix.round(), self.shape).to(torch.int64)
@@ -383,9 +404,12 @@ def site_matrix(site: WeightSite, grid: WeightGrid) -> SiteMatrix | None:
     """The matrix view of ``site``'s weight on ``grid`` (None when the grid is not row-contiguous).
 
     Output channels must be dim 0 (per-channel axis 0; blocks of one output channel each):
-    what linear and convolution weights use on every backend quantplug knows.
+    what linear and convolution weights use on every backend quantplug knows. A
+    mixture-of-experts weight ``[E, O, I]`` is the matrix ``[E * O, I]`` (:func:`_experts_groups`).
     """
     shape = tuple(int(d) for d in site.weight.shape)
+    if layer_kind(site) == "experts":
+        return _experts_matrix(site, grid, shape)
     if grid.granularity == "channel" and (grid.ch_axis or 0) % len(shape) != 0:
         return None
     if grid.granularity == "block":
@@ -408,6 +432,39 @@ def site_matrix(site: WeightSite, grid: WeightGrid) -> SiteMatrix | None:
     )
 
 
+def _experts_groups(shape: tuple[int, ...], grid: WeightGrid) -> tuple[int, int] | None:
+    """``(rows, columns)`` sharing one scale in the ``[E * O, I]`` matrix of an ``[E, O, I]``
+    weight: one scale for all; one per expert (channels on axis 0); blocks inside one expert's
+    rows (``(1, r, c)``, ``r`` dividing ``O``: the reference backend's ``(1, 1, group)``). Other
+    grids (a scale shared across experts) give None."""
+    _, out, inputs = shape
+    if grid.granularity == "tensor":
+        return (shape[0] * out, inputs)
+    if grid.granularity == "channel":
+        return (out, inputs) if (grid.ch_axis or 0) % 3 == 0 else None
+    block = tuple(int(b) if int(b) > 0 else d for b, d in zip(grid.block_size or (), shape))
+    if len(block) != 3 or block[0] != 1 or out % block[1] or inputs % block[2]:
+        return None
+    return (block[1], block[2])
+
+
+def _experts_matrix(site: WeightSite, grid: WeightGrid, shape: tuple[int, ...]) -> SiteMatrix | None:
+    groups = _experts_groups(shape, grid)
+    if groups is None:
+        return None
+    rows = (shape[0] * shape[1], shape[2])
+    scale = grid.expand(grid.scale.to(torch.float64), shape)
+    zero_point = grid.expand(grid.zero_point.to(torch.float64), shape)
+    return SiteMatrix(
+        weight=site.weight.detach().to(torch.float64).reshape(rows),
+        scale=scale.contiguous().reshape(rows),
+        zero_point=zero_point.contiguous().reshape(rows),
+        grid=IntegerGrid(grid.quant_min, grid.quant_max),
+        groups=groups,
+        shape=shape,
+    )
+
+
 def site_encoder(matrix: SiteMatrix, grid: WeightGrid) -> Encoder:
     """The encoding the backend's own observer gives a candidate weight matrix, expanded to
     ``[O, I]``: how SeqMSE and GPTQ's scale search try encodings without computing a scale
@@ -417,8 +474,8 @@ def site_encoder(matrix: SiteMatrix, grid: WeightGrid) -> Encoder:
     def encode(candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale, zero_point = grid.observe(matrix.weight_of(candidate))
         return (
-            to_matrix(grid.expand(scale.to(torch.float64), matrix.shape).contiguous()),
-            to_matrix(grid.expand(zero_point.to(torch.float64), matrix.shape).contiguous()),
+            matrix.matrix_of(grid.expand(scale.to(torch.float64), matrix.shape).contiguous()),
+            matrix.matrix_of(grid.expand(zero_point.to(torch.float64), matrix.shape).contiguous()),
         )
 
     return encode
@@ -451,7 +508,7 @@ def improves(matrix: SiteMatrix, hessian: torch.Tensor, new: torch.Tensor, curre
     """Whether codes ``new`` (an ``[O, I]`` matrix) give no more output error ``tr(D H D^T)`` than
     the ``current`` codes (the weight's shape): the guard that keeps a rounding algorithm from
     undoing a better choice (round-to-nearest, or an earlier algorithm's) on its own objective."""
-    return matrix.error(new, hessian) <= matrix.error(to_matrix(current.to(torch.float64)), hessian)
+    return matrix.error(new, hessian) <= matrix.error(matrix.matrix_of(current.to(torch.float64)), hessian)
 
 
 #: whether SeqMSE, AdaRound and GPTQ take their layers' inputs from the partly quantized model
