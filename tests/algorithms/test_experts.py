@@ -103,6 +103,7 @@ def test_each_expert_sums_the_hessian_of_the_rows_routed_to_it() -> None:
     quantplug.convert(prepared)
     site = algorithm.sites["weight"]
     assert layer_kind(site) == "experts" and site.has_layer
+    assert LayerHessian(site, grouped=True).stack == EXPERTS  # what the memory warning counts
     expected = torch.zeros(EXPERTS, IN, IN, dtype=torch.float64)
     with torch.no_grad():
         for batch in batches:

@@ -379,17 +379,21 @@ def test_a_layer_too_wide_for_its_hessian_keeps_its_codes_and_is_named(
 
 
 @given(
-    st.lists(st.integers(1, 20000), max_size=12),
+    st.lists(st.tuples(st.integers(1, 20000), st.integers(1, 8)), max_size=12),
     st.one_of(st.none(), st.integers(0, 2**40)),
 )
-def test_hessian_memory_is_a_problem_exactly_past_its_share(columns: list[int], memory: int | None) -> None:
-    held = [("gptq" if i % 2 else "seq_mse", f"layer{i}.weight", c) for i, c in enumerate(columns)]
+def test_hessian_memory_is_a_problem_exactly_past_its_share(
+    columns: list[tuple[int, int]], memory: int | None
+) -> None:
+    """A stack (a mixture-of-experts weight's, one ``H`` per expert) counts each of its ``H``."""
+    held = [("gptq" if i % 2 else "seq_mse", f"layer{i}.weight", c, k) for i, (c, k) in enumerate(columns)]
     problem = hessian_memory_problem(held, memory)
-    peak = sum(c * c * 8 for c in columns) + CONVERT_COPIES * max(columns, default=0) ** 2 * 8
+    sizes = [k * c * c * 8 for c, k in columns]
+    peak = sum(sizes) + CONVERT_COPIES * max(sizes, default=0)
     assert (problem is not None) == (memory is not None and peak > HESSIAN_MEMORY_SHARE * memory)
     if problem is not None:
-        widest = max(held, key=lambda h: h[2])
-        assert f"{widest[1]} ({widest[2]} inputs" in problem and "sequential=true" in problem
+        largest = held[sizes.index(max(sizes))]
+        assert f"{largest[1]} ({largest[2]} inputs" in problem and "sequential=true" in problem
 
 
 def test_hessians_that_may_not_fit_are_warned_of_before_calibration(

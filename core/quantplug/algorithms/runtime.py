@@ -46,7 +46,12 @@ from quantplug.algorithms.guard import (
 from quantplug.algorithms.recurrent import RecurrentLayout, RecurrentRole, recurrent_layout
 from quantplug.algorithms.sequential import InputStore, QuantizedSimulation, stages
 from quantplug.algorithms.spec import LayerInputs, TransformContext, WeightChoice, WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian, hessian_memory_problem, share_hessians
+from quantplug.algorithms.weight_layers import (
+    HeldHessian,
+    LayerHessian,
+    hessian_memory_problem,
+    share_hessians,
+)
 from quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind, spec_range
 from quantplug.errors import AlgorithmError, NonFiniteError, QuantplugError
 from quantplug.flow.batchnorm import FOLDED_FROM
@@ -604,7 +609,7 @@ def _share_hessians(
         if isinstance(collector, LayerHessian) and _fed_in_calibration(algorithms[i])
     ]
     share_hessians([(_rows_key(c.site, nodes, c), c) for _, c in fed])
-    held = [(name, c.site.label, c.columns) for name, c in fed if c.leads]
+    held = [HeldHessian(name, c.site.label, c.columns, c.stack) for name, c in fed if c.leads]
     problem = hessian_memory_problem(held, weight_layers.physical_memory())
     if problem is not None:
         logger.warning("%s", problem)

@@ -26,7 +26,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -125,6 +125,21 @@ def hessian_bytes(columns: int) -> int:
     return columns * columns * 8
 
 
+class HeldHessian(NamedTuple):
+    """One set of Hessian sums calibration holds: whose, for which layer, its width, and how many
+    ``[I, I]`` it stacks (a mixture-of-experts weight's: one per expert, each as wide as a dense
+    layer's; a grouped convolution's counts as one, see :func:`hessian_bytes`)."""
+
+    algorithm: str
+    label: str
+    inputs: int
+    stack: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.stack * hessian_bytes(self.inputs)
+
+
 def physical_memory() -> int | None:
     """The machine's physical memory in bytes, or None where the platform does not say."""
     try:
@@ -133,8 +148,9 @@ def physical_memory() -> int | None:
         return None
 
 
-def hessian_memory_problem(held: Sequence[tuple[str, str, int]], memory: int | None) -> str | None:
-    """Why the Hessians ``held`` during calibration (algorithm, layer label, inputs), with convert's
+def hessian_memory_problem(held: Sequence[tuple[Any, ...]], memory: int | None) -> str | None:
+    """Why the Hessians ``held`` during calibration (:class:`HeldHessian`, or the tuple of its
+    fields: algorithm, layer label, inputs, the stack's depth if not 1), with convert's
     :data:`CONVERT_COPIES` of the widest, may not fit in ``memory`` bytes (more than
     :data:`HESSIAN_MEMORY_SHARE` of it), with what to do; None if they fit or the memory is unknown.
 
@@ -143,19 +159,24 @@ def hessian_memory_problem(held: Sequence[tuple[str, str, int]], memory: int | N
     """
     if not held:
         return None
-    sums = sum(hessian_bytes(columns) for _, _, columns in held)
-    working = CONVERT_COPIES * hessian_bytes(max(columns for _, _, columns in held))
+    sets = [HeldHessian(*h) for h in held]
+    sums = sum(h.nbytes for h in sets)
+    working = CONVERT_COPIES * max(h.nbytes for h in sets)
     if memory is None or sums + working <= HESSIAN_MEMORY_SHARE * memory:
         return None
     gib = 2**30
-    counts = Counter(algorithm for algorithm, _, _ in held)
-    largest = sorted(held, key=lambda h: -h[2])[:3]  # ties in graph order
+    counts = Counter(h.algorithm for h in sets)
+    largest = sorted(sets, key=lambda h: -h.nbytes)[:3]  # ties in graph order
     return (
         f"calibration will hold {sums / gib:.1f} GiB of layer Hessians (float64, inputs x inputs "
         f"per layer: {', '.join(f'{n} for {a}' for a, n in counts.items())}) and convert about "
         f"{working / gib:.1f} GiB more while it works on the widest, more than "
         f"{HESSIAN_MEMORY_SHARE:.0%} of this machine's {memory / gib:.1f} GiB of memory; the largest: "
-        + ", ".join(f"{a} {label} ({c} inputs, {hessian_bytes(c) / gib:.2f} GiB)" for a, label, c in largest)
+        + ", ".join(
+            f"{h.algorithm} {h.label} ({h.inputs} inputs{f' x {h.stack} experts' if h.stack > 1 else ''}, "
+            f"{h.nbytes / gib:.2f} GiB)"
+            for h in largest
+        )
         + ". An algorithm with sequential=true collects one stage's Hessians at a time, at convert "
         "(quantize: --algorithm-option NAME.sequential=true)"
     )
@@ -269,6 +290,12 @@ class LayerHessian:
     @property
     def hessian(self) -> HessianAccumulator | None:
         return self.sums.accumulator
+
+    @property
+    def stack(self) -> int:
+        """How many ``[I, I]`` sums this collector holds: one per expert for a mixture-of-experts
+        weight, else one (a grouped convolution's narrow ones count as one: :func:`hessian_bytes`)."""
+        return int(self.site.weight.shape[0]) if self.kind == "experts" else 1
 
     @property
     def unsupported(self) -> bool:
