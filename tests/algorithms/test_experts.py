@@ -50,19 +50,26 @@ def test_packed_rows_hold_each_experts_rows_in_order_and_zeros_after(
 
 class Experts(nn.Module):
     """transformers' ``batched_mm`` experts: each token row is multiplied by the ``[out, in]``
-    slices of one stacked parameter that its ``TOP_K`` experts own. The route is read off the
-    input (no router weights), so every weight the algorithms can choose is the experts'."""
+    slices of one stacked parameter that its ``TOP_K`` experts own; ``in_out``: the slices are
+    stored ``[in, out]`` and the product is ``bmm(x, W[ids])`` (GPT-OSS). The route is read off
+    the input (no router weights), so every weight the algorithms can choose is the experts'."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_out: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.weight = nn.Parameter(torch.randn(EXPERTS, OUT, IN, generator=g) / IN**0.5)
+        weight = torch.randn(EXPERTS, OUT, IN, generator=g) / IN**0.5
+        self.in_out = in_out
+        self.weight = nn.Parameter(weight.transpose(1, 2).contiguous() if in_out else weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, IN)
         gates, ids = tokens[:, :EXPERTS].softmax(-1).topk(TOP_K, dim=-1)
         rows = tokens.repeat_interleave(TOP_K, dim=0)
-        out = torch.bmm(self.weight[ids.reshape(-1)], rows.unsqueeze(-1)).squeeze(-1)
+        chosen = self.weight[ids.reshape(-1)]
+        if self.in_out:
+            out = torch.bmm(rows.unsqueeze(1), chosen).squeeze(1)
+        else:
+            out = torch.bmm(chosen, rows.unsqueeze(-1)).squeeze(-1)
         mixed = (out * gates.reshape(-1, 1)).reshape(-1, TOP_K, OUT).sum(1)
         return mixed.reshape(*x.shape[:-1], OUT)
 
@@ -90,9 +97,10 @@ class Hessians(Algorithm):
         self.collected[site.name] = collected
 
 
-def test_each_expert_sums_the_hessian_of_the_rows_routed_to_it() -> None:
+@pytest.mark.parametrize("in_out", [False, True])
+def test_each_expert_sums_the_hessian_of_the_rows_routed_to_it(in_out: bool) -> None:
     torch.manual_seed(0)
-    model = Experts().eval()
+    model = Experts(in_out).eval()
     batches = _batches(2)
     program = torch.export.export(model, (batches[0],))
     algorithm = Hessians()
@@ -102,7 +110,7 @@ def test_each_expert_sums_the_hessian_of_the_rows_routed_to_it() -> None:
         prepared(batch)
     quantplug.convert(prepared)
     site = algorithm.sites["weight"]
-    assert layer_kind(site) == "experts" and site.has_layer
+    assert layer_kind(site) == "experts" and site.has_layer and site.in_out == in_out
     assert LayerHessian(site, grouped=True).stack == EXPERTS  # what the memory warning counts
     expected = torch.zeros(EXPERTS, IN, IN, dtype=torch.float64)
     with torch.no_grad():
@@ -137,14 +145,17 @@ QUANTIZERS = {
 }
 
 
-@pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize(
+    ("sequential", "in_out"), [(False, False), (True, False), (False, True), (True, True)]
+)
 @pytest.mark.parametrize(("backend", "algorithm"), list(GAINS))
 def test_weight_algorithms_take_the_experts_and_gain_on_them(
-    backend: str, algorithm: str, sequential: bool
+    backend: str, algorithm: str, sequential: bool, in_out: bool
 ) -> None:
-    """Sequential inputs are fed through the gather (its expert ids) and the product (its rows)."""
+    """Sequential inputs are fed through the gather (its expert ids) and the product (its rows).
+    A weight stored ``[experts, in, out]`` is the same layer: the same gains."""
     torch.manual_seed(0)
-    model = Experts().eval()
+    model = Experts(in_out).eval()
     batches = _batches(6)
     program = torch.export.export(model, (batches[0],))
     quantizer = quantplug.get_quantizer(backend, **QUANTIZERS[backend])
@@ -167,4 +178,4 @@ def test_weight_algorithms_take_the_experts_and_gain_on_them(
     # the experts' codes stay on the backend's int4 grid
     dq = next(n for n in converted.graph.nodes if n.target == torch.ops.aten.index.Tensor).args[0]
     codes = getattr(converted, dq.args[0].target)
-    assert codes.shape == (EXPERTS, OUT, IN) and int(codes.min()) >= -8 and int(codes.max()) <= 7
+    assert codes.shape == model.weight.shape and int(codes.min()) >= -8 and int(codes.max()) <= 7

@@ -710,6 +710,14 @@ SWEEP: dict[str, SweepModel] = {
             TEXT,
             "tokens",
         ),
+        # experts stored [experts, in, out] and read as bmm(x, W[ids]), biases gathered beside
+        # them, attention sinks, a clamped SwiGLU (tried on 2026-11-26: lowered at every preset)
+        SweepModel(
+            "gpt_oss",
+            _moe("GptOssForCausalLM", "GptOssConfig", num_local_experts=4, head_dim=16),
+            TEXT,
+            "tokens",
+        ),
         SweepModel("rwkv", _rwkv, (4, 6), "tokens"),
         SweepModel("convbert", _convbert, TEXT, "tokens"),
         SweepModel("recurrent_gemma", _recurrent_gemma, TEXT, "tokens"),

@@ -2,9 +2,10 @@
 
 A mixture-of-experts layer keeps every expert's weights in one ``[experts, out, in]`` parameter
 and multiplies each token by the slices of the experts its router chose: transformers'
-``experts_implementation="batched_mm"`` (Mixtral, Qwen2-MoE, OLMoE, Jamba) exports it as
-``bmm(W[ids], x)``, ``ids`` one expert per row of ``x`` (``[rows, in, k]``). No linear reads
-those parameters, so GPTQ, AdaRound and SeqMSE left them, most of such a model's weights, to
+``experts_implementation="batched_mm"`` exports it as ``bmm(W[ids], x)`` (Mixtral, Qwen2-MoE,
+OLMoE, Jamba: ``x`` ``[rows, in, k]``), or, for weights stored ``[experts, in, out]``, as
+``bmm(x, W[ids])`` (GPT-OSS, Aria: ``x`` ``[rows, k, in]``); ``ids`` names one expert per row.
+No linear reads those parameters, so GPTQ, AdaRound and SeqMSE left them, most of such a model's weights, to
 round-to-nearest whatever was asked.
 
 As a layer, expert ``e`` is a linear ``[out, in]`` over the rows routed to it, so its Hessian is
@@ -15,8 +16,7 @@ of Hessians, one per row block, as they see a grouped convolution
 
 A collector of such a layer is fed :func:`packed_rows`: ``[experts, R, in]``, each expert's rows
 from the front and zero rows after (``R`` the most rows any expert got in that batch). Zero rows
-add nothing to ``x x^T``. A product written ``bmm(x, W[ids])`` (weights ``[experts, in, out]``)
-is not taken: it keeps the codes it is given.
+add nothing to ``x x^T``. A weight stored ``[experts, in, out]`` is seen through its transpose.
 """
 
 from __future__ import annotations
@@ -38,19 +38,27 @@ GATHER_OP = "aten.index.Tensor"
 @dataclass(frozen=True)
 class ExpertsLayer:
     """Where the program applies a stacked experts weight: the gather ``W[ids]``, the ``bmm``
-    reading it, the node of the expert ids, and how many experts the weight holds."""
+    reading it, the node of the expert ids, how many experts the weight holds, and which
+    argument of the product is the input (1: ``bmm(W[ids], x)``; 0: ``bmm(x, W[ids])``, the
+    weight stored ``[experts, in, out]``)."""
 
     gather: str
     product: str
     ids: str
     experts: int
+    input_index: int = 1
+
+    @property
+    def in_out(self) -> bool:
+        """Whether the weight is stored ``[experts, in, out]``."""
+        return self.input_index == 0
 
 
 def experts_layer(node: Node, weight: Node) -> ExpertsLayer | None:
     """``node`` as the gather of a mixture-of-experts layer over ``weight``, else None: ``node`` is
     ``weight[ids]`` (one 1-D integer index on the experts' axis of a 3-D float weight) and its one
-    user is ``bmm(node, x)``, ``x`` of ``in`` rows (through the observer prepare puts between them
-    where the backend quantizes the gathered rows)."""
+    user is ``bmm(node, x)`` or ``bmm(x, node)``, ``x`` of ``in``-wide rows (through the observer
+    prepare puts between them where the backend quantizes the gathered rows)."""
     if node.op != "call_function" or node.target is not aten.index.Tensor or node.args[0] is not weight:
         return None
     indices = node.args[1]
@@ -66,27 +74,35 @@ def experts_layer(node: Node, weight: Node) -> ExpertsLayer | None:
     gathered, product = node, next(iter(node.users))
     while product.op == "call_module" and product.args == (gathered,) and len(product.users) == 1:
         gathered, product = product, next(iter(product.users))  # prepare's observer on the gather
-    if (
-        product.op != "call_function"
-        or product.target is not aten.bmm.default
-        or product.args[0] is not gathered
-    ):
+    if product.op != "call_function" or product.target is not aten.bmm.default or len(product.args) != 2:
         return None
-    x = product.args[1].meta.get("val") if isinstance(product.args[1], Node) else None
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != w.shape[2]:
+    if gathered not in product.args or product.args[0] is product.args[1]:
         return None
-    return ExpertsLayer(node.name, product.name, indices[0].name, int(w.shape[0]))
+    input_index = 1 if product.args[0] is gathered else 0
+    x = product.args[input_index]
+    value = x.meta.get("val") if isinstance(x, Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        return None
+    width, inputs = (value.shape[1], w.shape[2]) if input_index == 1 else (value.shape[2], w.shape[1])
+    if width != inputs:  # bmm(W[ids], x): x [rows, in, k]; bmm(x, W[ids]): x [rows, k, in]
+        return None
+    return ExpertsLayer(node.name, product.name, indices[0].name, int(w.shape[0]), input_index)
 
 
-def routed_rows(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows ``bmm(W[ids], x)`` multiplies (``[rows * k, in]``) and the expert of each."""
-    n, inputs, k = x.shape
+def routed_rows(
+    x: torch.Tensor, ids: torch.Tensor, in_out: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the product multiplies (``[rows * k, in]``) and the expert of each: ``x`` is
+    ``[rows, in, k]`` in ``bmm(W[ids], x)``, ``[rows, k, in]`` in ``bmm(x, W[ids])`` (``in_out``)."""
+    n = x.shape[0]
     if ids.numel() != n:
         raise AlgorithmError(
             f"a mixture-of-experts product read {n} input rows for {ids.numel()} expert ids; "
             "the program's gather and product disagree"
         )
-    return x.transpose(1, 2).reshape(n * k, inputs), ids.reshape(-1).repeat_interleave(k)
+    rows = x if in_out else x.transpose(1, 2)  # [rows, k, in]
+    k = rows.shape[1]
+    return rows.reshape(n * k, rows.shape[2]), ids.reshape(-1).repeat_interleave(k)
 
 
 def packed_rows(rows: torch.Tensor, owner: torch.Tensor, experts: int) -> torch.Tensor:
@@ -111,3 +127,8 @@ def packed_rows(rows: torch.Tensor, owner: torch.Tensor, experts: int) -> torch.
 def experts_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The layer's output on packed rows ``[experts, R, in]``: ``[experts, R, out]``."""
     return x.to(weight.dtype) @ weight.transpose(1, 2)
+
+
+def experts_forward_in_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`experts_forward` for a weight stored ``[experts, in, out]``."""
+    return x.to(weight.dtype) @ weight

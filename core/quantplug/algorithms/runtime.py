@@ -27,6 +27,7 @@ from quantplug.algorithms import weight_layers
 from quantplug.algorithms.experts import (
     ExpertsLayer,
     experts_forward,
+    experts_forward_in_out,
     experts_layer,
     packed_rows,
     routed_rows,
@@ -259,15 +260,21 @@ class ExpertsTap(Tap):
     ``nonfinite`` one by one, as a linear's samples do."""
 
     def __init__(
-        self, site: str, collectors: list[Any], owners: list[str], experts: int, nonfinite: str = "error"
+        self,
+        site: str,
+        collectors: list[Any],
+        owners: list[str],
+        layer: ExpertsLayer,
+        nonfinite: str = "error",
     ) -> None:
         super().__init__(site, collectors, owners, nonfinite)
-        self.experts = experts
+        self.experts = layer.experts
+        self.in_out = layer.in_out
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> None:  # type: ignore[override]
         self.batches += 1
         with torch.no_grad():
-            rows, owner = routed_rows(x.detach(), ids.detach())
+            rows, owner = routed_rows(x.detach(), ids.detach(), self.in_out)
             finite = torch.isfinite(rows).all(dim=1)
             if not bool(finite.all()):
                 # raises unless "ignore"
@@ -468,7 +475,8 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
                 gathers = (experts_layer(c, nodes[producer]) for c in consumers)
                 experts = next((e for e in gathers if e is not None), None)
                 if experts is not None:  # its layer: the gather, then the product reading it
-                    node, call, tied = nodes[experts.gather], experts_forward, (experts.product,)
+                    node, tied = nodes[experts.gather], (experts.product,)
+                    call = experts_forward_in_out if experts.in_out else experts_forward
             target = str(nodes[producer].target)
             others = tuple(str(nodes[p].target) for p in producers if p != producer)
             site = WeightSite(
@@ -482,6 +490,7 @@ def weight_sites(gm: GraphModule, state: Any) -> list[_SiteRef]:
                 input_index=0 if call is not None and recurrent is None and experts is None else None,
                 folded_from=folded.get(target),
                 tied=tied,
+                in_out=experts is not None and experts.in_out,
                 _call=call,
             )
             result.append(_SiteRef(site, producer, bias_target, recurrent, experts))
@@ -559,11 +568,11 @@ def install_collectors(
         moe = experts.get(site.name)
         if moe is not None:  # one tap before the product, given its rows and the expert ids
             container.add_module(
-                name, ExpertsTap(site.label, [wanted[i] for i in fed], owners, moe.experts, nonfinite)
+                name, ExpertsTap(site.label, [wanted[i] for i in fed], owners, moe, nonfinite)
             )
             product = nodes[moe.product]
             with gm.graph.inserting_before(product):
-                tap = gm.graph.call_module(f"{TAPS}.{name}", (product.args[1], nodes[moe.ids]))
+                tap = gm.graph.call_module(f"{TAPS}.{name}", (product.args[moe.input_index], nodes[moe.ids]))
             tap.meta["quantplug_algorithm_tap"] = site.name
             continue
         container.add_module(name, Tap(site.label, [wanted[i] for i in fed], owners, nonfinite))
@@ -760,9 +769,9 @@ def choose_weights(
                 moe = refs[k].experts
                 if moe is not None:
                     site = refs[k].site
-                    routed = ExpertsTap(site.label, list(made.values()), owners, moe.experts, run.nonfinite)
+                    routed = ExpertsTap(site.label, list(made.values()), owners, moe, run.nonfinite)
                     sequential_taps.append(routed)
-                    for node_name, feed in zip((moe.gather, moe.product), _routed(routed), strict=True):
+                    for node_name, feed in zip((moe.gather, moe.product), _routed(routed, moe), strict=True):
                         feeds.setdefault(node_name, []).append(feed)
                     continue
                 tap = Tap(refs[k].site.label, list(made.values()), owners, run.nonfinite)
@@ -844,7 +853,9 @@ def _first_argument(tap: Tap) -> Callable[[Sequence[Any]], None]:
     return feed
 
 
-def _routed(tap: ExpertsTap) -> tuple[Callable[[Sequence[Any]], None], Callable[[Sequence[Any]], None]]:
+def _routed(
+    tap: ExpertsTap, layer: ExpertsLayer
+) -> tuple[Callable[[Sequence[Any]], None], Callable[[Sequence[Any]], None]]:
     """The sequential feeds of a mixture-of-experts tap: the gather's (which keeps its expert ids)
     and the product's (which feeds its rows with them)."""
     routed: list[torch.Tensor] = []
@@ -853,8 +864,9 @@ def _routed(tap: ExpertsTap) -> tuple[Callable[[Sequence[Any]], None], Callable[
         routed[:] = [args[1][0]]
 
     def product(args: Sequence[Any]) -> None:
-        if routed and isinstance(args[1], torch.Tensor):
-            tap(args[1].detach(), routed.pop())
+        x = args[layer.input_index]
+        if routed and isinstance(x, torch.Tensor):
+            tap(x.detach(), routed.pop())
 
     return gather, product
 

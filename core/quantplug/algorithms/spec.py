@@ -143,6 +143,8 @@ class WeightSite:
             collectors see each expert's rows packed, ``[experts, R, in]`` with zero rows after
             each expert's own, and :meth:`forward` takes that layout:
             :mod:`quantplug.algorithms.experts`).
+        in_out: a mixture-of-experts weight stored ``[experts, in, out]`` (read as
+            ``bmm(x, W[ids])``), whose experts are its slices' transposes.
         folded_from: the weight the user wrote, when this one is it with a batch norm folded in
             (quantplug's name for such a weight means nothing to the user).
         tied: the other nodes that multiply this weight as the same layer (same op, same bias and
@@ -161,6 +163,7 @@ class WeightSite:
     input_index: int | None = None
     folded_from: str | None = None
     tied: tuple[str, ...] = ()
+    in_out: bool = False
     _call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(
         default=None, repr=False, compare=False
     )

@@ -71,7 +71,7 @@ def layer_kind(site: WeightSite) -> str | None:
 def layer_inputs(site: WeightSite) -> int:
     """How many inputs each output of the layer reads: the width of its ``H``."""
     if layer_kind(site) == "experts":
-        return int(site.weight.shape[-1])
+        return int(site.weight.shape[1] if site.in_out else site.weight.shape[2])
     return int(site.weight[0].numel())
 
 
@@ -399,14 +399,22 @@ class SiteMatrix:
     #: (rows, columns) sharing one scale
     groups: tuple[int, int]
     shape: tuple[int, ...]
+    #: a mixture-of-experts weight stored ``[E, I, O]``: its matrix is that of its transpose
+    in_out: bool = False
+
+    def _as_weight(self, matrix: torch.Tensor) -> torch.Tensor:
+        if self.in_out:
+            e, i, o = self.shape
+            return matrix.reshape(e, o, i).transpose(1, 2).contiguous()
+        return from_matrix(matrix, self.shape)
 
     def matrix_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor of the weight's shape (codes, a candidate weight) as this view's matrix."""
-        return tensor.reshape(self.weight.shape)
+        return (tensor.transpose(1, 2) if self.in_out else tensor).reshape(self.weight.shape)
 
     def codes(self, matrix: torch.Tensor) -> torch.Tensor:
         """Codes of the matrix back in the weight's shape (int64)."""
-        return from_matrix(matrix.round(), self.shape).to(torch.int64)
+        return self._as_weight(matrix.round()).to(torch.int64)
 
     def error(
         self,
@@ -424,7 +432,7 @@ class SiteMatrix:
 
     def weight_of(self, matrix: torch.Tensor) -> torch.Tensor:
         """A float matrix back in the weight's shape (float32)."""
-        return from_matrix(matrix, self.shape).to(torch.float32)
+        return self._as_weight(matrix).to(torch.float32)
 
 
 def site_matrix(site: WeightSite, grid: WeightGrid) -> SiteMatrix | None:
@@ -459,36 +467,42 @@ def site_matrix(site: WeightSite, grid: WeightGrid) -> SiteMatrix | None:
     )
 
 
-def _experts_groups(shape: tuple[int, ...], grid: WeightGrid) -> tuple[int, int] | None:
+def _experts_groups(shape: tuple[int, ...], grid: WeightGrid, in_out: bool) -> tuple[int, int] | None:
     """``(rows, columns)`` sharing one scale in the ``[E * O, I]`` matrix of an ``[E, O, I]``
-    weight: one scale for all; one per expert (channels on axis 0); blocks inside one expert's
-    rows (``(1, r, c)``, ``r`` dividing ``O``: the reference backend's ``(1, 1, group)``). Other
-    grids (a scale shared across experts) give None."""
-    _, out, inputs = shape
+    weight (``[E, I, O]`` if ``in_out``): one scale for all; one per expert (channels on axis 0);
+    blocks inside one expert's rows (``(1, r, c)``, ``r`` dividing ``O``: the reference backend's
+    ``(1, 1, group)``, ``(1, group, 1)`` when ``in_out``). Other grids (a scale shared across
+    experts) give None."""
+    experts, out, inputs = (shape[0], shape[2], shape[1]) if in_out else shape
     if grid.granularity == "tensor":
-        return (shape[0] * out, inputs)
+        return (experts * out, inputs)
     if grid.granularity == "channel":
         return (out, inputs) if (grid.ch_axis or 0) % 3 == 0 else None
-    block = tuple(int(b) if int(b) > 0 else d for b, d in zip(grid.block_size or (), shape))
-    if len(block) != 3 or block[0] != 1 or out % block[1] or inputs % block[2]:
+    block = [int(b) if int(b) > 0 else d for b, d in zip(grid.block_size or (), shape)]
+    if len(block) != 3 or block[0] != 1:
         return None
-    return (block[1], block[2])
+    rows, columns = (block[2], block[1]) if in_out else (block[1], block[2])
+    return None if out % rows or inputs % columns else (rows, columns)
 
 
 def _experts_matrix(site: WeightSite, grid: WeightGrid, shape: tuple[int, ...]) -> SiteMatrix | None:
-    groups = _experts_groups(shape, grid)
+    groups = _experts_groups(shape, grid, site.in_out)
     if groups is None:
         return None
-    rows = (shape[0] * shape[1], shape[2])
-    scale = grid.expand(grid.scale.to(torch.float64), shape)
-    zero_point = grid.expand(grid.zero_point.to(torch.float64), shape)
+
+    def matrix(tensor: torch.Tensor) -> torch.Tensor:  # [E, O, I] rows, as the experts multiply
+        tensor = tensor.to(torch.float64)
+        tensor = tensor.transpose(1, 2) if site.in_out else tensor
+        return tensor.contiguous().reshape(-1, tensor.shape[2])
+
     return SiteMatrix(
-        weight=site.weight.detach().to(torch.float64).reshape(rows),
-        scale=scale.contiguous().reshape(rows),
-        zero_point=zero_point.contiguous().reshape(rows),
+        weight=matrix(site.weight.detach()),
+        scale=matrix(grid.expand(grid.scale, shape)),
+        zero_point=matrix(grid.expand(grid.zero_point, shape)),
         grid=IntegerGrid(grid.quant_min, grid.quant_max),
         groups=groups,
         shape=shape,
+        in_out=site.in_out,
     )
 
 
