@@ -179,3 +179,46 @@ def test_weight_algorithms_take_the_experts_and_gain_on_them(
     dq = next(n for n in converted.graph.nodes if n.target == torch.ops.aten.index.Tensor).args[0]
     codes = getattr(converted, dq.args[0].target)
     assert codes.shape == model.weight.shape and int(codes.min()) >= -8 and int(codes.max()) <= 7
+
+
+def test_nan_rows_reaching_the_experts_follow_the_nonfinite_policy() -> None:
+    """A weight-only preset has no activation observer: the experts' tap is what sees NaN. Under
+    "error" it names the weight; under "ignore" only the token's rows are left out, so each
+    expert's Hessian sums the others."""
+    from quantplug.errors import NonFiniteError
+
+    torch.manual_seed(0)
+    model = Experts().eval()
+    clean = _batches(2)
+    bad = [b.clone() for b in clean]
+    bad[1][0, 3, 7] = float("nan")  # one token of the second batch (its route stays finite)
+    program = torch.export.export(model, (clean[0],))
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    prepared = quantplug.prepare(program, quantizer, algorithms=["gptq"])
+    prepared(bad[0])
+    with pytest.raises(NonFiniteError) as raised:
+        prepared(bad[1])
+    assert raised.value.where == "weight" and "gptq" in str(raised.value)
+
+    def hessian(batches: list[torch.Tensor], policy: str) -> torch.Tensor:
+        algorithm = Hessians()
+        prepared = quantplug.prepare(program, quantizer, algorithms=[algorithm], nonfinite=policy)
+        for batch in batches:
+            prepared(batch)
+        quantplug.convert(prepared)
+        return algorithm.collected["weight"]
+
+    ignored = hessian(bad, "ignore")
+    expected = torch.zeros(EXPERTS, IN, IN, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in bad:
+            tokens = batch.reshape(-1, IN)
+            ids = tokens[:, :EXPERTS].topk(TOP_K, dim=-1)[1].reshape(-1)
+            routed = tokens.repeat_interleave(TOP_K, dim=0).double()
+            finite = torch.isfinite(routed).all(dim=1)
+            assert int((~finite).sum()) == TOP_K or bool(finite.all())  # the token's two rows
+            for e in range(EXPERTS):
+                rows = routed[(ids == e) & finite]
+                expected[e] += rows.T @ rows
+    # the same sums over the same rows (the mean divides every expert's by one row count)
+    torch.testing.assert_close(ignored / ignored[0, 0, 0], expected / expected[0, 0, 0])
