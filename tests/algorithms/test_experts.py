@@ -97,34 +97,50 @@ class Hessians(Algorithm):
         self.collected[site.name] = collected
 
 
-@pytest.mark.parametrize("in_out", [False, True])
-def test_each_expert_sums_the_hessian_of_the_rows_routed_to_it(in_out: bool) -> None:
-    torch.manual_seed(0)
-    model = Experts(in_out).eval()
-    batches = _batches(2)
+def _hessians(
+    model: nn.Module, batches: list[torch.Tensor], nonfinite: str = "error"
+) -> tuple[WeightSite, torch.Tensor]:
+    """The experts' site and the Hessians its collector summed, at reference weight_only_int4."""
     program = torch.export.export(model, (batches[0],))
     algorithm = Hessians()
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
-    prepared = quantplug.prepare(program, quantizer, algorithms=[algorithm])
+    prepared = quantplug.prepare(program, quantizer, algorithms=[algorithm], nonfinite=nonfinite)
     for batch in batches:
         prepared(batch)
     quantplug.convert(prepared)
-    site = algorithm.sites["weight"]
+    return algorithm.sites["weight"], algorithm.collected["weight"]
+
+
+def _routed_sums(batches: list[torch.Tensor]) -> torch.Tensor:
+    """``sum x x^T`` of each expert's finite rows, computed from the route :class:`Experts` takes."""
+    expected = torch.zeros(EXPERTS, IN, IN, dtype=torch.float64)
+    for batch in batches:
+        tokens = batch.reshape(-1, IN)
+        ids = tokens[:, :EXPERTS].topk(TOP_K, dim=-1)[1].reshape(-1)
+        routed = tokens.repeat_interleave(TOP_K, dim=0).double()
+        finite = torch.isfinite(routed).all(dim=1)
+        for e in range(EXPERTS):
+            rows = routed[(ids == e) & finite]
+            expected[e] += rows.T @ rows
+    return expected
+
+
+def _same_up_to_scale(collected: torch.Tensor, expected: torch.Tensor) -> None:
+    # the mean over the packed rows: each expert's sum over one row count (a scale per layer)
+    assert collected.shape == (EXPERTS, IN, IN)
+    torch.testing.assert_close(
+        collected / collected[0, 0, 0], expected / expected[0, 0, 0], rtol=1e-6, atol=1e-9
+    )
+
+
+@pytest.mark.parametrize("in_out", [False, True])
+def test_each_expert_sums_the_hessian_of_the_rows_routed_to_it(in_out: bool) -> None:
+    torch.manual_seed(0)
+    batches = _batches(2)
+    site, collected = _hessians(Experts(in_out).eval(), batches)
     assert layer_kind(site) == "experts" and site.has_layer and site.in_out == in_out
     assert LayerHessian(site, grouped=True).stack == EXPERTS  # what the memory warning counts
-    expected = torch.zeros(EXPERTS, IN, IN, dtype=torch.float64)
-    with torch.no_grad():
-        for batch in batches:
-            tokens = batch.reshape(-1, IN)
-            ids = tokens[:, :EXPERTS].topk(TOP_K, dim=-1)[1].reshape(-1)
-            routed = tokens.repeat_interleave(TOP_K, dim=0).double()
-            for e in range(EXPERTS):
-                expected[e] += routed[ids == e].T @ routed[ids == e]
-    collected = algorithm.collected["weight"]
-    assert collected.shape == (EXPERTS, IN, IN)
-    # the mean over the packed rows: each expert's sum over the same count (a scale per layer)
-    scale = collected[0, 0, 0] / expected[0, 0, 0]
-    torch.testing.assert_close(collected, expected * scale, rtol=1e-6, atol=1e-9)
+    _same_up_to_scale(collected, _routed_sums(batches))
 
 
 #: (backend, algorithm) -> floor on its gain (dB, held out). Measured with the experts as layers:
@@ -200,25 +216,5 @@ def test_nan_rows_reaching_the_experts_follow_the_nonfinite_policy() -> None:
         prepared(bad[1])
     assert raised.value.where == "weight" and "gptq" in str(raised.value)
 
-    def hessian(batches: list[torch.Tensor], policy: str) -> torch.Tensor:
-        algorithm = Hessians()
-        prepared = quantplug.prepare(program, quantizer, algorithms=[algorithm], nonfinite=policy)
-        for batch in batches:
-            prepared(batch)
-        quantplug.convert(prepared)
-        return algorithm.collected["weight"]
-
-    ignored = hessian(bad, "ignore")
-    expected = torch.zeros(EXPERTS, IN, IN, dtype=torch.float64)
-    with torch.no_grad():
-        for batch in bad:
-            tokens = batch.reshape(-1, IN)
-            ids = tokens[:, :EXPERTS].topk(TOP_K, dim=-1)[1].reshape(-1)
-            routed = tokens.repeat_interleave(TOP_K, dim=0).double()
-            finite = torch.isfinite(routed).all(dim=1)
-            assert int((~finite).sum()) == TOP_K or bool(finite.all())  # the token's two rows
-            for e in range(EXPERTS):
-                rows = routed[(ids == e) & finite]
-                expected[e] += rows.T @ rows
-    # the same sums over the same rows (the mean divides every expert's by one row count)
-    torch.testing.assert_close(ignored / ignored[0, 0, 0], expected / expected[0, 0, 0])
+    _, ignored = _hessians(model, bad, "ignore")
+    _same_up_to_scale(ignored, _routed_sums(bad))  # every expert's rows but the token's
