@@ -144,7 +144,8 @@ def test_qat_weights_are_integers_after_convert(backend: str, options: dict[str,
 
 
 class ConstantSubgraphs(nn.Module):
-    """A weight used transposed by a matmul, and an LSTM whose initial state is ``zeros``."""
+    """A weight scaled and used transposed by a matmul (``x @ W.t()`` alone is a linear now:
+    ``quantplug.flow.hand_written_linear``), and an LSTM whose initial state is ``zeros``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,7 +153,7 @@ class ConstantSubgraphs(nn.Module):
         self.lstm = nn.LSTM(8, 8, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.w.t())
+        y = torch.matmul(x, (self.w * 0.5).t())
         out, _ = self.lstm(y)
         return out
 
