@@ -268,13 +268,12 @@ class ExpertsTap(Tap):
         nonfinite: str = "error",
     ) -> None:
         super().__init__(site, collectors, owners, nonfinite)
-        self.experts = layer.experts
-        self.in_out = layer.in_out
+        self.layer = layer
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> None:  # type: ignore[override]
         self.batches += 1
         with torch.no_grad():
-            rows, owner = routed_rows(x.detach(), ids.detach(), self.in_out)
+            rows, owner = routed_rows(x.detach(), ids.detach(), self.layer.in_out)
             finite = torch.isfinite(rows).all(dim=1)
             if not bool(finite.all()):
                 # raises unless "ignore"
@@ -282,7 +281,7 @@ class ExpertsTap(Tap):
                 self.ignored += dropped
                 rows, owner = rows[finite], owner[finite]
             if rows.shape[0]:
-                self._feed(packed_rows(rows, owner, self.experts))
+                self._feed(packed_rows(rows, owner, self.layer.experts))
 
 
 class RecurrentTap(nn.Module):

@@ -410,7 +410,7 @@ class SiteMatrix:
 
     def matrix_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor of the weight's shape (codes, a candidate weight) as this view's matrix."""
-        return (tensor.transpose(1, 2) if self.in_out else tensor).reshape(self.weight.shape)
+        return _expert_rows(tensor, True) if self.in_out else tensor.reshape(self.weight.shape)
 
     def codes(self, matrix: torch.Tensor) -> torch.Tensor:
         """Codes of the matrix back in the weight's shape (int64)."""
@@ -485,20 +485,21 @@ def _experts_groups(shape: tuple[int, ...], grid: WeightGrid, in_out: bool) -> t
     return None if out % rows or inputs % columns else (rows, columns)
 
 
+def _expert_rows(tensor: torch.Tensor, in_out: bool) -> torch.Tensor:
+    """An ``[E, O, I]`` tensor (``[E, I, O]`` if ``in_out``) as ``[E * O, I]``: expert ``e``'s rows
+    are row block ``e``, as the experts multiply them."""
+    rows = tensor.transpose(1, 2) if in_out else tensor
+    return rows.reshape(-1, rows.shape[2])
+
+
 def _experts_matrix(site: WeightSite, grid: WeightGrid, shape: tuple[int, ...]) -> SiteMatrix | None:
     groups = _experts_groups(shape, grid, site.in_out)
     if groups is None:
         return None
-
-    def matrix(tensor: torch.Tensor) -> torch.Tensor:  # [E, O, I] rows, as the experts multiply
-        tensor = tensor.to(torch.float64)
-        tensor = tensor.transpose(1, 2) if site.in_out else tensor
-        return tensor.contiguous().reshape(-1, tensor.shape[2])
-
     return SiteMatrix(
-        weight=matrix(site.weight.detach()),
-        scale=matrix(grid.expand(grid.scale, shape)),
-        zero_point=matrix(grid.expand(grid.zero_point, shape)),
+        weight=_expert_rows(site.weight.detach().to(torch.float64), site.in_out),
+        scale=_expert_rows(grid.expand(grid.scale.to(torch.float64), shape), site.in_out),
+        zero_point=_expert_rows(grid.expand(grid.zero_point.to(torch.float64), shape), site.in_out),
         grid=IntegerGrid(grid.quant_min, grid.quant_max),
         groups=groups,
         shape=shape,

@@ -36,12 +36,10 @@ def _is_transpose(node: Node) -> bool:
         return False
     if node.target in (aten.t.default, aten.numpy_T.default):
         return True
-    dims: Any = node.args[1:3] if node.target == aten.transpose.int else node.args[1:2]
-    if node.target == aten.permute.default and isinstance(dims[0], (list, tuple)):
-        return [int(d) % 2 for d in dims[0]] == [1, 0]  # a 2-D tensor: -1 is 1, -2 is 0
-    if node.target == aten.transpose.int:
-        return sorted(int(d) % 2 for d in dims) == [0, 1]
-    return False
+    dims: Any = node.args[1:3] if node.target == aten.transpose.int else node.args[1]
+    if node.target == aten.permute.default:  # a 2-D tensor: -1 is dim 1, -2 is dim 0
+        return [int(d) % 2 for d in dims] == [1, 0]
+    return node.target == aten.transpose.int and sorted(int(d) % 2 for d in dims) == [0, 1]
 
 
 def _weight(product: Node) -> Node | None:
@@ -77,11 +75,7 @@ def _bias(product: Node, weight: Node) -> tuple[Node, Node] | None:
         return None
     if tuple(value.shape) != (w.shape[0],) or value.dtype != w.dtype:
         return None
-    out = _value(add)
-    product_value = _value(product)
-    if out is None or product_value is None or tuple(out.shape) != tuple(product_value.shape):
-        return None
-    return add, bias
+    return add, bias  # one value per feature broadcasts over the product: the same shape
 
 
 def linear_from_matmul(gm: GraphModule) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.fx import Graph
 
-from quantplug.quantizer.mutation import base_of, read_after, views_of, written_args
+from quantplug.quantizer.mutation import own_aliases, read_after, written_args
 
 _functional: dict[Any, Any] = {}
 
@@ -57,8 +57,8 @@ def writes_out_of_place(graph: Graph) -> int:
         if not node.args or written_args(node) != [node.args[0]]:
             continue
         functional = _out_of_place(node.target)
-        base = base_of(node.args[0])
-        if functional is None or base.op != "call_function" or read_after(node, views_of(base), order):
+        aliases = None if functional is None else own_aliases(node.args[0])
+        if aliases is None or read_after(node, aliases, order):
             continue
         node.target = functional
         count += 1

@@ -84,13 +84,13 @@ def is_view(node: Node) -> bool:
     return info is not None and not info.is_write
 
 
-def base_of(node: Node) -> Node:
+def _base(node: Node) -> Node:
     while is_view(node) and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node
 
 
-def views_of(base: Node) -> list[Node]:
+def _views_of(base: Node) -> list[Node]:
     found, stack = {base: None}, [base]  # a dict: ordered, and a set for the membership tests
     while stack:
         for user in stack.pop().users:
@@ -98,6 +98,13 @@ def views_of(base: Node) -> list[Node]:
                 found[user] = None
                 stack.append(user)
     return list(found)
+
+
+def own_aliases(written: Node) -> list[Node] | None:
+    """The tensor ``written`` belongs to and every view of it, when the program makes that tensor
+    itself; None for placeholders and constants (``torch.export`` writes those back itself)."""
+    base = _base(written)
+    return _views_of(base) if base.op == "call_function" else None
 
 
 def mutated_aliases(graph: Graph) -> dict[Node, str]:
@@ -110,11 +117,8 @@ def mutated_aliases(graph: Graph) -> dict[Node, str]:
     reasons: dict[Node, str] = {}
     for node in graph.nodes:
         for written in written_args(node):
-            base = base_of(written)
-            if base.op != "call_function":
-                continue
-            aliases = views_of(base)
-            if not read_after(node, aliases, order):
+            aliases = own_aliases(written)
+            if aliases is None or not read_after(node, aliases, order):
                 continue
             why = (
                 f"written in place by {node.target} (node {node.name!r}): a quantize on it would copy "

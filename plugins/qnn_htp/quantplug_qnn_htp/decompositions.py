@@ -15,7 +15,8 @@ the precision's quantization and each op's HTP constraints apply:
   multiplies both ``q`` and ``k^T`` by its square root: one more quantized tensor).
 * ``x @ W + b`` (``matmul``/``mm`` with a constant ``[in, out]`` weight, then the add of a constant
   bias) -> ``addmm``, a FullyConnected quantized as a linear (the rule in ``linear_rules``);
-  without a bias (Falcon's ``x @ W.T``, the transpose folded) -> ``addmm`` with a zero bias;
+  without a bias -> ``addmm`` with a zero bias (``x @ W.T``, Falcon's, is a ``linear`` by then:
+  ``quantplug.flow.hand_written_linear``);
 * ``addmm`` that is not a fully connected layer (a non-constant ``mat2`` or bias, or
   ``alpha``/``beta`` other than 1) -> ``mm`` + ``add`` (+ ``mul``), ExecuTorch's
   ``DecomposeAddmm``; ``baddbmm`` -> ``bmm`` + ``add`` (+ ``mul``).
@@ -279,8 +280,9 @@ def _bias_of(add: Node, product: Node) -> Node | None:
 
 
 def recompose_matmul_weight(b: _Builder, node: Node) -> Node | None:
-    """``x @ W`` with a constant 2-D ``W`` and no bias after it (``x @ self.weight.T`` of a
-    bias-free hand-written linear: Falcon's ``FalconLinear``) -> ``addmm`` with a zero bias, a
+    """``x @ W`` with a constant 2-D ``W`` and no bias after it (a weight stored ``[in, out]``, or
+    computed from a parameter; Falcon's ``x @ self.weight.T`` is a ``linear`` by then:
+    ``quantplug.flow.hand_written_linear``) -> ``addmm`` with a zero bias, a
     FullyConnected whose weight gets the precision's weight grid. As a MatMul, the weight took
     the activation grid: 16-bit per tensor at ``16a4w_block``, not 4-bit per block. With a bias
     added after it, ``recompose_linear_add`` makes the FullyConnected."""
