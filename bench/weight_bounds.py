@@ -24,8 +24,9 @@ on the backend's own grid and the layer's calibration Hessian
   the weight's bits leaves on average -- its codes' ``log2(levels)`` bits plus 32 for every scale
   and zero point -- whoever chooses it: no rounding, scale search, error feedback or vector
   quantizer gets below it. Unlike ``feedback``, it needs no high-rate or noise model: it holds for
-  weights drawn independently from one distribution (every model here starts from such a draw),
-  through the Shannon lower bound with the weights' entropy power (Vasicek's estimate).
+  weights drawn independently from one distribution (a randomly initialised model: all here but
+  the trained digits models, for which it is indicative only), through the Shannon lower bound
+  with the weights' entropy power (Vasicek's estimate).
 
 Each layer's SQNR is ``tr(W H W^T) / error``; the first table gives the layers' mean SQNR for
 each. The second carries the bound to the model's output: every layer's weight is given the error
@@ -178,10 +179,11 @@ def shannon_bound(matrix: torch.Tensor, blocks: torch.Tensor, grid: WeightGrid, 
 
     A weight stored as codes of ``log2(levels)`` bits plus its scales and zero points (at most
     ``SIDE_BITS`` each) is a code of ``R`` bits per weight, whatever algorithm picks them. For
-    weights drawn independently from one distribution (every model here is randomly
-    initialised, or trained on top of such a draw), the Shannon lower bound on the rate-distortion
-    function of the error weighted by ``H`` (eigenvalues ``l_i``, on the ``k`` inputs the data
-    reaches; the ``n - k`` others cost bits and matter to no output) is, per row and Hessian block,
+    weights drawn independently from one distribution (a randomly initialised model; for
+    trained weights, as the digits models', it is indicative only), the Shannon lower bound on
+    the rate-distortion function of the error weighted by ``H`` (eigenvalues ``l_i``, on the
+    ``k`` inputs the data reaches; the ``n - k`` others cost bits and matter to no output) is, per
+    row and Hessian block,
     ``k * GM(l) * N * 2^(-2 R n / k)``: ``N`` the entropy power of the weights' values, ``GM``
     the geometric mean. No rounding, scale search, error feedback or vector quantizer on those
     bits leaves less error on average. The ideal code's error is the test channel's: independent
@@ -356,9 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             default = row.get("default", {}).get("sqnr")
             best = max((v["sqnr"] for v in row.values() if isinstance(v, dict) and "sqnr" in v), default=None)
             w8 = runs.get("w8")
-            missing = default is None or best is None or w8 is None
-            gain = "-" if missing else f"{best - default:+.1f}"
-            goal_gain = None if missing else max(3.0, (w8 - default) / 2)
+            goal_gain = (
+                None if default is None or best is None or w8 is None else max(3.0, (w8 - default) / 2)
+            )
+            gain = "-" if goal_gain is None else f"{best - default:+.1f}"
             lines.append(
                 f"| {name} | {config} | {len(found['layers'])} | {found['rtn_db']:.1f} | "
                 f"{found['clip_db']:.1f} | +{found['feedback_db']:.1f} | "
@@ -368,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + ("-" if goal_gain is None else f"+{goal_gain:.1f}")
                 + " |"
             )
-            if missing or goal_gain is None:
+            if goal_gain is None:
                 continue
             ideal = found["ideal_code_output_db"]
             with_w8 = _with_error_of(ideal, w8)
