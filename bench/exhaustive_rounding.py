@@ -35,9 +35,9 @@ import torch
 import quantplug
 from bench.algorithm_models import build
 from bench.algorithms import CONFIGS, HTP, RESULTS, sqnr
-from quantplug.algorithms.gptq import GPTQ
-from quantplug.algorithms.spec import Algorithm, WeightChoice, WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian, layer_kind, matrix_and_hessian
+from bench.weight_bounds import OnGPTQHessians
+from quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
+from quantplug.algorithms.weight_layers import matrix_and_hessian
 
 #: rows at most this long are searched exhaustively
 SHORT_ROW = 12
@@ -85,19 +85,16 @@ def closest_codes(
     return torch.tensor(best[1], dtype=torch.float64), best[0], visited[0] <= node_limit
 
 
-class ExhaustiveRounding(Algorithm):
+class ExhaustiveRounding(OnGPTQHessians):
     """The exhaustive codes (and scales) of layers whose rows are at most ``SHORT_ROW`` long."""
 
     name = "exhaustive_rounding"
 
     def __init__(self, scales: int, node_limit: int) -> None:
+        super().__init__()
         self.scales = scales
         self.node_limit = node_limit
         self.rows: list[dict[str, Any]] = []
-        self._collects = GPTQ(sequential=False)  # its Hessian collector
-
-    def collector(self, site: WeightSite) -> LayerHessian | None:
-        return self._collects.collector(site) if layer_kind(site) is not None else None
 
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any

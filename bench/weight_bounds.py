@@ -65,22 +65,29 @@ MODELS = ("llama", "encoder", "cnn", "digits_mlp", "digits_cnn", "lstm")
 FOUR_BIT = ("htp 16a4w", "htp 16a4w_block", "htp 8a4w", "ref wo_int4")
 
 
-class LayerBounds(Algorithm):
-    """Measures, per layer, RTN's, the best clipping's and the feedback bound's output error."""
-
-    name = "layer_bounds"
+class OnGPTQHessians(Algorithm):
+    """A measurement on the layers' calibration Hessians, collected as GPTQ collects them."""
 
     def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-        #: per weight (its attribute path): its shape, and draws of the error an ideal code at the
-        #: Shannon bound leaves (as its matrix)
-        self.ideal_errors: dict[str, tuple[tuple[int, ...], Callable[[torch.Generator], torch.Tensor]]] = {}
-        self._seq_mse = SeqMSE()
         self._gptq = GPTQ(scale_search=20, sequential=False)  # on the float Hessian, as the bounds
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
         # GPTQ's own collector (the same LayerHessian), so that its scale search recognises it
         return self._gptq.collector(site) if layer_kind(site) is not None else None
+
+
+class LayerBounds(OnGPTQHessians):
+    """Measures, per layer, RTN's, the best clipping's and the feedback bound's output error."""
+
+    name = "layer_bounds"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, Any]] = []
+        #: per weight (its attribute path): its shape, and draws of the error an ideal code at the
+        #: Shannon bound leaves (as its matrix)
+        self.ideal_errors: dict[str, tuple[tuple[int, ...], Callable[[torch.Generator], torch.Tensor]]] = {}
+        self._seq_mse = SeqMSE()
 
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
