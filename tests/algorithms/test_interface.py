@@ -643,11 +643,84 @@ class HandWrittenNet(nn.Module):
         return F.gelu(x @ self.w1.T + self.b1) @ self.w2.T
 
 
-@pytest.mark.parametrize("net", [Conv1DNet, HandWrittenNet])
+class InOutNet(nn.Module):
+    """Two layers written ``x @ W (+ b)`` with ``W`` stored ``[in, out]`` (SwiftFormer, research
+    code keeping ``nn.Parameter(torch.randn(d_in, d_out))``): ``matmul(x, W)``, the bias after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(16, 32) / 4), nn.Parameter(torch.randn(32) / 4)
+        self.w2 = nn.Parameter(torch.randn(32, 8) / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.b1 + x @ self.w1) @ self.w2
+
+
+def test_in_out_products_become_linear_layers_with_transposed_weights() -> None:
+    from quantplug.flow.computed_weights import linear_from_matmul_in_out
+    from quantplug.flow.graph_copy import working_copy
+
+    torch.manual_seed(0)
+    model, x = InOutNet().eval(), torch.randn(4, 12, 16)
+    gm = working_copy(torch.export.export(model, (x,)))
+    assert linear_from_matmul_in_out(gm) == 2
+    linears = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert not any(
+        n.target in (torch.ops.aten.matmul.default, torch.ops.aten.add.Tensor) for n in gm.graph.nodes
+    )
+    assert [len(n.args) for n in linears] == [3, 2]  # the bias added after is the first one's
+    weights = [getattr(gm, n.args[1].target) for n in linears]
+    assert torch.equal(weights[0], model.w1.t()) and torch.equal(weights[1], model.w2.t())
+    with torch.no_grad():
+        assert torch.allclose(gm(x), model(x), atol=1e-6)
+    assert model.w1.shape == (16, 32)  # the caller's parameters are not touched
+
+
+class NotInOutLayers(nn.Module):
+    """Products that are no ``[in, out]`` layer: two activations, a 3-D constant, a weight
+    computed in the program (materialize_computed_weights' business, not this rewrite's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = nn.Parameter(torch.randn(2, 16, 16))
+        self.table = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x @ x.transpose(-1, -2), x @ self.stack, x @ (self.table * 2)
+
+
+def test_products_that_are_no_in_out_layer_stay_as_written() -> None:
+    from quantplug.flow.computed_weights import linear_from_matmul_in_out
+    from quantplug.flow.graph_copy import working_copy
+
+    x = torch.randn(2, 5, 16)
+    gm = working_copy(torch.export.export(NotInOutLayers().eval(), (x,)))
+    assert linear_from_matmul_in_out(gm) == 0
+    assert not any(n.target == torch.ops.aten.linear.default for n in gm.graph.nodes)
+
+
+def test_in_out_products_stay_products_without_algorithms_and_in_qat() -> None:
+    """The rewrite makes a parameter: only on prepare's copy, when algorithms are given, never in
+    QAT (training must update the one weight)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 12, 16)
+    ep = torch.export.export(InOutNet().eval(), (x,))
+
+    def linears(prepared: torch.fx.GraphModule) -> int:
+        return sum(n.target == torch.ops.aten.linear.default for n in prepared.graph.nodes)
+
+    quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
+    assert linears(quantplug.prepare(ep, quantizer)) == 0
+    assert linears(quantplug.prepare(ep, quantizer, qat=True)) == 0
+    assert linears(quantplug.prepare(ep, quantizer, algorithms=["gptq"])) == 2
+
+
+@pytest.mark.parametrize("net", [Conv1DNet, HandWrittenNet, InOutNet])
 def test_algorithms_take_conv1d_and_hand_written_layers_and_gain_on_them(net: type[nn.Module]) -> None:
-    """Before the rewrites no weight algorithm saw an ``addmm`` layer or an ``x @ W.T``: GPT-2's,
-    OpenAI GPT's and Falcon's blocks kept round-to-nearest whatever was asked (OpenAI GPT at
-    qnn_htp 16a4w: GPTQ +0.00 dB, +3.35 with its layers; Falcon +0.81, +2.67)."""
+    """Before the rewrites no weight algorithm saw an ``addmm`` layer, an ``x @ W.T`` or an
+    ``x @ W``: GPT-2's, OpenAI GPT's, Falcon's and SwiftFormer's blocks kept round-to-nearest
+    whatever was asked (OpenAI GPT at qnn_htp 16a4w: GPTQ +0.00 dB, +3.35 with its layers;
+    Falcon +0.81, +2.67)."""
     torch.manual_seed(0)
     model = net().eval()
     x = torch.randn(4, 12, 16)

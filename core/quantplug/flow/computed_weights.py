@@ -17,6 +17,10 @@ the one parameter the pieces come from).
 :func:`linear_from_addmm` does the same for transformers' ``Conv1D`` (GPT-2, OpenAI GPT, their
 kin): ``addmm(bias, x, W)`` with ``W`` stored ``[in, out]``, which no algorithm took for a layer,
 so every one of those models' layers kept round-to-nearest and only a linear head gained.
+:func:`linear_from_matmul_in_out` does it for ``x @ W`` written by hand with ``W`` stored
+``[in, out]`` (SwiftFormer's attention and MLP weights, research code that keeps
+``nn.Parameter(torch.randn(d_in, d_out))``), folding a bias added after, as
+:mod:`quantplug.flow.hand_written_linear` does for ``x @ W.T``.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from torch.fx import GraphModule, Node
 from quantplug.algorithms.runtime import LAYER_OPS as RERUNNABLE_OPS
 from quantplug.flow.constants import ConstantValues, constant_nodes, module_attr
 from quantplug.flow.graph_copy import AttrNamer
+from quantplug.flow.hand_written_linear import fold_into_linear
 
 aten = torch.ops.aten
 
 #: the layers whose weights the algorithms choose (transposed convolutions keep the default)
 LAYER_OPS = frozenset(op for op in RERUNNABLE_OPS if "conv_transpose" not in op)
+_PRODUCTS = (aten.matmul.default, aten.mm.default)
 
 
 def _source(node: Node) -> str:
@@ -120,5 +126,33 @@ def linear_from_addmm(gm: GraphModule) -> int:
         linear.meta.update(node.meta)
         node.replace_all_uses_with(linear)
         gm.graph.erase_node(node)
+        count += 1
+    return _finish(gm, count)
+
+
+def linear_from_matmul_in_out(gm: GraphModule) -> int:
+    """Rewrite every ``matmul``/``mm(x, W)`` (``W`` a 2-D float constant ``[in, out]``, ``x`` of
+    its dtype) as ``linear(x, W^T)``, ``W^T`` a new parameter, folding a bias add the product
+    alone feeds into ``linear(x, W^T, b)``: the same function, in the form the weight algorithms
+    take for a layer. Returns how many were rewritten."""
+    attr = module_attr(gm)
+    namer = AttrNamer(gm)
+    transposed: dict[Node, Node] = {}
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _PRODUCTS or len(node.args) != 2:
+            continue
+        x, weight = node.args
+        if not isinstance(weight, Node) or weight.op != "get_attr" or not isinstance(x, Node):
+            continue
+        value, x_value = attr(str(weight.target)), x.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_floating_point():
+            continue
+        if not isinstance(x_value, torch.Tensor) or x_value.dtype != value.dtype:
+            continue
+        if weight not in transposed:
+            val = weight.meta["val"].t() if "val" in weight.meta else None
+            transposed[weight] = _parameter(gm, namer(f"{weight.target}_t"), value.t(), node, val)
+        fold_into_linear(gm, node, x, transposed[weight], value.t())
         count += 1
     return _finish(gm, count)

@@ -59,9 +59,10 @@ def _weight(product: Node) -> Node | None:
     return weight
 
 
-def _bias(product: Node, weight: Node) -> tuple[Node, Node] | None:
+def bias_add(product: Node, features: int, dtype: torch.dtype) -> tuple[Node, Node] | None:
     """``(add, b)`` when the product's one user is ``add(product, b)`` (either order, ``alpha``
-    1) with ``b`` a 1-D constant of one value per output feature, of the weight's dtype."""
+    1) with ``b`` a 1-D constant of one value per output feature (``features`` of them) and of
+    the weight's ``dtype``: a bias a ``linear`` can take."""
     if len(product.users) != 1:
         return None
     add = next(iter(product.users))
@@ -70,19 +71,33 @@ def _bias(product: Node, weight: Node) -> tuple[Node, Node] | None:
     if len(add.args) != 2 or add.args[0] is add.args[1]:
         return None
     bias = add.args[1] if add.args[0] is product else add.args[0]
-    value, w = _value(bias), _value(weight)
-    if not isinstance(bias, Node) or bias.op != "get_attr" or value is None or w is None:
+    value = _value(bias)
+    if not isinstance(bias, Node) or bias.op != "get_attr" or value is None:
         return None
-    if tuple(value.shape) != (w.shape[0],) or value.dtype != w.dtype:
+    if tuple(value.shape) != (features,) or value.dtype != dtype:
         return None
     return add, bias  # one value per feature broadcasts over the product: the same shape
+
+
+def fold_into_linear(gm: GraphModule, product: Node, x: Node, weight: Node, value: torch.Tensor) -> None:
+    """Replace ``product`` (``x`` times the weight ``value`` ``[out, in]`` that ``weight`` reads),
+    and a bias add only it feeds (:func:`bias_add`), by one ``linear(x, weight[, b])``, which keeps
+    the metadata (debug handle, value) of the node whose value it computes."""
+    folded = bias_add(product, value.shape[0], value.dtype)
+    replaced, args = (product, (x, weight)) if folded is None else (folded[0], (x, weight, folded[1]))
+    with gm.graph.inserting_before(replaced):
+        linear = gm.graph.call_function(aten.linear.default, args)
+    linear.meta.update(replaced.meta)
+    replaced.replace_all_uses_with(linear)
+    gm.graph.erase_node(replaced)
+    if folded is not None:
+        gm.graph.erase_node(product)
 
 
 def linear_from_matmul(gm: GraphModule) -> int:
     """Rewrite every ``matmul``/``mm(x, W.T)`` (``W`` a 2-D float constant) as ``linear(x, W)``,
     folding a bias add the product alone feeds into ``linear(x, W, b)``; returns how many were
-    rewritten. The graph is edited in place; the linear keeps the metadata (debug handle, value)
-    of the node whose value it computes."""
+    rewritten. The graph is edited in place."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -90,19 +105,7 @@ def linear_from_matmul(gm: GraphModule) -> int:
         weight = _weight(node)
         if weight is None:
             continue
-        folded = _bias(node, weight)
-        replaced, args = (
-            (node, (node.args[0], weight))
-            if folded is None
-            else (folded[0], (node.args[0], weight, folded[1]))
-        )
-        with gm.graph.inserting_before(replaced):
-            linear = gm.graph.call_function(aten.linear.default, args)
-        linear.meta.update(replaced.meta)
-        replaced.replace_all_uses_with(linear)
-        gm.graph.erase_node(replaced)
-        if folded is not None:
-            gm.graph.erase_node(node)
+        fold_into_linear(gm, node, node.args[0], weight, weight.meta["val"])  # _weight read it
         count += 1
     if count:
         gm.graph.eliminate_dead_code()

@@ -29,7 +29,11 @@ from quantplug.annotation.spec_view import SpecKind, spec_kind
 from quantplug.errors import AnnotationError, OptionError, QuantplugError
 from quantplug.flow.batchnorm import fold_batch_norm
 from quantplug.flow.calls import Call, in_spec_of, input_misfit
-from quantplug.flow.computed_weights import linear_from_addmm, materialize_computed_weights
+from quantplug.flow.computed_weights import (
+    linear_from_addmm,
+    linear_from_matmul_in_out,
+    materialize_computed_weights,
+)
 from quantplug.flow.constants import written
 from quantplug.flow.embedding_bag import rewrite_fixed_bags
 from quantplug.flow.fast_matching import fast_partition_matching
@@ -318,6 +322,7 @@ def _prepare(
     if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
         materialize_computed_weights(gm)
         linear_from_addmm(gm)  # transformers' Conv1D (GPT-2): a layer the algorithms take
+        linear_from_matmul_in_out(gm)  # x @ W with W [in, out] (SwiftFormer): the same
     judged = (  # the guard's held-out batches, flat and checked against the program
         flat_batches(gm, held_out, in_spec_of(program), "held_out", nonfinite)
         if algorithms and algorithm_guard and held_out is not None
