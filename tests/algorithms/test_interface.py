@@ -678,7 +678,8 @@ def test_in_out_products_become_linear_layers_with_transposed_weights() -> None:
 
 class NotInOutLayers(nn.Module):
     """Products that are no ``[in, out]`` layer: two activations, a 3-D constant, a weight
-    computed in the program (materialize_computed_weights' business, not this rewrite's)."""
+    computed in the program (materialize_computed_weights' business, not this rewrite's), and
+    inside it a product of two constants (an unmerged low-rank update's ``B @ A``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -686,7 +687,7 @@ class NotInOutLayers(nn.Module):
         self.table = nn.Parameter(torch.randn(16, 16))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return x @ x.transpose(-1, -2), x @ self.stack, x @ (self.table * 2)
+        return x @ x.transpose(-1, -2), x @ self.stack, x @ (self.table * 2), x @ (self.table @ self.table)
 
 
 def test_products_that_are_no_in_out_layer_stay_as_written() -> None:

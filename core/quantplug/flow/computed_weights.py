@@ -134,8 +134,10 @@ def linear_from_matmul_in_out(gm: GraphModule) -> int:
     """Rewrite every ``matmul``/``mm(x, W)`` (``W`` a 2-D float constant ``[in, out]``, ``x`` of
     its dtype) as ``linear(x, W^T)``, ``W^T`` a new parameter, folding a bias add the product
     alone feeds into ``linear(x, W^T, b)``: the same function, in the form the weight algorithms
-    take for a layer. Returns how many were rewritten."""
+    take for a layer (a product of two constants is a computed constant, not a layer). Returns
+    how many were rewritten."""
     attr = module_attr(gm)
+    constants = constant_nodes(gm.graph, attr)
     namer = AttrNamer(gm)
     transposed: dict[Node, Node] = {}
     count = 0
@@ -143,7 +145,12 @@ def linear_from_matmul_in_out(gm: GraphModule) -> int:
         if node.op != "call_function" or node.target not in _PRODUCTS or len(node.args) != 2:
             continue
         x, weight = node.args
-        if not isinstance(weight, Node) or weight.op != "get_attr" or not isinstance(x, Node):
+        if (
+            not isinstance(weight, Node)
+            or weight.op != "get_attr"
+            or not isinstance(x, Node)
+            or x in constants
+        ):
             continue
         value, x_value = attr(str(weight.target)), x.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_floating_point():
