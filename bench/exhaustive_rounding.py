@@ -14,8 +14,8 @@ leave less error at the layer (up to the factors tried).
 
 For each model and config it prints the output SQNR, held out, of ``gptq(scale_search=20) +
 bias_correction`` (the best combination of ``bench/results/algorithms.md`` on the digits CNN), the
-same with the short layers' exhaustive codes, and the same with the short layers kept float, and
-the layer SQNR of round-to-nearest, GPTQ and the exhaustive codes. Writes
+same with the short layers' exhaustive codes chosen between the two, and the same with the short
+layers kept float, and the layer SQNR of GPTQ's codes and of the exhaustive ones. Writes
 ``bench/results/exhaustive_rounding.md``.
 """
 
@@ -58,9 +58,13 @@ def closest_codes(
     r = factor.tolist()
     y = target.tolist()
     q = [0] * n
+
+    def centre(k: int) -> float:
+        """Where coordinate ``k``'s error is least, given the coordinates after it in ``q``."""
+        return y[k] - sum(r[k][j] * (q[j] - y[j]) for j in range(k + 1, n)) / r[k][k]
+
     for k in range(n - 1, -1, -1):  # Babai's nearest plane: a tighter first bound than ``start``
-        centre = y[k] - sum(r[k][j] * (q[j] - y[j]) for j in range(k + 1, n)) / r[k][k]
-        q[k] = min(max(round(centre), low), high)
+        q[k] = min(max(round(centre(k)), low), high)
     seeds = [[int(v) for v in start.tolist()], list(q)]
     errors = [float((factor @ (torch.tensor(c, dtype=torch.float64) - target)).pow(2).sum()) for c in seeds]
     best: list[Any] = [min(errors), seeds[errors.index(min(errors))]]
@@ -70,9 +74,9 @@ def closest_codes(
         visited[0] += 1
         if visited[0] > node_limit:
             return
-        centre = y[k] - sum(r[k][j] * (q[j] - y[j]) for j in range(k + 1, n)) / r[k][k]
-        for v in sorted(range(low, high + 1), key=lambda v: abs(v - centre)):
-            total = partial + (r[k][k] * (v - centre)) ** 2
+        c = centre(k)
+        for v in sorted(range(low, high + 1), key=lambda v: abs(v - c)):
+            total = partial + (r[k][k] * (v - c)) ** 2
             if total >= best[0]:
                 break
             q[k] = v
@@ -210,6 +214,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.disable(logging.WARNING)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    rows: list[str] = []
+    for name in args.models:
+        for config in args.configs:
+            found = run(name, config, args.scales, args.node_limit)
+            for row in found["layers"]:
+                rows.append(
+                    f"| {name} | {config} | {found['best_combination']:.1f} | "
+                    f"{found['with_exhaustive']:.1f} | {found['short_layers_float']:.1f} | "
+                    f"{row['layer']} {row['shape']} | {row['before_db']:.1f} | {row['exhaustive_db']:.1f} | "
+                    f"{'yes' if row['complete'] else 'no'} |"
+                )
+                print(rows[-1], flush=True)
     lines = [
         "# The best codes of short layers on their grid (exhaustive search), and what they give\n",
         f"`python -m bench.exhaustive_rounding {' '.join(sys.argv[1:] if argv is None else argv)}` "
@@ -220,22 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| model | config | best combination | with exhaustive codes | short layers float | layer | "
         "gptq at the layer | exhaustive at the layer | search complete |",
         "|---|---|---|---|---|---|---|---|---|",
+        *rows,
     ]
-    for name in args.models:
-        for config in args.configs:
-            found = run(name, config, args.scales, args.node_limit)
-            for row in found["layers"]:
-                lines.append(
-                    f"| {name} | {config} | {found['best_combination']:.1f} | "
-                    f"{found['with_exhaustive']:.1f} | {found['short_layers_float']:.1f} | "
-                    f"{row['layer']} {row['shape']} | {row['before_db']:.1f} | {row['exhaustive_db']:.1f} | "
-                    f"{'yes' if row['complete'] else 'no'} |"
-                )
-            print(lines[-1], flush=True)
-    lines[1] = (
-        f"`python -m bench.exhaustive_rounding {' '.join(sys.argv[1:] if argv is None else argv)}` "
-        f"({(time.perf_counter() - started) / 60:.1f} min); method in the module's docstring.\n"
-    )
     (RESULTS / "exhaustive_rounding.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -120,7 +120,7 @@ class LayerBounds(OnGPTQHessians):
         blocks = h if h.dim() == 3 else h.unsqueeze(0)
         eig = torch.cat([_eigenvalues(block) for block in blocks])
         am_gm = float(eig.mean()) / math.exp(float(eig.log().mean()))
-        shannon = shannon_bound(w, blocks, grid, site.weight.numel())
+        shannon = shannon_bound(w, blocks, grid)
         if shannon.draw_error is not None and not site.in_out:
             self.ideal_errors[site.name] = (tuple(site.weight.shape), shannon.draw_error)
         self.rows.append(
@@ -181,7 +181,7 @@ def entropy_power(values: torch.Tensor) -> float:
     return math.exp(2 * h) / (2 * math.pi * math.e)
 
 
-def shannon_bound(matrix: torch.Tensor, blocks: torch.Tensor, grid: WeightGrid, numel: int) -> ShannonBound:
+def shannon_bound(matrix: torch.Tensor, blocks: torch.Tensor, grid: WeightGrid) -> ShannonBound:
     """The rate-distortion bound on ``tr(D H D^T)`` for a weight coded in the grid's bits.
 
     A weight stored as codes of ``log2(levels)`` bits plus its scales and zero points (at most
@@ -198,7 +198,7 @@ def shannon_bound(matrix: torch.Tensor, blocks: torch.Tensor, grid: WeightGrid, 
     """
     levels = grid.quant_max - grid.quant_min + 1
     side = grid.scale.numel() + (0 if grid.symmetric else grid.zero_point.numel())
-    bits = math.log2(levels) + SIDE_BITS * side / max(numel, 1)
+    bits = math.log2(levels) + SIDE_BITS * side / max(matrix.numel(), 1)
     variance = float(matrix.pow(2).mean())
     power = entropy_power(matrix)
     if power <= 0 or variance <= 0:

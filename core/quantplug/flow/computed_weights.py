@@ -68,6 +68,12 @@ def _parameter(gm: GraphModule, name: str, value: torch.Tensor, before: Node, va
     return node
 
 
+def _transposed(gm: GraphModule, namer: AttrNamer, weight: Node, value: torch.Tensor, before: Node) -> Node:
+    """A new parameter ``<weight>_t`` holding ``value^T`` (a ``[in, out]`` weight as a linear's)."""
+    val = weight.meta["val"].t() if "val" in weight.meta else None
+    return _parameter(gm, namer(f"{weight.target}_t"), value.t(), before, val)
+
+
 def _finish(gm: GraphModule, changed: int) -> int:
     if changed:
         gm.graph.eliminate_dead_code()
@@ -119,8 +125,7 @@ def linear_from_addmm(gm: GraphModule) -> int:
         if not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_floating_point():
             continue
         if weight not in transposed:
-            val = weight.meta["val"].t() if "val" in weight.meta else None
-            transposed[weight] = _parameter(gm, namer(f"{weight.target}_t"), value.t(), node, val)
+            transposed[weight] = _transposed(gm, namer, weight, value, node)
         with gm.graph.inserting_before(node):
             linear = gm.graph.call_function(aten.linear.default, (x, transposed[weight], bias))
         linear.meta.update(node.meta)
@@ -158,8 +163,7 @@ def linear_from_matmul_in_out(gm: GraphModule) -> int:
         if not isinstance(x_value, torch.Tensor) or x_value.dtype != value.dtype:
             continue
         if weight not in transposed:
-            val = weight.meta["val"].t() if "val" in weight.meta else None
-            transposed[weight] = _parameter(gm, namer(f"{weight.target}_t"), value.t(), node, val)
+            transposed[weight] = _transposed(gm, namer, weight, value, node)
         fold_into_linear(gm, node, x, transposed[weight], value.t())
         count += 1
     return _finish(gm, count)
