@@ -2,7 +2,7 @@
 
 The extension is optional: where no C compiler is available the build skips it with a warning
 and quantplug uses its pure-torch code paths, with the same results (see
-quantplug/observers/kernels.py).
+_quantplug/observers/kernels.py).
 """
 
 import sys
@@ -18,8 +18,8 @@ else:
 setup(
     ext_modules=[
         Extension(
-            "quantplug.observers._histogram_kernels",
-            ["core/quantplug/observers/_histogram_kernels.c"],
+            "_quantplug.observers._histogram_kernels",
+            ["core/_quantplug/observers/_histogram_kernels.c"],
             extra_compile_args=FLAGS,
             optional=True,
         )

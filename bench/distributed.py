@@ -7,7 +7,7 @@
   batches, one torch thread each), then ``sync_observers``. For each observer kind: one process's
   calibration time, two processes' (the slower rank) plus the sync, the speed-up, and the sync's
   share. The sync is timed after a barrier, so it does not include waiting for the slower rank.
-* **memory**: a small conv model fed streamed calibration data (``quantplug.cli.inputs``: a
+* **memory**: a small conv model fed streamed calibration data (``_quantplug.cli.inputs``: a
   single .pt file of N batches of 1x3x128x128 floats, 192 KiB each, and a folder of N files)
   for N = 256, 1024, 2048: each process's peak RSS. Streaming keeps it flat; holding the data
   would add N x 192 KiB (400 MiB at 2048).
@@ -131,7 +131,7 @@ def _speed_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _observed(prepared: Any) -> list[Any]:
-    from quantplug.distributed.sync import named_observers
+    from _quantplug.distributed.sync import named_observers
 
     return [o for _, o in named_observers(prepared) if getattr(o, "observed", False) and o.needs_data]
 
@@ -141,7 +141,7 @@ def _memory_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     import quantplug
-    from quantplug.cli.inputs import input_specs, open_calibration
+    from _quantplug.cli.inputs import input_specs, open_calibration
 
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])

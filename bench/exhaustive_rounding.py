@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 import quantplug
+from _quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
+from _quantplug.algorithms.weight_layers import matrix_and_hessian
 from bench.algorithm_models import build
 from bench.algorithms import CONFIGS, HTP, RESULTS, sqnr
 from bench.weight_bounds import OnGPTQHessians
-from quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import matrix_and_hessian
 
 #: rows at most this long are searched exhaustively
 SHORT_ROW = 12

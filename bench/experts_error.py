@@ -25,7 +25,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 import quantplug
-from quantplug.debug.compare import compare
+from _quantplug.debug.compare import compare
 from tests.zoo.harness import float_case, quantizer, quiet, run
 
 

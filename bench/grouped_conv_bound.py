@@ -27,9 +27,9 @@ import torch
 from torch.fx import Node
 
 import quantplug
-from quantplug.algorithms.gptq import GPTQ
-from quantplug.algorithms.spec import WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian
+from _quantplug.algorithms.gptq import GPTQ
+from _quantplug.algorithms.spec import WeightSite
+from _quantplug.algorithms.weight_layers import LayerHessian
 from tests.zoo import harness
 from tests.zoo.algorithms_sweep import CONFIGS
 

@@ -99,7 +99,7 @@ class _GcClock:
 
 def registry_seconds() -> float:
     """Building torch's ONNX registry (torchlib's functions): once per process and opset."""
-    from quantplug.lowering import onnx_translate
+    from _quantplug.peers import onnx_translate
 
     onnx_translate._base_registry.cache_clear()
     onnx_translate._decomposition_table.cache_clear()
@@ -112,8 +112,8 @@ def registry_seconds() -> float:
 
 def peer_export(converted: Any, args: tuple[Any, ...]) -> float:
     """The old path: torch's dynamo exporter on the converted program (optimizer on)."""
-    from quantplug.lowering.onnx_export import translation_table
-    from quantplug.lowering.onnx_translate import _quiet
+    from _quantplug.lowering.onnx.export import translation_table
+    from _quantplug.peers.onnx_translate import _quiet
 
     with _quiet():
         _, seconds = _timed(

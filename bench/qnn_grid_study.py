@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 import quantplug
+from _quantplug.debug.compare import compare
 from bench.algorithms import RESULTS
 from bench.algorithms_weights_oracles import build, sqnr
-from quantplug.debug.compare import compare
 
 HTP = {"soc_model": "SM8650"}
 

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
+from _quantplug.observers import kernels
 from bench.models import build
-from quantplug.observers import kernels
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results"

@@ -53,13 +53,13 @@ from typing import Any, NamedTuple
 import torch
 
 import quantplug
+from _quantplug.algorithms.gptq import GPTQ
+from _quantplug.algorithms.seq_mse import SeqMSE
+from _quantplug.algorithms.spec import Algorithm, WeightChoice, WeightGrid, WeightSite
+from _quantplug.algorithms.weight_layers import LayerHessian, layer_kind, matrix_and_hessian
+from _quantplug.algorithms.weight_matrix import dampened, from_matrix, output_error, to_matrix
 from bench.algorithm_models import build
 from bench.algorithms import CONFIGS, HTP, RESULTS
-from quantplug.algorithms.gptq import GPTQ
-from quantplug.algorithms.seq_mse import SeqMSE
-from quantplug.algorithms.spec import Algorithm, WeightChoice, WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian, layer_kind, matrix_and_hessian
-from quantplug.algorithms.weight_matrix import dampened, from_matrix, output_error, to_matrix
 
 MODELS = ("llama", "encoder", "cnn", "digits_mlp", "digits_cnn", "lstm")
 FOUR_BIT = ("htp 16a4w", "htp 16a4w_block", "htp 8a4w", "ref wo_int4")

@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
     paths = [str(_site), str(EXAMPLE_PLUGIN), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     os.environ["QUANTPLUG_TEST_SITE"] = str(_site)
-    from quantplug.plugins.registry import reset_cache
+    from _quantplug.plugins.registry import reset_cache
 
     reset_cache()
 

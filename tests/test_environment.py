@@ -25,6 +25,6 @@ def test_example_plugin_comes_from_the_session_folder_only() -> None:
 def test_the_session_sees_the_plugin_through_its_entry_points() -> None:
     names = {b.name: b for b in quantplug.list_backends()}
     assert names["example_vendor"].distribution == "quantplug-example-vendor"
-    from quantplug.plugins.registry import load_backend
+    from _quantplug.plugins.registry import load_backend
 
     assert "quantplug_example_vendor.reference_ext" in load_backend("reference").extensions

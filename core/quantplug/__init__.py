@@ -7,339 +7,140 @@ for batch in data: prepared(*batch)
 quantized = quantplug.convert(prepared)
 artifact = quantplug.lower(quantized, quantizer)
 
-``import quantplug`` imports neither torch nor any plugin: each public name is imported from its
-module on first use (PEP 562), so ``quantplug --help`` and ``list_backends()`` answer at once.
-``from quantplug import X`` and ``quantplug.X`` work as usual; type checkers and IDEs read the
-imports below.
+The public modules are this one (users), :mod:`quantplug.backend` (the SDK backend plugins are
+written against), :mod:`quantplug.debug`, :mod:`quantplug.distributed` and
+:mod:`quantplug.conformance`. Everything else lives in the private package ``_quantplug`` and may
+change in any release; the 0.1.0 module paths keep working, deprecated, until 0.4.0
+(``_quantplug.deprecated``).
+
+``import quantplug`` imports neither torch nor any plugin: each name is imported from the private
+module defining it on first use, so ``quantplug --help`` and ``list_backends()`` answer at once.
+Type checkers read ``__init__.pyi``, generated from :data:`_DECLARATION` by ``python
+scripts/generate.py``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from _quantplug import deprecated as _deprecated
+from _quantplug import lazy as _lazy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-#: public name -> the module defining it
-_EXPORTS: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "annotate_binary",
-            "annotate_shared_in_out",
-            "annotate_single_in",
-            "annotate_single_in_single_out",
-            "annotate_weighted",
-            "derived_bias_spec",
-            "is_float_tensor",
-            "register_annotator",
-        ),
-        "quantplug.annotation.annotators",
+#: the version of the plugin contract (hook specs and ``quantplug.backend``) this release provides;
+#: a backend can require one with ``BackendInfo(requires_api=...)`` (see ``quantplug.backend``)
+PLUGIN_API_VERSION = "1.1"
+
+#: private module -> the public names it defines (each name declared once)
+_DECLARATION: dict[str, tuple[str, ...]] = {
+    "_quantplug.api": ("get_quantizer", "quantize"),
+    "_quantplug.flow.prepare": ("prepare",),
+    "_quantplug.flow.convert": ("convert",),
+    "_quantplug.lowering.lower": ("lower",),
+    "_quantplug.lowering.artifact": ("Artifact",),
+    "_quantplug.archive": ("load_program",),
+    "_quantplug.algorithms.registry": (
+        "AlgorithmEntry",
+        "list_algorithms",
+        "register_algorithm",
+        "unregister_algorithm",
     ),
-    **dict.fromkeys(
-        (
-            "Q_ANNOTATION_KEY",
-            "DerivedQuantizationSpec",
-            "EdgeOrNode",
-            "FixedQParamsQuantizationSpec",
-            "QuantizationAnnotation",
-            "QuantizationConfig",
-            "QuantizationSpec",
-            "QuantizationSpecBase",
-            "SharedQuantizationSpec",
-            "annotate_node",
-            "is_annotated",
-        ),
-        "quantplug.annotation.specs",
+    "_quantplug.algorithms.spec": (
+        "Algorithm",
+        "AlgorithmOption",
+        "Collector",
+        "MergeableCollector",
+        "WeightChoice",
+        "WeightGrid",
+        "WeightSite",
     ),
-    **dict.fromkeys(
-        ("AlgorithmEntry", "list_algorithms", "register_algorithm", "unregister_algorithm"),
-        "quantplug.algorithms.registry",
+    "_quantplug.plugins.registry": (
+        "BackendEntry",
+        "list_backends",
+        "register_backend",
+        "register_extension",
+        "registered_backend",
+        "unregister",
     ),
-    **dict.fromkeys(
-        (
-            "Algorithm",
-            "AlgorithmOption",
-            "Collector",
-            "MergeableCollector",
-            "WeightChoice",
-            "WeightGrid",
-            "WeightSite",
-        ),
-        "quantplug.algorithms.spec",
+    "_quantplug.quantizer.quantizer": ("CoverageReport", "Quantizer"),
+    "_quantplug.errors": (
+        "AlgorithmError",
+        "AnnotationError",
+        "BackendDisabledError",
+        "BackendLoadError",
+        "CalibrationError",
+        "CollectorMergeError",
+        "ConstraintViolationError",
+        "ConversionError",
+        "DistributedError",
+        "DuplicateBackendError",
+        "LoweringError",
+        "NonFiniteError",
+        "ObserverMergeError",
+        "OptionError",
+        "QuantplugError",
+        "UnknownAlgorithmError",
+        "UnknownBackendError",
+        "UnsafeArchiveError",
     ),
-    **dict.fromkeys(("get_quantizer", "quantize"), "quantplug.api"),
-    "ConformanceProfile": "quantplug.conformance.profile",
-    **dict.fromkeys(("load_program",), "quantplug.archive"),
-    **dict.fromkeys(
-        (
-            "AlgorithmError",
-            "AnnotationError",
-            "BackendDisabledError",
-            "BackendLoadError",
-            "CalibrationError",
-            "CollectorMergeError",
-            "ConstraintViolationError",
-            "ConversionError",
-            "DistributedError",
-            "DuplicateBackendError",
-            "LoweringError",
-            "NonFiniteError",
-            "ObserverMergeError",
-            "OptionError",
-            "QuantplugError",
-            "UnknownAlgorithmError",
-            "UnknownBackendError",
-            "UnsafeArchiveError",
-        ),
-        "quantplug.errors",
+    # the plugin vocabulary, here since 0.1.0; quantplug.backend holds it all
+    "_quantplug.annotation.specs": (
+        "Q_ANNOTATION_KEY",
+        "DerivedQuantizationSpec",
+        "EdgeOrNode",
+        "FixedQParamsQuantizationSpec",
+        "QuantizationAnnotation",
+        "QuantizationConfig",
+        "QuantizationSpec",
+        "QuantizationSpecBase",
+        "SharedQuantizationSpec",
+        "annotate_node",
+        "is_annotated",
     ),
-    "convert": "quantplug.flow.convert",
-    "prepare": "quantplug.flow.prepare",
-    "Artifact": "quantplug.lowering.artifact",
-    "lower": "quantplug.lowering.lower",
-    **dict.fromkeys(
-        ("BackendInfo", "BackendOption", "LoweringPlan", "NamedPass", "Preset", "RulesModule"),
-        "quantplug.plugins.contract",
+    "_quantplug.annotation.annotators": (
+        "annotate_binary",
+        "annotate_shared_in_out",
+        "annotate_single_in",
+        "annotate_single_in_single_out",
+        "annotate_weighted",
+        "derived_bias_spec",
+        "is_float_tensor",
+        "register_annotator",
     ),
-    "hookimpl": "quantplug.plugins.hookspecs",
-    **dict.fromkeys(
-        (
-            "BackendEntry",
-            "list_backends",
-            "register_backend",
-            "register_extension",
-            "registered_backend",
-            "unregister",
-        ),
-        "quantplug.plugins.registry",
+    "_quantplug.plugins.contract": (
+        "BackendInfo",
+        "BackendOption",
+        "LoweringPlan",
+        "NamedPass",
+        "Preset",
+        "RulesModule",
     ),
-    "BackendContext": "quantplug.quantizer.context",
-    **dict.fromkeys(("FusionPattern", "fused_head", "fused_tail"), "quantplug.quantizer.fusion"),
-    **dict.fromkeys(("CoverageReport", "Quantizer"), "quantplug.quantizer.quantizer"),
-    "SharingProblem": "quantplug.sharing.problem",
-    **dict.fromkeys(("KeySpec", "SharingGroups"), "quantplug.sharing.resolution"),
-    **dict.fromkeys(
-        (
-            "OUTPUT",
-            "ArchRequirement",
-            "OpConstraint",
-            "PortConstraint",
-            "RequantRatio",
-            "SameEncoding",
-            "SameScale",
-            "ScaleProduct",
-        ),
-        "quantplug.validation.constraints",
+    "_quantplug.plugins.hookspecs": ("hookimpl",),
+    "_quantplug.quantizer.context": ("BackendContext",),
+    "_quantplug.quantizer.fusion": ("FusionPattern", "fused_head", "fused_tail"),
+    "_quantplug.conformance.profile": ("ConformanceProfile",),
+    "_quantplug.sharing.problem": ("SharingProblem",),
+    "_quantplug.sharing.resolution": ("KeySpec", "SharingGroups"),
+    "_quantplug.validation.constraints": (
+        "OUTPUT",
+        "ArchRequirement",
+        "OpConstraint",
+        "PortConstraint",
+        "RequantRatio",
+        "SameEncoding",
+        "SameScale",
+        "ScaleProduct",
     ),
-    **dict.fromkeys(("ValidationReport", "Violation"), "quantplug.validation.report"),
+    "_quantplug.validation.report": ("ValidationReport", "Violation"),
 }
 
-#: subpackages reachable as attributes (``quantplug.debug.compare``), imported on first use
-_SUBPACKAGES = ("algorithms", "debug", "report", "cli", "demo", "observers", "flow", "distributed")
+#: modules reachable as attributes: the public ones, and (deprecated) the 0.1.0 subpackages
+_MODULES = {
+    "backend": "quantplug.backend",
+    "debug": "quantplug.debug",
+    "distributed": "quantplug.distributed",
+    "conformance": "quantplug.conformance",
+    **{name: f"quantplug.{name}" for name in ("algorithms", "report", "cli", "demo", "observers", "flow")},
+}
 
-__all__ = [
-    "OUTPUT",
-    "Q_ANNOTATION_KEY",
-    "Algorithm",
-    "AlgorithmEntry",
-    "AlgorithmError",
-    "AlgorithmOption",
-    "AnnotationError",
-    "ArchRequirement",
-    "Artifact",
-    "BackendContext",
-    "BackendDisabledError",
-    "BackendEntry",
-    "BackendInfo",
-    "BackendLoadError",
-    "BackendOption",
-    "CalibrationError",
-    "Collector",
-    "CollectorMergeError",
-    "ConformanceProfile",
-    "ConstraintViolationError",
-    "ConversionError",
-    "CoverageReport",
-    "DerivedQuantizationSpec",
-    "DistributedError",
-    "DuplicateBackendError",
-    "EdgeOrNode",
-    "FixedQParamsQuantizationSpec",
-    "FusionPattern",
-    "KeySpec",
-    "LoweringError",
-    "LoweringPlan",
-    "MergeableCollector",
-    "NamedPass",
-    "NonFiniteError",
-    "ObserverMergeError",
-    "OpConstraint",
-    "OptionError",
-    "PortConstraint",
-    "Preset",
-    "QuantizationAnnotation",
-    "QuantizationConfig",
-    "QuantizationSpec",
-    "QuantizationSpecBase",
-    "Quantizer",
-    "QuantplugError",
-    "RequantRatio",
-    "RulesModule",
-    "SameEncoding",
-    "SameScale",
-    "ScaleProduct",
-    "SharedQuantizationSpec",
-    "SharingGroups",
-    "SharingProblem",
-    "UnknownAlgorithmError",
-    "UnknownBackendError",
-    "UnsafeArchiveError",
-    "ValidationReport",
-    "Violation",
-    "WeightChoice",
-    "WeightGrid",
-    "WeightSite",
-    "annotate_binary",
-    "annotate_node",
-    "annotate_shared_in_out",
-    "annotate_single_in",
-    "annotate_single_in_single_out",
-    "annotate_weighted",
-    "convert",
-    "derived_bias_spec",
-    "fused_head",
-    "fused_tail",
-    "get_quantizer",
-    "hookimpl",
-    "is_annotated",
-    "is_float_tensor",
-    "list_algorithms",
-    "list_backends",
-    "load_program",
-    "lower",
-    "prepare",
-    "quantize",
-    "register_algorithm",
-    "register_annotator",
-    "register_backend",
-    "register_extension",
-    "registered_backend",
-    "unregister",
-    "unregister_algorithm",
-]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"quantplug.{name}")
-    raise AttributeError(f"module 'quantplug' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})
-
-
-if TYPE_CHECKING:
-    from quantplug.algorithms.registry import (
-        AlgorithmEntry,
-        list_algorithms,
-        register_algorithm,
-        unregister_algorithm,
-    )
-    from quantplug.algorithms.spec import (
-        Algorithm,
-        AlgorithmOption,
-        Collector,
-        MergeableCollector,
-        WeightChoice,
-        WeightGrid,
-        WeightSite,
-    )
-    from quantplug.annotation.annotators import (
-        annotate_binary,
-        annotate_shared_in_out,
-        annotate_single_in,
-        annotate_single_in_single_out,
-        annotate_weighted,
-        derived_bias_spec,
-        is_float_tensor,
-        register_annotator,
-    )
-    from quantplug.annotation.specs import (
-        Q_ANNOTATION_KEY,
-        DerivedQuantizationSpec,
-        EdgeOrNode,
-        FixedQParamsQuantizationSpec,
-        QuantizationAnnotation,
-        QuantizationConfig,
-        QuantizationSpec,
-        QuantizationSpecBase,
-        SharedQuantizationSpec,
-        annotate_node,
-        is_annotated,
-    )
-    from quantplug.api import get_quantizer, quantize
-    from quantplug.archive import load_program
-    from quantplug.conformance.profile import ConformanceProfile
-    from quantplug.errors import (
-        AlgorithmError,
-        AnnotationError,
-        BackendDisabledError,
-        BackendLoadError,
-        CalibrationError,
-        CollectorMergeError,
-        ConstraintViolationError,
-        ConversionError,
-        DistributedError,
-        DuplicateBackendError,
-        LoweringError,
-        NonFiniteError,
-        ObserverMergeError,
-        OptionError,
-        QuantplugError,
-        UnknownAlgorithmError,
-        UnknownBackendError,
-        UnsafeArchiveError,
-    )
-    from quantplug.flow.convert import convert
-    from quantplug.flow.prepare import prepare
-    from quantplug.lowering.artifact import Artifact
-    from quantplug.lowering.lower import lower
-    from quantplug.plugins.contract import (
-        BackendInfo,
-        BackendOption,
-        LoweringPlan,
-        NamedPass,
-        Preset,
-        RulesModule,
-    )
-    from quantplug.plugins.hookspecs import hookimpl
-    from quantplug.plugins.registry import (
-        BackendEntry,
-        list_backends,
-        register_backend,
-        register_extension,
-        registered_backend,
-        unregister,
-    )
-    from quantplug.quantizer.context import BackendContext
-    from quantplug.quantizer.fusion import FusionPattern, fused_head, fused_tail
-    from quantplug.quantizer.quantizer import CoverageReport, Quantizer
-    from quantplug.sharing.problem import SharingProblem
-    from quantplug.sharing.resolution import KeySpec, SharingGroups
-    from quantplug.validation.constraints import (
-        OUTPUT,
-        ArchRequirement,
-        OpConstraint,
-        PortConstraint,
-        RequantRatio,
-        SameEncoding,
-        SameScale,
-        ScaleProduct,
-    )
-    from quantplug.validation.report import ValidationReport, Violation
+_deprecated.install()
+__all__ = [*_lazy.install(__name__, _DECLARATION, modules=_MODULES), "PLUGIN_API_VERSION"]

@@ -1,4 +1,4 @@
-"""The algorithm guard (``quantplug.algorithms.guard``): at convert it selects which layers keep the
+"""The algorithm guard (``_quantplug.algorithms.guard``): at convert it selects which layers keep the
 algorithms' weight choice by the quantized model's output on the first calibration batches, so the
 model is never worse than the default on those batches, whatever the algorithms choose; at prepare
 it undoes a transform whose quantized program does worse."""
@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
-from quantplug.algorithms.cle import find_pairs
-from quantplug.algorithms.guard import TIE, Candidate, ModelGuard, relative_error
-from quantplug.algorithms.runtime import RUN_KEY
-from quantplug.algorithms.spec import TransformContext, WeightChoice, WeightGrid, WeightSite
-from quantplug.flow.inspect import fetch_attr
+from _quantplug.algorithms.cle import find_pairs
+from _quantplug.algorithms.guard import TIE, Candidate, ModelGuard, relative_error
+from _quantplug.algorithms.spec import TransformContext, WeightChoice, WeightGrid, WeightSite
+from _quantplug.graph.attrs import fetch_attr
+from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 from tests.algorithms.test_transforms import ConvNet, unbalanced_convnet
 
 BATCH = 8

@@ -12,14 +12,14 @@ from tests.cli.conftest import run_cli
 from tests.cli.test_fast_cli import _errors, _heavy, _imported
 
 #: option bounds, checked from metadata: torch-free and no algorithm's
-LIGHT_CHECKS = "quantplug.algorithms.option_checks"
+LIGHT_CHECKS = "_quantplug.algorithms.option_checks"
 
 
 def _no_algorithm_module(modules: set[str]) -> list[str]:
     return sorted(
         m
         for m in modules
-        if m.startswith("quantplug.algorithms.") and m not in ("quantplug.algorithms.registry", LIGHT_CHECKS)
+        if m.startswith("quantplug.algorithms.") and m not in ("_quantplug.algorithms.registry", LIGHT_CHECKS)
     )
 
 

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantplug.algorithms.bias_correction import RunningMean
-from quantplug.algorithms.collectors import Gram, InputSample
+from _quantplug.algorithms.bias_correction import RunningMean
+from _quantplug.algorithms.collectors import Gram, InputSample
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts weights are layers of the weight algorithms (``quantplug.algorithms.experts``).
+"""Mixture-of-experts weights are layers of the weight algorithms (``_quantplug.algorithms.experts``).
 
 transformers' batched experts export as ``bmm(W[ids], x)`` with ``W [experts, out, in]``: no
 algorithm took them (Mixtral at reference weight_only_int4: 85 % of its weights kept
@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
-from quantplug.algorithms.experts import packed_rows, routed_rows
-from quantplug.algorithms.registry import create_algorithm
-from quantplug.algorithms.spec import Algorithm, WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian, layer_kind
+from _quantplug.algorithms.experts import packed_rows, routed_rows
+from _quantplug.algorithms.registry import create_algorithm
+from _quantplug.algorithms.spec import Algorithm, WeightGrid, WeightSite
+from _quantplug.algorithms.weight_layers import LayerHessian, layer_kind
 
 EXPERTS, IN, OUT, TOP_K = 4, 16, 24, 2
 
@@ -201,7 +201,7 @@ def test_nan_rows_reaching_the_experts_follow_the_nonfinite_policy() -> None:
     """A weight-only preset has no activation observer: the experts' tap is what sees NaN. Under
     "error" it names the weight; under "ignore" only the token's rows are left out, so each
     expert's Hessian sums the others."""
-    from quantplug.errors import NonFiniteError
+    from _quantplug.errors import NonFiniteError
 
     torch.manual_seed(0)
     model = Experts().eval()

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantplug.algorithms.spec import WeightGrid
+from _quantplug.algorithms.spec import WeightGrid
 
 
 def _grid(

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
-from quantplug.algorithms.adaround import AdaRound
-from quantplug.algorithms.bias_correction import BiasCorrection
-from quantplug.algorithms.gptq import GPTQ
-from quantplug.algorithms.seq_mse import SeqMSE
-from quantplug.algorithms.smoothquant import SmoothQuant
-from quantplug.algorithms.spec import WeightGrid, WeightSite
+from _quantplug.algorithms.adaround import AdaRound
+from _quantplug.algorithms.bias_correction import BiasCorrection
+from _quantplug.algorithms.gptq import GPTQ
+from _quantplug.algorithms.seq_mse import SeqMSE
+from _quantplug.algorithms.smoothquant import SmoothQuant
+from _quantplug.algorithms.spec import WeightGrid, WeightSite
 
 
 class BatchNormCNN(nn.Module):

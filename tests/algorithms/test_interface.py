@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import _quantplug.graph.attrs
 import quantplug
-from quantplug.algorithms import registry
-from quantplug.algorithms.spec import (
+from _quantplug.algorithms import registry
+from _quantplug.algorithms.spec import (
     Algorithm,
     AlgorithmOption,
     TransformContext,
@@ -25,7 +26,7 @@ from quantplug.algorithms.spec import (
     WeightSite,
     option_values,
 )
-from quantplug.errors import AlgorithmError, CalibrationError, OptionError, UnknownAlgorithmError
+from _quantplug.errors import AlgorithmError, CalibrationError, OptionError, UnknownAlgorithmError
 
 
 class Mlp(nn.Module):
@@ -70,7 +71,7 @@ def test_builtins_are_listed_from_metadata_without_importing_them() -> None:
         "import json, sys, quantplug\n"
         "names = [e.name for e in quantplug.list_algorithms()]\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('quantplug.algorithms.') "
-        "and m not in ('quantplug.algorithms.registry',))\n"
+        "and m not in ('_quantplug.algorithms.registry',))\n"
         "print(json.dumps({'names': names, 'loaded': loaded, 'torch': 'torch' in sys.modules}))\n"
     )
     out = json.loads(
@@ -203,7 +204,7 @@ class HalveAndDouble(Algorithm):
     def transform_program(self, gm: Any, context: TransformContext) -> None:
         self.seen_batches = sum(1 for _ in context.batches())
         for target, factor in (("fc1.weight", 0.5), ("fc1.bias", 0.5), ("fc2.weight", 2.0)):
-            value = quantplug.flow.inspect.fetch_attr(gm, target)
+            value = _quantplug.graph.attrs.fetch_attr(gm, target)
             context.set_constant(gm, target, value * factor)
 
 
@@ -501,7 +502,7 @@ class SharedWeights:
     """A PT2E-style quantizer whose two linear weights share one per-tensor int8 encoding."""
 
     def annotate(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        from quantplug.observers.minmax import MinMaxObserver
+        from _quantplug.observers.minmax import MinMaxObserver
 
         act = quantplug.QuantizationSpec(torch.int8, MinMaxObserver, -128, 127, torch.per_tensor_affine)
         weight = quantplug.QuantizationSpec(torch.int8, MinMaxObserver, -127, 127, torch.per_tensor_symmetric)
@@ -557,8 +558,8 @@ def _cross_attention() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], to
 
 
 def test_sliced_weights_become_parameters_of_their_own() -> None:
-    from quantplug.flow.computed_weights import materialize_computed_weights
-    from quantplug.flow.graph_copy import working_copy
+    from _quantplug.graph.working_copy import working_copy
+    from _quantplug.rewrites.computed_weights import materialize_computed_weights
 
     model, inputs, ep = _cross_attention()
     gm = working_copy(ep)
@@ -613,8 +614,8 @@ def _conv1d_net() -> tuple[nn.Module, torch.Tensor, torch.export.ExportedProgram
 
 
 def test_conv1d_layers_become_linear_layers_with_transposed_weights() -> None:
-    from quantplug.flow.computed_weights import linear_from_addmm
-    from quantplug.flow.graph_copy import working_copy
+    from _quantplug.graph.working_copy import working_copy
+    from _quantplug.rewrites.computed_weights import linear_from_addmm
 
     model, x, ep = _conv1d_net()
     gm = working_copy(ep)
@@ -657,8 +658,8 @@ class InOutNet(nn.Module):
 
 
 def test_in_out_products_become_linear_layers_with_transposed_weights() -> None:
-    from quantplug.flow.computed_weights import linear_from_matmul_in_out
-    from quantplug.flow.graph_copy import working_copy
+    from _quantplug.graph.working_copy import working_copy
+    from _quantplug.rewrites.computed_weights import linear_from_matmul_in_out
 
     torch.manual_seed(0)
     model, x = InOutNet().eval(), torch.randn(4, 12, 16)
@@ -691,8 +692,8 @@ class NotInOutLayers(nn.Module):
 
 
 def test_products_that_are_no_in_out_layer_stay_as_written() -> None:
-    from quantplug.flow.computed_weights import linear_from_matmul_in_out
-    from quantplug.flow.graph_copy import working_copy
+    from _quantplug.graph.working_copy import working_copy
+    from _quantplug.rewrites.computed_weights import linear_from_matmul_in_out
 
     x = torch.randn(2, 5, 16)
     gm = working_copy(torch.export.export(NotInOutLayers().eval(), (x,)))

@@ -1,5 +1,5 @@
 """NaN and inf in the layer inputs the algorithms collect from follow ``prepare(..., nonfinite=...)``
-(quantplug.algorithms.finite_inputs): weight-only presets have no activation observer to notice
+(_quantplug.algorithms.finite_inputs): weight-only presets have no activation observer to notice
 them, so the collectors' taps must."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
-from quantplug.algorithms.finite_inputs import finite_samples
-from quantplug.algorithms.registry import create_algorithm
-from quantplug.errors import NonFiniteError
+from _quantplug.algorithms.finite_inputs import finite_samples
+from _quantplug.algorithms.registry import create_algorithm
+from _quantplug.errors import NonFiniteError
 
 #: the algorithms that collect layer inputs, and one in sequential mode (fed at convert)
 COLLECTING = [

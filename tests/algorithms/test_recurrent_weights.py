@@ -1,5 +1,5 @@
 """The weight algorithms on recurrent ops (LSTM, GRU, RNN): each ``w_ih``/``w_hh`` is a linear
-layer over rows the op computes inside (:mod:`quantplug.algorithms.recurrent`)."""
+layer over rows the op computes inside (:mod:`_quantplug.graph.recurrent`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.algorithms.recurrent import RecurrentLayout, RecurrentRole, recurrent_layout
-from quantplug.algorithms.runtime import RUN_KEY
+from _quantplug.graph.recurrent import RecurrentLayout, RecurrentRole, recurrent_layout
+from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 
 CELLS = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn_tanh": nn.RNN, "rnn_relu": nn.RNN}
 
@@ -255,9 +255,9 @@ class SharedDepth(nn.Module):
 def test_a_weight_applied_at_several_nodes_collects_every_nodes_rows() -> None:
     """The shared weight is one site whose tied nodes are its other applications: GPTQ's
     Hessian sums the rows of all three (not the first application's alone)."""
-    from quantplug.algorithms.runtime import weight_sites
-    from quantplug.algorithms.weight_layers import LayerHessian
-    from quantplug.flow.prepare import STATE_KEY
+    from _quantplug.algorithms.runtime import weight_sites
+    from _quantplug.algorithms.weight_layers import LayerHessian
+    from _quantplug.meta import STATE_KEY
 
     model = SharedDepth().eval()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ torch.randn(16, 16) / 4

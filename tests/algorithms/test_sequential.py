@@ -15,11 +15,11 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 
 import quantplug
-from quantplug.algorithms.collectors import InputSample
-from quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES
-from quantplug.algorithms.runtime import RUN_KEY
-from quantplug.algorithms.sequential import InputStore, stages
-from quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
+from _quantplug.algorithms.collectors import InputSample
+from _quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES
+from _quantplug.algorithms.sequential import InputStore, stages
+from _quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
+from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 
 BATCH = 8
 

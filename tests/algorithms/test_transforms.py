@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import _quantplug.algorithms.spec
+import _quantplug.graph.attrs
 import quantplug
-from quantplug.algorithms.cle import CrossLayerEqualization, equalization_scales
-from quantplug.algorithms.smoothquant import SmoothQuant, smoothing_scales
-from quantplug.flow.graph_copy import working_copy
+from _quantplug.algorithms.cle import CrossLayerEqualization, equalization_scales
+from _quantplug.algorithms.smoothquant import SmoothQuant, smoothing_scales
+from _quantplug.graph.working_copy import working_copy
 from tests.algorithms.test_interface import Mlp
 
 
@@ -71,7 +73,7 @@ def transformed(
     model: nn.Module, x: torch.Tensor, algorithm: Any, calibration: bool = True
 ) -> torch.fx.GraphModule:
     gm = working_copy(torch.export.export(model, (x,)))
-    context = quantplug.algorithms.spec.TransformContext(algorithm.name, [(x,)] if calibration else None)
+    context = _quantplug.algorithms.spec.TransformContext(algorithm.name, [(x,)] if calibration else None)
     result = algorithm.transform_program(gm, context)
     gm = result if result is not None else gm
     gm.recompile()
@@ -220,9 +222,9 @@ def test_smoothquant_without_calibration_data_is_a_typed_error() -> None:
 
 def test_transform_context_reads_the_quantizers_bit_widths() -> None:
     htp = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="16a4w")
-    assert quantplug.algorithms.spec.TransformContext("x", None, htp).global_bits() == (16, 4)
+    assert _quantplug.algorithms.spec.TransformContext("x", None, htp).global_bits() == (16, 4)
     weight_only = quantplug.get_quantizer("reference", preset="weight_only_int4")
-    assert quantplug.algorithms.spec.TransformContext("x", None, weight_only).global_bits() == (None, 4)
+    assert _quantplug.algorithms.spec.TransformContext("x", None, weight_only).global_bits() == (None, 4)
 
 
 def test_smoothquant_leaves_an_input_alone_when_no_alpha_helps() -> None:
@@ -234,4 +236,4 @@ def test_smoothquant_leaves_an_input_alone_when_no_alpha_helps() -> None:
     algorithm = SmoothQuant(act_bits=16, weight_bits=8)
     gm = transformed(model, x, algorithm)
     assert algorithm.chosen == {"layer_norm": -1.0}
-    assert torch.equal(quantplug.flow.inspect.fetch_attr(gm, "1.weight"), model[1].weight)
+    assert torch.equal(_quantplug.graph.attrs.fetch_attr(gm, "1.weight"), model[1].weight)

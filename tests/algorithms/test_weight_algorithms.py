@@ -18,13 +18,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
-from quantplug.algorithms import weight_layers
-from quantplug.algorithms.adaround import AdaRound
-from quantplug.algorithms.gptq import GPTQ
-from quantplug.algorithms.runtime import RUN_KEY
-from quantplug.algorithms.seq_mse import SeqMSE
-from quantplug.algorithms.spec import WeightGrid, WeightSite
-from quantplug.algorithms.weight_layers import (
+from _quantplug.algorithms import weight_layers
+from _quantplug.algorithms.adaround import AdaRound
+from _quantplug.algorithms.gptq import GPTQ
+from _quantplug.algorithms.seq_mse import SeqMSE
+from _quantplug.algorithms.spec import WeightGrid, WeightSite
+from _quantplug.algorithms.weight_layers import (
     CONVERT_COPIES,
     HESSIAN_MEMORY_SHARE,
     MAX_HESSIAN_INPUTS,
@@ -33,7 +32,8 @@ from quantplug.algorithms.weight_layers import (
     hessian_memory_problem,
     share_hessians,
 )
-from quantplug.errors import AlgorithmError, OptionError
+from _quantplug.errors import AlgorithmError, OptionError
+from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 
 BATCH = 16
 

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import quantplug.algorithms.gptq as gptq_module
-import quantplug.algorithms.seq_mse as seq_mse_module
-from quantplug.algorithms.adaround import AdaroundSchedule, adaround_codes, rectified_sigmoid
-from quantplug.algorithms.gptq import gptq_codes, gptq_scale_search
-from quantplug.algorithms.seq_mse import (
+import _quantplug.algorithms.gptq as gptq_module
+import _quantplug.algorithms.seq_mse as seq_mse_module
+from _quantplug.algorithms.adaround import AdaroundSchedule, adaround_codes, rectified_sigmoid
+from _quantplug.algorithms.gptq import gptq_codes, gptq_scale_search
+from _quantplug.algorithms.seq_mse import (
     Encoder,
     candidate_fractions,
     candidate_weight,
@@ -27,7 +27,7 @@ from quantplug.algorithms.seq_mse import (
     group_view,
     seq_mse_encoding,
 )
-from quantplug.algorithms.weight_matrix import (
+from _quantplug.algorithms.weight_matrix import (
     HessianAccumulator,
     IntegerGrid,
     column_groups,

@@ -75,7 +75,7 @@ def test_the_guard_keeps_a_transformers_decoder_no_worse_than_the_default() -> N
 def test_held_out_batches_judge_a_transformers_decoder() -> None:
     """The zoo's Llama with every layer's codes perturbed, judged on a held-out batch: on that
     batch the converted program is at least as good as the default (within the tie margin)."""
-    from quantplug.algorithms.guard import TIE
+    from _quantplug.algorithms.guard import TIE
     from tests.algorithms.test_algorithm_guard import Perturb
 
     case = float_case("llama")

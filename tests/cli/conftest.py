@@ -1,4 +1,4 @@
-"""Helpers of the CLI tests: run ``python -m quantplug.cli.main`` in a subprocess."""
+"""Helpers of the CLI tests: run ``python -m quantplug`` in a subprocess."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "quantplug.cli.main"]
+CLI = [sys.executable, "-m", "quantplug"]
 
 
 @dataclass
@@ -64,7 +64,7 @@ def demo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The demo program saved as .pt2 and calibration data in every accepted layout."""
     import torch
 
-    from quantplug.demo.model import demo_calibration, demo_model
+    from _quantplug.demo.model import demo_calibration, demo_model
 
     root = tmp_path_factory.mktemp("demo_files")
     model, example = demo_model()

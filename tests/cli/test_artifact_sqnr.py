@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import quantplug
+from _quantplug.demo.model import demo_calibration, demo_model
+from _quantplug.report import build_report, format_summary, render_html
 from quantplug.debug import ARTIFACT_GAP_DB, compare
-from quantplug.demo.model import demo_calibration, demo_model
-from quantplug.report import build_report, format_summary, render_html
 from tests.cli.conftest import RunCache, backend_run
 
 

@@ -14,7 +14,7 @@ def test_json_has_metadata_without_importing_plugins() -> None:
     code = textwrap.dedent(
         """
         import contextlib, io, json, sys
-        from quantplug.cli.main import main
+        from _quantplug.cli.main import main
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             rc = main(["backends", "--json"])
@@ -50,7 +50,7 @@ def test_check_reports_a_broken_plugin(tmp_path) -> None:
     env = clean_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
     done = subprocess.run(
-        [sys.executable, "-m", "quantplug.cli.main", "backends", "--check", "--json"],
+        [sys.executable, "-m", "quantplug", "backends", "--check", "--json"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -69,7 +69,7 @@ def test_check_reports_a_broken_plugin(tmp_path) -> None:
     assert "int8" in ref["presets"]
     # without --check: listed from metadata, nothing imported, exit 0
     done = subprocess.run(
-        [sys.executable, "-m", "quantplug.cli.main", "backends"],
+        [sys.executable, "-m", "quantplug", "backends"],
         cwd=REPO,
         env=env,
         capture_output=True,

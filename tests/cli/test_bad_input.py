@@ -1,6 +1,6 @@
 """Bad input: exit code 2, one readable line naming the problem, nothing written to --out.
 
-One case per kind of mistake the issue names runs as its own ``python -m quantplug.cli.main``
+One case per kind of mistake the issue names runs as its own ``python -m quantplug``
 process; the variants run together in one more process that calls the same ``main()`` per case
 (every CLI process pays torch's import, several seconds on a loaded 2-core machine). The
 processes start together, then each case checks its own result.
@@ -30,7 +30,7 @@ OWN_PROCESS = {
 
 _BATCH_RUNNER = """
 import contextlib, io, json, sys
-from quantplug.cli.main import main
+from _quantplug.cli.main import main
 results = {}
 for case, argv in json.loads(sys.argv[1]).items():
     out, err = io.StringIO(), io.StringIO()
@@ -201,7 +201,7 @@ def test_failure_late_in_the_run_leaves_nothing(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "quantplug.cli.main", "quantize", "--backend", "failing", "--out", "out"],
+        [sys.executable, "-m", "quantplug", "quantize", "--backend", "failing", "--out", "out"],
         cwd=work,
         env=env,
         capture_output=True,

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import quantplug
+from _quantplug.demo.model import demo_calibration, demo_model
 from quantplug.debug import DebugReport, compare
-from quantplug.demo.model import demo_calibration, demo_model
 
 
 def _installed(name: str) -> bool:
@@ -134,8 +134,8 @@ def test_rejects_a_prepared_module(demo) -> None:
 
 def test_compare_takes_keyword_inputs() -> None:
     """dicts, Calls and all-positional batches of a program with keyword inputs give one report."""
+    from _quantplug.errors import QuantplugError
     from quantplug.debug import Call
-    from quantplug.errors import QuantplugError
     from tests.cli._models import keyword_batches, keyword_inputs
 
     model, example = keyword_inputs()

@@ -20,7 +20,7 @@ def _imported(
     *args: str, code: str | None = None, cwd: Path = REPO
 ) -> tuple[subprocess.CompletedProcess[str], set[str]]:
     command = [sys.executable, "-X", "importtime"]
-    command += ["-c", code] if code is not None else ["-m", "quantplug.cli.main", *args]
+    command += ["-c", code] if code is not None else ["-m", "quantplug", *args]
     done = subprocess.run(command, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=300)
     modules = {
         line.rsplit("|", 1)[1].strip()
@@ -172,8 +172,8 @@ def test_a_misspelt_command_is_not_taken_for_a_model(tmp_path: Path) -> None:
 
 
 def test_shipped_metadata_files_match_the_plugins() -> None:
-    from quantplug.plugins import metadata
-    from quantplug.plugins.registry import load_backend
+    from _quantplug.plugins import metadata
+    from _quantplug.plugins.registry import load_backend
 
     for name in ("reference", "qnn_htp", "example_vendor"):
         loaded = load_backend(name)
@@ -184,7 +184,7 @@ def test_shipped_metadata_files_match_the_plugins() -> None:
 
 def test_a_stale_metadata_file_is_reported(tmp_path: Path) -> None:
     """A third-party backend whose file no longer matches its plugin: a warning names the fix."""
-    from quantplug.plugins import metadata
+    from _quantplug.plugins import metadata
 
     site = tmp_path / "site"
     pkg = site / "stale_vendor"
@@ -206,7 +206,7 @@ def test_a_stale_metadata_file_is_reported(tmp_path: Path) -> None:
     (pkg / "stale.backend.json").write_text(json.dumps(declared))
     code = (
         "import logging, quantplug\n"
-        "from quantplug.plugins.registry import declared_info, load_backend\n"
+        "from _quantplug.plugins.registry import declared_info, load_backend\n"
         "print([o.name for o in declared_info('stale').options])\n"
         "load_backend('stale')\n"
     )
@@ -218,4 +218,4 @@ def test_a_stale_metadata_file_is_reported(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"  # what the file declares, read without importing
     assert "does not match the options its plugin declares" in done.stderr
-    assert "python -m quantplug.plugins.metadata stale" in done.stderr
+    assert "python -m _quantplug.plugins.metadata stale" in done.stderr

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import quantplug
-from quantplug.archive import check_archive
-from quantplug.errors import QuantplugError, UnsafeArchiveError
+from _quantplug.archive import check_archive
+from _quantplug.errors import QuantplugError, UnsafeArchiveError
 from tests.cli.conftest import run_cli
 from tests.cli.test_report_render import _data
 
@@ -297,7 +297,7 @@ def test_any_tampering_is_a_usage_error_never_an_internal_one(
     import contextlib
     import io
 
-    from quantplug.cli.main import main
+    from _quantplug.cli.main import main
 
     data = _data()
     holder = data

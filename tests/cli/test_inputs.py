@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantplug.cli.inputs import (
+from _quantplug.cli.inputs import (
     InputError,
     InputSpec,
     check_batches,
@@ -15,9 +15,9 @@ from quantplug.cli.inputs import (
     load_calibration,
     load_model,
 )
-from quantplug.cli.options import describe_option, parse_pairs
-from quantplug.flow.calls import Call
-from quantplug.plugins.contract import BackendOption
+from _quantplug.cli.options import describe_option, parse_pairs
+from _quantplug.graph.calls import Call
+from _quantplug.plugins.contract import BackendOption
 
 ONE = [InputSpec("x", (1, 3, 8, 8), torch.float32)]
 TWO = [InputSpec("x", (2, 8), torch.float32), InputSpec("y", (2, 4), torch.float32)]
@@ -135,9 +135,9 @@ def test_option_pairs_and_help_text() -> None:
 
 
 def test_constraint_violations_fit_on_one_line() -> None:
-    from quantplug.cli.main import _error_line
-    from quantplug.errors import ConstraintViolationError
-    from quantplug.validation.report import ValidationReport, Violation
+    from _quantplug.cli.main import _error_line
+    from _quantplug.errors import ConstraintViolationError
+    from _quantplug.validation.report import ValidationReport, Violation
 
     v = Violation("conv2d", "aten.conv2d.default", "Conv2d", "output", "uint8", "int16", "dtype")
     line = _error_line(ConstraintViolationError(ValidationReport(violations=[v, v, v], checked_nodes=3)))

@@ -62,7 +62,7 @@ def test_the_search_choice_is_what_ships(searched: tuple[Result, Path]) -> None:
 
 
 def test_the_report_draws_the_tradeoff_curve(searched: tuple[Result, Path]) -> None:
-    from quantplug.report.plot import matplotlib_available
+    from _quantplug.report.plot import matplotlib_available
 
     _, out = searched
     page = (out / "report.html").read_text()
@@ -161,7 +161,7 @@ UNITS = {"": 1, "B": 1, "kB": 1000, "MB": 1000**2, "GB": 1000**3, "KiB": 1024, "
     space=st.sampled_from(["", " "]),
 )
 def test_budget_sizes_parse_to_bytes(number: float, unit: str, space: str) -> None:
-    from quantplug.cli.mixed_precision import parse_budget
+    from _quantplug.cli.mixed_precision import parse_budget
 
     if number <= 0:
         return
@@ -174,7 +174,7 @@ def test_budget_sizes_parse_to_bytes(number: float, unit: str, space: str) -> No
     st.sampled_from(["", "+"]),
 )
 def test_budget_growths_parse_to_fractions(percent: float, sign: str) -> None:
-    from quantplug.cli.mixed_precision import parse_budget
+    from _quantplug.cli.mixed_precision import parse_budget
 
     budget = parse_budget(f"{sign}{percent}%")
     assert budget.bytes is None and budget.growth == pytest.approx(percent / 100)
@@ -184,8 +184,8 @@ def test_budget_growths_parse_to_fractions(percent: float, sign: str) -> None:
     "text", ["lots", "-5%", "0", "1.5 parsecs", "nan%", "inf%", "%", "12 MB extra", "-3MB"]
 )
 def test_budgets_that_are_not_sizes_are_refused(text: str) -> None:
-    from quantplug.cli.errors import InputError
-    from quantplug.cli.mixed_precision import parse_budget
+    from _quantplug.cli.errors import InputError
+    from _quantplug.cli.mixed_precision import parse_budget
 
     with pytest.raises(InputError, match="--weight-budget"):
         parse_budget(text)

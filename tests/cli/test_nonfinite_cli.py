@@ -15,7 +15,7 @@ from tests.cli.conftest import run_cli
 
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantplug.demo.model import demo_calibration
+    from _quantplug.demo.model import demo_calibration
 
     folder = tmp_path_factory.mktemp("poisoned")
     batches = [b[0] for b in demo_calibration(4)]

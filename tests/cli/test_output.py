@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from quantplug.cli import output as output_module
-from quantplug.cli.inputs import InputError
-from quantplug.cli.output import StagedOutput
+from _quantplug.cli import output as output_module
+from _quantplug.cli.inputs import InputError
+from _quantplug.cli.output import StagedOutput
 from tests.cli.conftest import REPO, clean_env
 
 
@@ -239,7 +239,7 @@ def test_a_signal_leaves_the_previous_output_and_no_staging_folder(
     out = tmp_path / "out"
     _run(out, "one")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "quantplug.cli.main", "quantize", "--out", str(out), "--random-batches", "8"],
+        [sys.executable, "-m", "quantplug", "quantize", "--out", str(out), "--random-batches", "8"],
         cwd=REPO,
         env=clean_env(),
         stdout=subprocess.PIPE,
@@ -271,7 +271,7 @@ def test_a_signal_during_extension_imports_is_raised_after_them() -> None:
     imports under ``signals_deferred``: the signal is raised once the block ends."""
     import os
 
-    from quantplug.cli.main import Terminated, _signals_as_exceptions, signals_deferred
+    from _quantplug.cli.main import Terminated, _signals_as_exceptions, signals_deferred
 
     received: list[int] = []
     reached = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from quantplug.report import (
+from _quantplug.report import (
     SCHEMA,
     ReportError,
     format_summary,

@@ -31,10 +31,10 @@ from quantplug import (
     RulesModule,
     derived_bias_spec,
 )
-from quantplug.conformance.profile import ConformanceProfile
-from quantplug.flow.inspect import encodings
-from quantplug.sharing.resolution import SharingGroups
-from quantplug.validation.constraints import OUTPUT, ScaleProduct
+from _quantplug.conformance.profile import ConformanceProfile
+from _quantplug.flow.inspect import encodings
+from _quantplug.sharing.resolution import SharingGroups
+from _quantplug.validation.constraints import OUTPUT, ScaleProduct
 
 NAME = {name!r}
 DEFECTS = {defects!r}

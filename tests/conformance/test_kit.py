@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 import quantplug
+from _quantplug.conformance.checks import CHECKS
+from _quantplug.plugins import registry
 from quantplug.conformance import CAPABILITIES, ConformanceProfile, run_conformance
-from quantplug.conformance.checks import CHECKS
-from quantplug.plugins import registry
 from tests.conformance.kit_backend import write_backend, write_dist
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,8 +109,8 @@ def test_the_kit_backend_conforms_and_the_report_is_complete(site: Path) -> None
 
 
 def test_an_unsupported_capability_is_a_skip_with_the_backends_reason(site: Path) -> None:
-    from quantplug.conformance.checks import Session
-    from quantplug.conformance.runner import run_case
+    from _quantplug.conformance.checks import Session
+    from _quantplug.conformance.runner import run_case
 
     name = _register(site, ("lowering",))
     try:
@@ -126,8 +126,8 @@ def test_an_unsupported_capability_is_a_skip_with_the_backends_reason(site: Path
 
 
 def test_a_claimed_op_the_kit_cannot_sample_fails_unless_excluded(site: Path) -> None:
-    from quantplug.conformance.checks import Session, check_op
-    from quantplug.conformance.runner import run_case
+    from _quantplug.conformance.checks import Session, check_op
+    from _quantplug.conformance.runner import run_case
 
     name = _register(site)
     try:
@@ -158,7 +158,7 @@ def _cli(*args: str, extra_path: Path | None = None) -> subprocess.CompletedProc
     paths = [str(extra_path)] if extra_path else []
     env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "quantplug.cli.main", *args],
+        [sys.executable, "-m", "quantplug", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from quantplug.scaffold import ScaffoldError, create_backend, names, render
+from _quantplug.scaffold import ScaffoldError, create_backend, names, render
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_generated_backend_installs_and_conforms(tmp_path: Path) -> None:
     assert (site / "quantplug_gen_npu" / "plugin.py").is_file()
 
     conformance = _run(
-        [sys.executable, "-m", "quantplug.cli.main", "conformance", "gen_npu", "--json"],
+        [sys.executable, "-m", "quantplug", "conformance", "gen_npu", "--json"],
         cwd=tmp_path,
         env=_env(site),
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from _quantplug.annotation.specs import QuantizationSpecBase, SharedQuantizationSpec, annotate_node
 from quantplug import QuantizationConfig, annotate_single_in_single_out, annotate_weighted, register_annotator
-from quantplug.annotation.specs import QuantizationSpecBase, SharedQuantizationSpec, annotate_node
 
 aten = torch.ops.aten
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import quantplug
+from _quantplug.flow.inspect import encodings
 from quantplug import Artifact, QuantizationConfig, QuantizationSpec
-from quantplug.flow.inspect import encodings
 
 
 class Two(nn.Module):

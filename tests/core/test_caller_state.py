@@ -114,7 +114,7 @@ def test_inference_programs_share_the_callers_tensors() -> None:
     """Only written state is copied: an eval-mode program costs no copy of its weights."""
     model = Stateful().eval()
     ep = torch.export.export(model, (torch.randn(2, 3, 8, 8),))
-    from quantplug.flow.graph_copy import working_copy
+    from _quantplug.graph.working_copy import working_copy
 
     copy = working_copy(ep)
     assert copy.get_parameter("fc.weight") is ep.state_dict["fc.weight"]

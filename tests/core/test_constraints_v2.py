@@ -1,6 +1,6 @@
 """Constraints v2: relations between ports and limits on calibrated values.
 
-The rules are pure functions over plain values (``quantplug.validation.relations``), driven here
+The rules are pure functions over plain values (``_quantplug.validation.relations``), driven here
 by hypothesis; the torch-facing side (prepare, convert, the report, ``strict``) runs on real
 exported models with in-process backends.
 """
@@ -20,6 +20,16 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 import quantplug
+from _quantplug.meta import CALIBRATED_REPORT_KEY, STATE_KEY
+from _quantplug.validation.constraints import OUTPUT, RequantRatio, SameEncoding, SameScale, ScaleProduct
+from _quantplug.validation.relations import (
+    Encoding,
+    PortFacts,
+    check_port_values,
+    check_static,
+    check_values,
+    share_merges,
+)
 from quantplug import (
     BackendContext,
     BackendInfo,
@@ -35,17 +45,6 @@ from quantplug import (
     ValidationReport,
     Violation,
     derived_bias_spec,
-)
-from quantplug.flow.prepare import STATE_KEY
-from quantplug.validation.calibrated import CALIBRATED_REPORT_KEY
-from quantplug.validation.constraints import OUTPUT, RequantRatio, SameEncoding, SameScale, ScaleProduct
-from quantplug.validation.relations import (
-    Encoding,
-    PortFacts,
-    check_port_values,
-    check_static,
-    check_values,
-    share_merges,
 )
 
 aten = torch.ops.aten
@@ -512,8 +511,8 @@ def test_report_to_dict_carries_stage_and_detail() -> None:
 @given(st.lists(scales, min_size=1, max_size=4))
 def test_calibrated_plan_checks_only_groups_it_knows(values: list[float]) -> None:
     """``check_encodings`` over group ids: a group without an encoding (dynamic) is skipped."""
-    from quantplug.validation.calibrated import check_encodings
-    from quantplug.validation.engine import CalibratedPlan, NodeValueChecks
+    from _quantplug.validation.calibrated import check_encodings
+    from _quantplug.validation.engine import CalibratedPlan, NodeValueChecks
 
     relation = SameScale((0, 1))
     plan = CalibratedPlan(

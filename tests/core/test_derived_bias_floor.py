@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
-from quantplug.annotation.annotators import floor_bias_scale
-from quantplug.flow.inspect import attr_value
+from _quantplug.annotation.annotators import floor_bias_scale
+from _quantplug.graph.attrs import attr_value
 
 INT32_MAX = torch.iinfo(torch.int32).max
 

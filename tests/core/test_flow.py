@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import quantplug
+from _quantplug.demo.model import demo_calibration, demo_model
 from quantplug import CalibrationError, ConversionError, QuantplugError
-from quantplug.demo.model import demo_calibration, demo_model
 
 
 def _prepared(

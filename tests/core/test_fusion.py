@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
+from _quantplug.annotation.specs import get_annotation
+from _quantplug.quantizer.fusion import FusionPattern, OpNode, fused_head, plan_fusions
 from quantplug import BackendContext, BackendInfo, QuantizationConfig, QuantizationSpec, RulesModule
-from quantplug.annotation.specs import get_annotation
-from quantplug.quantizer.fusion import FusionPattern, OpNode, fused_head, plan_fusions
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -158,7 +158,7 @@ W8 = QuantizationSpec(dtype=torch.int8, qscheme=torch.per_tensor_symmetric)
 RULES_SOURCE = """
 import torch
 from quantplug import annotate_single_in_single_out, annotate_weighted, register_annotator
-from quantplug.quantizer.fusion import fused_tail
+from _quantplug.quantizer.fusion import fused_tail
 
 SEEN = []
 

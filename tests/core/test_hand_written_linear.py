@@ -1,4 +1,4 @@
-"""``x @ W.T (+ b)`` written by hand is a linear (``quantplug.flow.hand_written_linear``).
+"""``x @ W.T (+ b)`` written by hand is a linear (``_quantplug.rewrites.hand_written_linear``).
 
 Falcon's ``FalconLinear`` exports as ``matmul(x, numpy_T(W))``. No rule saw a weight there: the
 reference backend left those layers float at weight-only int4 (only the embedding became int4,
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.debug.compare import compare
-from quantplug.flow.graph_copy import working_copy
-from quantplug.flow.hand_written_linear import linear_from_matmul
+from _quantplug.debug.compare import compare
+from _quantplug.graph.working_copy import working_copy
+from _quantplug.rewrites.hand_written_linear import linear_from_matmul
 
 aten = torch.ops.aten
 SPELLINGS = ("T", "t", "permute", "transpose", "transpose_negative")

@@ -21,8 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantplug.observers import kernels
-from quantplug.observers.accelerated import LinearBinning, add_histc, histc
+from _quantplug.observers import kernels
+from _quantplug.observers.accelerated import LinearBinning, add_histc, histc
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built (no C compiler)")
 
@@ -102,7 +102,7 @@ def test_minmax_and_bin_counts_decline_what_they_cannot_read() -> None:
 
 @native
 def test_raw_kernels_reject_bad_arguments() -> None:
-    from quantplug.observers import _histogram_kernels as raw
+    from _quantplug.observers import _histogram_kernels as raw
 
     x, out = torch.ones(8), torch.zeros(4)
     with pytest.raises(TypeError, match="takes 2 arguments"):
@@ -206,7 +206,7 @@ def test_histc_and_add_histc_are_torch_histc(path: str) -> None:
 def test_quantplug_histogram_observer_state_is_the_same_on_both_paths() -> None:
     if not kernels.available():
         pytest.skip("native kernels not built")
-    from quantplug.observers.histogram import HistogramObserver
+    from _quantplug.observers.histogram import HistogramObserver
 
     g = torch.Generator().manual_seed(6)
     for trial in range(30):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.quantizer.mutation import mutated_aliases
+from _quantplug.graph.mutation import mutated_aliases
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -148,7 +148,7 @@ def test_a_reader_of_a_tensor_written_later_observes_it_where_it_reads(
 def test_the_debugger_compares_a_tensor_written_later_as_made() -> None:
     """Its only dequantize is a reader's, after the writes: paired with the float tensor as made
     (zeros), it reported -inf dB."""
-    from quantplug.debug.compare import compare
+    from _quantplug.debug.compare import compare
 
     torch.manual_seed(0)
     model, x = StepsWrittenIntoZeros().eval(), torch.randn(4, 5, 8)
@@ -178,9 +178,9 @@ class WritesReadOrNot(nn.Module):
 
 def test_lowering_writes_out_of_place_only_what_no_one_reads_afterwards() -> None:
     """Exact by construction: a write is rewritten only when every later reader takes the op's
-    result; the others stay writes (``quantplug.lowering.in_place_writes``)."""
-    from quantplug.flow.graph_copy import working_copy
-    from quantplug.lowering.in_place_writes import writes_out_of_place
+    result; the others stay writes (``_quantplug.peers.onnx_in_place_writes``)."""
+    from _quantplug.graph.working_copy import working_copy
+    from _quantplug.peers.onnx_in_place_writes import writes_out_of_place
 
     x = torch.randn(3, 4)
     model = WritesReadOrNot()

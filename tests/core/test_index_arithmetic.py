@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.quantizer.index_arithmetic import index_arithmetic
+from _quantplug.graph.index_arithmetic import index_arithmetic
 from tests.zoo.harness import quiet, sqnr
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.inspect import encodings, fetch_attr
+from _quantplug.flow.inspect import encodings
+from _quantplug.graph.attrs import fetch_attr
 from tests.zoo.integer_weights import (
     constants_quantized_at_run_time,
     float_quantized_constants,
@@ -145,7 +146,7 @@ def test_qat_weights_are_integers_after_convert(backend: str, options: dict[str,
 
 class ConstantSubgraphs(nn.Module):
     """A weight scaled and used transposed by a matmul (``x @ W.t()`` alone is a linear now:
-    ``quantplug.flow.hand_written_linear``), and an LSTM whose initial state is ``zeros``."""
+    ``_quantplug.rewrites.hand_written_linear``), and an LSTM whose initial state is ``zeros``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -192,8 +193,8 @@ class OutputOfBuffer:
     """A PT2E-style quantizer annotating only a buffer's output (its consumer stays float)."""
 
     def annotate(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        from _quantplug.observers.minmax import MinMaxObserver
         from quantplug import QuantizationSpec, annotate_node
-        from quantplug.observers.minmax import MinMaxObserver
 
         spec = QuantizationSpec(
             dtype=torch.int8,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.inspect import attr_value
+from _quantplug.graph.attrs import attr_value
 
 from ..qnn_htp.real_models import tiny_gpt2, token_batches
 
@@ -180,7 +180,7 @@ def test_reference_matmul_plus_bias_is_one_linear() -> None:
 @pytest.mark.parametrize("d", [16, 40])
 def test_qnn_decomposes_what_is_not_a_fully_connected_layer(d: int) -> None:
     """baddbmm and addmm with alpha/beta or an activation bias become mm/bmm + mul + add (exact)."""
-    from quantplug.flow.graph_copy import working_copy
+    from _quantplug.graph.working_copy import working_copy
 
     torch.manual_seed(0)
     model = Products(d).eval()

@@ -1,5 +1,5 @@
 """Arguments that change nothing a program computes but split or vanish in the exported ONNX
-(``quantplug.flow.no_op_arguments``): an empty tensor ``cat`` skips (Gemma 2's cache starts as
+(``_quantplug.rewrites.no_op_arguments``): an empty tensor ``cat`` skips (Gemma 2's cache starts as
 ``torch.tensor([])``), a ``softmax`` dtype that is its input's own (Hugging Face's eager
 attention). Both once stopped ``qnn_htp`` from lowering Gemma 2."""
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.graph_copy import working_copy
-from quantplug.flow.no_op_arguments import drop_no_op_arguments
+from _quantplug.graph.working_copy import working_copy
+from _quantplug.rewrites.no_op_arguments import drop_no_op_arguments
 
 
 class EagerAttention(nn.Module):

@@ -16,17 +16,17 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantplug
-from quantplug.errors import NonFiniteError
-from quantplug.observers import kernels
-from quantplug.observers.fake_quantize import FakeQuantize
-from quantplug.observers.histogram import HistogramObserver
-from quantplug.observers.minmax import (
+from _quantplug.errors import NonFiniteError
+from _quantplug.observers import kernels
+from _quantplug.observers.fake_quantize import FakeQuantize
+from _quantplug.observers.histogram import HistogramObserver
+from _quantplug.observers.minmax import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver,
     PerChannelMinMaxObserver,
 )
-from quantplug.observers.per_block import PerBlockMinMaxObserver
+from _quantplug.observers.per_block import PerBlockMinMaxObserver
 
 NAN, INF = float("nan"), float("inf")
 
@@ -63,7 +63,7 @@ OBSERVERS: dict[str, Callable[[], nn.Module]] = {
 
 def _torchao_observers() -> dict[str, Callable[[], nn.Module]]:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from quantplug.observers.accelerated import accelerate
+    from _quantplug.observers.accelerated import accelerate
 
     return {
         "torchao_histogram": lambda: accelerate(ao.HistogramObserver()),
@@ -76,7 +76,7 @@ def _all_observers() -> dict[str, Callable[[], nn.Module]]:
 
 
 def _policy(obs: nn.Module, policy: str, where: str = "conv2d") -> nn.Module:
-    from quantplug.observers.nonfinite import configure
+    from _quantplug.observers.nonfinite import configure
 
     configure(obs, policy, where)
     return obs
@@ -209,7 +209,7 @@ def test_calibration_batch_with_nonfinite_values_is_rejected(
 def test_ignored_nonfinite_values_give_finite_encodings_and_strict_json(
     program: torch.export.ExportedProgram, backend: str, options: dict[str, Any], tmp_path: Any
 ) -> None:
-    from quantplug.observers.nonfinite import ignored_counts
+    from _quantplug.observers.nonfinite import ignored_counts
 
     quantizer = quantplug.get_quantizer(backend, **options)
     prepared = quantplug.prepare(program, quantizer, nonfinite="ignore")
@@ -290,7 +290,7 @@ def test_convert_refuses_a_foreign_observer_that_records_nan(program: torch.expo
 
 
 def test_artifact_save_refuses_non_finite_json(tmp_path: Any) -> None:
-    from quantplug.errors import LoweringError
+    from _quantplug.errors import LoweringError
 
     artifact = quantplug.Artifact("x", files={"model.encodings": '{"scale": NaN}'}, metadata={})
     with pytest.raises(LoweringError, match=r"model\.encodings.*NaN"):
@@ -338,7 +338,7 @@ MASK_FILLS = {
 @pytest.mark.parametrize("fill", list(MASK_FILLS))
 @pytest.mark.parametrize("observer", ["histogram", "minmax", "moving_average"])
 def test_infinities_the_model_computes_are_masks_left_out_and_counted(observer: str, fill: str) -> None:
-    from quantplug.observers.nonfinite import ignored_counts, masked_counts
+    from _quantplug.observers.nonfinite import ignored_counts, masked_counts
 
     torch.manual_seed(0)
     model = MaskedScores(MASK_FILLS[fill]).eval()
@@ -369,7 +369,7 @@ def test_infinities_the_model_computes_are_masks_left_out_and_counted(observer: 
 
 def test_huge_values_in_the_inputs_are_data_not_masks() -> None:
     """Only what the model computes can be a mask; calibration data is measured as it is."""
-    from quantplug.observers.nonfinite import masked_counts
+    from _quantplug.observers.nonfinite import masked_counts
 
     program = torch.export.export(nn.Sequential(nn.Linear(8, 8)).eval(), (torch.randn(2, 8),))
     prepared = quantplug.prepare(program, quantplug.get_quantizer("reference"))
@@ -395,7 +395,7 @@ class ShiftedFeatures(nn.Module):
 
 
 def test_minus_1e4_off_the_way_into_a_softmax_is_data() -> None:
-    from quantplug.observers.nonfinite import masked_counts
+    from _quantplug.observers.nonfinite import masked_counts
 
     model = ShiftedFeatures().eval()
     program = torch.export.export(model, (torch.randn(2, 8),))
@@ -441,7 +441,7 @@ class LogSpaceStart(nn.Module):
 
 @pytest.mark.parametrize("observer", ["histogram", "minmax", "moving_average"])
 def test_a_tensor_of_nothing_but_masks_still_gets_a_grid(observer: str) -> None:
-    from quantplug.observers.nonfinite import masked_counts
+    from _quantplug.observers.nonfinite import masked_counts
 
     torch.manual_seed(0)
     model = LogSpaceStart().eval()

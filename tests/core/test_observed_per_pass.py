@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantplug.observers.minmax import MovingAverageMinMaxObserver
+from _quantplug.observers.minmax import MovingAverageMinMaxObserver
 
 chunks = st.lists(
     st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=1, max_size=6), min_size=1, max_size=5

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantplug.errors import AnnotationError, NonFiniteError
-from quantplug.observers.histogram import HistogramObserver, rebin_histogram
-from quantplug.observers.minmax import MinMaxObserver
-from quantplug.observers.per_block import (
+from _quantplug.errors import AnnotationError, NonFiniteError
+from _quantplug.observers.histogram import HistogramObserver, rebin_histogram
+from _quantplug.observers.minmax import MinMaxObserver
+from _quantplug.observers.per_block import (
     PerBlockMinMaxObserver,
     block_grid_shape,
     dequantize_per_block,
@@ -400,7 +400,7 @@ def test_a_range_margin_is_the_observed_range_widened(
 
 @pytest.mark.parametrize("margin", [0.5, float("inf"), float("nan")])
 def test_a_range_margin_below_one_or_not_finite_is_refused(margin: float) -> None:
-    from quantplug.errors import OptionError
+    from _quantplug.errors import OptionError
 
     with pytest.raises(OptionError, match="range_margin"):
         MinMaxObserver(range_margin=margin)

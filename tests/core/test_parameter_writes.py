@@ -1,4 +1,4 @@
-"""Weights a model prepares on its first forward (``quantplug.flow.parameter_writes``).
+"""Weights a model prepares on its first forward (``_quantplug.rewrites.parameter_writes``).
 
 transformers' RWKV divides weights in place under ``torch.no_grad()`` on its first call and sets
 a flag; exported before that call, the program divides them again at every run. quantplug makes
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.parameter_writes import _functional_twin
+from _quantplug.rewrites.parameter_writes import _functional_twin
 
 pytest.importorskip("onnxruntime")
 

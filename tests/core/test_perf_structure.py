@@ -21,10 +21,10 @@ from torch import nn
 from torch.fx import GraphModule
 
 import quantplug
-from quantplug.flow.graph_copy import AttrNamer, working_copy
-from quantplug.flow.prepare import OBSERVERS, STATE_KEY
-from quantplug.observers import kernels
-from quantplug.observers.accelerated import accelerate, calculate_qparams_many, fresh_copy
+from _quantplug.graph.working_copy import AttrNamer, working_copy
+from _quantplug.meta import OBSERVERS, STATE_KEY
+from _quantplug.observers import kernels
+from _quantplug.observers.accelerated import accelerate, calculate_qparams_many, fresh_copy
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -276,7 +276,7 @@ def test_constant_observers_are_not_in_the_calibration_graph(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_convert_computes_each_observers_qparams_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import quantplug.flow.convert as convert_module
+    import _quantplug.flow.convert as convert_module
 
     prepared = _calibrated(QUANTIZERS[name]())
     calls: Counter[int] = Counter()  # observer -> computations, one at a time or in a batch
@@ -335,7 +335,7 @@ def test_convert_twice_is_identical_and_leaves_prepared_as_it_was(name: str) -> 
 
 
 def test_fresh_copy_is_independent() -> None:
-    from quantplug.observers.minmax import PerChannelMinMaxObserver
+    from _quantplug.observers.minmax import PerChannelMinMaxObserver
 
     obs = PerChannelMinMaxObserver()
     copy: Any = fresh_copy(obs)
@@ -423,7 +423,7 @@ def _histogram_batch(g: torch.Generator, kind: int, batch: int) -> torch.Tensor:
     "config", HISTOGRAM_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default"
 )
 def test_accelerated_torchao_histogram_observer_is_bit_identical(config: dict[str, Any], path: str) -> None:
-    """The same states under the native kernels and the torch code paths (quantplug.observers.kernels)."""
+    """The same states under the native kernels and the torch code paths (_quantplug.observers.kernels)."""
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
     if path == "native" and not kernels.available():
         pytest.skip("native kernels not built")
@@ -453,9 +453,9 @@ def _feed_and_compare(ao: Any, config: dict[str, Any], g: torch.Generator) -> No
 
 def test_calculate_qparams_many_is_each_observers_calculate_qparams(monkeypatch: pytest.MonkeyPatch) -> None:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from quantplug.observers import torchao_fast
-    from quantplug.observers.accelerated import calculate_qparams_many
-    from quantplug.observers.minmax import MinMaxObserver
+    from _quantplug.observers.accelerated import calculate_qparams_many
+    from _quantplug.observers.minmax import MinMaxObserver
+    from _quantplug.peers import torchao_observers as torchao_fast
 
     g = torch.Generator().manual_seed(5)
     observers: list[Any] = []
@@ -509,7 +509,7 @@ def test_calculate_qparams_many_is_each_observers_calculate_qparams(monkeypatch:
 
 def test_batched_quantization_errors_are_torchaos_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from quantplug.observers import torchao_fast
+    from _quantplug.peers import torchao_observers as torchao_fast
 
     g = torch.Generator().manual_seed(8)
     for config in HISTOGRAM_CONFIGS:
@@ -542,7 +542,7 @@ def test_batched_quantization_errors_are_torchaos_bit_for_bit(monkeypatch: pytes
 def test_search_walk_tries_torchaos_candidates() -> None:
     """With every error accepted, the walk proposes torchao's ranges, in torchao's order."""
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from quantplug.observers import torchao_fast
+    from _quantplug.peers import torchao_observers as torchao_fast
 
     # torchao compares float32 cumulative counts with thresholds rounded to float32: here the
     # first threshold rounds onto cSum[0] and cSum[1] (then the start bin stays, else it moves)
@@ -605,7 +605,7 @@ def test_row_sums_and_cumsums_are_those_of_each_row() -> None:
 
 def test_float64_floor_division_is_torchs() -> None:
     pytest.importorskip("torchao.quantization.pt2e.observer")
-    from quantplug.observers.torchao_fast import _FloorDiv
+    from _quantplug.peers.torchao_observers import _FloorDiv
 
     g = torch.Generator().manual_seed(7)
     for trial in range(300):
@@ -667,7 +667,7 @@ def test_accelerated_torchao_per_channel_observer_is_bit_identical() -> None:
 
 
 def test_weight_quantization_matches_the_decomposed_op() -> None:
-    from quantplug.flow.convert import _quantize_per_channel
+    from _quantplug.flow.convert import _quantize_per_channel
 
     qd = torch.ops.quantized_decomposed
     g = torch.Generator().manual_seed(3)
@@ -684,7 +684,7 @@ def test_weight_quantization_matches_the_decomposed_op() -> None:
 
 @pytest.mark.parametrize("name", ["x86", "xnnpack"])
 def test_indexed_partition_matching_gives_the_same_annotations(name: str) -> None:
-    from quantplug.flow.fast_matching import fast_partition_matching
+    from _quantplug.peers.torchao_matching import fast_partition_matching
 
     ep = _program()
 

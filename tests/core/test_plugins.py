@@ -33,6 +33,14 @@ from torch import nn
 from torch.fx import GraphModule
 
 import quantplug
+from _quantplug.conformance.profile import ConformanceProfile
+from _quantplug.flow.inspect import encodings
+from _quantplug.meta import RULE_KEY, STATE_KEY
+from _quantplug.plugins import hookspecs, registry
+from _quantplug.quantizer.fusion import FusionPattern
+from _quantplug.sharing.problem import SharingProblem
+from _quantplug.sharing.resolution import SharingGroups
+from _quantplug.validation.constraints import OUTPUT
 from quantplug import (
     ArchRequirement,
     Artifact,
@@ -48,15 +56,6 @@ from quantplug import (
     RulesModule,
     derived_bias_spec,
 )
-from quantplug.conformance.profile import ConformanceProfile
-from quantplug.flow.inspect import encodings
-from quantplug.flow.prepare import STATE_KEY
-from quantplug.plugins import hookspecs, registry
-from quantplug.quantizer.fusion import FusionPattern
-from quantplug.quantizer.quantizer import RULE_KEY
-from quantplug.sharing.problem import SharingProblem
-from quantplug.sharing.resolution import SharingGroups
-from quantplug.validation.constraints import OUTPUT
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -182,7 +181,7 @@ MISC_RULES = """
 import torch
 from quantplug import (SharedQuantizationSpec, annotate_binary, annotate_single_in_single_out,
                        is_float_tensor, register_annotator)
-from quantplug.annotation.specs import annotate_node
+from _quantplug.annotation.specs import annotate_node
 
 aten = torch.ops.aten
 

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quantplug
+from _quantplug.annotation.specs import annotate_node
+from _quantplug.flow.inspect import encodings
+from _quantplug.sharing.resolution import Key, KeySpec, resolve_sharing
 from quantplug import AnnotationError, QuantizationSpec, SharedQuantizationSpec
-from quantplug.annotation.specs import annotate_node
-from quantplug.flow.inspect import encodings
-from quantplug.sharing.resolution import Key, KeySpec, resolve_sharing
 
 # --- brute force ---------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Which values reach a softmax as its scores (``quantplug.flow.softmax_inputs``): there, and only
+"""Which values reach a softmax as its scores (``_quantplug.graph.softmax_inputs``): there, and only
 there, -1e4 is an attention mask (see ``tests/core/test_nonfinite.py`` for what observers do with
 it). Exported attention patterns, and chains of ops built at random."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.fx import Graph, Node
 
-from quantplug.flow.softmax_inputs import score_values
+from _quantplug.graph.softmax_inputs import score_values
 
 aten = torch.ops.aten
 

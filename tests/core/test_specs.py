@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
+from _quantplug.annotation.dtypes import INT4, UINT4, bit_width, full_range, storage_dtype
 from quantplug import AnnotationError, FixedQParamsQuantizationSpec, QuantizationConfig, QuantizationSpec
-from quantplug.annotation.dtypes import INT4, UINT4, bit_width, full_range, storage_dtype
 
 
 def test_specs_are_frozen_values() -> None:

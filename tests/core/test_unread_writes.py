@@ -1,4 +1,4 @@
-"""In-place writes nothing can see (``quantplug.flow.unread_writes``): Hugging Face's Mamba
+"""In-place writes nothing can see (``_quantplug.rewrites.unread_writes``): Hugging Face's Mamba
 copies its state into a ``zeros`` cache that the exported program does not return. Quantized,
 that dead subgraph vanished from the exported ONNX and ``qnn_htp`` refused to lower Mamba."""
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.graph_copy import working_copy
-from quantplug.flow.unread_writes import drop_unread_writes
+from _quantplug.graph.working_copy import working_copy
+from _quantplug.rewrites.unread_writes import drop_unread_writes
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import quantplug
+from _quantplug.validation.constraints import OUTPUT
 from quantplug import (
     ArchRequirement,
     ConstraintViolationError,
@@ -18,7 +19,6 @@ from quantplug import (
     QuantizationSpec,
     RulesModule,
 )
-from quantplug.validation.constraints import OUTPUT
 
 RULES = RulesModule(
     "tests.core._validation_rules", ["aten.linear.default", "aten.sigmoid.default", "aten.view.default"]

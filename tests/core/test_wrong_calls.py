@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.errors import LoweringError, OptionError, QuantplugError
+from _quantplug.errors import LoweringError, OptionError, QuantplugError
 
 
 class Small(nn.Module):
@@ -89,7 +89,7 @@ def test_every_backend_gets_the_checks_from_its_declaration() -> None:
                 ),
             )
 
-    from quantplug.plugins.registry import load_backend
+    from _quantplug.plugins.registry import load_backend
 
     with quantplug.registered_backend("ranged", Plugin()):
         info = load_backend("ranged").info

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 def _images(count: int = 8) -> torch.Tensor:
-    from quantplug.demo.model import demo_calibration
+    from _quantplug.demo.model import demo_calibration
 
     return torch.cat([b[0] for b in demo_calibration(count)])
 

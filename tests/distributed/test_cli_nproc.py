@@ -17,7 +17,7 @@ from tests.distributed.launch import run_ranks
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from quantplug.demo.model import demo_calibration, demo_model
+    from _quantplug.demo.model import demo_calibration, demo_model
 
     root = tmp_path_factory.mktemp("nproc")
     model, example = demo_model()

@@ -18,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quantplug
-from quantplug.algorithms.bias_correction import RunningMean
-from quantplug.algorithms.collectors import Gram, InputSample, merge_samples, mixed_seed
-from quantplug.algorithms.merge import check_mergeable
-from quantplug.algorithms.sequential import InputStore, merged_store
-from quantplug.algorithms.spec import WeightSite
-from quantplug.algorithms.weight_layers import LayerHessian, share_hessians
+from _quantplug.algorithms.bias_correction import RunningMean
+from _quantplug.algorithms.collectors import Gram, InputSample, merge_samples, mixed_seed
+from _quantplug.algorithms.merge import check_mergeable
+from _quantplug.algorithms.sequential import InputStore, merged_store
+from _quantplug.algorithms.spec import WeightSite
+from _quantplug.algorithms.weight_layers import LayerHessian, share_hessians
+from _quantplug.distributed.collectors import rounds
 from quantplug.distributed import shard, sync_observers
-from quantplug.distributed.collectors import rounds
 from tests.distributed.worker import SampleRows, Unmergeable, _algo_prepare, algo_batches
 
 # --- sums: any split, merged in rank order, is the collector fed every batch ------------------

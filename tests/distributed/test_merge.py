@@ -1,4 +1,4 @@
-"""The merge algebra of every observer kind (quantplug.observers.merge), property-based."""
+"""The merge algebra of every observer kind (_quantplug.observers.merge), property-based."""
 
 from __future__ import annotations
 
@@ -13,18 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from quantplug.errors import ObserverMergeError
-from quantplug.observers.fake_quantize import FakeQuantize
-from quantplug.observers.fixed import FixedQParamsObserver
-from quantplug.observers.histogram import HistogramObserver
-from quantplug.observers.merge import merge_observers
-from quantplug.observers.minmax import (
+from _quantplug.errors import ObserverMergeError
+from _quantplug.observers.fake_quantize import FakeQuantize
+from _quantplug.observers.fixed import FixedQParamsObserver
+from _quantplug.observers.histogram import HistogramObserver
+from _quantplug.observers.merge import merge_observers
+from _quantplug.observers.minmax import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver,
     PerChannelMinMaxObserver,
 )
-from quantplug.observers.per_block import PerBlockMinMaxObserver
+from _quantplug.observers.per_block import PerBlockMinMaxObserver
 
 # one batch: (seed, scale, shift); tensors are made from them so shrinking stays readable
 batch = st.tuples(st.integers(0, 2**16), st.floats(1e-3, 1e3), st.floats(-10.0, 10.0))
@@ -206,7 +206,7 @@ def test_what_cannot_merge_is_refused_by_name() -> None:
 @pytest.mark.parametrize("name", ["MinMaxObserver", "PerChannelMinMaxObserver", "HistogramObserver"])
 def test_torchao_observers_merge_like_ours(name: str) -> None:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from quantplug.observers.accelerated import accelerate
+    from _quantplug.observers.accelerated import accelerate
 
     kwargs: dict[str, Any] = {"ch_axis": 1} if name.startswith("PerChannel") else {}
     make = lambda: accelerate(getattr(ao, name)(**kwargs))  # noqa: E731

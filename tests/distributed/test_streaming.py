@@ -1,4 +1,4 @@
-"""Calibration data read lazily (quantplug.cli.inputs.CalibrationData)."""
+"""Calibration data read lazily (_quantplug.cli.inputs.CalibrationData)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantplug.cli.inputs import InputError, InputSpec, load_calibration, open_calibration
+from _quantplug.cli.inputs import InputError, InputSpec, load_calibration, open_calibration
 
 ONE = [InputSpec("x", (2, 3), torch.float32)]
 

@@ -39,7 +39,7 @@ def program(width: int = 32) -> torch.export.ExportedProgram:
 
 
 def qparams(prepared: nn.Module) -> dict[str, Any]:
-    from quantplug.distributed.sync import named_observers
+    from _quantplug.distributed.sync import named_observers
 
     return {
         name: tuple(t.clone() for t in obs.calculate_qparams())
@@ -193,7 +193,7 @@ class SampleRows(quantplug.Algorithm):
         self.samples: dict[str, Any] = {}
 
     def collector(self, site: Any) -> Any:
-        from quantplug.algorithms.collectors import InputSample
+        from _quantplug.algorithms.collectors import InputSample
 
         return InputSample(max_rows=20) if site.has_layer else None
 
@@ -253,7 +253,7 @@ def _algo_prepare(
 def collected(prepared: nn.Module) -> dict[str, Any]:
     """What the algorithms' collectors hold after calibration (and the batches stored for
     sequential layer inputs), by weight and algorithm index."""
-    from quantplug.algorithms.runtime import RUN_KEY
+    from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 
     run = prepared.meta[RUN_KEY]  # type: ignore[operator]
     found: dict[str, Any] = {
@@ -307,7 +307,7 @@ def _held_out_merge(rank: int, data: list[torch.Tensor]) -> dict[str, Any]:
     """Each rank prepared with its own held-out batches (rank r: batches r and r + 2): after the
     sync both judge on the merged ones (round robin: batches 0, 1, 2, 3), as one process given
     those does."""
-    from quantplug.algorithms.runtime import RUN_KEY
+    from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 
     prepared = _algo_prepare(["gptq"], data, held_out=data[rank::2][:2])
     with torch.no_grad():
@@ -353,7 +353,7 @@ def cli_rank(rank: int) -> None:
     command joins the group itself); record its exit code and whether the group outlived it."""
     import json
 
-    from quantplug.cli.main import main as cli_main
+    from _quantplug.cli.main import main as cli_main
 
     if os.environ.get("QUANTPLUG_TEST_UNMERGEABLE"):
         quantplug.register_algorithm("unmergeable", Unmergeable)

@@ -39,8 +39,8 @@ import pytest
 import tomllib
 
 import quantplug
-from quantplug.plugins import hookspecs, registry
-from quantplug.scaffold import render
+from _quantplug.plugins import hookspecs, registry
+from _quantplug.scaffold import render
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "docs" / "writing-a-backend.md"

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch.fx import GraphModule
 
+import _quantplug.observers.block_ops
 import quantplug
-from quantplug.flow.inspect import encodings as program_encodings
+from _quantplug.flow.inspect import encodings as program_encodings
 
 from .models import MODELS, PRESETS, batches, build, preset_id, quantize
 
@@ -27,11 +28,15 @@ pytest.importorskip("quantplug_qnn_htp")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 qd = torch.ops.quantized_decomposed
-QUANTIZE = {qd.quantize_per_tensor.default, qd.quantize_per_channel.default, quantplug.ops.quantize_per_block}
+QUANTIZE = {
+    qd.quantize_per_tensor.default,
+    qd.quantize_per_channel.default,
+    _quantplug.observers.block_ops.quantize_per_block,
+}
 DEQUANTIZE = {
     qd.dequantize_per_tensor.default,
     qd.dequantize_per_channel.default,
-    quantplug.ops.dequantize_per_block,
+    _quantplug.observers.block_ops.dequantize_per_block,
 }
 
 
@@ -131,7 +136,7 @@ def test_every_encoding_has_its_onnx_tensors(
         assert set(encoded) <= names
         assert artifact.metadata["encoding_conflicts"] == []
         # as many encodings as distinct quantized tensors in the program
-        from quantplug.lowering.onnx_export import export_qdq_onnx
+        from _quantplug.lowering.onnx.export import export_qdq_onnx
 
         result = export_qdq_onnx(program)
         assert result.unmapped == []
@@ -142,7 +147,7 @@ def test_every_encoding_has_its_onnx_tensors(
 def test_identical_layernorms_keep_their_own_dequantize_nodes() -> None:
     """The failure of issue 11: ln1 and ln2 (fresh: equal weights) each keep a DequantizeLinear,
     whose encodings name their own tensors."""
-    from quantplug.lowering.onnx_export import export_qdq_onnx
+    from _quantplug.lowering.onnx.export import export_qdq_onnx
 
     _, program = _converted("transformer_block", "qnn_htp", {"precision": "16a8w"})
     result = export_qdq_onnx(program)
@@ -156,8 +161,8 @@ def test_identical_layernorms_keep_their_own_dequantize_nodes() -> None:
 
 def test_narrowed_range_is_a_clip_after_quantize() -> None:
     """An activation quantized to int8 [-127, 127] (QuantizeLinear saturates to [-128, 127])."""
+    from _quantplug.lowering.onnx.export import export_qdq_onnx
     from quantplug import QuantizationConfig, QuantizationSpec
-    from quantplug.lowering.onnx_export import export_qdq_onnx
 
     act = QuantizationSpec(
         dtype=torch.int8, quant_min=-127, quant_max=127, qscheme=torch.per_tensor_symmetric
@@ -213,7 +218,7 @@ def _transformers_model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor,
 @pytest.mark.parametrize("backend,options", [("reference", {}), ("qnn_htp", {"precision": "16a8w"})])
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_transformers_models_lower_exactly(name: str, backend: str, options: dict[str, Any]) -> None:
-    from quantplug.lowering.onnx_export import export_qdq_onnx
+    from _quantplug.lowering.onnx.export import export_qdq_onnx
 
     model, args = _transformers_model(name)
     quantizer, program = quantize(torch.export.export(model, args), backend, options, [args])

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import quantplug
-from quantplug.lowering import capture, onnx_translate
-from quantplug.lowering.onnx_export import export_qdq_onnx
+from _quantplug.lowering.onnx import capture
+from _quantplug.lowering.onnx.export import export_qdq_onnx
+from _quantplug.peers import onnx_translate
 
 from .models import batches, build, quantize
 
@@ -80,7 +81,7 @@ def test_an_op_the_converter_adapts_takes_the_converter() -> None:
 
 def test_sites_of_one_shape_share_a_value_of_their_own_dtype() -> None:
     """Every Q/DQ site of the program gets a value with its own dtype and its input's shape."""
-    from quantplug.lowering import qdq_sites
+    from _quantplug.lowering.onnx import qdq_sites
 
     _, converted = _converted("transformer_block")
     sites = qdq_sites.find_sites(converted)

@@ -1,5 +1,5 @@
 """A projected LSTM (``nn.LSTM(..., proj_size=P)``) lowers: torch's ONNX exporter writes a model
-ONNX Runtime refuses for it, so lowering decomposes that op (``quantplug.lowering.projected_lstm``),
+ONNX Runtime refuses for it, so lowering decomposes that op (``_quantplug.peers.onnx_projected_lstm``),
 in its own copy of the program, and leaves an LSTM without projection to ONNX's ``LSTM`` op."""
 
 from __future__ import annotations

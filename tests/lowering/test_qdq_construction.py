@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from quantplug.flow.graph_copy import working_copy
-from quantplug.lowering.onnx_export import export_qdq_onnx
+from _quantplug.graph.working_copy import working_copy
+from _quantplug.lowering.onnx.export import export_qdq_onnx
 
 from .test_exact_mapping import check_exact
 

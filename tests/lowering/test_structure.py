@@ -19,9 +19,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import _quantplug.flow.inspect
 import quantplug
-from quantplug.lowering import onnx_translate
-from quantplug.lowering.onnx_export import compact_node_metadata, export_qdq_onnx
+from _quantplug.lowering.onnx.export import compact_node_metadata, export_qdq_onnx
+from _quantplug.peers import onnx_translate
 
 from .models import batches, build, quantize
 from .test_exact_mapping import check_exact
@@ -148,11 +149,11 @@ def test_same_files_whatever_the_hash_seed_and_thread_count(tmp_path: Path) -> N
 
 
 def test_a_parameter_is_named_by_its_module_path() -> None:
-    from quantplug.lowering.provenance import describe
+    from _quantplug.lowering.onnx.provenance import describe
 
     _, program = _program("transformer_block", "qnn_htp", precision="16a8w")
     nodes = {n.name: n for n in program.graph.nodes}
-    entries = [e for e in quantplug.flow.inspect.encodings(program) if e["kind"] == "constant"]
+    entries = [e for e in _quantplug.flow.inspect.encodings(program) if e["kind"] == "constant"]
     described = {describe(nodes[e["node"]]).split(" (")[0] for e in entries}
     assert {
         "parameter ln1.weight",
@@ -160,7 +161,7 @@ def test_a_parameter_is_named_by_its_module_path() -> None:
         "parameter ln2.bias",
         "parameter fc1.weight",
     } <= described
-    activation = next(e for e in quantplug.flow.inspect.encodings(program) if e["kind"] == "activation")
+    activation = next(e for e in _quantplug.flow.inspect.encodings(program) if e["kind"] == "activation")
     assert describe(nodes[activation["node"]]) == "model input 'x'"
 
 

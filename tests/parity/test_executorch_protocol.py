@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import quantplug
-from quantplug.demo.model import demo_calibration, demo_model
-from quantplug.flow.inspect import encodings
+from _quantplug.demo.model import demo_calibration, demo_model
+from _quantplug.flow.inspect import encodings
 
 pytest.importorskip("torchao.quantization.pt2e")
 os.environ.setdefault("QNN_SDK_ROOT", "")  # or ExecuTorch tries to download an SDK

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.inspect import encodings
-from quantplug.flow.prepare import OBSERVERS, PreparedModule
+from _quantplug.flow.inspect import encodings
+from _quantplug.flow.prepare import PreparedModule
+from _quantplug.meta import OBSERVERS
 
 from ..qnn_htp.real_models import small_vit, torchvision_model
 

@@ -39,7 +39,7 @@ pytest.importorskip("torchao.quantization.pt2e")
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 import quantplug
-from quantplug.flow.inspect import attr_value
+from _quantplug.graph.attrs import attr_value
 
 from .models import MODEL_CASES, ModelCase
 
@@ -449,7 +449,7 @@ def test_comparators_see_differences() -> None:
 
 
 def _reader_summary(entries: list[dict[str, Any]]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """quantplug.flow.inspect.encodings() entries, normalized: activations by tensor, constants by value."""
+    """_quantplug.flow.inspect.encodings() entries, normalized: activations by tensor, constants by value."""
     activations, constants = [], []
     for e in entries:
         scale = tuple(float(s) for s in (e["scale"] if isinstance(e["scale"], list) else [e["scale"]]))
@@ -465,7 +465,7 @@ def _reader_summary(entries: list[dict[str, Any]]) -> tuple[list[tuple[Any, ...]
 @pytest.mark.parametrize(("case_name", "quantizer_name"), PARAMS, ids=IDS)
 def test_encodings_reader_agrees_on_both_programs(case_name: str, quantizer_name: str) -> None:
     """quantplug's encodings reader reads torchao's converted program and ours alike."""
-    from quantplug.flow.inspect import encodings as read_encodings
+    from _quantplug.flow.inspect import encodings as read_encodings
 
     flows = run_flows(case_name, quantizer_name)
     ao_act, ao_const = _reader_summary(read_encodings(flows.torchao))

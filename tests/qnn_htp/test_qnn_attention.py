@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import quantplug
-from quantplug.flow.graph_copy import working_copy
+from _quantplug.graph.working_copy import working_copy
 
 from .attention_models import CrossMhaBlock, MhaBlock, SdpaBlock
 from .real_models import tiny_gpt2, tiny_llama
@@ -200,7 +200,7 @@ def test_masked_scores_keep_their_resolution(precision: str) -> None:
     """The -inf of a boolean or causal mask goes through lift_scalars/mark_masks like a written-out
     masked_fill: the softmax input's grid ends mask_margin (16) below the scores, not at
     -255/-65535 (ExecuTorch's _replace_inf)."""
-    from quantplug.flow.inspect import encodings
+    from _quantplug.flow.inspect import encodings
 
     for name in ("sdpa_bool_mask", "sdpa_causal"):
         model, data = _model(name), _data(name, 4)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
-from quantplug.annotation.annotators import rules_in_module
-from quantplug.errors import AnnotationError, ConstraintViolationError, OptionError
+from _quantplug.annotation.annotators import rules_in_module
+from _quantplug.errors import AnnotationError, ConstraintViolationError, OptionError
 
 pytest.importorskip("quantplug_qnn_htp")
 
@@ -220,7 +220,7 @@ def test_attention_end_to_end_8bit(precision: str, tolerance: float) -> None:
 
 @pytest.mark.parametrize("precision", ["16a8w", "16a4w", "16a16w"])
 def test_attention_16bit_prepares_with_int16_matmul_operand(precision: str) -> None:
-    from quantplug.flow.graph_copy import working_copy
+    from _quantplug.graph.working_copy import working_copy
 
     _calibrated(AttnBlock(), (1, 8, 32), soc_model="SM8650", precision=precision)  # prepare + calibrate run
     ep = torch.export.export(AttnBlock().eval(), (torch.randn(1, 8, 32),))

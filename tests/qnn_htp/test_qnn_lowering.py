@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import quantplug
-from quantplug.errors import LoweringError
-from quantplug.flow.inspect import encodings as program_encodings
+from _quantplug.errors import LoweringError
+from _quantplug.flow.inspect import encodings as program_encodings
 
 pytest.importorskip("quantplug_qnn_htp")
 onnx = pytest.importorskip("onnx")

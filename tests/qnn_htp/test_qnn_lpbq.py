@@ -11,7 +11,7 @@ import quantplug
 
 pytest.importorskip("quantplug_qnn_htp")
 
-from quantplug.flow.prepare import STATE_KEY
+from _quantplug.meta import STATE_KEY
 from quantplug_qnn_htp.encodings import lpbq_parts
 from quantplug_qnn_htp.observers import LpbqObserver, lpbq_effective_scales, lpbq_quantize_scales
 

@@ -22,7 +22,7 @@ import quantplug
 
 pytest.importorskip("quantplug_qnn_htp")
 
-from quantplug.flow.inspect import encodings
+from _quantplug.flow.inspect import encodings
 from quantplug_qnn_htp.configs import MIN_FITTED_BLOCK, fit_block
 
 from .real_models import torchvision_model

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.inspect import encodings
+from _quantplug.flow.inspect import encodings
 
 pytest.importorskip("quantplug_qnn_htp")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import quantplug
-from quantplug.errors import ConstraintViolationError, OptionError
+from _quantplug.errors import ConstraintViolationError, OptionError
 
 pytest.importorskip("quantplug_qnn_htp")
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.errors import OptionError
+from _quantplug.errors import OptionError
 
 pytest.importorskip("quantplug_qnn_htp")
 
@@ -153,7 +153,7 @@ def test_discarding_a_conv_input_keeps_the_bias_float_too() -> None:
 
 def test_annotation_callback_overrides_rules() -> None:
     """Like ExecuTorch's custom annotations: softmax at 16 bits inside an 8-bit model."""
-    from quantplug.annotation.specs import annotate_node
+    from _quantplug.annotation.specs import annotate_node
 
     sixteen = make_config("16a8w")
     seen = []

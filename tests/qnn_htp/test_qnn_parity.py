@@ -39,7 +39,7 @@ pytest.importorskip("quantplug_qnn_htp")
 pytest.importorskip("torchao.quantization.pt2e")
 qnn = pytest.importorskip("executorch.backends.qualcomm.quantizer.quantizer")
 
-from quantplug.flow.inspect import attr_value  # noqa: E402
+from _quantplug.graph.attrs import attr_value  # noqa: E402
 from quantplug_qnn_htp import EXECUTORCH_DEFAULTS  # noqa: E402
 from quantplug_qnn_htp.observers import lpbq_effective_scales  # noqa: E402
 from quantplug_qnn_htp.plugin import set_block_size_map  # noqa: E402

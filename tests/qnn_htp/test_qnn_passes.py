@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.graph_copy import working_copy
-from quantplug.flow.prepare import STATE_KEY
-from quantplug.observers.minmax import MinMaxObserver
+from _quantplug.graph.working_copy import working_copy
+from _quantplug.meta import STATE_KEY
+from _quantplug.observers.minmax import MinMaxObserver
 
 pytest.importorskip("quantplug_qnn_htp")
 

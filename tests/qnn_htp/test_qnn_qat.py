@@ -10,10 +10,10 @@ import quantplug
 
 pytest.importorskip("quantplug_qnn_htp")
 
-from quantplug.flow.inspect import attr_value
-from quantplug.flow.prepare import STATE_KEY
-from quantplug.observers.fake_quantize import FakeQuantize
-from quantplug.observers.fixed import FixedQParamsObserver
+from _quantplug.graph.attrs import attr_value
+from _quantplug.meta import STATE_KEY
+from _quantplug.observers.fake_quantize import FakeQuantize
+from _quantplug.observers.fixed import FixedQParamsObserver
 from quantplug_qnn_htp.observers import LpbqObserver
 
 from .models import build

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.algorithms.runtime import RUN_KEY, weight_sites
-from quantplug.flow.prepare import STATE_KEY
+from _quantplug.algorithms.runtime import weight_sites
+from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
+from _quantplug.meta import STATE_KEY
 
 pytest.importorskip("quantplug_qnn_htp")
 
@@ -264,7 +265,7 @@ def test_nan_in_a_calibration_sequence_is_named_or_left_out() -> None:
     bad = x.clone()
     bad[0, 3, 2] = float("nan")
     quantizer = quantplug.get_quantizer("qnn_htp", precision="16a8w")
-    with pytest.raises(quantplug.errors.NonFiniteError, match=r"NaN.*node '"):
+    with pytest.raises(quantplug.NonFiniteError, match=r"NaN.*node '"):
         quantplug.prepare(program, quantizer)(bad)
     prepared = quantplug.prepare(program, quantizer, nonfinite="ignore")
     prepared(bad)

@@ -1,5 +1,5 @@
 """``nn.EmbeddingBag`` on fixed-size bags: rewritten before annotation into an embedding and a
-reduction (``quantplug.flow.embedding_bag``). Exported whole, it became an ONNX ``Loop`` whose
+reduction (``_quantplug.rewrites.embedding_bag``). Exported whole, it became an ONNX ``Loop`` whose
 quantized form crashed ONNX Runtime's constant folding with a segmentation fault while the
 reference backend lowered it (the user's process died); its table stayed float."""
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug.flow.embedding_bag import fixed_bag_ids
+from _quantplug.rewrites.embedding_bag import fixed_bag_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 pytest.importorskip("onnxruntime")
@@ -80,7 +80,7 @@ _OFFSETS = textwrap.dedent(
     """
     import torch, quantplug
     from torch import nn
-    from quantplug.errors import LoweringError
+    from _quantplug.errors import LoweringError
 
     class Offsets(nn.Module):
         def __init__(self) -> None:

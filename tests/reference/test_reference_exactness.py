@@ -260,7 +260,7 @@ def test_int8_activations_are_stored_unsigned() -> None:
 
 def test_weight_grids() -> None:
     """Products' weights on [-64, 64] (7-bit default), depthwise and embedding on [-127, 127]."""
-    from quantplug.flow.inspect import encodings
+    from _quantplug.flow.inspect import encodings
 
     _, converted, _ = lowered("conv", (("preset", "int8"),))
     ranges = {

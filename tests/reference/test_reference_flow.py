@@ -18,8 +18,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 import quantplug
-from quantplug.flow.inspect import encodings
-from quantplug.plugins.contract import op_name
+from _quantplug.flow.inspect import encodings
+from _quantplug.graph.op_names import op_name
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -600,7 +600,7 @@ def test_only_the_needed_rules_modules_are_imported() -> None:
 
 
 def test_rules_modules_declare_exactly_the_ops_they_cover() -> None:
-    from quantplug.annotation.annotators import rules_in_module
+    from _quantplug.annotation.annotators import rules_in_module
     from quantplug_reference.rules import RULE_MODULES
 
     seen: set[str] = set()
@@ -691,7 +691,7 @@ def test_no_constraint_violation_for_a_normal_model(conv_ep) -> None:  # type: i
     quantizer = quantplug.get_quantizer("reference", strict=True, activation_observer="minmax")
     assert quantizer.strict
     prepared = quantplug.prepare(conv_ep, quantizer)  # would raise ConstraintViolationError
-    from quantplug.flow.prepare import STATE_KEY
+    from _quantplug.meta import STATE_KEY
 
     report = prepared.meta[STATE_KEY].validation
     if report is not None:

@@ -1,6 +1,6 @@
 """Lowering of the ``reference`` backend: QDQ ONNX run by ONNX Runtime, checked against the Q/DQ
 program (the numerical reference). Also the backend-neutral exporter
-``quantplug.lowering.onnx_export`` it is built on."""
+``_quantplug.lowering.onnx.export`` it is built on."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 import quantplug
-from quantplug.flow.inspect import encodings
+from _quantplug.flow.inspect import encodings
 from tests.reference.test_reference_flow import ATTN_SHAPE, CONV_SHAPE, AttentionBlock, ConvNet
 
 onnx = pytest.importorskip("onnx")
@@ -223,7 +223,7 @@ def test_unexportable_op_is_a_lowering_error_naming_it(model, op: str) -> None: 
 
 
 def test_missing_onnx_is_a_clear_lowering_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from quantplug.lowering import onnx_export
+    from _quantplug.lowering.onnx import export as onnx_export
 
     monkeypatch.setitem(sys.modules, "onnxscript", None)
     with pytest.raises(quantplug.LoweringError, match="pip install onnx onnxscript"):
@@ -375,7 +375,7 @@ def test_signed_activations_and_per_tensor_weights_through_onnx(ctor, shape, opt
 
 
 def test_export_qdq_onnx_maps_every_encoding(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from quantplug.lowering.onnx_export import export_qdq_onnx
+    from _quantplug.lowering.onnx.export import export_qdq_onnx
 
     torch.manual_seed(0)
     _, converted, _ = quantize(MLP(), MLP_SHAPE, lower=False)
@@ -414,8 +414,8 @@ def test_onnx_block_form_matches_quantplug_per_block(shape, block) -> None:  # t
     from onnx import TensorProto, helper, numpy_helper
     from onnx.reference import ReferenceEvaluator
 
-    from quantplug.lowering.onnx_export import onnx_block_form
-    from quantplug.observers.per_block import block_grid_shape, dequantize_per_block
+    from _quantplug.lowering.onnx.export import onnx_block_form
+    from _quantplug.observers.per_block import block_grid_shape, dequantize_per_block
 
     grid = block_grid_shape(block, shape)
     gen = torch.Generator().manual_seed(0)

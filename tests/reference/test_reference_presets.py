@@ -10,8 +10,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 import quantplug
-from quantplug.flow.inspect import encodings
-from quantplug.plugins.contract import op_name
+from _quantplug.flow.inspect import encodings
+from _quantplug.graph.op_names import op_name
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed

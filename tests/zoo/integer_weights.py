@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug.flow.inspect import encodings, fetch_attr
+from _quantplug.flow.inspect import encodings
+from _quantplug.graph.attrs import fetch_attr
 
 
 def _is_quantize(node: Node) -> bool:
@@ -72,7 +73,7 @@ def integer_constants(gm: GraphModule) -> list[str]:
 
 
 def constants_not_labelled_constant(gm: GraphModule) -> list[str]:
-    """Quantized constants that ``quantplug.flow.inspect.encodings`` does not label ``constant``:
+    """Quantized constants that ``_quantplug.flow.inspect.encodings`` does not label ``constant``:
     stored integers read by a dequantize, and quantize ops on input-free values."""
     free = input_free(gm)
     kinds = {entry["node"]: entry["kind"] for entry in encodings(gm)}

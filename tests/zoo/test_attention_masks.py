@@ -4,14 +4,14 @@ configs, random weights, the sweep's builders and seeds).
 Observers took -3.4e38 for data: the softmax input's grid spanned it, every real score rounded to
 the same code, and attention became a plain average of the visible positions at every 8-bit
 preset of ``reference`` (T5 22.5 dB, MPT 25.7; random weights hide most of it, a trained model
-would lose its attention outright). ``quantplug.observers.nonfinite`` now takes a value the model
+would lose its attention outright). ``_quantplug.observers.nonfinite`` now takes a value the model
 computes at or below -65504 for a mask, as it takes ``-inf``.
 
 The check is structural: no activation grid of the converted program spans a mask value, and
 the observers counted the masks. Floors: measured minus 3 dB, rounded down to 0.5 dB.
 
 Code older than ``finfo.min`` masks with -1e4 (OpenAI GPT, MarkupLM's padding): a value that is
-data on a plain activation, and a mask on the way into a softmax (``quantplug.flow.softmax_inputs``).
+data on a plain activation, and a mask on the way into a softmax (``_quantplug.graph.softmax_inputs``).
 There the grid spanned 1e4, and at ``qnn_htp`` 16a8w the attention probabilities of both models
 read 40 dB against float where they read 76-77 with the grid on the real scores.
 """
@@ -25,10 +25,10 @@ import pytest
 import torch
 
 import quantplug
-from quantplug.debug.compare import compare
-from quantplug.flow.prepare import STATE_KEY
-from quantplug.flow.softmax_inputs import SOFTMAX_SCORES
-from quantplug.observers.nonfinite import masked_counts
+from _quantplug.debug.compare import compare
+from _quantplug.graph.softmax_inputs import SOFTMAX_SCORES
+from _quantplug.meta import STATE_KEY
+from _quantplug.observers.nonfinite import masked_counts
 from tests.zoo.sweep import SWEEP, export, quantizer, run, sqnr
 
 pytest.importorskip("transformers")

@@ -18,13 +18,13 @@ ONNX Runtime artifact on held-out batches):
   ``reset + ~reset * a`` inside the op, and the exporter's Cast fed a quantized Mul and Add with
   no encoding (``quantplug_qnn_htp.passes.cast_bool_operands``);
 * HF Falcon at ``qnn_htp`` 16a8w, once its ``x @ W.T`` layers were linears
-  (``quantplug.flow.hand_written_linear``): ``mlp_output += attention_output`` wrote into the
+  (``_quantplug.rewrites.hand_written_linear``): ``mlp_output += attention_output`` wrote into the
   view ``linear_to_2d`` puts after a linear's dequantize, which the exporter functionalized into
   reshapes between the sum and its quantize, leaving the sum unencoded
   (``quantplug/lowering/in_place_writes.py``);
 * HF Falcon at ``weight_only_int4``, with no in-place op left to decompose: the exporter's
   decomposition, which had inlined the rotary embedding's autocast region, no longer ran, and
-  that region's dtype assertions reached the translator (``quantplug.lowering.onnx_translate``
+  that region's dtype assertions reached the translator (``_quantplug.peers.onnx_translate``
   looks into subgraphs now).
 """
 

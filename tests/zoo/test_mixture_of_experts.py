@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+import _quantplug.observers.block_ops
 import quantplug
-from quantplug.errors import LoweringError
+from _quantplug.errors import LoweringError
 from tests.zoo.harness import float_case, quantizer, quiet, run, sqnr
 
 pytest.importorskip("transformers")
@@ -72,7 +73,8 @@ def test_weight_presets_quantize_the_experts_weights(
     experts = [
         n
         for n in converted.graph.nodes
-        if n.target == torch.ops.aten.index.Tensor and n.args[0].target == quantplug.ops.dequantize_per_block
+        if n.target == torch.ops.aten.index.Tensor
+        and n.args[0].target == _quantplug.observers.block_ops.dequantize_per_block
     ]
     assert len(experts) == 4  # gate_up and down, in each of the 2 layers
     for gather in experts:

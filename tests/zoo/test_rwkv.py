@@ -4,7 +4,7 @@ model written for eager mode brings, each found by the sweep and fixed at its ro
 * Each step's output is written in place into ``out = zeros_like(key)``, which the attention's
   product then reads. Its input edge was observed (and quantized) where ``zeros_like`` was made,
   before the writes: the product read zeros (-2.2 dB at ``reference`` int8).
-  ``quantplug.flow.prepare`` now observes such an edge just before its reader.
+  ``_quantplug.flow.prepare`` now observes such an edge just before its reader.
 * The running maximum starts at ``zeros - 1e38``. ``qnn_htp``'s mask-aware observers saw
   nothing but that sentinel and calibration ended in a CalibrationError;
   ``quantplug_qnn_htp.observers.MaskAwareObserver`` now puts it ``mask_margin`` below 0.
@@ -16,7 +16,7 @@ model written for eager mode brings, each found by the sweep and fixed at its ro
   program divides them again: calibration drifted (3.6 dB at ``reference`` int8, the artifact
   49 output steps from the program) and weight-only presets did not lower (the weights were
   computed, ONNX Runtime fused them into a ``MatMulNBits`` at int8 accuracy).
-  ``quantplug.flow.parameter_writes`` makes the write functional: every call computes what the
+  ``_quantplug.rewrites.parameter_writes`` makes the write functional: every call computes what the
   model computes after its first one. The zoo's config divides by ``2 ** layer``
   (``rescale_every=1``), so that a drift shows.
 

@@ -39,9 +39,7 @@ from typing import Any
 
 import torch
 
-from quantplug import OpConstraint, PortConstraint
-from quantplug.annotation.dtypes import INT2, INT4, UINT4
-from quantplug.validation.constraints import OUTPUT, Port
+from quantplug.backend import INT2, INT4, OUTPUT, UINT4, OpConstraint, Port, PortConstraint
 from quantplug_qnn_htp import constraints as builtin
 
 logger = logging.getLogger("quantplug.qnn_htp")
@@ -349,7 +347,7 @@ def select(source: str, soc_id: int, *, environ: Mapping[str, str] | None = None
     ``source``: ``"auto"`` uses the SDK under ``QNN_SDK_ROOT`` when it has BackendOpInfo;
     ``"builtin"`` never does; ``"sdk"`` requires it (``OptionError`` otherwise).
     """
-    from quantplug.errors import OptionError
+    from quantplug.backend import OptionError
 
     if source not in SOURCES:
         raise OptionError(f"constraints_source {source!r}; valid values: {', '.join(SOURCES)}")

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch.fx import GraphModule
 
-from quantplug.errors import LoweringError
+from quantplug.backend import LoweringError, float_reason
 
 #: ONNX ops of the Q/DQ encoding itself (folded into encodings by the converter)
 _QDQ = frozenset({"QuantizeLinear", "DequantizeLinear"})
@@ -78,8 +78,6 @@ _WEIGHTED = frozenset({"Gemm", "Conv", "ConvTranspose"})
 _SAME_TYPE_IDENTITIES = frozenset({"Cast", "CastLike"})
 _FX_NODE = re.compile(r"%([\w.]+)\s*:")
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
-#: node meta set by ``Quantizer.annotate`` on nodes left float (quantplug.quantizer.quantizer)
-FLOAT_REASON_KEY = "quantplug_float_reason"
 
 
 class IncompleteEncodingsError(LoweringError):
@@ -302,7 +300,7 @@ def check(model: Any, encoded_names: Iterable[str], program: GraphModule | None 
         status = {t: state(t) for t in tensors}
         fx = origin(node)
         source = fx.name if fx is not None else _fx_source(node)
-        left_float = fx is not None and fx.op == "call_function" and FLOAT_REASON_KEY in fx.meta
+        left_float = fx is not None and fx.op == "call_function" and float_reason(fx) is not None
         if left_float:  # quantplug kept this op float (no rule, discarded...): its encoded
             status = {t: ok for t, ok in status.items() if not ok}  # inputs are dequantized ones
         if not left_float and any(status.values()):
@@ -363,7 +361,7 @@ class _Origins:
         if same_op:  # the program node itself, under another name
             return same_op[0]
         # a piece of a decomposed op: attribute it to the op left float on that line, if any
-        return next((c for c in candidates if FLOAT_REASON_KEY in c.meta), None)
+        return next((c for c in candidates if float_reason(c) is not None), None)
 
 
 def _value_inputs(node: Any) -> list[str]:
@@ -433,14 +431,14 @@ def _missing_reason(
     neighbours += consumers.get(tensor, [])
     for other in neighbours:
         name = _fx_source(other)
-        reason = fx_nodes[name].meta.get(FLOAT_REASON_KEY) if name in fx_nodes else None
+        reason = float_reason(fx_nodes[name]) if name in fx_nodes else None
         if reason:
             return f"the edge to {name!r}, which stays float ({reason})"
     return "a float input or output of a quantized op (no quantize/dequantize on this edge)"
 
 
 def _float_reason(fx: Any) -> str:
-    reason = fx.meta.get(FLOAT_REASON_KEY) if fx is not None else None
+    reason = float_reason(fx) if fx is not None else None
     if reason:
         return str(reason)
     if fx is not None and fx.op == "call_function":

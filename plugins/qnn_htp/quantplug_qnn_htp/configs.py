@@ -55,18 +55,23 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from quantplug import DerivedQuantizationSpec, QuantizationConfig, QuantizationSpec
-from quantplug.annotation.annotators import constant_value, floor_bias_scale
-from quantplug.annotation.dtypes import INT2, INT4
-from quantplug.annotation.specs import QuantizationSpecBase
-from quantplug.errors import AnnotationError, OptionError
-from quantplug.observers.base import ObserverFactory
-from quantplug.observers.minmax import (
+from quantplug.backend import (
+    INT2,
+    INT4,
+    AnnotationError,
+    DerivedQuantizationSpec,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
+    ObserverFactory,
+    OptionError,
     PerChannelMinMaxObserver,
+    QuantizationConfig,
+    QuantizationSpec,
+    QuantizationSpecBase,
+    constant_value,
+    floor_bias_scale,
+    set_coverage_note,
 )
-from quantplug.quantizer.quantizer import NOTE_KEY
 from quantplug_qnn_htp.observers import (
     DEFAULT_MASK_MARGIN,
     LPBQ_SCALE_STEPS,
@@ -173,7 +178,7 @@ def activation_observer(name: str, eps: float, margin: float = 1.0) -> ObserverF
     if name == "minmax":
         return MinMaxObserver.with_args(eps=eps, range_margin=margin)
     if name == "histogram":
-        from quantplug.observers.histogram import HistogramObserver
+        from quantplug.backend import HistogramObserver
 
         return HistogramObserver.with_args(eps=eps, range_margin=margin)
     raise OptionError(f"unknown act_observer {name!r}; valid values: {', '.join(ACT_OBSERVERS)}")
@@ -446,7 +451,7 @@ def weight_spec_for(
                     )
                 choice = BlockChoice(bs) if exact else fit_block(shape[1], bs)
                 if choice.note:
-                    node.meta[NOTE_KEY] = choice.note
+                    set_coverage_note(node, choice.note)
                 if choice.block is not None:
                     block_weight: Any = config.block_weight
                     return dataclasses.replace(block_weight, block_size=(1, choice.block, *shape[2:]))
@@ -458,9 +463,10 @@ def weight_spec_for(
         return config.conv_transpose_weight if config.conv_transpose_weight is not None else config.weight
     if kind == "addmm":
         if config.block_weight is not None:
-            node.meta[NOTE_KEY] = (
+            set_coverage_note(
+                node,
                 "per-channel 4-bit weights: LPBQ blocks need FullyConnected's [out, in] weight layout "
-                "and addmm's weight is [in, out]"
+                "and addmm's weight is [in, out]",
             )
         return config.addmm_weight if config.addmm_weight is not None else config.weight
     raise ValueError(f"unknown weight kind {kind!r}; valid: {', '.join(WEIGHT_KINDS)}")

@@ -7,6 +7,6 @@ need lower floors while they followed ExecuTorch's sharing, which clips: see
 
 from __future__ import annotations
 
-from quantplug.conformance.profile import ConformanceProfile
+from quantplug.backend import ConformanceProfile
 
 PROFILE = ConformanceProfile(artifact_files=("model.onnx", "model.encodings"))

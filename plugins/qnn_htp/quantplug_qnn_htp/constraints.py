@@ -18,10 +18,18 @@ from functools import cache
 
 import torch
 
-from quantplug import ArchRequirement, OpConstraint, PortConstraint
-from quantplug.annotation.dtypes import INT2, INT4
-from quantplug.annotation.spec_view import SpecKind, spec_kind, spec_range
-from quantplug.validation.constraints import OUTPUT, Port
+from quantplug.backend import (
+    INT2,
+    INT4,
+    OUTPUT,
+    ArchRequirement,
+    OpConstraint,
+    Port,
+    PortConstraint,
+    SpecKind,
+    spec_kind,
+    spec_range,
+)
 
 ACT = frozenset({torch.uint8, torch.uint16, torch.int8, torch.int16})
 WEIGHT = frozenset({torch.int8, torch.uint8, torch.int16, INT4, INT2})

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug import BackendContext
+from quantplug.backend import BackendContext, kept_meta
 
 aten = torch.ops.aten
 
@@ -60,7 +60,6 @@ DECOMPOSED_FROM_KEY = "qnn_htp_decomposed_from"
 #: the absolute range, since a moving average clips the rows with the smallest or largest values
 #: and the clipped factor then scales the whole row wrongly
 ABSOLUTE_RANGE_KEY = "qnn_htp_absolute_range"
-_KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "quantplug_debug_handle", "from_node")
 
 
 def _val(arg: Any) -> Any:
@@ -87,7 +86,7 @@ class _Builder:
         self.gm = gm
         self.anchor = anchor
         self.label = label
-        self.meta = {k: anchor.meta[k] for k in _KEEP_META if k in anchor.meta}
+        self.meta = kept_meta(anchor)
         #: when a list, every node made is appended to it (what one part of a rewrite made)
         self.created: list[Node] | None = None
 

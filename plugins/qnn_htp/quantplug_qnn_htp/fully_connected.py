@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug import BackendContext
+from quantplug.backend import BackendContext, kept_meta
 
 aten = torch.ops.aten
-_KEEP_META = ("nn_module_stack", "stack_trace", "quantplug_debug_handle")
 _QDQ_NAMESPACES = frozenset({"quantized_decomposed", "quantplug"})
 
 
@@ -58,7 +57,7 @@ class _Rewrite:
 
     def __init__(self, gm: GraphModule, node: Node, lead: list[Any], out_features: int) -> None:
         self.graph = gm.graph
-        self.meta = {k: node.meta[k] for k in _KEEP_META if k in node.meta}
+        self.meta = kept_meta(node, trace=("nn_module_stack", "stack_trace"))
         self.lead = lead
         self.out_features = out_features
 

@@ -30,10 +30,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from quantplug import Artifact, BackendContext
-from quantplug.errors import LoweringError
-from quantplug.flow.inspect import encodings as program_encodings
-from quantplug.lowering.provenance import describe
+from quantplug.backend import Artifact, BackendContext, LoweringError, describe
+from quantplug.backend import encodings as program_encodings
 from quantplug_qnn_htp import encodings as qnn_enc
 from quantplug_qnn_htp.completeness import check_completeness
 
@@ -134,7 +132,7 @@ def onnx_encodings(
 ) -> tuple[Any, list[qnn_enc.QnnEncoding], list[str]]:
     """Export ``program`` to QDQ ONNX; return ``(onnx model, encodings keyed by ONNX names, conflicts)``."""
     try:
-        from quantplug.lowering.onnx_export import export_qdq_onnx
+        from quantplug.backend import export_qdq_onnx
     except ImportError as exc:  # pragma: no cover - the core ships it
         raise LoweringError(f"qnn_htp lowering needs quantplug.lowering.onnx_export ({exc})") from exc
     found = program.meta.get(META_KEY)
@@ -199,7 +197,7 @@ def _quantizer_args(context: BackendContext, encs: Sequence[qnn_enc.QnnEncoding]
 
 def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
     """``model.onnx`` + ``model.encodings`` (AIMET ``encodings_version``) for QNN converters."""
-    from quantplug.lowering.onnx_export import compact_node_metadata
+    from quantplug.backend import compact_node_metadata
 
     version = context.option("encodings_version") or qnn_enc.DEFAULT_VERSION
     model, encs, conflicts = onnx_encodings(program, context)

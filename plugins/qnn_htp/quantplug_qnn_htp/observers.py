@@ -28,14 +28,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from quantplug.observers import nonfinite
-from quantplug.observers.base import ObserverBase, ObserverFactory
-from quantplug.observers.minmax import (
+from quantplug.backend import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver,
+    ObserverBase,
+    ObserverFactory,
+    PerBlockMinMaxObserver,
+    nonfinite,
 )
-from quantplug.observers.per_block import PerBlockMinMaxObserver
 
 #: LPBQ block scales are 4-bit multiples (1..16) of the per-channel scale.
 LPBQ_SCALE_BITS = 4
@@ -158,7 +159,7 @@ class MaskAwareObserver(ObserverBase):
 
     def merge_(self, others: Sequence[Any]) -> None:
         """Merge the inner observers; a mask end any of them saw is seen."""
-        from quantplug.observers.merge import merge_state
+        from quantplug.backend import merge_state
 
         merge_state(self.inner, [o.inner for o in others])
         for other in others:

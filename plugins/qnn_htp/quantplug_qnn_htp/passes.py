@@ -39,9 +39,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug import BackendContext
-from quantplug.errors import OptionError
-from quantplug.quantizer.mutation import writes_in_place
+from quantplug.backend import BackendContext, OptionError, writes_in_place
 from quantplug_qnn_htp.configs import BLOCK_MAP_STATE
 from quantplug_qnn_htp.decompositions import cast_bool_operands, decompose_composites
 from quantplug_qnn_htp.observers import MASK_THRESHOLD

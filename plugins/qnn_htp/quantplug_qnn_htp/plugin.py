@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import quantplug
-from quantplug import (
+from quantplug.backend import (
     Artifact,
     BackendContext,
     BackendInfo,

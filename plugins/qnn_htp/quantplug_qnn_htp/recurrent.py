@@ -42,11 +42,15 @@ from typing import Any, cast
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug import BackendContext
-from quantplug.algorithms.recurrent import RecurrentLayout, recurrent_layout
-from quantplug.annotation.annotators import constant_value
-from quantplug.sharing.problem import SharingProblem
-from quantplug.sharing.resolution import Key, SharingGroups
+from quantplug.backend import (
+    BackendContext,
+    Key,
+    RecurrentLayout,
+    SharingGroups,
+    SharingProblem,
+    constant_value,
+    recurrent_layout,
+)
 from quantplug_qnn_htp.decompositions import _Builder, _shape
 
 aten = torch.ops.aten

@@ -25,22 +25,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from quantplug.annotation.spec_view import SpecKind, spec_kind
-from quantplug.annotation.specs import Q_ANNOTATION_KEY
-from quantplug.sharing.resolution import Key, SharingGroups
+from quantplug.backend import Q_ANNOTATION_KEY, Key, SharingGroups, SpecKind, is_discarded, spec_kind
 from quantplug_qnn_htp.observers import group_priority
-
-#: node meta the core sets on nodes an override discarded (quantplug.quantizer.quantizer)
-FLOAT_REASON_KEY = "quantplug_float_reason"
-DISCARDED = "discarded by override"
 
 
 def discarded_nodes(graph: Any) -> set[str]:
-    return {
-        n.name
-        for n in graph.nodes
-        if n.op == "call_function" and str(n.meta.get(FLOAT_REASON_KEY, "")).startswith(DISCARDED)
-    }
+    return {n.name for n in graph.nodes if n.op == "call_function" and is_discarded(n)}
 
 
 def drop_discarded_edges(problem: Any) -> Any:
@@ -91,7 +81,7 @@ def _specs_by_key(graph: Any) -> dict[Key, Any]:
 
 
 def _grid(spec: Any) -> tuple[Any, ...] | None:
-    from quantplug.annotation.spec_view import is_per_channel, spec_range
+    from quantplug.backend import is_per_channel, spec_range
 
     if getattr(spec, "is_dynamic", False) or is_per_channel(spec) or getattr(spec, "block_size", None):
         return None

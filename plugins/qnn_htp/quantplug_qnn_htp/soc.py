@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantplug.errors import OptionError
+from quantplug.backend import OptionError
 
 V68, V69, V73, V75, V79, V81 = 68, 69, 73, 75, 79, 81
 

@@ -24,13 +24,15 @@ from typing import Any
 
 import torch
 
-from quantplug import QuantizationConfig, QuantizationSpec, derived_bias_spec
-from quantplug.errors import OptionError
-from quantplug.observers.base import ObserverFactory
-from quantplug.observers.minmax import (
+from quantplug.backend import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
+    ObserverFactory,
+    OptionError,
     PerChannelMinMaxObserver,
+    QuantizationConfig,
+    QuantizationSpec,
+    derived_bias_spec,
 )
 from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
 
@@ -83,7 +85,7 @@ def activation_observer(name: str, margin: float = 1.0) -> ObserverFactory:
     if name == "moving_average":
         return MovingAverageMinMaxObserver.with_args(eps=ACTIVATION_EPS, range_margin=margin)
     if name == "histogram":
-        from quantplug.observers.histogram import HistogramObserver
+        from quantplug.backend import HistogramObserver
 
         return HistogramObserver.with_args(eps=ACTIVATION_EPS, range_margin=margin)
     raise OptionError(f"unknown activation_observer {name!r}; valid: {', '.join(ACTIVATION_OBSERVERS)}")
@@ -106,7 +108,7 @@ def per_channel_weight(
 
 def per_group_weight(dtype: torch.dtype, group: int, eps: float = EPS) -> QuantizationSpec:
     """Symmetric weights, one scale per output channel and group of ``group`` inputs."""
-    from quantplug.observers.per_block import PerBlockMinMaxObserver
+    from quantplug.backend import PerBlockMinMaxObserver
 
     qmin, qmax = (-127, 127) if dtype == torch.int8 else (-8, 7)
     return QuantizationSpec(

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from quantplug import Artifact, BackendContext, LoweringError, QuantplugError
+from quantplug.backend import Artifact, BackendContext, LoweringError, QuantplugError
 
 ORT_PROVIDER = "CPUExecutionProvider"
 
@@ -150,7 +150,7 @@ def _onnxruntime() -> Any:
 def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceArtifact:
     """Export the Q/DQ program to QDQ ONNX, keep it as ``model.pt2``, list the encodings, and
     check that ORT's integer kernels reproduce the program on every CPU."""
-    from quantplug.lowering.onnx_export import compact_node_metadata, export_qdq_onnx
+    from quantplug.backend import compact_node_metadata, export_qdq_onnx
     from quantplug_reference.session_probe import ensure_session_survives
 
     opset = int(context.option("onnx_opset", 21) or 21)
@@ -249,7 +249,7 @@ def _program_writer(program: GraphModule) -> Callable[[Path], None]:
     than quantplug to lower it): the Q/DQ program as an ExportedProgram, dynamic shapes kept."""
 
     def write(path: Path) -> None:
-        from quantplug.lowering.capture import to_exported_program
+        from quantplug.backend import to_exported_program
 
         buffer = io.BytesIO()  # named after the file, the archive's folder would be the temp name
         torch.export.save(to_exported_program(program), buffer)
@@ -263,7 +263,7 @@ def _for_ort(program: GraphModule) -> tuple[GraphModule, dict[Any, Any], dict[st
     qd = torch.ops.quantized_decomposed
     if not any(n.target == qd.dequantize_per_token.default for n in program.graph.nodes):
         return program, {}, {}
-    from quantplug.flow.graph_copy import working_copy
+    from quantplug.backend import working_copy
     from quantplug_reference.dynamic_linear import fuse_dynamic_linears, translations
 
     copy = working_copy(program)
@@ -274,7 +274,7 @@ def _for_ort(program: GraphModule) -> tuple[GraphModule, dict[Any, Any], dict[st
 def _map_fused_weights(result: Any, program: GraphModule, fused: dict[str, dict[str, str]]) -> None:
     """Put back the encodings of weights read by fused dynamic linears (the exported copy has
     no dequantize node for them), naming their initializers; keeps the program's order."""
-    from quantplug.flow.inspect import encodings
+    from quantplug.backend import encodings
 
     exported = {e["node"]: e for e in result.encodings}
     initializers = {t.name for t in result.model.graph.initializer}
@@ -304,7 +304,7 @@ def _map_fused_weights(result: Any, program: GraphModule, fused: dict[str, dict[
 
 def _spell_for_ort(result: Any) -> None:
     """The ``ort_passes`` rewrites, in order; the encodings' ONNX names follow."""
-    from quantplug.lowering.onnx_export import pack_int4_constants
+    from quantplug.backend import pack_int4_constants
     from quantplug_reference import ort_passes
 
     pack_int4_constants(result)

@@ -5,9 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import quantplug
-from quantplug import BackendContext, BackendInfo, BackendOption, NamedPass, Preset, RulesModule
-from quantplug.conformance.profile import ConformanceProfile
-from quantplug.quantizer.fusion import FusionPattern
+from quantplug.backend import (
+    BackendContext,
+    BackendInfo,
+    BackendOption,
+    ConformanceProfile,
+    FusionPattern,
+    NamedPass,
+    Preset,
+    RulesModule,
+)
 from quantplug_reference import configs
 from quantplug_reference.rules import RULE_MODULES
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from typing import Any
 
-from quantplug.errors import LoweringError
+from quantplug.backend import LoweringError
 
 CONTROL_FLOW = frozenset({"Loop", "Scan", "If"})
 

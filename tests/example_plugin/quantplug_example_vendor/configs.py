@@ -8,8 +8,13 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from quantplug import DerivedQuantizationSpec, QuantizationConfig, QuantizationSpec, derived_bias_spec
-from quantplug.observers.minmax import MinMaxObserver, PerChannelMinMaxObserver
+from _quantplug.observers.minmax import MinMaxObserver, PerChannelMinMaxObserver
+from quantplug.backend import (
+    DerivedQuantizationSpec,
+    QuantizationConfig,
+    QuantizationSpec,
+    derived_bias_spec,
+)
 
 #: preset name -> description (``get_quantizer("example_vendor", precision=...)``)
 PRESETS: dict[str, str] = {

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
-from quantplug import (
+from _quantplug.validation.constraints import Port, PortRelation
+from quantplug.backend import (
     OUTPUT,
     ArchRequirement,
     OpConstraint,
@@ -16,7 +17,6 @@ from quantplug import (
     SameScale,
     ScaleProduct,
 )
-from quantplug.validation.constraints import Port, PortRelation
 from quantplug_example_vendor.configs import PER_BLOCK_MIN_ARCH
 
 SOURCE = "quantplug-example-vendor built-in table"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug import BackendContext, ValidationReport, Violation, is_float_tensor
-from quantplug.flow.graph_copy import working_copy
-from quantplug.flow.inspect import DEQUANTIZE_OPS
+from _quantplug.flow.inspect import DEQUANTIZE_OPS
+from _quantplug.graph.working_copy import working_copy
+from quantplug.backend import BackendContext, ValidationReport, Violation, is_float_tensor
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed

@@ -17,7 +17,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 import quantplug
-from quantplug import (
+from _quantplug.sharing.problem import SharingProblem
+from _quantplug.sharing.resolution import Key, SharingGroups
+from quantplug.backend import (
     Artifact,
     BackendContext,
     BackendInfo,
@@ -30,8 +32,6 @@ from quantplug import (
     QuantizationConfig,
     RulesModule,
 )
-from quantplug.sharing.problem import SharingProblem
-from quantplug.sharing.resolution import Key, SharingGroups
 from quantplug_example_vendor import configs
 from quantplug_example_vendor.rules import RULE_MODULES
 

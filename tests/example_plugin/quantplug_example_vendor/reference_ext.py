@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import quantplug
-from quantplug import BackendContext, OpConstraint, PortConstraint, RulesModule
-from quantplug.validation.constraints import OUTPUT
+from _quantplug.validation.constraints import OUTPUT
+from quantplug.backend import BackendContext, OpConstraint, PortConstraint, RulesModule
 from quantplug_example_vendor.rules import REFERENCE_EXTENSION_RULES
 
 ABS = OpConstraint(

@@ -6,8 +6,8 @@ import json
 
 from torch.fx import GraphModule
 
-from quantplug import Artifact, BackendContext
-from quantplug.flow.inspect import encodings
+from _quantplug.flow.inspect import encodings
+from quantplug.backend import Artifact, BackendContext
 
 ENCODINGS_FILE = "example_vendor_encodings.json"
 FORMAT = "example-vendor-encodings/1"

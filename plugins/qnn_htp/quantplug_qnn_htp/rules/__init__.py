@@ -6,7 +6,7 @@ these lists equal what the modules register.
 
 from __future__ import annotations
 
-from quantplug import RulesModule
+from quantplug.backend import RulesModule
 
 _P = "quantplug_qnn_htp.rules."
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     FixedQParamsQuantizationSpec,
     QuantizationConfig,
+    annotate_node,
     annotate_single_in_single_out,
+    is_annotated,
     is_float_tensor,
     register_annotator,
+    spec_range,
 )
-from quantplug.annotation.spec_view import spec_range
-from quantplug.annotation.specs import annotate_node, is_annotated
 
 aten = torch.ops.aten
 

@@ -10,16 +10,20 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     BackendContext,
     QuantizationConfig,
+    QuantizationSpecBase,
     SharedQuantizationSpec,
+    SpecKind,
+    annotate_node,
     annotate_single_in_single_out,
+    get_annotation,
+    is_annotated,
     is_float_tensor,
+    output_spec_of,
+    spec_kind,
 )
-from quantplug.annotation.annotators import output_spec_of
-from quantplug.annotation.spec_view import SpecKind, spec_kind
-from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
 from quantplug_qnn_htp.configs import BLOCK_MAP_STATE, QnnQuantizationConfig, bias_spec_for, weight_spec_for
 from quantplug_qnn_htp.decompositions import ABSOLUTE_RANGE_KEY
 

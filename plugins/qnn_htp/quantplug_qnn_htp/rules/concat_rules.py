@@ -13,8 +13,16 @@ import operator
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, SharedQuantizationSpec, is_float_tensor, register_annotator
-from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
+from quantplug.backend import (
+    QuantizationConfig,
+    QuantizationSpecBase,
+    SharedQuantizationSpec,
+    annotate_node,
+    get_annotation,
+    is_annotated,
+    is_float_tensor,
+    register_annotator,
+)
 from quantplug_qnn_htp.rules.common import SHARED_PIECE_OPS, annotate_input_shared_out, is_fixed_output
 
 aten = torch.ops.aten

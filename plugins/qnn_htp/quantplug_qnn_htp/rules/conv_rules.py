@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import BackendContext, QuantizationConfig, register_annotator
+from quantplug.backend import BackendContext, QuantizationConfig, register_annotator
 from quantplug_qnn_htp.rules.common import annotate_weighted_op
 
 aten = torch.ops.aten

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_binary, register_annotator
+from quantplug.backend import QuantizationConfig, annotate_binary, register_annotator
 from quantplug_qnn_htp.rules.common import (
     MASK_ARGS_KEY,
     annotate_all_float_args,

@@ -22,15 +22,16 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     QuantizationConfig,
     QuantizationSpec,
     SharedQuantizationSpec,
+    annotate_node,
     annotate_shared_in_out,
+    is_annotated,
     is_float_tensor,
     register_annotator,
 )
-from quantplug.annotation.specs import annotate_node, is_annotated
 
 aten = torch.ops.aten
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import BackendContext, QuantizationConfig, is_float_tensor, register_annotator
-from quantplug.annotation.specs import annotate_node, is_annotated
+from quantplug.backend import (
+    BackendContext,
+    QuantizationConfig,
+    annotate_node,
+    is_annotated,
+    is_float_tensor,
+    register_annotator,
+)
 from quantplug_qnn_htp.decompositions import is_fully_connected_addmm
 from quantplug_qnn_htp.rules.common import annotate_weighted_op, out_spec
 

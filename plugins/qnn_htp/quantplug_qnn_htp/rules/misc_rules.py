@@ -6,15 +6,16 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     QuantizationConfig,
     SharedQuantizationSpec,
     annotate_binary,
+    annotate_node,
     annotate_single_in_single_out,
+    is_annotated,
     is_float_tensor,
     register_annotator,
 )
-from quantplug.annotation.specs import annotate_node, is_annotated
 from quantplug_qnn_htp.rules.concat_rules import annotate_one_encoding
 
 aten = torch.ops.aten

@@ -7,8 +7,15 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_single_in_single_out, is_float_tensor, register_annotator
-from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, is_annotated
+from quantplug.backend import (
+    QuantizationConfig,
+    QuantizationSpecBase,
+    annotate_node,
+    annotate_single_in_single_out,
+    is_annotated,
+    is_float_tensor,
+    register_annotator,
+)
 from quantplug_qnn_htp.rules.common import out_spec
 
 aten = torch.ops.aten

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     QuantizationConfig,
     annotate_single_in,
     annotate_single_in_single_out,

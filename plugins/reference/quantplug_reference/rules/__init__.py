@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 
-from quantplug import RulesModule
+from quantplug.backend import RulesModule
 
 _P = "quantplug_reference.rules."
 

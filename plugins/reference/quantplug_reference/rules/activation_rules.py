@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     FixedQParamsQuantizationSpec,
     QuantizationConfig,
     QuantizationSpecBase,
+    annotate_node,
     annotate_single_in_single_out,
+    full_range,
     is_float_tensor,
     register_annotator,
 )
-from quantplug.annotation.dtypes import full_range
-from quantplug.annotation.specs import annotate_node
 from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 from quantplug_reference.rules.fusion import is_fused_activation
 

@@ -8,8 +8,14 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, QuantizationSpecBase, is_float_tensor, register_annotator
-from quantplug.annotation.specs import annotate_node, is_annotated
+from quantplug.backend import (
+    QuantizationConfig,
+    QuantizationSpecBase,
+    annotate_node,
+    is_annotated,
+    is_float_tensor,
+    register_annotator,
+)
 from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 
 aten = torch.ops.aten

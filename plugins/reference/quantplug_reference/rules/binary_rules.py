@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_binary, register_annotator
-from quantplug.annotation.specs import annotate_node
+from quantplug.backend import QuantizationConfig, annotate_binary, annotate_node, register_annotator
 from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 from quantplug_reference.rules.fusion import FUSING_PRODUCERS, has_fused_activation
 

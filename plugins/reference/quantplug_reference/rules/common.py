@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     FixedQParamsQuantizationSpec,
     QuantizationAnnotation,
     QuantizationConfig,
     QuantizationSpec,
     SharedQuantizationSpec,
+    get_annotation,
+    output_spec_of,
 )
-from quantplug.annotation.annotators import output_spec_of
-from quantplug.annotation.specs import get_annotation
 
 
 def reuse_fixed_inputs(node: Node) -> None:

@@ -15,14 +15,14 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
+    MinMaxObserver,
     QuantizationConfig,
     QuantizationSpec,
     annotate_weighted,
     derived_bias_spec,
     register_annotator,
 )
-from quantplug.observers.minmax import MinMaxObserver
 from quantplug_reference.configs import EPS, full_int8_range
 from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 from quantplug_reference.rules.fusion import has_fused_activation

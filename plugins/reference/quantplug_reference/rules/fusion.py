@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug.quantizer.fusion import FusionPattern, fused_head, fused_tail
+from quantplug.backend import FusionPattern, fused_head, fused_tail
 
 aten = torch.ops.aten
 

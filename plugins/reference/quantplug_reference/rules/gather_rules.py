@@ -26,8 +26,14 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, QuantizationSpec, is_float_tensor, register_annotator
-from quantplug.annotation.specs import annotate_node, is_annotated
+from quantplug.backend import (
+    QuantizationConfig,
+    QuantizationSpec,
+    annotate_node,
+    is_annotated,
+    is_float_tensor,
+    register_annotator,
+)
 from quantplug_reference.configs import lookup_table_spec, weight_eps
 from quantplug_reference.rules import shape_rules  # the module: its rules are not this one's
 from quantplug_reference.rules.common import static_activations
@@ -49,7 +55,7 @@ def _input_axis(index: Node) -> int | None:
 def expert_weight_spec(spec: QuantizationSpec, shape: torch.Size, axis: int) -> QuantizationSpec:
     """``spec`` (a linear weight's: per output channel, or per group of inputs) for an
     ``[experts, ...]`` weight whose inputs run along ``axis``: blocks within one expert's row."""
-    from quantplug.observers.per_block import PerBlockMinMaxObserver
+    from quantplug.backend import PerBlockMinMaxObserver
 
     group = spec.block_size[-1] if spec.block_size is not None else 0
     inputs = int(shape[axis])

@@ -13,8 +13,13 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, QuantizationSpec, annotate_weighted, register_annotator
-from quantplug.observers.minmax import PerChannelMinMaxObserver
+from quantplug.backend import (
+    PerChannelMinMaxObserver,
+    QuantizationConfig,
+    QuantizationSpec,
+    annotate_weighted,
+    register_annotator,
+)
 from quantplug_reference.configs import weight_eps
 from quantplug_reference.rules.common import reuse_fixed_inputs
 from quantplug_reference.rules.fusion import has_fused_activation

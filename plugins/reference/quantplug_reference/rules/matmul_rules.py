@@ -18,14 +18,16 @@ import math
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     QuantizationConfig,
     QuantizationSpec,
+    QuantizationSpecBase,
+    annotate_node,
     derived_bias_spec,
+    is_annotated,
     is_float_tensor,
     register_annotator,
 )
-from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, is_annotated
 from quantplug_reference.rules.common import reuse_fixed_inputs, static_activations
 from quantplug_reference.rules.linear_rules import fit_block_spec
 

@@ -12,15 +12,18 @@ import operator
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from quantplug.backend import (
     QuantizationConfig,
+    QuantizationSpecBase,
     SharedQuantizationSpec,
+    annotate_node,
     annotate_shared_in_out,
+    get_annotation,
+    is_annotated,
     is_float_tensor,
+    output_spec_of,
     register_annotator,
 )
-from quantplug.annotation.annotators import output_spec_of
-from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, get_annotation, is_annotated
 from quantplug_reference.rules.common import static_activations
 
 aten = torch.ops.aten

@@ -6,7 +6,7 @@ when the graph being annotated contains one of its ops.
 
 from __future__ import annotations
 
-from quantplug import RulesModule
+from quantplug.backend import RulesModule
 
 RULE_MODULES: tuple[RulesModule, ...] = (
     RulesModule(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, annotate_single_in_single_out, register_annotator
+from quantplug.backend import QuantizationConfig, annotate_single_in_single_out, register_annotator
 
 aten = torch.ops.aten
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from quantplug import (
+from _quantplug.annotation.specs import QuantizationSpecBase, annotate_node, is_annotated
+from quantplug.backend import (
     QuantizationConfig,
     SharedQuantizationSpec,
     annotate_binary,
@@ -13,7 +14,6 @@ from quantplug import (
     is_float_tensor,
     register_annotator,
 )
-from quantplug.annotation.specs import QuantizationSpecBase, annotate_node, is_annotated
 
 aten = torch.ops.aten
 

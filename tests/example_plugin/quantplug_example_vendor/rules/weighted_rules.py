@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from quantplug import QuantizationConfig, QuantizationSpec, annotate_weighted, register_annotator
+from quantplug.backend import QuantizationConfig, QuantizationSpec, annotate_weighted, register_annotator
 
 aten = torch.ops.aten
 

@@ -1,0 +1,269 @@
+"""The algorithm guard: an algorithm's weight choice is kept only where the model does no worse.
+
+Every weight algorithm optimises a proxy: one layer's output error on the inputs it collected. A
+proxy can disagree with the model: AdaRound's choice for the random CNN's classifier lowers that
+layer's error and costs the model 1.4 dB, because the quantized model feeds the classifier inputs
+carrying the upstream layers' error; SeqMSE on the same CNN at 8-bit per-tensor weights lowers a
+conv's error and loses 1.2 dB at the output, because the global average pool weighs an error's mean
+far more than its noise (``docs/weight-algorithms.md``). No per-layer objective sees either.
+
+So at convert, with the guard on (the default; ``prepare(..., algorithm_guard=False)`` turns it
+off), the algorithms first choose every site as they would unguarded (sequential inputs see the
+choices upstream), then the guard selects which choices to keep (:meth:`ModelGuard.select`; a
+site's choice is its codes, encoding and bias correction together, a site not kept is rounded to
+nearest), judging by the output error against float (:func:`relative_error`) of the quantized
+model's simulation (:class:`~_quantplug.algorithms.sequential.QuantizedSimulation`: activations
+fake-quantized with their calibrated encodings) on the first stored calibration batches. **On
+those batches the converted model is never worse than every choice kept, nor than the default
+beyond a tie margin of 0.004 dB** (:data:`TIE`: differences that small are float noise, which
+must not decide what the converted program holds on a given machine), by construction, whatever
+the algorithms do.
+
+Cost: one simulated forward pass over at most :data:`GUARD_BATCHES` batches (:data:`GUARD_BYTES`
+bytes) per weight site an algorithm changed, plus three (float, default, every choice); twice
+that where the pruned selection does worse than the default.
+
+Transforms of the float program (CLE, SmoothQuant) are judged the same way at prepare
+(:func:`quantized_error`): the program is quantized with the user's quantizer and no algorithm,
+before and after the transform, each calibrated and measured on the first batches given to
+``prepare(..., calibration=...)``, and the transform is undone where its quantized model does
+worse. CLE targets per-tensor weight grids; on per-channel 4-bit grids it can lose (the digits CNN
+at ``qnn_htp``: -1.5 dB), which no statistic of the pair foretells as well as the quantizer does.
+A transform that rewrites the graph (rather than replacing constants) is kept as it is.
+
+Judged on the calibration batches, a choice that fits them and nothing else passes: GPTQ on a
+layer that saw fewer rows than it has inputs (ConvNeXt's classifier on 16 images) gains there and
+loses 2-4 dB held out. ``prepare(..., held_out=batches)`` gives the guard data the algorithms never
+saw: both the choices and the transforms are then judged on it (transforms still calibrated on the
+calibration batches), and the guarantee holds there instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from _quantplug.algorithms.sequential import batch_bytes, fits
+
+logger = logging.getLogger("quantplug.algorithms")
+
+#: at most this many of the stored calibration batches judge the choices ...
+GUARD_BATCHES = 8
+#: ... and at most this many bytes of them (the first batch always)
+GUARD_BYTES = 32 * 2**20
+#: errors within this relative margin of each other are a tie (about 0.004 dB). A choice that
+#: changes the model's error by less is not an accuracy change but float noise, which differs with
+#: the thread count and the CPU (reduction order, an activation rounded the other way at a .5);
+#: deciding such a choice by the sign of that noise would make the converted program depend on the
+#: machine, a whole layer's codes at a time. With the margin a tie is decided by rule (the choice
+#: kept, no fallback), and noise changes a verdict only where the true difference sits on the
+#: margin itself. Measured: calibration inputs perturbed by 1e-7 (relative) moved the guard's
+#: errors by 1e-7 to 2.3e-4 (relative) on the bench's CNN and encoder, 4.4e-4 at 1e-6.
+TIE = 1e-3
+
+
+def lower(error: float, than: float) -> bool:
+    """Whether ``error`` is lower than ``than`` by more than the tie margin (:data:`TIE`)."""
+    return error < than * (1 - TIE)
+
+
+#: the outputs of one batch: every floating-point tensor of the model's output, in pytree order
+Outputs = list[torch.Tensor]
+
+
+def output_tensors(value: Any) -> Outputs:
+    """The floating-point tensors of a model output (any nesting of tuples, lists, dicts)."""
+    return [
+        t.detach().to(torch.float64)
+        for t in pytree.tree_leaves(value)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+
+
+def relative_error(reference: Sequence[Outputs], outputs: Sequence[Outputs]) -> float:
+    """``sum over outputs of |q - f|^2 / |f|^2``, each sum over every batch.
+
+    Each output counts relative to its own energy, so a small output (an LSTM's cell state beside
+    its sequence) is not drowned by a large one. Positions where the float output is not finite
+    (masked logits) are left out; a finite float value the quantized model turns into NaN or inf
+    makes the error infinite. An all-zero float output counts its absolute error.
+    """
+    if len(reference) != len(outputs):
+        raise ValueError(f"{len(outputs)} batches of outputs for {len(reference)} reference batches")
+    errors: list[float] = []
+    energies: list[float] = []
+    for ref_batch, out_batch in zip(reference, outputs):
+        if len(ref_batch) != len(out_batch):
+            raise ValueError(f"{len(out_batch)} outputs for {len(ref_batch)} reference outputs")
+        for index, (ref, out) in enumerate(zip(ref_batch, out_batch)):
+            if index == len(errors):
+                errors.append(0.0)
+                energies.append(0.0)
+            finite = torch.isfinite(ref)
+            if not bool(torch.isfinite(out[finite]).all()):
+                return float("inf")
+            diff = out[finite] - ref[finite]
+            errors[index] += float((diff * diff).sum())
+            energies[index] += float((ref[finite] * ref[finite]).sum())
+    return sum(e / n if n > 0 else e for e, n in zip(errors, energies))
+
+
+def quantized_error(
+    gm: Any,
+    quantizer: Any,
+    batches: Sequence[tuple[Any, ...]],
+    reference: Sequence[Outputs],
+    nonfinite: str,
+    measured: Sequence[tuple[Any, ...]] | None = None,
+) -> float:
+    """:func:`relative_error` of ``gm`` (a float program) quantized by ``quantizer`` without
+    algorithms, calibrated on ``batches`` (flat inputs) and run on ``measured`` (default: the same
+    batches), against ``reference`` (the float program's outputs on those)."""
+    from torch.fx import Interpreter
+
+    from _quantplug.flow.convert import convert
+    from _quantplug.flow.prepare import prepare
+
+    prepared = prepare(gm, quantizer, nonfinite=nonfinite)
+    with torch.no_grad():
+        for batch in batches:
+            Interpreter(prepared).run(*batch)
+        converted = convert(prepared)
+        runs = batches if measured is None else measured
+        outputs = [output_tensors(Interpreter(converted).run(*batch)) for batch in runs]
+    return relative_error(reference, outputs)
+
+
+def guard_batches(
+    batches: Sequence[tuple[Any, ...]], max_batches: int = GUARD_BATCHES, max_bytes: int = GUARD_BYTES
+) -> list[tuple[Any, ...]]:
+    """The first stored batches within the caps (the first one always, however large): the
+    store's own rule (:func:`~_quantplug.algorithms.sequential.fits`)."""
+    chosen: list[tuple[Any, ...]] = []
+    total = 0
+    for batch in batches:
+        size = batch_bytes(batch)
+        if not fits(len(chosen), total, size, max_batches, max_bytes):
+            break
+        chosen.append(batch)
+        total += size
+    return chosen
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One weight site's choice: what the simulation reads with it and without it (the default)."""
+
+    label: str
+    chosen: Mapping[str, torch.Tensor]
+    default: Mapping[str, torch.Tensor]
+
+
+@dataclass
+class ModelGuard:
+    """Selects the weight choices to keep by the model's output error on a few calibration batches.
+
+    ``evaluate(weights)`` runs the quantized simulation with ``weights`` (get_attr target ->
+    tensor, what the simulation reads instead of each float weight and bias) and returns each
+    batch's :func:`output_tensors`; ``reference`` is the float model's.
+    """
+
+    evaluate: Callable[[Mapping[str, torch.Tensor]], list[Outputs]]
+    reference: list[Outputs]
+    #: the error of the selection (set by :meth:`select`)
+    error: float = float("inf")
+    #: the error with every weight at its default
+    default_error: float = float("inf")
+    #: choices left out: ``(weight label, error with it, error without it)`` when it was decided
+    kept_out: list[tuple[str, float, float]] = field(default_factory=list)
+    #: choices judged
+    tried: int = 0
+    #: which batches the error is measured on, for messages (``prepare(..., held_out=...)``)
+    judged_on: str = "calibration"
+
+    def _error(self, weights: Mapping[str, torch.Tensor]) -> float:
+        return relative_error(self.reference, self.evaluate(weights))
+
+    def select(self, base: Mapping[str, torch.Tensor], candidates: Sequence[Candidate]) -> list[bool]:
+        """Which candidates to keep, in their order (upstream first).
+
+        Pruning: from every choice kept, each one in turn, downstream first, is dropped (its site
+        back to the default) where that lowers the error; then each dropped one is taken back
+        where that lowers it (it may have lost only beside a worse choice since dropped).
+        Choices that pay only together survive it: GPTQ on the digits MLP's first layer loses
+        0.1 dB beside round-to-nearest downstream and is worth 6 dB beside GPTQ's downstream
+        choices, which a decision upstream first, against the default, would miss. Should the
+        default still do better than the pruned selection, forward selection decides instead: from
+        the default, upstream first, each choice is kept where it lowers the error. "Lowers" and
+        "better" mean by more than the tie margin (:data:`TIE`), so float noise decides nothing.
+        The error is at most that of every choice kept, and at most the default's within the
+        margin (``default / (1 - TIE)``; exactly, when forward selection decided).
+        """
+        self.tried = len(candidates)
+        verdicts: dict[int, tuple[float, float]] = {}  # last judgment: (error with, error without)
+        self.default_error = self._error(base)
+        current = {**base}
+        for candidate in candidates:
+            current.update(candidate.chosen)
+        error = self._error(current)
+        keep = [True] * len(candidates)
+        for i in reversed(range(len(candidates))):
+            trial = {**current, **candidates[i].default}
+            found = self._error(trial)
+            verdicts[i] = (error, found)
+            if lower(found, error):
+                keep[i] = False
+                current, error = trial, found
+        for i in [i for i, k in enumerate(keep) if not k]:
+            trial = {**current, **candidates[i].chosen}
+            found = self._error(trial)
+            verdicts[i] = (found, error)
+            if lower(found, error):
+                keep[i] = True
+                current, error = trial, found
+        if lower(self.default_error, error):
+            current, error = {**base}, self.default_error
+            for i, candidate in enumerate(candidates):
+                trial = {**current, **candidate.chosen}
+                found = self._error(trial)
+                verdicts[i] = (found, error)
+                keep[i] = lower(found, error)
+                if keep[i]:
+                    current, error = trial, found
+        self.error = error
+        self.kept_out = [(c.label, *verdicts[i]) for i, c in enumerate(candidates) if not keep[i]]
+        return keep
+
+    def summary(self) -> str:
+        """The verdicts in one line (the CLI's report shows it beside the algorithms)."""
+        if not self.kept_out:
+            return f"every choice kept ({self.tried} weight(s) changed by the algorithms)"
+        shown = ", ".join(
+            f"{label} ({decibels(worse, better):+.2f} dB)" for label, worse, better in self.kept_out[:5]
+        )
+        more = f" and {len(self.kept_out) - 5} more" if len(self.kept_out) > 5 else ""
+        return (
+            f"round-to-nearest kept at {len(self.kept_out)} of {self.tried} weight(s), where the "
+            f"algorithms' choice lowered the model's output SQNR on the {self.judged_on} batches: "
+            f"{shown}{more}"
+        )
+
+    def report(self) -> None:
+        """One log line naming the weights where the default was kept (with what their choice cost)."""
+        if self.kept_out:
+            logger.info("algorithm guard: %s", self.summary())
+
+
+def decibels(worse: float, better: float) -> float:
+    """The SQNR change (dB) from error ``better`` to error ``worse`` (negative: a loss)."""
+    if worse == float("inf"):
+        return float("-inf")
+    if better <= 0 or worse <= 0:
+        return 0.0
+    return 10 * math.log10(better / worse)

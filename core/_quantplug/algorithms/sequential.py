@@ -1,0 +1,244 @@
+"""Sequential layer inputs: each layer's statistics from the model with the layers before it quantized.
+
+AdaRound (Nagel et al. 2020, sec. 4), AIMET's SeqMSE and GPTQ as published (Frantar et al. 2023,
+sec. 3) optimise a layer for the inputs it will see in the quantized model: the layers before it
+already quantized with what was chosen for them, activations quantized. Float inputs ignore the
+error that arrives from upstream; sequential inputs let each layer's choice see it.
+
+An algorithm asks for it with the attribute ``sequential = True``. Then its collectors are not fed
+during calibration; instead prepare stores a bounded number of the calibration batches
+(:class:`InputStore`: the model's inputs, at most :data:`STORE_BATCHES` batches and
+:data:`STORE_BYTES` bytes), and convert, stage by stage (:func:`stages`: layers whose inputs depend
+on no layer still to choose), re-runs them through a simulation of the quantized model
+(:class:`QuantizedSimulation`: every activation observer fake-quantizes with its calibrated
+encoding, every weight reads its current codes) to feed fresh collectors of that stage's layers.
+Memory: the stored batches plus one stage's collectors (Hessians), never the activations.
+
+On several processes each rank stores the first batches of its share; ``sync_observers`` merges
+the stores (:func:`merged_store`: round robin over the ranks under the same caps, which is the one
+process's store for round-robin sharding), so every rank's sequential pass runs the same batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Interpreter, Node
+
+from _quantplug.annotation.spec_view import is_per_channel, spec_range
+
+#: at most this many calibration batches are kept for the sequential pass
+STORE_BATCHES = 32
+#: ... and at most this many bytes of them
+STORE_BYTES = 256 * 2**20
+
+
+def fits(count: int, stored: int, size: int, max_batches: int, max_bytes: int) -> bool:
+    """Whether a batch of ``size`` bytes joins a store holding ``count`` batches of ``stored`` bytes."""
+    return count < max_batches and (count == 0 or stored + size <= max_bytes)
+
+
+def batch_bytes(inputs: Sequence[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+
+
+class InputStore(nn.Module):
+    """A calibration tap on the program's inputs: keeps the first batches, within the caps."""
+
+    def __init__(self, max_batches: int = STORE_BATCHES, max_bytes: int = STORE_BYTES) -> None:
+        super().__init__()
+        self.max_batches = max_batches
+        self.max_bytes = max_bytes
+        self.batches: list[tuple[Any, ...]] = []
+        self.bytes = 0
+        self.seen = 0
+
+    def forward(self, *inputs: Any) -> None:
+        self.seen += 1
+        size = batch_bytes(inputs)
+        if not fits(len(self.batches), self.bytes, size, self.max_batches, self.max_bytes):
+            return
+        self.batches.append(tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs))
+        self.bytes += size
+
+    def replace_(self, batches: list[tuple[Any, ...]], seen: int) -> None:
+        """Hold ``batches`` (the merge of every rank's store) instead of this rank's."""
+        self.batches = batches
+        self.bytes = sum(batch_bytes(b) for b in batches)
+        self.seen = seen
+
+
+def merged_store(sizes: Sequence[Sequence[int]], max_batches: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Which stored batches of every rank make the merged store: ``(rank, index)`` in order.
+
+    ``sizes[r]`` are the bytes of rank ``r``'s stored batches, in the order it stored them. The
+    ranks' batches are taken round robin (rank 0's first, rank 1's first, ..., rank 0's second...)
+    under the caps one process applies. With the round-robin sharding of
+    :func:`quantplug.distributed.shard` and ``quantize --nproc`` (rank ``r`` calibrates batches
+    ``r, r + N, ...``) that order is the data's order, so the merged store is exactly the batches one
+    process stores, unless a byte cap bound on some rank (a rank keeps what fits its own cap: it
+    may have skipped a batch one process keeps). Ranks that shard otherwise get a deterministic
+    store of each rank's first batches.
+    """
+    chosen: list[tuple[int, int]] = []
+    stored = 0
+    for index in range(max((len(s) for s in sizes), default=0)):
+        for rank, rank_sizes in enumerate(sizes):
+            if index >= len(rank_sizes):
+                continue
+            size = int(rank_sizes[index])
+            if fits(len(chosen), stored, size, max_batches, max_bytes):
+                chosen.append((rank, index))
+                stored += size
+    return chosen
+
+
+def stages(graph_nodes: Sequence[Node], consumers: Sequence[Sequence[str]]) -> list[list[int]]:
+    """Indices of ``consumers`` (the layer nodes of each weight, in graph order or not) grouped in
+    stages: a weight's stage is one more than the latest stage among the weights upstream of any
+    of its nodes, so a stage's inputs depend only on earlier stages (query/key/value projections
+    share one).
+
+    A weight applied at several nodes can depend on itself or on weights that depend on it (an
+    unrolled recurrence: ``W_hh`` at step t reads step t-1's; a projected LSTM's ``W_hh`` and
+    ``W_hr`` read each other). Weights on such a cycle share a stage, so the steps read each
+    other rounded to nearest until the stage is chosen: one stage per cycle, not one per step.
+    """
+    owners: dict[str, list[int]] = {}  # node -> the weights applied there (two may share one)
+    for k, names in enumerate(consumers):
+        for name in dict.fromkeys(names):
+            owners.setdefault(name, []).append(k)
+    count = len(consumers)
+    deps = [0] * count  # weight -> bit set of the weights upstream of any of its nodes
+    upstream: dict[Node, int] = {}  # node -> bit set of the weights its value depends on
+    for node in graph_nodes:
+        bits = 0
+        for arg in node.all_input_nodes:
+            bits |= upstream.get(arg, 0)
+        mine = owners.get(node.name, ())
+        for k in mine:
+            deps[k] |= bits
+        for k in mine:
+            bits |= 1 << k
+        upstream[node] = bits
+    reach = list(deps)  # the transitive closure, by fixed point (bit sets: cheap for any model)
+    changed = True
+    while changed:
+        changed = False
+        for k in range(count):
+            merged = reach[k]
+            for d in _bits(reach[k]):
+                merged |= reach[d]
+            if merged != reach[k]:
+                reach[k], changed = merged, True
+    # a weight upstream of k that k is not upstream of has strictly fewer weights up to it, so
+    # visiting by that count sees every such weight's level first
+    level: dict[int, int] = {}
+    for k in sorted(range(count), key=lambda k: ((reach[k] | 1 << k).bit_count(), k)):
+        outside = [d for d in _bits(reach[k]) if d != k and not reach[d] >> k & 1]
+        level[k] = 1 + max((level[d] for d in outside), default=-1)
+    grouped: dict[int, list[int]] = {}
+    for k in range(count):
+        grouped.setdefault(level[k], []).append(k)
+    return [grouped[key] for key in sorted(grouped)]
+
+
+def _bits(value: int) -> list[int]:
+    return [i for i in range(value.bit_length()) if value >> i & 1]
+
+
+def fake_quantize_activation(x: torch.Tensor, spec: Any, qparams: tuple[Any, Any] | None) -> torch.Tensor:
+    """``x`` through the quantize/dequantize pair its group's calibrated encoding gives it
+    (identity where there is none: floating-point or dynamic specs, derived groups)."""
+    if qparams is None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return x
+    try:
+        qmin, qmax = spec_range(spec)
+    except Exception:  # a floating-point spec (fp16 "quantization"): nothing to simulate
+        return x
+    scale = torch.as_tensor(qparams[0]).detach().to(torch.float32)
+    zero_point = torch.as_tensor(qparams[1]).detach().to(torch.int32)
+    value = x.to(torch.float32)
+    if scale.numel() > 1 and is_per_channel(spec):
+        axis = int(getattr(spec, "ch_axis", 0) or 0) % value.dim()
+        out = torch.fake_quantize_per_channel_affine(value, scale, zero_point, axis, qmin, qmax)
+    else:
+        out = torch.fake_quantize_per_tensor_affine(
+            value, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), qmin, qmax
+        )
+    return out.to(x.dtype)
+
+
+class _Done(Exception):
+    """Raised once every layer input a pass wants has been seen (the rest of the model is not run)."""
+
+
+class QuantizedSimulation(Interpreter):
+    """The prepared program run as its quantized form would compute it, feeding layer inputs.
+
+    Args:
+        prepared: the calibrated prepared module (not modified).
+        observer_prefix: the qualified name prefix of its observers (``<container>.g<gid>``).
+        activation: ``gid -> (spec, qparams or None)`` for every observer in the graph.
+        weights: ``get_attr target -> tensor`` read instead of the float weight (dequantized codes).
+        feeds: ``layer node name -> callables`` given that layer's arguments (as the node receives them).
+        is_tap: which call_module nodes are calibration taps (skipped).
+    """
+
+    def __init__(
+        self,
+        prepared: GraphModule,
+        observer_prefix: str,
+        activation: Mapping[int, tuple[Any, tuple[Any, Any] | None]],
+        weights: Mapping[str, torch.Tensor],
+        feeds: Mapping[str, Sequence[Callable[[Sequence[Any]], None]]],
+        is_tap: Callable[[Node], bool],
+    ) -> None:
+        super().__init__(prepared, garbage_collect_values=True)
+        self.observer_prefix = observer_prefix + "."
+        self.activation = activation
+        self.weights = weights
+        self.feeds = feeds
+        self.is_tap = is_tap
+        self._left: set[str] = set()
+
+    def run_batch(self, batch: Sequence[Any]) -> None:
+        self._left = set(self.feeds)
+        try:
+            with torch.no_grad():
+                self.run(*batch)
+        except _Done:
+            pass
+
+    def outputs(self, batch: Sequence[Any]) -> Any:
+        """The program's outputs for ``batch`` (what the guard compares; no layer input is fed)."""
+        self._left = set()
+        with torch.no_grad():
+            return self.run(*batch)
+
+    def run_node(self, n: Node) -> Any:
+        if n.op == "call_module" and self.is_tap(n):
+            return None
+        if n.name in self._left:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            for feed in self.feeds[n.name]:
+                feed(args)
+            self._left.discard(n.name)
+            if not self._left:
+                raise _Done
+        return super().run_node(n)
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        replaced = self.weights.get(str(target))
+        return replaced if replaced is not None else super().get_attr(target, args, kwargs)
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        name = str(target)
+        if name.startswith(self.observer_prefix):
+            gid = int(name[len(self.observer_prefix) + 1 :])
+            spec, qparams = self.activation.get(gid, (None, None))
+            return fake_quantize_activation(args[0], spec, qparams)
+        return super().call_module(target, args, kwargs)

@@ -1,0 +1,469 @@
+"""The algorithm protocol: what an accuracy algorithm may do, and what quantplug hands it.
+
+An algorithm is an object (usually an :class:`Algorithm` subclass) with up to three hooks, each
+optional, each called by the core at one step of ``prepare -> calibrate -> convert``:
+
+1. :meth:`Algorithm.transform_program` -- before annotation, on quantplug's private copy of the
+   float program (batch norms already folded). Rewrites weights or inserts ops so that the float
+   function stays the same but quantizes better (cross-layer equalization, SmoothQuant). It gets
+   the calibration batches when the user passed ``prepare(..., calibration=...)``.
+2. :meth:`Algorithm.collector` -- at prepare, once per :class:`WeightSite` (a quantized constant
+   weight of a conv/linear-like op, or of a recurrent op: an LSTM's ``weight_ih``/``weight_hh`` is
+   a linear layer over rows quantplug computes): returns a :class:`Collector` that sees the layer's input
+   activation on every calibration batch and keeps a bounded summary of it (a running mean, a
+   Hessian ``X^T X``, a capped sample of rows), never the whole data set. With its optional merge
+   hook (:class:`MergeableCollector`) it takes part in calibration on several processes.
+3. :meth:`Algorithm.choose_weight` -- at convert, once per weight site, after the backend's
+   observer has given the weight's default encoding: returns a :class:`WeightChoice` (integer
+   codes and/or scales within the backend's :class:`WeightGrid`, optionally a bias correction),
+   or None to keep what it was given.
+
+The core never lets an algorithm leave the backend's grid: codes are checked to lie in
+``[quant_min, quant_max]`` with the weight's shape; new scales must keep the granularity (one per
+tensor / channel / block, the same shape), stay positive and finite, keep symmetric grids
+symmetric, and be scales the backend's own observer can produce (``WeightGrid.observe`` is the
+way to get one: e.g. observe a clipped weight); weights sharing one encoding with other weights
+keep it (codes only). Violations raise :class:`~_quantplug.errors.AlgorithmError` naming the
+algorithm, the weight and the rule.
+
+Algorithms run in the order the user lists them; at convert each sees the encoding and codes the
+previous ones chose (``grid.scale``, ``codes``), so ``["seq_mse", "adaround", "bias_correction"]``
+picks scales, then rounding, then corrects the bias of the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch.fx import GraphModule
+
+from _quantplug.algorithms.option_checks import range_problem
+from _quantplug.errors import CalibrationError
+
+#: the kinds of values ``AlgorithmOption.type`` may name (also what metadata files spell)
+OPTION_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+@dataclass(frozen=True)
+class AlgorithmOption:
+    """One option of an algorithm (a constructor keyword), described for listings and the CLI."""
+
+    name: str
+    type: str  # one of OPTION_TYPES
+    default: Any
+    help: str = ""
+    choices: tuple[Any, ...] | None = None
+    #: the least and the greatest value an ``int``/``float`` option accepts (None: unbounded).
+    #: Checked with the type (:func:`~.option_checks.range_problem`; a ``float`` must also be
+    #: finite) before the algorithm is built, so a value that would fail deep in its arithmetic
+    #: (a negative damping, no sampled rows) is an ``OptionError`` naming the option.
+    minimum: float | None = None
+    maximum: float | None = None
+
+
+@dataclass(frozen=True)
+class AlgorithmInfo:
+    """What an algorithm is, for ``quantplug algorithms`` and ``list_algorithms()``."""
+
+    name: str
+    description: str
+    paper: str = ""
+    options: tuple[AlgorithmOption, ...] = ()
+
+
+@runtime_checkable
+class Collector(Protocol):
+    """Bounded statistics of one layer's input over the calibration batches.
+
+    ``update`` is called with the layer's input activation (what the weighted op receives during
+    calibration) on every batch; ``result`` once, at convert. Memory must not grow with the number
+    of batches beyond a cap the collector chooses.
+    """
+
+    def update(self, x: torch.Tensor) -> None: ...
+
+    def result(self) -> Any: ...
+
+
+@runtime_checkable
+class MergeableCollector(Collector, Protocol):
+    """A :class:`Collector` with the optional merge hook: it takes part in distributed calibration.
+
+    Calibrating on several processes (``quantplug.distributed.sync_observers``, ``quantplug
+    quantize --nproc N``, torchrun) gives each process's collectors its share of the batches.
+    ``sync_observers`` gathers every rank's :meth:`state` and calls :meth:`merge_` on every rank
+    with all of them, in rank order, so each rank's collector ends up standing for every batch
+    and every rank converts the same program. Gathered, not reduced by the backend: the merge
+    is this method's, in an order that does not depend on nccl or gloo.
+
+    A collector without these two methods is refused there with a
+    :class:`~_quantplug.errors.CollectorMergeError` naming the algorithm, the collector's class and
+    this fix, before any rank converts with only its own share of the data (``quantize --nproc``
+    refuses before calibrating). Collectors that never see calibration data (those of sequential
+    algorithms, of weights without a layer input) are not merged and need no hook.
+
+    Rules for a merge (see ``quantplug/algorithms/README.md``, "Collectors across processes"):
+    make it a function of ``states`` alone (every rank computes it from the same list and must
+    get the same bits); make it the one-process result where the statistic allows (sums, counts,
+    extremes), otherwise a statistic as valid (a reservoir sample: a uniform sample of every
+    rank's rows, drawn with a seeded generator); keep memory bounded.
+    """
+
+    def state(self) -> Any:
+        """What other processes need to merge this collector: tensors, numbers, strings, None and
+        lists/tuples/dicts of them (pickled between processes; tensors travel on the CPU)."""
+        ...
+
+    def merge_(self, states: Sequence[Any]) -> None:
+        """Become the merge of ``states``: every rank's :meth:`state`, in rank order, this rank's
+        among them (so this collector's own statistics are replaced, not added to)."""
+        ...
+
+
+@dataclass(frozen=True)
+class WeightSite:
+    """One quantized constant weight and the op that consumes it.
+
+    Attributes:
+        name: the weight's attribute path in the program (``"layers.0.fc1.weight"``).
+        node: the consuming node's name; ``op`` its target (``"aten.linear.default"``).
+        weight: the float weight (after any transform).
+        bias: the float bias the op adds (None when it has none or it is not a constant).
+        group: the weight's sharing group; ``shared_with`` the other weights in it (an encoding
+            shared by several weights must stay shared: such sites accept codes only).
+        input_index: which argument of the op is the activation input a collector sees (None
+            when the op is not one quantplug can re-run on a layer input, e.g. an embedding's
+            lookup; and for a recurrent op's ``weight_ih``/``weight_hh``, whose collectors see
+            the rows the op computes inside: :mod:`_quantplug.graph.recurrent`; and for a
+            mixture-of-experts weight ``[experts, out, in]``, whose ``node`` is the gather
+            ``W[ids]`` (``op`` ``"aten.index.Tensor"``) and ``tied`` the ``bmm`` reading it: its
+            collectors see each expert's rows packed, ``[experts, R, in]`` with zero rows after
+            each expert's own, and :meth:`forward` takes that layout:
+            :mod:`_quantplug.algorithms.experts`).
+        in_out: a mixture-of-experts weight stored ``[experts, in, out]`` (read as
+            ``bmm(x, W[ids])``), whose experts are its slices' transposes.
+        folded_from: the weight the user wrote, when this one is it with a batch norm folded in
+            (quantplug's name for such a weight means nothing to the user).
+        tied: the other nodes that multiply this weight as the same layer (same op, same bias and
+            arguments): a recurrence unrolled over time steps, layers shared across depth. Their
+            inputs are rows of this layer too, so collectors see every node's input, not ``node``'s
+            alone; one encoding and one set of codes serve them all.
+    """
+
+    name: str
+    node: str
+    op: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    group: int
+    shared_with: tuple[str, ...] = ()
+    input_index: int | None = None
+    folded_from: str | None = None
+    tied: tuple[str, ...] = ()
+    in_out: bool = False
+    _call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    @property
+    def label(self) -> str:
+        """The weight as messages name it: as the user wrote it."""
+        return f"{self.folded_from} (with its batch norm)" if self.folded_from else self.name
+
+    @property
+    def layer_nodes(self) -> tuple[str, ...]:
+        """Every node whose input is a row of this layer: ``node`` and the ``tied`` ones."""
+        return (self.node, *self.tied)
+
+    @property
+    def has_layer(self) -> bool:
+        """Whether :meth:`forward` can re-run the op (conv/linear-like ops with constant arguments;
+        for a recurrent op's ``weight_ih``/``weight_hh``, the linear map it applies to each step's
+        row, its bias included), and so whether collectors are fed a layer input."""
+        return self._call is not None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The op's output for input ``x`` with ``weight`` (default: the float weight), bias included."""
+        if self._call is None:
+            raise TypeError(f"weight {self.name} feeds {self.op}, which quantplug cannot re-run on an input")
+        return self._call(x, self.weight if weight is None else weight)
+
+
+@dataclass(frozen=True)
+class WeightGrid:
+    """The backend's grid for one weight, with the encoding chosen so far.
+
+    Attributes come from the weight's QuantizationSpec (``quant_min``/``quant_max``, ``dtype``,
+    ``qscheme``, ``ch_axis``, ``block_size``) and its observer (``scale``/``zero_point``, in the
+    compact shape the backend stores: one value per tensor, per channel, or a grid of blocks).
+    ``granularity`` is ``"tensor"``, ``"channel"`` or ``"block"``.
+    """
+
+    quant_min: int
+    quant_max: int
+    dtype: torch.dtype
+    qscheme: Any
+    granularity: str
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    symmetric: bool
+    ch_axis: int | None = None
+    block_size: tuple[int, ...] | None = None
+    _observe: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def observe(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, zero_point)`` the backend's weight observer gives for ``tensor``.
+
+        The legal way to choose another scale: observe a clipped or rescaled weight and the
+        backend applies its own rules (symmetry, eps, LPBQ's 4-bit scale lattice).
+        """
+        if self._observe is None:
+            raise TypeError("this grid has no observer (built by hand)")
+        return self._observe(tensor)
+
+    def expand(self, param: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """A scale or zero point stretched over a weight of ``shape`` (broadcastable to it)."""
+        if self.granularity == "tensor":
+            return param.reshape(-1)[0].expand(tuple(shape))
+        if self.granularity == "channel":
+            axis = (self.ch_axis or 0) % len(shape)
+            view = [1] * len(shape)
+            view[axis] = -1
+            return param.reshape(view).expand(tuple(shape))
+        from _quantplug.observers.per_block import resolve_block_size
+
+        block = resolve_block_size(self.block_size or (), shape)
+        out = param
+        for dim, size in enumerate(block):
+            out = out.repeat_interleave(size, dim=dim) if size > 1 else out
+        return out.reshape(tuple(shape))
+
+    def quantize(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        zero_point: torch.Tensor | None = None,
+        *,
+        rounding: Callable[[torch.Tensor], torch.Tensor] = torch.round,
+    ) -> torch.Tensor:
+        """Integer codes (int64) of ``weight`` on this grid: ``clamp(rounding(w / s) + z)``."""
+        s = self.expand(self.scale if scale is None else scale, weight.shape).to(torch.float32)
+        z = self.expand(self.zero_point if zero_point is None else zero_point, weight.shape)
+        codes = rounding(weight.to(torch.float32) / s) + z.to(torch.float32)
+        return codes.clamp(self.quant_min, self.quant_max).to(torch.int64)
+
+    def dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The float weight that ``codes`` stand for: ``(q - z) * s``."""
+        s = self.expand(self.scale if scale is None else scale, codes.shape).to(torch.float32)
+        z = self.expand(self.zero_point if zero_point is None else zero_point, codes.shape)
+        return (codes.to(torch.float32) - z.to(torch.float32)) * s
+
+    def with_encoding(self, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> WeightGrid:
+        """The same grid with another scale (and zero point)."""
+        return replace(self, scale=scale, zero_point=self.zero_point if zero_point is None else zero_point)
+
+
+@dataclass(frozen=True)
+class WeightChoice:
+    """What :meth:`Algorithm.choose_weight` returns; every field is optional.
+
+    Attributes:
+        codes: integer codes with the weight's shape, within ``[quant_min, quant_max]``.
+        scale: new scales in the grid's compact shape (requires ``codes`` or re-rounds to nearest).
+        zero_point: new zero points (asymmetric grids only), same shape as ``scale``.
+        bias_delta: a float correction added to the op's bias (one value per output channel),
+            before the bias itself is quantized; needs an op with a constant bias.
+    """
+
+    codes: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
+    bias_delta: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """``collected`` for a sequential algorithm that also collects during calibration.
+
+    An algorithm with ``sequential = True`` gets, by default, the result of a collector fed by
+    the sequential pass (the layer's inputs in the model quantized so far). With
+    ``float_inputs = True`` as well, its collectors are also fed during calibration (the float
+    model's inputs) and ``choose_weight`` receives both results here (empirical bias correction
+    compares the float output mean with the quantized one).
+    """
+
+    float: Any
+    quantized: Any
+
+
+@dataclass
+class TransformContext:
+    """What :meth:`Algorithm.transform_program` gets besides the program.
+
+    ``calibration``: the batches given to ``prepare(..., calibration=...)`` (tuples of the
+    program's positional inputs), or None. Transforms must write new tensors with
+    :meth:`set_constant` (never in place: the program's tensors may be the caller's).
+    """
+
+    algorithm: str
+    calibration: Sequence[tuple[Any, ...]] | None = None
+    #: the quantizer the program is prepared with (read its configs; never call annotate on it)
+    quantizer: Any = None
+
+    def global_bits(self) -> tuple[int | None, int | None]:
+        """``(activation bits, weight bits)`` of the quantizer's global config (None: float or unknown).
+
+        Read from the specs' ranges, so it works for any backend whose quantizer exposes a
+        ``global_config`` (quantplug's do); transforms use it to simulate the grids they prepare for.
+        """
+        config = getattr(self.quantizer, "global_config", None)
+        return _bits(getattr(config, "input_activation", None)), _bits(getattr(config, "weight", None))
+
+    def batches(self) -> Iterator[tuple[Any, ...]]:
+        """The calibration batches; a typed error when the algorithm needs them and none were given."""
+        if not self.calibration:
+            raise CalibrationError(
+                f"algorithm {self.algorithm!r} needs calibration data before annotation; pass "
+                "prepare(program, quantizer, algorithms=[...], calibration=[batch, ...]) "
+                "(each batch a tuple of the program's inputs)"
+            )
+        for batch in self.calibration:
+            yield batch if isinstance(batch, tuple) else (batch,)
+
+    @staticmethod
+    def set_constant(gm: GraphModule, target: str, value: torch.Tensor) -> None:
+        """Replace the tensor at attribute path ``target`` with ``value`` (a new tensor)."""
+        from _quantplug.graph.attrs import put_attr
+
+        new = value.detach().clone()
+        old = put_attr(gm, target, new)
+        if isinstance(old, torch.nn.Parameter):  # stays a parameter (sharing new's storage)
+            put_attr(gm, target, torch.nn.Parameter(new, old.requires_grad))
+
+
+def _bits(spec: Any) -> int | None:
+    if spec is None or not hasattr(spec, "dtype"):
+        return None
+    from _quantplug.annotation.spec_view import spec_range
+
+    try:
+        qmin, qmax = spec_range(spec)
+    except Exception:
+        return None
+    return max(1, (qmax - qmin).bit_length())
+
+
+class Algorithm:
+    """Base class of accuracy algorithms; override the hooks you need (all default to no-ops).
+
+    Class attributes describe the algorithm (``name``, ``description``, ``paper``, ``options``);
+    constructor keywords are its options. Instances are configured objects: pass one to
+    ``prepare(..., algorithms=[MyAlgorithm(alpha=0.6)])`` or register the class by name.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    options: ClassVar[tuple[AlgorithmOption, ...]] = ()
+    #: collectors fed at convert with each layer's inputs in the model quantized so far (earlier
+    #: layers as chosen, activations quantized) instead of during float calibration
+    #: (:mod:`_quantplug.algorithms.sequential`)
+    sequential: bool = False
+    #: with ``sequential``: also feed collectors during calibration; ``collected`` is then a
+    #: :class:`LayerInputs` with both results
+    float_inputs: bool = False
+
+    @classmethod
+    def info(cls) -> AlgorithmInfo:
+        return AlgorithmInfo(cls.name, cls.description, cls.paper, cls.options)
+
+    def transform_program(self, gm: GraphModule, context: TransformContext) -> GraphModule | None:
+        """Rewrite the float program before annotation (in place or return a new GraphModule).
+
+        Must keep the program's float function (up to rounding) and write weights through
+        ``context.set_constant``. Called on quantplug's private copy, batch norms folded.
+        """
+        return None
+
+    def collector(self, site: WeightSite) -> Collector | None:
+        """A fresh collector for one weight site, or None when this algorithm needs no data there."""
+        return None
+
+    def choose_weight(
+        self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
+    ) -> WeightChoice | None:
+        """The weight's codes/scales on ``grid``, given the current ``codes`` and what was collected.
+
+        ``collected`` is this algorithm's collector's ``result()`` (None without one, or when the
+        layer never ran).
+        """
+        return None
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{o.name}={getattr(self, o.name, o.default)!r}" for o in self.options)
+        return f"{type(self).__name__}({shown})"
+
+
+def option_values(
+    algorithm: str, declared: Sequence[AlgorithmOption], given: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``given`` checked against ``declared`` and completed with defaults (strings converted).
+
+    Command-line values arrive as strings; they are converted to the declared type. Unknown
+    names, wrong types and values outside ``choices`` raise :class:`~_quantplug.errors.OptionError`.
+    """
+    from _quantplug.errors import OptionError
+    from _quantplug.suggest import did_you_mean
+
+    by_name = {o.name: o for o in declared}
+    values = {o.name: o.default for o in declared}
+    for key, raw in given.items():
+        option = by_name.get(key)
+        if option is None:
+            known = ", ".join(sorted(by_name)) or "none"
+            raise OptionError(
+                f"algorithm {algorithm!r} has no option {key!r}{did_you_mean(key, by_name)}; "
+                f"its options: {known}"
+            )
+        values[key] = _convert_option(algorithm, option, raw)
+    return values
+
+
+def _convert_option(algorithm: str, option: AlgorithmOption, raw: Any) -> Any:
+    from _quantplug.errors import OptionError
+
+    kind = OPTION_TYPES[option.type]
+    value = raw
+    try:
+        if isinstance(raw, str) and kind is not str:
+            if kind is bool:
+                lowered = raw.strip().lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(raw)
+                value = lowered in ("true", "1", "yes")
+            else:
+                value = kind(raw)
+        elif kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+            value = float(raw)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(raw)
+    except ValueError:
+        raise OptionError(
+            f"option {option.name!r} of algorithm {algorithm!r} must be a {option.type}, got {raw!r}"
+        ) from None
+    if option.choices is not None and value not in option.choices:
+        raise OptionError(
+            f"option {option.name!r} of algorithm {algorithm!r} must be one of "
+            f"{', '.join(map(repr, option.choices))}, got {value!r}"
+        )
+    problem = range_problem(option.type, value, option.minimum, option.maximum)
+    if problem is not None:
+        raise OptionError(f"option {option.name!r} of algorithm {algorithm!r} must {problem}, got {raw!r}")
+    return value

@@ -1,0 +1,326 @@
+"""Weights as matrices, and the integer grid they are quantized on, for the weight-choice algorithms.
+
+AdaRound, SeqMSE and GPTQ all reason about a layer as ``y = W x`` with ``W`` an ``[O, I]`` matrix
+(a conv's kernel flattened to ``[O, C*kh*kw]``, matching ``F.unfold``'s patch order) and judge a
+quantized ``Ŵ`` by the layer's output error on calibration data:
+
+    E = sum over samples of ||(W - Ŵ) x||^2 = sum over rows o of d_o^T H d_o,   d = W - Ŵ,
+
+where ``H = sum x x^T`` is accumulated batch by batch (:class:`HessianAccumulator`). So no
+algorithm here keeps calibration samples: ``H`` is ``I x I`` whatever the data set's size.
+
+A grouped convolution (depthwise: one group per channel) is ``G`` such layers side by side: the
+``O / G`` rows of group ``g`` multiply only that group's input patches, so its ``H`` is a stack
+``[G, I, I]``, row block ``g`` weighed by ``H[g]`` (:func:`rows_times`). Rows never interact in
+these losses, so each block's choice is exactly that of a layer of its own.
+
+Scales and zero points arrive expanded to the matrix (one value per weight), so the same code
+serves per-tensor, per-channel and per-block (groupwise, LPBQ) grids; :func:`column_groups` is the
+one place that says which columns share a scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from _quantplug.errors import AlgorithmError, AnnotationError
+
+
+@dataclass(frozen=True)
+class IntegerGrid:
+    """The integer codes a weight may take: ``quant_min..quant_max`` (the backend's, never ours)."""
+
+    quant_min: int
+    quant_max: int
+
+    def __post_init__(self) -> None:
+        if self.quant_min >= self.quant_max:
+            raise AnnotationError(
+                f"a weight grid needs quant_min < quant_max, got [{self.quant_min}, {self.quant_max}]"
+            )
+
+    @property
+    def levels(self) -> int:
+        return self.quant_max - self.quant_min + 1
+
+
+def quantize_codes(
+    w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid
+) -> torch.Tensor:
+    """Round-to-nearest codes ``clamp(round(w / scale) + zero_point)`` as float (exact integers)."""
+    return torch.clamp(torch.round(w / scale) + zero_point, grid.quant_min, grid.quant_max)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    return (codes - zero_point) * scale
+
+
+def fake_quantize(
+    w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid
+) -> torch.Tensor:
+    return dequantize_codes(quantize_codes(w, scale, zero_point, grid), scale, zero_point)
+
+
+def rows_times(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``rows @ matrix`` where ``matrix`` is one ``[J, K]`` for every row, or a stack ``[G, J, K]``:
+    then the rows are ``G`` equal consecutive blocks, block ``g`` multiplied by ``matrix[g]`` (a
+    grouped convolution's row blocks and their Hessians)."""
+    if matrix.dim() == 2:
+        return rows @ matrix
+    groups = matrix.shape[0]
+    if rows.shape[0] % groups:
+        raise AlgorithmError(f"{rows.shape[0]} rows do not split into {groups} equal row blocks")
+    return (rows.reshape(groups, -1, rows.shape[1]) @ matrix).reshape(rows.shape[0], matrix.shape[2])
+
+
+def hessian_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch.Tensor:
+    """``L`` ``[I, k]`` (float64) with ``L L^T = H``, up to eigenvalues below ``relative_floor * max``;
+    for a stack ``[G, I, I]``, the stack of each one's factor, zero columns padding them to one ``k``.
+
+    Calibration sets smaller than a layer's input width give a low-rank ``H``; dropping its null
+    space makes every product with ``L`` ``k / I`` as costly as one with ``H``, with the same loss
+    on the calibration data (``d^T H d = ||d L||^2``).
+
+    Inputs that never carry a value (dead channels: a zero on the diagonal) are zero rows and
+    columns of a positive semi-definite ``H`` and are left out before decomposing: the many equal
+    zero eigenvalues they make can stop LAPACK's eigensolver from converging (``LinAlgError`` on
+    SqueezeNet's and ResNet-18's convolutions). Should it still fail, the SVD of the symmetric
+    ``H`` gives the same factor.
+    """
+    if hessian.dim() == 3:
+        factors = [hessian_factor(h, relative_floor) for h in hessian]
+        width = max(f.shape[1] for f in factors)
+        return torch.stack([torch.nn.functional.pad(f, (0, width - f.shape[1])) for f in factors])
+    h = hessian.detach().to(torch.float64)
+    live = torch.diagonal(h) > 0
+    sub = h[live][:, live]
+    sub = (sub + sub.T) / 2
+    try:
+        values, vectors = torch.linalg.eigh(sub)
+    except torch.linalg.LinAlgError:
+        vectors, values, _ = torch.linalg.svd(sub)
+    keep = values > relative_floor * float(values.max().clamp(min=0)) if values.numel() else values > 0
+    factor = torch.zeros(h.shape[0], max(int(keep.sum()), 1), dtype=torch.float64)
+    if bool(keep.any()):
+        factor[live] = vectors[:, keep] * values[keep].sqrt()
+    return factor
+
+
+#: probe columns that check a low-rank factor's range (:func:`low_rank_factor`)
+RANGE_PROBES = 8
+#: how far outside a factor's range ``H`` may reach, relative to ``H`` on the same probes
+RANGE_TOLERANCE = 1e-10
+
+
+def low_rank_factor(hessian: torch.Tensor, max_rank: int, seed: int = 0) -> torch.Tensor | None:
+    """:func:`hessian_factor` at ``I^2 k`` cost instead of ``I^3``, for an ``H`` of rank ``k`` at
+    most ``max_rank``; None when its rank is higher.
+
+    A layer calibrated on ``N`` rows has ``rank(H) <= N``: torchvision's r3d_18 has 13824-input
+    convolutions that see 64 rows, whose eigendecomposition takes minutes and whose SeqMSE
+    losses cost an ``[O, I] x [I, I]`` product per candidate. ``H`` times ``k`` random columns
+    spans its range (a randomized range finder, Halko, Martinsson and Tropp 2011; exact for a
+    matrix of rank ``k`` up to rounding); ``H`` restricted to that range is ``k x k``. Ranks
+    ``64, 128, ...`` are tried up to ``max_rank``; a few more random columns of ``H`` must lie in
+    the range found (:data:`RANGE_TOLERANCE`), else the rank is higher. The random columns come
+    from ``seed``: the same factor on every run.
+    """
+    h = hessian.detach().to(torch.float64)
+    inputs = h.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    rank = 64
+    while rank <= max_rank:
+        probes = torch.randn(inputs, rank + RANGE_PROBES, generator=generator, dtype=torch.float64)
+        reach = h @ probes
+        basis = torch.linalg.qr(reach[:, :rank]).Q
+        check = reach[:, rank:]
+        outside = check - basis @ (basis.T @ check)
+        if float(outside.norm()) <= RANGE_TOLERANCE * float(check.norm()):
+            values, vectors = torch.linalg.eigh(basis.T @ h @ basis)
+            keep = values > 1e-7 * float(values.max().clamp(min=0))
+            if not bool(keep.any()):
+                return torch.zeros(inputs, 1, dtype=torch.float64)
+            return (basis @ vectors[:, keep]) * values[keep].sqrt()
+        rank *= 2
+    return None
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """Per-row output error ``d_o^T H d_o`` of a weight error ``delta`` ``[O, I]`` (``H``: one
+    ``[I, I]``, or a stack of ``[I, I]`` for the row blocks of a grouped layer, :func:`rows_times`)."""
+    return (rows_times(delta, hessian) * delta).sum(dim=1)
+
+
+def to_matrix(weight: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """``weight`` as ``[O, I]``: output channels (``axis``) as rows, everything else flattened."""
+    if weight.dim() == 0:
+        return weight.reshape(1, 1)
+    axis = axis % weight.dim()
+    return weight.movedim(axis, 0).reshape(weight.shape[axis], -1)
+
+
+def from_matrix(matrix: torch.Tensor, shape: Sequence[int], axis: int = 0) -> torch.Tensor:
+    """Inverse of :func:`to_matrix` for a weight of ``shape``."""
+    dims = tuple(int(d) for d in shape)
+    if not dims:
+        return matrix.reshape(())
+    axis = axis % len(dims)
+    moved = (dims[axis], *dims[:axis], *dims[axis + 1 :])
+    return matrix.reshape(moved).movedim(0, axis)
+
+
+def column_groups(
+    shape: Sequence[int], axis: int | None, block_size: Sequence[int] | None
+) -> tuple[int, int] | None:
+    """``(rows per scale, columns per scale)`` of the matrix of a weight, or None if not contiguous.
+
+    Per-tensor: one scale for everything. Per-channel along ``axis``: one per row. Per-block with
+    ``block_size`` (one entry per dim, ``-1`` for a whole dim; the output axis is dim 0): a block
+    is contiguous in the flattened row when it covers whole trailing dims after its first partial
+    one, e.g. ``(1, 32)`` on a linear weight or ``(1, 16, kh, kw)`` on a conv (LPBQ's layout).
+    Other block shapes give None and the algorithms leave such weights to the backend's default.
+    """
+    dims = tuple(int(d) for d in shape)
+    if not dims:
+        return (1, 1)
+    out = 0 if axis is None else axis % len(dims)
+    rows = dims[out]
+    cols = 1
+    for i, d in enumerate(dims):
+        if i != out:
+            cols *= d
+    if block_size is None:
+        return (rows, cols) if axis is None else (1, cols)
+    if axis is not None and axis % len(dims) != 0:
+        return None
+    block = tuple(d if b == -1 or b > d else int(b) for b, d in zip(block_size, dims))
+    if len(block) != len(dims) or block[0] != 1 or any(b <= 0 or d % b for b, d in zip(block, dims)):
+        return None
+    group = 1
+    partial = False  # once a dim is split, every later dim must be whole
+    for b, d in zip(block[1:], dims[1:]):
+        if partial and b != d:
+            return None
+        partial = partial or b != d
+        group *= b
+    return (1, group)
+
+
+class HessianAccumulator:
+    """Streaming ``H = sum x x^T`` over a layer's input rows (float64: sums of many products).
+
+    ``add`` takes the rows a batch contributes (``[N, I]``, linear inputs flattened over leading
+    dims or a conv's unfolded patches), so memory stays ``I x I`` whatever the data set's size.
+    With ``groups`` (a grouped convolution) it takes ``[G, N, I]``, each group's patches at the
+    same ``N`` positions, and sums a stack ``[G, I, I]``.
+    """
+
+    def __init__(self, columns: int, groups: int | None = None) -> None:
+        self.columns = int(columns)
+        self.groups = groups
+        stack = () if groups is None else (int(groups),)
+        self.sum = torch.zeros(*stack, self.columns, self.columns, dtype=torch.float64)
+        self.rows = 0
+        #: ``sum_k sum_{i != j} x_ki^2 x_kj^2``: how much ``H``'s off-diagonal terms vary from row
+        #: to row, which is what :func:`shrunk_toward_diagonal` needs (one number per ``H``)
+        self.fourth = torch.zeros(stack, dtype=torch.float64)
+
+    def add(self, rows: torch.Tensor) -> None:
+        x = rows.detach().reshape(self.groups or 1, -1, self.columns).to(torch.float64)
+        finite = torch.isfinite(x).all(dim=2).all(dim=0)  # a position broken in any group goes
+        if not bool(finite.all()):  # a masked/broken row says nothing about this layer's inputs
+            x = x[:, finite]
+        if self.groups is None:
+            self.sum.addmm_(x[0].T, x[0])
+        else:
+            self.sum.baddbmm_(x.transpose(1, 2), x)
+        squares = x * x
+        fourth = (squares.sum(dim=2).square() - squares.square().sum(dim=2)).sum(dim=1)
+        self.fourth += fourth if self.groups is not None else fourth[0]
+        self.rows += int(x.shape[1])
+
+    def mean(self) -> torch.Tensor:
+        """``H / N`` as float64 (what the algorithms' losses are normalised by)."""
+        return self.sum / max(self.rows, 1)
+
+
+def shrunk_toward_diagonal(
+    mean: torch.Tensor, fourth: float | torch.Tensor, rows: int
+) -> tuple[torch.Tensor, float]:
+    """The mean ``x x^T`` shrunk toward its own diagonal, and the shrinkage intensity in [0, 1]
+    (a stack ``[G, I, I]``: each shrunk with its own ``fourth``; the largest intensity).
+
+    ``(1 - d) * S + d * diag(S)`` with Ledoit and Wolf's estimate of the intensity that makes it
+    the closest (in expected Frobenius norm) to the mean over all data, as Schaefer and Strimmer
+    (2005) give it for a diagonal target: the sampling variance of ``S``'s off-diagonal terms over
+    their squares, ``d = sum_{i!=j} Var(s_ij) / sum_{i!=j} s_ij^2``, with ``Var(s_ij)`` estimated
+    from the rows as ``(mean_k x_ki^2 x_kj^2 - s_ij^2) / N``. ``fourth`` is ``sum_k sum_{i!=j}
+    x_ki^2 x_kj^2`` (:attr:`HessianAccumulator.fourth`) and ``rows`` is ``N``.
+
+    Why: fewer rows than inputs leave ``S`` singular, and GPTQ's error feedback then moves error
+    into directions no calibration row measured, free on the calibration data and not on other
+    data. The diagonal keeps each input's own energy (outlier channels stay heavy) and drops only
+    the correlations the rows are too few to estimate; with many rows ``d`` tends to 0.
+    """
+    if rows < 2:
+        return mean, 0.0
+    if mean.dim() == 3:  # a grouped layer: each group's H on its own evidence
+        shrunk = [
+            shrunk_toward_diagonal(m, float(f), rows)
+            for m, f in zip(mean, torch.as_tensor(fourth).reshape(-1))
+        ]
+        return torch.stack([h for h, _ in shrunk]), max(d for _, d in shrunk)
+    off = mean.clone()  # then in place: I x I float64 can be gigabytes (fewer copies at once)
+    off.diagonal().zero_()
+    squared = float(off.square().sum())
+    if squared <= 0.0:
+        return mean, 0.0  # already diagonal
+    variance = (float(fourth) / rows - squared) / rows
+    intensity = min(max(variance / squared, 0.0), 1.0)
+    return mean - off.mul_(intensity), intensity
+
+
+def dampened(hessian: torch.Tensor, relative: float) -> torch.Tensor:
+    """``H + relative * mean(diag H) * I``, and dead inputs (zero diagonal) made harmless.
+
+    A column no calibration sample ever touched has a zero row and column in ``H``: its weights
+    cannot change the output on the data, so it gets a unit diagonal (any choice is equally good)
+    and the matrix stays positive definite for the Cholesky factorisations.
+    """
+    if hessian.dim() == 3:
+        return torch.stack([dampened(h, relative) for h in hessian])
+    h = hessian.clone()
+    diag = torch.diagonal(h)
+    dead = diag <= 0
+    diag[dead] = 1.0
+    damp = float(relative) * float(diag.mean())
+    diag += damp
+    return h
+
+
+#: below this many multiply-adds per product, loops of small products run on one thread
+SMALL_PRODUCT = 1 << 24
+
+
+@contextmanager
+def small_products(macs: int) -> Iterator[None]:
+    """One intra-op thread while a loop runs many products of ``macs`` multiply-adds each.
+
+    Small products gain nothing from threads, and on a busy machine every parallel region waits
+    for a descheduled worker (a scheduler time slice, ~10 ms, per matrix product: 100x slower
+    than the product itself). The thread count is restored afterwards; results do not depend on
+    it beyond float summation order.
+    """
+    before = torch.get_num_threads()
+    if macs >= SMALL_PRODUCT or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

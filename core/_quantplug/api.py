@@ -1,0 +1,92 @@
+"""The top-level calls: pick a backend by name, and the one-call ``quantize``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from _quantplug.errors import QuantplugError
+from _quantplug.flow.convert import convert
+from _quantplug.flow.prepare import prepare
+from _quantplug.plugins.registry import load_backend
+from _quantplug.quantizer.quantizer import Quantizer, make_quantizer
+
+
+def get_quantizer(name: str, **options: Any) -> Quantizer:
+    """A quantizer for backend ``name`` with its options (``strict`` is accepted by every backend).
+
+    Imports that backend's plugin and the extensions targeting it, nothing else.
+
+    Raises:
+        UnknownBackendError: no such backend (the message lists the installed ones).
+        BackendLoadError: the plugin failed to import.
+        OptionError: an unknown option, a wrong type or a value outside its choices.
+    """
+    return make_quantizer(load_backend(name), dict(options))
+
+
+def _as_args(batch: Any) -> tuple[Any, ...]:
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def quantize(
+    model: torch.nn.Module | torch.export.ExportedProgram,
+    example_inputs: Sequence[Any] | None = None,
+    *,
+    backend: str,
+    calibration: Iterable[Any] | None = None,
+    nonfinite: str = "error",
+    algorithms: Sequence[Any] | None = None,
+    algorithm_guard: bool = True,
+    held_out: Iterable[Any] | None = None,
+    **options: Any,
+) -> torch.fx.GraphModule:
+    """Export (if needed), prepare, calibrate and convert in one call.
+
+    Args:
+        model: an ``nn.Module`` (exported in eval mode with ``example_inputs``; its own
+            train/eval flags are left as they were) or an ``ExportedProgram``.
+        example_inputs: a tuple of inputs, needed when ``model`` is a module.
+        backend: the backend name.
+        calibration: batches (a tensor or a tuple of tensors each); defaults to the example inputs.
+        nonfinite: NaN/inf values in calibration data: ``"error"`` or ``"ignore"`` (see
+            :func:`quantplug.prepare`).
+        algorithms: accuracy algorithms (names, ``(name, options)`` pairs or objects), see
+            :func:`quantplug.prepare`; those needing data before annotation get ``calibration``.
+        algorithm_guard: keep an algorithm's weight choice only where the model does no worse
+            (see :func:`quantplug.prepare`).
+        held_out: batches not calibrated on for the guard to judge on (see
+            :func:`quantplug.prepare`).
+        **options: backend options.
+
+    Returns:
+        The converted (reference Q/DQ) GraphModule.
+    """
+    if isinstance(model, torch.export.ExportedProgram):
+        program = model
+    else:
+        if example_inputs is None:
+            raise QuantplugError("quantize() needs example_inputs to export an nn.Module")
+        flags = {m: m.training for m in model.modules()}
+        try:
+            program = torch.export.export(model.eval(), tuple(example_inputs))
+        finally:
+            for module, training in flags.items():
+                module.training = training
+    quantizer = get_quantizer(backend, **options)
+    batches = list(calibration) if calibration is not None else [tuple(example_inputs or ())]
+    prepared = prepare(
+        program,
+        quantizer,
+        nonfinite=nonfinite,
+        algorithms=algorithms,
+        calibration=[_as_args(b) for b in batches] if algorithms else None,
+        algorithm_guard=algorithm_guard,
+        held_out=[_as_args(b) for b in held_out] if held_out is not None else None,
+    )
+    with torch.no_grad():
+        for batch in batches:
+            prepared(*_as_args(batch))
+    return convert(prepared)

@@ -1,0 +1,1 @@
+"""The backend conformance kit (public front: :mod:`quantplug.conformance`)."""

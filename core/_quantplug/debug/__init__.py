@@ -1,0 +1,1 @@
+"""The numeric debugger (public front: :mod:`quantplug.debug`)."""

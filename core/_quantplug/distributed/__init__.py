@@ -1,0 +1,1 @@
+"""Calibration over several processes (public front: :mod:`quantplug.distributed`)."""

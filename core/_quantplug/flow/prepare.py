@@ -1,0 +1,587 @@
+"""prepare(): annotate -> resolve sharing -> validate -> one observer per group.
+
+Works on a copy of the caller's graph, inserts observers with O(1) naming into one container
+module, and recompiles once. Groups whose tensors are all parameters or buffers (weights,
+biases) get no observer in the graph: convert() measures them once, so calibration runs at float
+speed for weights instead of re-observing them every batch. Every other group keeps an observer
+per key, as torchao's prepare_pt2e gives it, because foreign observers may look for one (ExecuTorch's
+ConcatObserver finds each concat input's observer in the graph): a group mixing a weight and
+activations (an embedding table whose looked-up rows share its encoding), values computed from
+weights only (a transposed weight, an LSTM's ``zeros`` state) and QAT weights. convert() still
+stores all of them as integers (see ``flow.constants``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from _quantplug.algorithms.registry import resolve_algorithms
+from _quantplug.algorithms.runtime import flat_batches, install_collectors, run_transforms
+from _quantplug.annotation.spec_view import SpecKind, spec_kind
+from _quantplug.errors import AnnotationError, OptionError, QuantplugError
+from _quantplug.graph.calls import Call, in_spec_of, input_misfit
+from _quantplug.graph.constants import written
+from _quantplug.graph.index_arithmetic import index_arithmetic
+from _quantplug.graph.mutation import mutated_aliases
+from _quantplug.graph.softmax_inputs import score_values
+from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
+from _quantplug.meta import ALGORITHMS_KEY as ALGORITHMS_KEY
+from _quantplug.meta import BACKEND_KEY, DEBUG_HANDLE_KEY, GROUP_KEY, OBSERVERS, STATE_KEY
+from _quantplug.observers.accelerated import accelerate, clonable, fresh_copy
+from _quantplug.observers.factory import create_observer
+from _quantplug.observers.nonfinite import check_policy
+from _quantplug.observers.nonfinite import configure as configure_nonfinite
+from _quantplug.peers.torchao_matching import fast_partition_matching
+from _quantplug.quantizer.quantizer import Quantizer, coverage_of
+from _quantplug.rewrites.batchnorm import fold_batch_norm
+from _quantplug.rewrites.computed_weights import (
+    linear_from_addmm,
+    linear_from_matmul_in_out,
+    materialize_computed_weights,
+)
+from _quantplug.rewrites.embedding_bag import rewrite_fixed_bags
+from _quantplug.rewrites.hand_written_linear import linear_from_matmul
+from _quantplug.rewrites.no_op_arguments import drop_no_op_arguments
+from _quantplug.rewrites.parameter_writes import functionalize_parameter_writes
+from _quantplug.rewrites.unread_writes import drop_unread_writes
+from _quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
+from _quantplug.sharing.problem import solve
+from _quantplug.sharing.resolution import Key, SharingGroups, describe_key
+from _quantplug.validation.engine import CalibratedPlan
+from _quantplug.validation.report import ValidationReport
+
+logger = logging.getLogger("quantplug.flow.prepare")
+
+#: meta naming the backend a program was prepared for (kept by convert; lower checks it)
+#: node meta naming the float-program node a node descends from (kept through prepare/convert)
+
+
+@dataclass
+class Group:
+    """One sharing group: its spec, its keys, and whether only parameters/buffers flow through it.
+
+    ``constant`` groups are quantized at convert from the parameters' values (no observer runs
+    during calibration); in QAT no group is, since training changes the weights.
+    """
+
+    gid: int
+    spec: Any
+    keys: list[Key]
+    constant: bool
+    dynamic: bool
+    #: its observer's calls in one forward pass make one update (``SharingGroups.observed_per_pass``)
+    per_pass: bool = False
+
+    @property
+    def target(self) -> str:
+        return f"{OBSERVERS}.g{self.gid}"
+
+    def describe(self) -> str:
+        shown = ", ".join(describe_key(k) for k in self.keys[:3])
+        more = f" and {len(self.keys) - 3} more" if len(self.keys) > 3 else ""
+        return shown + more
+
+
+@dataclass
+class PreparedState:
+    """What convert() needs beyond the prepared graph itself (kept in ``gm.meta``)."""
+
+    groups: list[Group]
+    group_of: dict[Key, int]
+    qat: bool
+    backend: str | None
+    validation: ValidationReport | None = None
+    #: the constraint checks convert runs on the calibrated encodings (constraints v2)
+    calibrated_checks: CalibratedPlan | None = None
+    #: keys of constant groups, quantized by convert as observers would have been:
+    #: node outputs (name -> group id) and input edges ((producer, consumer) -> group id)
+    constant_outputs: dict[str, int] = field(default_factory=dict)
+    constant_edges: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def observer(self, gm: GraphModule, gid: int) -> nn.Module:
+        return getattr(getattr(gm, OBSERVERS), f"g{gid}")
+
+
+class PreparedModule(GraphModule):
+    """What :func:`prepare` returns: a GraphModule whose observer nodes also resolve by name.
+
+    quantplug keeps every observer in one container (``quantplug_observers.gN``: O(1) naming, one
+    module tree), so an observer node is named ``quantplug_observers_gN`` while its module lives
+    at ``quantplug_observers.gN``. Observers written for torchao's prepare, where a node's name is
+    its module's attribute name, look their peers up as ``getattr(gm, node.name)`` (ExecuTorch's
+    ``ConcatObserver`` does, to widen its inputs' observers): here any attribute that is not found
+    otherwise and names a ``call_module`` node resolves to the module that node calls. The lookup
+    only runs on a miss and builds its name table once (again if the graph changed).
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run one calibration call; a call torch refuses is named by the input that does not fit.
+
+        The check runs only after torch has refused the call, so calls that fit cost nothing and
+        another batch size, which often runs on a static export, is still accepted.
+        """
+        try:
+            return super().__call__(*args, **kwargs)
+        except QuantplugError:
+            raise
+        except (TypeError, RuntimeError, ValueError, IndexError) as exc:
+            misfit = input_misfit(self, Call(args, kwargs))
+            if misfit is None:
+                raise
+            raise misfit from exc
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            target = self._module_name_table(name)
+            if target is None:
+                raise
+            return self.get_submodule(target)
+
+    def _module_name_table(self, name: str) -> str | None:
+        table = self.__dict__.get("_quantplug_call_module_names")
+        if table is None or name not in table:  # first miss, or the graph changed since
+            graph = self.__dict__.get("_graph")
+            if graph is None:
+                return None
+            table = {n.name: str(n.target) for n in graph.nodes if n.op == "call_module"}
+            self.__dict__["_quantplug_call_module_names"] = table
+        return table.get(name)
+
+
+def _as_prepared_module(gm: GraphModule) -> None:
+    """Make ``gm`` a :class:`PreparedModule` in place (before its code is generated).
+
+    GraphModule gives every instance its own class (its ``forward`` is installed on it); the
+    per-instance class here is named like torch's, whose copying finds ``PreparedModule`` beneath it.
+    """
+
+    class GraphModuleImpl(PreparedModule):
+        pass
+
+    gm.__class__ = GraphModuleImpl
+
+
+def _call(quantizer: Any, method: str, gm: GraphModule) -> Any:
+    fn = getattr(quantizer, method, None)
+    return fn(gm) if callable(fn) else None
+
+
+def prepare(
+    program: torch.export.ExportedProgram | GraphModule,
+    quantizer: Any,
+    *,
+    qat: bool = False,
+    nonfinite: str = "error",
+    algorithms: Sequence[Any] | None = None,
+    calibration: Sequence[Any] | None = None,
+    algorithm_guard: bool = True,
+    held_out: Sequence[Any] | None = None,
+) -> GraphModule:
+    """Annotate ``program`` with ``quantizer`` and insert observers (or fake-quants if ``qat``).
+
+    Args:
+        program: an ``ExportedProgram`` or its ``GraphModule``; never modified (nor are its
+            tensors, by calibration: state the program writes, such as training-mode batch-norm
+            statistics, is copied).
+        quantizer: a quantplug ``Quantizer`` or any PT2E quantizer (``annotate``, ``validate``,
+            optional ``transform_for_annotation``), e.g. torchao's X86InductorQuantizer or
+            ExecuTorch's QnnQuantizer.
+        qat: insert fake-quantize modules for quantization-aware training.
+        nonfinite: what NaN/inf values reaching an observer do: ``"error"`` raises
+            :class:`~_quantplug.errors.NonFiniteError` naming the node(s) for a NaN, or an
+            infinity in the model's inputs, and leaves infinities the model computes (attention
+            masks) out of the statistics; ``"strict"`` raises for every NaN/inf; ``"ignore"``
+            leaves them all out and counts them (see :mod:`_quantplug.observers.nonfinite`).
+        algorithms: accuracy algorithms, in order: names from ``quantplug.list_algorithms()``,
+            ``(name, {option: value})`` pairs or configured objects (see
+            :mod:`_quantplug.algorithms.spec`). Unknown names raise
+            :class:`~_quantplug.errors.UnknownAlgorithmError`.
+        calibration: batches (tuples of the program's inputs) for algorithms that need data
+            before annotation (SmoothQuant); calibrating the result is still the caller's loop.
+        algorithm_guard: select which layers keep the algorithms' weight choice (the others are
+            rounded to nearest) by the quantized model's output error on the first calibration
+            batches, and undo a transform whose quantized program does worse on the
+            ``calibration`` batches (:mod:`_quantplug.algorithms.guard`), so algorithms never make
+            the model worse than the default on those batches (beyond a 0.004 dB tie margin,
+            float noise); ``False`` keeps every choice.
+        held_out: batches not calibrated on (as ``calibration``'s) for the guard to judge on
+            instead of the calibration batches (the first 8, at most 32 MiB of them). The
+            algorithms fit their choices to the calibration data, where a choice that overfits
+            (GPTQ on a layer that saw fewer rows than it has inputs) still looks good; judged on
+            held-out data it is refused, and the guarantee reads "never worse than the default on
+            ``held_out``". Used only with algorithms and the guard.
+
+    Returns:
+        A GraphModule to calibrate (or train) and pass to :func:`quantplug.convert`.
+    """
+    if not callable(getattr(quantizer, "annotate", None)):
+        raise QuantplugError(
+            f"{type(quantizer).__name__} is not a quantizer (no annotate method); "
+            "use quantplug.get_quantizer(name, ...) or a PT2E Quantizer"
+        )
+    _check_float_program(program)
+    _check_qat_agrees(quantizer, qat)
+    check_policy(nonfinite)
+    if not isinstance(algorithm_guard, bool):
+        raise OptionError(
+            f"algorithm_guard must be True or False, got {algorithm_guard!r}; pass "
+            "prepare(..., algorithm_guard=False) to keep every choice of the algorithms"
+        )
+    if held_out is not None and not algorithm_guard:
+        raise OptionError(
+            "held_out batches are what the algorithm guard judges on, and algorithm_guard=False "
+            "turns the guard off; pass one or the other"
+        )
+    chosen = resolve_algorithms(algorithms)  # issue 15: names -> configured objects, before any work
+    with paused_gc():
+        return _prepare(
+            program,
+            quantizer,
+            qat=qat,
+            nonfinite=nonfinite,
+            algorithms=chosen,
+            calibration=calibration,
+            algorithm_guard=algorithm_guard,
+            held_out=held_out,
+        )
+
+
+def _check_float_program(program: Any) -> None:
+    """A prepared or converted program given again fails here, not deep inside annotation."""
+    gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
+    if isinstance(gm, GraphModule) and (STATE_KEY in gm.meta or hasattr(gm, OBSERVERS)):
+        raise QuantplugError(
+            "this module is already prepared (it holds quantplug observers); prepare the float program "
+            "(the ExportedProgram you exported), then calibrate and convert the result"
+        )
+    if isinstance(gm, GraphModule) and any(
+        n.op == "call_function" and getattr(n.target, "namespace", None) == "quantized_decomposed"
+        for n in gm.graph.nodes
+    ):
+        raise QuantplugError(
+            "this program is already quantized (it holds quantize/dequantize ops); prepare the float program"
+        )
+
+
+def _check_qat_agrees(quantizer: Any, qat: bool) -> None:
+    """A quantizer built with its backend's QAT option wants prepare(qat=True), and vice versa."""
+    info = getattr(quantizer, "info", None)
+    option = getattr(info, "qat_option", None)
+    options = getattr(quantizer, "options", None)
+    if not option or not isinstance(options, dict) or not isinstance(options.get(option), bool):
+        return
+    if options[option] != qat:
+        backend = getattr(quantizer, "backend", "?")
+        if qat:
+            raise QuantplugError(
+                f"prepare(..., qat=True) with a {backend!r} quantizer built without {option}=True: its "
+                f"configs are the post-training ones; build it with get_quantizer({backend!r}, {option}=True)"
+            )
+        raise QuantplugError(
+            f"the {backend!r} quantizer was built with {option}=True (quantization-aware training configs) "
+            f"but prepare() was called without qat=True; call prepare(program, quantizer, qat=True), or "
+            f"drop {option}=True for post-training quantization"
+        )
+
+
+def _prepare(
+    program: torch.export.ExportedProgram | GraphModule,
+    quantizer: Any,
+    *,
+    qat: bool,
+    nonfinite: str,
+    algorithms: list[Any],
+    calibration: Sequence[Any] | None,
+    algorithm_guard: bool,
+    held_out: Sequence[Any] | None,
+) -> GraphModule:
+    gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
+    functionalize_parameter_writes(gm, rewrite=not qat)  # weights prepared on a first forward
+    for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
+        node.meta.setdefault(DEBUG_HANDLE_KEY, node.name)
+    if qat:
+        _own_parameters(gm)  # training must not write the caller's weights
+    else:
+        fold_batch_norm(gm)
+    rewrite_fixed_bags(gm)  # no ONNX Loop, a quantized table (flow.embedding_bag)
+    drop_no_op_arguments(gm)  # empty cat inputs, own dtypes: ONNX drops or splits them
+    drop_unread_writes(gm)  # a state written for a cache nothing returns: ONNX drops it
+    linear_from_matmul(gm)  # x @ W.T (Falcon): a linear every rule and algorithm knows
+    if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
+        materialize_computed_weights(gm)
+        linear_from_addmm(gm)  # transformers' Conv1D (GPT-2): a layer the algorithms take
+        linear_from_matmul_in_out(gm)  # x @ W with W [in, out] (SwiftFormer): the same
+    judged = (  # the guard's held-out batches, flat and checked against the program
+        flat_batches(gm, held_out, in_spec_of(program), "held_out", nonfinite)
+        if algorithms and algorithm_guard and held_out is not None
+        else None
+    )
+    if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
+        gm, undone = run_transforms(
+            gm,
+            algorithms,
+            calibration,
+            in_spec_of(program),
+            quantizer,
+            guard=algorithm_guard and not qat,  # a QAT model is trained after: nothing to judge now
+            nonfinite=nonfinite,
+            held_out=judged,
+        )
+    transformed = _call(quantizer, "transform_for_annotation", gm)
+    if isinstance(transformed, GraphModule):
+        gm = transformed
+    with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
+        _call(quantizer, "annotate", gm)
+    keys = collect_keys(gm.graph)
+    if not keys.specs:
+        _warn_nothing_quantized(gm, quantizer)
+    problem = keys.problem(gm.graph)
+    resolver = getattr(quantizer, "resolve_sharing", None)
+    groups = resolver(problem) if callable(resolver) else solve(problem)
+    report, checks = _validate(quantizer, gm, groups)
+    state = _build_groups(gm, keys, groups, qat=qat, backend=getattr(quantizer, "backend", None))
+    state.validation = report if isinstance(report, ValidationReport) else None
+    state.calibrated_checks = checks
+    observers = _create_observers(state, keys)
+    callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
+    if callable(callback):
+        observers = _run_pt2e_callback(gm, callback, state, observers)
+    container = nn.Module()
+    inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    scores = score_values(gm.graph)
+    for gid, obs in observers.items():
+        obs = accelerate(obs)
+        group = state.groups[gid]
+        producers = {k[0] if isinstance(k, tuple) else k for k in group.keys}
+        configure_nonfinite(
+            obs,
+            nonfinite,
+            group.describe(),
+            observes_input=bool(producers & inputs),
+            observes_scores=bool(producers & scores),
+        )
+        container.add_module(f"g{gid}", obs)
+    gm.add_module(OBSERVERS, container)
+    _insert_observer_nodes(gm, state)
+    _count_calls_per_pass(gm, state)
+    if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
+        gm.meta[ALGORITHMS_KEY] = install_collectors(
+            gm, state, algorithms, nonfinite, algorithm_guard, held_out=judged
+        )
+        gm.meta[ALGORITHMS_KEY].undone = undone
+    _as_prepared_module(gm)
+    compile_now(gm)
+    gm.meta[STATE_KEY] = state
+    gm.meta[BACKEND_KEY] = state.backend
+    return gm
+
+
+def _warn_nothing_quantized(gm: GraphModule, quantizer: Any) -> None:
+    """A preset whose scope misses every op of a model (weight-only int4, which quantizes linear
+    layers, on a network of convolutions) would otherwise convert to the float model in silence,
+    and the report would read an infinite SQNR as a perfect quantization."""
+    report = coverage_of(gm)
+    ops = ", ".join(f"{op} x{n}" for op, n in report.float_ops().most_common(5))
+    reasons = sorted({n.reason for n in report.float_nodes})[:3]
+    logger.warning(
+        "prepare: %r quantizes no node of this program, so convert gives back the float model. "
+        "Its most common ops: %s (%s). Choose a preset or backend whose scope covers them; "
+        "quantizer.coverage(program).format() gives the reason for every node.",
+        quantizer,
+        ops or "none",
+        "; ".join(reasons) or "no op nodes",
+    )
+
+
+def _validate(quantizer: Any, gm: GraphModule, groups: SharingGroups) -> tuple[Any, CalibratedPlan | None]:
+    """Constraint validation (raises when strict) and the checks convert repeats on calibrated
+    encodings. A quantplug Quantizer checks relations between ports against the resolved groups;
+    a foreign PT2E quantizer gets its own ``validate(model)``."""
+    if isinstance(quantizer, Quantizer):
+        return quantizer.validate(gm, sharing=groups), quantizer.calibrated_checks(gm, groups)
+    return _call(quantizer, "validate", gm), None
+
+
+def _own_parameters(gm: GraphModule) -> None:
+    """Give the prepared module private copies of its parameters and buffers (QAT updates them)."""
+    for module in gm.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.detach().clone(), param.requires_grad)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:  # batch-norm statistics move during training too
+                module._buffers[name] = buf.detach().clone()
+
+
+def _build_groups(
+    gm: GraphModule, keys: AnnotatedKeys, groups: SharingGroups, *, qat: bool, backend: str | None
+) -> PreparedState:
+    # parameters and buffers that no op of the graph writes (a buffer updated in place, a running
+    # state, changes at every forward: its group keeps its observer and is quantized at run time)
+    attrs = {n.name for n in gm.graph.nodes if n.op == "get_attr" and not written(n)} if not qat else set()
+
+    def from_constant(key: Key) -> bool:
+        return (key[0] if isinstance(key, tuple) else key) in attrs
+
+    result: list[Group] = []
+    for gid, members in enumerate(groups.members):
+        spec = keys.specs[groups.representative[gid]]
+        dynamic = bool(getattr(spec, "is_dynamic", False))
+        constant = not dynamic and all(from_constant(k) for k in members)
+        result.append(
+            Group(
+                gid=gid,
+                spec=spec,
+                keys=list(members),
+                constant=constant,
+                dynamic=dynamic,
+                per_pass=gid in groups.observed_per_pass,
+            )
+        )
+    state = PreparedState(groups=result, group_of=dict(groups.group_of), qat=qat, backend=backend)
+    for key, gid in groups.group_of.items():
+        if not result[gid].constant:
+            continue
+        if not isinstance(key, tuple):
+            state.constant_outputs[key] = gid
+        elif groups.group_of.get(key[0]) != gid:  # an edge in its producer's group reads its output
+            state.constant_edges[key] = gid
+    return state
+
+
+def _count_calls_per_pass(gm: GraphModule, state: PreparedState) -> None:
+    """Tell the observer of each per-pass group how many of its calls make one forward pass (its
+    call sites in the graph: every node runs once per pass), or in QAT of the observer its
+    fake-quant module wraps. Observers without a ``calls_per_pass`` (min-max ones, whose result
+    does not depend on it) are left alone."""
+    per_pass = {g.target: g for g in state.groups if g.per_pass}
+    if not per_pass:
+        return
+    calls: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in per_pass:
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    for target, count in calls.items():
+        obs = state.observer(gm, per_pass[target].gid)
+        obs = getattr(obs, "activation_post_process", obs)  # QAT: the observer a fake-quant wraps
+        if hasattr(obs, "calls_per_pass"):
+            setattr(obs, "calls_per_pass", count)  # noqa: B010 (nn.Module's typed __setattr__)
+
+
+def _create_observers(state: PreparedState, keys: AnnotatedKeys) -> dict[int, nn.Module]:
+    observers: dict[int, nn.Module] = {}
+    pending = [g for g in state.groups]
+    prototypes: dict[int, nn.Module] = {}  # id(spec) -> an untouched observer built from it
+    # derived groups need their sources' observers; resolve in dependency order
+    while pending:
+        progressed = False
+        rest = []
+        for group in pending:
+            spec = group.spec
+            if spec_kind(spec) is SpecKind.DERIVED:
+                src_gids = [state.group_of[key_of(k)] for k in spec.derived_from]
+                if any(g not in observers for g in src_gids):
+                    rest.append(group)
+                    continue
+                observers[group.gid] = create_observer(
+                    spec, qat=state.qat, sources=[observers[g] for g in src_gids]
+                )
+            else:
+                prototype = prototypes.get(id(spec))
+                if prototype is not None:  # groups sharing one spec object: copy, don't construct
+                    observers[group.gid] = fresh_copy(prototype)
+                else:
+                    observers[group.gid] = create_observer(spec, qat=state.qat)
+                    if clonable(observers[group.gid]):
+                        prototypes[id(spec)] = fresh_copy(observers[group.gid])
+            progressed = True
+        if not progressed:
+            raise AnnotationError(
+                "derived specs depend on each other in a cycle: " + "; ".join(g.describe() for g in rest)
+            )
+        pending = rest
+    return observers
+
+
+def _run_pt2e_callback(
+    gm: GraphModule, callback: Any, state: PreparedState, observers: dict[int, nn.Module]
+) -> dict[int, nn.Module]:
+    """PT2E's ``prepare_obs_or_fq_callback``: it sees and may replace per-key observers."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+
+    def edge_or_node(key: Key) -> Any:
+        return (nodes[key[0]], nodes[key[1]]) if isinstance(key, tuple) else nodes[key]
+
+    mapping = {edge_or_node(k): observers[g] for k, g in state.group_of.items()}
+    callback(gm, mapping)
+    for group in state.groups:
+        chosen = mapping[edge_or_node(group.keys[0])]
+        observers[group.gid] = chosen
+    return observers
+
+
+def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    last_placeholder = None
+    for n in nodes:
+        if n.op == "placeholder":
+            last_placeholder = n
+
+    def new_observer(source: Node, group: Group, before: Node | None = None) -> Node:
+        anchor = last_placeholder if source.op == "placeholder" and last_placeholder is not None else source
+        with graph.inserting_before(before) if before is not None else graph.inserting_after(anchor):
+            obs = graph.call_module(group.target, (source,))
+        for k in ("val", "tensor_meta", "nn_module_stack", "stack_trace", DEBUG_HANDLE_KEY):
+            if k in source.meta:
+                obs.meta[k] = source.meta[k]
+        obs.meta[GROUP_KEY] = group.gid
+        return obs
+
+    # index arithmetic left float reads a quantized producer's float value: a dequantized whole
+    # number can come back just below itself and its cast to integers would truncate it
+    edges_observed = {key[1] for key in state.group_of if isinstance(key, tuple)}
+    float_readers = {n.name for n in index_arithmetic(graph)} - edges_observed
+    output_obs: dict[str, Node] = {}
+    for n in nodes:
+        gid = state.group_of.get(n.name)
+        if gid is None or state.groups[gid].constant:
+            continue
+        obs = new_observer(n, state.groups[gid])
+        n.replace_all_uses_with(
+            obs, delete_user_cb=lambda user, obs=obs: user is not obs and user.name not in float_readers
+        )
+        output_obs[n.name] = obs
+
+    # a tensor the program writes in place later (``out = zeros_like(h); out[:, t] = ...``) holds
+    # its final values only once the writes ran: its readers observe it just before they read it,
+    # each on its own, not where it was made (where the observer saw zeros and convert's quantize
+    # copied them: RWKV's attention read an all-zero output, -2.2 dB at int8)
+    written_later = {n.name for n in mutated_aliases(graph)}
+    edge_obs: dict[tuple[str, int], Node] = {}
+    for key, gid in state.group_of.items():
+        if not isinstance(key, tuple):
+            continue
+        group = state.groups[gid]
+        producer_name, consumer_name = key
+        if group.constant or state.group_of.get(producer_name) == gid:
+            continue
+        current = output_obs.get(producer_name, by_name[producer_name])
+        consumer = by_name[consumer_name]
+        if producer_name in written_later:
+            consumer.replace_input_with(current, new_observer(current, group, before=consumer))
+            continue
+        edge_observer = edge_obs.get((producer_name, gid))
+        if edge_observer is None:
+            edge_observer = edge_obs[(producer_name, gid)] = new_observer(current, group)
+        consumer.replace_input_with(current, edge_observer)

@@ -1,0 +1,38 @@
+"""Reading and replacing what a ``get_attr`` node of a GraphModule points at."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+
+def fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    """The attribute at dotted path ``target`` below ``module`` (what a get_attr node reads)."""
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def put_attr(module: torch.nn.Module, target: str, value: Any) -> Any:
+    """Put ``value`` (the very object) at dotted path ``target`` below ``module``, as a parameter,
+    buffer or plain attribute like what it replaces; returns what was there."""
+    owner_path, _, attr = target.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    old = getattr(owner, attr)
+    if attr in owner._parameters:
+        owner._parameters[attr] = value
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        setattr(owner, attr, value)
+    return old
+
+
+def attr_value(gm: torch.nn.Module, arg: Any) -> Any:
+    """What ``arg`` stands for in ``gm``: the value a get_attr node reads, anything else as is."""
+    if isinstance(arg, Node) and arg.op == "get_attr":
+        return fetch_attr(gm, str(arg.target))
+    return arg

@@ -1,0 +1,351 @@
+"""Histogram observer: clip activation ranges to minimise quantization error, not to cover outliers.
+
+A min-max range spends the whole grid on a few extreme values; keeping a histogram of everything
+seen lets ``calculate_qparams`` trade a little clipping error on the tails for a finer step on the
+bulk. The histogram is piecewise uniform: each bin's mass is spread evenly over the bin, which is
+what every error estimate and re-binning below assumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from _quantplug.errors import AnnotationError
+from _quantplug.observers import kernels, nonfinite
+from _quantplug.observers.accelerated import add_histc
+from _quantplug.observers.base import ObserverBase
+
+_METHODS = ("mse", "percentile")
+_PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
+
+# clipping search: coarse points per axis (1-D symmetric search, 2-D affine search), then each
+# refinement stage re-samples +-1 coarse step with _REFINE_POINTS points, shrinking the step 8x.
+_COARSE_1D = 513
+_COARSE_2D = 33
+_REFINE_POINTS = 17
+
+
+def _cdf_at(positions: torch.Tensor, hist: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
+    """Mass left of ``positions`` (in bin units) under the piecewise-uniform histogram."""
+    bins = hist.numel()
+    t = positions.clamp(0.0, float(bins))
+    j = t.floor().clamp(max=bins - 1).long()
+    return cum[j] + hist[j] * (t - j.to(t.dtype))
+
+
+def rebin_histogram(
+    hist: torch.Tensor, old_min: float, old_max: float, new_min: float, new_max: float
+) -> torch.Tensor:
+    """Re-express ``hist`` over ``[old_min, old_max]`` on the same number of bins over a wider range.
+
+    Reading the old cumulative histogram at the new bin edges is exact for piecewise-uniform bins
+    and conserves mass, so no upsampling approximation is needed. A zero-width old range is a
+    point mass and lands wholly in the new bin that contains it.
+    """
+    bins = hist.numel()
+    h = hist.detach().to(device="cpu", dtype=torch.float64)
+    out = torch.zeros(bins, dtype=torch.float64)
+    new_width = (new_max - new_min) / bins
+    if new_width <= 0.0:
+        out[0] = h.sum()
+    elif old_max <= old_min:
+        idx = min(max(int((old_min - new_min) / new_width), 0), bins - 1)
+        out[idx] = h.sum()
+    else:
+        old_width = (old_max - old_min) / bins
+        cum = torch.cat([h.new_zeros(1), h.cumsum(0)])
+        edges = new_min + new_width * torch.arange(bins + 1, dtype=torch.float64)
+        out = torch.diff(_cdf_at((edges - old_min) / old_width, h, cum)).clamp_(min=0.0)
+    return out.to(device=hist.device, dtype=hist.dtype)
+
+
+def _clip(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """``np.clip`` without its Python-level dispatch (a few microseconds a call, many calls)."""
+    return np.minimum(np.maximum(x, lo), hi)
+
+
+class _HistStats:
+    """Prefix sums of a histogram in bin units, so each candidate grid's error costs O(1).
+
+    Kept as float64 NumPy arrays: the search evaluates a few hundred candidates per refinement
+    stage, where the per-call overhead of torch ops would dominate. The sums are laid out as
+    rows (``[p0, p1, p2]`` per bin edge, ``[mass left of bin, bin mass]`` per bin) so that
+    each candidate reads what it needs with one gather per table.
+    """
+
+    def __init__(self, hist: torch.Tensor) -> None:
+        h = hist.detach().to(device="cpu", dtype=torch.float64).numpy()
+        self.bins = h.size
+        centres = np.arange(self.bins, dtype=np.float64) + 0.5
+        self.hist = h
+        self.p0 = np.concatenate(([0.0], np.cumsum(h)))
+        p1 = np.concatenate(([0.0], np.cumsum(h * centres)))
+        p2 = np.concatenate(([0.0], np.cumsum(h * centres * centres)))
+        self.moments = np.stack([self.p0, p1, p2], axis=1)  # [bins + 1, 3]
+        self.totals = self.moments[-1]
+        self.bin_table = np.stack([self.p0[:-1], h], axis=1)  # [bins, 2]
+
+    def _cdf(self, positions: np.ndarray) -> np.ndarray:
+        """Mass left of ``positions`` (bin units) under the piecewise-uniform histogram."""
+        t = _clip(positions, 0.0, float(self.bins))
+        j = np.minimum(np.floor(t), self.bins - 1)
+        rows = self.bin_table[j.astype(np.int64)]
+        return rows[:, 0] + rows[:, 1] * (t - j)
+
+    def expected_error(self, lower: np.ndarray, upper: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """Summed squared error of quantizing the histogram onto grids ``[lower, upper]`` of ``step``.
+
+        Everything is in bin units. Mass outside the grid is clipped to its edge (exact integral
+        of the squared distance); mass inside is rounded, with the usual ``step**2 / 12`` noise,
+        which is independent of the number of levels, so 16-bit grids cost the same as 8-bit ones.
+        """
+        bins, h = self.bins, self.hist
+
+        # below the grid: whole bins left of lower's bin, then the part of lower's own bin
+        jl = np.floor(lower)
+        below = self.moments[_clip(jl, 0, bins).astype(np.int64)]
+        p0, p1, p2 = below[:, 0], below[:, 1], below[:, 2]
+        low = lower * lower * p0 - 2.0 * lower * p1 + p2 + p0 / 12.0
+        inside_l = (jl >= 0) & (jl <= bins - 1)
+        frac_l = lower - jl
+        part_l = h[_clip(jl, 0, bins - 1).astype(np.int64)] * (frac_l * frac_l * frac_l) / 3.0
+        low = low + np.where(inside_l, part_l, 0.0)
+
+        # above the grid: whole bins right of upper's bin, then the part of upper's own bin
+        ju = np.floor(upper)
+        above = self.totals - self.moments[_clip(ju + 1, 0, bins).astype(np.int64)]
+        m0, m1, m2 = above[:, 0], above[:, 1], above[:, 2]
+        high = m2 - 2.0 * upper * m1 + upper * upper * m0 + m0 / 12.0
+        inside_u = (ju >= 0) & (ju <= bins - 1)
+        frac_u = ju + 1.0 - upper
+        part_u = h[_clip(ju, 0, bins - 1).astype(np.int64)] * (frac_u * frac_u * frac_u) / 3.0
+        high = high + np.where(inside_u, part_u, 0.0)
+
+        mass_in = np.maximum(self._cdf(upper) - self._cdf(lower), 0.0)
+        return low + high + mass_in * step * step / 12.0
+
+    def quantile(self, q: float) -> float:
+        """Position (bin units) below which a fraction ``q`` of the mass lies."""
+        total = float(self.p0[-1])
+        target = q * total
+        j = min(int(np.searchsorted(self.p0[1:], target)), self.bins - 1)
+        mass = float(self.hist[j])
+        frac = (target - float(self.p0[j])) / mass if mass > 0 else 0.0
+        return j + min(max(frac, 0.0), 1.0)
+
+
+class HistogramObserver(ObserverBase):
+    """Per-tensor activation observer that picks its range from a running histogram.
+
+    ``method="mse"`` picks the clipping range whose grid minimises the expected squared
+    quantization plus clipping error over the histogram; ``method="percentile"`` clips to the
+    ``100 - percentile`` / ``percentile`` quantiles. Both hand the chosen range to the base's
+    ``_qparams`` so symmetric, affine and 16-bit conventions match every other observer.
+
+    ``upsample_rate`` sets the resolution of the MSE search: the clipping range is refined down to
+    ``1 / upsample_rate`` of a bin (histogram re-binning is exact and needs no upsampling).
+    """
+
+    num_batches: torch.Tensor
+    histogram: torch.Tensor
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+
+    def __init__(
+        self,
+        bins: int = 2048,
+        *,
+        method: str = "mse",
+        percentile: float = 99.99,
+        upsample_rate: int = 16,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if self.qscheme not in _PER_TENSOR_QSCHEMES:
+            raise AnnotationError(
+                f"HistogramObserver is per-tensor only; got qscheme {self.qscheme}. "
+                "Use a per-channel observer for per-channel encodings."
+            )
+        if self.is_dynamic:
+            raise AnnotationError("HistogramObserver needs calibration data and cannot be dynamic")
+        if int(bins) < 1:
+            raise AnnotationError(f"HistogramObserver bins must be >= 1, got {bins}")
+        if method not in _METHODS:
+            raise AnnotationError(f"HistogramObserver method must be one of {_METHODS}, got {method!r}")
+        if not 50.0 < float(percentile) <= 100.0:
+            raise AnnotationError(f"HistogramObserver percentile must be in (50, 100], got {percentile}")
+        if int(upsample_rate) < 1:
+            raise AnnotationError(f"HistogramObserver upsample_rate must be >= 1, got {upsample_rate}")
+        self.bins = int(bins)
+        self.method = method
+        self.percentile = float(percentile)
+        self.upsample_rate = int(upsample_rate)
+        self.register_buffer("histogram", torch.zeros(self.bins))
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        data = x.detach().float().reshape(-1)
+        extremes = kernels.minmax(data)
+        if extremes is None:
+            lo, hi = torch.aminmax(data)
+            # one host sync for the batch range and the running range together
+            lo_f, hi_f, cur_min, cur_max = torch.stack([lo, hi, self.min_val, self.max_val]).tolist()
+        else:
+            (lo_f, hi_f), cur_min, cur_max = extremes, self.min_val.item(), self.max_val.item()
+        if not nonfinite.ordinary(self, lo_f, hi_f):
+            # one inf (or nan) would make every bin infinitely wide: the calibration's policy
+            # decides (raise, or leave them out and count them)
+            data = data[nonfinite.handle(self, data)]
+            if data.numel() == 0:
+                return x
+            lo_f, hi_f = torch.stack(list(torch.aminmax(data))).tolist()
+
+        if cur_min > cur_max:  # (inf, -inf): nothing recorded yet
+            new_min, new_max = lo_f, hi_f
+            self.histogram.zero_()
+        else:
+            new_min, new_max = min(cur_min, lo_f), max(cur_max, hi_f)
+            if new_min != cur_min or new_max != cur_max:
+                self.histogram.copy_(rebin_histogram(self.histogram, cur_min, cur_max, new_min, new_max))
+        if new_max > new_min:
+            add_histc(self.histogram, data, new_min, new_max)  # += torch.histc(data, bins, new_min, new_max)
+        else:
+            self.histogram[0] += data.numel()
+        self.min_val.fill_(new_min)
+        self.max_val.fill_(new_max)
+        self.num_batches += 1
+        return x
+
+    def merge_(self, others: Sequence[Any]) -> None:
+        """Re-bin every histogram onto the union of the ranges and sum them (module docstring of
+        :mod:`_quantplug.observers.merge`)."""
+        from _quantplug.observers.merge import merged_histogram
+
+        states = [(o.histogram, float(o.min_val), float(o.max_val)) for o in (self, *others)]
+        found = merged_histogram(states, f"the HistogramObserver of {self.where or '?'}")
+        if found is not None:
+            hist, lo, hi = found
+            self.histogram.copy_(hist)
+            self.min_val.fill_(lo)
+            self.max_val.fill_(hi)
+        self._add_batches(others)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self.clip_range()
+        device = self.min_val.device
+        return self._qparams(
+            torch.tensor(lo, dtype=torch.float32, device=device),
+            torch.tensor(hi, dtype=torch.float32, device=device),
+        )
+
+    def clip_range(self) -> tuple[float, float]:
+        """The ``(min, max)`` handed to ``_qparams``: the observed range, narrowed by ``method``."""
+        data_min, data_max = float(self.min_val), float(self.max_val)
+        if not (data_max > data_min) or float(self.histogram.sum()) <= 0.0:
+            # nothing seen (inf, -inf) or a constant tensor: min-max is exact, nothing to clip
+            return data_min, data_max
+        stats = _HistStats(self.histogram)
+        width = (data_max - data_min) / self.bins
+        if self.method == "percentile":
+            tail = 1.0 - self.percentile / 100.0
+            lo = data_min + width * stats.quantile(tail)
+            hi = data_min + width * stats.quantile(1.0 - tail)
+            return lo, hi
+        return self._mse_search(stats, data_min, data_max)
+
+    def _candidate_ranges(
+        self, fracs: list[np.ndarray], data_min: float, data_max: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Map search coordinates in [0, 1] to candidate ``(min, max)`` pairs."""
+        if self.symmetric:
+            bound = max(abs(data_min), abs(data_max))
+            return -bound * fracs[0], bound * fracs[0]
+        return min(data_min, 0.0) * fracs[0], max(data_max, 0.0) * fracs[1]
+
+    def _grids(
+        self, lo: np.ndarray, hi: np.ndarray, symmetric_zero_point: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``_qparams`` of each candidate range, in NumPy: the same float32 steps as
+        :func:`~_quantplug.observers.base.qparams_from_range`, so the searched grids are the ones
+        ``calculate_qparams`` returns."""
+        f32 = np.float32
+        min_neg = np.minimum(lo.astype(f32), f32(0.0))
+        max_pos = np.maximum(hi.astype(f32), f32(0.0))
+        eps = f32(self.eps)
+        levels = float(self.quant_max - self.quant_min)
+        if self.symmetric:
+            max_pos = np.maximum(-min_neg, max_pos)
+            scale = np.maximum(max_pos / f32(levels / 2), eps)
+            zero_point: np.ndarray = np.full(scale.shape, symmetric_zero_point, dtype=np.int64)
+        else:
+            scale = np.maximum((max_pos - min_neg) / f32(levels), eps)
+            zero_point = self.quant_min - np.round(min_neg / scale).astype(np.int32)
+            zero_point = _clip(zero_point, self.quant_min, self.quant_max)
+        return scale, zero_point
+
+    def _grid_error(
+        self,
+        stats: _HistStats,
+        lo: np.ndarray,
+        hi: np.ndarray,
+        data_min: float,
+        width: float,
+        symmetric_zero_point: int = 0,
+    ) -> np.ndarray:
+        """Expected error of the grids ``_qparams`` would build from each candidate range."""
+        scale, zero_point = self._grids(lo, hi, symmetric_zero_point)
+        s = scale.astype(np.float64)
+        zp = zero_point.astype(np.float64)
+        lower = ((self.quant_min - zp) * s - data_min) / width
+        upper = ((self.quant_max - zp) * s - data_min) / width
+        return stats.expected_error(lower, upper, s / width)
+
+    def _mse_search(self, stats: _HistStats, data_min: float, data_max: float) -> tuple[float, float]:
+        """Coarse grid over candidate ranges, then local refinement, all evaluated in batch.
+
+        Symmetric grids only depend on one magnitude, so the search is 1-D; affine grids search
+        the negative and positive extents jointly (2-D). Axes with no data (e.g. no negative
+        values) collapse to a single point.
+        """
+        width = (data_max - data_min) / self.bins
+        if self.symmetric:
+            active = [True]
+            points = _COARSE_1D
+        else:
+            active = [data_min < 0.0, data_max > 0.0]
+            points = _COARSE_2D
+        spans = [(0.0, 1.0) if a else (1.0, 1.0) for a in active]
+        # a symmetric grid's zero point does not depend on the range (0, or mid-grid if unsigned)
+        symmetric_zero_point = int(self._qparams(torch.tensor(-1.0), torch.tensor(1.0))[1].reshape(-1)[0])
+        target_step = 1.0 / (self.bins * self.upsample_rate)
+        best: list[float] = [1.0] * len(spans)
+        while True:
+            axes = [np.linspace(a, b, points if b > a else 1, dtype=np.float64) for a, b in spans]
+            flat = [m.reshape(-1) for m in np.meshgrid(*axes, indexing="ij")]
+            lo, hi = self._candidate_ranges(flat, data_min, data_max)
+            err = self._grid_error(stats, lo, hi, data_min, width, symmetric_zero_point)
+            k = int(np.argmin(err))
+            best = [float(f[k]) for f in flat]
+            step = max((b - a) / (points - 1) for a, b in spans)
+            if step <= target_step:
+                break
+            spans = [
+                (max(v - (b - a) / (points - 1), 0.0), min(v + (b - a) / (points - 1), 1.0))
+                if b > a
+                else (a, b)
+                for v, (a, b) in zip(best, spans)
+            ]
+            points = _REFINE_POINTS
+        lo_t, hi_t = self._candidate_ranges([np.array(v) for v in best], data_min, data_max)
+        return float(lo_t), float(hi_t)
+
+    def extra_repr(self) -> str:
+        extra = f", percentile={self.percentile}" if self.method == "percentile" else ""
+        return f"{super().extra_repr()}, bins={self.bins}, method={self.method!r}{extra}"

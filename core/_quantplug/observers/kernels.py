@@ -1,0 +1,146 @@
+"""The optional native kernels of the histogram observers, behind tensor-level functions.
+
+Calibration runs an observer right after each weight-heavy layer, with cold caches; there each
+torch operation costs several microseconds of dispatch before any arithmetic, and a histogram
+observer's batch (a min/max reduction, then torch.histc's binning as five vectorised operations
+and a bincount) is most of the calibration overhead. ``_histogram_kernels`` (C, built with the
+package where a compiler is available) does the same work in two passes over the batch, writing
+the counts straight into the histogram.
+
+Every function here returns None (or False) where the native path does not apply, and the
+callers then run their torch code, which computes the same values: the kernels are a speed-up,
+never a requirement. ``QUANTPLUG_NATIVE_KERNELS=0`` in the environment, or :func:`disabled`,
+turns them off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+_built: ModuleType | None
+try:
+    from _quantplug.observers import _histogram_kernels as _built
+except ImportError:  # built without a C compiler: the torch code paths run
+    _built = None
+
+_native: ModuleType | None = None if os.environ.get("QUANTPLUG_NATIVE_KERNELS", "1") == "0" else _built
+
+#: the native binning keeps exact integer counts below this many elements per call
+MAX_ELEMENTS = 1 << 24
+_F32 = torch.float32
+
+
+def available() -> bool:
+    """Whether the native kernels were built (installation without a C compiler skips them)."""
+    return _built is not None
+
+
+def enabled() -> bool:
+    """Whether the native kernels are built and in use."""
+    return _native is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the torch code paths instead of the native kernels (to compare the two)."""
+    global _native
+    saved, _native = _native, None
+    try:
+        yield
+    finally:
+        _native = saved
+
+
+def _plain(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a dense, contiguous float32 CPU tensor whose memory the kernels may read."""
+    return (
+        type(x) is torch.Tensor  # not a subclass (fake, functional, ...): those may have no storage
+        and x.dtype is _F32
+        and x.layout is torch.strided
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+    )
+
+
+def minmax(x: torch.Tensor) -> tuple[float, float] | None:
+    """``torch.aminmax(x)`` as Python floats (NaN, NaN with a NaN in ``x``), or None.
+
+    None also where an extreme is zero: torch's reduction may return either sign of zero when
+    both occur, and observers keep the sign they are given.
+    """
+    if _native is None or not 0 < x.numel() < MAX_ELEMENTS or not _plain(x):
+        return None
+    lo, hi = _native.minmax(x.data_ptr(), x.numel())
+    return None if lo == 0.0 or hi == 0.0 else (lo, hi)
+
+
+def extremes(x: torch.Tensor) -> tuple[float, float] | None:
+    """``torch.aminmax(x)`` as Python floats (NaN, NaN with a NaN in ``x``), or None.
+
+    Unlike :func:`minmax` this keeps an extreme of zero with whichever sign the kernel met first:
+    for observers whose qparams do not depend on the sign of a zero extreme (quantplug's own).
+    """
+    if _native is None or not 0 < x.numel() < MAX_ELEMENTS or not _plain(x):
+        return None
+    lo, hi = _native.minmax(x.data_ptr(), x.numel())
+    return lo, hi
+
+
+def bin_counts(
+    x: torch.Tensor,
+    lo: float,
+    scale: float,
+    divisor: float,
+    bins: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> bool:
+    """Count ``x`` into ``out`` (``bins`` float32 counters: set, or added to); False if not done.
+
+    The bin of a value is ``int(min((x - lo) * scale / divisor, bins - 1))`` in float32 (no
+    multiplication when ``scale`` is 0): :class:`_quantplug.observers.accelerated.LinearBinning`
+    chooses the operands so that this is torch.histc's bin. ``x`` must lie within the binned
+    range; ``out`` must not overlap ``x``.
+    """
+    if _native is None or not 0 < x.numel() < MAX_ELEMENTS or not _plain(x):
+        return False
+    if not _plain(out) or out.numel() != bins:
+        return False
+    _native.bin_counts(x.data_ptr(), x.numel(), lo, scale, divisor, bins, out.data_ptr(), accumulate)
+    return True
+
+
+def rebin(
+    hist: torch.Tensor,
+    rate: int,
+    mids: torch.Tensor,
+    edges: torch.Tensor,
+    out: torch.Tensor,
+    base: torch.Tensor | None = None,
+) -> bool:
+    """torchao's re-binning of ``hist`` onto ``edges``, written to ``out`` (plus ``base``); False if not done.
+
+    Each old bin's count is spread evenly over ``rate`` sub-bins whose mid-points ``mids``
+    (``bins * rate`` of them) fall into the new bins ``edges`` bounds (``bins + 1`` values),
+    and the sub-bins of each new bin are summed in order in float32, as torchao's
+    ``_upscale_histogram`` does with ``bucketize`` and a weighted ``bincount``. ``out`` may be
+    ``hist`` itself. False, with nothing written, also where ``mids`` or ``edges`` are not sorted.
+    """
+    if _native is None:
+        return False
+    bins = hist.numel()
+    if not (_plain(hist) and _plain(mids) and _plain(edges) and _plain(out)):
+        return False
+    if mids.numel() != bins * rate or edges.numel() != bins + 1 or out.numel() != bins:
+        return False
+    if base is not None and not (_plain(base) and base.numel() == bins):
+        return False
+    base_address = 0 if base is None else base.data_ptr()
+    return _native.rebin(
+        hist.data_ptr(), bins, rate, mids.data_ptr(), edges.data_ptr(), base_address, out.data_ptr()
+    )

@@ -1,0 +1,99 @@
+"""From graph annotations to sharing keys: the thin torch-facing layer over ``resolution``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.fx import Graph, Node
+
+from _quantplug.annotation.spec_view import SpecKind, spec_kind, spec_signature
+from _quantplug.annotation.specs import Q_ANNOTATION_KEY
+from _quantplug.errors import AnnotationError
+from _quantplug.sharing.problem import SharingProblem
+from _quantplug.sharing.resolution import Key, KeySpec
+
+
+@dataclass
+class AnnotatedKeys:
+    """Every annotated key of a graph with its original spec object, in graph order."""
+
+    specs: dict[Key, Any] = field(default_factory=dict)
+    no_implicit: set[str] = field(default_factory=set)
+
+    def problem(self, graph: Graph) -> SharingProblem:
+        facts: dict[Key, KeySpec] = {}
+        for key, spec in self.specs.items():
+            kind = spec_kind(spec)
+            if kind is SpecKind.SHARED:
+                facts[key] = KeySpec.shared(key_of(spec.edge_or_node, where=key))
+            elif kind is SpecKind.DERIVED:
+                sources = [key_of(s, where=key) for s in spec.derived_from]
+                facts[key] = KeySpec.derived(spec_signature(spec), sources)
+            else:
+                facts[key] = KeySpec.concrete(spec_signature(spec))
+        return SharingProblem(specs=facts, no_implicit_consumers=frozenset(self.no_implicit), graph=graph)
+
+
+def key_of(edge_or_node: Any, *, where: Key | None = None) -> Key:
+    """The key of a PT2E ``EdgeOrNode``: a node name or a ``(producer, consumer)`` name pair."""
+    if isinstance(edge_or_node, Node):
+        return edge_or_node.name
+    if (
+        isinstance(edge_or_node, tuple)
+        and len(edge_or_node) == 2
+        and all(isinstance(n, Node) for n in edge_or_node)
+    ):
+        return (edge_or_node[0].name, edge_or_node[1].name)
+    at = f" (in the spec of {where})" if where is not None else ""
+    raise AnnotationError(
+        f"{edge_or_node!r}{at} is not a node or a (producer, consumer) edge; SharedQuantizationSpec and "
+        "DerivedQuantizationSpec must reference graph nodes"
+    )
+
+
+def _tensor_args(node: Node) -> set[Node]:
+    found: set[Node] = set()
+
+    def visit(a: Any) -> None:
+        if isinstance(a, Node):
+            found.add(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+
+    visit(node.args)
+    visit(node.kwargs)
+    return found
+
+
+def collect_keys(graph: Graph) -> AnnotatedKeys:
+    """Read every node's annotation (ours or PT2E's); input edges first, then the output."""
+    keys = AnnotatedKeys()
+    for node in graph.nodes:
+        ann = node.meta.get(Q_ANNOTATION_KEY)
+        if ann is None:
+            continue
+        input_map = getattr(ann, "input_qspec_map", None) or {}
+        if input_map:
+            args = _tensor_args(node)
+            for arg, spec in input_map.items():
+                if spec is None:
+                    continue
+                if arg not in args:
+                    arg_name = arg.name if isinstance(arg, Node) else repr(arg)
+                    raise AnnotationError(
+                        f"node {node.name!r} has a spec for input {arg_name!r}, "
+                        "which is not one of its inputs; "
+                        "key input_qspec_map by the argument nodes of the annotated node"
+                    )
+                keys.specs[(arg.name, node.name)] = spec
+        out = getattr(ann, "output_qspec", None)
+        if out is not None:
+            keys.specs[node.name] = out
+        if not getattr(ann, "allow_implicit_sharing", True):
+            keys.no_implicit.add(node.name)
+    return keys
