@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = [
     (ROOT / "core", "quantplug"),
+    (ROOT / "core", "_quantplug"),
     (ROOT / "plugins" / "reference", "quantplug_reference"),
     (ROOT / "plugins" / "qnn_htp", "quantplug_qnn_htp"),
 ]

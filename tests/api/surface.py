@@ -65,6 +65,10 @@ def _signature(obj: Any) -> str:
 
 def _members(cls: type) -> dict[str, str]:
     out: dict[str, str] = {}
+    if dataclasses.is_dataclass(cls):
+        for f in dataclasses.fields(cls):
+            if not f.name.startswith("_"):
+                out[f.name] = f"field: {_text(f.type)}"
     for name, raw in sorted(vars(cls).items()):
         if name.startswith("_"):
             continue

@@ -12,8 +12,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from _quantplug.cli.errors import InputError
-from _quantplug.plugins.contract import BackendInfo, BackendOption
+from _quantplug.plugins.contract import COMMON_OPTION_NAMES, STRICT_OPTION, BackendInfo
+from _quantplug.plugins.contract import COMMON_OPTIONS as COMMON_OPTIONS  # here since 0.1.0
 from _quantplug.suggest import close_matches, did_you_mean
+
+#: here since 0.1.0 (the option is ``STRICT_OPTION`` of the contract)
+STRICT = STRICT_OPTION
 
 COMMANDS = ("backends", "quantize", "report", "conformance", "new-backend", "algorithms")
 
@@ -73,13 +77,7 @@ def check_backend_options(backend: str, pairs: Mapping[str, str]) -> BackendInfo
     if info is None:
         return None
     if "strict" in pairs:
-        STRICT.coerce(pairs["strict"], backend=backend)
+        STRICT_OPTION.coerce(pairs["strict"], backend=backend)
     given = {k: v for k, v in pairs.items() if k not in COMMON_OPTION_NAMES}
     info.resolve_options(given)
     return info
-
-
-#: options accepted by every backend (see quantplug.get_quantizer)
-STRICT = BackendOption("strict", bool, True, "fail on backend constraint violations (false: only warn)")
-COMMON_OPTIONS = (STRICT,)
-COMMON_OPTION_NAMES = frozenset(o.name for o in COMMON_OPTIONS)

@@ -42,6 +42,7 @@ from _quantplug.cli.checks import (
 )
 from _quantplug.cli.console import Console
 from _quantplug.cli.errors import InputError
+from _quantplug.plugins.api_version import PLUGIN_API_VERSION
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -653,6 +654,11 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 2 bad input or usage, 1 internal error",
     )
     _add_common(parser, sub=False)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"quantplug {_version()} (plugin API {PLUGIN_API_VERSION})",
+    )
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
 
     p = sub.add_parser(
@@ -896,6 +902,8 @@ def _route(argv: list[str]) -> tuple[str | None, list[str]]:
         return first, argv
     if first is None and wants_help:
         return None, argv  # `quantplug --help`: the top-level help
+    if first == "--version":
+        return None, argv
     if first is not None and not first.startswith("-") and not looks_like_model(first):
         raise unknown_command(first)  # `quantplug backend` is a misspelt command, not a model path
     return "quantize", ["quantize", *argv]
@@ -977,6 +985,15 @@ def _main(argv: Sequence[str]) -> int:
             + ("" if console.verbose else " (run with --verbose for the traceback)")
         )
         return EXIT_INTERNAL
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("quantplug")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def run_module() -> NoReturn:

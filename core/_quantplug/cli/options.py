@@ -6,9 +6,8 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from _quantplug.cli.checks import COMMON_OPTIONS
 from _quantplug.cli.errors import InputError
-from _quantplug.plugins.contract import BackendOption
+from _quantplug.plugins.contract import COMMON_OPTIONS, BackendOption
 
 
 def parse_pairs(pairs: Sequence[str]) -> dict[str, str]:

@@ -8,7 +8,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from _quantplug.errors import QuantplugError
-from _quantplug.graph.attrs import attr_value, fetch_attr, put_attr  # noqa: F401 (here since 0.1.0)
+from _quantplug.graph.attrs import attr_value as attr_value  # here since 0.1.0
+from _quantplug.graph.attrs import fetch_attr as fetch_attr
+from _quantplug.graph.attrs import put_attr as put_attr
 from _quantplug.meta import CALIBRATED_REPORT_KEY, GROUP_KEY, STATE_KEY
 from _quantplug.observers import block_ops as qp_ops
 

@@ -116,6 +116,16 @@ class BackendOption:
         return f"it must be {self.valid_range()}" if bad else None
 
 
+#: accepted by every backend, resolved like a declared bool option (text "false"/"off"/"0" works),
+#: and never one of a backend's own options: hooks read it as ``context.strict``
+STRICT_OPTION = BackendOption(
+    "strict", bool, True, "raise ConstraintViolationError on constraint violations (false: only warn)"
+)
+#: the options every backend accepts besides its own
+COMMON_OPTIONS = (STRICT_OPTION,)
+COMMON_OPTION_NAMES = frozenset(o.name for o in COMMON_OPTIONS)
+
+
 def _parse_text(text: str, typ: type, *, backend: str, option: str) -> Any:
     try:
         if typ is bool:
@@ -154,6 +164,10 @@ class BackendInfo:
     #: the bool option that selects the quantization-aware-training variant of the configs, if
     #: any: ``prepare(..., qat=...)`` must agree with it.
     qat_option: str | None = None
+    #: the plugin API version the backend was written against (``"1.1"``): a quantplug that does
+    #: not provide it (an older minor version, another major one) refuses to load the backend,
+    #: naming the version to install. None: any 1.x.
+    requires_api: str | None = None
 
     def option(self, name: str) -> BackendOption | None:
         return next((o for o in self.options if o.name == name), None)

@@ -46,6 +46,7 @@ def info_to_dict(info: BackendInfo) -> dict[str, Any]:
         "description": info.description,
         "preset_option": info.preset_option,
         "qat_option": info.qat_option,
+        **({"requires_api": info.requires_api} if info.requires_api else {}),
         "presets": [{"name": p.name, "description": p.description} for p in info.presets],
         "options": [_option_to_dict(o) for o in info.options],
     }
@@ -86,6 +87,7 @@ def info_from_dict(data: Any) -> BackendInfo:
             presets=presets,
             preset_option=data.get("preset_option"),
             qat_option=data.get("qat_option"),
+            requires_api=data.get("requires_api"),
         )
     except (KeyError, TypeError, AttributeError) as exc:
         raise MetadataError(f"malformed backend metadata: {type(exc).__name__}: {exc}") from None

@@ -28,6 +28,7 @@ from _quantplug.errors import (
     BackendDisabledError,
     BackendLoadError,
     DuplicateBackendError,
+    OptionError,
     UnknownBackendError,
 )
 from _quantplug.plugins.contract import BackendInfo
@@ -273,6 +274,14 @@ def _load(entry: BackendEntry) -> LoadedBackend:
             f"its quantplug_backend_info() declares the name {info.name!r}; the entry point (or "
             f"register_backend) must use the same name",
         )
+    from _quantplug.plugins.api_version import api_problem
+
+    try:
+        problem = api_problem(info.requires_api)
+    except OptionError as exc:
+        problem = f"its BackendInfo.requires_api is not a version: {exc}"
+    if problem is not None:
+        raise BackendLoadError(entry.name, entry.distribution, entry.module, problem)
     if entry.source == "entry-point":
         from _quantplug.plugins.metadata import stale_reason
 

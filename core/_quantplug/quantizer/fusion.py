@@ -12,6 +12,10 @@ select for *both* nodes, what each node becomes:
   (the head alone, its output quantized) or ``"float"`` (the whole pattern float);
 * the head kept float: no fusion; the tail is annotated on its own.
 
+A pattern may carry a condition (``when``): the pair fuses only where it holds, on the nodes and
+the options (a hardtanh that fuses only when its minimum is 0, no fusion at 16-bit symmetric
+activations). A pair whose condition fails is no pattern: each node is annotated on its own.
+
 Rules read the decision with :func:`fused_tail` / :func:`fused_head`, and ``coverage()``
 reports it. :func:`plan_fusions` is the pure decision over names and op names.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.fx import Graph, Node
 
@@ -28,6 +32,12 @@ from _quantplug.annotation.spec_view import SpecKind, spec_kind
 from _quantplug.annotation.specs import get_annotation
 from _quantplug.graph.op_names import op_name
 from _quantplug.meta import FUSED_HEAD_KEY, FUSED_TAIL_KEY
+
+if TYPE_CHECKING:
+    from _quantplug.quantizer.context import BackendContext
+
+#: a pattern's condition: ``when(head, tail, context)``, the two nodes and the backend's context
+FusionCondition = Callable[[Node, Node, "BackendContext"], bool]
 
 #: node meta: on a fused head, the name of its tail; on a fused tail, the name of its head
 
@@ -43,13 +53,16 @@ class FusionPattern:
     when the head's output has exactly one user, of a tail op, reading it as its first input.
     ``when_tail_float`` is the fallback when the tail stays float: ``"quantize_head"`` quantizes
     the head's output instead (the head runs alone); ``"float"`` keeps the head float too (the
-    hardware only has the fused kernel).
+    hardware only has the fused kernel). ``when(head, tail, context)``, if given, must hold for a
+    pair to match (``context.config_for(node)`` gives a node's config, ``context.options`` the
+    options); it is called while annotating, on the graph being annotated.
     """
 
     heads: frozenset[str]
     tails: frozenset[str]
     when_tail_float: str = "quantize_head"
     name: str = ""
+    when: FusionCondition | None = field(default=None, compare=False)
 
     def __init__(
         self,
@@ -58,6 +71,7 @@ class FusionPattern:
         *,
         when_tail_float: str = "quantize_head",
         name: str = "",
+        when: FusionCondition | None = None,
     ) -> None:
         if when_tail_float not in WHEN_TAIL_FLOAT:
             raise ValueError(
@@ -67,6 +81,9 @@ class FusionPattern:
         object.__setattr__(self, "tails", frozenset(op_name(o) for o in tails))
         object.__setattr__(self, "when_tail_float", when_tail_float)
         object.__setattr__(self, "name", name)
+        if when is not None and not callable(when):
+            raise ValueError(f"FusionPattern.when must be callable(head, tail, context), got {when!r}")
+        object.__setattr__(self, "when", when)
         if not self.heads or not self.tails:
             raise ValueError("FusionPattern needs at least one head op and one tail op")
 
@@ -96,14 +113,19 @@ class FusionPlan:
 
 
 def plan_fusions(
-    nodes: Sequence[OpNode], patterns: Sequence[FusionPattern], quantized: Callable[[str], bool]
+    nodes: Sequence[OpNode],
+    patterns: Sequence[FusionPattern],
+    quantized: Callable[[str], bool],
+    holds: Callable[[FusionPattern, str, str], bool] | None = None,
 ) -> FusionPlan:
     """Decide every head/tail pair of a graph (``nodes`` in graph order).
 
     ``quantized(name)`` says whether the user's configs (and the backend's rules) quantize a
-    node on its own. Pairs are decided from the end of the graph, so a tail that is itself a
-    head made float by its own tail counts as float. When several patterns match a head, the
-    last declared wins (an extension's pattern overrides the backend's).
+    node on its own; ``holds(pattern, head, tail)`` whether a conditional pattern's condition
+    holds on a pair (``FusionPattern.when``; unconditional patterns always hold). Pairs are
+    decided from the end of the graph, so a tail that is itself a head made float by its own
+    tail counts as float. When several patterns match a head, the last declared wins (an
+    extension's pattern overrides the backend's).
     """
     by_name = {n.name: n for n in nodes}
     fused: dict[str, str] = {}
@@ -116,7 +138,13 @@ def plan_fusions(
         if tail is None or tail.first_input != head.name:
             continue
         pattern = next(
-            (p for p in reversed(patterns) if head.op in p.heads and tail.op in p.tails),
+            (
+                p
+                for p in reversed(patterns)
+                if head.op in p.heads
+                and tail.op in p.tails
+                and (p.when is None or holds is None or holds(p, head.name, tail.name))
+            ),
             None,
         )
         if pattern is None or not quantized(head.name):

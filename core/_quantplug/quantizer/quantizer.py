@@ -17,15 +17,15 @@ import torch
 from torch.fx import GraphModule, Node
 
 from _quantplug.annotation.annotators import AnnotatorRule, is_float_tensor
-from _quantplug.annotation.specs import Q_ANNOTATION_KEY, QuantizationConfig
-from _quantplug.errors import BackendLoadError, ConstraintViolationError, OptionError
+from _quantplug.annotation.specs import Q_ANNOTATION_KEY, QuantizationAnnotation, QuantizationConfig
+from _quantplug.errors import BackendLoadError, ConstraintViolationError, OptionError, QuantplugError
 from _quantplug.graph.index_arithmetic import index_arithmetic
 from _quantplug.graph.mutation import mutated_aliases
 from _quantplug.graph.op_names import op_name
 from _quantplug.meta import FLOAT_REASON_KEY, NOTE_KEY, RULE_KEY
-from _quantplug.plugins.contract import BackendInfo, BackendOption, LoweringPlan, NamedPass
+from _quantplug.plugins.contract import STRICT_OPTION, BackendInfo, LoweringPlan, NamedPass
 from _quantplug.plugins.registry import LoadedBackend
-from _quantplug.quantizer.context import BackendContext
+from _quantplug.quantizer.context import BackendContext, BackendOptions
 from _quantplug.quantizer.fusion import (
     FUSED_HEAD_KEY,
     FUSED_TAIL_KEY,
@@ -51,12 +51,6 @@ logger = logging.getLogger("quantplug")
 #: (e.g. a smaller LPBQ block): shown by ``coverage()`` next to the node
 
 AnnotationCallback = Callable[[GraphModule, BackendContext], None]
-
-#: accepted by every backend and resolved like a declared bool option (text "false"/"off"/"0"
-#: works); visible to every hook as ``context.options["strict"]``
-STRICT_OPTION = BackendOption(
-    "strict", bool, True, "raise ConstraintViolationError on constraint violations (false: only warn)"
-)
 
 
 @dataclass(frozen=True)
@@ -127,7 +121,9 @@ class Quantizer:
 
     def __init__(self, backend: LoadedBackend, options: dict[str, Any], *, strict: bool = True) -> None:
         self._backend = backend
-        self.context = BackendContext(backend=backend.info.name, options={**options, "strict": strict})
+        self.context = BackendContext(
+            backend=backend.info.name, options=BackendOptions(options, strict=strict), strict=strict
+        )
         self.context.bind_configs(self.config_for)  # rules and hooks may ask for any node's config
         hook = backend.hook
         preset = options.get(backend.info.preset_option) if backend.info.preset_option else None
@@ -141,6 +137,8 @@ class Quantizer:
         self._callbacks: list[AnnotationCallback] = []
         self._constraint_cache: dict[tuple[str, str | None], list[OpConstraint]] = {}
         self._fusion_patterns: tuple[FusionPattern, ...] | None = None
+        self._io_config: QuantizationConfig | None = None
+        self._io_set = False
 
     # -- description -------------------------------------------------------------------------
     @property
@@ -159,18 +157,21 @@ class Quantizer:
     @strict.setter
     def strict(self, value: bool) -> None:
         strict = STRICT_OPTION.coerce(value, backend=self.backend)
-        self.context.options = {**self.context.options, "strict": strict}
+        self.context.strict = strict
+        self.context.options = BackendOptions(self.context.options, strict=strict)
 
     @property
     def options(self) -> dict[str, Any]:
-        return dict(self.context.options)
+        """The backend's own options as resolved (a copy); ``strict`` is :attr:`strict`."""
+        options = self.context.options
+        return options.copy() if isinstance(options, BackendOptions) else dict(options)
 
     @property
     def global_config(self) -> QuantizationConfig | None:
         return self.selector.global_config
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.context.options.items())
+        opts = ", ".join(f"{k}={v!r}" for k, v in {**self.context.options, "strict": self.strict}.items())
         return f"<Quantizer {self.backend}({opts})>"
 
     # -- overrides ---------------------------------------------------------------------------
@@ -278,6 +279,8 @@ class Quantizer:
                 )
                 continue
             self._apply(rule, node, config)
+        self._run_annotation_passes(model, selected, kept_float)
+        self._annotate_io(graph)
         for callback in self._callbacks:
             callback(model, self.context)
         if plan.fused:
@@ -288,6 +291,78 @@ class Quantizer:
             elif node.op == "call_function" and RULE_KEY in node.meta and not _has_specs(node):
                 node.meta.setdefault(FLOAT_REASON_KEY, _why_unannotated(node))
         return model
+
+    def _run_annotation_passes(
+        self,
+        model: GraphModule,
+        selected: dict[str, tuple[QuantizationConfig | None, str]],
+        kept_float: dict[Node, str],
+    ) -> None:
+        """The backend's whole-graph annotation stages (hook ``quantplug_annotation_passes``); what
+        they put on a node the user keeps float, or that must stay float, is taken off again."""
+        results = self._backend.hook.quantplug_annotation_passes(context=self.context)
+        passes = [p for r in reversed(results) for p in r]
+        if not passes:
+            return
+        for p in passes:
+            try:
+                p.fn(model, self.context)
+            except (QuantplugError, ConstraintViolationError):
+                raise
+            except Exception as exc:
+                raise BackendLoadError(
+                    self.backend,
+                    None,
+                    getattr(p.fn, "__module__", "?"),
+                    f"annotation pass {p.name!r} failed: {type(exc).__name__}: {exc}",
+                ) from exc
+        for node in model.graph.nodes:
+            if node.op != "call_function" or Q_ANNOTATION_KEY not in node.meta:
+                continue
+            if node in kept_float:
+                del node.meta[Q_ANNOTATION_KEY]
+                node.meta[FLOAT_REASON_KEY] = kept_float[node]
+                continue
+            config, why = selected.get(node.name) or self.selector.select(node)
+            if config is None:
+                del node.meta[Q_ANNOTATION_KEY]
+                node.meta[FLOAT_REASON_KEY] = f"{DISCARDED} ({why})"
+
+    def set_io(self, config: QuantizationConfig | None) -> Quantizer:
+        """Specs for the program's own inputs (``config.input_activation``) and outputs
+        (``config.output_activation``); None: inputs and outputs as the rules leave them. Overrides
+        the backend's default (hook ``quantplug_io_config``)."""
+        self._io_config = config
+        self._io_set = True
+        return self
+
+    @property
+    def io_config(self) -> QuantizationConfig | None:
+        """The specs the program's inputs and outputs get: ``set_io``'s, else the backend's."""
+        if self._io_set:
+            return self._io_config
+        return self._backend.hook.quantplug_io_config(context=self.context)
+
+    def _annotate_io(self, graph: torch.fx.Graph) -> None:
+        config = self.io_config
+        if config is None:
+            return
+        if config.input_activation is not None:
+            for node in graph.nodes:
+                if node.op == "placeholder" and is_float_tensor(node) and node.users:
+                    annotation = node.meta.get(Q_ANNOTATION_KEY) or QuantizationAnnotation()
+                    annotation.output_qspec = config.input_activation
+                    node.meta[Q_ANNOTATION_KEY] = annotation
+        if config.output_activation is not None:
+            output = next(n for n in reversed(graph.nodes) if n.op == "output")
+            returned = [
+                a for a in dict.fromkeys(output.all_input_nodes) if is_float_tensor(a) and a.op != "get_attr"
+            ]
+            if returned:
+                annotation = output.meta.get(Q_ANNOTATION_KEY) or QuantizationAnnotation()
+                for value in returned:
+                    annotation.input_qspec_map[value] = config.output_activation
+                output.meta[Q_ANNOTATION_KEY] = annotation
 
     @property
     def fusion_patterns(self) -> tuple[FusionPattern, ...]:
@@ -303,6 +378,7 @@ class Quantizer:
         patterns = self.fusion_patterns
         if not patterns:
             return FusionPlan()
+        by_name = {n.name: n for n in graph.nodes if n.op == "call_function"}
         nodes = [
             OpNode(
                 n.name,
@@ -310,10 +386,25 @@ class Quantizer:
                 tuple(u.name for u in n.users),
                 n.args[0].name if n.args and isinstance(n.args[0], Node) else None,
             )
-            for n in graph.nodes
-            if n.op == "call_function"
+            for n in by_name.values()
         ]
-        return plan_fusions(nodes, patterns, lambda name: selected.get(name, (None, ""))[0] is not None)
+
+        def holds(pattern: FusionPattern, head: str, tail: str) -> bool:
+            assert pattern.when is not None
+            try:
+                return bool(pattern.when(by_name[head], by_name[tail], self.context))
+            except Exception as exc:
+                raise BackendLoadError(
+                    self.backend,
+                    None,
+                    getattr(pattern.when, "__module__", "?"),
+                    f"the condition of fusion pattern {pattern.name or sorted(pattern.heads)!r} failed on "
+                    f"{head!r} -> {tail!r}: {type(exc).__name__}: {exc}",
+                ) from exc
+
+        return plan_fusions(
+            nodes, patterns, lambda name: selected.get(name, (None, ""))[0] is not None, holds
+        )
 
     def config_for(self, node: Node) -> QuantizationConfig | None:
         """The config the user's overrides select for ``node`` (None: kept float). Also

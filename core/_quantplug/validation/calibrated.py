@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from _quantplug.meta import CALIBRATED_REPORT_KEY as CALIBRATED_REPORT_KEY  # here since 0.1.0
 from _quantplug.validation.engine import CalibratedPlan, violation_of
 from _quantplug.validation.relations import Encoding, check_port_values, check_values
 from _quantplug.validation.report import ValidationReport

@@ -132,6 +132,7 @@ INFO = BackendInfo(
     presets=tuple(Preset(name, text) for name, text in configs.PRECISIONS.items()),
     preset_option="precision",
     qat_option="qat",
+    requires_api="1.1",
 )
 
 #: context.state key of the loaded SDK op info (or None: built-in table)

@@ -74,6 +74,7 @@ INFO = BackendInfo(
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
     preset_option="preset",
+    requires_api="1.1",
 )
 
 

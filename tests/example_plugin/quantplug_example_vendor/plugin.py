@@ -47,6 +47,7 @@ INFO = BackendInfo(
     ),
     presets=tuple(Preset(name, text) for name, text in configs.PRESETS.items()),
     preset_option="precision",
+    requires_api="1.1",
 )
 
 

@@ -181,8 +181,10 @@ def check_options(session: Session, case: str) -> str:
                 if q is not None and q.options[o.name] != value:
                     problems.append(f"{o.name}={text!r} (text) resolved to {q.options[o.name]!r}")
     q = attempt({"strict": "false"}, expect_error=False, what="strict='false'")
-    if q is not None and q.context.options.get("strict") is not False:
-        problems.append("strict='false' is not visible as context.options['strict'] == False")
+    if q is not None and q.context.strict is not False:
+        problems.append("strict='false' is not visible as context.strict == False")
+    if q is not None and "strict" in q.options:
+        problems.append("the backend declares an option named 'strict', which is the core's (context.strict)")
     attempt({"strict": "maybe"}, expect_error=True, what="strict='maybe'")
     if problems:
         raise Failed(f"{len(problems)} problem(s): " + "; ".join(problems))
