@@ -108,9 +108,7 @@ def generated() -> list[tuple[Path, str]]:
 def stale() -> list[Path]:
     """The derived files whose text is not what their declarations give."""
     return [
-        path
-        for path, text in generated()
-        if not path.exists() or path.read_text(encoding="utf-8") != text
+        path for path, text in generated() if not path.exists() or path.read_text(encoding="utf-8") != text
     ]
 
 
