@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _quantplug.observers import kernels
-from _quantplug.observers.accelerated import LinearBinning, add_histc, histc
+from _quantplug.observers.binning import LinearBinning, add_histc, histc
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built (no C compiler)")
 

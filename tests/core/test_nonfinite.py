@@ -63,7 +63,7 @@ OBSERVERS: dict[str, Callable[[], nn.Module]] = {
 
 def _torchao_observers() -> dict[str, Callable[[], nn.Module]]:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from _quantplug.observers.accelerated import accelerate
+    from _quantplug.peers.torchao_observers import accelerate
 
     return {
         "torchao_histogram": lambda: accelerate(ao.HistogramObserver()),

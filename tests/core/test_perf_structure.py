@@ -24,7 +24,8 @@ import quantplug
 from _quantplug.graph.working_copy import AttrNamer, working_copy
 from _quantplug.meta import OBSERVERS, STATE_KEY
 from _quantplug.observers import kernels
-from _quantplug.observers.accelerated import accelerate, calculate_qparams_many, fresh_copy
+from _quantplug.observers.copies import fresh_copy
+from _quantplug.peers.torchao_observers import accelerate, calculate_qparams_many
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -453,9 +454,9 @@ def _feed_and_compare(ao: Any, config: dict[str, Any], g: torch.Generator) -> No
 
 def test_calculate_qparams_many_is_each_observers_calculate_qparams(monkeypatch: pytest.MonkeyPatch) -> None:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from _quantplug.observers.accelerated import calculate_qparams_many
     from _quantplug.observers.minmax import MinMaxObserver
-    from _quantplug.peers import torchao_observers as torchao_fast
+    from _quantplug.peers import torchao_observer_classes as torchao_fast
+    from _quantplug.peers.torchao_observers import calculate_qparams_many
 
     g = torch.Generator().manual_seed(5)
     observers: list[Any] = []
@@ -509,7 +510,7 @@ def test_calculate_qparams_many_is_each_observers_calculate_qparams(monkeypatch:
 
 def test_batched_quantization_errors_are_torchaos_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from _quantplug.peers import torchao_observers as torchao_fast
+    from _quantplug.peers import torchao_observer_classes as torchao_fast
 
     g = torch.Generator().manual_seed(8)
     for config in HISTOGRAM_CONFIGS:
@@ -542,7 +543,7 @@ def test_batched_quantization_errors_are_torchaos_bit_for_bit(monkeypatch: pytes
 def test_search_walk_tries_torchaos_candidates() -> None:
     """With every error accepted, the walk proposes torchao's ranges, in torchao's order."""
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from _quantplug.peers import torchao_observers as torchao_fast
+    from _quantplug.peers import torchao_observer_classes as torchao_fast
 
     # torchao compares float32 cumulative counts with thresholds rounded to float32: here the
     # first threshold rounds onto cSum[0] and cSum[1] (then the start bin stays, else it moves)
@@ -605,7 +606,7 @@ def test_row_sums_and_cumsums_are_those_of_each_row() -> None:
 
 def test_float64_floor_division_is_torchs() -> None:
     pytest.importorskip("torchao.quantization.pt2e.observer")
-    from _quantplug.peers.torchao_observers import _FloorDiv
+    from _quantplug.peers.torchao_observer_classes import _FloorDiv
 
     g = torch.Generator().manual_seed(7)
     for trial in range(300):

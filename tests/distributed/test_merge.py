@@ -206,7 +206,7 @@ def test_what_cannot_merge_is_refused_by_name() -> None:
 @pytest.mark.parametrize("name", ["MinMaxObserver", "PerChannelMinMaxObserver", "HistogramObserver"])
 def test_torchao_observers_merge_like_ours(name: str) -> None:
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
-    from _quantplug.observers.accelerated import accelerate
+    from _quantplug.peers.torchao_observers import accelerate
 
     kwargs: dict[str, Any] = {"ch_axis": 1} if name.startswith("PerChannel") else {}
     make = lambda: accelerate(getattr(ao, name)(**kwargs))  # noqa: E731

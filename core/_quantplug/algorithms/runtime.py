@@ -946,7 +946,7 @@ def warn_ignored(ignored: dict[str, int]) -> None:
 
 def _observer(observers: dict[int, nn.Module], ref: _SiteRef) -> Callable[[torch.Tensor], Any]:
     """:meth:`WeightGrid.observe` for a site: a fresh copy of its group's weight observer."""
-    from _quantplug.observers.accelerated import fresh_copy
+    from _quantplug.observers.copies import fresh_copy
 
     prototype = observers[ref.site.group]
 

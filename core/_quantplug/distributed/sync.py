@@ -40,7 +40,7 @@ from _quantplug.distributed.collectors import sync_collectors
 from _quantplug.distributed.fingerprint import describe_mismatch, digest, fingerprint, mismatch_advice
 from _quantplug.errors import DistributedError
 from _quantplug.meta import SYNCED_ATTR
-from _quantplug.observers.accelerated import fresh_copy
+from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.merge import has_statistics, merge_observers
 from _quantplug.observers.nonfinite import COUNT_ATTR, MASK_ENDS_ATTR, MASKED_ATTR
 

@@ -45,12 +45,13 @@ from _quantplug.meta import (
     STATE_KEY,
 )
 from _quantplug.observers import block_ops as qp_ops
-from _quantplug.observers.accelerated import calculate_qparams_many, fresh_copy
 from _quantplug.observers.base import ObserverBase
+from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.factory import observer_saw_data
 from _quantplug.observers.fixed import DerivedObserver
 from _quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
+from _quantplug.peers.torchao_observers import calculate_qparams_many
 from _quantplug.validation.calibrated import check_calibrated
 
 qd = torch.ops.quantized_decomposed

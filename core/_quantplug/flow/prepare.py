@@ -34,11 +34,12 @@ from _quantplug.graph.softmax_inputs import score_values
 from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
 from _quantplug.meta import ALGORITHMS_KEY as ALGORITHMS_KEY
 from _quantplug.meta import BACKEND_KEY, DEBUG_HANDLE_KEY, GROUP_KEY, OBSERVERS, STATE_KEY
-from _quantplug.observers.accelerated import accelerate, clonable, fresh_copy
+from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.factory import create_observer
 from _quantplug.observers.nonfinite import check_policy
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.peers.torchao_matching import fast_partition_matching
+from _quantplug.peers.torchao_observers import accelerate, clonable
 from _quantplug.quantizer.quantizer import Quantizer, coverage_of
 from _quantplug.rewrites.batchnorm import fold_batch_norm
 from _quantplug.rewrites.computed_weights import (

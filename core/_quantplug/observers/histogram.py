@@ -16,8 +16,8 @@ import torch
 
 from _quantplug.errors import AnnotationError
 from _quantplug.observers import kernels, nonfinite
-from _quantplug.observers.accelerated import add_histc
 from _quantplug.observers.base import ObserverBase
+from _quantplug.observers.binning import add_histc
 
 _METHODS = ("mse", "percentile")
 _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)

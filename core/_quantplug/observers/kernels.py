@@ -103,7 +103,7 @@ def bin_counts(
     """Count ``x`` into ``out`` (``bins`` float32 counters: set, or added to); False if not done.
 
     The bin of a value is ``int(min((x - lo) * scale / divisor, bins - 1))`` in float32 (no
-    multiplication when ``scale`` is 0): :class:`_quantplug.observers.accelerated.LinearBinning`
+    multiplication when ``scale`` is 0): :class:`_quantplug.observers.binning.LinearBinning`
     chooses the operands so that this is torch.histc's bin. ``x`` must lie within the binned
     range; ``out`` must not overlap ``x``.
     """

@@ -15,9 +15,9 @@ the model the exporter would have produced. The optimizer is not run: callers cl
 they need in linear time. The registry (torchlib's ~1,000 functions, about a second to build) is
 built once per opset and process.
 
-These are torch's private exporter internals (``torch.onnx._internal.exporter``), stable across
-the 2.x releases quantplug supports; where they are missing, the public ``torch.onnx.export``
-runs instead (slower, same model).
+These are torch's private exporter internals (``torch.onnx._internal.exporter``); on a torch
+version they were not verified on (:mod:`_quantplug.peers.versions`), or where they are missing,
+the public ``torch.onnx.export`` runs instead (slower, the same model).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from _quantplug.errors import LoweringError
+from _quantplug.peers.versions import verified
 
 logger = logging.getLogger("quantplug.lowering.onnx_translate")
 
@@ -83,6 +84,12 @@ class _Internals:
 
 @functools.cache
 def _internals() -> _Internals | None:
+    if not verified("onnx_translate"):
+        logger.info(
+            "torch %s: the exporter's internals are not verified here; using torch.onnx.export",
+            torch.__version__,
+        )
+        return None
     try:
         return _Internals()
     except (ImportError, AttributeError) as exc:  # torch moved them: use the public exporter

@@ -11,7 +11,8 @@ partitions in the same order: same dict keys in the same order, same node lists,
 ``itertools.product`` order, so annotations are unchanged. The originals are put back on exit.
 
 Only the torch and torchao versions this was checked against are patched (their matching rules
-are re-implemented here); with any other version the originals run unchanged.
+are re-implemented here; :mod:`_quantplug.peers.versions`); with any other version the originals
+run unchanged.
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ from contextlib import contextmanager
 from operator import itemgetter
 from typing import Any
 
-import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.utils.source_matcher_utils import SourcePartition
 from torch.fx.passes.utils.source_matcher_utils import get_source_partitions as _torch_get_source_partitions
 
-_SUPPORTED_TORCH = ("2.13.",)
-_SUPPORTED_TORCHAO = ("0.18.",)
+from _quantplug.peers.versions import verified
 
 _lock = threading.RLock()
 _depth = 0
@@ -41,18 +40,18 @@ _indexes: dict[int, _Index] = {}  # their current indexes (dropped when a node i
 _NO_MATCH = object()
 _scanned: dict[str, Any] = {}  # module name -> the module object last scanned for bindings
 _bindings: dict[str, list[str]] = {}  # module name -> names of originals it binds
+_scanned_for: list[frozenset[str]] = [frozenset()]  # the originals the scan above looked for
 
 
 def _originals() -> dict[str, Any]:
     """name -> original function object, for the functions this module can replace."""
     found: dict[str, Any] = {}
-    if torch.__version__.startswith(_SUPPORTED_TORCH):
+    if verified("torchao_matching", peers=("torch",)):
         found["get_source_partitions"] = _torch_get_source_partitions
     graph_utils = sys.modules.get("torchao.quantization.pt2e.graph_utils")
-    torchao = sys.modules.get("torchao")
     if (
         graph_utils is not None
-        and getattr(torchao, "__version__", "").startswith(_SUPPORTED_TORCHAO)
+        and verified("torchao_matching", peers=("torchao",))
         and callable(getattr(graph_utils, "_valid_type_sequence", None))
         and callable(getattr(graph_utils, "_get_matching_types", None))
     ):
@@ -103,6 +102,10 @@ def _patch() -> None:
         "get_source_partitions": get_source_partitions,
         "find_sequential_partitions": find_sequential_partitions,
     }
+    if frozenset(originals) != _scanned_for[0]:  # another set of originals: scan everything again
+        _scanned.clear()
+        _bindings.clear()
+        _scanned_for[0] = frozenset(originals)
     # which modules bind an original: scan each module once (about 3k of them once torchao is in)
     for module_name, module in list(sys.modules.items()):
         if _scanned.get(module_name) is module:
@@ -119,7 +122,7 @@ def _patch() -> None:
         if not isinstance(namespace, dict):
             continue
         for name in names:
-            if name in fast_versions and namespace.get(name) is originals[name]:
+            if name in originals and namespace.get(name) is originals[name]:
                 namespace[name] = fast_versions[name]
                 _patched.append((namespace, name, originals[name]))
 

@@ -1,0 +1,149 @@
+"""What exists for a peer's speed or defects: one table of verified versions, and the plain path.
+
+Every module of ``_quantplug/peers`` is in ``versions.PIECES``; a piece that stands in for a
+peer's own code (``"replaces"``) checks :func:`verified` and, on a version it was not verified
+on, stands down: the peer's own path runs and gives the same results. Each fallback is run here
+by declaring the installed version unverified, side by side with the fast path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import quantplug
+from _quantplug.peers import onnx_translate, torchao_matching, torchao_observers, versions
+
+PEERS = Path(versions.__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_piece_is_in_the_table_with_what_verified_it() -> None:
+    modules = {p.stem for p in PEERS.glob("*.py")} - {"__init__", "versions", "torchao_observer_classes"}
+    assert modules == set(versions.PIECES), "a module of peers/ without its table entry, or the reverse"
+    for name, piece in versions.PIECES.items():
+        assert piece.kind in ("replaces", "rewrites") and piece.verified_on and piece.why
+        for test in piece.verified_by:
+            assert (ROOT / test).is_file(), f"{name}: {test}"
+        source = (PEERS / f"{name}.py").read_text(encoding="utf-8")
+        if piece.kind == "replaces":  # stands down on an unverified version
+            assert f'verified("{name}"' in source, name
+
+
+def test_the_installed_peers_are_the_verified_ones() -> None:
+    """The suite runs the fast paths: if this fails, a peer was upgraded and every "replaces"
+    piece stood down; re-verify them on the new version and extend the table."""
+    pytest.importorskip("torchao")
+    assert all(versions.verified(name) for name in versions.PIECES)
+
+
+@pytest.fixture
+def unverified(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Declare the installed version of a piece's peers unverified (as a newer release would be)."""
+
+    def declare(name: str) -> None:
+        piece = versions.PIECES[name]
+        stale = versions.PeerPiece(
+            piece.module, {d: ("0.0.0-not-this",) for d in piece.verified_on}, piece.kind, piece.why
+        )
+        monkeypatch.setitem(versions.PIECES, name, stale)
+        onnx_translate._internals.cache_clear()
+
+    yield declare
+    onnx_translate._internals.cache_clear()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 6 * 6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x)) + torch.sigmoid(x).mean()
+        return self.fc(torch.flatten(torch.nn.functional.max_pool2d(y, 2), 1))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def _inputs(n: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 3, 12, 12, generator=g) for _ in range(n)]
+
+
+def _x86_quantized() -> torch.fx.GraphModule:
+    pytest.importorskip("torchao.quantization.pt2e")
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
+    program = torch.export.export(_net(), (_inputs()[0],))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = quantplug.prepare(program, quantizer)
+        for x in _inputs():
+            prepared(x)
+        return quantplug.convert(prepared)
+
+
+def _qdq(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """Every Q/DQ node: its name, op and constant arguments (scales and zero points as lists)."""
+    out = []
+    for n in gm.graph.nodes:
+        if getattr(n.target, "namespace", None) != "quantized_decomposed":
+            continue
+        args = tuple(
+            getattr(gm, a.target).tolist() if isinstance(a, torch.fx.Node) and a.op == "get_attr" else str(a)
+            for a in n.args[1:]
+        )
+        out.append((n.name, str(n.target), args))
+    return out
+
+
+def test_partition_matching_and_torchao_observers_stand_down_with_the_same_result(unverified: Any) -> None:
+    fast = _x86_quantized()
+    unverified("torchao_matching")
+    unverified("torchao_observers")
+    assert torchao_matching._originals() == {}  # nothing of torch's or torchao's is rebound
+    plain = _x86_quantized()
+    assert _qdq(plain) == _qdq(fast) and _qdq(fast)
+    x = _inputs(1)[0]
+    assert torch.equal(plain(x), fast(x))
+
+
+def test_an_unverified_torchao_keeps_its_own_observer_classes(unverified: Any) -> None:
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    assert type(torchao_observers.accelerate(ao.HistogramObserver())) is not ao.HistogramObserver
+    unverified("torchao_observers")
+    obs = torchao_observers.accelerate(ao.HistogramObserver())
+    assert type(obs) is ao.HistogramObserver
+    obs(torch.randn(100))
+    (scale, zp), *_ = torchao_observers.calculate_qparams_many([obs])
+    ref_scale, ref_zp = obs.calculate_qparams()
+    assert torch.equal(scale, ref_scale) and torch.equal(zp, ref_zp)
+
+
+def test_the_public_onnx_exporter_runs_where_its_internals_are_unverified(unverified: Any) -> None:
+    pytest.importorskip("onnxruntime")
+    program = torch.export.export(_net(), (_inputs()[0],))
+    quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
+    prepared = quantplug.prepare(program, quantizer)
+    for x in _inputs():
+        prepared(x)
+    quantized = quantplug.convert(prepared)
+    fast = quantplug.lower(quantized, quantizer)
+    unverified("onnx_translate")
+    assert onnx_translate._internals() is None
+    plain = quantplug.lower(quantized, quantizer)
+    x = _inputs(1)[0]
+    assert torch.equal(torch.as_tensor(plain.run(x)[0]), torch.as_tensor(fast.run(x)[0]))
