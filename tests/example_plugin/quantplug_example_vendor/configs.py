@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from _quantplug.observers.minmax import MinMaxObserver, PerChannelMinMaxObserver
 from quantplug.backend import (
     DerivedQuantizationSpec,
+    MinMaxObserver,
+    PerChannelMinMaxObserver,
     QuantizationConfig,
     QuantizationSpec,
     derived_bias_spec,

@@ -7,12 +7,13 @@ from collections.abc import Mapping
 
 import torch
 
-from _quantplug.validation.constraints import Port, PortRelation
 from quantplug.backend import (
     OUTPUT,
     ArchRequirement,
     OpConstraint,
+    Port,
     PortConstraint,
+    PortRelation,
     RequantRatio,
     SameScale,
     ScaleProduct,

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from _quantplug.flow.inspect import DEQUANTIZE_OPS
-from _quantplug.graph.working_copy import working_copy
-from quantplug.backend import BackendContext, ValidationReport, Violation, is_float_tensor
+from quantplug.backend import (
+    DEQUANTIZE_OPS,
+    BackendContext,
+    ValidationReport,
+    Violation,
+    is_float_tensor,
+    working_copy,
+)
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed

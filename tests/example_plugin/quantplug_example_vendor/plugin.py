@@ -17,8 +17,6 @@ import torch
 from torch.fx import GraphModule, Node
 
 import quantplug
-from _quantplug.sharing.problem import SharingProblem
-from _quantplug.sharing.resolution import Key, SharingGroups
 from quantplug.backend import (
     Artifact,
     BackendContext,
@@ -26,11 +24,14 @@ from quantplug.backend import (
     BackendOption,
     ConformanceProfile,
     FusionPattern,
+    Key,
     NamedPass,
     OpConstraint,
     Preset,
     QuantizationConfig,
     RulesModule,
+    SharingGroups,
+    SharingProblem,
 )
 from quantplug_example_vendor import configs
 from quantplug_example_vendor.rules import RULE_MODULES

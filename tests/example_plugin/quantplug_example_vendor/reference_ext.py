@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import quantplug
-from _quantplug.validation.constraints import OUTPUT
-from quantplug.backend import BackendContext, OpConstraint, PortConstraint, RulesModule
+from quantplug.backend import OUTPUT, BackendContext, OpConstraint, PortConstraint, RulesModule
 from quantplug_example_vendor.rules import REFERENCE_EXTENSION_RULES
 
 ABS = OpConstraint(

@@ -6,8 +6,7 @@ import json
 
 from torch.fx import GraphModule
 
-from _quantplug.flow.inspect import encodings
-from quantplug.backend import Artifact, BackendContext
+from quantplug.backend import Artifact, BackendContext, encodings
 
 ENCODINGS_FILE = "example_vendor_encodings.json"
 FORMAT = "example-vendor-encodings/1"

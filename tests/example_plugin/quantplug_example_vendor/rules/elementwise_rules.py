@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from _quantplug.annotation.specs import QuantizationSpecBase, annotate_node, is_annotated
 from quantplug.backend import (
     QuantizationConfig,
+    QuantizationSpecBase,
     SharedQuantizationSpec,
     annotate_binary,
+    annotate_node,
     annotate_single_in_single_out,
+    is_annotated,
     is_float_tensor,
     register_annotator,
 )
