@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = {"quantplug", "quantplug.backend"}
 #: a plugin's tests may also use the other public modules (the kit, the debugger)
 PUBLIC = ALLOWED | {"quantplug.conformance", "quantplug.debug", "quantplug.distributed"}
-PLUGIN_DIRS = [ROOT / "plugins" / "reference", ROOT / "plugins" / "qnn_htp", ROOT / "tests" / "example_plugin"]
+PLUGIN_DIRS = [
+    ROOT / "plugins" / "reference",
+    ROOT / "plugins" / "qnn_htp",
+    ROOT / "tests" / "example_plugin",
+]
 
 
 def _imports(source: str) -> Iterator[tuple[int, str]]:
