@@ -435,11 +435,9 @@ class Quantizer:
                 rule.fn(node, config, self.context)
             else:
                 rule.fn(node, config)
-        except (OptionError, ConstraintViolationError):
-            raise
+        except QuantplugError:
+            raise  # a rule's own typed error (a block size that divides nothing) reaches the user as is
         except Exception as exc:
-            if type(exc).__module__.startswith("quantplug"):
-                raise
             raise BackendLoadError(
                 self.backend,
                 None,
