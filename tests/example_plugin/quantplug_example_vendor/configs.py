@@ -30,6 +30,13 @@ CHIPS: dict[str, int] = {"EV100": 1, "EV200": 2, "EV300": 3}
 #: the first architecture whose matrix unit reads per-block (LPBQ) weights
 PER_BLOCK_MIN_ARCH = 3
 
+#: the first architecture whose host interface takes quantized tensors (see host_io_config)
+QUANTIZED_IO_MIN_ARCH = 3
+
+#: the backend node data key naming the unit of the chip that runs a node ("matrix", "vector",
+#: "dma"): the compiler partitions the program by it (``quantplug.backend.set_backend_node_data``)
+UNIT = "example_vendor.unit"
+
 
 def build_config(precision: str, options: Mapping[str, Any]) -> QuantizationConfig:
     """The global config of a precision preset (see PRESETS)."""
@@ -66,3 +73,16 @@ def build_config(precision: str, options: Mapping[str, Any]) -> QuantizationConf
         return derived_bias_spec(node, weight_spec=per_channel)
 
     return QuantizationConfig(input_activation=act, output_activation=act, weight=weight, bias=bias)
+
+
+def host_io_config() -> QuantizationConfig:
+    """The specs of the program's own inputs and outputs on a chip with a quantized host interface.
+
+    The host passes uint8 tensors in and takes uint8 tensors out, whatever the precision inside:
+    at 16a8w the inputs are requantized to 16 bits where they enter, the outputs to 8 bits where
+    they leave.
+    """
+    io = QuantizationSpec(
+        dtype=torch.uint8, qscheme=torch.per_tensor_affine, observer_or_fake_quant_ctr=MinMaxObserver
+    )
+    return QuantizationConfig(input_activation=io, output_activation=io, weight=None, bias=None)

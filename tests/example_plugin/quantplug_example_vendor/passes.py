@@ -1,4 +1,5 @@
-"""Graph passes: one before annotation, two during lowering (one rewrites, one checks)."""
+"""Graph passes: one before annotation, one annotation stage, two during lowering (one rewrites,
+one checks)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ from torch.fx import GraphModule, Node
 from quantplug.backend import (
     DEQUANTIZE_OPS,
     BackendContext,
+    QuantizationSpecBase,
+    SharedQuantizationSpec,
     ValidationReport,
     Violation,
+    annotate_node,
+    get_annotation,
+    is_annotated,
     is_float_tensor,
+    set_backend_node_data,
     working_copy,
 )
+from quantplug_example_vendor.configs import UNIT
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -48,6 +56,39 @@ def lift_scalar_operands(gm: GraphModule, context: BackendContext) -> GraphModul
         graph.lint()
         gm.recompile()
     return gm
+
+
+#: ops the chip's DMA engine runs: they move bytes and compute nothing
+DATA_MOVEMENT = (aten.flatten.using_ints, aten.reshape.default, aten.view.default)
+
+
+def share_data_movement(gm: GraphModule, context: BackendContext) -> None:
+    """A flatten, reshape or view reads and writes the encoding its consumers read.
+
+    The DMA engine copies bytes, so such a node is quantized exactly when every consumer reads
+    it quantized, on that consumer's grid: no requantization on either side. That depends on
+    the annotations the rules gave its consumers, so this is an annotation stage (hook
+    ``quantplug_annotation_passes``), run once every rule ran. Consumers come first (reverse
+    graph order): a chain of moves takes the encoding at its end. A move feeding a float node
+    or the program's output stays float.
+    """
+    for node in reversed(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in DATA_MOVEMENT or is_annotated(node):
+            continue
+        source = node.args[0]
+        if not isinstance(source, Node) or not is_float_tensor(node) or context.config_for(node) is None:
+            continue
+        if not node.users or any(_input_spec(user, node) is None for user in node.users):
+            continue
+        shared = SharedQuantizationSpec((node, next(iter(node.users))))  # the first consumer's input
+        annotate_node(node, {source: shared}, shared)
+        set_backend_node_data(node, UNIT, "dma")
+
+
+def _input_spec(user: Node, node: Node) -> QuantizationSpecBase | None:
+    """The spec ``user``'s annotation gives its input ``node``, if any."""
+    annotation = get_annotation(user)
+    return None if annotation is None else annotation.input_qspec_map.get(node)
 
 
 def drop_redundant_relu(gm: GraphModule, context: BackendContext) -> GraphModule:

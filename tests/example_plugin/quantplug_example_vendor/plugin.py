@@ -29,6 +29,7 @@ from quantplug.backend import (
     OpConstraint,
     Preset,
     QuantizationConfig,
+    QuantizationSpec,
     RulesModule,
     SharingGroups,
     SharingProblem,
@@ -107,14 +108,23 @@ def quantplug_resolve_sharing(
     return resolve(problem.with_merges(merges))
 
 
-#: the matrix unit applies a relu on its way out: linear/conv + relu is one kernel. A relu the user
-#: keeps float leaves the linear/conv quantized on its own.
+def _relu_output_is_8_bit(head: Node, tail: Node, context: BackendContext) -> bool:
+    """The matrix unit's relu stage writes 8-bit results: a relu quantized to 16 bits runs on its
+    own, after the linear/conv's 16-bit output."""
+    config = context.config_for(tail)
+    output = config.output_activation if config is not None else None
+    return isinstance(output, QuantizationSpec) and output.dtype == torch.uint8
+
+
+#: the matrix unit applies a relu on its way out: linear/conv + relu is one kernel, when the relu's
+#: output is 8-bit. A relu the user keeps float leaves the linear/conv quantized on its own.
 FUSIONS = (
     FusionPattern(
         ["aten.linear.default", "aten.conv2d.default"],
         ["aten.relu.default"],
         when_tail_float="quantize_head",
         name="matrix unit + relu",
+        when=_relu_output_is_8_bit,
     ),
 )
 
@@ -129,6 +139,21 @@ def quantplug_passes_before_annotation(context: BackendContext) -> Sequence[Name
     from quantplug_example_vendor.passes import lift_scalar_operands
 
     return [NamedPass("lift_scalar_operands", lift_scalar_operands)] if context.option("lift_scalars") else []
+
+
+@quantplug.hookimpl
+def quantplug_annotation_passes(context: BackendContext) -> Sequence[NamedPass]:
+    from quantplug_example_vendor.passes import share_data_movement
+
+    return [NamedPass("share_data_movement", share_data_movement)]
+
+
+@quantplug.hookimpl
+def quantplug_io_config(context: BackendContext) -> QuantizationConfig | None:
+    """A chip with a quantized host interface takes uint8 in and gives uint8 out (EV300)."""
+    if configs.CHIPS[context.option("chip")] < configs.QUANTIZED_IO_MIN_ARCH:
+        return None  # the host passes float tensors: inputs and outputs as the rules leave them
+    return configs.host_io_config()
 
 
 @quantplug.hookimpl

@@ -7,7 +7,14 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from quantplug.backend import QuantizationConfig, QuantizationSpec, annotate_weighted, register_annotator
+from quantplug.backend import (
+    QuantizationConfig,
+    QuantizationSpec,
+    annotate_weighted,
+    register_annotator,
+    set_backend_node_data,
+)
+from quantplug_example_vendor.configs import UNIT
 
 aten = torch.ops.aten
 
@@ -16,11 +23,13 @@ aten = torch.ops.aten
 def annotate_linear(node: Node, config: QuantizationConfig) -> None:
     # input 0 = activation, 1 = weight [out, in], 2 = bias (see configs.build_config)
     annotate_weighted(node, config)
+    set_backend_node_data(node, UNIT, "matrix")  # the compiler's partition key (see writer.py)
 
 
 @register_annotator([aten.conv2d.default], backend_op="Conv2d")
 def annotate_conv2d(node: Node, config: QuantizationConfig) -> None:
     annotate_weighted(node, _without_blocks(config))
+    set_backend_node_data(node, UNIT, "matrix")
 
 
 def _without_blocks(config: QuantizationConfig) -> QuantizationConfig:
