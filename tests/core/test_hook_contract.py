@@ -152,6 +152,40 @@ class Extension:
         return self.answers.get("profile")
 
 
+# -- quantplug_annotation_rules ----------------------------------------------------------------
+
+FAILING_RULES = """
+import torch
+import quantplug
+from quantplug.backend import register_annotator
+
+RAISE = [quantplug.AnnotationError("this linear has no weight the chip can store")]
+
+@register_annotator([torch.ops.aten.linear.default], backend_op="FC")
+def linear(node, config):
+    raise RAISE[0]
+"""
+
+
+def test_annotation_rules_raising_a_quantplug_error_reach_the_user_as_raised(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rule's own verdict (``AnnotationError``) is the user's error as the rule raised it; any other
+    exception is the rule's bug, wrapped in a ``BackendLoadError`` naming the rule and the node."""
+    name = f"qp_failing_rules_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(FAILING_RULES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    with quantplug.registered_backend("t_hooks", Chip(name)):
+        with pytest.raises(quantplug.AnnotationError, match="no weight the chip can store"):
+            quantplug.prepare(_program(), quantplug.get_quantizer("t_hooks"))
+        module.RAISE[0] = ZeroDivisionError("division by zero")
+        with pytest.raises(quantplug.BackendLoadError) as caught:
+            quantplug.prepare(_program(), quantplug.get_quantizer("t_hooks"))
+    assert "rule linear failed on node 'linear' (aten.linear.default): ZeroDivisionError" in str(caught.value)
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+
 # -- quantplug_fusion_patterns -----------------------------------------------------------------
 
 LINEAR_RELU = FusionPattern([aten.linear.default], [aten.relu.default], when_tail_float="quantize_head")
