@@ -349,6 +349,14 @@ class ToyBackend:
         return ()  # fusion: tests/core/test_fusion.py
 
     @quantplug.hookimpl
+    def quantplug_annotation_passes(self, context: BackendContext) -> Sequence[NamedPass]:
+        return ()  # tests/core/test_hook_contract.py
+
+    @quantplug.hookimpl
+    def quantplug_io_config(self, context: BackendContext) -> QuantizationConfig | None:
+        return None  # tests/core/test_hook_contract.py
+
+    @quantplug.hookimpl
     def quantplug_conformance_profile(self, context: BackendContext) -> ConformanceProfile:
         return ConformanceProfile(artifact_files=("toy.json",))  # the kit: tests/conformance/
 
@@ -436,6 +444,14 @@ class ToyExtension:
     @quantplug.hookimpl
     def quantplug_fusion_patterns(self, context: BackendContext) -> Sequence[FusionPattern]:
         return ()
+
+    @quantplug.hookimpl
+    def quantplug_annotation_passes(self, context: BackendContext) -> Sequence[NamedPass]:
+        return ()
+
+    @quantplug.hookimpl
+    def quantplug_io_config(self, context: BackendContext) -> QuantizationConfig | None:
+        return None
 
     @quantplug.hookimpl
     def quantplug_conformance_profile(self, context: BackendContext) -> ConformanceProfile | None:
