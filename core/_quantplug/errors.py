@@ -50,6 +50,27 @@ class BackendLoadError(QuantplugError, ImportError):
         self.cause = cause
 
 
+class BackendFailedError(BackendLoadError):
+    """A backend that loaded, but whose code (a rule, an annotation stage, a fusion condition)
+    raised while it ran: a defect of that plugin, not of the user's model or options.
+
+    A :class:`BackendLoadError`, so code catching that keeps working (before 0.2.0 these failures
+    were raised as one, saying the backend "failed to load")."""
+
+    def __init__(
+        self, name: str, distribution: str | None, module: str, what: str, cause: BaseException
+    ) -> None:
+        super().__init__(name, distribution, module, cause)
+        self.what = what
+        dist = f" from distribution {distribution!r}" if distribution else ""
+        message = (
+            f"backend {name!r}{dist} failed in {what} (module {module!r}): {type(cause).__name__}: {cause}. "
+            "This is a defect of that plugin: report it to its authors (other backends are unaffected)."
+        )
+        self.args = (message,)
+        self.msg = message  # what ImportError's str() shows
+
+
 class DuplicateBackendError(QuantplugError):
     """Two installed distributions claim the same backend name."""
 

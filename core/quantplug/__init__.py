@@ -66,6 +66,7 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
         "AlgorithmError",
         "AnnotationError",
         "BackendDisabledError",
+        "BackendFailedError",
         "BackendLoadError",
         "CalibrationError",
         "CollectorMergeError",

@@ -37,6 +37,7 @@ from _quantplug.conformance.profile import ConformanceProfile as ConformanceProf
 from _quantplug.errors import AlgorithmError as AlgorithmError
 from _quantplug.errors import AnnotationError as AnnotationError
 from _quantplug.errors import BackendDisabledError as BackendDisabledError
+from _quantplug.errors import BackendFailedError as BackendFailedError
 from _quantplug.errors import BackendLoadError as BackendLoadError
 from _quantplug.errors import CalibrationError as CalibrationError
 from _quantplug.errors import CollectorMergeError as CollectorMergeError
@@ -107,6 +108,7 @@ __all__ = [
     "BackendContext",
     "BackendDisabledError",
     "BackendEntry",
+    "BackendFailedError",
     "BackendInfo",
     "BackendLoadError",
     "BackendOption",

@@ -129,6 +129,7 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
     # -- errors --------------------------------------------------------------------------------
     "_quantplug.errors": (
         "AnnotationError",
+        "BackendFailedError",
         "CalibrationError",
         "ConstraintViolationError",
         "ConversionError",

@@ -171,7 +171,8 @@ def test_annotation_rules_raising_a_quantplug_error_reach_the_user_as_raised(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rule's own verdict (``AnnotationError``) is the user's error as the rule raised it; any other
-    exception is the rule's bug, wrapped in a ``BackendLoadError`` naming the rule and the node."""
+    exception is the rule's bug, wrapped in a ``BackendFailedError`` (a ``BackendLoadError``) naming
+    the rule and the node, and saying it is the plugin's defect."""
     name = f"qp_failing_rules_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(FAILING_RULES)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -180,9 +181,12 @@ def test_annotation_rules_raising_a_quantplug_error_reach_the_user_as_raised(
         with pytest.raises(quantplug.AnnotationError, match="no weight the chip can store"):
             quantplug.prepare(_program(), quantplug.get_quantizer("t_hooks"))
         module.RAISE[0] = ZeroDivisionError("division by zero")
-        with pytest.raises(quantplug.BackendLoadError) as caught:
+        with pytest.raises(quantplug.BackendFailedError) as caught:
             quantplug.prepare(_program(), quantplug.get_quantizer("t_hooks"))
-    assert "rule linear failed on node 'linear' (aten.linear.default): ZeroDivisionError" in str(caught.value)
+    assert "failed in rule linear on node 'linear' (aten.linear.default)" in str(caught.value)
+    assert "ZeroDivisionError" in str(caught.value) and "defect of that plugin" in str(caught.value)
+    assert "failed to load" not in str(caught.value)
+    assert isinstance(caught.value, quantplug.BackendLoadError)  # what 0.1.0's callers caught
     assert isinstance(caught.value.__cause__, ZeroDivisionError)
 
 
@@ -256,10 +260,11 @@ def test_annotation_passes_that_fail_name_the_pass_and_keep_the_cause(rules: str
     with quantplug.registered_backend(
         "t_hooks", Chip(rules, passes=[NamedPass("data movement", broken_stage)])
     ):
-        with pytest.raises(quantplug.BackendLoadError) as caught:
+        with pytest.raises(quantplug.BackendFailedError) as caught:
             quantplug.prepare(_program(), quantplug.get_quantizer("t_hooks"))
     error = caught.value
-    assert "annotation pass 'data movement' failed: KeyError: 'no consumer'" in str(error)
+    assert "failed in annotation pass 'data movement'" in str(error)
+    assert "KeyError: 'no consumer'" in str(error)
     # the wrapper's traceback ends in the core; the pass's own frame is in the chained cause
     assert isinstance(error.__cause__, KeyError)
     assert traceback.extract_tb(error.__cause__.__traceback__)[-1].name == "broken_stage"

@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 
 from _quantplug.annotation.annotators import AnnotatorRule, is_float_tensor
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY, QuantizationAnnotation, QuantizationConfig
-from _quantplug.errors import BackendLoadError, ConstraintViolationError, OptionError, QuantplugError
+from _quantplug.errors import BackendFailedError, ConstraintViolationError, OptionError, QuantplugError
 from _quantplug.graph.index_arithmetic import index_arithmetic
 from _quantplug.graph.mutation import mutated_aliases
 from _quantplug.graph.op_names import op_name
@@ -310,11 +310,8 @@ class Quantizer:
             except (QuantplugError, ConstraintViolationError):
                 raise
             except Exception as exc:
-                raise BackendLoadError(
-                    self.backend,
-                    None,
-                    getattr(p.fn, "__module__", "?"),
-                    f"annotation pass {p.name!r} failed: {type(exc).__name__}: {exc}",
+                raise BackendFailedError(
+                    self.backend, None, getattr(p.fn, "__module__", "?"), f"annotation pass {p.name!r}", exc
                 ) from exc
         for node in model.graph.nodes:
             if node.op != "call_function" or Q_ANNOTATION_KEY not in node.meta:
@@ -394,12 +391,13 @@ class Quantizer:
             try:
                 return bool(pattern.when(by_name[head], by_name[tail], self.context))
             except Exception as exc:
-                raise BackendLoadError(
+                raise BackendFailedError(
                     self.backend,
                     None,
                     getattr(pattern.when, "__module__", "?"),
-                    f"the condition of fusion pattern {pattern.name or sorted(pattern.heads)!r} failed on "
-                    f"{head!r} -> {tail!r}: {type(exc).__name__}: {exc}",
+                    f"the condition of fusion pattern {pattern.name or sorted(pattern.heads)!r} on "
+                    f"{head!r} -> {tail!r}",
+                    exc,
                 ) from exc
 
         return plan_fusions(
@@ -438,12 +436,12 @@ class Quantizer:
         except QuantplugError:
             raise  # a rule's own typed error (a block size that divides nothing) reaches the user as is
         except Exception as exc:
-            raise BackendLoadError(
+            raise BackendFailedError(
                 self.backend,
                 None,
                 getattr(rule.fn, "__module__", "?"),
-                f"rule {rule.fn.__name__} failed on node {node.name!r} ({rule.op}): "
-                f"{type(exc).__name__}: {exc}",
+                f"rule {rule.fn.__name__} on node {node.name!r} ({rule.op})",
+                exc,
             ) from exc
 
     def constraints(self, op: str, backend_op: str | None) -> list[OpConstraint]:
