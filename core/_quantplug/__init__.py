@@ -32,8 +32,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # lower(), the artifact, the QDQ ONNX exporter
     ("lowering",),
     # what users run: the one-call API, loading archives, debugging, distributed calibration,
-    # reports, the conformance kit, the scaffold, the demo
-    ("api", "archive", "debug", "distributed", "report", "conformance", "scaffold", "demo"),
+    # the mixed-precision search, reports, the conformance kit, the scaffold, the demo
+    (
+        "api",
+        "archive",
+        "debug",
+        "distributed",
+        "mixed_precision",
+        "report",
+        "conformance",
+        "scaffold",
+        "demo",
+    ),
     # the command line
     ("cli",),
 )

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from _quantplug.algorithms.config import Algorithms, configured
 from _quantplug.errors import QuantplugError
 from _quantplug.flow.convert import convert
 from _quantplug.flow.prepare import prepare
@@ -38,9 +39,7 @@ def quantize(
     backend: str,
     calibration: Iterable[Any] | None = None,
     nonfinite: str = "error",
-    algorithms: Sequence[Any] | None = None,
-    algorithm_guard: bool = True,
-    held_out: Iterable[Any] | None = None,
+    algorithms: Algorithms | Sequence[Any] | None = None,
     **options: Any,
 ) -> torch.fx.GraphModule:
     """Export (if needed), prepare, calibrate and convert in one call.
@@ -53,17 +52,17 @@ def quantize(
         calibration: batches (a tensor or a tuple of tensors each); defaults to the example inputs.
         nonfinite: NaN/inf values in calibration data: ``"error"`` or ``"ignore"`` (see
             :func:`quantplug.prepare`).
-        algorithms: accuracy algorithms (names, ``(name, options)`` pairs or objects), see
-            :func:`quantplug.prepare`; those needing data before annotation get ``calibration``.
-        algorithm_guard: keep an algorithm's weight choice only where the model does no worse
-            (see :func:`quantplug.prepare`).
-        held_out: batches not calibrated on for the guard to judge on (see
-            :func:`quantplug.prepare`).
-        **options: backend options.
+        algorithms: accuracy algorithms, a list or ``quantplug.Algorithms`` (see
+            :func:`quantplug.prepare`); those needing data before annotation get ``calibration``
+            unless the ``Algorithms`` holds batches of its own.
+        **options: backend options. ``algorithm_guard=`` and ``held_out=`` (before
+            ``Algorithms(..., guard=, held_out=)``) work until 0.4.0 with a ``DeprecationWarning``.
 
     Returns:
         The converted (reference Q/DQ) GraphModule.
     """
+    old: dict[str, Any] = {k: options.pop(k) for k in ("algorithm_guard", "held_out") if k in options}
+    config = configured(algorithms, old, function="quantize")
     if isinstance(model, torch.export.ExportedProgram):
         program = model
     else:
@@ -77,15 +76,14 @@ def quantize(
                 module.training = training
     quantizer = get_quantizer(backend, **options)
     batches = list(calibration) if calibration is not None else [tuple(example_inputs or ())]
-    prepared = prepare(
-        program,
-        quantizer,
-        nonfinite=nonfinite,
-        algorithms=algorithms,
-        calibration=[_as_args(b) for b in batches] if algorithms else None,
-        algorithm_guard=algorithm_guard,
-        held_out=[_as_args(b) for b in held_out] if held_out is not None else None,
-    )
+    if config.algorithms and config.calibration is None:  # the algorithms see the calibration data
+        config = Algorithms(
+            config.algorithms,
+            calibration=[_as_args(b) for b in batches],
+            guard=config.guard,
+            held_out=config.held_out,
+        )
+    prepared = prepare(program, quantizer, nonfinite=nonfinite, algorithms=config)
     with torch.no_grad():
         for batch in batches:
             prepared(*_as_args(batch))

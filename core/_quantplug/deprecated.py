@@ -10,6 +10,10 @@ to import from instead. The table is the 0.1.0 module tree as released; ``CHANGE
 
 The public modules themselves (``quantplug``, ``quantplug.backend``, ``quantplug.debug``,
 ``quantplug.distributed``, ``quantplug.conformance``) are not in the table.
+
+Keywords of public functions replaced since 0.1.0 are in :data:`KEYWORDS`; the function keeps
+accepting each, with a :class:`DeprecationWarning` naming the new spelling
+(:func:`warn_old_keyword`), until the same release.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ MODULES: dict[str, str] = {
     "quantplug.algorithms.gptq": "_quantplug.algorithms.gptq",
     "quantplug.algorithms.guard": "_quantplug.algorithms.guard",
     "quantplug.algorithms.merge": "_quantplug.algorithms.merge",
-    "quantplug.algorithms.mixed_precision": "_quantplug.algorithms.mixed_precision",
+    "quantplug.algorithms.mixed_precision": "_quantplug.mixed_precision",
     "quantplug.algorithms.option_checks": "_quantplug.algorithms.option_checks",
     "quantplug.algorithms.recurrent": "_quantplug.graph.recurrent",
     "quantplug.algorithms.registry": "_quantplug.algorithms.registry",
@@ -166,6 +170,32 @@ MODULES: dict[str, str] = {
     "quantplug.validation.relations": "_quantplug.validation.relations",
     "quantplug.validation.report": "_quantplug.validation.report",
 }
+
+
+#: (function, old keyword) -> the spelling that replaces it
+KEYWORDS: dict[tuple[str, str], str] = {
+    **{
+        (function, old): f"{function}(..., algorithms=quantplug.Algorithms([...], {new}=...))"
+        for function in ("prepare", "quantize")
+        for old, new in (
+            ("calibration", "calibration"),
+            ("algorithm_guard", "guard"),
+            ("held_out", "held_out"),
+        )
+        if (function, old) != ("quantize", "calibration")  # quantize's calibration is its data
+    },
+}
+
+
+def warn_old_keyword(function: str, keyword: str, *, stacklevel: int = 3) -> None:
+    """The warning a replaced keyword of a public function gives (``stacklevel`` 3: the caller of
+    the function that calls this)."""
+    warnings.warn(
+        f"{function}(..., {keyword}=...) is deprecated since quantplug 0.2.0 and works until "
+        f"quantplug {REMOVED_IN}; write {KEYWORDS[function, keyword]}",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _caller_stacklevel() -> int:

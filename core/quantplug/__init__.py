@@ -38,6 +38,7 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
     "_quantplug.lowering.lower": ("lower",),
     "_quantplug.lowering.artifact": ("Artifact",),
     "_quantplug.archive": ("load_program",),
+    "_quantplug.algorithms.config": ("Algorithms",),
     "_quantplug.algorithms.registry": (
         "AlgorithmEntry",
         "list_algorithms",

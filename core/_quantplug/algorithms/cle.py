@@ -13,7 +13,7 @@ layers are equalized pairwise until the scales settle.
 High-bias absorption then moves what every ReLU input surely exceeds, ``h_c = max(0, mu_c - 3
 sigma_c)``, out of ``b1`` into ``b2 += W2 h`` so activations centre nearer zero. The paper reads
 ``mu``/``sigma`` from batch-norm parameters; batch norms are folded before this runs, so here they
-are measured on the calibration batches (``prepare(..., calibration=...)``); without calibration
+are measured on the calibration batches (``Algorithms([...], calibration=...)``); without calibration
 data only equalization runs. Absorption is exact while the ReLU input stays above ``h`` (the
 3-sigma rule) and is done only where the next layer is a linear layer or an unpadded convolution
 (zero padding would otherwise see the shift at the borders).

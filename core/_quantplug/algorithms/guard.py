@@ -7,7 +7,7 @@ carrying the upstream layers' error; SeqMSE on the same CNN at 8-bit per-tensor 
 conv's error and loses 1.2 dB at the output, because the global average pool weighs an error's mean
 far more than its noise (``docs/weight-algorithms.md``). No per-layer objective sees either.
 
-So at convert, with the guard on (the default; ``prepare(..., algorithm_guard=False)`` turns it
+So at convert, with the guard on (the default; ``Algorithms([...], guard=False)`` turns it
 off), the algorithms first choose every site as they would unguarded (sequential inputs see the
 choices upstream), then the guard selects which choices to keep (:meth:`ModelGuard.select`; a
 site's choice is its codes, encoding and bias correction together, a site not kept is rounded to
@@ -26,14 +26,14 @@ that where the pruned selection does worse than the default.
 Transforms of the float program (CLE, SmoothQuant) are judged the same way at prepare
 (:func:`quantized_error`): the program is quantized with the user's quantizer and no algorithm,
 before and after the transform, each calibrated and measured on the first batches given to
-``prepare(..., calibration=...)``, and the transform is undone where its quantized model does
+``Algorithms([...], calibration=...)``, and the transform is undone where its quantized model does
 worse. CLE targets per-tensor weight grids; on per-channel 4-bit grids it can lose (the digits CNN
 at ``qnn_htp``: -1.5 dB), which no statistic of the pair foretells as well as the quantizer does.
 A transform that rewrites the graph (rather than replacing constants) is kept as it is.
 
 Judged on the calibration batches, a choice that fits them and nothing else passes: GPTQ on a
 layer that saw fewer rows than it has inputs (ConvNeXt's classifier on 16 images) gains there and
-loses 2-4 dB held out. ``prepare(..., held_out=batches)`` gives the guard data the algorithms never
+loses 2-4 dB held out. ``Algorithms([...], held_out=batches)`` gives the guard data the algorithms never
 saw: both the choices and the transforms are then judged on it (transforms still calibrated on the
 calibration batches), and the guarantee holds there instead.
 """
@@ -44,12 +44,16 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.fx import GraphModule, Interpreter
 from torch.utils import _pytree as pytree
 
 from _quantplug.algorithms.sequential import batch_bytes, fits
+from _quantplug.errors import AlgorithmError, NonFiniteError
+from _quantplug.graph.calls import Call, check_flat_inputs
+from _quantplug.observers.nonfinite import nonfinite_counts
 
 logger = logging.getLogger("quantplug.algorithms")
 
@@ -114,8 +118,28 @@ def relative_error(reference: Sequence[Outputs], outputs: Sequence[Outputs]) -> 
     return sum(e / n if n > 0 else e for e, n in zip(errors, energies))
 
 
+class Prepare(Protocol):
+    """``prepare(program, quantizer, nonfinite=...)``: a float program prepared, no algorithm."""
+
+    def __call__(self, program: GraphModule, quantizer: Any, *, nonfinite: str) -> GraphModule: ...
+
+
+@dataclass(frozen=True)
+class FlowSteps:
+    """prepare and convert, as flow hands them to the algorithms.
+
+    The algorithms sit a layer below ``flow`` (``_quantplug.LAYERS``), whose prepare and convert
+    call them; the guard still quantizes candidate programs (:func:`quantized_error`), with the
+    steps flow passes down, never by importing flow.
+    """
+
+    prepare: Prepare
+    convert: Callable[[GraphModule], GraphModule]
+
+
 def quantized_error(
-    gm: Any,
+    steps: FlowSteps,
+    gm: GraphModule,
     quantizer: Any,
     batches: Sequence[tuple[Any, ...]],
     reference: Sequence[Outputs],
@@ -123,18 +147,13 @@ def quantized_error(
     measured: Sequence[tuple[Any, ...]] | None = None,
 ) -> float:
     """:func:`relative_error` of ``gm`` (a float program) quantized by ``quantizer`` without
-    algorithms, calibrated on ``batches`` (flat inputs) and run on ``measured`` (default: the same
-    batches), against ``reference`` (the float program's outputs on those)."""
-    from torch.fx import Interpreter
-
-    from _quantplug.flow.convert import convert
-    from _quantplug.flow.prepare import prepare
-
-    prepared = prepare(gm, quantizer, nonfinite=nonfinite)
+    algorithms (with ``steps``), calibrated on ``batches`` (flat inputs) and run on ``measured``
+    (default: the same batches), against ``reference`` (the float program's outputs on those)."""
+    prepared = steps.prepare(gm, quantizer, nonfinite=nonfinite)
     with torch.no_grad():
         for batch in batches:
             Interpreter(prepared).run(*batch)
-        converted = convert(prepared)
+        converted = steps.convert(prepared)
         runs = batches if measured is None else measured
         outputs = [output_tensors(Interpreter(converted).run(*batch)) for batch in runs]
     return relative_error(reference, outputs)
@@ -154,6 +173,39 @@ def guard_batches(
         chosen.append(batch)
         total += size
     return chosen
+
+
+def flat_batches(
+    gm: GraphModule, batches: Sequence[Any], in_spec: Any, what: str, nonfinite: str = "error"
+) -> list[tuple[Any, ...]]:
+    """The guard's held-out batches as the program's flat inputs (copies, so the caller may reuse
+    its tensors), each checked against the program, and capped as the guard caps calibration
+    batches (:func:`~_quantplug.algorithms.guard.guard_batches`). NaN/inf in them raise as they
+    would in calibration data, unless ``nonfinite="ignore"`` (the guard then leaves the outputs
+    they reach out of its measure)."""
+    flat: list[tuple[Any, ...]] = []
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, batch in enumerate(batches):
+        inputs = Call.of(batch).flat(in_spec, what=f"{what} batch {index}")
+        check_flat_inputs(gm, inputs, what=f"{what} batch {index}")
+        for name, value in zip(placeholders, inputs):
+            if nonfinite == "ignore" or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            nan, inf, _ = nonfinite_counts(value)
+            if nan or inf:
+                raise NonFiniteError(
+                    f"{what} batch {index}: input {name!r} holds {nan} NaN and {inf} infinite value(s); "
+                    "the guard judges the algorithms on these batches: give finite data, or "
+                    "nonfinite='ignore' to leave the outputs they reach out of its measure",
+                    where=name,
+                    nan=nan,
+                    inf=inf,
+                    reached=f"{what} batch {index}",
+                )
+        flat.append(tuple(v.detach().clone() if isinstance(v, torch.Tensor) else v for v in inputs))
+    if not flat:
+        raise AlgorithmError(f"{what} holds no batch; give at least one, or leave it out")
+    return guard_batches(flat)
 
 
 @dataclass(frozen=True)
@@ -184,7 +236,7 @@ class ModelGuard:
     kept_out: list[tuple[str, float, float]] = field(default_factory=list)
     #: choices judged
     tried: int = 0
-    #: which batches the error is measured on, for messages (``prepare(..., held_out=...)``)
+    #: which batches the error is measured on, for messages (``Algorithms([...], held_out=...)``)
     judged_on: str = "calibration"
 
     def _error(self, weights: Mapping[str, torch.Tensor]) -> float:

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from _quantplug.algorithms.runtime import taps
 from _quantplug.algorithms.spec import MergeableCollector
+from _quantplug.algorithms.taps import taps
 from _quantplug.errors import CollectorMergeError, QuantplugError
 
 

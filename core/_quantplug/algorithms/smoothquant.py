@@ -14,7 +14,8 @@ of calibration rows, minimizing the layers' output error under simulated quantiz
 config, read from its specs; ``act_bits``/``weight_bits`` override them) against the float output;
 "no smoothing" is a candidate too, so an input is only smoothed where that helps.
 
-Needs calibration data before annotation: ``prepare(..., algorithms=["smoothquant"], calibration=batches)``.
+Needs calibration data before annotation:
+``prepare(..., algorithms=Algorithms(["smoothquant"], calibration=batches))``.
 """
 
 from __future__ import annotations

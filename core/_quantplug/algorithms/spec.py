@@ -6,7 +6,7 @@ optional, each called by the core at one step of ``prepare -> calibrate -> conve
 1. :meth:`Algorithm.transform_program` -- before annotation, on quantplug's private copy of the
    float program (batch norms already folded). Rewrites weights or inserts ops so that the float
    function stays the same but quantizes better (cross-layer equalization, SmoothQuant). It gets
-   the calibration batches when the user passed ``prepare(..., calibration=...)``.
+   the calibration batches the user gave (``prepare(..., algorithms=Algorithms([...], calibration=...))``).
 2. :meth:`Algorithm.collector` -- at prepare, once per :class:`WeightSite` (a quantized constant
    weight of a conv/linear-like op, or of a recurrent op: an LSTM's ``weight_ih``/``weight_hh`` is
    a linear layer over rows quantplug computes): returns a :class:`Collector` that sees the layer's input
@@ -41,7 +41,11 @@ import torch
 from torch.fx import GraphModule
 
 from _quantplug.algorithms.option_checks import range_problem
-from _quantplug.errors import CalibrationError
+from _quantplug.annotation.spec_view import spec_range
+from _quantplug.errors import CalibrationError, OptionError
+from _quantplug.graph.attrs import put_attr
+from _quantplug.observers.per_block import resolve_block_size
+from _quantplug.suggest import did_you_mean
 
 #: the kinds of values ``AlgorithmOption.type`` may name (also what metadata files spell)
 OPTION_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
@@ -235,8 +239,6 @@ class WeightGrid:
             view = [1] * len(shape)
             view[axis] = -1
             return param.reshape(view).expand(tuple(shape))
-        from _quantplug.observers.per_block import resolve_block_size
-
         block = resolve_block_size(self.block_size or (), shape)
         out = param
         for dim, size in enumerate(block):
@@ -307,7 +309,7 @@ class LayerInputs:
 class TransformContext:
     """What :meth:`Algorithm.transform_program` gets besides the program.
 
-    ``calibration``: the batches given to ``prepare(..., calibration=...)`` (tuples of the
+    ``calibration``: the batches given as ``Algorithms([...], calibration=...)`` (tuples of the
     program's positional inputs), or None. Transforms must write new tensors with
     :meth:`set_constant` (never in place: the program's tensors may be the caller's).
     """
@@ -331,8 +333,8 @@ class TransformContext:
         if not self.calibration:
             raise CalibrationError(
                 f"algorithm {self.algorithm!r} needs calibration data before annotation; pass "
-                "prepare(program, quantizer, algorithms=[...], calibration=[batch, ...]) "
-                "(each batch a tuple of the program's inputs)"
+                "prepare(program, quantizer, algorithms=quantplug.Algorithms([...], "
+                "calibration=[batch, ...])) (each batch a tuple of the program's inputs)"
             )
         for batch in self.calibration:
             yield batch if isinstance(batch, tuple) else (batch,)
@@ -340,8 +342,6 @@ class TransformContext:
     @staticmethod
     def set_constant(gm: GraphModule, target: str, value: torch.Tensor) -> None:
         """Replace the tensor at attribute path ``target`` with ``value`` (a new tensor)."""
-        from _quantplug.graph.attrs import put_attr
-
         new = value.detach().clone()
         old = put_attr(gm, target, new)
         if isinstance(old, torch.nn.Parameter):  # stays a parameter (sharing new's storage)
@@ -351,8 +351,6 @@ class TransformContext:
 def _bits(spec: Any) -> int | None:
     if spec is None or not hasattr(spec, "dtype"):
         return None
-    from _quantplug.annotation.spec_view import spec_range
-
     try:
         qmin, qmax = spec_range(spec)
     except Exception:
@@ -411,6 +409,17 @@ class Algorithm:
         return f"{type(self).__name__}({shown})"
 
 
+def algorithm_name(algorithm: Any) -> str:
+    """An algorithm's name as messages show it: its ``name``, else its class's."""
+    return str(getattr(algorithm, "name", "") or type(algorithm).__name__)
+
+
+def is_sequential(algorithm: Any) -> bool:
+    """Whether ``algorithm`` wants its layers' inputs from the partly quantized model (see
+    :mod:`_quantplug.algorithms.sequential`) rather than from float calibration."""
+    return bool(getattr(algorithm, "sequential", False))
+
+
 def option_values(
     algorithm: str, declared: Sequence[AlgorithmOption], given: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -419,9 +428,6 @@ def option_values(
     Command-line values arrive as strings; they are converted to the declared type. Unknown
     names, wrong types and values outside ``choices`` raise :class:`~_quantplug.errors.OptionError`.
     """
-    from _quantplug.errors import OptionError
-    from _quantplug.suggest import did_you_mean
-
     by_name = {o.name: o for o in declared}
     values = {o.name: o.default for o in declared}
     for key, raw in given.items():
@@ -437,8 +443,6 @@ def option_values(
 
 
 def _convert_option(algorithm: str, option: AlgorithmOption, raw: Any) -> Any:
-    from _quantplug.errors import OptionError
-
     kind = OPTION_TYPES[option.type]
     value = raw
     try:

@@ -363,9 +363,10 @@ def _calibrate(
     model's inputs first; merge the statistics of all ranks. Returns the batches over all ranks."""
     import torch
 
-    import quantplug
     from _quantplug.cli import distributed
     from _quantplug.cli.inputs import check_batches, nonfinite_input_error
+    from _quantplug.distributed.sync import sync_observers
+    from _quantplug.errors import NonFiniteError, QuantplugError
 
     rank, size = (group.rank, group.world_size) if group is not None else (0, 1)
     shared = distributed.SharedCount() if group is not None else None
@@ -386,11 +387,11 @@ def _calibrate(
                 )
                 try:
                     batch.run(prepared)
-                except quantplug.NonFiniteError as exc:
+                except NonFiniteError as exc:
                     raise nonfinite_input_error(
                         exc, index, where, batch, model.inputs, model.program
                     ) from exc
-                except quantplug.QuantplugError:
+                except QuantplugError:
                     raise
                 except Exception as exc:
                     raise InputError(
@@ -401,8 +402,6 @@ def _calibrate(
                 bar.advance(1 if total is None else total - bar.count)
         if group is not None:
             import torch.distributed as dist
-
-            from quantplug.distributed import sync_observers
 
             sync_observers(prepared, timeout=distributed.SYNC_TIMEOUT)
             counts = torch.tensor([count], dtype=torch.int64)
@@ -426,15 +425,19 @@ def _quantize_into(
         import torch
 
         _quiet_torch(console)
-        import quantplug
+        from _quantplug.algorithms.config import Algorithms
+        from _quantplug.api import get_quantizer
         from _quantplug.cli.inputs import check_batches, load_model
+        from _quantplug.debug.compare import compare, tensor_bytes
+        from _quantplug.flow.convert import convert
+        from _quantplug.flow.prepare import prepare
+        from _quantplug.lowering.lower import lower
         from _quantplug.meta import STATE_KEY
         from _quantplug.observers.nonfinite import ignored_counts, masked_counts
         from _quantplug.plugins.registry import load_backend
         from _quantplug.report import build_report, write_report
-        from quantplug.debug import compare, tensor_bytes
 
-        quantizer = quantplug.get_quantizer(args.backend, **pairs)  # imports the backend's plugin
+        quantizer = get_quantizer(args.backend, **pairs)  # imports the backend's plugin
         loaded = load_backend(args.backend)
 
     started = time.perf_counter()
@@ -477,7 +480,7 @@ def _quantize_into(
 
     mixed = None
     if args.mixed_presets is not None:
-        from _quantplug.algorithms.mixed_precision import weighted_layers
+        from _quantplug.mixed_precision import weighted_layers
 
         # at most: each layer at each higher preset alone, then one greedy step per raise
         steps = 2 * len(weighted_layers(program)) * (len(args.mixed_presets) - 1)
@@ -503,15 +506,17 @@ def _quantize_into(
         if stage is not None:
             mixed_cli.write_choice(mixed, stage.path)
 
-    prepared = quantplug.prepare(
-        program,
-        quantizer,
-        nonfinite=args.nonfinite,
-        algorithms=args.algorithms or None,
-        calibration=_transform_batches(data, group) if args.algorithms else None,
-        algorithm_guard=args.algorithm_guard,
-        held_out=_held_out_batches(args, model, group),
+    algorithms = (  # --held-out and --no-algorithm-guard come only with --algorithm (checked)
+        Algorithms(
+            args.algorithms,
+            calibration=_transform_batches(data, group),
+            guard=args.algorithm_guard,
+            held_out=_held_out_batches(args, model, group),
+        )
+        if args.algorithms
+        else None
     )
+    prepared = prepare(program, quantizer, nonfinite=args.nonfinite, algorithms=algorithms)
     if group is not None and args.algorithms:
         from _quantplug.algorithms.merge import check_mergeable
 
@@ -535,7 +540,7 @@ def _quantize_into(
             f"statistics ({shown}{more})"
         )
     t = lap("calibrate", t)
-    quantized = quantplug.convert(prepared)
+    quantized = convert(prepared)
     t = lap("convert", t)
     if args.algorithms:
         options["algorithm_guard"] = _guard_verdict(prepared, args.algorithm_guard, args.held_out, console)
@@ -551,7 +556,7 @@ def _quantize_into(
     else:
         bar.total = lowering_quantizer.steps + 1  # passes, the writer, saving the files
         with bar:
-            artifact = quantplug.lower(quantized, lowering_quantizer)
+            artifact = lower(quantized, lowering_quantizer)
             for line in artifact.metadata.get("warnings", ()):  # the backend's findings
                 warn(str(line))
             bar.step("saving")

@@ -1,7 +1,7 @@
 """``--mixed-precision`` and ``--mixed-precision-file``: per-layer presets in ``quantplug quantize``.
 
 ``--mixed-precision 16a4w,16a8w --target-sqnr 30`` (or ``--weight-budget +25%``) runs the search of
-:mod:`_quantplug.algorithms.mixed_precision` on the first calibration batches before the run,
+:mod:`_quantplug.mixed_precision` on the first calibration batches before the run,
 applies the choice it finds, and writes it to ``OUT/mixed_precision.json``: the per-layer
 overrides, the target and every point the search measured, drawn as the trade-off curve in
 ``report.html``. The file is the user's to read and edit; ``--mixed-precision-file FILE`` applies
@@ -178,8 +178,8 @@ def choose(
 ) -> dict[str, Any] | None:
     """The run's mixed precision as report data (``to_dict()`` plus ``source`` and ``layers``),
     searched on ``batches`` or read from ``--mixed-precision-file``; None when neither is asked."""
-    from _quantplug.algorithms.mixed_precision import MixedPrecision, search_mixed_precision, weighted_layers
     from _quantplug.errors import QuantplugError
+    from _quantplug.mixed_precision import MixedPrecision, search_mixed_precision, weighted_layers
 
     options = dict(pairs)
     if args.mixed_presets is not None:
@@ -220,7 +220,7 @@ def choose(
 
 def quantizer_for(mixed: Mapping[str, Any], pairs: Mapping[str, str]) -> Any:
     """The run's quantizer: the choice's default preset with its per-layer overrides applied."""
-    from _quantplug.algorithms.mixed_precision import MixedPrecision
+    from _quantplug.mixed_precision import MixedPrecision
 
     chosen = MixedPrecision.from_dict(mixed)
     chosen.options = dict(pairs)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from _quantplug.debug.compare import _fmt_db, _json_float, _sqnr
+from _quantplug.debug.decibels import format_db, json_float, sqnr
 
 #: |artifact SQNR - program SQNR| past which the report flags the artifact
 ARTIFACT_GAP_DB = 1.0
@@ -71,7 +71,7 @@ class ArtifactComparison:
         if not self.ran:
             return f"not measured ({self.note})" if self.note else "not measured"
         gap = self.gap_db
-        text = f"{_fmt_db(self.sqnr_db)} (program {_fmt_db(self.program_sqnr_db)})"
+        text = f"{format_db(self.sqnr_db)} (program {format_db(self.program_sqnr_db)})"
         if gap is not None and abs(gap) >= 0.05:
             text += f", {abs(gap):.1f} dB {'below' if gap > 0 else 'above'} the program"
         if self.flagged:
@@ -83,13 +83,13 @@ class ArtifactComparison:
             "ran": self.ran,
             "note": self.note,
             "batches": self.batches,
-            "sqnr_db": _json_float(self.sqnr_db),
+            "sqnr_db": json_float(self.sqnr_db),
             "identical": self.ran and self.sqnr_db == math.inf,
-            "program_sqnr_db": _json_float(self.program_sqnr_db),
-            "vs_program_sqnr_db": _json_float(self.vs_program_sqnr_db),
-            "max_abs_error": _json_float(self.max_abs_error),
-            "vs_program_max_abs_error": _json_float(self.vs_program_max_abs_error),
-            "gap_db": _json_float(self.gap_db),
+            "program_sqnr_db": json_float(self.program_sqnr_db),
+            "vs_program_sqnr_db": json_float(self.vs_program_sqnr_db),
+            "max_abs_error": json_float(self.max_abs_error),
+            "vs_program_max_abs_error": json_float(self.vs_program_max_abs_error),
+            "gap_db": json_float(self.gap_db),
             "threshold_db": self.threshold_db,
             "flagged": self.flagged,
         }
@@ -152,8 +152,8 @@ class ArtifactRunner:
     def finish(self, program_sqnr_db: float | None) -> ArtifactComparison:
         r = self.result
         if r.ran:
-            r.sqnr_db = _sqnr(r._signal, r._noise)
-            r.vs_program_sqnr_db = _sqnr(r._program_signal, r._program_noise)
+            r.sqnr_db = sqnr(r._signal, r._noise)
+            r.vs_program_sqnr_db = sqnr(r._program_signal, r._program_noise)
             r.program_sqnr_db = program_sqnr_db
         return r
 

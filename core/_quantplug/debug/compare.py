@@ -26,15 +26,19 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
+from _quantplug.annotation.specs import Q_ANNOTATION_KEY as ANNOTATION_KEY
+from _quantplug.debug.artifact import ArtifactRunner
+from _quantplug.debug.decibels import format_db, json_float, sqnr
 from _quantplug.errors import QuantplugError
 from _quantplug.graph.calls import Call, check_flat_inputs, in_spec_of
 from _quantplug.graph.mutation import mutated_aliases, writes_in_place
+from _quantplug.graph.op_names import op_name
 from _quantplug.graph.working_copy import working_copy
 from _quantplug.meta import DEBUG_HANDLE_KEY, FLOAT_REASON_KEY, GROUP_KEY, OBSERVERS, QPARAMS_KEY
 from _quantplug.meta import STATE_KEY as PREPARED_KEY
+from _quantplug.observers import block_ops as qp_ops
 from _quantplug.rewrites.parameter_writes import functionalize_parameter_writes
-
-ANNOTATION_KEY = "quantization_annotation"
+from _quantplug.sharing.resolution import describe_key
 
 _qd = torch.ops.quantized_decomposed
 _aten = torch.ops.aten
@@ -42,8 +46,6 @@ _aten = torch.ops.aten
 
 def _q_dq_ops() -> tuple[set[Any], set[Any], set[Any]]:
     """(quantize ops, dequantize ops, qparam helper ops) as emitted by quantplug.convert."""
-    from _quantplug.observers import block_ops as qp_ops
-
     quant = {
         _qd.quantize_per_tensor.default,
         _qd.quantize_per_tensor.tensor,
@@ -109,9 +111,9 @@ class NodeComparison:
             "quantized": self.quantized,
             "output_quantized": self.output_quantized,
             "shape": list(self.shape) if self.shape is not None else None,
-            "sqnr_db": _json_float(self.sqnr_db),
+            "sqnr_db": json_float(self.sqnr_db),
             "identical": self.sqnr_db == math.inf,
-            "max_abs_error": _json_float(self.max_abs_error),
+            "max_abs_error": json_float(self.max_abs_error),
             "note": self.note,
         }
 
@@ -150,7 +152,7 @@ class SharingGroupInfo:
             "kind": self.kind,
             "dtype": self.dtype,
             "granularity": self.granularity,
-            "scale": _json_float(self.scale),
+            "scale": json_float(self.scale),
             "zero_point": self.zero_point,
             "quant_min": self.quant_min,
             "quant_max": self.quant_max,
@@ -184,7 +186,7 @@ class DebugReport:
         compared = [o for o in self.outputs if o._count]
         if not compared:
             return None
-        return _sqnr(sum(o._signal for o in compared), sum(o._noise for o in compared))
+        return sqnr(sum(o._signal for o in compared), sum(o._noise for o in compared))
 
     @property
     def output_max_abs_error(self) -> float | None:
@@ -209,8 +211,8 @@ class DebugReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "batches": self.batches,
-            "output_sqnr_db": _json_float(self.output_sqnr_db),
-            "output_max_abs_error": _json_float(self.output_max_abs_error),
+            "output_sqnr_db": json_float(self.output_sqnr_db),
+            "output_max_abs_error": json_float(self.output_max_abs_error),
             "outputs": [o.to_dict() for o in self.outputs],
             "nodes": [n.to_dict() for n in self.nodes],
             "float_nodes": [f.to_dict() for f in self.float_nodes],
@@ -226,7 +228,7 @@ class DebugReport:
         out_sqnr = self.output_sqnr_db
         lines = [
             f"compared {len(self.nodes)} node(s) over {self.batches} batch(es); "
-            f"model output SQNR {_fmt_db(out_sqnr)}",
+            f"model output SQNR {format_db(out_sqnr)}",
             f"{len(self.quantized_ops)} op(s) quantized, {len(self.float_nodes)} float",
         ]
         if self.artifact is not None:
@@ -237,35 +239,12 @@ class DebugReport:
         if bad:
             lines.append("worst nodes:")
             for n in bad:
-                lines.append(
-                    f"  {n.node:<32} {n.op:<32} SQNR {_fmt_db(n.sqnr_db):>10}  max|err| {n.max_abs_error:.4g}"
-                )
+                shown = format_db(n.sqnr_db)
+                lines.append(f"  {n.node:<32} {n.op:<32} SQNR {shown:>10}  max|err| {n.max_abs_error:.4g}")
         lines.append(f"{len(self.sharing_groups)} sharing group(s)")
         if self.unmatched:
             lines.append("no float counterpart: " + ", ".join(self.unmatched))
         return "\n".join(lines)
-
-
-def _json_float(value: float | None) -> float | None:
-    if value is None or math.isinf(value) or math.isnan(value):
-        return None
-    return float(value)
-
-
-def _fmt_db(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    if math.isinf(value):
-        return "identical" if value > 0 else "-inf dB"
-    return f"{value:.1f} dB"
-
-
-def _sqnr(signal: float, noise: float) -> float:
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,8 +320,6 @@ def _float_graph_module(model: Any, example: Call) -> GraphModule:
 
 
 def _op_label(node: Node) -> str:
-    from _quantplug.graph.op_names import op_name
-
     if node.op == "placeholder":
         return "input"
     return op_name(node.target)
@@ -445,8 +422,6 @@ def compare(
     plan = _plan(float_gm, quantized)
     runner = None
     if artifact is not None:
-        from _quantplug.debug.artifact import ArtifactRunner
-
         runner = ArtifactRunner(artifact)
 
     for index, batch in enumerate(batches):
@@ -486,7 +461,7 @@ def compare(
 
     for entry in [*plan.entries, *plan.outputs]:
         if entry._count:
-            entry.sqnr_db = _sqnr(entry._signal, entry._noise)
+            entry.sqnr_db = sqnr(entry._signal, entry._noise)
         elif not entry.note:
             entry.note = "no tensor output to compare"
     report = DebugReport(
@@ -669,8 +644,6 @@ def sharing_groups(quantized: GraphModule, prepared: GraphModule | None = None) 
     kinds: dict[int, set[str]] = {}
     state = prepared.meta.get(PREPARED_KEY) if isinstance(prepared, GraphModule) else None
     if state is not None and hasattr(state, "groups"):
-        from _quantplug.sharing.resolution import describe_key
-
         for group in state.groups:
             members[group.gid] = [describe_key(k) for k in group.keys]
             kinds[group.gid] = {"constant" if group.constant else "activation"}

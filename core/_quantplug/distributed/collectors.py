@@ -9,7 +9,7 @@ After the observers, three exchanges over the group (gathered, never reduced by 
    (:func:`_quantplug.algorithms.merge.merge_collector`) and the gathered states dropped;
 3. the stored batches the merged store keeps (:func:`_quantplug.algorithms.sequential.merged_store`),
    each sent by the rank that has it; and likewise the algorithm guard's held-out batches
-   (``prepare(..., held_out=...)``) when the ranks were given different ones, merged under the
+   (``Algorithms([...], held_out=...)``) when the ranks were given different ones, merged under the
    guard's own caps, so every rank's guard judges on the same batches (ranks given the same
    batches, as ``quantize --nproc`` gives them, keep them).
 
@@ -30,8 +30,8 @@ from torch import nn
 
 from _quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES
 from _quantplug.algorithms.merge import fed_collectors, merge_collector, on_cpu, state_bytes
-from _quantplug.algorithms.runtime import taps
 from _quantplug.algorithms.sequential import batch_bytes, merged_store
+from _quantplug.algorithms.taps import taps
 from _quantplug.distributed.fingerprint import tensor_digest
 from _quantplug.errors import DistributedError
 from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY

@@ -16,12 +16,11 @@ from typing import Any
 from torch import nn
 
 from _quantplug.distributed.sync import prepared_of
+from _quantplug.meta import OBSERVERS
 
 
 def observer_buffer_names(prepared: nn.Module) -> list[str]:
     """Fully qualified names of the observers' buffers in ``prepared``."""
-    from _quantplug.meta import OBSERVERS
-
     return [f"{OBSERVERS}.{name}" for name, _ in getattr(prepared_of(prepared), OBSERVERS).named_buffers()]
 
 

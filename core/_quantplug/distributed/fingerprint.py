@@ -20,6 +20,11 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from _quantplug.algorithms.merge import class_name, fed_collectors
+from _quantplug.graph.attrs import fetch_attr
+from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
+from _quantplug.meta import OBSERVERS, TAPS
+
 
 def observer_signature(obs: nn.Module) -> str:
     """Class and grid of an observer and of every module inside it."""
@@ -49,8 +54,6 @@ def _guard_lines(prepared: GraphModule) -> list[str]:
     """What the algorithm guard judges on: first, so that ranks prepared with ``held_out`` on
     some and not on others are told so, not that their graphs differ (the calibration store
     the guard needs without ``held_out`` is a node of the graph)."""
-    from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
-
     run = getattr(prepared, "meta", {}).get(RUN_KEY)
     if run is None:
         return []
@@ -64,16 +67,11 @@ def _algorithm_lines(prepared: GraphModule) -> list[str]:
     """With algorithms: each fed collector's class, and each constant's bytes (hashed).
 
     Algorithms that transform the float program with data (SmoothQuant, CLE's bias absorption)
-    write weights that depend on ``prepare(..., calibration=)``: ranks given other batches would
+    write weights that depend on ``Algorithms([...], calibration=...)``: ranks given other batches would
     prepare programs of the same shapes but other weights, and merging their statistics would mix
     models. The constants' digests make that a named difference. Hashing costs one pass over the
     weights (about 1 GB/s), paid only by programs prepared with algorithms.
     """
-    from _quantplug.algorithms.merge import class_name, fed_collectors
-    from _quantplug.graph.attrs import fetch_attr
-    from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
-    from _quantplug.meta import OBSERVERS, TAPS
-
     run = getattr(prepared, "meta", {}).get(RUN_KEY)
     if run is None:
         return []
@@ -127,15 +125,15 @@ def mismatch_advice(all_lines: list[list[str]]) -> str:
         first = next((a for a, b in zip(reference, lines) if a != b), None)
         if first is not None and first.startswith("algorithm guard"):
             return (
-                "the algorithm guard must judge alike on every rank: pass prepare(..., held_out=...) on "
+                "the algorithm guard must judge alike on every rank: pass Algorithms([...], held_out=...) on "
                 "every rank (each rank's held-out batches are merged at the sync) or on none, and "
-                "algorithm_guard the same everywhere"
+                "the same guard everywhere"
             )
         if first is not None and first.startswith("constant "):
             return (
                 "the ranks' weights differ: algorithms that transform the float program with data "
                 "(SmoothQuant, CLE) must be given the same batches on every rank, "
-                "prepare(..., calibration=the same batches), not each rank's share; and every rank "
+                "Algorithms([...], calibration=the same batches), not each rank's share; and every rank "
                 "must load the same weights"
             )
     return (

@@ -39,7 +39,7 @@ from _quantplug.algorithms.merge import check_mergeable
 from _quantplug.distributed.collectors import sync_collectors
 from _quantplug.distributed.fingerprint import describe_mismatch, digest, fingerprint, mismatch_advice
 from _quantplug.errors import DistributedError
-from _quantplug.meta import SYNCED_ATTR
+from _quantplug.meta import OBSERVERS, SYNCED_ATTR
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.merge import has_statistics, merge_observers
 from _quantplug.observers.nonfinite import COUNT_ATTR, MASK_ENDS_ATTR, MASKED_ATTR
@@ -64,8 +64,6 @@ class SyncResult:
 
 def prepared_of(module: nn.Module) -> nn.Module:
     """The prepared program inside a ``DistributedDataParallel`` (or any ``.module`` wrapper)."""
-    from _quantplug.meta import OBSERVERS
-
     inner = module
     while not hasattr(inner, OBSERVERS) and isinstance(wrapped := getattr(inner, "module", None), nn.Module):
         inner = wrapped
@@ -79,8 +77,6 @@ def prepared_of(module: nn.Module) -> nn.Module:
 
 def named_observers(prepared: nn.Module) -> list[tuple[str, nn.Module]]:
     """The observers of a prepared program, in group order (``g0, g1, ...``)."""
-    from _quantplug.meta import OBSERVERS
-
     children = list(getattr(prepared, OBSERVERS).named_children())
     return sorted(children, key=lambda kv: (len(kv[0]), kv[0]))
 

@@ -19,13 +19,14 @@ import torch.ao.quantization.fx._decomposed
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from _quantplug.algorithms.runtime import WeightOverrides, choose_weights, is_tap
+from _quantplug.algorithms.taps import is_tap
+from _quantplug.algorithms.weight_choice import WeightOverrides, choose_weights
 from _quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
 from _quantplug.flow.inspect import QUANTIZE_OPS
-from _quantplug.flow.prepare import Group, PreparedState
+from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_nodes, module_attr
 from _quantplug.graph.working_copy import (
@@ -261,7 +262,7 @@ def compute_qparams(
     """Every group's qparams, each observer's ``calculate_qparams()`` run once.
 
     With ``weight_overrides``, the prepared module's algorithms choose weight encodings and codes
-    (:func:`_quantplug.algorithms.runtime.choose_weights`), recorded there for convert to emit.
+    (:func:`_quantplug.algorithms.weight_choice.choose_weights`), recorded there for convert to emit.
 
     Constants (weights, biases) are observed here, once, into fresh copies of their groups'
     observers, so the prepared module is left exactly as calibration left it and a second convert

@@ -15,25 +15,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from _quantplug.algorithms.config import Algorithms, configured
+from _quantplug.algorithms.guard import FlowSteps, flat_batches
 from _quantplug.algorithms.registry import resolve_algorithms
-from _quantplug.algorithms.runtime import flat_batches, install_collectors, run_transforms
+from _quantplug.algorithms.taps import install_collectors
+from _quantplug.algorithms.transforms import run_transforms
 from _quantplug.annotation.spec_view import SpecKind, spec_kind
-from _quantplug.errors import AnnotationError, OptionError, QuantplugError
+from _quantplug.errors import AnnotationError, QuantplugError
+from _quantplug.flow.convert import convert
+from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.calls import Call, in_spec_of, input_misfit
 from _quantplug.graph.constants import written
 from _quantplug.graph.index_arithmetic import index_arithmetic
 from _quantplug.graph.mutation import mutated_aliases
 from _quantplug.graph.softmax_inputs import score_values
 from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
-from _quantplug.meta import ALGORITHMS_KEY as ALGORITHMS_KEY
-from _quantplug.meta import BACKEND_KEY, DEBUG_HANDLE_KEY, GROUP_KEY, OBSERVERS, STATE_KEY
+from _quantplug.meta import ALGORITHMS_KEY, BACKEND_KEY, DEBUG_HANDLE_KEY, GROUP_KEY, OBSERVERS, STATE_KEY
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.factory import create_observer
 from _quantplug.observers.nonfinite import check_policy
@@ -41,73 +44,14 @@ from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.peers.torchao_matching import fast_partition_matching
 from _quantplug.peers.torchao_observers import accelerate, clonable
 from _quantplug.quantizer.quantizer import Quantizer, coverage_of
-from _quantplug.rewrites.batchnorm import fold_batch_norm
-from _quantplug.rewrites.computed_weights import (
-    linear_from_addmm,
-    linear_from_matmul_in_out,
-    materialize_computed_weights,
-)
-from _quantplug.rewrites.embedding_bag import rewrite_fixed_bags
-from _quantplug.rewrites.hand_written_linear import linear_from_matmul
-from _quantplug.rewrites.no_op_arguments import drop_no_op_arguments
-from _quantplug.rewrites.parameter_writes import functionalize_parameter_writes
-from _quantplug.rewrites.unread_writes import drop_unread_writes
+from _quantplug.rewrites.pipeline import rewrite_for_annotation
 from _quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from _quantplug.sharing.problem import solve
-from _quantplug.sharing.resolution import Key, SharingGroups, describe_key
+from _quantplug.sharing.resolution import Key, SharingGroups
 from _quantplug.validation.engine import CalibratedPlan
 from _quantplug.validation.report import ValidationReport
 
 logger = logging.getLogger("quantplug.flow.prepare")
-
-#: meta naming the backend a program was prepared for (kept by convert; lower checks it)
-#: node meta naming the float-program node a node descends from (kept through prepare/convert)
-
-
-@dataclass
-class Group:
-    """One sharing group: its spec, its keys, and whether only parameters/buffers flow through it.
-
-    ``constant`` groups are quantized at convert from the parameters' values (no observer runs
-    during calibration); in QAT no group is, since training changes the weights.
-    """
-
-    gid: int
-    spec: Any
-    keys: list[Key]
-    constant: bool
-    dynamic: bool
-    #: its observer's calls in one forward pass make one update (``SharingGroups.observed_per_pass``)
-    per_pass: bool = False
-
-    @property
-    def target(self) -> str:
-        return f"{OBSERVERS}.g{self.gid}"
-
-    def describe(self) -> str:
-        shown = ", ".join(describe_key(k) for k in self.keys[:3])
-        more = f" and {len(self.keys) - 3} more" if len(self.keys) > 3 else ""
-        return shown + more
-
-
-@dataclass
-class PreparedState:
-    """What convert() needs beyond the prepared graph itself (kept in ``gm.meta``)."""
-
-    groups: list[Group]
-    group_of: dict[Key, int]
-    qat: bool
-    backend: str | None
-    validation: ValidationReport | None = None
-    #: the constraint checks convert runs on the calibrated encodings (constraints v2)
-    calibrated_checks: CalibratedPlan | None = None
-    #: keys of constant groups, quantized by convert as observers would have been:
-    #: node outputs (name -> group id) and input edges ((producer, consumer) -> group id)
-    constant_outputs: dict[str, int] = field(default_factory=dict)
-    constant_edges: dict[tuple[str, str], int] = field(default_factory=dict)
-
-    def observer(self, gm: GraphModule, gid: int) -> nn.Module:
-        return getattr(getattr(gm, OBSERVERS), f"g{gid}")
 
 
 class PreparedModule(GraphModule):
@@ -182,10 +126,8 @@ def prepare(
     *,
     qat: bool = False,
     nonfinite: str = "error",
-    algorithms: Sequence[Any] | None = None,
-    calibration: Sequence[Any] | None = None,
-    algorithm_guard: bool = True,
-    held_out: Sequence[Any] | None = None,
+    algorithms: Algorithms | Sequence[Any] | None = None,
+    **deprecated: Any,
 ) -> GraphModule:
     """Annotate ``program`` with ``quantizer`` and insert observers (or fake-quants if ``qat``).
 
@@ -202,28 +144,18 @@ def prepare(
             infinity in the model's inputs, and leaves infinities the model computes (attention
             masks) out of the statistics; ``"strict"`` raises for every NaN/inf; ``"ignore"``
             leaves them all out and counts them (see :mod:`_quantplug.observers.nonfinite`).
-        algorithms: accuracy algorithms, in order: names from ``quantplug.list_algorithms()``,
-            ``(name, {option: value})`` pairs or configured objects (see
-            :mod:`_quantplug.algorithms.spec`). Unknown names raise
-            :class:`~_quantplug.errors.UnknownAlgorithmError`.
-        calibration: batches (tuples of the program's inputs) for algorithms that need data
-            before annotation (SmoothQuant); calibrating the result is still the caller's loop.
-        algorithm_guard: select which layers keep the algorithms' weight choice (the others are
-            rounded to nearest) by the quantized model's output error on the first calibration
-            batches, and undo a transform whose quantized program does worse on the
-            ``calibration`` batches (:mod:`_quantplug.algorithms.guard`), so algorithms never make
-            the model worse than the default on those batches (beyond a 0.004 dB tie margin,
-            float noise); ``False`` keeps every choice.
-        held_out: batches not calibrated on (as ``calibration``'s) for the guard to judge on
-            instead of the calibration batches (the first 8, at most 32 MiB of them). The
-            algorithms fit their choices to the calibration data, where a choice that overfits
-            (GPTQ on a layer that saw fewer rows than it has inputs) still looks good; judged on
-            held-out data it is refused, and the guarantee reads "never worse than the default on
-            ``held_out``". Used only with algorithms and the guard.
+        algorithms: accuracy algorithms, with their data and guard:
+            :class:`~_quantplug.algorithms.config.Algorithms` (``quantplug.Algorithms``), or a
+            plain list of them (names from ``quantplug.list_algorithms()``, ``(name, {option:
+            value})`` pairs or configured objects), which is ``Algorithms(list)``. Unknown names
+            raise :class:`~_quantplug.errors.UnknownAlgorithmError`.
+        **deprecated: ``calibration=``, ``algorithm_guard=`` and ``held_out=``, the keywords
+            ``Algorithms`` replaced, work until 0.4.0 with a ``DeprecationWarning``.
 
     Returns:
         A GraphModule to calibrate (or train) and pass to :func:`quantplug.convert`.
     """
+    config = configured(algorithms, deprecated, function="prepare")
     if not callable(getattr(quantizer, "annotate", None)):
         raise QuantplugError(
             f"{type(quantizer).__name__} is not a quantizer (no annotate method); "
@@ -232,28 +164,14 @@ def prepare(
     _check_float_program(program)
     _check_qat_agrees(quantizer, qat)
     check_policy(nonfinite)
-    if not isinstance(algorithm_guard, bool):
-        raise OptionError(
-            f"algorithm_guard must be True or False, got {algorithm_guard!r}; pass "
-            "prepare(..., algorithm_guard=False) to keep every choice of the algorithms"
-        )
-    if held_out is not None and not algorithm_guard:
-        raise OptionError(
-            "held_out batches are what the algorithm guard judges on, and algorithm_guard=False "
-            "turns the guard off; pass one or the other"
-        )
-    chosen = resolve_algorithms(algorithms)  # issue 15: names -> configured objects, before any work
+    chosen = resolve_algorithms(config.algorithms)  # issue 15: names -> configured objects, before any work
     with paused_gc():
-        return _prepare(
-            program,
-            quantizer,
-            qat=qat,
-            nonfinite=nonfinite,
-            algorithms=chosen,
-            calibration=calibration,
-            algorithm_guard=algorithm_guard,
-            held_out=held_out,
-        )
+        return _prepare(program, quantizer, qat=qat, nonfinite=nonfinite, algorithms=chosen, config=config)
+
+
+#: prepare and convert as the algorithm guard quantizes with them (the algorithms, a layer below
+#: flow, are handed these and never import flow)
+STEPS = FlowSteps(prepare=prepare, convert=convert)
 
 
 def _check_float_program(program: Any) -> None:
@@ -301,39 +219,24 @@ def _prepare(
     qat: bool,
     nonfinite: str,
     algorithms: list[Any],
-    calibration: Sequence[Any] | None,
-    algorithm_guard: bool,
-    held_out: Sequence[Any] | None,
+    config: Algorithms,
 ) -> GraphModule:
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
-    functionalize_parameter_writes(gm, rewrite=not qat)  # weights prepared on a first forward
-    for node in gm.graph.nodes:  # survives every copy; the numeric debugger matches on it
-        node.meta.setdefault(DEBUG_HANDLE_KEY, node.name)
-    if qat:
-        _own_parameters(gm)  # training must not write the caller's weights
-    else:
-        fold_batch_norm(gm)
-    rewrite_fixed_bags(gm)  # no ONNX Loop, a quantized table (flow.embedding_bag)
-    drop_no_op_arguments(gm)  # empty cat inputs, own dtypes: ONNX drops or splits them
-    drop_unread_writes(gm)  # a state written for a cache nothing returns: ONNX drops it
-    linear_from_matmul(gm)  # x @ W.T (Falcon): a linear every rule and algorithm knows
-    if algorithms and not qat:  # sliced/transposed weights become parameters the algorithms see
-        materialize_computed_weights(gm)
-        linear_from_addmm(gm)  # transformers' Conv1D (GPT-2): a layer the algorithms take
-        linear_from_matmul_in_out(gm)  # x @ W with W [in, out] (SwiftFormer): the same
+    rewrite_for_annotation(gm, qat=qat, algorithms=bool(algorithms))
+    guard = config.guard
     judged = (  # the guard's held-out batches, flat and checked against the program
-        flat_batches(gm, held_out, in_spec_of(program), "held_out", nonfinite)
-        if algorithms and algorithm_guard and held_out is not None
+        flat_batches(gm, config.held_out, in_spec_of(program), "held_out", nonfinite)
+        if algorithms and guard and config.held_out is not None
         else None
     )
     if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
         gm, undone = run_transforms(
             gm,
             algorithms,
-            calibration,
+            config.calibration,
             in_spec_of(program),
             quantizer,
-            guard=algorithm_guard and not qat,  # a QAT model is trained after: nothing to judge now
+            guard=STEPS if guard and not qat else None,  # a QAT model is trained after: nothing to judge now
             nonfinite=nonfinite,
             held_out=judged,
         )
@@ -375,9 +278,7 @@ def _prepare(
     _insert_observer_nodes(gm, state)
     _count_calls_per_pass(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
-        gm.meta[ALGORITHMS_KEY] = install_collectors(
-            gm, state, algorithms, nonfinite, algorithm_guard, held_out=judged
-        )
+        gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite, guard, held_out=judged)
         gm.meta[ALGORITHMS_KEY].undone = undone
     _as_prepared_module(gm)
     compile_now(gm)
@@ -410,17 +311,6 @@ def _validate(quantizer: Any, gm: GraphModule, groups: SharingGroups) -> tuple[A
     if isinstance(quantizer, Quantizer):
         return quantizer.validate(gm, sharing=groups), quantizer.calibrated_checks(gm, groups)
     return _call(quantizer, "validate", gm), None
-
-
-def _own_parameters(gm: GraphModule) -> None:
-    """Give the prepared module private copies of its parameters and buffers (QAT updates them)."""
-    for module in gm.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                module._parameters[name] = nn.Parameter(param.detach().clone(), param.requires_grad)
-        for name, buf in list(module._buffers.items()):
-            if buf is not None:  # batch-norm statistics move during training too
-                module._buffers[name] = buf.detach().clone()
 
 
 def _build_groups(

@@ -8,6 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
+#: ops whose weight (argument 1) acts on an input (argument 0) as a layer, which quantplug can re-run
+#: with another input or weight (the weight algorithms' layers; the rewrites make layers of them)
+LAYER_OPS = frozenset(
+    {
+        "aten.linear.default",
+        "aten.conv1d.default",
+        "aten.conv2d.default",
+        "aten.conv3d.default",
+        "aten.conv_transpose1d.input",
+        "aten.conv_transpose2d.input",
+        "aten.conv_transpose3d.input",
+    }
+)
+
 
 def op_name(op: Any) -> str:
     """Canonical text of an op target: ``"aten.conv2d.default"``, or a function's qualified name."""

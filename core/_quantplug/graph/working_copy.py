@@ -165,6 +165,18 @@ def own_written_state(gm: GraphModule) -> list[str]:
     return written
 
 
+def own_parameters(gm: GraphModule) -> None:
+    """Give ``gm`` private copies of all its parameters and buffers (training updates them: QAT
+    must not write the caller's weights, nor its batch-norm statistics)."""
+    for module in gm.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.detach().clone(), param.requires_grad)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.detach().clone()
+
+
 def written_parameters(gm: GraphModule) -> list[str]:
     """The parameters (not buffers) ``gm``'s forward writes in place, by qualified name.
 

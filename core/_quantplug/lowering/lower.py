@@ -11,8 +11,9 @@ import torch
 from torch.fx import GraphModule
 
 from _quantplug.errors import LoweringError, QuantplugError
+from _quantplug.graph.working_copy import working_copy
 from _quantplug.lowering.artifact import Artifact
-from _quantplug.meta import QPARAMS_KEY
+from _quantplug.meta import BACKEND_KEY, QPARAMS_KEY, STATE_KEY
 
 
 def lower(quantized: GraphModule, quantizer: Any) -> Artifact:
@@ -41,8 +42,6 @@ def _run_plan(quantized: GraphModule, quantizer: Any) -> Artifact:
     plan = plan_fn()
     if plan.writer is None:
         raise LoweringError(f"backend {quantizer.backend!r} provides no artifact writer")
-    from _quantplug.graph.working_copy import working_copy
-
     # passes may edit in place; the user's copy stays. Its code is generated only if a pass runs it.
     program: GraphModule = working_copy(quantized, lazy=True)
     for p in plan.passes:
@@ -98,8 +97,6 @@ _QDQ_NAMESPACES = ("quantized_decomposed", "quantplug")
 
 def _check_lowerable(quantized: Any, quantizer: Any) -> None:
     """A converted program, lowered by the backend it was quantized for."""
-    from _quantplug.meta import BACKEND_KEY, STATE_KEY
-
     gm = quantized.graph_module if isinstance(quantized, torch.export.ExportedProgram) else quantized
     if not isinstance(gm, GraphModule):
         raise LoweringError(

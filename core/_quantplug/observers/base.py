@@ -17,7 +17,7 @@ from torch import nn
 
 from _quantplug.annotation.dtypes import UINT2, UINT4, full_range, resolve_range
 from _quantplug.annotation.specs import SYMMETRIC_QSCHEMES
-from _quantplug.errors import OptionError
+from _quantplug.errors import ObserverMergeError, OptionError
 
 DEFAULT_EPS = float(torch.finfo(torch.float32).eps)
 
@@ -160,8 +160,6 @@ class ObserverBase(nn.Module):
         no-op; an observer with statistics must override it, else merging it is refused.
         """
         if self.needs_data:
-            from _quantplug.errors import ObserverMergeError
-
             raise ObserverMergeError(
                 f"{type(self).__qualname__} keeps statistics but defines no merge_(others), so they "
                 "cannot be combined across processes; override merge_ (see 'Observers that merge' in "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from _quantplug.observers import per_block
+
 
 @torch.library.custom_op("quantplug::quantize_per_block", mutates_args=())
 def _quantize_per_block(
@@ -19,9 +21,7 @@ def _quantize_per_block(
     quant_max: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    from _quantplug.observers.per_block import quantize_per_block as impl
-
-    return impl(x, scale, zero_point, tuple(block_size), quant_min, quant_max, dtype)
+    return per_block.quantize_per_block(x, scale, zero_point, tuple(block_size), quant_min, quant_max, dtype)
 
 
 @_quantize_per_block.register_fake
@@ -39,9 +39,7 @@ def _dequantize_per_block(
     quant_max: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    from _quantplug.observers.per_block import dequantize_per_block as impl
-
-    return impl(q, scale, zero_point, tuple(block_size))
+    return per_block.dequantize_per_block(q, scale, zero_point, tuple(block_size))
 
 
 @_dequantize_per_block.register_fake

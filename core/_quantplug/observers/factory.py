@@ -21,6 +21,7 @@ from _quantplug.observers.fake_quantize import FakeQuantize
 from _quantplug.observers.fixed import DerivedObserver, FixedQParamsObserver
 from _quantplug.observers.minmax import MinMaxObserver, PerChannelMinMaxObserver
 from _quantplug.observers.nonfinite import saw_masks
+from _quantplug.observers.per_block import PerBlockMinMaxObserver
 
 
 class DynamicPlaceholder(ObserverBase):
@@ -46,8 +47,6 @@ def _default_ctr(spec: Any) -> Any:
     if getattr(spec, "is_dynamic", False):
         return DynamicPlaceholder
     if getattr(spec, "block_size", None) is not None:
-        from _quantplug.observers.per_block import PerBlockMinMaxObserver
-
         return PerBlockMinMaxObserver
     if is_per_channel(spec):
         return PerChannelMinMaxObserver

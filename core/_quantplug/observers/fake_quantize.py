@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from _quantplug.observers.merge import merge_state
+
 
 def _broadcast(param: torch.Tensor, x: torch.Tensor, axis: int | None) -> torch.Tensor:
     if param.numel() == 1:
@@ -74,8 +76,6 @@ class FakeQuantize(nn.Module):
 
     def merge_(self, others: Sequence[FakeQuantize]) -> None:
         """Merge the wrapped observers (the switches are settings, not statistics)."""
-        from _quantplug.observers.merge import merge_state
-
         merge_state(self._observer, [other._observer for other in others])
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ from _quantplug.errors import AnnotationError
 from _quantplug.observers import kernels, nonfinite
 from _quantplug.observers.base import ObserverBase
 from _quantplug.observers.binning import add_histc
+from _quantplug.observers.merge import merged_histogram
+from _quantplug.observers.rebin import rebin_histogram
 
 _METHODS = ("mse", "percentile")
 _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
@@ -27,40 +29,6 @@ _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 _COARSE_1D = 513
 _COARSE_2D = 33
 _REFINE_POINTS = 17
-
-
-def _cdf_at(positions: torch.Tensor, hist: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
-    """Mass left of ``positions`` (in bin units) under the piecewise-uniform histogram."""
-    bins = hist.numel()
-    t = positions.clamp(0.0, float(bins))
-    j = t.floor().clamp(max=bins - 1).long()
-    return cum[j] + hist[j] * (t - j.to(t.dtype))
-
-
-def rebin_histogram(
-    hist: torch.Tensor, old_min: float, old_max: float, new_min: float, new_max: float
-) -> torch.Tensor:
-    """Re-express ``hist`` over ``[old_min, old_max]`` on the same number of bins over a wider range.
-
-    Reading the old cumulative histogram at the new bin edges is exact for piecewise-uniform bins
-    and conserves mass, so no upsampling approximation is needed. A zero-width old range is a
-    point mass and lands wholly in the new bin that contains it.
-    """
-    bins = hist.numel()
-    h = hist.detach().to(device="cpu", dtype=torch.float64)
-    out = torch.zeros(bins, dtype=torch.float64)
-    new_width = (new_max - new_min) / bins
-    if new_width <= 0.0:
-        out[0] = h.sum()
-    elif old_max <= old_min:
-        idx = min(max(int((old_min - new_min) / new_width), 0), bins - 1)
-        out[idx] = h.sum()
-    else:
-        old_width = (old_max - old_min) / bins
-        cum = torch.cat([h.new_zeros(1), h.cumsum(0)])
-        edges = new_min + new_width * torch.arange(bins + 1, dtype=torch.float64)
-        out = torch.diff(_cdf_at((edges - old_min) / old_width, h, cum)).clamp_(min=0.0)
-    return out.to(device=hist.device, dtype=hist.dtype)
 
 
 def _clip(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
@@ -226,8 +194,6 @@ class HistogramObserver(ObserverBase):
     def merge_(self, others: Sequence[Any]) -> None:
         """Re-bin every histogram onto the union of the ranges and sum them (module docstring of
         :mod:`_quantplug.observers.merge`)."""
-        from _quantplug.observers.merge import merged_histogram
-
         states = [(o.histogram, float(o.min_val), float(o.max_val)) for o in (self, *others)]
         found = merged_histogram(states, f"the HistogramObserver of {self.where or '?'}")
         if found is not None:

@@ -16,7 +16,7 @@ data. ``merge_observers(target, others)`` folds ``others``' statistics into ``ta
   batch. Commutative; an observer that saw nothing is its identity.
 * **histograms**: the processes first agree a common range (the union of their ranges), each
   histogram is re-binned exactly onto it (piecewise-uniform bins, see
-  :func:`~_quantplug.observers.histogram.rebin_histogram`), and the re-binned histograms are
+  :func:`~_quantplug.observers.rebin.rebin_histogram`), and the re-binned histograms are
   summed in float64 in a canonical (sorted) order, so the result is the same whichever process
   saw which batch and in which order the states are listed. One process re-bins its histogram
   each time its range grows, so its histogram depends on batch order too; the merged one is
@@ -44,6 +44,7 @@ from torch import nn
 
 from _quantplug.errors import ObserverMergeError
 from _quantplug.observers.nonfinite import COUNT_ATTR, MASK_ENDS_ATTR, MASKED_ATTR
+from _quantplug.observers.rebin import rebin_histogram
 
 _TORCHAO_MODULES = ("torchao.quantization.pt2e.observer", "torchao.quantization.pt2e.fake_quantize")
 
@@ -143,8 +144,6 @@ def merged_histogram(
     States with an empty range (``lo > hi``: nothing seen) are left out; None if all are. A state
     already on the common range is used as it is, so merging one state is the identity.
     """
-    from _quantplug.observers.histogram import rebin_histogram
-
     present = [(h, lo, hi) for h, lo, hi in states if lo <= hi]
     if not present:
         return None

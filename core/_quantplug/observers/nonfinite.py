@@ -40,8 +40,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from _quantplug.errors import NonFiniteError
-from _quantplug.observers.base import ObserverBase
+from _quantplug.annotation.specs import SYMMETRIC_QSCHEMES
+from _quantplug.errors import NonFiniteError, OptionError
+from _quantplug.meta import OBSERVERS
+from _quantplug.observers.base import ObserverBase, qparams_from_range
 
 POLICIES = ("error", "strict", "ignore")
 #: where prepare keeps the policy and the node names on an observer
@@ -73,8 +75,6 @@ MASK_MARGIN = 16.0
 
 def check_policy(policy: str) -> str:
     if policy not in POLICIES:
-        from _quantplug.errors import OptionError
-
         raise OptionError(f"nonfinite must be one of {', '.join(POLICIES)}, got {policy!r}")
     return policy
 
@@ -221,9 +221,6 @@ def widen_for_masks(observer: nn.Module, qparams: tuple[Any, Any]) -> tuple[Any,
     scale_t, zp_t = torch.as_tensor(scale), torch.as_tensor(zero_point)
     if not ends or scale_t.numel() != 1:
         return qparams
-    from _quantplug.annotation.specs import SYMMETRIC_QSCHEMES
-    from _quantplug.observers.base import qparams_from_range
-
     fields: Any = observer  # an observer's grid: quantplug's or torchao's fields
     qmin, qmax = int(fields.quant_min), int(fields.quant_max)
     s, z = float(scale_t.reshape(-1)[0]), int(zp_t.reshape(-1)[0])
@@ -266,8 +263,6 @@ def _counts(prepared: nn.Module, attr: str) -> dict[str, int]:
 
 
 def _observers(prepared: nn.Module) -> Iterator[nn.Module]:
-    from _quantplug.meta import OBSERVERS
-
     container = getattr(prepared, OBSERVERS, None)
     if isinstance(container, nn.Module):
         yield from container.children()

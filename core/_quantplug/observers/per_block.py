@@ -18,6 +18,7 @@ from _quantplug.errors import AnnotationError
 from _quantplug.observers import nonfinite
 from _quantplug.observers.base import ObserverBase
 from _quantplug.observers.fake_quantize import fake_quantize as _fake_quantize
+from _quantplug.observers.minmax import merge_extremes_
 
 
 def resolve_block_size(block_size: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
@@ -172,8 +173,6 @@ class PerBlockMinMaxObserver(ObserverBase):
         return self._qparams(self.min_val, self.max_val)
 
     def merge_(self, others: Sequence[Any]) -> None:
-        from _quantplug.observers.minmax import merge_extremes_
-
         merge_extremes_(self, others)
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:

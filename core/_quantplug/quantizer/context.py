@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from _quantplug.errors import QuantplugError
+
 if TYPE_CHECKING:
     from torch.fx import Node
 
@@ -100,8 +102,6 @@ class BackendContext:
         op is a separate question (``quantizer.rules.ops``).
         """
         if self._config_of is None:
-            from _quantplug.errors import QuantplugError
-
             raise QuantplugError("config_for() needs the context of a Quantizer (quantplug.get_quantizer)")
         return self._config_of(node)
 

@@ -18,10 +18,17 @@ from torch.fx import GraphModule, Node
 
 from _quantplug.annotation.annotators import AnnotatorRule, is_float_tensor
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY, QuantizationAnnotation, QuantizationConfig
-from _quantplug.errors import BackendFailedError, ConstraintViolationError, OptionError, QuantplugError
+from _quantplug.errors import (
+    AnnotationError,
+    BackendFailedError,
+    ConstraintViolationError,
+    OptionError,
+    QuantplugError,
+)
 from _quantplug.graph.index_arithmetic import index_arithmetic
 from _quantplug.graph.mutation import mutated_aliases
 from _quantplug.graph.op_names import op_name
+from _quantplug.graph.working_copy import working_copy
 from _quantplug.meta import FLOAT_REASON_KEY, NOTE_KEY, RULE_KEY
 from _quantplug.plugins.contract import STRICT_OPTION, BackendInfo, LoweringPlan, NamedPass
 from _quantplug.plugins.registry import LoadedBackend
@@ -38,6 +45,8 @@ from _quantplug.quantizer.fusion import (
 from _quantplug.quantizer.node_data import DISCARDED
 from _quantplug.quantizer.rules import RuleSet
 from _quantplug.quantizer.selection import ConfigSelector
+from _quantplug.rewrites.pipeline import rewrite_for_annotation
+from _quantplug.sharing.keys import collect_keys
 from _quantplug.sharing.problem import SharingProblem, solve
 from _quantplug.sharing.resolution import SharingGroups
 from _quantplug.suggest import did_you_mean
@@ -46,9 +55,6 @@ from _quantplug.validation.engine import CalibratedPlan, calibrated_plan, relati
 from _quantplug.validation.report import ValidationReport
 
 logger = logging.getLogger("quantplug")
-
-#: node meta a rule may set on a node it quantizes differently from what the options asked for
-#: (e.g. a smaller LPBQ block): shown by ``coverage()`` next to the node
 
 AnnotationCallback = Callable[[GraphModule, BackendContext], None]
 
@@ -462,8 +468,6 @@ class Quantizer:
         resolved here as ``prepare`` would (with the backend's sharing hook).
         """
         if sharing is None:
-            from _quantplug.sharing.keys import collect_keys
-
             sharing = self.resolve_sharing(collect_keys(model.graph).problem(model.graph))
         report = validate_graph(
             model, self.constraints, _backend_ops(model.graph), arch=self.arch, sharing=sharing.group_of
@@ -499,18 +503,15 @@ class Quantizer:
     def coverage(self, program: torch.export.ExportedProgram | GraphModule) -> CoverageReport:
         """Which op nodes this quantizer quantizes and why the others stay float (no side effects).
 
-        Runs what ``prepare`` runs up to observer sharing (passes, annotation with fusion,
-        sharing with the backend's hook), so an encoding the sharing hook drops counts as float.
+        Runs what ``prepare`` runs up to observer sharing, on a copy: the same rewrites
+        (:data:`_quantplug.rewrites.pipeline.PIPELINE`, as for ``prepare(..., qat=...)`` with this
+        quantizer's QAT option and no algorithm), the backend's passes, annotation with fusion,
+        sharing with the backend's hook (an encoding the hook drops counts as float).
         """
-        from _quantplug.errors import AnnotationError
-        from _quantplug.graph.working_copy import working_copy
-        from _quantplug.rewrites.batchnorm import fold_batch_norm
-        from _quantplug.rewrites.hand_written_linear import linear_from_matmul
-        from _quantplug.sharing.keys import collect_keys
-
         gm = working_copy(program)
-        fold_batch_norm(gm)
-        linear_from_matmul(gm)
+        option = self.info.qat_option
+        qat = option is not None and self.options.get(option) is True
+        rewrite_for_annotation(gm, qat=qat, algorithms=False)
         gm = self.transform_for_annotation(gm)
         self.annotate(gm)
         try:

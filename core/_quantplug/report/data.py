@@ -8,10 +8,12 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from _quantplug.errors import QuantplugError
+from _quantplug.files import write_atomic
 
 SCHEMA = "quantplug-report/1"
 WORST_COUNT = 20
@@ -53,12 +55,10 @@ def build_report(
 
     ``validation`` is a :class:`quantplug.ValidationReport` (or its ``to_dict()``), or None.
     ``mixed_precision`` is the per-layer preset choice the run applied
-    (:meth:`~_quantplug.algorithms.mixed_precision.MixedPrecision.to_dict`, plus ``source`` and
+    (:meth:`~_quantplug.mixed_precision.MixedPrecision.to_dict`, plus ``source`` and
     ``layers``), shown with its trade-off curve.
     """
     import torch
-
-    import quantplug
 
     d = debug.to_dict()
     nodes = d["nodes"]
@@ -74,7 +74,7 @@ def build_report(
     data = {
         "schema": SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "quantplug_version": getattr(quantplug, "__version__", None),
+        "quantplug_version": _installed_version(),
         "torch_version": torch.__version__,
         "model": dict(model),
         "backend": dict(backend),
@@ -130,8 +130,6 @@ def _artifact_summary(artifact: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """report.json, strict JSON (non-finite numbers become null), replaced in one rename."""
-    from _quantplug.files import write_atomic
-
     write_atomic(path, json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
 
 
@@ -228,3 +226,12 @@ def _check(value: Any, spec: Any, where: str) -> str | None:
     if not isinstance(value, spec):
         return f"{where} holds {json.dumps(value)[:40]} ({type(value).__name__})"
     return None
+
+
+def _installed_version() -> str | None:
+    """quantplug's version as installed (its distribution's metadata, as ``quantplug --version``
+    reads it); None when it is not installed."""
+    try:
+        return metadata.version("quantplug")
+    except metadata.PackageNotFoundError:
+        return None

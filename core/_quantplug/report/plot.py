@@ -123,7 +123,7 @@ def sqnr_plot_png(
 def tradeoff_plot_png(mixed: Mapping[str, Any]) -> bytes | None:
     """Output SQNR against weight bytes for every point the mixed-precision search measured.
 
-    ``mixed`` is :meth:`_quantplug.algorithms.mixed_precision.MixedPrecision.to_dict` (what
+    ``mixed`` is :meth:`_quantplug.mixed_precision.MixedPrecision.to_dict` (what
     report.json holds under ``mixed_precision``): ``curve`` points with ``weight_bytes`` and
     ``sqnr_db``, the ``chosen`` point's index, the ``target`` (an SQNR floor or a byte budget).
     None when matplotlib is not installed or no point has a finite SQNR.

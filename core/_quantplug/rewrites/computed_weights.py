@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from _quantplug.algorithms.runtime import LAYER_OPS as RERUNNABLE_OPS
 from _quantplug.graph.constants import ConstantValues, constant_nodes, module_attr
+from _quantplug.graph.op_names import LAYER_OPS as RERUNNABLE_OPS
 from _quantplug.graph.working_copy import AttrNamer
 from _quantplug.rewrites.hand_written_linear import fold_into_linear
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from _quantplug.errors import ConstraintViolationError
+
 logger = logging.getLogger("quantplug.validation")
 
 #: when a violation was found: on annotations (``prepare``), on calibrated encodings
@@ -73,8 +75,6 @@ class ValidationReport:
         """
         if not self.ok:
             if strict:
-                from _quantplug.errors import ConstraintViolationError
-
                 raise ConstraintViolationError(self)
             self.log_warnings()
         return self

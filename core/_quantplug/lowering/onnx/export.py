@@ -44,9 +44,17 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from _quantplug.errors import LoweringError
+from _quantplug.flow.inspect import encodings as read_encodings
+from _quantplug.graph.op_names import op_name
+from _quantplug.lowering.onnx import qdq_sites
+from _quantplug.lowering.onnx.capture import dimension_names, to_exported_program
 from _quantplug.lowering.onnx.provenance import where
-from _quantplug.lowering.onnx.qdq_sites import STATIC_DEQUANTIZE, STATIC_QUANTIZE
+from _quantplug.lowering.onnx.qdq_sites import STATIC_DEQUANTIZE, STATIC_QUANTIZE, onnx_block_form
 from _quantplug.observers import block_ops as qp_ops
+from _quantplug.peers.onnx_contiguous import contiguous_as_clone
+from _quantplug.peers.onnx_in_place_writes import writes_out_of_place
+from _quantplug.peers.onnx_projected_lstm import decompose_projected_lstms
+from _quantplug.peers.onnx_translate import registered, translate
 
 qd = torch.ops.quantized_decomposed
 
@@ -127,8 +135,6 @@ class OnnxExportResult:
         """The exported Q/DQ program as a ``torch.export.ExportedProgram`` (built on first use,
         with the same dynamic dimensions), e.g. for ``torch.export.save``."""
         if self._exported is None and self._program is not None:
-            from _quantplug.lowering.onnx.capture import to_exported_program
-
             self._exported = to_exported_program(self._program)
         return self._exported
 
@@ -201,14 +207,6 @@ def export_qdq_onnx(
             "export_qdq_onnx expects the GraphModule returned by quantplug.convert(), "
             f"got {type(quantized).__name__}"
         )
-    from _quantplug.flow.inspect import encodings as read_encodings
-    from _quantplug.lowering.onnx import qdq_sites
-    from _quantplug.lowering.onnx.capture import dimension_names, to_exported_program
-    from _quantplug.peers.onnx_contiguous import contiguous_as_clone
-    from _quantplug.peers.onnx_in_place_writes import writes_out_of_place
-    from _quantplug.peers.onnx_projected_lstm import decompose_projected_lstms
-    from _quantplug.peers.onnx_translate import translate
-
     _check_opset(quantized, opset)
     newest = int(onnx.defs.onnx_opset_version())
     if not MIN_OPSET <= opset <= newest:
@@ -387,54 +385,6 @@ def _map_encodings(result: OnnxExportResult, placed: Mapping[int, Any]) -> None:
         entry["onnx"] = info
 
 
-# --------------------------------------------------------------------------------- per-block grids
-
-
-def onnx_block_form(
-    scale: torch.Tensor, zero_point: torch.Tensor, block_size: Sequence[int], shape: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """quantplug per-block qparams as ONNX Q/DQ inputs: ``(scale, zero_point, axis, block)``.
-
-    ``block == 0`` means per-axis (1-D scale along ``axis``) or, with a 0-d scale, per-tensor;
-    otherwise the scale has the tensor's rank, ``ceil(dim / block)`` entries on ``axis`` and the
-    full size on every other axis (repeated from quantplug's compact block grid).
-    """
-    from _quantplug.observers.per_block import block_grid_shape, resolve_block_size
-
-    dims = tuple(int(d) for d in shape)
-    block = resolve_block_size(block_size, dims)
-    grid = block_grid_shape(block, dims)
-    scale = scale.reshape(grid) if scale.numel() > 1 else scale.reshape(())
-    zero_point = zero_point.reshape(grid) if zero_point.numel() > 1 else zero_point.reshape(())
-    varying = [i for i, g in enumerate(grid) if g > 1]
-    if not varying:
-        return scale.reshape(()), zero_point.reshape(()), 0, 0
-    if len(varying) == 1 and block[varying[0]] == 1:
-        axis = varying[0]
-        return scale.reshape(-1), zero_point.reshape(-1), axis, 0
-    blocked = [i for i in varying if block[i] > 1]
-    if blocked:
-        axis = max(blocked, key=lambda i: (block[i], i))
-        size = block[axis]
-    else:  # scales vary only along axes of 1-wide blocks: the block is a whole axis (one scale
-        # per row of each expert of a [experts, out, in] weight) or, if none, a single element
-        spanning = [i for i, g in enumerate(grid) if g == 1 and dims[i] > 1]
-        axis = spanning[-1] if spanning else len(dims) - 1
-        size = dims[axis] if spanning else 1
-    spread_s, spread_z = scale, zero_point
-    if spread_s.dim() == 0:
-        spread_s = spread_s.reshape([1] * len(dims))
-        spread_z = spread_z.reshape([1] * len(dims))
-    for i in range(len(dims)):
-        if i == axis:
-            continue
-        reps = dims[i] // spread_s.shape[i]
-        if reps > 1:
-            spread_s = spread_s.repeat_interleave(reps, dim=i)
-            spread_z = spread_z.repeat_interleave(reps, dim=i)
-    return spread_s.contiguous(), spread_z.contiguous(), axis, size
-
-
 # --------------------------------------------------------------------------------- translations
 
 
@@ -602,20 +552,12 @@ _OP_PATTERN = re.compile(
 )
 
 
-def _op_label(target: Any) -> str:
-    from _quantplug.graph.op_names import op_name
-
-    return op_name(target)
-
-
 def _check_translatable(exported: torch.export.ExportedProgram, table: Mapping[Any, Any], opset: int) -> None:
     """Fail early, naming the op, when a custom (non-ATen) op has no ONNX translation.
 
     ATen ops the stock exporter lacks are usually decomposed by it; those errors are reported
     after the export attempt (``_export_error``).
     """
-    from _quantplug.peers.onnx_translate import registered
-
     is_registered = registered(opset)
     if is_registered is None:  # private API moved: rely on the export error instead
         return
@@ -628,7 +570,7 @@ def _check_translatable(exported: torch.export.ExportedProgram, table: Mapping[A
             continue
         if torch._C._dispatch_has_kernel_for_dispatch_key(node.target.name(), "CompositeImplicitAutograd"):
             continue
-        label = _op_label(node.target)
+        label = op_name(node.target)
         raise LoweringError(
             f"op {label} (node {node.name!r}{where(node)}) has no ONNX translation; "
             + _AVOIDING.get(
@@ -657,7 +599,7 @@ def _export_error(exc: Exception, exported: torch.export.ExportedProgram) -> Low
     nodes = {n.name: n for n in exported.graph.nodes if n.op == "call_function"}
     by_op: dict[str, Node] = {}
     for node in nodes.values():
-        by_op.setdefault(_op_label(node.target), node)
+        by_op.setdefault(op_name(node.target), node)
     culprit: Node | None = None
     named_op: str | None = None
     for err in chain:
@@ -672,7 +614,7 @@ def _export_error(exc: Exception, exported: torch.export.ExportedProgram) -> Low
     advice = "; pass custom_translations={op: onnxscript_function} for it, or keep that op out of the model"
     if culprit is not None:
         return LoweringError(
-            f"ONNX export failed at op {_op_label(culprit.target)} (node {culprit.name!r}{where(culprit)}): "
+            f"ONNX export failed at op {op_name(culprit.target)} (node {culprit.name!r}{where(culprit)}): "
             f"{reason}{advice}"
         )
     if named_op is not None:

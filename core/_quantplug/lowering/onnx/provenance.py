@@ -8,10 +8,10 @@ op that reads it (``weight`` of the ``aten.layer_norm`` in module ``ln2``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.fx import Node
+
+from _quantplug.graph.op_names import op_name
 
 _QDQ_NAMESPACES = ("quantized_decomposed", "quantplug")
 
@@ -107,14 +107,8 @@ def describe(node: Node) -> str:
         attr = str(source.target)
         return f"parameter {param} (stored as {attr!r})" if param else f"constant {attr!r}"
     where = module_of(source)
-    op = _op_label(source.target)
+    op = op_name(source.target)
     if where is None:
         return f"the output of {op} (node {source.name!r})"
     path, kind = where
     return f"the output of {op} in module {path or '<root>'} ({kind}, node {source.name!r})"
-
-
-def _op_label(target: Any) -> str:
-    from _quantplug.graph.op_names import op_name
-
-    return op_name(target)

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from _quantplug.annotation.dtypes import storage_dtype
 from _quantplug.errors import LoweringError
 from _quantplug.graph.attrs import attr_value
 from _quantplug.lowering.onnx.provenance import describe
 from _quantplug.observers import block_ops as qp_ops
+from _quantplug.observers.per_block import block_grid_shape, resolve_block_size
 
 qd = torch.ops.quantized_decomposed
 
@@ -107,8 +109,6 @@ def find_sites(gm: GraphModule) -> list[Site]:
 
 
 def _site(gm: GraphModule, node: Node, granularity: str, key: int) -> Site:
-    from _quantplug.annotation.dtypes import storage_dtype
-
     args = [attr_value(gm, a) for a in node.args]
     quantize = node.target in STATIC_QUANTIZE
     src = node.args[0]
@@ -301,8 +301,6 @@ def _onnx_params(site: Site) -> tuple[Any, Any, dict[str, int]]:
     """(scale, zero point) as numpy arrays in ONNX's layout, and the node's attributes."""
     import numpy as np
 
-    from _quantplug.lowering.onnx.export import onnx_block_form
-
     np_dtype = np.dtype(_INT_TYPES[site.dtype])
     if site.granularity == "tensor":
         return np.array(site.scale, np.float32), np.array(site.zero_point, np_dtype), {}
@@ -400,3 +398,46 @@ def _morph(node: Any, op_type: str, inputs: Sequence[Any], attrs: dict[str, Any]
     node.name = name
     node.metadata_props.clear()  # the exporter's notes describe the placeholder op
     return node
+
+
+def onnx_block_form(
+    scale: torch.Tensor, zero_point: torch.Tensor, block_size: Sequence[int], shape: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """quantplug per-block qparams as ONNX Q/DQ inputs: ``(scale, zero_point, axis, block)``.
+
+    ``block == 0`` means per-axis (1-D scale along ``axis``) or, with a 0-d scale, per-tensor;
+    otherwise the scale has the tensor's rank, ``ceil(dim / block)`` entries on ``axis`` and the
+    full size on every other axis (repeated from quantplug's compact block grid).
+    """
+    dims = tuple(int(d) for d in shape)
+    block = resolve_block_size(block_size, dims)
+    grid = block_grid_shape(block, dims)
+    scale = scale.reshape(grid) if scale.numel() > 1 else scale.reshape(())
+    zero_point = zero_point.reshape(grid) if zero_point.numel() > 1 else zero_point.reshape(())
+    varying = [i for i, g in enumerate(grid) if g > 1]
+    if not varying:
+        return scale.reshape(()), zero_point.reshape(()), 0, 0
+    if len(varying) == 1 and block[varying[0]] == 1:
+        axis = varying[0]
+        return scale.reshape(-1), zero_point.reshape(-1), axis, 0
+    blocked = [i for i in varying if block[i] > 1]
+    if blocked:
+        axis = max(blocked, key=lambda i: (block[i], i))
+        size = block[axis]
+    else:  # scales vary only along axes of 1-wide blocks: the block is a whole axis (one scale
+        # per row of each expert of a [experts, out, in] weight) or, if none, a single element
+        spanning = [i for i, g in enumerate(grid) if g == 1 and dims[i] > 1]
+        axis = spanning[-1] if spanning else len(dims) - 1
+        size = dims[axis] if spanning else 1
+    spread_s, spread_z = scale, zero_point
+    if spread_s.dim() == 0:
+        spread_s = spread_s.reshape([1] * len(dims))
+        spread_z = spread_z.reshape([1] * len(dims))
+    for i in range(len(dims)):
+        if i == axis:
+            continue
+        reps = dims[i] // spread_s.shape[i]
+        if reps > 1:
+            spread_s = spread_s.repeat_interleave(reps, dim=i)
+            spread_z = spread_z.repeat_interleave(reps, dim=i)
+    return spread_s.contiguous(), spread_z.contiguous(), axis, size

@@ -34,8 +34,19 @@ from typing import Any
 
 import torch
 
+from _quantplug.annotation.spec_view import spec_range
+from _quantplug.api import get_quantizer
+from _quantplug.debug.compare import compare
 from _quantplug.errors import NonFiniteError, OptionError, QuantplugError
+from _quantplug.flow.convert import convert
+from _quantplug.flow.prepare import prepare
+from _quantplug.graph.attrs import fetch_attr
+from _quantplug.graph.calls import Call
 from _quantplug.graph.recurrent import RECURRENT_OPS
+from _quantplug.graph.working_copy import working_copy
+from _quantplug.meta import FOLDED_FROM, STATE_KEY
+from _quantplug.report.plot import tradeoff_plot_png
+from _quantplug.suggest import did_you_mean
 
 LAYER_OPS = ("aten.linear.default", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
 FORMAT = "quantplug-mixed-precision/1"
@@ -76,20 +87,14 @@ class MixedPrecision:
 
     def quantizer(self) -> Any:
         """A quantizer of the default preset with the choice applied."""
-        import quantplug
-
-        return self.apply(
-            quantplug.get_quantizer(self.backend, **{**self.options, self.preset_option: self.default})
-        )
+        return self.apply(get_quantizer(self.backend, **{**self.options, self.preset_option: self.default}))
 
     def apply(self, quantizer: Any) -> Any:
         """``quantizer.set_module_name(layer, config of its preset)`` for every override."""
-        import quantplug
-
         configs: dict[str, Any] = {}
         for module, preset in self.overrides.items():
             if preset not in configs:
-                configs[preset] = quantplug.get_quantizer(
+                configs[preset] = get_quantizer(
                     self.backend, **{**self.options, self.preset_option: preset}
                 ).global_config
             quantizer.set_module_name(module, configs[preset])
@@ -147,17 +152,12 @@ class MixedPrecision:
     def plot_png(self) -> bytes | None:
         """The accuracy-size trade-off curve (output SQNR against weight bytes), chosen point marked;
         None without matplotlib. The report draws the same figure from the same data."""
-        from _quantplug.report.plot import tradeoff_plot_png
-
         return tradeoff_plot_png(self.to_dict())
 
     def check(self, program: torch.export.ExportedProgram) -> None:
         """Refuse a choice (a file the user edited, say) naming layers ``program`` does not have
         or presets its backend does not offer: applied as it is, the override would silently do
         nothing."""
-        import quantplug
-        from _quantplug.suggest import did_you_mean
-
         layers = [layer.module for layer in weighted_layers(program)]
         missing = [m for m in self.overrides if m not in layers]
         if missing:
@@ -167,7 +167,7 @@ class MixedPrecision:
                 f"its layers (modules owning a conv/linear/recurrent weight): {', '.join(layers[:20])}"
                 + (" ..." if len(layers) > 20 else "")
             )
-        known = [p.name for p in quantplug.get_quantizer(self.backend, **self.options).info.presets]
+        known = [p.name for p in get_quantizer(self.backend, **self.options).info.presets]
         for preset in sorted({self.default, *self.overrides.values()}):
             if preset not in known:
                 raise OptionError(
@@ -187,9 +187,6 @@ def _diff(choice: Mapping[str, str], default: str) -> dict[str, str]:
 def _layer_weights(program: torch.export.ExportedProgram) -> list[tuple[str, str, torch.Tensor]]:
     """``(module, weight target, weight)`` of every conv/linear weight and recurrent weight
     matrix owned by a leaf module, in graph order."""
-    from _quantplug.graph.attrs import fetch_attr
-    from _quantplug.graph.working_copy import working_copy
-
     gm = working_copy(program)
     found: list[tuple[str, str, torch.Tensor]] = []
     for node in gm.graph.nodes:
@@ -241,12 +238,9 @@ def quantized_weights(program: torch.export.ExportedProgram, quantizers: Sequenc
     """The constants (get_attr targets) some of ``quantizers`` quantize in ``program``: the
     weights whose bits a preset sets. A layer whose weights no preset quantizes (``qnn_htp``
     leaves an LSTM float) has nothing to choose, and its float weights are no preset's bytes."""
-    import quantplug
-    from _quantplug.meta import FOLDED_FROM, STATE_KEY
-
     found: set[str] = set()
     for quantizer in quantizers:
-        prepared = quantplug.prepare(program, quantizer)
+        prepared = prepare(program, quantizer)
         state = prepared.meta[STATE_KEY]
         folded: dict[str, str] = prepared.meta.get(FOLDED_FROM, {})  # a conv's weight, batch norm folded in
         nodes = {n.name: n for n in prepared.graph.nodes}
@@ -260,8 +254,6 @@ def _weight_bits(config: Any) -> int:
     spec = getattr(config, "weight", None)
     if spec is None:
         return 32
-    from _quantplug.annotation.spec_view import spec_range
-
     qmin, qmax = spec_range(spec)
     return max(1, math.ceil(math.log2(qmax - qmin + 1)))
 
@@ -295,9 +287,6 @@ def search_mixed_precision(
     Batches are what :class:`~_quantplug.graph.calls.Call` accepts: a tuple of positional inputs,
     a dict of keyword inputs, a Call, or a single tensor.
     """
-    import quantplug
-    from _quantplug.graph.calls import Call
-
     targets = [t for t in (target_sqnr_db, max_weight_bytes, max_weight_growth) if t is not None]
     if len(targets) != 1:
         raise OptionError(
@@ -315,7 +304,7 @@ def search_mixed_precision(
     if len(set(presets)) < 2:
         raise OptionError(f"mixed precision needs at least two presets to choose from, got {list(presets)}")
     options = dict(options or {})
-    probe = quantplug.get_quantizer(backend, **options)
+    probe = get_quantizer(backend, **options)
     preset_option = probe.info.preset_option
     if not preset_option:
         raise OptionError(
@@ -329,18 +318,16 @@ def search_mixed_precision(
     known = [p.name for p in probe.info.presets]
     for preset in presets:
         if preset not in known:
-            from _quantplug.suggest import did_you_mean
-
             raise OptionError(
                 f"backend {backend!r} has no preset {preset!r}{did_you_mean(preset, known)}; "
                 f"its presets: {', '.join(known)}"
             )
     bits = {
-        p: _weight_bits(quantplug.get_quantizer(backend, **{**options, preset_option: p}).global_config)
+        p: _weight_bits(get_quantizer(backend, **{**options, preset_option: p}).global_config)
         for p in presets
     }
     order = sorted(dict.fromkeys(presets), key=lambda p: (bits[p], list(presets).index(p)))
-    quantizers = [quantplug.get_quantizer(backend, **{**options, preset_option: p}) for p in order]
+    quantizers = [get_quantizer(backend, **{**options, preset_option: p}) for p in order]
     quantized = quantized_weights(program, quantizers)
     weights = _layer_weights(program)  # one working copy for both
     layers = _layers(weights, quantized)
@@ -359,12 +346,12 @@ def search_mixed_precision(
     def measure(choice: Mapping[str, str]) -> float:
         result = MixedPrecision(backend, options, preset_option, order[0], dict(choice))
         quantizer = result.quantizer()
-        prepared = quantplug.prepare(program, quantizer)
+        prepared = prepare(program, quantizer)
         with torch.no_grad():
             for batch in batches:
                 batch.run(prepared)
-        quantized = quantplug.convert(prepared)
-        report = quantplug.debug.compare(program, quantized, measured)
+        quantized = convert(prepared)
+        report = compare(program, quantized, measured)
         value = report.output_sqnr_db
         if value is not None and math.isnan(value):  # every choice would compare NaN with NaN
             raise NonFiniteError(

@@ -1,0 +1,117 @@
+"""The accuracy algorithms prepare runs, with the data and the guard they run with: one argument.
+
+``prepare(program, quantizer, algorithms=Algorithms(["smoothquant", "gptq"], calibration=batches,
+held_out=other_batches))``: everything about the algorithms is configured in one object, so
+``prepare`` keeps the design's signature (``prepare(program, quantizer, *, qat=False)``, plus
+``nonfinite``). A plain list (``algorithms=["gptq"]``) is ``Algorithms(["gptq"])``.
+
+Until 0.2.0, prepare took ``calibration=``, ``algorithm_guard=`` and ``held_out=`` beside
+``algorithms=``; they keep working until 0.4.0 with a :class:`DeprecationWarning`
+(:func:`configured`, :data:`_quantplug.deprecated.KEYWORDS`).
+
+Imports neither torch nor any algorithm: names are resolved by ``prepare``
+(:func:`~_quantplug.algorithms.registry.resolve_algorithms`), each time it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from _quantplug.deprecated import warn_old_keyword
+from _quantplug.errors import OptionError
+
+#: prepare's keywords before :class:`Algorithms` -> the field of Algorithms each became
+OLD_KEYWORDS = {"calibration": "calibration", "algorithm_guard": "guard", "held_out": "held_out"}
+
+
+@dataclass(frozen=True, init=False, eq=False, repr=False)
+class Algorithms:
+    """Accuracy algorithms for ``prepare(..., algorithms=...)``, with their data and guard.
+
+    Args:
+        algorithms: in order: names from ``quantplug.list_algorithms()``, ``(name, {option:
+            value})`` pairs or configured objects (see ``quantplug.Algorithm``); one name or object
+            alone is a list of one. Unknown names raise
+            :class:`~_quantplug.errors.UnknownAlgorithmError` when ``prepare`` runs.
+        calibration: batches (tuples of the program's inputs) for algorithms that need data before
+            annotation (SmoothQuant, CLE's guard); calibrating the prepared module is still the
+            caller's loop.
+        guard: select which layers keep the algorithms' weight choice (the others are rounded to
+            nearest) by the quantized model's output error on the first calibration batches, and
+            undo a transform whose quantized program does worse on the ``calibration`` batches
+            (:mod:`_quantplug.algorithms.guard`), so algorithms never make the model worse than the
+            default on those batches (beyond a 0.004 dB tie margin, float noise); ``False`` keeps
+            every choice.
+        held_out: batches not calibrated on (as ``calibration``'s) for the guard to judge on
+            instead of the calibration batches (the first 8, at most 32 MiB of them). The
+            algorithms fit their choices to the calibration data, where a choice that overfits
+            (GPTQ on a layer that saw fewer rows than it has inputs) still looks good; judged on
+            held-out data it is refused, and the guarantee reads "never worse than the default on
+            ``held_out``". Needs the guard.
+    """
+
+    algorithms: tuple[Any, ...]
+    calibration: Sequence[Any] | None
+    guard: bool
+    held_out: Sequence[Any] | None
+
+    def __init__(
+        self,
+        algorithms: Iterable[Any] | str | Any = (),
+        *,
+        calibration: Sequence[Any] | None = None,
+        guard: bool = True,
+        held_out: Sequence[Any] | None = None,
+    ) -> None:
+        if not isinstance(guard, bool):
+            raise OptionError(
+                f"guard must be True or False, got {guard!r}; pass "
+                "Algorithms([...], guard=False) to keep every choice of the algorithms"
+            )
+        if held_out is not None and not guard:
+            raise OptionError(
+                "held_out batches are what the algorithm guard judges on, and guard=False turns the "
+                "guard off; pass one or the other"
+            )
+        if isinstance(algorithms, (str, bytes)) or not isinstance(algorithms, Iterable):
+            algorithms = (algorithms,)
+        object.__setattr__(self, "algorithms", tuple(algorithms))
+        object.__setattr__(self, "calibration", calibration)
+        object.__setattr__(self, "guard", guard)
+        object.__setattr__(self, "held_out", held_out)
+
+    def __repr__(self) -> str:
+        shown = [repr(list(self.algorithms))]
+        for name in ("calibration", "held_out"):
+            batches = getattr(self, name)
+            if batches is not None:
+                count = len(batches) if isinstance(batches, Sequence) else "?"
+                shown.append(f"{name}=<{count} batches>")
+        if not self.guard:
+            shown.append("guard=False")
+        return f"Algorithms({', '.join(shown)})"
+
+
+def configured(algorithms: Any, old: Mapping[str, Any], *, function: str) -> Algorithms:
+    """``function``'s ``algorithms`` argument as :class:`Algorithms`, taking the deprecated keywords
+    ``old`` (:data:`OLD_KEYWORDS`, each warned about) into it. Any other keyword is a TypeError, as
+    Python gives it; the old keywords beside an :class:`Algorithms` are an OptionError (which to
+    believe?)."""
+    unknown = [k for k in old if k not in OLD_KEYWORDS]
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    if isinstance(algorithms, Algorithms):
+        if old:
+            given = ", ".join(f"{k}=" for k in old)
+            raise OptionError(
+                f"{function}() got algorithms=Algorithms(...) and {given}: configure the algorithms "
+                "in one place, Algorithms([...], calibration=..., guard=..., held_out=...)"
+            )
+        return algorithms
+    for keyword in old:
+        warn_old_keyword(function, keyword, stacklevel=4)
+    return Algorithms(
+        () if algorithms is None else algorithms, **{OLD_KEYWORDS[k]: value for k, value in old.items()}
+    )

@@ -1,0 +1,60 @@
+"""What prepare leaves for convert: the sharing groups and the prepared state (``gm.meta[STATE_KEY]``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule
+
+from _quantplug.meta import OBSERVERS
+from _quantplug.sharing.resolution import Key, describe_key
+from _quantplug.validation.engine import CalibratedPlan
+from _quantplug.validation.report import ValidationReport
+
+
+@dataclass
+class Group:
+    """One sharing group: its spec, its keys, and whether only parameters/buffers flow through it.
+
+    ``constant`` groups are quantized at convert from the parameters' values (no observer runs
+    during calibration); in QAT no group is, since training changes the weights.
+    """
+
+    gid: int
+    spec: Any
+    keys: list[Key]
+    constant: bool
+    dynamic: bool
+    #: its observer's calls in one forward pass make one update (``SharingGroups.observed_per_pass``)
+    per_pass: bool = False
+
+    @property
+    def target(self) -> str:
+        return f"{OBSERVERS}.g{self.gid}"
+
+    def describe(self) -> str:
+        shown = ", ".join(describe_key(k) for k in self.keys[:3])
+        more = f" and {len(self.keys) - 3} more" if len(self.keys) > 3 else ""
+        return shown + more
+
+
+@dataclass
+class PreparedState:
+    """What convert() needs beyond the prepared graph itself (kept in ``gm.meta``)."""
+
+    groups: list[Group]
+    group_of: dict[Key, int]
+    qat: bool
+    backend: str | None
+    validation: ValidationReport | None = None
+    #: the constraint checks convert runs on the calibrated encodings (constraints v2)
+    calibrated_checks: CalibratedPlan | None = None
+    #: keys of constant groups, quantized by convert as observers would have been:
+    #: node outputs (name -> group id) and input edges ((producer, consumer) -> group id)
+    constant_outputs: dict[str, int] = field(default_factory=dict)
+    constant_edges: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def observer(self, gm: GraphModule, gid: int) -> nn.Module:
+        return getattr(getattr(gm, OBSERVERS), f"g{gid}")
