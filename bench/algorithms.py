@@ -117,12 +117,12 @@ def run_once(
     refs: list[torch.Tensor],
     guard: bool = True,
 ) -> dict[str, Any]:
-    """One prepare-calibrate-convert; ``guard``: ``prepare(algorithm_guard=...)`` (the studies of one
+    """One prepare-calibrate-convert; ``guard``: ``Algorithms(..., guard=...)`` (the studies of one
     algorithm against another turn it off: they measure what each algorithm chooses)."""
     quantizer = quantplug.get_quantizer(backend, **options)
     t0 = time.perf_counter()
     prepared = quantplug.prepare(
-        ep, quantizer, algorithms=list(algorithms) or None, calibration=calibration, algorithm_guard=guard
+        ep, quantizer, algorithms=quantplug.Algorithms(list(algorithms), calibration=calibration, guard=guard)
     )
     t1 = time.perf_counter()
     with torch.no_grad():
@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-guard",
         dest="guard",
         action="store_false",
-        help="prepare(algorithm_guard=False): every choice of the algorithms kept, as they make it",
+        help="Algorithms(..., guard=False): every choice of the algorithms kept, as they make it",
     )
     parser.add_argument("--out", default=str(RESULTS / "algorithms.md"))
     args = parser.parse_args(argv)

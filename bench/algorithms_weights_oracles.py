@@ -125,7 +125,7 @@ def ours(
     calibration, measure = batches[:8], batches[8:]
     ep = torch.export.export(model, (calibration[0],))
     quantizer = quantplug.get_quantizer(backend, **opts)  # unguarded: the algorithm's choices, as AIMET's
-    prepared = quantplug.prepare(ep, quantizer, algorithms=list(algs) or None, algorithm_guard=False)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(list(algs), guard=False))
     with torch.no_grad():
         for b in calibration:
             prepared(b)

@@ -177,7 +177,9 @@ def run(name: str, config: str, scales: int, node_limit: int) -> dict[str, Any]:
         quantizer = quantplug.get_quantizer(backend, **opts)
         for node in keep_float:
             quantizer.set_node_name(node, None)
-        prepared = quantplug.prepare(ep, quantizer, algorithms=list(algorithms), algorithm_guard=False)
+        prepared = quantplug.prepare(
+            ep, quantizer, algorithms=quantplug.Algorithms(list(algorithms), guard=False)
+        )
         with torch.no_grad():
             for batch in calibration:
                 prepared(*batch)

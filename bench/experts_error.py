@@ -58,7 +58,9 @@ def measure(name: str) -> None:
     for label, algorithms in (("default", None), ("gptq", ["gptq"])):
         with quiet():
             prepared = quantplug.prepare(
-                case.program, q, algorithms=algorithms, algorithm_guard=False, calibration=case.calibration
+                case.program,
+                q,
+                algorithms=quantplug.Algorithms(algorithms, guard=False, calibration=case.calibration),
             )
             run(prepared, case.calibration)
             converted[label] = quantplug.convert(prepared)

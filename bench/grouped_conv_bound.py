@@ -78,8 +78,9 @@ def held_out(name: str, backend: str, preset: str, gptq: str | None, grouped_flo
         prepared = quantplug.prepare(
             case.program,
             quantizer,
-            algorithms=None if algorithm is None else [algorithm],
-            calibration=None if algorithm is None else case.calibration,
+            algorithms=None
+            if algorithm is None
+            else quantplug.Algorithms([algorithm], calibration=case.calibration),
         )
         harness.run(prepared, case.calibration)
         converted = quantplug.convert(prepared)

@@ -1,7 +1,7 @@
 """Mixed precision at 4-bit weights: how much of the gap to 8-bit weights a few 8-bit layers close.
 
 For each model of ``bench.algorithm_models`` and each 4-bit configuration, the search
-(:func:`_quantplug.algorithms.mixed_precision.search_mixed_precision`) chooses per-layer presets
+(:func:`_quantplug.mixed_precision.search_mixed_precision`) chooses per-layer presets
 between the 4-bit preset and its 8-bit-weight counterpart on the 8 calibration batches (the
 selection never sees the held-out batches); each chosen point is then measured on the 4 held-out
 batches, as ``bench.algorithms`` measures everything. Budgets are weight bytes over the all-4-bit
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import quantplug
-from _quantplug.algorithms.mixed_precision import MixedPrecision, search_mixed_precision
+from _quantplug.mixed_precision import MixedPrecision, search_mixed_precision
 from bench.algorithm_models import MODELS, case
 from bench.algorithms import HTP, RESULTS, sqnr
 

@@ -112,9 +112,8 @@ def quantplug_side(models: Sequence[str]) -> dict[str, Any]:
             prepared = quantplug.prepare(
                 ep,
                 quantplug.get_quantizer("reference", preset="int8"),
-                algorithms=algorithms,
-                calibration=calibration,
-                algorithm_guard=False,  # the algorithm's own gain, as NNCF's (which has no guard)
+                # the algorithm's own gain, as NNCF's (which has no guard)
+                algorithms=quantplug.Algorithms(algorithms, calibration=calibration, guard=False),
             )
             with torch.no_grad():
                 for b in calibration:

@@ -58,7 +58,7 @@ def main() -> int:
         for module, preset in (overrides or {}).items():
             config = quantplug.get_quantizer("qnn_htp", **HTP, precision=preset, **o).global_config
             quantizer.set_module_name(module, config)
-        prepared = quantplug.prepare(ep, quantizer, algorithms=list(algs) or None, algorithm_guard=False)
+        prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(list(algs), guard=False))
         with torch.no_grad():
             for b in calibration:
                 prepared(b)

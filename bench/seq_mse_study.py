@@ -116,7 +116,7 @@ def lm_head_ceiling() -> dict[str, float]:
                 module, quantplug.get_quantizer("qnn_htp", **HTP, precision=preset).global_config
             )
         prepared = quantplug.prepare(
-            ep, quantizer, algorithms=list(algorithms) or None, calibration=calibration
+            ep, quantizer, algorithms=quantplug.Algorithms(list(algorithms), calibration=calibration)
         )
         with torch.no_grad():
             for batch in calibration:

@@ -269,7 +269,7 @@ def bounds(name: str, config: str) -> dict[str, Any]:
     opts = {**(HTP if backend == "qnn_htp" else {}), **options}
     measure = LayerBounds()
     quantizer = quantplug.get_quantizer(backend, **opts)  # unguarded: it measures, it chooses nothing
-    prepared = quantplug.prepare(ep, quantizer, algorithms=[measure], algorithm_guard=False)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms([measure], guard=False))
     with torch.no_grad():
         for batch in calibration:
             prepared(*batch)
@@ -278,7 +278,9 @@ def bounds(name: str, config: str) -> dict[str, Any]:
     with torch.no_grad():
         refs = [model(*batch) for batch in held_out]
     # the same rewrites (an algorithm given), so the weights have the names the sites gave
-    float_twin = quantplug.prepare(ep, quantizer, algorithms=[LayerBounds()], algorithm_guard=False)
+    float_twin = quantplug.prepare(
+        ep, quantizer, algorithms=quantplug.Algorithms([LayerBounds()], guard=False)
+    )
     ideal = ideal_code_sqnr(float_twin, measure.ideal_errors, held_out, refs)
     on_grid = ideal_code_sqnr(float_twin, measure.ideal_errors, held_out, refs, power=CUBE_LOSS)
     rows = [r for r in measure.rows if math.isfinite(r["rtn_db"])]

@@ -97,7 +97,7 @@ def convert(
     x = data() if x is None else x
     ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
     quantizer = quantplug.get_quantizer("reference", preset=preset)
-    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms or None, algorithm_guard=guard)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(algorithms, guard=guard))
     for i in range(0, len(x), BATCH):
         prepared(x[i : i + BATCH])
     return quantplug.convert(prepared), prepared
@@ -319,7 +319,7 @@ def convnet_outputs(
     ep = torch.export.export(model, batches[0])
     quantizer = quantplug.get_quantizer("reference", preset="int8_per_tensor")
     prepared = quantplug.prepare(
-        ep, quantizer, algorithms=algorithms or None, calibration=batches, algorithm_guard=guard
+        ep, quantizer, algorithms=quantplug.Algorithms(algorithms, calibration=batches, guard=guard)
     )
     with torch.no_grad():
         for b in batches:
@@ -359,8 +359,8 @@ def test_a_guard_that_is_not_a_bool_is_a_typed_error() -> None:
     x = data()
     ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
     quantizer = quantplug.get_quantizer("reference", preset="int8")
-    with pytest.raises(quantplug.OptionError, match="algorithm_guard must be True or False, got 'no'"):
-        quantplug.prepare(ep, quantizer, algorithms=["gptq"], algorithm_guard="no")  # type: ignore[arg-type]
+    with pytest.raises(quantplug.OptionError, match="guard must be True or False, got 'no'"):
+        quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(["gptq"], guard="no"))  # type: ignore[arg-type]
 
 
 def test_the_callers_program_is_untouched_by_a_guarded_transform() -> None:
@@ -372,7 +372,9 @@ def test_the_callers_program_is_untouched_by_a_guarded_transform() -> None:
     before = {k: v.clone() for k, v in ep.state_dict.items()}
     quantizer = quantplug.get_quantizer("reference", preset="int8_per_tensor")
     batches = [(x[i : i + 8],) for i in range(0, 32, 8)]
-    prepared = quantplug.prepare(ep, quantizer, algorithms=[Unbalance(), "cle"], calibration=batches)
+    prepared = quantplug.prepare(
+        ep, quantizer, algorithms=quantplug.Algorithms([Unbalance(), "cle"], calibration=batches)
+    )
     assert "unbalance" in [name for name, _, _ in prepared.meta[RUN_KEY].undone]
     assert all(torch.equal(ep.state_dict[k], v) for k, v in before.items())
 
@@ -411,7 +413,7 @@ def test_the_guard_on_an_lstm_with_a_dynamic_batch_and_nan_samples_left_out() ->
     assert out.shape == (11, 6, 4) and bool(torch.isfinite(out).all())
 
 
-# -- held-out batches (prepare(..., held_out=...)) ----------------------------------------------
+# -- held-out batches (Algorithms(..., held_out=...)) --------------------------------------------
 
 
 class Wide(nn.Module):
@@ -439,8 +441,9 @@ def wide_converted(held_out: list[torch.Tensor] | None, algorithms: list[Any]) -
     prepared = quantplug.prepare(
         ep,
         quantizer,
-        algorithms=algorithms or None,
-        held_out=[(b,) for b in held_out] if held_out is not None else None,
+        algorithms=quantplug.Algorithms(
+            algorithms, held_out=[(b,) for b in held_out] if held_out is not None else None
+        ),
     )
     with torch.no_grad():
         prepared(calibration[0])
@@ -468,7 +471,7 @@ def test_held_out_batches_refuse_a_choice_that_only_fits_the_calibration_data(
         on_calibration, prepared = wide_converted(None, ["gptq"])
     assert prepared.meta[RUN_KEY].guarded.kept_out == []  # it fits the batch the guard judges on
     assert wide_error(on_calibration, unseen) > 1.2 * wide_error(default, unseen)
-    assert "8 rows, 64 inputs" in caplog.text and "prepare(..., held_out=...)" in caplog.text  # advised
+    assert "8 rows, 64 inputs" in caplog.text and "Algorithms([...], held_out=...)" in caplog.text  # advised
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="quantplug.algorithms"):
         judged, prepared = wide_converted(held_out, ["gptq"])
@@ -505,7 +508,9 @@ def test_held_out_batches_undo_a_transform_that_only_holds_on_the_calibration_da
         quantizer = quantplug.get_quantizer("reference", preset="int8")
         batches = [(b,) for b in calibration]
         algorithms = [ZeroUnseenInputs()]
-        prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, calibration=batches, **kw)
+        prepared = quantplug.prepare(
+            ep, quantizer, algorithms=quantplug.Algorithms(algorithms, calibration=batches, **kw)
+        )
         return [name for name, _, _ in prepared.meta[RUN_KEY].undone]
 
     assert undone() == []  # on the calibration batches it changes nothing of the float model
@@ -535,8 +540,11 @@ def test_a_calibration_batch_that_does_not_fit_is_named(bad: Any, got: str) -> N
     ep = torch.export.export(Mlp().eval(), (x,))
     quantizer = quantplug.get_quantizer("qnn_htp", precision="16a4w")
     with pytest.raises(quantplug.QuantplugError, match=f"calibration batch 1(: |, ){got}"):
-        quantplug.prepare(ep, quantizer, algorithms=["smoothquant"], calibration=[(x,), bad(x)])
-    quantplug.prepare(ep, quantizer, algorithms=["smoothquant"], calibration=[(x,), (data()[: BATCH - 1],)])
+        quantplug.prepare(
+            ep, quantizer, algorithms=quantplug.Algorithms(["smoothquant"], calibration=[(x,), bad(x)])
+        )
+    fits = quantplug.Algorithms(["smoothquant"], calibration=[(x,), (data()[: BATCH - 1],)])
+    quantplug.prepare(ep, quantizer, algorithms=fits)
 
 
 def test_held_out_batches_are_copied_and_checked() -> None:
@@ -547,21 +555,29 @@ def test_held_out_batches_are_copied_and_checked() -> None:
     ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
     held_out = [(x[:BATCH].clone(),)]
-    prepared = quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=held_out)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(["gptq"], held_out=held_out))
     kept = prepared.meta[RUN_KEY].held_out[0][0].clone()
     held_out[0][0].fill_(math.nan)
     assert torch.equal(prepared.meta[RUN_KEY].held_out[0][0], kept)
     with pytest.raises(quantplug.QuantplugError, match=r"held_out batch 1: input 'x' has shape \(8, 15\)"):
-        quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=[(x[:BATCH],), (x[:BATCH, :15],)])
+        quantplug.prepare(
+            ep,
+            quantizer,
+            algorithms=quantplug.Algorithms(["gptq"], held_out=[(x[:BATCH],), (x[:BATCH, :15],)]),
+        )
     with pytest.raises(quantplug.AlgorithmError, match="held_out holds no batch"):
-        quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=[])
-    with pytest.raises(quantplug.OptionError, match="algorithm_guard=False turns the guard off"):
-        quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=held_out, algorithm_guard=False)
+        quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(["gptq"], held_out=[]))
+    with pytest.raises(quantplug.OptionError, match="guard=False turns the guard off"):
+        quantplug.Algorithms(["gptq"], held_out=held_out, guard=False)
     with pytest.raises(quantplug.NonFiniteError, match="held_out batch 0: input 'x' holds 128 NaN and 0 inf"):
-        quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=held_out)  # its tensor: all NaN now
+        quantplug.prepare(
+            ep, quantizer, algorithms=quantplug.Algorithms(["gptq"], held_out=held_out)
+        )  # all NaN now
     mixed = x[:BATCH].clone()
     mixed[0, 0] = math.nan
-    prepared = quantplug.prepare(ep, quantizer, algorithms=["gptq"], held_out=[(mixed,)], nonfinite="ignore")
+    prepared = quantplug.prepare(
+        ep, quantizer, algorithms=quantplug.Algorithms(["gptq"], held_out=[(mixed,)]), nonfinite="ignore"
+    )
     with torch.no_grad():
         prepared(x[BATCH:])
         assert bool(torch.isfinite(quantplug.convert(prepared)(x[:BATCH])).all())
@@ -576,8 +592,7 @@ def test_quantize_passes_held_out_batches_to_the_guard() -> None:
         backend="reference",
         preset="weight_only_int4",
         calibration=calibration,
-        algorithms=["gptq"],
-        held_out=held_out,
+        algorithms=quantplug.Algorithms(["gptq"], held_out=held_out),
     )
     judged, _ = wide_converted(held_out, ["gptq"])
     with torch.no_grad():
@@ -596,7 +611,9 @@ def test_held_out_batches_of_other_sizes_on_an_lstm_with_a_dynamic_batch() -> No
     ep = torch.export.export(model, (batches[0],), dynamic_shapes=({0: torch.export.Dim.AUTO},))
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
     algorithms = ["gptq", Shift({"head.weight"}, step=3)]
-    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, held_out=held_out)
+    prepared = quantplug.prepare(
+        ep, quantizer, algorithms=quantplug.Algorithms(algorithms, held_out=held_out)
+    )
     with torch.no_grad():
         for b in batches:
             prepared(b)

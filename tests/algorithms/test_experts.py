@@ -178,7 +178,7 @@ def test_weight_algorithms_take_the_experts_and_gain_on_them(
 
     def held_out_sqnr(algorithms: list[Any]) -> tuple[float, Any]:
         prepared = quantplug.prepare(
-            program, quantizer, algorithms=algorithms or None, calibration=batches[:4]
+            program, quantizer, algorithms=quantplug.Algorithms(algorithms, calibration=batches[:4])
         )
         for batch in batches[:4]:
             prepared(batch)

@@ -65,7 +65,7 @@ def held_out_sqnr(
     ep = torch.export.export(model, calibration[0])
     quantizer = quantplug.get_quantizer("reference", preset="int8")
     prepared = quantplug.prepare(
-        ep, quantizer, algorithms=algorithms or None, calibration=calibration, algorithm_guard=guard
+        ep, quantizer, algorithms=quantplug.Algorithms(algorithms, calibration=calibration, guard=guard)
     )
     with torch.no_grad():
         for b in calibration:

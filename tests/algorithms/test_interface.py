@@ -52,7 +52,7 @@ def _quantize(
     """Calibrated on ``x`` in batches of 8 and converted; ``guard=False``: every choice is kept,
     however bad for the model (what the interface tests need)."""
     quantizer = quantplug.get_quantizer(options.pop("backend", "reference"), **options)
-    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, algorithm_guard=guard)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(algorithms, guard=guard))
     for i in range(0, len(x), 8):
         prepared(x[i : i + 8])
     return quantplug.convert(prepared)
@@ -213,7 +213,9 @@ def test_transform_runs_on_a_copy_keeps_function_and_gets_calibration() -> None:
     before = {k: v.clone() for k, v in ep.state_dict.items()}
     algorithm = HalveAndDouble()
     prepared = quantplug.prepare(
-        ep, quantplug.get_quantizer("reference"), algorithms=[algorithm], calibration=[(x[:8],), (x[8:16],)]
+        ep,
+        quantplug.get_quantizer("reference"),
+        algorithms=quantplug.Algorithms([algorithm], calibration=[(x[:8],), (x[8:16],)]),
     )
     assert algorithm.seen_batches == 2
     assert torch.allclose(prepared(x), model(x), atol=1e-5)  # calibration forward = float function
@@ -740,7 +742,9 @@ def test_algorithms_take_conv1d_and_hand_written_layers_and_gain_on_them(net: ty
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
 
     def held_out_sqnr(algorithms: list[str]) -> float:
-        prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms or None, calibration=batches[:4])
+        prepared = quantplug.prepare(
+            ep, quantizer, algorithms=quantplug.Algorithms(algorithms, calibration=batches[:4])
+        )
         for batch in batches[:4]:
             prepared(batch)
         converted = quantplug.convert(prepared)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import quantplug
-from _quantplug.algorithms.mixed_precision import MixedPrecision, search_mixed_precision
 from _quantplug.errors import NonFiniteError, OptionError
+from _quantplug.mixed_precision import MixedPrecision, search_mixed_precision
 
 OPTIONS = {"soc_model": "SM8650"}
 
@@ -175,7 +175,7 @@ class _Tagger(nn.Module):
 def test_a_recurrent_module_is_one_layer_with_all_its_weight_matrices() -> None:
     """The LSTM counts with every weight_ih/weight_hh (not its biases) where the backend quantizes
     them, and raising it to 8 bits reaches its weights: 8-bit codes are in the program."""
-    from _quantplug.algorithms.mixed_precision import weighted_layers
+    from _quantplug.mixed_precision import weighted_layers
 
     x = torch.randn(24, 10, 8, generator=torch.Generator().manual_seed(1))
     ep = torch.export.export(_Tagger().eval(), (x[:8],))

@@ -44,8 +44,7 @@ def quantize(batches: list[torch.Tensor], algorithm: str, options: dict, nonfini
     prepared = quantplug.prepare(
         program,
         quantplug.get_quantizer("reference", preset="weight_only_int4"),
-        algorithms=[configured],
-        calibration=[(b,) for b in batches],
+        algorithms=quantplug.Algorithms([configured], calibration=[(b,) for b in batches]),
         nonfinite=nonfinite,
     )
     with torch.no_grad():

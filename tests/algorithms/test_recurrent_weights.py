@@ -145,10 +145,10 @@ def _batches(count: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(8, 24, 16, generator=g) @ mixing for _ in range(count)]
 
 
-def _quantize(model: nn.Module, algorithms: list[Any], **options: Any) -> Any:
+def _quantize(model: nn.Module, algorithms: list[Any], guard: bool = True) -> Any:
     program = torch.export.export(model, (_batches(1, 0)[0],))
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
-    prepared = quantplug.prepare(program, quantizer, algorithms=algorithms, **options)
+    prepared = quantplug.prepare(program, quantizer, algorithms=quantplug.Algorithms(algorithms, guard=guard))
     with torch.no_grad():
         for b in _batches(6, 1):
             prepared(b)
@@ -178,7 +178,7 @@ def test_an_lstms_weights_are_chosen_and_the_model_gains(algorithm: str) -> None
     head (a twentieth of the parameters) was chosen."""
     model = Speech().eval()
     _, default = _quantize(model, [])
-    prepared, chosen = _quantize(model, [algorithm], algorithm_guard=False)
+    prepared, chosen = _quantize(model, [algorithm], guard=False)
     run = prepared.meta[RUN_KEY]
     lstm_sites = [name for name, _ in run.collectors if name.startswith("rnn.")]
     assert sorted(lstm_sites) == sorted(f"rnn.weight_{k}_l{layer}" for k in ("ih", "hh") for layer in (0, 1))
@@ -207,7 +207,7 @@ def test_bidirectional_projected_and_biasless_cells_with_sequential_inputs(
     model = Speech(cell, **options).eval()
     _, default = _quantize(model, [])
     algorithms: list[Any] = [("gptq", {"sequential": True}), "bias_correction"]
-    _, chosen = _quantize(model, algorithms, algorithm_guard=False)
+    _, chosen = _quantize(model, algorithms, guard=False)
     changed = _recurrent_codes_changed(default, chosen)
     directions = ("", "_reverse") if options.get("bidirectional") else ("",)
     expected = {
@@ -255,7 +255,7 @@ class SharedDepth(nn.Module):
 def test_a_weight_applied_at_several_nodes_collects_every_nodes_rows() -> None:
     """The shared weight is one site whose tied nodes are its other applications: GPTQ's
     Hessian sums the rows of all three (not the first application's alone)."""
-    from _quantplug.algorithms.runtime import weight_sites
+    from _quantplug.algorithms.sites import weight_sites
     from _quantplug.algorithms.weight_layers import LayerHessian
     from _quantplug.meta import STATE_KEY
 
@@ -263,7 +263,7 @@ def test_a_weight_applied_at_several_nodes_collects_every_nodes_rows() -> None:
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ torch.randn(16, 16) / 4
     program = torch.export.export(model, (x,))
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4")
-    prepared = quantplug.prepare(program, quantizer, algorithms=["gptq"], algorithm_guard=False)
+    prepared = quantplug.prepare(program, quantizer, algorithms=quantplug.Algorithms(["gptq"], guard=False))
     with torch.no_grad():
         prepared(x)
     sites = {ref.site.name: ref.site for ref in weight_sites(prepared, prepared.meta[STATE_KEY])}

@@ -66,7 +66,7 @@ def run(algorithm: Recorder, data: torch.Tensor, precision: str = "8a8w") -> Gra
     model = Mlp().eval()
     ep = torch.export.export(model, (data[:BATCH],))
     quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision=precision)
-    prepared = quantplug.prepare(ep, quantizer, algorithms=[algorithm], algorithm_guard=False)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms([algorithm], guard=False))
     for i in range(0, len(data), BATCH):
         prepared(data[i : i + BATCH])
     converted: GraphModule = quantplug.convert(prepared)
@@ -138,7 +138,7 @@ def test_sequential_prepared_module_keeps_a_bounded_input_store() -> None:
         prepared(x)
     assert len(store.batches) == store.max_batches and store.seen == store.max_batches + 5
     floating = [("gptq", {"sequential": False})]
-    unguarded = quantplug.prepare(ep, quantizer, algorithms=floating, algorithm_guard=False)
+    unguarded = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(floating, guard=False))
     assert unguarded.meta[RUN_KEY].inputs is None  # float inputs, no guard: nothing stored
     guarded = quantplug.prepare(ep, quantizer, algorithms=floating).meta[RUN_KEY].inputs
     assert isinstance(guarded, InputStore)  # the guard's batches only

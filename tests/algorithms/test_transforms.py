@@ -32,8 +32,7 @@ def quantized_sqnr(
     prepared = quantplug.prepare(
         ep,
         quantplug.get_quantizer(options.pop("backend", "reference"), **options),
-        algorithms=algorithms,
-        calibration=batches,
+        algorithms=quantplug.Algorithms(algorithms, calibration=batches),
     )
     for b in batches:
         prepared(*b)

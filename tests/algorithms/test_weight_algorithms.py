@@ -74,7 +74,7 @@ def quantize(
 ) -> Any:
     ep = torch.export.export(model, (x[:BATCH],))
     quantizer = quantplug.get_quantizer(backend, **options)
-    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, algorithm_guard=guard)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(algorithms, guard=guard))
     for i in range(0, len(x), BATCH):
         prepared(x[i : i + BATCH])
     return quantplug.convert(prepared)
@@ -188,7 +188,9 @@ def test_gptq_scale_search_leaves_layers_with_fewer_rows_than_inputs_alone() -> 
     def scales(algorithm: Any) -> list[torch.Tensor]:
         ep = torch.export.export(model, (few,))
         prepared = quantplug.prepare(
-            ep, quantplug.get_quantizer("qnn_htp", **options), algorithms=[algorithm], algorithm_guard=False
+            ep,
+            quantplug.get_quantizer("qnn_htp", **options),
+            algorithms=quantplug.Algorithms([algorithm], guard=False),
         )
         prepared(few)
         return [qp.scale for qp in _weight_qparams(quantplug.convert(prepared))]
@@ -210,13 +212,15 @@ def test_gptq_scale_search_reads_the_row_counts_of_the_program_it_converts() -> 
 
     def prepared() -> Any:
         quantizer = quantplug.get_quantizer("qnn_htp", **options)
-        return quantplug.prepare(ep, quantizer, algorithms=[algorithm], algorithm_guard=False)
+        return quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms([algorithm], guard=False))
 
     first, second = prepared(), prepared()
     first(few)
     second(many)
     plain = quantplug.prepare(
-        ep, quantplug.get_quantizer("qnn_htp", **options), algorithms=["gptq"], algorithm_guard=False
+        ep,
+        quantplug.get_quantizer("qnn_htp", **options),
+        algorithms=quantplug.Algorithms(["gptq"], guard=False),
     )
     plain(few)
     searched = [qp.scale for qp in _weight_qparams(quantplug.convert(first))]
@@ -457,7 +461,7 @@ def test_collectors_of_the_same_rows_hold_one_hessian() -> None:
     ep = torch.export.export(model, (x[:BATCH],))
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4", group_size=0)
     algorithms = ["seq_mse", ("gptq", {"shrinkage": "all"}), ("adaround", {"iterations": 5})]
-    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms, algorithm_guard=False)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(algorithms, guard=False))
     for i in range(0, len(x), BATCH):
         prepared(x[i : i + BATCH])
     collectors = [c for by_alg in prepared.meta[RUN_KEY].collectors.values() for c in by_alg.values()]
@@ -485,7 +489,7 @@ def test_sequential_collectors_of_one_stage_hold_one_hessian() -> None:
     ep = torch.export.export(model, (x[:BATCH],))
     quantizer = quantplug.get_quantizer("reference", preset="weight_only_int4", group_size=0)
     gptq = GPTQ(sequential=True)
-    prepared = quantplug.prepare(ep, quantizer, algorithms=[gptq], algorithm_guard=False)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms([gptq], guard=False))
     for i in range(0, len(x), BATCH):
         prepared(x[i : i + BATCH])
     quantplug.convert(prepared)

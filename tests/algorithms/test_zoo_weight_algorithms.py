@@ -61,7 +61,7 @@ def test_the_guard_keeps_a_transformers_decoder_no_worse_than_the_default() -> N
         with quiet():
             q = quantizer("reference", "weight_only_int8")
             prepared = quantplug.prepare(
-                case.program, q, algorithms=algorithms or None, algorithm_guard=guard
+                case.program, q, algorithms=quantplug.Algorithms(algorithms, guard=guard)
             )
             run(prepared, case.calibration)
             converted = quantplug.convert(prepared)
@@ -85,7 +85,9 @@ def test_held_out_batches_judge_a_transformers_decoder() -> None:
         with quiet():
             q = quantizer("reference", "weight_only_int8")
             prepared = quantplug.prepare(
-                case.program, q, algorithms=algorithms or None, held_out=judged if algorithms else None
+                case.program,
+                q,
+                algorithms=quantplug.Algorithms(algorithms, held_out=judged if algorithms else None),
             )
             run(prepared, case.calibration)
             converted = quantplug.convert(prepared)

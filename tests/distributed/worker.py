@@ -243,10 +243,7 @@ def _algo_prepare(
     return quantplug.prepare(
         algo_program(),
         quantizer,
-        algorithms=algorithms,
-        calibration=data,
-        algorithm_guard=guard,
-        held_out=held_out,
+        algorithms=quantplug.Algorithms(algorithms, calibration=data, guard=guard, held_out=held_out),
     )
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import quantplug
-from _quantplug.algorithms.runtime import weight_sites
+from _quantplug.algorithms.sites import weight_sites
 from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 from _quantplug.meta import STATE_KEY
 
@@ -100,7 +100,9 @@ def test_a_given_initial_state_and_both_final_states() -> None:
 def _quantize(model: nn.Module, precision: str = "16a4w", algorithms: Any = (), **options: Any) -> Any:
     program = torch.export.export(model, (_batches(1, 0)[0],))
     quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision=precision, **options)
-    prepared = quantplug.prepare(program, quantizer, algorithms=list(algorithms), algorithm_guard=False)
+    prepared = quantplug.prepare(
+        program, quantizer, algorithms=quantplug.Algorithms(list(algorithms), guard=False)
+    )
     with torch.no_grad():
         for b in _batches(6, 1):
             prepared(b)

@@ -25,7 +25,7 @@ configures one, as ``quantize --algorithm-option`` does (values are read as JSON
 One line per model and configuration: the default's SQNR, then each algorithm's gain over it
 (held out) and its run time, or the exception's type and first line. The exit status is 1 when
 any algorithm raised. With ``--held-out`` the guard judges on the first :data:`JUDGED` held-out
-batches (``prepare(..., held_out=...)``) and every SQNR, the default's too, is measured on the
+batches (``quantplug.Algorithms(..., held_out=...)``) and every SQNR, the default's too, is measured on the
 others only; ``--measure-last`` measures on those same batches, the guard judging on calibration.
 """
 
@@ -63,9 +63,11 @@ def held_out_sqnr(
         prepared = quantplug.prepare(
             case.program,
             quantizer(backend, preset),
-            algorithms=algorithms or None,
-            calibration=case.calibration if algorithms else None,
-            held_out=case.held_out[:skipped] if judged and algorithms else None,
+            algorithms=quantplug.Algorithms(
+                algorithms,
+                calibration=case.calibration if algorithms else None,
+                held_out=case.held_out[:skipped] if judged and algorithms else None,
+            ),
         )
         run(prepared, case.calibration)
         converted = quantplug.convert(prepared)
