@@ -1,0 +1,93 @@
+"""``Quantizer.coverage`` tells what ``prepare`` annotates: both run one declared rewrite pipeline.
+
+Before, ``coverage()`` hand-copied 2 of the 6 rewrites prepare runs before annotation, so on a
+program with an embedding bag, an unread write or a weight written in place it reported nodes that
+prepare rewrites away (or misses the ones it makes). Now both run
+:data:`_quantplug.rewrites.pipeline.PIPELINE`; this test holds them to the same per-node decision
+(quantized or float) on the zoo's architectures, for two backends.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import quantplug
+from _quantplug.graph.working_copy import working_copy
+from _quantplug.meta import STATE_KEY
+from _quantplug.quantizer.quantizer import coverage_of
+from _quantplug.rewrites.pipeline import PIPELINE, When, rewrite_for_annotation
+from _quantplug.sharing.resolution import SharingGroups
+from tests.zoo import harness
+from tests.zoo.models import MODELS as ZOO
+from tests.zoo.more_models import MORE_MODELS
+
+#: a batch-norm CNN, a U-Net, an LSTM, transformers' encoders and decoders (GPT-2's Conv1D, Falcon's
+#: hand-written linears), an embedding bag, and RWKV (weights written on the first forward)
+MODELS = ("resnet18", "unet", "lstm", "bert", "gpt2", "llama", "falcon", "mha", "embedding", "rwkv")
+QUANTIZERS = {
+    "reference int8": ("reference", {"preset": "int8"}),
+    "qnn_htp 16a8w": ("qnn_htp", {"precision": "16a8w"}),
+}
+
+
+@functools.lru_cache(maxsize=1)  # the cases run model by model: one program held at a time
+def _program(name: str) -> torch.export.ExportedProgram:
+    return harness.float_case(name).program
+
+
+def _decisions(report: quantplug.CoverageReport) -> dict[str, bool]:
+    return {n.node: n.quantized for n in report.nodes}
+
+
+def _prepared_decisions(prepared: Any, backend: str) -> dict[str, bool]:
+    """Per op node of the prepared program: whether prepare kept an encoding of it (its
+    annotations, less what observer sharing dropped), as ``coverage`` decides it."""
+    state = prepared.meta[STATE_KEY]
+    return _decisions(coverage_of(prepared, SharingGroups(group_of=dict(state.group_of)), backend=backend))
+
+
+@pytest.mark.parametrize("quantizer", QUANTIZERS)
+@pytest.mark.parametrize("name", MODELS)
+def test_coverage_decides_every_node_as_prepare_annotates_it(name: str, quantizer: str) -> None:
+    zoo = ZOO.get(name) or MORE_MODELS.get(name)
+    if zoo is not None and not zoo.available():
+        pytest.skip(f"{zoo.needs} is not installed")
+    if name == "rwkv":
+        pytest.importorskip("transformers")
+    backend, options = QUANTIZERS[quantizer]
+    program = _program(name)
+    q = quantplug.get_quantizer(backend, **options)
+    with harness.quiet():
+        covered = _decisions(q.coverage(program))
+        prepared = quantplug.prepare(program, q)
+    done = _prepared_decisions(prepared, backend)
+    assert covered == done
+    assert any(covered.values()), "nothing quantized: the comparison would hold for any rewrite"
+
+
+def test_coverage_of_a_qat_quantizer_keeps_batch_norms_as_prepare_does() -> None:
+    """A quantizer built for QAT is prepared with ``qat=True``, which folds no batch norm: its
+    coverage reports the batch norms prepare annotates."""
+    program = _program("resnet18")
+    q = quantplug.get_quantizer("qnn_htp", precision="16a8w", qat=True)
+    with harness.quiet():
+        covered = q.coverage(program)
+        prepared = quantplug.prepare(program, q, qat=True)
+    assert any("batch_norm" in n.op for n in covered.nodes)
+    assert _decisions(covered) == _prepared_decisions(prepared, "qnn_htp")
+
+
+def test_the_pipeline_runs_each_step_under_its_condition() -> None:
+    program = _program("resnet18")
+    for qat in (False, True):
+        for algorithms in (False, True):
+            ran = rewrite_for_annotation(working_copy(program), qat=qat, algorithms=algorithms)
+            expected = [s.name for s in PIPELINE if s.when.holds(qat=qat, algorithms=algorithms)]
+            assert ran == expected
+            assert ("fold_batch_norm" in ran) is not qat
+            assert ("linear_from_addmm" in ran) is (algorithms and not qat)
+    assert {s.when for s in PIPELINE} == set(When)
