@@ -2,9 +2,11 @@
 
 The public modules are ``quantplug`` (users), ``quantplug.backend`` (backend plugins),
 ``quantplug.debug``, ``quantplug.distributed`` and ``quantplug.conformance``; they re-export names
-from here. A folder per responsibility, in layers: a module imports only from its own folder and
-from the layers below it (``tests/core/test_layers.py`` holds every import to :data:`LAYERS`,
-function-level imports included; imports for type checking only are exempt).
+from here, never the other way round (the conformance kit alone runs backends through the public
+calls, as their users do). A folder per responsibility, in layers: a module imports only from its
+own folder and from the layers below it, and no module imports another in a cycle
+(``tests/core/test_layers.py`` holds every import to :data:`LAYERS`, function-level imports
+included; imports for type checking only are exempt).
 """
 
 from __future__ import annotations
