@@ -35,9 +35,6 @@ PUBLIC_FRONT_USERS = frozenset({"conformance"})
 #: remove, left out of the checks until then; :func:`test_every_pending_import_is_still_there`
 #: fails once one is gone, so none stays here longer, and none may be added
 PENDING: dict[tuple[str, str], str] = {
-    ("_quantplug.observers.accelerated", "_quantplug.peers.torchao_observers"): (
-        "the torchao observers' acceleration moves into peers/ with the peers' version table"
-    ),
     ("_quantplug.plugins.metadata", "_quantplug.plugins.registry"): (
         "writing the backends' metadata files moves to the generator (scripts/generate.py)"
     ),
