@@ -22,7 +22,7 @@ import quantplug
 from _quantplug.conformance.checks import CHECKS
 from _quantplug.plugins import registry
 from quantplug.conformance import CAPABILITIES, ConformanceProfile, run_conformance
-from tests.conformance.kit_backend import install, write_backend, write_dist
+from tests.conformance.kit_backend import write_backend, write_dist
 from tests.conftest import EXAMPLE_PLUGIN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,7 +146,9 @@ def test_a_claimed_op_the_kit_cannot_sample_fails_unless_excluded(site: Path) ->
         quantplug.unregister(name)
 
 
-def _cli(*args: str, extra_path: Path | None = None, test_site: bool = True) -> subprocess.CompletedProcess[str]:
+def _cli(
+    *args: str, extra_path: Path | None = None, test_site: bool = True
+) -> subprocess.CompletedProcess[str]:
     """``python -m quantplug ARGS`` in this environment, ``extra_path`` first on its path; without
     ``test_site`` the environment as installed: the example plugin the test session makes visible
     (``tests/conftest.py``, ``QUANTPLUG_TEST_SITE``) left out."""

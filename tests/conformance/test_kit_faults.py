@@ -115,7 +115,9 @@ def test_an_in_process_backend_is_judged_here_and_said_so(site: Path) -> None:
     assert report.ok and report.distribution is None and "(in-process)" in report.format()
 
 
-def test_pytest_plugin_judges_the_environment_pytest_started_in(site: Path, pytester: pytest.Pytester) -> None:
+def test_pytest_plugin_judges_the_environment_pytest_started_in(
+    site: Path, pytester: pytest.Pytester
+) -> None:
     good = install(site, _name())
     broken = install(site, _name(), ("options",))
     # what a test session adds: a "*" extension that fails to import, on sys.path and PYTHONPATH
@@ -177,7 +179,10 @@ def test_fixture(quantplug_conformance):
     ("fault", "words"),
     [
         ("exit", "sys.exit(0) was called (hook quantplug_op_constraints of 'backend:"),
-        ("interrupt", "KeyboardInterrupt raised by plugin code, not by the user (hook quantplug_op_constraints"),
+        (
+            "interrupt",
+            "KeyboardInterrupt raised by plugin code, not by the user (hook quantplug_op_constraints",
+        ),
     ],
 )
 def test_a_hook_that_exits_or_interrupts_fails_its_check(site: Path, fault: str, words: str) -> None:
@@ -212,9 +217,13 @@ def test_the_users_ctrl_c_stops_the_run(site: Path) -> None:
         quantplug.unregister(name)
 
 
-def test_timeout_must_be_seconds() -> None:
+def test_timeout_must_be_seconds_and_the_default_is_one() -> None:
+    from _quantplug.cli import conformance as cli
+    from _quantplug.conformance import runner
+
     with pytest.raises(quantplug.OptionError, match="timeout"):
         run_conformance("reference", timeout=0)
+    assert cli.DEFAULT_TIMEOUT_S == runner.DEFAULT_TIMEOUT_S  # the command's --help repeats it
 
 
 def test_cli_a_hook_calling_sys_exit_fails_the_check_not_the_run(site: Path) -> None:
@@ -226,25 +235,30 @@ def test_cli_a_hook_calling_sys_exit_fails_the_check_not_the_run(site: Path) -> 
     assert done.stdout.strip().splitlines()[-1].endswith("DOES NOT CONFORM (failed: validation)")
 
 
-def test_cli_a_hook_that_hangs_or_ends_its_process_fails_only_its_cases(site: Path) -> None:
+@pytest.mark.parametrize(
+    ("fault", "checks", "expected"),
+    [
+        ("hang", ["lowering"], "timed out: no result after 5 s"),
+        ("hang-blocked", ["lowering"], "timed out after 5 s in native code and was ended"),
+        ("os-exit", ["integer-weights", "lowering"], "exited with code 0"),
+    ],
+)
+def test_cli_a_hook_that_hangs_or_ends_its_process_fails_only_its_check(
+    site: Path, fault: str, checks: list[str], expected: str
+) -> None:
     """A hang in Python code is interrupted in the kit's process; one blocking the interrupt (as
-    native code does) and one ending the process (``os._exit(0)``) lose that process, and a new
-    one runs the next check. The profile hook is the first code of the backend either check runs."""
-    for fault, expected in (
-        ("hang", "timed out: no result after 5 s"),
-        ("hang-blocked", "timed out after 5 s in native code and was ended"),
-        ("os-exit", "exited with code 0"),
-    ):
-        name = install(site, _name(), (f"{fault}@quantplug_conformance_profile",))
-        checks = ("--check", "integer-weights", "--check", "lowering")
-        done = _cli("conformance", name, *checks, "--json", "--timeout", "5")
-        assert done.returncode == 1, done.stdout + done.stderr
-        data = json.loads(done.stdout)
-        assert data["failed"] == ["integer-weights", "lowering"], (fault, data)
-        for check in data["checks"]:
-            assert expected in check["summary"], (fault, check)
-            if fault != "os-exit":
-                assert f"{name}.py" in check["summary"] and "in _fault" in check["summary"], (fault, check)
+    native code does) or ending the process (``os._exit(0)``) loses that process, and a new one
+    runs the next check. The profile hook is the first code of the backend these checks run."""
+    name = install(site, _name(), (f"{fault}@quantplug_conformance_profile",))
+    selected = [word for check in checks for word in ("--check", check)]
+    done = _cli("conformance", name, *selected, "--json", "--timeout", "5")
+    assert done.returncode == 1, done.stdout + done.stderr
+    data = json.loads(done.stdout)
+    assert data["failed"] == checks, data
+    for check in data["checks"]:
+        assert expected in check["summary"], check
+        if fault != "os-exit":
+            assert f"{name}.py" in check["summary"] and "in _fault" in check["summary"], check
 
 
 def test_cli_a_plugin_exiting_at_import_is_a_load_error(site: Path) -> None:

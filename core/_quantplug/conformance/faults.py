@@ -5,10 +5,11 @@ Anything a plugin raises while the kit runs it is that plugin's failure, ``Syste
 0", as if the backend conformed. The one exception is the user's own Ctrl-C, which
 :func:`guarded` tells apart (its SIGINT handler marks it) and lets through.
 
-A check that runs longer than its timeout is interrupted: in a process of the kit's own
-(``isolated``) the child dumps its stack and exits (``faulthandler``), which stops any hang; in
-this process (an in-process backend) ``SIGALRM`` interrupts Python code on the main thread, which
-stops a hook looping or sleeping in Python, not one blocked inside native code.
+A check that runs longer than its timeout is interrupted by ``SIGALRM`` (:func:`guarded`, on the
+main thread), which stops a hook looping or sleeping in Python code. A hook blocked inside native
+code is beyond that: in a process of the kit's own (``worker``), ``faulthandler`` then ends the
+process a grace period later and the parent (``isolated``) reports the check as hung; in the
+caller's process (a backend registered in-process) nothing can stop it.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def guarded(timeout: float | None) -> Iterator[None]:
         raise CheckTimeout(float(timeout or 0))
 
     previous_int = signal.signal(signal.SIGINT, on_sigint)
-    timer = timeout is not None and hasattr(signal, "SIGALRM") and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    timer = (
+        timeout is not None and hasattr(signal, "SIGALRM") and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    )
     previous_alarm = signal.signal(signal.SIGALRM, on_alarm) if timer else None
     if timer:
         signal.setitimer(signal.ITIMER_REAL, float(timeout))  # type: ignore[arg-type]
@@ -87,4 +90,3 @@ def guarded(timeout: float | None) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous_alarm)
         signal.signal(signal.SIGINT, previous_int)
-

@@ -48,13 +48,16 @@ def run(
     processes as it takes (one, unless a step kills or hangs its process)."""
     assembly = Assembly(name, checks, progress)
     while assembly.remaining():
-        for event in steps(name, options, assembly.remaining(), timeout=timeout, environ=environ, done=assembly.done):
+        for event in steps(
+            name, options, assembly.remaining(), timeout=timeout, environ=environ, done=assembly.done
+        ):
             if event["event"] == "loaded":
                 assembly.report.distribution = event.get("distribution")
                 assembly.report.version = event.get("version")
             elif event["event"] == "stopped":
-                if assembly.check is None:  # between checks: the next one was starting
-                    assembly.check = assembly.remaining()[0].name
+                left = assembly.remaining()
+                if assembly.check is None and left:  # between checks: the next one was starting
+                    assembly.check = left[0].name
                 assembly.fail_running(f"the kit's process running this check {event['reason']}")
             else:
                 assembly.feed(event)
@@ -154,8 +157,12 @@ class _Worker:
             return f"was silent for {self.killed_after:g} s (timeout {timeout:g} s) and was killed"
         if "Timeout (" in tail:
             where = _stack_culprit(tail)
-            return f"timed out after {timeout:g} s in native code and was ended" + (f" ({where})" if where else "")
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code} (os._exit, or a crash)"
+            return f"timed out after {timeout:g} s in native code and was ended" + (
+                f" ({where})" if where else ""
+            )
+        how = (
+            f"was killed by signal {-code}" if code < 0 else f"exited with code {code} (os._exit, or a crash)"
+        )
         last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
         return how + (f"; its last output: {last.strip()}" if last else "")
 
@@ -188,8 +195,12 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+
 
 def _stack_culprit(dump: str) -> str | None:
     """The innermost plugin frame of a ``faulthandler`` dump (most recent call first)."""
-    library = [sysconfig.get_paths()["stdlib"], os.sep + "_quantplug" + os.sep, os.sep + "torch" + os.sep,
-               os.sep + "pluggy" + os.sep]
+    library = [
+        sysconfig.get_paths()["stdlib"],
+        os.sep + "_quantplug" + os.sep,
+        os.sep + "torch" + os.sep,
+        os.sep + "pluggy" + os.sep,
+    ]
     for match in _FRAME.finditer(dump):
         if not any(part in match["file"] for part in library):
             return f"at {match['file']}:{match['line']} in {match['func']}"
@@ -199,5 +210,11 @@ def _stack_culprit(dump: str) -> str | None:
 def _load_error(event: Mapping[str, Any]) -> QuantplugError:
     """The worker's load failure as the error this process would have raised."""
     if event["kind"] == "BackendLoadError":
-        return BackendLoadError(event["name"], event["distribution"], event["module"], event["cause"])
+        return BackendLoadError(
+            event["name"],
+            event["distribution"],
+            event["module"],
+            event["cause"],
+            extension_of=event["extension_of"],
+        )
     return QuantplugError(event["message"])

@@ -71,6 +71,14 @@ def _set_cudnn(flags: tuple[bool, bool, bool]) -> None:
     cudnn.enabled, cudnn.benchmark, cudnn.deterministic = flags
 
 
+def _set_grad_enabled(on: bool) -> None:
+    torch.set_grad_enabled(on)  # as a function call: sets the mode
+
+
+def _set_anomaly_enabled(on: bool) -> None:
+    torch.autograd.set_detect_anomaly(on)  # as a function call: sets the mode
+
+
 def _environ_change(before: Mapping[str, str], after: Mapping[str, str]) -> str:
     names = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     return "variables " + ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
@@ -85,7 +93,13 @@ def _set_environ(saved: Mapping[str, str]) -> None:
 _RNG = "reseeded or drawn from: give your code a torch.Generator of its own"
 
 ITEMS: tuple[Item, ...] = (
-    Item("torch's global random generator", torch.get_rng_state, torch.set_rng_state, _rng_same, lambda a, b: _RNG),
+    Item(
+        "torch's global random generator",
+        torch.get_rng_state,
+        torch.set_rng_state,
+        _rng_same,
+        lambda a, b: _RNG,
+    ),
     Item(
         "Python's random module",
         random.getstate,
@@ -112,8 +126,12 @@ ITEMS: tuple[Item, ...] = (
         torch.get_float32_matmul_precision,
         torch.set_float32_matmul_precision,
     ),
-    Item("torch's grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
-    Item("autograd anomaly detection", torch.is_anomaly_enabled, lambda on: torch.autograd.set_detect_anomaly(on)),
+    Item("torch's grad mode", torch.is_grad_enabled, _set_grad_enabled),
+    Item(
+        "autograd anomaly detection",
+        torch.is_anomaly_enabled,
+        _set_anomaly_enabled,
+    ),
     Item("torch.backends.cudnn (enabled, benchmark, deterministic)", _cudnn, _set_cudnn),
     Item("environment", lambda: dict(os.environ), _set_environ, change=_environ_change),
     Item("working folder", os.getcwd, os.chdir),

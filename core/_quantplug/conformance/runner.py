@@ -119,7 +119,9 @@ class Assembly:
         elif kind == "running":
             self.case = event["case"]
         elif kind == "result":
-            self.results[str(check)].cases.append(CaseResult(event["label"], event["status"], event["message"]))
+            self.results[str(check)].cases.append(
+                CaseResult(event["label"], event["status"], event["message"])
+            )
             self.done.add((str(check), event["case"]))
             self.case = None
         elif kind == "check-done":
@@ -132,14 +134,18 @@ class Assembly:
         if self.check is None:
             return
         if self.case is not None:
-            self.feed({"event": "result", "check": self.check, "case": self.case, "label": self.case or self.check,
-                       "status": FAIL, "message": message})
+            self.feed(
+                {
+                    "event": "result",
+                    "check": self.check,
+                    "case": self.case,
+                    "label": self.case or self.check,
+                    "status": FAIL,
+                    "message": message,
+                }
+            )
         else:
             self.feed({"event": "cases-failed", "check": self.check, "message": message})
-
-    def fail_remaining(self, message: str) -> None:
-        for check in self.remaining():
-            self.feed({"event": "cases-failed", "check": check.name, "message": message})
 
     def remaining(self) -> list[Check]:
         return [c for c in self.checks if c.name not in self.finished]
@@ -206,7 +212,9 @@ def judge(
     timeout = _check_timeout(timeout)
     if name in in_process_names():
         return _run_here(name, dict(options or {}), selected, progress, timeout)
-    return isolated.run(name, dict(options or {}), selected, progress=progress, timeout=timeout, environ=environ)
+    return isolated.run(
+        name, dict(options or {}), selected, progress=progress, timeout=timeout, environ=environ
+    )
 
 
 def list_cases(
@@ -227,12 +235,15 @@ def list_cases(
     else:
         events = isolated.steps(name, {}, CHECKS, timeout=timeout, environ=environ, list_only=True)
     found: dict[str, list[str] | str] = {}
+    missing = "the kit's process listed no cases"
     for event in events:
         if event["event"] == "cases":
             found[event["check"]] = list(event["cases"])
         elif event["event"] == "cases-failed":
             found[event["check"]] = event["message"]
-    return [(c, found.get(c.name, "the kit's process listed no cases")) for c in CHECKS]
+        elif event["event"] == "stopped":
+            missing = f"the kit's process listing the cases {event['reason']}"
+    return [(c, found.get(c.name, missing)) for c in CHECKS]
 
 
 def _run_here(
@@ -260,7 +271,9 @@ def _check_timeout(timeout: float) -> float:
     except (TypeError, ValueError):
         value = float("nan")
     if not value >= MIN_TIMEOUT_S or value == float("inf"):
-        raise OptionError(f"the conformance timeout must be a number of seconds >= {MIN_TIMEOUT_S:g}, got {timeout!r}")
+        raise OptionError(
+            f"the conformance timeout must be a number of seconds >= {MIN_TIMEOUT_S:g}, got {timeout!r}"
+        )
     return value
 
 

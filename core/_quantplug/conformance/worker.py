@@ -15,6 +15,7 @@ import faulthandler
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 #: what a step may take beyond the timeout before this process ends itself
@@ -35,7 +36,14 @@ def main() -> int:
         faulthandler.dump_traceback_later(timeout + GRACE_S, exit=True)  # the next step's deadline
         events.write(json.dumps(event, default=str) + "\n")
 
-    emit({"event": "started"})
+    try:
+        emit({"event": "started"})
+        return _run(request, timeout, emit)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _run(request: dict[str, Any], timeout: float, emit: Callable[[dict[str, Any]], None]) -> int:
     from _quantplug.conformance.checks import CHECKS, Session
     from _quantplug.conformance.faults import describe, guarded, user_interrupted
     from _quantplug.conformance.runner import run_steps
@@ -51,7 +59,13 @@ def main() -> int:
             raise
         failure: dict[str, Any] = {"event": "load-failed", "kind": type(exc).__name__, "message": str(exc)}
         if isinstance(exc, BackendLoadError):
-            failure.update(name=exc.name, distribution=exc.distribution, module=exc.module, cause=_cause(exc))
+            failure.update(
+                name=exc.name,
+                distribution=exc.distribution,
+                module=exc.module,
+                cause=_cause(exc),
+                extension_of=exc.extension_of,
+            )
         elif not isinstance(exc, QuantplugError):
             failure["message"] = f"loading backend {name!r}: {describe(exc)}"
         emit(failure)
@@ -64,7 +78,6 @@ def main() -> int:
     for event in run_steps(session, checks, timeout=timeout, done=done, list_only=request["list"]):
         emit(event)
     emit({"event": "end"})
-    faulthandler.cancel_dump_traceback_later()
     return 0
 
 

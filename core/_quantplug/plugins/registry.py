@@ -303,7 +303,9 @@ def _load(entry: BackendEntry) -> LoadedBackend:
     for ext in _extensions_for(entry.name):
         plugin = ext.plugin
         if plugin is None:
-            plugin = _import(ext.module, name=entry.name, distribution=ext.distribution, extension_of=ext.target)
+            plugin = _import(
+                ext.module, name=entry.name, distribution=ext.distribution, extension_of=ext.target
+            )
         if pm.is_registered(plugin):
             continue
         try:
