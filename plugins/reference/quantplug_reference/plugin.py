@@ -97,7 +97,9 @@ def quantplug_quantization_config(
 
 
 @quantplug.hookimpl
-def quantplug_op_constraints(op: str, backend_op: str | None, context: BackendContext) -> Sequence[OpConstraint]:
+def quantplug_op_constraints(
+    op: str, backend_op: str | None, context: BackendContext
+) -> Sequence[OpConstraint]:
     """What the ONNX Runtime lowering requires of each op (``constraints``)."""
     from quantplug_reference.constraints import constraints_for
 
