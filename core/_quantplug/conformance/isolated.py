@@ -123,7 +123,8 @@ class _Worker:
         )
         assert self.process.stdin is not None and self.process.stdout is not None
         self._lines: queue.Queue[bytes | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True)
+        self._reader.start()
         self.process.stdin.write(json.dumps(request).encode())
         self.process.stdin.close()
 
@@ -171,11 +172,12 @@ class _Worker:
         return self._stderr.read()[-20000:].decode(errors="replace")
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)  # with the processes it started
-            except (ProcessLookupError, PermissionError):
-                self.process.kill()
+        if self.process.poll() is not None:
+            return
+        try:  # with the processes it started (its own session: a process group of its own)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (AttributeError, ProcessLookupError, PermissionError):  # no process groups (Windows)
+            self.process.kill()
 
     def __enter__(self) -> _Worker:
         return self
@@ -185,7 +187,8 @@ class _Worker:
         deadline = time.monotonic() + 10
         while self.process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.process.stdout is not None:
+        self._reader.join(timeout=10)  # it reads to the end of the pipe, then stops
+        if self.process.stdout is not None and not self._reader.is_alive():
             self.process.stdout.close()
         self._stderr.close()
 
