@@ -34,20 +34,48 @@ class UnknownBackendError(QuantplugError, LookupError):
 
 
 class BackendLoadError(QuantplugError, ImportError):
-    """A backend (or extension) plugin that is installed but cannot be imported or used."""
+    """A backend (or extension) plugin that is installed but cannot be imported or used.
 
-    def __init__(self, name: str, distribution: str | None, module: str, cause: BaseException | str) -> None:
+    ``extension_of`` is set when the module at fault is an extension loaded with backend
+    ``name``: the backend it is registered for, or ``"*"`` when every backend loads it (then
+    none can load, and the message says so).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        distribution: str | None,
+        module: str,
+        cause: BaseException | str,
+        *,
+        extension_of: str | None = None,
+    ) -> None:
         dist = f" from distribution {distribution!r}" if distribution else ""
         reason = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
-        super().__init__(
-            f"backend {name!r}{dist} failed to load (module {module!r}): {reason}. "
-            "Other backends are unaffected; reinstall or upgrade that plugin."
-        )
+        fix = f"fix, upgrade or uninstall {distribution!r}" if distribution else "fix or remove it"
+        if extension_of == "*":
+            message = (
+                f"backend {name!r} cannot load: extension {module!r}{dist}, registered for every backend "
+                f"('*'), failed to load: {reason}. Every backend loads it, so none can be used until "
+                f"it is fixed: {fix}."
+            )
+        elif extension_of is not None:
+            message = (
+                f"backend {name!r} cannot load: its extension {module!r}{dist} failed to load: {reason}. "
+                f"Other backends are unaffected; {fix}."
+            )
+        else:
+            message = (
+                f"backend {name!r}{dist} failed to load (module {module!r}): {reason}. "
+                "Other backends are unaffected; reinstall or upgrade that plugin."
+            )
+        super().__init__(message)
         # set after ImportError.__init__, which resets ``name`` to None
         self.name = name
         self.distribution = distribution
         self.module = module
         self.cause = cause
+        self.extension_of = extension_of
 
 
 class BackendFailedError(BackendLoadError):

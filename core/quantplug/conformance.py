@@ -9,10 +9,17 @@ ships with quantplug), or from Python::
     report = run_conformance("my_chip")
     assert report.ok, report.format()
 
-The kit judges the backend as installed: its own plugin and the extensions installed for it,
-nothing a test session registers in-process. A backend states what it does not support, and
-what its artifact contains, in a :class:`ConformanceProfile` returned from its
-``quantplug_conformance_profile`` hook.
+The kit judges the backend as installed: its own plugin and the extensions installed for it.
+An installed backend is checked in a fresh interpreter of the kit's own, started from the
+environment (for the pytest plugin: the one pytest was started in), so nothing the caller or a
+test session registers in-process, puts on ``sys.path`` or sets in ``os.environ`` plays a part;
+a backend registered in-process (``quantplug.registered_backend``) exists only in the calling
+process and is checked there (its report says ``(in-process)``). Plugin code that raises, calls
+``sys.exit``, raises KeyboardInterrupt, ends its process or runs past ``timeout`` seconds fails
+the check it ran in, naming the hook and the line; only the user's Ctrl-C stops the run.
+
+A backend states what it does not support, and what its artifact contains, in a
+:class:`ConformanceProfile` returned from its ``quantplug_conformance_profile`` hook.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from tests.cli.conftest import REPO, clean_env
+from tests.conformance.kit_backend import install
 
 
 def test_json_has_metadata_without_importing_plugins() -> None:
@@ -83,3 +85,44 @@ def test_check_reports_a_broken_plugin(tmp_path) -> None:
     assert "broken-plugin" in broken and "available" in broken and "a broken one" in broken
     row = next(line for line in lines if line.startswith("reference "))
     assert "quantplug-reference" in row and "available" in row
+
+
+def _run(args: list[str], site: Path) -> subprocess.CompletedProcess[str]:
+    env = clean_env()
+    env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
+    return subprocess.run(
+        [sys.executable, "-m", "quantplug", *args],
+        cwd=site,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_plugin_calling_sys_exit_is_reported_never_exit_0(tmp_path: Path) -> None:
+    """At import (a load error: ``backends --check`` exit 1, ``quantize`` exit 2) or in a hook
+    while quantizing (exit 1): one line naming the culprit, nothing written."""
+    exits_at_import = install(tmp_path, "kit_exits_at_import", ("exit@import",))
+    exits_in_hook = install(tmp_path, "kit_exits_in_hook", ("exit@quantplug_quantization_config",))
+
+    done = _run(["backends", "--check", "--json"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    rows = {r["name"]: r for r in json.loads(done.stdout)}
+    assert rows[exits_at_import]["status"] == "error"
+    assert "importing it called sys.exit(0)" in rows[exits_at_import]["error"]
+    assert rows["reference"]["status"] == "ok"
+
+    out = tmp_path / "out"
+    done = _run(["quantize", "-b", exits_at_import, "--out", str(out)], tmp_path)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("quantplug: ")]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert f"backend {exits_at_import!r}" in lines[0] and "importing it called sys.exit(0)" in lines[0]
+    assert not out.exists()
+
+    done = _run(["quantize", "-b", exits_in_hook, "--out", str(out)], tmp_path)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("quantplug: ")]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert "sys.exit(0) from code quantplug ran (hook quantplug_quantization_config of 'backend:" in lines[0]
+    assert f"{exits_in_hook}.py" in lines[0] and "the command did not complete" in lines[0]
+    assert not out.exists()

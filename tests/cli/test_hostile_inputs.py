@@ -344,3 +344,17 @@ def test_working_folder_is_importable_for_the_factory_only(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr
     assert not marker.exists()
     assert (out / "report.html").exists() and (out / "report.json").exists()
+
+
+def test_calibration_data_factory_calling_sys_exit(tmp_path: Path) -> None:
+    """A ``package.module:factory`` of calibration batches whose generator calls ``sys.exit(0)``:
+    a bad input (exit 2) naming it, never a successful run with nothing written."""
+    (tmp_path / "exiting_data.py").write_text("import sys\n\n\ndef batches():\n    sys.exit(0)\n    yield\n")
+    out = tmp_path / "out"
+    result = run_cli("quantize", "-c", "exiting_data:batches", "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr_lines[-1].startswith(
+        "quantplug: error: data factory 'exiting_data:batches' called sys.exit(0) producing item 0 (at "
+    ), result.stderr
+    assert "exiting_data.py:5 in batches" in result.stderr_lines[-1]
+    assert not out.exists()

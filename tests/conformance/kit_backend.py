@@ -4,6 +4,14 @@
 ``<name>_rules.py`` (its rules module) into ``root``; ``defects`` names the checks it must fail.
 Without defects it conforms. The same module works registered in-process
 (``quantplug.registered_backend``) and installed through a throwaway ``.dist-info``.
+
+A defect ``"ACTION@WHERE"`` makes the code at ``WHERE`` (a hook's name, ``"write"`` for the
+artifact writer, ``"import"`` for the module itself) misbehave: ``exit`` (``sys.exit(0)``),
+``interrupt`` (raise KeyboardInterrupt), ``hang`` (sleep for an hour), ``os-exit``
+(``os._exit(0)``), ``reseed`` (``torch.manual_seed``), ``dtype`` (float64 default dtype),
+``threads`` (one more torch thread), ``environ`` (set an environment variable), ``sigint``
+(send this process SIGINT, as the user's Ctrl-C), ``hang-blocked`` (sleep with SIGALRM blocked,
+as a hook stuck in native code).
 """
 
 from __future__ import annotations
@@ -14,6 +22,10 @@ from pathlib import Path
 BACKEND = """
 import importlib
 import json
+import os
+import signal
+import sys
+import time
 import uuid
 
 import torch
@@ -38,6 +50,38 @@ from _quantplug.validation.constraints import OUTPUT, ScaleProduct
 
 NAME = {name!r}
 DEFECTS = {defects!r}
+
+
+def _fault(where):
+    for defect in DEFECTS:
+        action, _, at = defect.partition("@")
+        if at != where:
+            continue
+        if action == "exit":
+            sys.exit(0)
+        if action == "interrupt":
+            raise KeyboardInterrupt
+        if action == "hang":
+            time.sleep(3600)
+        if action == "os-exit":
+            os._exit(0)
+        if action == "reseed":
+            torch.manual_seed(1234)
+        if action == "dtype":
+            torch.set_default_dtype(torch.float64)
+        if action == "threads":
+            torch.set_num_threads(torch.get_num_threads() + 1)
+        if action == "environ":
+            os.environ["KIT_BACKEND_WAS_HERE"] = "1"
+        if action == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        if action == "hang-blocked":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGALRM}})
+            time.sleep(3600)
+
+
+_fault("import")
 RULES = NAME + "_rules"
 OPS = ["aten.linear.default", "aten.conv2d.default", "aten.relu.default", "aten.add.Tensor"]
 ACT = PortConstraint(dtypes=frozenset({{torch.uint8}}), per_tensor_only=True)
@@ -53,6 +97,7 @@ TABLE = {{
 
 @quantplug.hookimpl
 def quantplug_backend_info():
+    _fault("quantplug_backend_info")
     default = "yes" if "options" in DEFECTS else True  # "options": a default of the wrong type
     return BackendInfo(
         name=NAME,
@@ -68,6 +113,7 @@ def quantplug_backend_info():
 
 @quantplug.hookimpl
 def quantplug_annotation_rules(context):
+    _fault("quantplug_annotation_rules")
     if "listed" in DEFECTS:
         importlib.import_module(RULES)  # eager: every get_quantizer imports the rules
     return [RulesModule(RULES, OPS)]
@@ -75,6 +121,7 @@ def quantplug_annotation_rules(context):
 
 @quantplug.hookimpl
 def quantplug_quantization_config(preset, context):
+    _fault("quantplug_quantization_config")
     act = QuantizationSpec(dtype=torch.uint8, qscheme=torch.per_tensor_affine)
     if "integer-weights" in DEFECTS:
         return QuantizationConfig(act, act, None, None)  # weights stay float
@@ -86,6 +133,7 @@ def quantplug_quantization_config(preset, context):
 
 @quantplug.hookimpl
 def quantplug_op_constraints(op, backend_op, context):
+    _fault("quantplug_op_constraints")
     if "validation" in DEFECTS:
         backend_op = "Dense" if backend_op == "FullyConnected" else backend_op + "_v2"  # keys never match
     found = TABLE.get(backend_op or "")
@@ -94,6 +142,7 @@ def quantplug_op_constraints(op, backend_op, context):
 
 @quantplug.hookimpl
 def quantplug_resolve_sharing(problem, resolve, context):
+    _fault("quantplug_resolve_sharing")
     if "sharing" not in DEFECTS:
         return None
     groups = resolve(problem)
@@ -111,6 +160,7 @@ def quantplug_resolve_sharing(problem, resolve, context):
 
 @quantplug.hookimpl
 def quantplug_passes_before_annotation(context):
+    _fault("quantplug_passes_before_annotation")
     def scale_weights_in_place(gm, ctx):
         for p in gm.parameters():
             p.data.mul_(1.0001)  # the caller's tensors
@@ -130,7 +180,9 @@ def quantplug_passes_before_annotation(context):
 
 @quantplug.hookimpl
 def quantplug_artifact_writer(context):
+    _fault("quantplug_artifact_writer")
     def write(program, ctx):
+        _fault("write")
         doc = {{"encodings": encodings(program)}}
         if "deterministic" in DEFECTS:
             doc["build"] = str(uuid.uuid4())
@@ -141,6 +193,7 @@ def quantplug_artifact_writer(context):
 
 @quantplug.hookimpl
 def quantplug_conformance_profile(context):
+    _fault("quantplug_conformance_profile")
     files = ("kit.json", "model.bin") if "lowering" in DEFECTS else ("kit.json",)
     return ConformanceProfile(artifact_files=files)
 """
@@ -189,3 +242,11 @@ def write_dist(root: Path, name: str) -> None:
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: quantplug-{name}\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text(f"[quantplug.backends]\n{name} = {name}\n")
+
+
+def install(root: Path, name: str, defects: Iterable[str] = ()) -> str:
+    """The backend ``name`` written into ``root`` with its ``.dist-info``: installed for any
+    process with ``root`` on its path."""
+    write_backend(root, name, defects)
+    write_dist(root, name)
+    return name

@@ -23,6 +23,7 @@ from _quantplug.conformance.checks import CHECKS
 from _quantplug.plugins import registry
 from quantplug.conformance import CAPABILITIES, ConformanceProfile, run_conformance
 from tests.conformance.kit_backend import write_backend, write_dist
+from tests.conftest import EXAMPLE_PLUGIN
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,26 +146,42 @@ def test_a_claimed_op_the_kit_cannot_sample_fails_unless_excluded(site: Path) ->
         quantplug.unregister(name)
 
 
-@pytest.mark.parametrize("backend", ["reference", "qnn_htp"])
-def test_shipped_backends_conform(backend: str) -> None:
-    pytest.importorskip(f"quantplug_{backend}")
-    report = run_conformance(backend)
-    assert report.ok, report.format(verbose=True)
-    assert not [c.name for c in report.checks if c.status == "skip"], report.format()
-
-
-def _cli(*args: str, extra_path: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(
+    *args: str, extra_path: Path | None = None, test_site: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """``python -m quantplug ARGS`` in this environment, ``extra_path`` first on its path; without
+    ``test_site`` the environment as installed: the example plugin the test session makes visible
+    (``tests/conftest.py``, ``QUANTPLUG_TEST_SITE``) left out."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTPLUG_")}
-    paths = [str(extra_path)] if extra_path else []
-    env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO), env.get("PYTHONPATH", "")])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not test_site:
+        hidden = {os.environ.get("QUANTPLUG_TEST_SITE", ""), str(EXAMPLE_PLUGIN)}
+        paths = [p for p in paths if p not in hidden]
+    env["PYTHONPATH"] = os.pathsep.join([*([str(extra_path)] if extra_path else []), str(REPO), *paths])
     return subprocess.run(
         [sys.executable, "-m", "quantplug", *args],
         capture_output=True,
         text=True,
         env=env,
-        timeout=900,
+        timeout=1800,
         check=False,
     )
+
+
+@pytest.mark.parametrize("backend", ["reference", "qnn_htp"])
+def test_shipped_backends_conform_as_installed(backend: str) -> None:
+    """Without the example plugin, whose ``reference`` extension adds a constraint: what a user
+    of quantplug and its two plugins runs."""
+    pytest.importorskip(f"quantplug_{backend}")
+    listed = _cli("backends", "--json", test_site=False)
+    assert listed.returncode == 0, listed.stderr
+    names = {b["name"] for b in json.loads(listed.stdout)}
+    assert {"reference", "qnn_htp"} <= names and "example_vendor" not in names
+    done = _cli("conformance", backend, "--json", test_site=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(done.stdout)
+    assert data["ok"] and data["distribution"] == f"quantplug-{backend.replace('_', '-')}", data
+    assert [c["name"] for c in data["checks"] if c["status"] != "pass"] == [], data["checks"]
 
 
 def test_cli_example_vendor_conforms_with_json() -> None:

@@ -690,7 +690,9 @@ def test_broken_extension_and_broken_rules_module(site: FakeSite, toy_rules: Toy
         with pytest.raises(quantplug.BackendLoadError) as info:
             quantplug.get_quantizer("toy")
     assert info.value.module == ext and info.value.distribution == "quantplug-tmp-bad-ext"
-    assert "libfoo" in str(info.value)
+    assert info.value.name == "toy" and info.value.extension_of == "toy"
+    assert "libfoo" in str(info.value) and "Other backends are unaffected" in str(info.value)
+    assert quantplug.get_quantizer("reference").backend == "reference"  # it is true
 
     bad_rules = ToyRules(
         dense=site.module(f"qp_tmp_bad_rules_{_uid()}", "1/0\n"), misc=toy_rules.misc, ext=""
@@ -699,6 +701,50 @@ def test_broken_extension_and_broken_rules_module(site: FakeSite, toy_rules: Toy
         q = quantplug.get_quantizer("toy2")  # rules modules load lazily: no error yet
         with pytest.raises(quantplug.BackendLoadError, match="ZeroDivisionError"):
             quantplug.prepare(_export(LinearOnly(), torch.randn(2, 4)), q)
+
+
+def test_a_broken_extension_of_every_backend_says_it_stops_every_backend(
+    site: FakeSite, toy_rules: ToyRules
+) -> None:
+    """A ``"*"`` extension takes part in every backend's results (rules, constraints, passes):
+    each backend fails to load while it is broken, and the message says so, naming it."""
+    ext = site.module(f"qp_tmp_star_broken_{_uid()}", "raise ImportError('extension needs libbar')\n")
+    site.dist("quantplug-tmp-star-broken", extensions={"*": ext})
+    with quantplug.registered_backend("toy", ToyBackend(toy_rules)):
+        for name in ("toy", "reference"):
+            with pytest.raises(quantplug.BackendLoadError) as info:
+                quantplug.get_quantizer(name)
+            message = str(info.value)
+            assert (info.value.name, info.value.module, info.value.extension_of) == (name, ext, "*")
+            assert "Other backends are unaffected" not in message
+            assert f"extension {ext!r} from distribution 'quantplug-tmp-star-broken'" in message
+            assert "registered for every backend" in message and "none can be used" in message
+            assert "libbar" in message
+
+
+def test_a_plugin_calling_sys_exit_fails_to_load(site: FakeSite) -> None:
+    """``sys.exit`` at import or in ``quantplug_backend_info`` is the plugin's load failure, not
+    the end of the process (``quantplug backends --check`` would exit 0 saying nothing)."""
+    uid = _uid()
+    at_import = site.module(f"qp_tmp_exit_{uid}", "import sys\nsys.exit(0)\n")
+    in_info = site.module(
+        f"qp_tmp_exit_info_{uid}",
+        """
+        import sys
+        import quantplug
+
+        @quantplug.hookimpl
+        def quantplug_backend_info():
+            sys.exit("no licence")
+        """,
+    )
+    site.dist("quantplug-tmp-exit", backends={"tmp_exit": at_import, "tmp_exit_info": in_info})
+    with pytest.raises(quantplug.BackendLoadError, match=r"importing it called sys\.exit\(0\)") as info:
+        quantplug.get_quantizer("tmp_exit")
+    assert info.value.module == at_import and isinstance(info.value.__cause__, SystemExit)
+    with pytest.raises(quantplug.BackendLoadError, match="SystemExit: no licence"):
+        quantplug.get_quantizer("tmp_exit_info")
+    assert _names(quantplug.list_backends())["tmp_exit"].status == "error"
 
 
 def test_two_distributions_claiming_one_name(site: FakeSite) -> None:

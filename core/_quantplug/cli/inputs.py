@@ -19,6 +19,7 @@ from _quantplug.cli.checks import FACTORY
 from _quantplug.cli.errors import InputError
 from _quantplug.errors import NonFiniteError, QuantplugError, UnsafeArchiveError
 from _quantplug.graph.calls import Call, in_spec_of, unflatten
+from _quantplug.plugins.culprit import culprit, exit_call
 
 __all__ = [
     "CalibrationData",
@@ -124,16 +125,12 @@ def _working_folder_importable() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
-def _exit_call(exc: SystemExit) -> str:
-    return "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
-
-
 def _model_from_factory(spec: str) -> ModelInput:
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except SystemExit as exc:
-        raise InputError(f"importing {module_name!r} for factory {spec!r} called {_exit_call(exc)}") from exc
+        raise InputError(f"importing {module_name!r} for factory {spec!r} called {exit_call(exc)}") from exc
     except Exception as exc:
         raise InputError(f"cannot import {module_name!r} for factory {spec!r}: {_first_line(exc)}") from exc
     target: Any = module
@@ -147,7 +144,7 @@ def _model_from_factory(spec: str) -> ModelInput:
         result = target()
     except SystemExit as exc:
         raise InputError(
-            f"factory {spec!r} called {_exit_call(exc)} instead of returning (model, example_inputs)"
+            f"factory {spec!r} called {exit_call(exc)} instead of returning (model, example_inputs)"
         ) from exc
     except Exception as exc:
         raise InputError(f"factory {spec!r} raised {_first_line(exc)}") from exc
@@ -357,7 +354,7 @@ def _data_factory(spec: str) -> tuple[Callable[..., Any], bool]:
         try:
             target: Any = importlib.import_module(module_name)
         except SystemExit as exc:
-            raise InputError(f"importing {module_name!r} for data {spec!r} called {_exit_call(exc)}") from exc
+            raise InputError(f"importing {module_name!r} for data {spec!r} called {exit_call(exc)}") from exc
         except Exception as exc:
             raise InputError(f"cannot import {module_name!r} for data {spec!r}: {_first_line(exc)}") from exc
     for part in attr.split("."):
@@ -381,7 +378,7 @@ def _factory_batches(
         iterable = factory(rank=rank, world_size=size) if shards else factory()
         iterator = iter(iterable)
     except SystemExit as exc:
-        raise InputError(f"data factory {spec!r} called {_exit_call(exc)}") from exc
+        raise InputError(f"data factory {spec!r} called {exit_call(exc)}") from exc
     except Exception as exc:
         raise InputError(
             f"data factory {spec!r} raised {_first_line(exc)} (it must return an iterable)"
@@ -392,6 +389,10 @@ def _factory_batches(
             item = next(iterator)
         except StopIteration:
             return
+        except SystemExit as exc:  # the factory's code ending the run is its failure, not a success
+            raise InputError(
+                f"data factory {spec!r} called {exit_call(exc)} producing item {index} ({culprit(exc)})"
+            ) from exc
         except Exception as exc:
             raise InputError(
                 f"data factory {spec!r} failed producing item {index}: {_first_line(exc)}"

@@ -978,9 +978,20 @@ def _main(argv: Sequence[str]) -> int:
                 traceback.print_exc(file=console.stream)
             console.error(_error_line(exc))
             return EXIT_USAGE
-        if isinstance(exc, KeyboardInterrupt):
-            console.error("interrupted")
-            return EXIT_INTERRUPTED
+        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            # no signal arrived (``received``), and no command of ours exits: code we ran (a
+            # plugin's hook, a model's forward...) called sys.exit or raised KeyboardInterrupt;
+            # ending with its status would report success for a run that did not complete
+            from _quantplug.plugins.culprit import culprit, exit_call
+
+            if console.verbose:
+                traceback.print_exception(exc, file=console.stream)
+            what = exit_call(exc) if isinstance(exc, SystemExit) else "KeyboardInterrupt"
+            console.error(
+                f"{what} from code quantplug ran ({culprit(exc)}): the command did not complete"
+                + ("" if console.verbose else " (run with --verbose for the traceback)")
+            )
+            return EXIT_INTERNAL
         if not isinstance(exc, Exception):
             raise
         if console.verbose:

@@ -12,11 +12,20 @@ failure shows what the backend does wrong, a capability the backend declares uns
 as a skip with its reason, ``-k`` selects checks by name. The ``quantplug_conformance`` fixture
 runs the whole kit from a test of your own (``quantplug_conformance("my_chip").ok``).
 
+The kit judges the backend as installed, as ``quantplug conformance`` does: the checks run in a
+fresh interpreter started from the environment pytest was started in (read when this plugin is
+loaded, before any ``conftest.py``), so nothing the test session registers in-process, puts on
+``sys.path`` or sets in ``os.environ`` reaches them. A backend registered in-process exists only
+in this process and is checked here. ``--quantplug-conformance-timeout`` (or the ini option of
+the same name) sets the seconds each check may run.
+
 Without the option this plugin adds nothing and imports nothing but pytest.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,6 +33,10 @@ import pytest
 
 OPTION = "--quantplug-conformance"
 INI = "quantplug_conformance"
+TIMEOUT_INI = "quantplug_conformance_timeout"
+
+#: the environment pytest was started in: the one the kit judges installed backends in
+ENVIRON_AT_START: dict[str, str] = dict(os.environ)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,12 +49,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="quantplug_conformance",
         help="run quantplug's conformance kit against backend NAME, one test per check (repeatable)",
     )
+    group.addoption(
+        OPTION + "-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        dest="quantplug_conformance_timeout",
+        help="seconds each conformance check may run before it fails as hung (default: 600)",
+    )
     parser.addini(INI, type="args", default=[], help="backend names the conformance kit runs against")
+    parser.addini(TIMEOUT_INI, default="", help="seconds each conformance check may run (default: 600)")
 
 
 def _backends(config: pytest.Config) -> list[str]:
     names = [*config.getoption("quantplug_conformance"), *config.getini(INI)]
     return list(dict.fromkeys(names))
+
+
+def _timeout(config: pytest.Config) -> float:
+    from _quantplug.conformance.runner import DEFAULT_TIMEOUT_S
+
+    given = config.getoption("quantplug_conformance_timeout")
+    if given is None:
+        given = config.getini(TIMEOUT_INI) or DEFAULT_TIMEOUT_S
+    return float(given)
 
 
 class ConformanceFailure(Exception):
@@ -59,9 +90,10 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self) -> None:
         from _quantplug.conformance.report import FAIL, SKIP
-        from _quantplug.conformance.runner import run_case
 
-        result = run_case(self.check, _session(self.config, self.backend), self.case)
+        result = _results(self.session, self.config, self.backend).get((self.check.name, self.case))
+        if result is None:
+            raise ConformanceFailure("the kit reported no result for this case")
         if result.status == SKIP:
             pytest.skip(result.message)
         if result.status == FAIL:
@@ -76,17 +108,28 @@ class ConformanceItem(pytest.Item):
         return f"quantplug-conformance[{self.backend}]", None, self.name
 
 
-_SESSIONS = pytest.StashKey[dict[str, Any]]()
+_RESULTS = pytest.StashKey[dict[str, dict[tuple[str, str], Any]]]()
 
 
-def _session(config: pytest.Config, backend: str) -> Any:
-    """One kit session per backend and test run (it caches exported samples)."""
-    from _quantplug.conformance.checks import Session
+def _results(session: pytest.Session, config: pytest.Config, backend: str) -> dict[tuple[str, str], Any]:
+    """Every result of ``backend``, ``(check, case)`` -> CaseResult: one kit run per backend and
+    test session, of the checks its selected items need."""
+    from _quantplug.conformance.runner import judge
 
-    sessions = config.stash.setdefault(_SESSIONS, {})
-    if backend not in sessions:
-        sessions[backend] = Session(backend)
-    return sessions[backend]
+    cache = config.stash.setdefault(_RESULTS, {})
+    if backend not in cache:
+        checks = list(
+            dict.fromkeys(
+                i.check.name for i in session.items if isinstance(i, ConformanceItem) and i.backend == backend
+            )
+        )
+        report = judge(backend, only=checks, timeout=_timeout(config), environ=ENVIRON_AT_START)
+        cache[backend] = {
+            (check.name, case.case if case.case != check.name else ""): case
+            for check in report.checks
+            for case in check.cases
+        }
+    return cache[backend]
 
 
 class ConformanceCollector(pytest.Collector):
@@ -97,23 +140,17 @@ class ConformanceCollector(pytest.Collector):
         self.backend = backend
 
     def collect(self) -> Iterable[pytest.Item]:
-        from _quantplug.conformance.checks import CHECKS
+        from _quantplug.conformance.runner import list_cases
         from _quantplug.errors import QuantplugError
-        from _quantplug.plugins.registry import load_backend
 
         try:
-            load_backend(self.backend)
+            listed = list_cases(self.backend, timeout=_timeout(self.config), environ=ENVIRON_AT_START)
         except QuantplugError as exc:  # unknown or broken: one failing test that says so
             yield UnloadableBackend.from_parent(self, name="load", message=str(exc))
             return
-        session = _session(self.config, self.backend)
-        for check in CHECKS:
-            try:
-                cases = check.case_ids(session)
-            except Exception as exc:
-                yield UnloadableBackend.from_parent(
-                    self, name=check.name, message=f"{type(exc).__name__}: {exc}"
-                )
+        for check, cases in listed:
+            if isinstance(cases, str):  # the cases could not be listed: why
+                yield UnloadableBackend.from_parent(self, name=check.name, message=cases)
                 continue
             for case in cases:
                 name = f"{check.name}[{case}]" if case else check.name
@@ -151,8 +188,9 @@ def pytest_collection_modifyitems(
 
 
 @pytest.fixture
-def quantplug_conformance() -> Callable[..., Any]:
-    """``quantplug_conformance(name, **run_options)`` runs the kit and returns its report."""
-    from _quantplug.conformance.runner import run_conformance
+def quantplug_conformance(pytestconfig: pytest.Config) -> Callable[..., Any]:
+    """``quantplug_conformance(name, **run_options)`` runs the kit (as installed: in the
+    environment pytest started with) and returns its report."""
+    from _quantplug.conformance.runner import judge
 
-    return run_conformance
+    return functools.partial(judge, timeout=_timeout(pytestconfig), environ=ENVIRON_AT_START)

@@ -233,16 +233,24 @@ def _new_manager() -> pluggy.PluginManager:
     return pm
 
 
-def _import(value: str, *, name: str, distribution: str | None) -> Any:
-    """Import an entry-point value: ``"pkg.module"`` or ``"pkg.module:attribute"``."""
+def _import(value: str, *, name: str, distribution: str | None, extension_of: str | None = None) -> Any:
+    """Import an entry-point value: ``"pkg.module"`` or ``"pkg.module:attribute"``.
+
+    Any failure of the plugin's import is a :class:`BackendLoadError`, ``sys.exit()`` included
+    (a plugin ending the process would end ``quantplug backends --check`` with status 0 and
+    nothing printed); only a KeyboardInterrupt (the user's Ctrl-C during a long import) passes.
+    """
     module, _, attr = value.partition(":")
     try:
         obj = importlib.import_module(module.strip())
         for part in attr.strip().split(".") if attr.strip() else ():
             obj = getattr(obj, part)
         return obj
-    except Exception as exc:  # any failure inside a third-party plugin import
-        raise BackendLoadError(name, distribution, value, exc) from exc
+    except (Exception, SystemExit) as exc:  # any failure inside a third-party plugin import
+        cause: BaseException | str = exc
+        if isinstance(exc, SystemExit):
+            cause = f"importing it called sys.exit({'' if exc.code is None else repr(exc.code)})"
+        raise BackendLoadError(name, distribution, value, cause, extension_of=extension_of) from exc
 
 
 def _load(entry: BackendEntry) -> LoadedBackend:
@@ -258,7 +266,10 @@ def _load(entry: BackendEntry) -> LoadedBackend:
         pm.check_pending()  # a misspelled hook name is an error, not silently ignored
     except (ValueError, pluggy.PluginValidationError) as exc:
         raise BackendLoadError(entry.name, entry.distribution, entry.module, exc) from exc
-    info = pm.hook.quantplug_backend_info()
+    try:
+        info = pm.hook.quantplug_backend_info()
+    except (Exception, SystemExit) as exc:  # the plugin's code: it cannot describe itself
+        raise BackendLoadError(entry.name, entry.distribution, entry.module, exc) from exc
     if not isinstance(info, BackendInfo):
         raise BackendLoadError(
             entry.name,
@@ -293,7 +304,7 @@ def _load(entry: BackendEntry) -> LoadedBackend:
         plugin = ext.plugin
         if plugin is None:
             plugin = _import(
-                ext.module, name=f"{entry.name} extension {ext.module}", distribution=ext.distribution
+                ext.module, name=entry.name, distribution=ext.distribution, extension_of=ext.target
             )
         if pm.is_registered(plugin):
             continue
@@ -302,7 +313,7 @@ def _load(entry: BackendEntry) -> LoadedBackend:
             pm.check_pending()
         except (ValueError, pluggy.PluginValidationError) as exc:
             raise BackendLoadError(
-                f"{entry.name} extension {ext.module}", ext.distribution, ext.module, exc
+                entry.name, ext.distribution, ext.module, exc, extension_of=ext.target
             ) from exc
         loaded.extensions.append(ext.module)
     return loaded
@@ -319,6 +330,12 @@ def _extensions_for(backend: str) -> list[_ExtensionEntry]:
                     result.append(ext)
     result.extend(e for e in _in_process_extensions if e.target in (backend, "*"))
     return result
+
+
+def in_process_names() -> set[str]:
+    """The backends registered in this process (:func:`register_backend`)."""
+    with _lock:
+        return set(_in_process)
 
 
 def register_backend(name: str, plugin: Any, *, module: str | None = None) -> None:

@@ -12,6 +12,7 @@ from quantplug.backend import (
     ConformanceProfile,
     FusionPattern,
     NamedPass,
+    OpConstraint,
     Preset,
     RulesModule,
 )
@@ -93,6 +94,16 @@ def quantplug_quantization_config(
     preset: str | None, context: BackendContext
 ) -> quantplug.QuantizationConfig:
     return configs.build_config(preset or "int8", context.options)
+
+
+@quantplug.hookimpl
+def quantplug_op_constraints(
+    op: str, backend_op: str | None, context: BackendContext
+) -> Sequence[OpConstraint]:
+    """What the ONNX Runtime lowering requires of each op (``constraints``)."""
+    from quantplug_reference.constraints import constraints_for
+
+    return constraints_for(op, int(context.option("onnx_opset", 21) or 21))
 
 
 @quantplug.hookimpl

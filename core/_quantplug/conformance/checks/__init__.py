@@ -35,7 +35,11 @@ CHECKS: tuple[Check, ...] = (
         check_validation,
         requires=("constraints",),
     ),
-    Check("untouched", "the caller's program and model are never modified", check_untouched),
+    Check(
+        "untouched",
+        "the caller's program, model and process-wide state are never modified",
+        check_untouched,
+    ),
     Check(
         "integer-weights",
         "convert stores weights as integers",

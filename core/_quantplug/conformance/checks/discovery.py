@@ -4,16 +4,11 @@ rejected with typed errors.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from typing import Any
 
 import quantplug
-from _quantplug.conformance.checks.session import (
-    Failed,
-    Session,
-)
+from _quantplug.conformance.checks.session import Failed, Session, in_fresh_interpreter
 from _quantplug.errors import OptionError
 from _quantplug.plugins.contract import BackendInfo, BackendOption
 from _quantplug.plugins.registry import load_backend
@@ -93,13 +88,7 @@ print(json.dumps({
 
 
 def _probe(name: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, name], capture_output=True, text=True, timeout=300, check=False
-    )
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise Failed(f"a fresh interpreter could not load it: {tail}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return dict(in_fresh_interpreter(PROBE, name))
 
 
 _OPTION_TYPES = (bool, int, float, str)

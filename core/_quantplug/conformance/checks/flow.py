@@ -1,5 +1,5 @@
-"""What the whole flow owes the caller: an untouched program, integer weights, the declared
-files, the same result twice, nothing kept alive.
+"""What the whole flow owes the caller: an untouched program and process, integer weights, the
+declared files, the same result twice, nothing kept alive.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 from torch.fx import Node
 
 import quantplug
+from _quantplug.conformance import process_state
 from _quantplug.conformance.checks.ops import float_outputs
 from _quantplug.conformance.checks.session import (
     CALIBRATION_BATCHES,
@@ -25,6 +26,7 @@ from _quantplug.conformance.checks.session import (
     Session,
     Skipped,
     has_writer,
+    in_fresh_interpreter,
     options_label,
     run_e2e,
 )
@@ -74,21 +76,57 @@ def check_untouched(session: Session, case: str) -> str:
     model, example = session.e2e_factory()()
     program = torch.export.export(model, tuple(example))
     before = _snapshot(model, program)
-    q = session.quantizer(session.option_sets()[0])
-    prepared = quantplug.prepare(program, q)
-    sample = module_sample("model", lambda: (model, example))
-    with torch.no_grad():
-        for seed in range(CALIBRATION_BATCHES):
-            prepared(*sample.batch(seed))
-    converted = quantplug.convert(prepared)
-    if has_writer(q):
-        artifact = quantplug.lower(converted, q)
-        with tempfile.TemporaryDirectory() as tmp:
-            artifact.save(tmp)
+    state = process_state.snapshot()
+    try:
+        q = session.quantizer(session.option_sets()[0])
+        prepared = quantplug.prepare(program, q)
+        sample = module_sample("model", lambda: (model, example))
+        with torch.no_grad():
+            for seed in range(CALIBRATION_BATCHES):
+                prepared(*sample.batch(seed))
+        converted = quantplug.convert(prepared)
+        if has_writer(q):
+            artifact = quantplug.lower(converted, q)
+            with tempfile.TemporaryDirectory() as tmp:
+                artifact.save(tmp)
+        changed_state = process_state.changes(state, process_state.snapshot())
+    finally:
+        process_state.restore(state)  # later checks run in the state they expect
+    problems = []
     changes = _changes(before, _snapshot(model, program))
     if changes:
-        raise Failed("the caller's program changed: " + "; ".join(changes))
-    return "the exported program and the model are unchanged after prepare, calibration, convert and lower"
+        problems.append("the caller's program changed: " + "; ".join(changes))
+    if changed_state:
+        problems.append(
+            "process-wide state changed by get_quantizer, prepare, calibration, convert or lower: "
+            + "; ".join(changed_state)
+        )
+    entry = session.entry
+    if entry is not None and entry.source == "entry-point":
+        on_import = in_fresh_interpreter(_STATE_PROBE, session.name)
+        if on_import:
+            problems.append(
+                "importing the plugin (get_quantizer in a fresh interpreter) changed process-wide state: "
+                + "; ".join(on_import)
+            )
+    if problems:
+        raise Failed(" / ".join(problems))
+    return (
+        "the exported program, the model and the process-wide state (random generators, torch's "
+        "defaults, threads and flags, environment, working folder) are unchanged by importing the "
+        "plugin, prepare, calibration, convert and lower"
+    )
+
+
+#: process-wide state before and after a fresh interpreter imports the plugin (get_quantizer)
+_STATE_PROBE = """
+import json, sys
+import quantplug
+from _quantplug.conformance import process_state
+before = process_state.snapshot()
+quantplug.get_quantizer(sys.argv[1])
+print(json.dumps(process_state.changes(before, process_state.snapshot())))
+"""
 
 
 WEIGHTED = {

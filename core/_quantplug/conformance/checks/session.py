@@ -5,6 +5,9 @@ end-to-end model.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +23,8 @@ from _quantplug.plugins.registry import BackendEntry, list_backends, load_backen
 from _quantplug.quantizer.quantizer import Quantizer
 
 CALIBRATION_BATCHES = 4
+#: seconds a fresh interpreter may take to import and load the backend
+FRESH_TIMEOUT_S = 300
 
 
 class Failed(Exception):
@@ -102,6 +107,21 @@ class Session:
         return kit_model
 
 
+def in_fresh_interpreter(script: str, *args: str) -> Any:
+    """What ``script`` (run by ``python -c`` in this environment) prints last, as JSON."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=FRESH_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise Failed(f"a fresh interpreter could not load it: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def case_options(session: Session, case: str) -> tuple[str, dict[str, Any]]:
     """A per-op case id is ``op`` or ``op @ k=v,...`` (one per option set beyond the first)."""
     op, _, opts = case.partition(" @ ")
@@ -138,8 +158,9 @@ class KitNet(nn.Module):
 
 
 def kit_model() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    torch.manual_seed(0)
-    model = KitNet().eval()
+    with torch.random.fork_rng(devices=[]):  # the same weights every time, the caller's RNG untouched
+        torch.manual_seed(0)
+        model = KitNet().eval()
     return model, (torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)),)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import quantplug
+from _quantplug.annotation.spec_view import SpecKind, spec_kind
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY, QuantizationConfig, QuantizationSpec
 from _quantplug.conformance.checks.session import (
     Failed,
@@ -144,17 +145,23 @@ def check_validation(session: Session, case: str) -> str:
 
 
 def _activation_ports(node: Node) -> set[Any]:
-    """Which of input 0 and the output the node's annotation quantizes."""
+    """Which of input 0 and the output the node's annotation quantizes with a spec of its own
+    (plain): a shared, derived or fixed encoding does not follow the node's config, so a
+    config cannot break it there (a split's pieces share the split's input encoding)."""
     ann = node.meta.get(Q_ANNOTATION_KEY)
     if ann is None:
         return set()
     ports: set[Any] = set()
     first = next((a for a in node.all_input_nodes), None)
-    if first is not None and ann.input_qspec_map.get(first) is not None:
+    if first is not None and _plain(ann.input_qspec_map.get(first)):
         ports.add(0)
-    if ann.output_qspec is not None:
+    if _plain(ann.output_qspec):
         ports.add(OUTPUT)
     return ports
+
+
+def _plain(spec: Any) -> bool:
+    return spec is not None and spec_kind(spec) is SpecKind.PLAIN
 
 
 def _copy(program: Any) -> GraphModule:
