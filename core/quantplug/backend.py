@@ -9,8 +9,9 @@ What is here, by the phase that uses it (``docs/writing-a-backend.md`` has a sec
 
 * the contract: ``hookimpl``, :class:`BackendInfo` and its options and presets, the context
   every hook receives, the conformance profile, the plugin API version;
-* annotation: the PT2E spec vocabulary, the common annotators, reading specs, integer grids,
-  fusion patterns, notes and per-node data for the backend's compiler, input/output specs;
+* annotation: the PT2E spec vocabulary, the common annotators, a rules package's index
+  (``rules_from_index``), reading specs, integer grids, fusion patterns, notes and per-node data
+  for the backend's compiler, input/output specs;
 * constraints and the validation report; observer sharing (problem, groups);
 * observers: the base class and merge protocol, the built-in observers, the NaN/inf and mask
   policy a vendor's observer follows (``nonfinite``);
@@ -73,6 +74,7 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
     ),
     "_quantplug.annotation.spec_view": ("SpecKind", "is_per_channel", "spec_kind", "spec_range"),
     "_quantplug.annotation.dtypes": ("INT2", "INT4", "UINT2", "UINT4", "full_range"),
+    "_quantplug.quantizer.rules_index": ("rules_from_index",),
     "_quantplug.quantizer.fusion": ("FusionPattern", "fused_head", "fused_tail"),
     "_quantplug.quantizer.node_data": (
         "backend_node_data",

@@ -89,6 +89,7 @@ from _quantplug.quantizer.node_data import float_reason as float_reason
 from _quantplug.quantizer.node_data import is_discarded as is_discarded
 from _quantplug.quantizer.node_data import set_backend_node_data as set_backend_node_data
 from _quantplug.quantizer.node_data import set_coverage_note as set_coverage_note
+from _quantplug.quantizer.rules_index import rules_from_index as rules_from_index
 from _quantplug.sharing.problem import SharingProblem as SharingProblem
 from _quantplug.sharing.resolution import Key as Key
 from _quantplug.sharing.resolution import KeySpec as KeySpec
@@ -208,6 +209,7 @@ __all__ = [
     "recurrent_layout",
     "register_annotator",
     "require_api",
+    "rules_from_index",
     "set_backend_node_data",
     "set_coverage_note",
     "spec_kind",

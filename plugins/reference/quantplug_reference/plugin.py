@@ -14,9 +14,9 @@ from quantplug.backend import (
     NamedPass,
     Preset,
     RulesModule,
+    rules_from_index,
 )
 from quantplug_reference import configs
-from quantplug_reference.rules import RULE_MODULES
 
 INFO = BackendInfo(
     name="reference",
@@ -85,7 +85,7 @@ def quantplug_backend_info() -> BackendInfo:
 
 @quantplug.hookimpl
 def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]:
-    return RULE_MODULES
+    return rules_from_index("quantplug_reference.rules")
 
 
 @quantplug.hookimpl
