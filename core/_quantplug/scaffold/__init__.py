@@ -72,7 +72,7 @@ def expected_files() -> list[tuple[Path, str]]:
     """The template of the rules index a generated distribution ships, and the text it must hold.
 
     It is the index of the generated rules module's declarations, found as a vendor's is: the
-    distribution is rendered into a scratch folder and its rules package imported from there.
+    distribution is written into a scratch folder and its rules package imported from there.
     """
     import sys
     import tempfile
@@ -81,15 +81,12 @@ def expected_files() -> list[tuple[Path, str]]:
 
     probe = names("scaffold_probe")
     with tempfile.TemporaryDirectory() as scratch:
-        for rel, text in render(probe["name"]).items():
-            target = Path(scratch) / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text, encoding="utf-8")
-        sys.path.insert(0, scratch)
+        root = str(create_backend(probe["name"], scratch))
+        sys.path.insert(0, root)
         try:
             _, text = expected_index(f"{probe['package']}.rules")
         finally:
-            sys.path.remove(scratch)
+            sys.path.remove(root)
             for module in [m for m in sys.modules if m.split(".")[0] == probe["package"]]:
                 del sys.modules[module]
     return [(RULES_INDEX_TEMPLATE, text.replace(probe["package"], "{{package}}"))]
