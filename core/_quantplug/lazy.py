@@ -45,6 +45,15 @@ def exports_of(declaration: Mapping[str, Sequence[str]]) -> dict[str, str]:
     return table
 
 
+def merged(*declarations: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    """Several declarations as one: each module's names, in the order given."""
+    table: dict[str, tuple[str, ...]] = {}
+    for declaration in declarations:
+        for module, names in declaration.items():
+            table[module] = (*table.get(module, ()), *names)
+    return table
+
+
 def install(
     module_name: str,
     declaration: Mapping[str, Sequence[str]],

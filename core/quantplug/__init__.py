@@ -23,117 +23,60 @@ from __future__ import annotations
 
 from _quantplug import deprecated as _deprecated
 from _quantplug import lazy as _lazy
+from quantplug import backend as _backend
 
 __version__ = "0.2.0"
 
-#: the version of the plugin contract (hook specs and ``quantplug.backend``) this release provides;
-#: a backend can require one with ``BackendInfo(requires_api=...)`` (see ``quantplug.backend``)
-PLUGIN_API_VERSION = "1.1"
-
-#: private module -> the public names it defines (each name declared once)
-_DECLARATION: dict[str, tuple[str, ...]] = {
-    "_quantplug.api": ("get_quantizer", "quantize"),
-    "_quantplug.flow.prepare": ("prepare",),
-    "_quantplug.flow.convert": ("convert",),
-    "_quantplug.lowering.lower": ("lower",),
-    "_quantplug.lowering.artifact": ("Artifact",),
-    "_quantplug.archive": ("load_program",),
-    "_quantplug.algorithms.config": ("Algorithms",),
-    "_quantplug.algorithms.registry": (
-        "AlgorithmEntry",
-        "list_algorithms",
-        "register_algorithm",
-        "unregister_algorithm",
-    ),
-    "_quantplug.algorithms.spec": (
-        "Algorithm",
-        "AlgorithmOption",
-        "Collector",
-        "MergeableCollector",
-        "WeightChoice",
-        "WeightGrid",
-        "WeightSite",
-    ),
-    "_quantplug.plugins.registry": (
-        "BackendEntry",
-        "list_backends",
-        "register_backend",
-        "register_extension",
-        "registered_backend",
-        "unregister",
-    ),
-    "_quantplug.quantizer.quantizer": ("CoverageReport", "Quantizer"),
-    "_quantplug.errors": (
-        "AlgorithmError",
-        "AnnotationError",
-        "BackendDisabledError",
-        "BackendFailedError",
-        "BackendLoadError",
-        "CalibrationError",
-        "CollectorMergeError",
-        "ConstraintViolationError",
-        "ConversionError",
-        "DistributedError",
-        "DuplicateBackendError",
-        "LoweringError",
-        "NonFiniteError",
-        "ObserverMergeError",
-        "OptionError",
-        "QuantplugError",
-        "UnknownAlgorithmError",
-        "UnknownBackendError",
-        "UnsafeArchiveError",
-    ),
-    # the plugin vocabulary, here since 0.1.0; quantplug.backend holds it all
-    "_quantplug.annotation.specs": (
-        "Q_ANNOTATION_KEY",
-        "DerivedQuantizationSpec",
-        "EdgeOrNode",
-        "FixedQParamsQuantizationSpec",
-        "QuantizationAnnotation",
-        "QuantizationConfig",
-        "QuantizationSpec",
-        "QuantizationSpecBase",
-        "SharedQuantizationSpec",
-        "annotate_node",
-        "is_annotated",
-    ),
-    "_quantplug.annotation.annotators": (
-        "annotate_binary",
-        "annotate_shared_in_out",
-        "annotate_single_in",
-        "annotate_single_in_single_out",
-        "annotate_weighted",
-        "derived_bias_spec",
-        "is_float_tensor",
-        "register_annotator",
-    ),
-    "_quantplug.plugins.contract": (
-        "BackendInfo",
-        "BackendOption",
-        "LoweringPlan",
-        "NamedPass",
-        "Preset",
-        "RulesModule",
-    ),
-    "_quantplug.plugins.hookspecs": ("hookimpl",),
-    "_quantplug.quantizer.context": ("BackendContext",),
-    "_quantplug.quantizer.fusion": ("FusionPattern", "fused_head", "fused_tail"),
-    "_quantplug.conformance.profile": ("ConformanceProfile",),
-    "_quantplug.sharing.problem": ("SharingProblem",),
-    "_quantplug.sharing.resolution": ("KeySpec", "SharingGroups"),
-    "_quantplug.validation.constraints": (
-        "OUTPUT",
-        "ArchRequirement",
-        "OpConstraint",
-        "PortConstraint",
-        "RequantRatio",
-        "SameEncoding",
-        "SameScale",
-        "ScaleProduct",
-    ),
-    "_quantplug.validation.report": ("ValidationReport", "Violation"),
-}
+#: private module -> the public names it defines: its own, then those it shares with
+#: ``quantplug.backend``, which declares them (the plugin vocabulary, here since 0.1.0, the errors
+#: plugins raise, ``Artifact``, and ``PLUGIN_API_VERSION``: the version of the plugin contract this
+#: release provides, which a backend can require with ``BackendInfo(requires_api=...)``)
+_DECLARATION: dict[str, tuple[str, ...]] = _lazy.merged(
+    {
+        "_quantplug.api": ("get_quantizer", "quantize"),
+        "_quantplug.flow.prepare": ("prepare",),
+        "_quantplug.flow.convert": ("convert",),
+        "_quantplug.lowering.lower": ("lower",),
+        "_quantplug.archive": ("load_program",),
+        "_quantplug.algorithms.config": ("Algorithms",),
+        "_quantplug.algorithms.registry": (
+            "AlgorithmEntry",
+            "list_algorithms",
+            "register_algorithm",
+            "unregister_algorithm",
+        ),
+        "_quantplug.algorithms.option_checks": ("AlgorithmOption",),
+        "_quantplug.algorithms.spec": (
+            "Algorithm",
+            "Collector",
+            "MergeableCollector",
+            "WeightChoice",
+            "WeightGrid",
+            "WeightSite",
+        ),
+        "_quantplug.plugins.registry": (
+            "BackendEntry",
+            "list_backends",
+            "register_backend",
+            "register_extension",
+            "registered_backend",
+            "unregister",
+        ),
+        "_quantplug.quantizer.quantizer": ("CoverageReport", "Quantizer"),
+        "_quantplug.errors": (
+            "AlgorithmError",
+            "BackendDisabledError",
+            "BackendLoadError",
+            "CollectorMergeError",
+            "DistributedError",
+            "DuplicateBackendError",
+            "UnknownAlgorithmError",
+            "UnknownBackendError",
+            "UnsafeArchiveError",
+        ),
+    },
+    _backend._SHARED,
+)
 
 #: modules reachable as attributes: the public ones, and (deprecated) the 0.1.0 subpackages
 _MODULES = {
@@ -145,4 +88,4 @@ _MODULES = {
 }
 
 _deprecated.install()
-__all__ = [*_lazy.install(__name__, _DECLARATION, modules=_MODULES), "PLUGIN_API_VERSION"]
+__all__ = _lazy.install(__name__, _DECLARATION, modules=_MODULES)

@@ -9,8 +9,9 @@ What is here, by the phase that uses it (``docs/writing-a-backend.md`` has a sec
 
 * the contract: ``hookimpl``, :class:`BackendInfo` and its options and presets, the context
   every hook receives, the conformance profile, the plugin API version;
-* annotation: the PT2E spec vocabulary, the common annotators, reading specs, integer grids,
-  fusion patterns, notes and per-node data for the backend's compiler, input/output specs;
+* annotation: the PT2E spec vocabulary, the common annotators, a rules package's index
+  (``rules_from_index``), reading specs, integer grids, fusion patterns, notes and per-node data
+  for the backend's compiler, input/output specs;
 * constraints and the validation report; observer sharing (problem, groups);
 * observers: the base class and merge protocol, the built-in observers, the NaN/inf and mask
   policy a vendor's observer follows (``nonfinite``);
@@ -26,12 +27,12 @@ from __future__ import annotations
 
 from _quantplug import lazy as _lazy
 
-#: private module -> the public names it defines (each declared once; ``scripts/generate.py``
-#: writes ``backend.pyi`` from it)
-_DECLARATION: dict[str, tuple[str, ...]] = {
+#: the names ``quantplug`` exports too, declared here once: the plugin vocabulary it has held since
+#: 0.1.0, the errors plugins raise, ``Artifact`` and the plugin API version
+_SHARED: dict[str, tuple[str, ...]] = {
     # -- the contract --------------------------------------------------------------------------
     "_quantplug.plugins.hookspecs": ("hookimpl",),
-    "_quantplug.plugins.api_version": ("PLUGIN_API_VERSION", "require_api"),
+    "_quantplug.plugins.api_version": ("PLUGIN_API_VERSION",),
     "_quantplug.plugins.contract": (
         "BackendInfo",
         "BackendOption",
@@ -39,10 +40,9 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
         "NamedPass",
         "Preset",
         "RulesModule",
-        "op_name",
     ),
     "_quantplug.quantizer.context": ("BackendContext",),
-    "_quantplug.conformance.profile": ("CAPABILITIES", "ConformanceProfile"),
+    "_quantplug.conformance.profile": ("ConformanceProfile",),
     # -- annotation ----------------------------------------------------------------------------
     "_quantplug.annotation.specs": (
         "Q_ANNOTATION_KEY",
@@ -55,7 +55,6 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
         "QuantizationSpecBase",
         "SharedQuantizationSpec",
         "annotate_node",
-        "get_annotation",
         "is_annotated",
     ),
     "_quantplug.annotation.annotators": (
@@ -64,31 +63,17 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
         "annotate_single_in",
         "annotate_single_in_single_out",
         "annotate_weighted",
-        "constant_value",
         "derived_bias_spec",
-        "floor_bias_scale",
         "is_float_tensor",
-        "output_spec_of",
         "register_annotator",
     ),
-    "_quantplug.annotation.spec_view": ("SpecKind", "is_per_channel", "spec_kind", "spec_range"),
-    "_quantplug.annotation.dtypes": ("INT2", "INT4", "UINT2", "UINT4", "full_range"),
     "_quantplug.quantizer.fusion": ("FusionPattern", "fused_head", "fused_tail"),
-    "_quantplug.quantizer.node_data": (
-        "backend_node_data",
-        "float_reason",
-        "is_discarded",
-        "set_backend_node_data",
-        "set_coverage_note",
-    ),
     # -- constraints and sharing ---------------------------------------------------------------
     "_quantplug.validation.constraints": (
         "OUTPUT",
         "ArchRequirement",
         "OpConstraint",
-        "Port",
         "PortConstraint",
-        "PortRelation",
         "RequantRatio",
         "SameEncoding",
         "SameScale",
@@ -96,37 +81,9 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
     ),
     "_quantplug.validation.report": ("ValidationReport", "Violation"),
     "_quantplug.sharing.problem": ("SharingProblem",),
-    "_quantplug.sharing.resolution": ("Key", "KeySpec", "SharingGroups"),
-    # -- observers -----------------------------------------------------------------------------
-    "_quantplug.observers.base": ("ObserverBase", "ObserverFactory"),
-    "_quantplug.observers.minmax": (
-        "MinMaxObserver",
-        "MovingAverageMinMaxObserver",
-        "MovingAveragePerChannelMinMaxObserver",
-        "PerChannelMinMaxObserver",
-    ),
-    "_quantplug.observers.histogram": ("HistogramObserver",),
-    "_quantplug.observers.per_block": ("PerBlockMinMaxObserver",),
-    "_quantplug.observers.merge": ("merge_observers", "merge_state"),
-    # -- reading programs ----------------------------------------------------------------------
-    "_quantplug.flow.inspect": (
-        "DEQUANTIZE_OPS",
-        "QUANTIZE_OPS",
-        "calibrated_report",
-        "encodings",
-        "example_inputs",
-        "prepared_state",
-    ),
-    "_quantplug.graph.working_copy": ("working_copy",),
-    "_quantplug.graph.mutation": ("writes_in_place",),
-    "_quantplug.graph.recurrent": ("RecurrentLayout", "recurrent_layout"),
-    "_quantplug.meta": ("kept_meta",),
-    # -- lowering ------------------------------------------------------------------------------
+    "_quantplug.sharing.resolution": ("KeySpec", "SharingGroups"),
+    # -- lowering and errors -------------------------------------------------------------------
     "_quantplug.lowering.artifact": ("Artifact",),
-    "_quantplug.lowering.onnx.export": ("compact_node_metadata", "export_qdq_onnx", "pack_int4_constants"),
-    "_quantplug.lowering.onnx.capture": ("to_exported_program",),
-    "_quantplug.lowering.onnx.provenance": ("describe",),
-    # -- errors --------------------------------------------------------------------------------
     "_quantplug.errors": (
         "AnnotationError",
         "BackendFailedError",
@@ -140,6 +97,66 @@ _DECLARATION: dict[str, tuple[str, ...]] = {
         "QuantplugError",
     ),
 }
+
+#: private module -> the public names it defines: ``_SHARED`` and the rest of the SDK below (each
+#: declared once; ``scripts/generate.py`` writes ``backend.pyi`` from it)
+_DECLARATION: dict[str, tuple[str, ...]] = _lazy.merged(
+    _SHARED,
+    {
+        # -- the contract ----------------------------------------------------------------------
+        "_quantplug.plugins.api_version": ("require_api",),
+        "_quantplug.plugins.contract": ("op_name",),
+        "_quantplug.conformance.profile": ("CAPABILITIES",),
+        # -- annotation ------------------------------------------------------------------------
+        "_quantplug.annotation.specs": ("get_annotation",),
+        "_quantplug.annotation.annotators": ("constant_value", "floor_bias_scale", "output_spec_of"),
+        "_quantplug.annotation.spec_view": ("SpecKind", "is_per_channel", "spec_kind", "spec_range"),
+        "_quantplug.annotation.dtypes": ("INT2", "INT4", "UINT2", "UINT4", "full_range"),
+        "_quantplug.quantizer.rules_index": ("rules_from_index",),
+        "_quantplug.quantizer.node_data": (
+            "backend_node_data",
+            "float_reason",
+            "is_discarded",
+            "set_backend_node_data",
+            "set_coverage_note",
+        ),
+        # -- constraints and sharing -----------------------------------------------------------
+        "_quantplug.validation.constraints": ("Port", "PortRelation"),
+        "_quantplug.sharing.resolution": ("Key",),
+        # -- observers -------------------------------------------------------------------------
+        "_quantplug.observers.base": ("ObserverBase", "ObserverFactory"),
+        "_quantplug.observers.minmax": (
+            "MinMaxObserver",
+            "MovingAverageMinMaxObserver",
+            "MovingAveragePerChannelMinMaxObserver",
+            "PerChannelMinMaxObserver",
+        ),
+        "_quantplug.observers.histogram": ("HistogramObserver",),
+        "_quantplug.observers.per_block": ("PerBlockMinMaxObserver",),
+        "_quantplug.observers.merge": ("merge_observers", "merge_state"),
+        # -- reading programs ------------------------------------------------------------------
+        "_quantplug.flow.inspect": (
+            "DEQUANTIZE_OPS",
+            "QUANTIZE_OPS",
+            "calibrated_report",
+            "encodings",
+            "example_inputs",
+            "prepared_state",
+        ),
+        "_quantplug.graph.working_copy": ("working_copy",),
+        "_quantplug.graph.mutation": ("writes_in_place",),
+        "_quantplug.graph.recurrent": ("RecurrentLayout", "recurrent_layout"),
+        "_quantplug.meta": ("kept_meta",),
+        # -- lowering --------------------------------------------------------------------------
+        "_quantplug.lowering.onnx.export": (
+            "compact_node_metadata",
+            "export_qdq_onnx",
+            "pack_int4_constants",
+        ),
+        "_quantplug.lowering.onnx.capture": ("to_exported_program",),
+        "_quantplug.lowering.onnx.provenance": ("describe",),
+    },
+)
 
 #: modules a plugin uses as namespaces: ``nonfinite.handle(observer, values)`` in its observers
 _MODULES = {"nonfinite": "_quantplug.observers.nonfinite"}

@@ -6,11 +6,3 @@ from _quantplug.conformance.profile import ConformanceProfile as ConformanceProf
 from _quantplug.conformance.report import ConformanceReport as ConformanceReport
 from _quantplug.conformance.runner import run_conformance as run_conformance
 
-
-__all__ = [
-    "CAPABILITIES",
-    "CHECKS",
-    "ConformanceProfile",
-    "ConformanceReport",
-    "run_conformance",
-]

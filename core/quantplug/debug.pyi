@@ -11,16 +11,3 @@ from _quantplug.debug.compare import sharing_groups as sharing_groups
 from _quantplug.debug.compare import tensor_bytes as tensor_bytes
 from _quantplug.graph.calls import Call as Call
 
-
-__all__ = [
-    "ARTIFACT_GAP_DB",
-    "ArtifactComparison",
-    "Call",
-    "DebugReport",
-    "FloatNode",
-    "NodeComparison",
-    "SharingGroupInfo",
-    "compare",
-    "sharing_groups",
-    "tensor_bytes",
-]

@@ -7,12 +7,3 @@ from _quantplug.distributed.shard import shard as shard
 from _quantplug.distributed.sync import SyncResult as SyncResult
 from _quantplug.distributed.sync import sync_observers as sync_observers
 
-
-__all__ = [
-    "SyncResult",
-    "ddp",
-    "fingerprint",
-    "ignore_observer_buffers",
-    "shard",
-    "sync_observers",
-]

@@ -497,7 +497,7 @@ def test_builtin_metadata_files_match_the_classes() -> None:
             declared["description"],
             declared["paper"],
             declared["options"],
-        ), f"regenerate with registry.write_metadata({type(factory).__name__}, <its folder>)"
+        ), "regenerate with `python scripts/generate.py`"
 
 
 class SharedWeights:

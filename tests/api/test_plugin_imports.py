@@ -103,11 +103,6 @@ def _old_paths(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the guide's metadata command (sections 4, 16) is 0.1.0's `python -m` of a deprecated module "
-    "until `quantplug metadata` (branch gen) replaces it; then drop this marker",
-)
 def test_the_guide_sends_vendors_to_no_deprecated_module_path() -> None:
     """Prose too: the guide names the SDK's functions (``prepared_state(prepared)``), never the
     0.1.0 paths (``quantplug.flow.prepare.STATE_KEY``) that work only until their removal."""

@@ -56,6 +56,7 @@ def test_import_quantplug_and_list_backends_import_no_torch() -> None:
         ["backends", "--json"],
         ["quantize", "--help"],
         ["report", "--help"],
+        ["metadata", "--help"],
     ],
     ids=" ".join,
 )
@@ -218,4 +219,4 @@ def test_a_stale_metadata_file_is_reported(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"  # what the file declares, read without importing
     assert "does not match the options its plugin declares" in done.stderr
-    assert "python -m _quantplug.plugins.metadata stale" in done.stderr
+    assert "`quantplug metadata stale`" in done.stderr  # the public command

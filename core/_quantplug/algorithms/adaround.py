@@ -26,19 +26,18 @@ import torch
 
 from _quantplug.algorithms.spec import (
     Algorithm,
-    AlgorithmOption,
     WeightChoice,
     WeightGrid,
     WeightSite,
-    option_values,
+    option,
+    options_as_fields,
 )
 from _quantplug.algorithms.weight_layers import (
-    SEQUENTIAL,
-    SEQUENTIAL_OPTION,
     LayerHessian,
     collects_hessian,
     improves,
     matrix_and_hessian,
+    sequential_option,
 )
 from _quantplug.algorithms.weight_matrix import (
     IntegerGrid,
@@ -210,6 +209,7 @@ class _Adam:
         self.param.addcdiv_(self.m, denom, value=-self.lr / (1 - self.b1**self.t))
 
 
+@options_as_fields
 class AdaRound(Algorithm):
     """AdaRound at convert: learned up/down rounding of every linear/convolution weight.
 
@@ -224,48 +224,14 @@ class AdaRound(Algorithm):
     name = "adaround"
     description = "AdaRound: learned per-layer rounding (up or down) minimising each layer's output error"
     paper = "Nagel et al. 2020, Up or Down? Adaptive Rounding for Post-Training Quantization"
-    options = (
-        AlgorithmOption("iterations", "int", 500, "Adam steps per layer", minimum=0),
-        AlgorithmOption(
-            "reg_weight", "float", 5.0, "weight of the rounding regulariser (scale-free)", minimum=0.0
-        ),
-        AlgorithmOption("learning_rate", "float", 1e-2, "Adam's learning rate (> 0)", minimum=0.0),
-        AlgorithmOption(
-            "time_budget", "float", 0.0, "seconds for the whole model (0: no limit)", minimum=0.0
-        ),
-        AlgorithmOption(
-            "damp", "float", 0.01, "ridge on the Hessian, relative to its mean diagonal", minimum=0.0
-        ),
-        SEQUENTIAL_OPTION,
-    )
+    iterations: int = option(500, "Adam steps per layer", minimum=0)
+    reg_weight: float = option(5.0, "weight of the rounding regulariser (scale-free)", minimum=0.0)
+    learning_rate: float = option(1e-2, "Adam's learning rate (> 0)", minimum=0.0)
+    time_budget: float = option(0.0, "seconds for the whole model (0: no limit)", minimum=0.0)
+    damp: float = option(0.01, "ridge on the Hessian, relative to its mean diagonal", minimum=0.0)
+    sequential: bool = sequential_option()
 
-    def __init__(
-        self,
-        iterations: int = 500,
-        reg_weight: float = 5.0,
-        learning_rate: float = 1e-2,
-        time_budget: float = 0.0,
-        damp: float = 0.01,
-        sequential: bool = SEQUENTIAL,
-    ) -> None:
-        values = option_values(
-            self.name,
-            self.options,
-            {
-                "iterations": iterations,
-                "reg_weight": reg_weight,
-                "learning_rate": learning_rate,
-                "time_budget": time_budget,
-                "damp": damp,
-                "sequential": sequential,
-            },
-        )
-        self.sequential: bool = values["sequential"]
-        self.iterations: int = values["iterations"]
-        self.reg_weight: float = values["reg_weight"]
-        self.learning_rate: float = values["learning_rate"]
-        self.time_budget: float = values["time_budget"]
-        self.damp: float = values["damp"]
+    def __post_init__(self) -> None:
         if self.learning_rate == 0:
             raise OptionError("option 'learning_rate' of algorithm 'adaround' must be > 0, got 0.0")
         self._sites: set[str] = set()  # weights this instance trains (from its collectors)

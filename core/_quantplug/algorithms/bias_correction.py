@@ -23,12 +23,12 @@ import torch
 from _quantplug.algorithms.collectors import like, sum_in_order
 from _quantplug.algorithms.spec import (
     Algorithm,
-    AlgorithmOption,
     LayerInputs,
     WeightChoice,
     WeightGrid,
     WeightSite,
-    option_values,
+    option,
+    options_as_fields,
 )
 
 
@@ -86,6 +86,7 @@ def _channel_sum(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.reshape(t.shape[0], -1).mean(-1)
 
 
+@options_as_fields
 class BiasCorrection(Algorithm):
     """Empirical bias correction at convert, per output channel of conv/linear layers.
 
@@ -102,20 +103,11 @@ class BiasCorrection(Algorithm):
     name = "bias_correction"
     description = "empirical bias correction: subtract the mean output error of quantized weights"
     paper = "Nagel et al. 2019, Data-Free Quantization (sec. 4.2); Finkelstein et al. 2019"
-    options = (
-        AlgorithmOption(
-            "sequential",
-            "bool",
-            True,
-            "correct the quantized model's measured mean error (false: the weights' own part only)",
-        ),
-    )
     float_inputs = True
 
-    def __init__(self, sequential: bool = True) -> None:
-        self.sequential: bool = option_values(self.name, self.options, {"sequential": sequential})[
-            "sequential"
-        ]
+    sequential: bool = option(
+        True, "correct the quantized model's measured mean error (false: the weights' own part only)"
+    )
 
     def collector(self, site: WeightSite) -> RunningMean | None:
         if not site.has_layer or site.bias is None:

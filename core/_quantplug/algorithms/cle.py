@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from _quantplug.algorithms.spec import Algorithm, AlgorithmOption, TransformContext, option_values
+from _quantplug.algorithms.spec import Algorithm, TransformContext, option, options_as_fields
 from _quantplug.graph.attrs import fetch_attr
 
 LAYERS = {
@@ -139,33 +139,16 @@ def _scale_in(w: torch.Tensor, s: torch.Tensor, groups: int) -> torch.Tensor:
     return w * s.reshape(1, -1, *([1] * (w.dim() - 2)))
 
 
+@options_as_fields
 class CrossLayerEqualization(Algorithm):
     name = "cle"
     description = "cross-layer equalization of conv/linear pairs through ReLU, with high-bias absorption"
     paper = "Nagel et al. 2019, Data-Free Quantization Through Weight Equalization and Bias Correction"
-    options = (
-        AlgorithmOption(
-            "iterations", "int", 20, "passes over the layer pairs (chains settle over passes)", minimum=1
-        ),
-        AlgorithmOption("absorb_high_bias", "bool", True, "absorb high biases (needs calibration data)"),
-        AlgorithmOption(
-            "sigmas",
-            "float",
-            3.0,
-            "absorb what the ReLU input exceeds with mean - sigmas * std",
-            minimum=0.0,
-        ),
-    )
+    iterations: int = option(20, "passes over the layer pairs (chains settle over passes)", minimum=1)
+    absorb_high_bias: bool = option(True, "absorb high biases (needs calibration data)")
+    sigmas: float = option(3.0, "absorb what the ReLU input exceeds with mean - sigmas * std", minimum=0.0)
 
-    def __init__(self, iterations: int = 20, absorb_high_bias: bool = True, sigmas: float = 3.0) -> None:
-        values = option_values(
-            self.name,
-            self.options,
-            {"iterations": iterations, "absorb_high_bias": absorb_high_bias, "sigmas": sigmas},
-        )
-        self.iterations: int = values["iterations"]
-        self.absorb_high_bias: bool = values["absorb_high_bias"]
-        self.sigmas: float = values["sigmas"]
+    def __post_init__(self) -> None:
         self.pairs: list[Pair] = []
 
     def transform_program(self, gm: GraphModule, context: TransformContext) -> None:

@@ -48,20 +48,19 @@ from _quantplug.algorithms.seq_mse import (
 )
 from _quantplug.algorithms.spec import (
     Algorithm,
-    AlgorithmOption,
     WeightChoice,
     WeightGrid,
     WeightSite,
-    option_values,
+    option,
+    options_as_fields,
 )
 from _quantplug.algorithms.weight_layers import (
-    SEQUENTIAL,
-    SEQUENTIAL_OPTION,
     SHRINKAGE_CHOICES,
     Encoder,
     LayerHessian,
     collects_hessian,
     matrix_and_hessian,
+    sequential_option,
     site_encoder,
 )
 from _quantplug.algorithms.weight_matrix import (
@@ -331,6 +330,7 @@ def gptq_scale_search(
     return GptqSearchResult(scale, zero_point, codes, fraction, loss)
 
 
+@options_as_fields
 class GPTQ(Algorithm):
     """GPTQ at convert: codes for every linear/convolution weight on the backend's grid.
 
@@ -348,71 +348,28 @@ class GPTQ(Algorithm):
         "Frantar et al. 2023, GPTQ: Accurate Post-Training Quantization for Generative Pre-trained "
         "Transformers"
     )
-    options = (
-        AlgorithmOption("act_order", "bool", True, "quantize the most active input columns first"),
-        AlgorithmOption(
-            "damp", "float", 0.01, "Hessian dampening, relative to its mean diagonal", minimum=0.0
-        ),
-        AlgorithmOption("lazy_batch", "int", 128, "columns per lazy batch update (speed only)", minimum=1),
-        AlgorithmOption(
-            "scale_search",
-            "int",
-            0,
-            "range fractions per unit of range tried for each channel's scale, judged by the error "
-            "GPTQ leaves (0: keep the encoding given)",
-            minimum=0,
-            maximum=MAX_CANDIDATES,
-        ),
-        AlgorithmOption(
-            "max_fraction",
-            "float",
-            1.5,
-            "largest range fraction the scale search tries",
-            minimum=1.0,
-            maximum=16.0,
-        ),
-        AlgorithmOption(
-            "shrinkage",
-            "str",
-            "singular",
-            "shrink H toward its diagonal (Ledoit-Wolf) on layers calibrated on fewer than two rows "
-            "per input ('singular': H singular or nearly so), on every layer ('all') or nowhere ('off')",
-            SHRINKAGE_CHOICES,
-        ),
-        SEQUENTIAL_OPTION,
+    act_order: bool = option(True, "quantize the most active input columns first")
+    damp: float = option(0.01, "Hessian dampening, relative to its mean diagonal", minimum=0.0)
+    lazy_batch: int = option(128, "columns per lazy batch update (speed only)", minimum=1)
+    scale_search: int = option(
+        0,
+        "range fractions per unit of range tried for each channel's scale, judged by the error "
+        "GPTQ leaves (0: keep the encoding given)",
+        minimum=0,
+        maximum=MAX_CANDIDATES,
     )
+    max_fraction: float = option(
+        1.5, "largest range fraction the scale search tries", minimum=1.0, maximum=16.0
+    )
+    shrinkage: str = option(
+        "singular",
+        "shrink H toward its diagonal (Ledoit-Wolf) on layers calibrated on fewer than two rows "
+        "per input ('singular': H singular or nearly so), on every layer ('all') or nowhere ('off')",
+        choices=SHRINKAGE_CHOICES,
+    )
+    sequential: bool = sequential_option()
 
-    def __init__(
-        self,
-        act_order: bool = True,
-        damp: float = 0.01,
-        lazy_batch: int = 128,
-        scale_search: int = 0,
-        max_fraction: float = 1.5,
-        shrinkage: str = "singular",
-        sequential: bool = SEQUENTIAL,
-    ) -> None:
-        values = option_values(
-            self.name,
-            self.options,
-            {
-                "act_order": act_order,
-                "damp": damp,
-                "lazy_batch": lazy_batch,
-                "scale_search": scale_search,
-                "max_fraction": max_fraction,
-                "shrinkage": shrinkage,
-                "sequential": sequential,
-            },
-        )
-        self.sequential: bool = values["sequential"]
-        self.act_order: bool = values["act_order"]
-        self.damp: float = values["damp"]
-        self.lazy_batch: int = values["lazy_batch"]
-        self.scale_search: int = values["scale_search"]
-        self.max_fraction: float = values["max_fraction"]
-        self.shrinkage: str = values["shrinkage"]
-
+    def __post_init__(self) -> None:
         self._hessians: dict[str, LayerHessian] = {}  # the collectors it made, by weight
 
     def collector(self, site: WeightSite) -> LayerHessian | None:

@@ -18,9 +18,12 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
+from _quantplug.algorithms.option_checks import option_metadata, option_values
 from _quantplug.errors import AlgorithmError, UnknownAlgorithmError
+from _quantplug.plugins.metadata import module_folder
 
 ALGORITHMS_GROUP = "quantplug.algorithms"
 ENV_DISABLE_AUTOLOAD = "QUANTPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -54,38 +57,18 @@ def _autoload() -> bool:
     return os.environ.get(ENV_DISABLE_AUTOLOAD, "").strip() in ("", "0", "false", "no")
 
 
-def _module_folder(module: str) -> str | None:
-    """The folder holding ``module``'s file, found through the import system without importing it."""
-    import importlib.util
-
-    parent = module.rpartition(".")[0]
-    try:
-        if not parent:
-            spec = importlib.util.find_spec(module)
-            return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
-        # find_spec of a submodule would import its package; look in the package's search path instead
-        top = importlib.util.find_spec(parent.split(".")[0])
-    except (ImportError, ValueError):
-        return None
-    if top is None or not top.submodule_search_locations:
-        return None
-    rest = parent.split(".")[1:]
-    for location in top.submodule_search_locations:
-        folder = os.path.join(location, *rest)
-        if os.path.isdir(folder):
-            return folder
-    return None
+def _metadata_path(entry: AlgorithmEntry) -> Path | None:
+    """Where the metadata file of an installed algorithm is (beside its module), found unimported."""
+    folder = module_folder(entry.value.partition(":")[0])
+    return None if folder is None else folder / f"{entry.name}{METADATA_SUFFIX}"
 
 
 def _described(entry: AlgorithmEntry) -> AlgorithmEntry:
-    module = entry.value.partition(":")[0]
-    folder = _module_folder(module)
-    if folder is None:
+    path = _metadata_path(entry)
+    if path is None:
         return entry
-    path = os.path.join(folder, entry.name + METADATA_SUFFIX)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return entry
     if not isinstance(data, dict):
@@ -147,7 +130,7 @@ def register_algorithm(name: str, factory: Any, *, description: str = "", paper:
         source="in-process",
         description=description or getattr(described, "description", ""),
         paper=paper or getattr(described, "paper", ""),
-        options=tuple(_option_dict(o) for o in getattr(described, "options", ())),
+        options=tuple(option_metadata(o) for o in getattr(described, "options", ())),
     )
     with _lock:
         _in_process[name] = (entry, factory)
@@ -158,18 +141,6 @@ def unregister_algorithm(name: str) -> None:
     with _lock:
         _in_process.pop(name, None)
         _loaded.pop(name, None)
-
-
-def _option_dict(option: Any) -> dict[str, Any]:
-    return {
-        "name": option.name,
-        "type": option.type,
-        "default": option.default,
-        "help": option.help,
-        "choices": list(option.choices) if option.choices is not None else None,
-        "minimum": getattr(option, "minimum", None),
-        "maximum": getattr(option, "maximum", None),
-    }
 
 
 def load_algorithm(name: str) -> Any:
@@ -203,8 +174,6 @@ def create_algorithm(name: str, options: Mapping[str, Any] | None = None) -> Any
     factory = load_algorithm(name)
     declared = getattr(factory, "options", ())
     if isinstance(declared, (tuple, list)) and all(hasattr(o, "type") for o in declared):
-        from _quantplug.algorithms.spec import option_values
-
         values = option_values(name, declared, dict(options or {}))
     else:
         values = dict(options or {})
@@ -253,14 +222,31 @@ def metadata_of(factory: Any) -> dict[str, Any]:
         "name": info.name,
         "description": info.description,
         "paper": info.paper,
-        "options": [_option_dict(o) for o in info.options],
+        "options": [option_metadata(o) for o in info.options],
     }
+
+
+def metadata_text(factory: Any) -> str:
+    """The text of ``factory``'s metadata file."""
+    return json.dumps(metadata_of(factory), indent=2) + "\n"
 
 
 def write_metadata(factory: Any, folder: str) -> str:
     """Write ``factory``'s metadata file into ``folder`` (beside its module); returns the path."""
     path = os.path.join(folder, factory.name + METADATA_SUFFIX)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(metadata_of(factory), f, indent=2)
-        f.write("\n")
+        f.write(metadata_text(factory))
     return path
+
+
+def expected_metadata_files() -> list[tuple[Path, str]]:
+    """quantplug's own algorithms' metadata files and the text each must hold, from the classes'
+    declarations (imports every built-in algorithm; ``scripts/generate.py`` writes them)."""
+    files = []
+    for entry in _entry_points().values():
+        if entry.value.startswith("_quantplug."):
+            path = _metadata_path(entry)
+            if path is None:
+                raise AlgorithmError(f"cannot find the folder of algorithm {entry.name!r} ({entry.value})")
+            files.append((path, metadata_text(load_algorithm(entry.name))))
+    return sorted(files)

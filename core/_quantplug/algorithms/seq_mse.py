@@ -41,19 +41,18 @@ import torch
 
 from _quantplug.algorithms.spec import (
     Algorithm,
-    AlgorithmOption,
     WeightChoice,
     WeightGrid,
     WeightSite,
-    option_values,
+    option,
+    options_as_fields,
 )
 from _quantplug.algorithms.weight_layers import (
-    SEQUENTIAL,
-    SEQUENTIAL_OPTION,
     Encoder,
     LayerHessian,
     collects_hessian,
     hessian_of,
+    sequential_option,
     site_encoder,
     site_matrix,
 )
@@ -248,6 +247,7 @@ def seq_mse_encoding(
     return SeqMseResult(scale, zero_point, best_fraction, loss, default_loss)
 
 
+@options_as_fields
 class SeqMSE(Algorithm):
     """SeqMSE at convert: a new encoding per linear/convolution weight, codes rounded to nearest.
 
@@ -264,50 +264,17 @@ class SeqMSE(Algorithm):
         "AIMET's sequential MSE (Qualcomm AI Research, LLM recipes); Nagel et al. 2021, "
         "A White Paper on Neural Network Quantization (sec. 3.4)"
     )
-    options = (
-        AlgorithmOption(
-            "candidates",
-            "int",
-            100,
-            "range fractions tried per unit of range (k/n; AIMET: 20)",
-            minimum=1,
-            maximum=MAX_CANDIDATES,
-        ),
-        AlgorithmOption(
-            "max_fraction",
-            "float",
-            1.5,
-            "largest range fraction tried (above 1: coarser than min-max; AIMET: 1)",
-            minimum=1.0,
-            maximum=16.0,
-        ),
-        AlgorithmOption(
-            "data_free", "bool", True, "weights without a re-runnable layer: minimise the weights' own error"
-        ),
-        SEQUENTIAL_OPTION,
+    candidates: int = option(
+        100, "range fractions tried per unit of range (k/n; AIMET: 20)", minimum=1, maximum=MAX_CANDIDATES
     )
-
-    def __init__(
-        self,
-        candidates: int = 100,
-        max_fraction: float = 1.5,
-        data_free: bool = True,
-        sequential: bool = SEQUENTIAL,
-    ) -> None:
-        values = option_values(
-            self.name,
-            self.options,
-            {
-                "candidates": candidates,
-                "max_fraction": max_fraction,
-                "data_free": data_free,
-                "sequential": sequential,
-            },
-        )
-        self.sequential: bool = values["sequential"]
-        self.candidates: int = values["candidates"]
-        self.max_fraction: float = values["max_fraction"]
-        self.data_free: bool = values["data_free"]
+    max_fraction: float = option(
+        1.5,
+        "largest range fraction tried (above 1: coarser than min-max; AIMET: 1)",
+        minimum=1.0,
+        maximum=16.0,
+    )
+    data_free: bool = option(True, "weights without a re-runnable layer: minimise the weights' own error")
+    sequential: bool = sequential_option()
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
         return LayerHessian(site, grouped=True) if collects_hessian(site, self.name) else None

@@ -29,7 +29,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from _quantplug.algorithms.collectors import InputSample
-from _quantplug.algorithms.spec import Algorithm, AlgorithmOption, TransformContext, option_values
+from _quantplug.algorithms.spec import Algorithm, TransformContext, option, options_as_fields
 from _quantplug.errors import OptionError
 from _quantplug.graph.attrs import fetch_attr
 
@@ -130,56 +130,27 @@ def smoothing_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: flo
     return torch.where(ok, a.pow(alpha) / w.pow(1 - alpha), torch.ones_like(act_max)).clamp(min=1e-5)
 
 
+@options_as_fields
 class SmoothQuant(Algorithm):
     name = "smoothquant"
     description = "SmoothQuant: migrate activation outliers into linear weights, alpha searched per input"
     paper = "Xiao et al. 2023, SmoothQuant (ICML)"
-    options = (
-        AlgorithmOption(
-            "alpha",
-            "float",
-            -1.0,
-            "migration strength in [0, 1]; -1 searches it per input",
-            minimum=-1.0,
-            maximum=1.0,
-        ),
-        AlgorithmOption(
-            "act_bits",
-            "int",
-            0,
-            "activation bits simulated in the search (0: the quantizer's; -1: float)",
-            minimum=-1,
-            maximum=16,
-        ),
-        AlgorithmOption(
-            "weight_bits",
-            "int",
-            0,
-            "weight bits (per channel) simulated (0: the quantizer's)",
-            minimum=0,
-            maximum=16,
-        ),
-        AlgorithmOption(
-            "sample_rows", "int", 512, "calibration rows kept per input for the search", minimum=1
-        ),
+    alpha: float = option(
+        -1.0, "migration strength in [0, 1]; -1 searches it per input", minimum=-1.0, maximum=1.0
     )
+    act_bits: int = option(
+        0, "activation bits simulated in the search (0: the quantizer's; -1: float)", minimum=-1, maximum=16
+    )
+    weight_bits: int = option(
+        0, "weight bits (per channel) simulated (0: the quantizer's)", minimum=0, maximum=16
+    )
+    sample_rows: int = option(512, "calibration rows kept per input for the search", minimum=1)
 
-    def __init__(
-        self, alpha: float = -1.0, act_bits: int = 0, weight_bits: int = 0, sample_rows: int = 512
-    ) -> None:
-        values = option_values(
-            self.name,
-            self.options,
-            {"alpha": alpha, "act_bits": act_bits, "weight_bits": weight_bits, "sample_rows": sample_rows},
-        )
-        self.alpha: float = values["alpha"]
-        self.act_bits: int = values["act_bits"]
-        self.weight_bits: int = values["weight_bits"]
-        self.sample_rows: int = values["sample_rows"]
+    def __post_init__(self) -> None:
         if -1 < self.alpha < 0:
             raise OptionError(
                 "option 'alpha' of algorithm 'smoothquant' must be in [0, 1], or -1 to search it, "
-                f"got {alpha!r}"
+                f"got {self.alpha!r}"
             )
         if self.weight_bits == 1:
             raise OptionError(

@@ -33,39 +33,28 @@ picks scales, then rounding, then corrects the bias of the result.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Protocol, runtime_checkable
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import Field, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch.fx import GraphModule
 
-from _quantplug.algorithms.option_checks import range_problem
+from _quantplug.algorithms.option_checks import AlgorithmOption, option_values
 from _quantplug.annotation.spec_view import spec_range
 from _quantplug.errors import CalibrationError, OptionError
 from _quantplug.graph.attrs import put_attr
 from _quantplug.observers.per_block import resolve_block_size
+from _quantplug.plugins.contract import OPTION_TYPES
 from _quantplug.suggest import did_you_mean
 
-#: the kinds of values ``AlgorithmOption.type`` may name (also what metadata files spell)
-OPTION_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+if TYPE_CHECKING:
+    from typing_extensions import dataclass_transform
+else:
 
-
-@dataclass(frozen=True)
-class AlgorithmOption:
-    """One option of an algorithm (a constructor keyword), described for listings and the CLI."""
-
-    name: str
-    type: str  # one of OPTION_TYPES
-    default: Any
-    help: str = ""
-    choices: tuple[Any, ...] | None = None
-    #: the least and the greatest value an ``int``/``float`` option accepts (None: unbounded).
-    #: Checked with the type (:func:`~.option_checks.range_problem`; a ``float`` must also be
-    #: finite) before the algorithm is built, so a value that would fail deep in its arithmetic
-    #: (a negative damping, no sampled rows) is an ``OptionError`` naming the option.
-    minimum: float | None = None
-    maximum: float | None = None
+    def dataclass_transform(**kwargs: Any) -> Any:  # what type checkers read; nothing at run time
+        return lambda decorated: decorated
 
 
 @dataclass(frozen=True)
@@ -420,54 +409,54 @@ def is_sequential(algorithm: Any) -> bool:
     return bool(getattr(algorithm, "sequential", False))
 
 
-def option_values(
-    algorithm: str, declared: Sequence[AlgorithmOption], given: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``given`` checked against ``declared`` and completed with defaults (strings converted).
+#: the metadata key marking a dataclass field as an algorithm option (:func:`option`)
+_OPTION = "quantplug_algorithm_option"
 
-    Command-line values arrive as strings; they are converted to the declared type. Unknown
-    names, wrong types and values outside ``choices`` raise :class:`~_quantplug.errors.OptionError`.
+_AlgorithmClass = TypeVar("_AlgorithmClass", bound="type[Algorithm]")
+
+
+def option(
+    default: Any,
+    help: str = "",
+    *,
+    choices: tuple[Any, ...] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> Any:
+    """An algorithm option declared as a field of the algorithm (see :func:`options_as_fields`)."""
+    declared = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
+    return field(default=default, metadata={_OPTION: declared})
+
+
+@dataclass_transform(field_specifiers=(option,))
+def options_as_fields(cls: _AlgorithmClass) -> _AlgorithmClass:
+    """An :class:`Algorithm` subclass made a dataclass whose :func:`option` fields are its options.
+
+    Each option is one line, a field: its name and type are the constructor keyword's, its default,
+    help and bounds are :func:`option`'s. ``cls.options`` (what listings, metadata files and the
+    command line read) lists them in order, and constructing the algorithm checks and converts the
+    values given (:func:`option_values`) before the class's own ``__post_init__`` runs.
     """
-    by_name = {o.name: o for o in declared}
-    values = {o.name: o.default for o in declared}
-    for key, raw in given.items():
-        option = by_name.get(key)
-        if option is None:
-            known = ", ".join(sorted(by_name)) or "none"
-            raise OptionError(
-                f"algorithm {algorithm!r} has no option {key!r}{did_you_mean(key, by_name)}; "
-                f"its options: {known}"
-            )
-        values[key] = _convert_option(algorithm, option, raw)
-    return values
+    annotations = inspect.get_annotations(cls)
+    declared = []
+    for name, value in cls.__dict__.items():
+        if isinstance(value, Field) and _OPTION in value.metadata:
+            kind = annotations[name] if isinstance(annotations[name], str) else annotations[name].__name__
+            if kind not in OPTION_TYPES:
+                raise TypeError(
+                    f"option {name!r} of {cls.__name__} is a {kind}; options are {', '.join(OPTION_TYPES)}"
+                )
+            declared.append(AlgorithmOption(name, kind, value.default, **value.metadata[_OPTION]))
+    own_post_init = cls.__dict__.get("__post_init__")
 
+    def __post_init__(self: Any) -> None:
+        given = {o.name: getattr(self, o.name) for o in self.options}
+        for name, value in option_values(self.name, self.options, given).items():
+            setattr(self, name, value)
+        if own_post_init is not None:
+            own_post_init(self)
 
-def _convert_option(algorithm: str, option: AlgorithmOption, raw: Any) -> Any:
-    kind = OPTION_TYPES[option.type]
-    value = raw
-    try:
-        if isinstance(raw, str) and kind is not str:
-            if kind is bool:
-                lowered = raw.strip().lower()
-                if lowered not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(raw)
-                value = lowered in ("true", "1", "yes")
-            else:
-                value = kind(raw)
-        elif kind is float and isinstance(raw, int) and not isinstance(raw, bool):
-            value = float(raw)
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise ValueError(raw)
-    except ValueError:
-        raise OptionError(
-            f"option {option.name!r} of algorithm {algorithm!r} must be a {option.type}, got {raw!r}"
-        ) from None
-    if option.choices is not None and value not in option.choices:
-        raise OptionError(
-            f"option {option.name!r} of algorithm {algorithm!r} must be one of "
-            f"{', '.join(map(repr, option.choices))}, got {value!r}"
-        )
-    problem = range_problem(option.type, value, option.minimum, option.maximum)
-    if problem is not None:
-        raise OptionError(f"option {option.name!r} of algorithm {algorithm!r} must {problem}, got {raw!r}")
-    return value
+    cls.options = tuple(declared)
+    setattr(cls, "__post_init__", __post_init__)  # noqa: B010 (the base class declares none)
+    dataclass(repr=False, eq=False)(cls)  # in place; Algorithm's repr, and equal only to itself
+    return cls

@@ -32,7 +32,7 @@ import torch
 
 from _quantplug.algorithms.collectors import sum_in_order
 from _quantplug.algorithms.experts import GATHER_OP
-from _quantplug.algorithms.spec import AlgorithmOption, WeightGrid, WeightSite
+from _quantplug.algorithms.spec import AlgorithmOption, WeightGrid, WeightSite, option
 from _quantplug.algorithms.weight_matrix import (
     HessianAccumulator,
     IntegerGrid,
@@ -563,3 +563,8 @@ SEQUENTIAL_OPTION = AlgorithmOption(
     SEQUENTIAL,
     "layer inputs from the model quantized so far (as AIMET, GPTQ); false: float inputs",
 )
+
+
+def sequential_option() -> Any:
+    """:data:`SEQUENTIAL_OPTION` as a field of an algorithm: ``sequential: bool = sequential_option()``."""
+    return option(SEQUENTIAL_OPTION.default, SEQUENTIAL_OPTION.help)

@@ -16,20 +16,11 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from _quantplug.algorithms.option_checks import bounds_text, range_problem
+from _quantplug.algorithms.option_checks import bounds_text, option_from_metadata, option_values
 from _quantplug.cli.checks import check_calibration_path
 from _quantplug.cli.errors import InputError
+from _quantplug.plugins.contract import OPTION_TYPES
 from _quantplug.suggest import did_you_mean
-
-#: option types as metadata spells them -> how a command-line string is checked
-_CHECKS: dict[str, Callable[[str], Any]] = {
-    "int": int,
-    "float": float,
-    "str": str,
-    "bool": lambda v: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[
-        v.lower()
-    ],
-}
 
 
 def add_parser(sub: Any, add_common: Callable[..., None]) -> None:
@@ -131,8 +122,8 @@ def algorithms_help(rows: Sequence[Mapping[str, Any]] | None = None) -> str:
 def check_algorithm_arguments(args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
     """``(name, {option: value})`` per ``--algorithm``, checked against metadata (no import).
 
-    Unknown names and options get "did you mean"; values are checked against the declared type and
-    choices when the algorithm ships metadata (otherwise when it is loaded).
+    Unknown names and options get "did you mean"; values are checked against the declared type,
+    choices and bounds when the algorithm ships metadata (otherwise when it is loaded).
     """
     names: list[str] = list(getattr(args, "algorithm", []) or [])
     raw: list[str] = list(getattr(args, "algorithm_option", []) or [])
@@ -189,23 +180,7 @@ def check_algorithm_arguments(args: argparse.Namespace) -> list[tuple[str, dict[
 
 
 def _check_value(algorithm: str, option: Mapping[str, Any], value: str) -> None:
-    check = _CHECKS.get(str(option.get("type")))
-    if check is None:
-        return
-    try:
-        converted = check(value)
-    except (ValueError, KeyError):
-        raise InputError(
-            f"option {option['name']!r} of algorithm {algorithm!r} must be a {option['type']}, got {value!r}"
-        ) from None
-    choices = option.get("choices")
-    if choices and converted not in choices:
-        raise InputError(
-            f"option {option['name']!r} of algorithm {algorithm!r} must be one of "
-            f"{', '.join(map(str, choices))}, got {value!r}"
-        )
-    problem = range_problem(str(option.get("type")), converted, option.get("minimum"), option.get("maximum"))
-    if problem is not None:
-        raise InputError(
-            f"option {option['name']!r} of algorithm {algorithm!r} must {problem}, got {value!r}"
-        )
+    """``value`` (text) checked as building the algorithm will check it, from its metadata (an
+    option of a kind quantplug does not know is left to the algorithm)."""
+    if option.get("type") in OPTION_TYPES:
+        option_values(algorithm, (option_from_metadata(option),), {str(option["name"]): value})

@@ -19,7 +19,7 @@ from _quantplug.suggest import close_matches, did_you_mean
 #: here since 0.1.0 (the option is ``STRICT_OPTION`` of the contract)
 STRICT = STRICT_OPTION
 
-COMMANDS = ("backends", "quantize", "report", "conformance", "new-backend", "algorithms")
+COMMANDS = ("backends", "quantize", "report", "conformance", "new-backend", "metadata", "algorithms")
 
 #: ``package.module:factory`` (the part after the colon may be dotted: ``mod:Class.build``)
 FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -76,8 +76,9 @@ def check_backend_options(backend: str, pairs: Mapping[str, str]) -> BackendInfo
         info = None  # the plugin's own declaration decides, once it is imported
     if info is None:
         return None
-    if "strict" in pairs:
-        STRICT_OPTION.coerce(pairs["strict"], backend=backend)
+    for common in COMMON_OPTIONS:
+        if common.name in pairs:
+            common.coerce(pairs[common.name], backend=backend)
     given = {k: v for k, v in pairs.items() if k not in COMMON_OPTION_NAMES}
     info.resolve_options(given)
     return info

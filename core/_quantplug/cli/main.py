@@ -4,6 +4,9 @@
     quantplug algorithms [--json]              installed accuracy algorithms (from metadata)
     quantplug quantize [MODEL] [options]       quantize, lower, compare and report
     quantplug report OUT                       re-render OUT/report.html, print the summary
+    quantplug conformance NAME                 run the backend conformance kit
+    quantplug new-backend NAME                 write a backend distribution to start from
+    quantplug metadata NAME [--check]          write (check) a backend's generated files
     quantplug                                  = quantplug quantize (the built-in demo)
 
 Exit codes: 0 success, 2 bad input or usage (one line on stderr, the traceback with --verbose),
@@ -781,10 +784,11 @@ def build_parser(*, backend_help: bool = False) -> argparse.ArgumentParser:
     _add_common(p, sub=True)
     p.set_defaults(func=cmd_report)
 
-    from _quantplug.cli import conformance, scaffold  # backend authors' commands (no torch at import)
+    from _quantplug.cli import conformance, metadata, scaffold  # backend authors' (no torch at import)
 
     conformance.add_parser(sub, _add_common)
     scaffold.add_parser(sub, _add_common)
+    metadata.add_parser(sub, _add_common)
     algorithms_cli.add_parser(sub, _add_common)
     return parser
 

@@ -87,10 +87,12 @@ def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]
         context: the backend name and resolved options.
 
     Returns:
-        ``RulesModule(module="pkg.conv_rules", ops=[torch.ops.aten.conv2d.default, ...])``
-        entries. The core imports a module only if the graph being annotated contains one of its
-        ops, then collects the functions decorated with ``register_annotator`` in it. When two
-        modules cover one op, the later one (an extension's) wins.
+        ``RulesModule(module="pkg.conv_rules", ops=["aten.conv2d.default", ...])`` entries;
+        ``rules_from_index("pkg.rules")`` reads them from the package's generated index, so that
+        the ops are written once, in the modules' ``register_annotator`` decorators. The core
+        imports a module only if the graph being annotated contains one of its ops, then collects
+        the functions decorated with ``register_annotator`` in it. When two modules cover one op,
+        the later one (an extension's) wins.
     """
 
 

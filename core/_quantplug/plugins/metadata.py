@@ -9,14 +9,16 @@ file, ``<name>.backend.json``, in the folder of its plugin module (the entry poi
 found through the import system's finders without importing anything.
 
 The plugin's ``quantplug_backend_info()`` stays the source of truth (option checks written as
-code, ``BackendOption.check``, only run there); the file is generated from it::
+code, ``BackendOption.check``, only run there); the file is generated from it, with the backend's
+rules indexes (:mod:`_quantplug.quantizer.rules_index`), by the public command::
 
-    python -m _quantplug.plugins.metadata BACKEND [BACKEND ...]           # write the files
-    python -m _quantplug.plugins.metadata --check BACKEND [BACKEND ...]   # exit 1 if one is stale
+    quantplug metadata BACKEND [BACKEND ...]           # write the files
+    quantplug metadata --check BACKEND [BACKEND ...]   # exit 1 naming each stale one
 
-``load_backend`` logs a warning when a backend's file no longer matches what its plugin declares.
-A backend without the file works as before; the command line then lists its options only after
-importing it (``quantplug backends --check``).
+(``python -m quantplug.plugins.metadata``, 0.1.0's spelling, still writes or checks the metadata
+file alone.) ``load_backend`` logs a warning when a backend's file no longer matches what its
+plugin declares. A backend without the file works as before; the command line then lists its
+options only after importing it (``quantplug backends --check``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,10 @@ def read_declared(module: str, name: str) -> BackendInfo | None:
     return info
 
 
+#: the public command that writes (``--check``: checks) a backend's generated files
+COMMAND = "quantplug metadata"
+
+
 def stale_reason(module: str, info: BackendInfo) -> str | None:
     """Why backend ``info.name``'s metadata file does not match ``info`` (None: it matches or is absent)."""
     path = metadata_path(module, info.name)
@@ -177,50 +183,71 @@ def stale_reason(module: str, info: BackendInfo) -> str | None:
     if found != info_to_dict(info):
         return (
             f"{path} does not match the options its plugin declares; regenerate it with "
-            f"`python -m _quantplug.plugins.metadata {info.name}`"
+            f"`{COMMAND} {info.name}`"
         )
     return None
 
 
+def metadata_text(info: BackendInfo) -> str:
+    """The text of the metadata file describing ``info``."""
+    return json.dumps(info_to_dict(info), indent=2) + "\n"
+
+
+def expected_files(backends: Iterable[str]) -> list[tuple[Path, str]]:
+    """Each backend's metadata file and the text it must hold (imports the plugins)."""
+    from _quantplug.plugins.registry import load_backend
+
+    files = []
+    for name in backends:
+        loaded = load_backend(name)
+        path = metadata_path(loaded.entry.module, name)
+        if path is None:
+            raise MetadataError(f"cannot locate the folder of module {loaded.entry.module!r}")
+        files.append((path, metadata_text(loaded.info)))
+    return files
+
+
 def write_metadata(name: str) -> Path:
     """Write backend ``name``'s metadata file next to its plugin module (imports the plugin)."""
+    [(path, text)] = expected_files([name])
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def check_metadata(name: str) -> tuple[Path | None, str | None]:
+    """Backend ``name``'s metadata file, and why it is missing or stale (None: it is current)."""
     from _quantplug.plugins.registry import load_backend
 
     loaded = load_backend(name)
     path = metadata_path(loaded.entry.module, name)
-    if path is None:
-        raise MetadataError(f"cannot locate the folder of module {loaded.entry.module!r}")
-    path.write_text(json.dumps(info_to_dict(loaded.info), indent=2) + "\n", encoding="utf-8")
-    return path
+    if path is None or not path.is_file():
+        return path, f"backend {name!r} ships no metadata file ({path}); write it with `{COMMAND} {name}`"
+    return path, stale_reason(loaded.entry.module, loaded.info)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """0.1.0's command (``python -m quantplug.plugins.metadata``): the metadata files alone."""
     import argparse
 
-    from _quantplug.plugins.registry import load_backend
-
     parser = argparse.ArgumentParser(
-        prog="python -m _quantplug.plugins.metadata",
-        description="Write (or --check) installed backends' metadata files from their plugins.",
+        prog="python -m quantplug.plugins.metadata",
+        description="Write (or --check) installed backends' metadata files from their plugins "
+        f"(`{COMMAND}` writes them and the backends' rules indexes).",
     )
     parser.add_argument("backends", nargs="+", metavar="BACKEND")
     parser.add_argument("--check", action="store_true", help="only check; exit 1 if a file is stale")
     args = parser.parse_args(argv)
     failed = False
     for name in args.backends:
-        if args.check:
-            loaded = load_backend(name)
-            path = metadata_path(loaded.entry.module, name)
-            reason = stale_reason(loaded.entry.module, loaded.info)
-            if path is None or not path.is_file():
-                reason = f"backend {name!r} ships no metadata file ({path})"
-            if reason is not None:
-                failed = True
-                print(reason, file=sys.stderr)
-            else:
-                print(f"{name}: {path} is up to date")
-        else:
+        if not args.check:
             print(f"{name}: wrote {write_metadata(name)}")
+            continue
+        path, reason = check_metadata(name)
+        if reason is not None:
+            failed = True
+            print(reason, file=sys.stderr)
+        else:
+            print(f"{name}: {path} is up to date")
     return 1 if failed else 0
 
 

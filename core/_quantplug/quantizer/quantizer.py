@@ -576,7 +576,9 @@ def _annotated_keys(node: Node) -> list[Any]:
 
 def make_quantizer(backend: LoadedBackend, options: dict[str, Any]) -> Quantizer:
     """Resolve ``options`` (``strict`` like any bool option, the rest against the backend's)."""
-    strict = STRICT_OPTION.coerce(options.pop("strict", True), backend=backend.info.name)
+    strict = STRICT_OPTION.coerce(
+        options.pop(STRICT_OPTION.name, STRICT_OPTION.default), backend=backend.info.name
+    )
     resolved = backend.info.resolve_options(options)
     return Quantizer(backend, resolved, strict=strict)
 

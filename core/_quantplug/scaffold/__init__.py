@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from _quantplug.errors import QuantplugError
-from _quantplug.scaffold.templates import FILES
+from _quantplug.scaffold.templates import FILES, RULES_INDEX_TEMPLATE
 
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -66,3 +66,27 @@ def create_backend(name: str, directory: str | Path = ".") -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
     return root
+
+
+def expected_files() -> list[tuple[Path, str]]:
+    """The template of the rules index a generated distribution ships, and the text it must hold.
+
+    It is the index of the generated rules module's declarations, found as a vendor's is: the
+    distribution is written into a scratch folder and its rules package imported from there.
+    """
+    import sys
+    import tempfile
+
+    from _quantplug.quantizer.rules_index import expected_index
+
+    probe = names("scaffold_probe")
+    with tempfile.TemporaryDirectory() as scratch:
+        root = str(create_backend(probe["name"], scratch))
+        sys.path.insert(0, root)
+        try:
+            _, text = expected_index(f"{probe['package']}.rules")
+        finally:
+            sys.path.remove(root)
+            for module in [m for m in sys.modules if m.split(".")[0] == probe["package"]]:
+                del sys.modules[module]
+    return [(RULES_INDEX_TEMPLATE, text.replace(probe["package"], "{{package}}"))]

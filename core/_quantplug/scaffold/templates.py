@@ -1,8 +1,15 @@
 """The files ``quantplug new-backend`` writes (``{{name}}``, ``{{package}}``, ``{{dist}}``,
 ``{{title}}`` are filled in). Each is a working starting point, not a placeholder: the generated
-distribution passes the conformance kit as written."""
+distribution passes the conformance kit as written.
+
+The rules index the distribution ships (``rules/rules.json``) is derived from the rules module's
+declarations like any other: ``rules.json.template`` beside this module is generated from
+:data:`BASIC_RULES` (``python scripts/generate.py``; :func:`_quantplug.scaffold.expected_files`).
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 PYPROJECT = """\
 [build-system]
@@ -26,8 +33,10 @@ dependencies = ["quantplug>=0.2.0"]
 [tool.setuptools.packages.find]
 include = ["{{package}}*"]
 
+# what quantplug reads without importing the plugin: the rules index, and the options once
+# `quantplug metadata {{name}}` has written them (run it after changing rules or options)
 [tool.setuptools.package-data]
-{{package}} = ["py.typed"]
+{{package}} = ["py.typed", "rules/rules.json", "*.backend.json"]
 
 [tool.pytest.ini_options]
 testpaths = ["tests"]
@@ -58,7 +67,7 @@ artifact.save("out/")  # out/{{name}}_encodings.json, out/artifact.json
 |---|---|
 | `{{package}}/plugin.py` | the hook implementations (entry point `quantplug.backends`) |
 | `{{package}}/configs.py` | presets -> `QuantizationConfig` |
-| `{{package}}/rules/` | annotation rules, imported only when a graph needs them |
+| `{{package}}/rules/` | annotation rules, imported only when a graph needs them (`rules.json`: their ops) |
 | `{{package}}/constraints.py` | what the hardware accepts (`OpConstraint` table) |
 | `{{package}}/lowering.py` | the artifact writer |
 | `tests/` | an end-to-end test; the conformance kit runs as part of `pytest` |
@@ -70,6 +79,8 @@ pip install -e .
 pytest                              # your tests + the conformance kit (one test per check)
 quantplug conformance {{name}}       # the same kit, as a report (exit 0 when it conforms)
 quantplug quantize --backend {{name}}
+quantplug metadata {{name}}          # after changing rules or options: the files read without importing
+quantplug metadata {{name}} --check  # in CI: exit 1 if one of them is stale
 ```
 
 See quantplug's `docs/writing-a-backend.md` for every hook, the constraint model, fusion
@@ -109,9 +120,9 @@ from quantplug.backend import (
     QuantizationConfig,
     RulesModule,
     hookimpl,
+    rules_from_index,
 )
 from {{package}} import configs
-from {{package}}.rules import RULE_MODULES
 
 INFO = BackendInfo(
     name="{{name}}",
@@ -132,7 +143,8 @@ def quantplug_backend_info() -> BackendInfo:
 
 @hookimpl
 def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]:
-    return RULE_MODULES
+    """The rules modules and the ops each covers, from rules/rules.json (imports none of them)."""
+    return rules_from_index("{{package}}.rules")
 
 
 @hookimpl
@@ -235,23 +247,18 @@ def build_config(precision: str, options: Mapping[str, Any]) -> QuantizationConf
 '''
 
 RULES_INIT = '''\
-"""The rules modules of {{name}} and the ops each covers.
+"""The annotation rules of {{name}}, a module per family of ops.
 
-Op names are plain strings so that listing them imports nothing: quantplug imports a rules
-module only when the graph being annotated contains one of its ops.
+Each module declares the ops it covers in its ``@register_annotator`` decorators, and nowhere
+else: ``rules.json`` here indexes them (``quantplug metadata {{name}}`` writes it), so quantplug
+learns which module covers which op without importing any: it imports a rules module only when
+the graph being annotated contains one of its ops.
 """
-
-from __future__ import annotations
-
-from quantplug.backend import RulesModule
-
-RULE_MODULES: tuple[RulesModule, ...] = (
-    RulesModule(
-        "{{package}}.rules.basic_rules",
-        ["aten.linear.default", "aten.conv2d.default", "aten.relu.default", "aten.add.Tensor"],
-    ),
-)
 '''
+
+#: ``rules/rules.json``: the index of :data:`BASIC_RULES`, generated (see the module docstring)
+RULES_INDEX_TEMPLATE = Path(__file__).parent / "rules.json.template"
+RULES_INDEX = RULES_INDEX_TEMPLATE.read_text(encoding="utf-8")
 
 BASIC_RULES = '''\
 """Linear, conv2d, relu and add.
@@ -454,6 +461,7 @@ FILES: dict[str, str] = {
     "{{package}}/constraints.py": CONSTRAINTS,
     "{{package}}/lowering.py": LOWERING,
     "{{package}}/rules/__init__.py": RULES_INIT,
+    "{{package}}/rules/rules.json": RULES_INDEX,
     "{{package}}/rules/basic_rules.py": BASIC_RULES,
     "tests/test_{{name}}.py": TEST_BACKEND,
 }

@@ -19,9 +19,9 @@ from quantplug.backend import (
     OpConstraint,
     Preset,
     RulesModule,
+    rules_from_index,
 )
 from quantplug_qnn_htp import configs, soc
-from quantplug_qnn_htp.rules import RULE_MODULES
 
 ENCODINGS_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
 DEFAULT_ENCODINGS_VERSION = "1.0.0"
@@ -153,7 +153,7 @@ def quantplug_backend_info() -> BackendInfo:
 
 @quantplug.hookimpl
 def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]:
-    return RULE_MODULES
+    return rules_from_index("quantplug_qnn_htp.rules")
 
 
 @quantplug.hookimpl

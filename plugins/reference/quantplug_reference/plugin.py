@@ -15,9 +15,9 @@ from quantplug.backend import (
     OpConstraint,
     Preset,
     RulesModule,
+    rules_from_index,
 )
 from quantplug_reference import configs
-from quantplug_reference.rules import RULE_MODULES
 
 INFO = BackendInfo(
     name="reference",
@@ -86,7 +86,7 @@ def quantplug_backend_info() -> BackendInfo:
 
 @quantplug.hookimpl
 def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]:
-    return RULE_MODULES
+    return rules_from_index("quantplug_reference.rules")
 
 
 @quantplug.hookimpl

@@ -33,9 +33,9 @@ from quantplug.backend import (
     RulesModule,
     SharingGroups,
     SharingProblem,
+    rules_from_index,
 )
 from quantplug_example_vendor import configs
-from quantplug_example_vendor.rules import RULE_MODULES
 
 INFO = BackendInfo(
     name="example_vendor",
@@ -60,7 +60,8 @@ def quantplug_backend_info() -> BackendInfo:
 
 @quantplug.hookimpl
 def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]:
-    return RULE_MODULES
+    # the ops each module covers are its @register_annotator declarations, indexed in rules/rules.json
+    return rules_from_index("quantplug_example_vendor.rules", ["weighted_rules", "elementwise_rules"])
 
 
 @quantplug.hookimpl

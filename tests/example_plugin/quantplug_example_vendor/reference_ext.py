@@ -16,8 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import quantplug
-from quantplug.backend import OUTPUT, BackendContext, OpConstraint, PortConstraint, RulesModule
-from quantplug_example_vendor.rules import REFERENCE_EXTENSION_RULES
+from quantplug.backend import (
+    OUTPUT,
+    BackendContext,
+    OpConstraint,
+    PortConstraint,
+    RulesModule,
+    rules_from_index,
+)
 
 ABS = OpConstraint(
     op="aten.abs.default",
@@ -35,7 +41,7 @@ ABS = OpConstraint(
 
 @quantplug.hookimpl
 def quantplug_annotation_rules(context: BackendContext) -> Sequence[RulesModule]:
-    return REFERENCE_EXTENSION_RULES
+    return rules_from_index("quantplug_example_vendor.rules", ["abs_rules"])
 
 
 @quantplug.hookimpl

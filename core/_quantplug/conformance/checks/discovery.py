@@ -10,7 +10,7 @@ from typing import Any
 import quantplug
 from _quantplug.conformance.checks.session import Failed, Session, in_fresh_interpreter
 from _quantplug.errors import OptionError
-from _quantplug.plugins.contract import BackendInfo, BackendOption
+from _quantplug.plugins.contract import OPTION_TYPES, BackendInfo, BackendOption
 from _quantplug.plugins.registry import load_backend
 from _quantplug.quantizer.quantizer import Quantizer
 
@@ -91,9 +91,6 @@ def _probe(name: str) -> dict[str, Any]:
     return dict(in_fresh_interpreter(PROBE, name))
 
 
-_OPTION_TYPES = (bool, int, float, str)
-
-
 def check_options(session: Session, case: str) -> str:
     info = load_backend(session.name).info
     problems: list[str] = []
@@ -116,8 +113,8 @@ def check_options(session: Session, case: str) -> str:
         return q
 
     for o in info.options:
-        if o.type not in _OPTION_TYPES:
-            problems.append(f"option {o.name!r}: type {o.type!r} is not bool, int, float or str")
+        if o.type not in OPTION_TYPES.values():
+            problems.append(f"option {o.name!r}: type {o.type!r} is not {' or '.join(OPTION_TYPES)}")
             continue
         if o.default is not None and not _is_type(o.default, o.type):
             problems.append(f"option {o.name!r}: default {o.default!r} is not a {o.type.__name__}")
@@ -133,7 +130,7 @@ def check_options(session: Session, case: str) -> str:
     unknown = "conformance_no_such_option"
     attempt({unknown: 1}, expect_error=True, what=f"an unknown option {unknown!r}")
     for o in info.options:
-        if o.type not in _OPTION_TYPES:
+        if o.type not in OPTION_TYPES.values():
             continue
         # an option that applies only with others set (``applies_with``) is tried in that company
         company = {other: allowed[0] for other, allowed in o.applies_with.items() if allowed}
