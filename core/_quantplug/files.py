@@ -8,6 +8,11 @@ symbolic link for it; ``rename`` then replaces the destination's directory entry
 replaced, not followed). A writer that needs a path (ONNX, torch.save) gets one inside a private
 folder (``mkdtemp``: mode 0700, unique name) for the same reason.
 
+``refuse_planted_links`` refuses a path that goes through a symbolic link another user planted in
+a shared sticky folder (``/tmp``): the rule Linux applies with ``fs.protected_symlinks``, and
+``ssh``/``git`` with their ownership checks. Replacing ``--out shared/qout`` through such a link
+would replace the files of whoever the link points at.
+
 ``read_json`` reads the JSON files quantplug reads back (``report.json``, ``mixed_precision.json``,
 a backend's ``*.backend.json``) as untrusted input: a regular file only (a link to ``/dev/zero``
 would be read until memory runs out, a FIFO would block forever), at most ``limit`` bytes, nested
@@ -94,6 +99,82 @@ def _unlink_quietly(name: str | os.PathLike[str]) -> None:
         os.unlink(name)
     except OSError:
         pass
+
+
+# ------------------------------------------------------------------------------------------------
+# paths through links others planted
+# ------------------------------------------------------------------------------------------------
+
+
+class UnsafePathError(QuantplugError, ValueError):
+    """A path quantplug would write through that leads through a symbolic link another user
+    planted in a shared sticky folder. The message names the link and its owner."""
+
+
+def planted_link(path: str | os.PathLike[str]) -> tuple[Path, int] | None:
+    """The first symbolic link met resolving ``path`` that sits in a sticky, world-writable folder
+    and belongs neither to this user nor to the folder's owner, with its owner's uid; None if
+    there is none (or the system has no such notion).
+
+    Resolution follows the kernel's: component by component, each link's target in place of the
+    link (``..`` after a link leaves the folder the link led to). Components that do not exist yet
+    end the walk: nothing can be followed there.
+    """
+    if not hasattr(os, "geteuid"):
+        return None
+    me = os.geteuid()
+    todo = list(Path(os.path.abspath(path)).parts)
+    current = Path(todo.pop(0))
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        step = current / part
+        try:
+            info = os.lstat(step)
+        except OSError:
+            return None
+        if not stat.S_ISLNK(info.st_mode):
+            current = step
+            continue
+        folder = os.stat(current)
+        shared = folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH
+        if shared and info.st_uid not in (me, folder.st_uid):
+            return step, info.st_uid
+        hops += 1
+        if hops > 40:  # a loop: the write fails on its own (ELOOP)
+            return None
+        target = Path(os.readlink(step))
+        if target.is_absolute():
+            current = Path(target.anchor)
+            todo = list(target.parts[1:]) + todo
+        else:
+            todo = list(target.parts) + todo
+    return None
+
+
+def refuse_planted_links(path: str | os.PathLike[str], what: str) -> None:
+    """Raise :class:`UnsafePathError` when writing ``path`` (named ``what`` in the message, e.g.
+    ``--out 'shared/qout'``) would go through a link another user planted (:func:`planted_link`)."""
+    found = planted_link(path)
+    if found is None:
+        return
+    link, uid = found
+    try:
+        import pwd
+
+        owner = f"user {pwd.getpwuid(uid).pw_name!r}"
+    except (ImportError, KeyError):
+        owner = f"uid {uid}"
+    raise UnsafePathError(
+        f"refusing to write {what}: {str(link)!r} is a symbolic link owned by {owner} in the shared sticky "
+        f"folder {str(link.parent)!r}; following it could replace another user's files. Give the folder "
+        "it points to directly if it is yours"
+    )
 
 
 # ------------------------------------------------------------------------------------------------

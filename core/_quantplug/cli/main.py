@@ -40,7 +40,7 @@ from _quantplug.cli.checks import (
     looks_like_model,
     unknown_command,
 )
-from _quantplug.cli.console import Console
+from _quantplug.cli.console import Console, silence_stdout, stdout_reader_gone
 from _quantplug.cli.errors import InputError
 from _quantplug.plugins.api_version import PLUGIN_API_VERSION
 
@@ -235,7 +235,7 @@ def check_quantize_arguments(args: argparse.Namespace) -> dict[str, str]:
 
 def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
     from _quantplug.cli import distributed
-    from _quantplug.cli.output import StagedOutput
+    from _quantplug.cli.output import StagedOutput, storage_error
 
     pairs = check_quantize_arguments(args)
     if args.nproc > 1 and distributed.launched_world() is None:
@@ -246,8 +246,14 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
             _quantize_into(None, args, pairs, Console(quiet=True, verbose=console.verbose), group)
             return EXIT_OK
         with StagedOutput(out_dir) as stage:  # takes the lock: a second run on --out fails now
-            data, debug = _quantize_into(stage, args, pairs, console, group)
-            stage.commit()
+            try:
+                data, debug = _quantize_into(stage, args, pairs, console, group)
+                stage.commit()
+            except Exception as exc:
+                full = storage_error(exc, f"--out {str(out_dir)!r}")
+                if full is None:
+                    raise
+                raise full from exc
     if not console.quiet:
         from _quantplug.report import format_summary
 
@@ -428,6 +434,7 @@ def _quantize_into(
         _quiet_torch(console)
         import quantplug
         from _quantplug.cli.inputs import check_batches, load_model
+        from _quantplug.cli.output import storage_error
         from _quantplug.meta import STATE_KEY
         from _quantplug.observers.nonfinite import ignored_counts, masked_counts
         from _quantplug.plugins.registry import load_backend
@@ -566,6 +573,8 @@ def _quantize_into(
         _drop_pass_provenance(exported)
         torch.export.save(exported, str(stage.path / "quantized.pt2"))
     except Exception as exc:
+        if storage_error(exc, "") is not None:
+            raise  # a full disk stops the run (cmd_quantize names --out)
         warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
     t = lap("save", t)
 
@@ -609,13 +618,14 @@ def _quantize_into(
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from _quantplug.files import write_atomic
+    from _quantplug.files import refuse_planted_links, write_atomic
     from _quantplug.report import format_summary, load_report, render_html
 
-    data = load_report(args.out)
     folder = Path(args.out)
     if not folder.is_dir():
         folder = folder.parent
+    refuse_planted_links(folder / "report.html", repr(str(folder / "report.html")))
+    data = load_report(args.out)
     try:
         page, summary = render_html(data), format_summary(data)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
@@ -968,6 +978,9 @@ def _main(argv: Sequence[str]) -> int:
             signum = received[0]
             console.error("interrupted" if signum == signal.SIGINT else f"terminated by signal {signum}")
             return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+        if isinstance(exc, BrokenPipeError) and stdout_reader_gone():
+            silence_stdout()  # the reader (| head) took what it wanted: the command's work is done
+            return EXIT_OK
         if isinstance(exc, (InputError, QuantplugError)):
             if console.verbose:
                 traceback.print_exc(file=console.stream)
