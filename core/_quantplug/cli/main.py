@@ -41,7 +41,7 @@ from _quantplug.cli.checks import (
     unknown_command,
 )
 from _quantplug.cli.console import Console, silence_stdout, stdout_reader_gone
-from _quantplug.cli.errors import InputError
+from _quantplug.cli.errors import InputError, Terminated
 from _quantplug.plugins.api_version import PLUGIN_API_VERSION
 
 EXIT_OK = 0
@@ -834,14 +834,6 @@ def _quiet_torch(console: Console) -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-class Terminated(BaseException):
-    """SIGTERM/SIGHUP as an exception, so the run cleans up (a BaseException: nothing swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 #: signals received inside ``signals_deferred`` (None outside it)
 _deferred: list[int] | None = None
 
@@ -974,6 +966,8 @@ def _main(argv: Sequence[str]) -> int:
         with _signals_as_exceptions(received):
             return int(args.func(args, console))
     except BaseException as exc:
+        if isinstance(exc, Terminated) and not received:  # --nproc's launcher: torch's agent caught it
+            received.append(exc.signum)
         if received:  # whatever the interrupted code made of the signal
             signum = received[0]
             console.error("interrupted" if signum == signal.SIGINT else f"terminated by signal {signum}")
