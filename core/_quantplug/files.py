@@ -200,7 +200,7 @@ _KINDS = {
 
 class UnreadableFileError(QuantplugError, ValueError):
     """A file quantplug reads that is not a regular file, is too large, or is not the JSON it
-    should be (too deep, non-finite numbers). The message names the file."""
+    should be (too deep, non-finite numbers). The message is ``"PATH: what is wrong"``."""
 
 
 def read_regular(path: str | os.PathLike[str], *, limit: int = JSON_LIMIT) -> bytes:
@@ -218,10 +218,10 @@ def read_regular(path: str | os.PathLike[str], *, limit: int = JSON_LIMIT) -> by
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
-            raise UnreadableFileError(f"{name} is {kind}, not a regular file")
+            raise UnreadableFileError(f"{name}: {kind}, not a regular file")
         if info.st_size > limit:
             raise UnreadableFileError(
-                f"{name} holds {_size(info.st_size)}, more than the {_size(limit)} it may"
+                f"{name}: holds {_size(info.st_size)}, more than the {_size(limit)} it may"
             )
         chunks, total = [], 0
         while True:  # read to the end, whatever st_size said (a file still growing)
@@ -231,7 +231,7 @@ def read_regular(path: str | os.PathLike[str], *, limit: int = JSON_LIMIT) -> by
             chunks.append(chunk)
             total += len(chunk)
             if total > limit:
-                raise UnreadableFileError(f"{name} holds more than the {_size(limit)} it may")
+                raise UnreadableFileError(f"{name}: holds more than the {_size(limit)} it may")
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -243,35 +243,35 @@ def parse_json(text: bytes | str, where: str, *, max_depth: int = JSON_DEPTH, fi
     bits. ``UnicodeDecodeError`` and ``ValueError`` from the parser become that error too."""
 
     def constant(word: str) -> Any:
-        raise UnreadableFileError(f"{where} holds {word}, which JSON does not allow (write null)")
+        raise UnreadableFileError(f"{where}: holds {word}, which JSON does not allow (write null)")
 
     def real(digits: str) -> float:
         value = float(digits)
         if not math.isfinite(value):
-            raise UnreadableFileError(f"{where} holds the number {digits[:40]}, beyond a float's range")
+            raise UnreadableFileError(f"{where}: holds the number {digits[:40]}, beyond a float's range")
         return value
 
     def integer(digits: str) -> int:
         value = int(digits)
         if abs(value) >= _INT_LIMIT:
-            raise UnreadableFileError(f"{where} holds the integer {digits[:40]}, beyond 64 bits")
+            raise UnreadableFileError(f"{where}: holds the integer {digits[:40]}, beyond 64 bits")
         return value
 
     hooks: dict[str, Any] = {"parse_constant": constant, "parse_float": real, "parse_int": integer}
     try:
         value = json.loads(text, **(hooks if finite else {}))
     except RecursionError:
-        raise UnreadableFileError(f"{where} nests arrays or objects too deeply to read") from None
+        raise UnreadableFileError(f"{where}: nests arrays or objects too deeply to read") from None
     except UnicodeDecodeError as exc:
-        raise UnreadableFileError(f"{where} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise UnreadableFileError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except UnreadableFileError:
         raise
     except ValueError as exc:
-        raise UnreadableFileError(f"{where} is not valid JSON ({exc})") from None
+        raise UnreadableFileError(f"{where}: not valid JSON ({exc})") from None
     depth = _depth(value)
     if depth > max_depth:
         raise UnreadableFileError(
-            f"{where} nests arrays or objects {depth} levels deep (at most {max_depth})"
+            f"{where}: nests arrays or objects {depth} levels deep (at most {max_depth})"
         )
     return value
 

@@ -47,7 +47,7 @@ from types import TracebackType
 from typing import Any
 
 from _quantplug.cli.errors import InputError
-from _quantplug.files import refuse_planted_links, umask, write_atomic
+from _quantplug.files import read_json, refuse_planted_links, umask, write_atomic
 
 #: what ``quantplug quantize`` writes into --out (plus whatever this run staged)
 OUTPUT_NAMES = frozenset({"quantized.pt2", "artifact", "report.html", "report.json"})
@@ -289,17 +289,17 @@ def _own_journal(path: Path) -> dict[str, Any] | None:
     if not os.path.lexists(path) or path.is_symlink() or not _owned(path):
         return None
     try:
-        journal = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        journal = read_json(path, limit=2**20)
+    except (OSError, ValueError):
         return None
     if not isinstance(journal, dict) or not isinstance(journal.get("entries", {}), dict):
         return None
-    plain = re.compile(r"^[^/\\]+$")
+    plain = re.compile(r"[^/\\\n]+")
     names = [journal.get("old"), *journal.get("entries", {})]
     if journal.get("kind") == "entries":
         names.append(journal.get("stage"))
     if journal.get("kind") not in ("swap", "entries") or not all(
-        isinstance(n, str) and plain.match(n) and n not in (".", "..") for n in names
+        isinstance(n, str) and plain.fullmatch(n) and n not in (".", "..") for n in names
     ):
         return None
     return journal
