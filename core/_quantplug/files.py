@@ -123,7 +123,8 @@ def planted_link(path: str | os.PathLike[str]) -> tuple[Path, int] | None:
     if not hasattr(os, "geteuid"):
         return None
     me = os.geteuid()
-    todo = list(Path(os.path.abspath(path)).parts)
+    given = Path(path)  # not abspath(): it would drop "link/.." before the link is followed
+    todo = list((given if given.is_absolute() else Path(os.getcwd()) / given).parts)
     current = Path(todo.pop(0))
     hops = 0
     while todo:

@@ -62,7 +62,7 @@ def _shared(tmp_path: Path) -> Path:
 
 
 @needs_root
-@pytest.mark.parametrize("where", ["--out itself", "a folder on the way", "a link to the link"])
+@pytest.mark.parametrize("where", ["--out itself", "a folder on the way", "a link to the link", "link/.."])
 def test_a_link_planted_by_another_user_is_refused(
     tmp_path: Path, model: tuple[Path, Path], where: str
 ) -> None:
@@ -76,6 +76,7 @@ def test_a_link_planted_by_another_user_is_refused(
         "--out itself": link,
         "a folder on the way": link / "victim",
         "a link to the link": tmp_path / "mine",
+        "link/..": link / ".." / "victim",  # the link is followed before ".." applies
     }[where]
     if where == "a link to the link":
         out.symlink_to(link)  # the user's own link, leading through the planted one

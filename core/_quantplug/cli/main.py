@@ -434,7 +434,7 @@ def _quantize_into(
         _quiet_torch(console)
         import quantplug
         from _quantplug.cli.inputs import check_batches, load_model
-        from _quantplug.cli.output import storage_error
+        from _quantplug.cli.output import storage_cause
         from _quantplug.meta import STATE_KEY
         from _quantplug.observers.nonfinite import ignored_counts, masked_counts
         from _quantplug.plugins.registry import load_backend
@@ -573,7 +573,7 @@ def _quantize_into(
         _drop_pass_provenance(exported)
         torch.export.save(exported, str(stage.path / "quantized.pt2"))
     except Exception as exc:
-        if storage_error(exc, "") is not None:
+        if storage_cause(exc) is not None:
             raise  # a full disk stops the run (cmd_quantize names --out)
         warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
     t = lap("save", t)

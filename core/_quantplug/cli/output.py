@@ -60,22 +60,29 @@ _STORAGE = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space", er
 _STORAGE[errno.EROFS] = "make it writable"
 
 
-def storage_error(exc: BaseException, what: str) -> InputError | None:
-    """The one-line error for a run stopped by a full or read-only filesystem (``exc`` or an error
-    it was raised from), naming ``what`` (``--out 'DIR'``) and the file being written; None when
-    ``exc`` is something else."""
+def storage_cause(exc: BaseException) -> OSError | None:
+    """The error of a full or read-only filesystem ``exc`` is or was raised from, if any."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         if isinstance(cause, OSError) and cause.errno in _STORAGE:
-            name = f" ({cause.filename})" if cause.filename else ""
-            return InputError(
-                f"cannot write {what}: {cause.strerror or os.strerror(cause.errno)}{name}; "
-                f"{_STORAGE[cause.errno]} or choose another folder (nothing was replaced)"
-            )
+            return cause
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+def storage_error(exc: BaseException, what: str) -> InputError | None:
+    """The one-line error for a run stopped by a full or read-only filesystem, naming ``what``
+    (``--out 'DIR'``) and the file being written; None when ``exc`` is something else."""
+    cause = storage_cause(exc)
+    if cause is None or cause.errno is None:
+        return None
+    name = f" ({cause.filename})" if cause.filename else ""
+    return InputError(
+        f"cannot write {what}: {cause.strerror or os.strerror(cause.errno)}{name}; "
+        f"{_STORAGE[cause.errno]} or choose another folder (nothing was replaced)"
+    )
 
 
 class StagedOutput:
