@@ -208,8 +208,8 @@ def read_choice(
             f"{data.get('backend')} or search again"
         )
     check_preset_option(where, data.get("preset_option"), backend, preset_option)
-    unknown = sorted({default, *overrides.values()} - set(presets)) if presets is not None else []
-    if unknown and presets is not None:
+    unknown = sorted({default, *overrides.values()} - set(presets or ()))
+    if presets is not None and unknown:  # (without metadata: MixedPrecision.check, once imported)
         raise InputError(
             f"{where} uses preset {unknown[0]!r}{did_you_mean(unknown[0], presets)}, which backend "
             f"{backend!r} does not offer; its presets: {', '.join(presets)}"
