@@ -161,7 +161,9 @@ class CollectorMergeError(DistributedError):
 
 
 class UnsafeArchiveError(QuantplugError, ValueError):
-    """A ``.pt2`` archive that would run code when loaded (pickled entries, code in names)."""
+    """A ``.pt2`` archive that would run code when loaded (pickled entries, code in names), or
+    that cannot be checked: damaged, ambiguous (torch's zip reader and Python's would read
+    different entries), or holding entries outside torch.export.save's layout or too large."""
 
 
 class ConversionError(QuantplugError, RuntimeError):

@@ -197,7 +197,7 @@ def test_a_search_under_a_launcher_is_refused(tmp_path: Path) -> None:
 
     from tests.cli.conftest import CLI, REPO, clean_env
 
-    env = {**clean_env(), "WORLD_SIZE": "2", "RANK": "1"}
+    env = {**clean_env(), "WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "torchrun"}
     args = ["quantize", "-b", "qnn_htp", "--mixed-precision", "16a4w,16a8w", "--target-sqnr", "30"]
     done = subprocess.run(
         [*CLI, *args, "--out", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True

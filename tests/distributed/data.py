@@ -71,3 +71,17 @@ def fitting_on_rank_0_only() -> Iterator[torch.Tensor]:
 
     for x in algo_batches(4):
         yield x if os.environ.get("RANK", "0") == "0" else x[..., :-1]
+
+
+def slow(rank: int, world_size: int) -> Iterator[torch.Tensor]:
+    """The demo's images, one every 0.2 s for ever, after writing this rank's pid into
+    ``QUANTPLUG_TEST_PIDS/rank<N>``: a run to stop while every rank calibrates."""
+    import os
+    import time
+    from pathlib import Path
+
+    Path(os.environ["QUANTPLUG_TEST_PIDS"], f"rank{rank}").write_text(str(os.getpid()))
+    images = _images(1)
+    while True:
+        time.sleep(0.2)
+        yield images

@@ -1,7 +1,8 @@
 """Start N real processes of a ``torch.distributed`` gloo group on 127.0.0.1 and collect results.
 
 Each rank runs ``python -m tests.distributed.worker SCENARIO`` with the environment torchrun
-would give it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a port free at run time) and
+would give it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a port free at run time, the
+launcher's TORCHELASTIC_RUN_ID) and
 writes what it found to ``OUT/rank{r}.pt``. Every process has a deadline, so a bug that hangs a
 collective fails the test instead of the suite.
 """
@@ -44,6 +45,7 @@ def run_ranks(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world),
+        "TORCHELASTIC_RUN_ID": "tests",
         "OMP_NUM_THREADS": "1",
         "QUANTPLUG_TEST_OUT": str(out),
         **env,

@@ -21,8 +21,9 @@ STRICT = STRICT_OPTION
 
 COMMANDS = ("backends", "quantize", "report", "conformance", "new-backend", "metadata", "algorithms")
 
-#: ``package.module:factory`` (the part after the colon may be dotted: ``mod:Class.build``)
-FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+#: ``package.module:factory`` (the part after the colon may be dotted: ``mod:Class.build``);
+#: matched with ``fullmatch`` (``$`` would accept a trailing newline)
+FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 def looks_like_model(word: str) -> bool:
@@ -39,7 +40,7 @@ def unknown_command(word: str) -> InputError:
 
 def check_model_spec(spec: str | None) -> None:
     """The model argument names an existing file or a ``package.module:factory``."""
-    if spec is None or Path(spec).exists() or FACTORY.match(spec):
+    if spec is None or Path(spec).exists() or FACTORY.fullmatch(spec):
         return
     hint = ""
     if not looks_like_model(spec) and close_matches(spec, COMMANDS):
@@ -52,7 +53,7 @@ def check_model_spec(spec: str | None) -> None:
 
 def check_calibration_path(spec: str | None, what: str = "calibration data") -> None:
     """A file, a folder, or a ``package.module:factory`` returning an iterable of batches."""
-    if spec is not None and not Path(spec).exists() and not FACTORY.match(spec):
+    if spec is not None and not Path(spec).exists() and not FACTORY.fullmatch(spec):
         raise InputError(
             f"{what} {spec!r} not found (a .pt file, a folder of them or a "
             "package.module:factory returning an iterable of batches)"

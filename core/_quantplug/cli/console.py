@@ -172,3 +172,30 @@ class Progress:
         self._drawn = len(text)
         self.console.stream.write("\r" + text + pad)
         self.console.stream.flush()
+
+
+def stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reading end was closed (``quantplug ... | head``
+    that has read what it wanted): writing there fails with ``BrokenPipeError``."""
+    try:
+        import select
+
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no real stdout
+        return False
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def silence_stdout() -> None:
+    """Point standard output at the null device, so that the interpreter's final flush of what is
+    still buffered for a closed pipe neither fails nor changes the exit status."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass

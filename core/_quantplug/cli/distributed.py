@@ -12,14 +12,23 @@ On several machines, start the same command under ``torchrun`` on each (no ``--n
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29400 -m quantplug quantize model.pt2 -c data/ --out out/
 
-A process started by a launcher (``WORLD_SIZE`` > 1 and ``RANK`` in its environment) joins the
-group instead of launching; ``--out`` is written on the machine of rank 0. Every rank reads the
-model and the calibration data from its own filesystem (a shared one, or identical copies).
+A process started by torch's launcher (``WORLD_SIZE`` > 1, ``RANK`` and the launcher's
+``TORCHELASTIC_RUN_ID`` in its environment) joins the group instead of launching; ``--out`` is
+written on the machine of rank 0. ``WORLD_SIZE`` and ``RANK`` without the launcher's mark are
+left over in a shell: refused at once, naming them, rather than waiting for a group that will
+never form. Every rank reads the model and the calibration data from its own filesystem (a shared
+one, or identical copies).
+
+The launcher ends as a one-process run does: a signal it receives (SIGINT, SIGTERM) is passed to
+the ranks, which clean up, and it exits 130 / 128 + N; a rank that fails stops the others, and the
+launcher's last line names the rank and how it ended (its exit code, or the signal that killed it:
+SIGKILL is what the out-of-memory killer sends).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -30,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from _quantplug.cli.console import Console
+from _quantplug.cli.errors import InputError, Terminated
 
 #: how long ranks wait for each other at the observer sync (seconds)
 SYNC_TIMEOUT = float(os.environ.get("QUANTPLUG_SYNC_TIMEOUT", "600"))
@@ -38,19 +48,45 @@ _COUNTER_KEY = "quantplug/calibrated-batches"
 _left = False
 
 
+#: what torch's launcher (torchrun, --nproc) sets in every rank's environment
+LAUNCHER_MARK = "TORCHELASTIC_RUN_ID"
+
+
 def launched_world() -> tuple[int, int] | None:
-    """``(rank, world_size)`` when a launcher started this process as part of a group, else None."""
-    size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if size > 1 and "RANK" in os.environ:
-        return int(os.environ["RANK"]), size
-    return None
+    """``(rank, world_size)`` when torch's launcher started this process as part of a group, else
+    None.
+
+    Raises:
+        InputError: ``WORLD_SIZE``/``RANK`` describe a group but no launcher started this process
+            (they were left in the shell), or they are not numbers.
+    """
+    size_text, rank_text = os.environ.get("WORLD_SIZE", "1") or "1", os.environ.get("RANK")
+    try:
+        size = int(size_text)
+        rank = int(rank_text) if rank_text is not None else None
+    except ValueError:
+        raise InputError(
+            f"WORLD_SIZE={size_text!r} and RANK={rank_text!r} in the environment are not numbers: unset them "
+            "for a one-process run (--nproc N calibrates on N processes)"
+        ) from None
+    if size <= 1 or rank is None:
+        return None
+    if LAUNCHER_MARK not in os.environ:
+        raise InputError(
+            f"WORLD_SIZE={size} and RANK={rank} are set, but no torch launcher started this process "
+            f"({LAUNCHER_MARK} is not set): unset WORLD_SIZE and RANK for a one-process run, pass --nproc N, "
+            "or start the command under torchrun"
+        )
+    return rank, size
 
 
 def launch(argv: list[str], nproc: int, console: Console) -> int:
     """Run ``quantplug <argv>`` on ``nproc`` local processes; the exit code of the run.
 
     A rank that fails makes the launcher stop the others; the exit code is the failed rank's
-    (2 for bad input, as a one-process run would return).
+    (2 for bad input, as a one-process run would return; 128 + N for a rank killed by signal N),
+    and the last line names that rank. A signal to the launcher is passed to the ranks and ends
+    the launcher as it ends a one-process run (:class:`Terminated`, ``KeyboardInterrupt``).
 
     The launcher's per-rank log folders go to a temporary folder removed when the run ends: left
     to itself it makes ``torchelastic_*`` in the system's temporary folder on every run and never
@@ -59,12 +95,12 @@ def launch(argv: list[str], nproc: int, console: Console) -> int:
     """
     import logging
 
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if not console.verbose:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    if not console.verbose:  # what went wrong is said below, in quantplug's words
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     console.info(f"calibrating on {nproc} processes (torch.distributed, gloo)")
     with tempfile.TemporaryDirectory(prefix="quantplug-nproc-") as logs:
         config = LaunchConfig(
@@ -80,10 +116,28 @@ def launch(argv: list[str], nproc: int, console: Console) -> int:
         )
         try:
             elastic_launch(config, sys.executable)("-m", "quantplug", *argv)
+        except SignalException as exc:  # the launcher's own signal: torch's agent passed it on
+            if exc.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise Terminated(int(exc.sigval)) from None
         except ChildFailedError as exc:
-            codes = [failure.exitcode for failure in exc.failures.values()]
-            return next((c for c in codes if c > 0), 1)
+            rank, failure = exc.get_first_failure()  # the cause; the others were stopped after it
+            console.error(_rank_failure(rank, failure.pid, failure.exitcode))
+            return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1
     return 0
+
+
+def _rank_failure(rank: int, pid: int, code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (the out-of-memory killer sends it)" if code == -signal.SIGKILL else ""
+        how = f"was killed by {name} (signal {-code}){why}"
+    else:
+        how = f"failed with exit code {code} (its error is above)"
+    return f"rank {rank} (pid {pid}) {how}; the other ranks were stopped and --out is untouched"
 
 
 @dataclass

@@ -199,7 +199,7 @@ def load_model(spec: str | None, *, allow_pickle: bool = False) -> ModelInput:
     path = Path(spec)
     if path.exists():
         return _model_from_pt2(path, allow_pickle=allow_pickle)
-    if FACTORY.match(spec):
+    if FACTORY.fullmatch(spec):
         with _working_folder_importable():  # the factory and the model it builds may import more
             return _model_from_factory(spec)
     raise InputError(
@@ -409,7 +409,7 @@ def open_calibration(
     (sorted by name) or a ``package.module:factory`` returning an iterable of batches."""
     path = Path(spec)
     if not path.exists():
-        if FACTORY.match(spec):
+        if FACTORY.fullmatch(spec):
             factory, shards = _data_factory(spec)
             return CalibrationData(
                 spec,

@@ -43,8 +43,8 @@ from _quantplug.cli.checks import (
     looks_like_model,
     unknown_command,
 )
-from _quantplug.cli.console import Console
-from _quantplug.cli.errors import InputError
+from _quantplug.cli.console import Console, silence_stdout, stdout_reader_gone
+from _quantplug.cli.errors import InputError, Terminated
 from _quantplug.plugins.api_version import PLUGIN_API_VERSION
 
 EXIT_OK = 0
@@ -238,7 +238,7 @@ def check_quantize_arguments(args: argparse.Namespace) -> dict[str, str]:
 
 def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
     from _quantplug.cli import distributed
-    from _quantplug.cli.output import StagedOutput
+    from _quantplug.cli.output import StagedOutput, storage_error
 
     pairs = check_quantize_arguments(args)
     if args.nproc > 1 and distributed.launched_world() is None:
@@ -249,8 +249,14 @@ def cmd_quantize(args: argparse.Namespace, console: Console) -> int:
             _quantize_into(None, args, pairs, Console(quiet=True, verbose=console.verbose), group)
             return EXIT_OK
         with StagedOutput(out_dir) as stage:  # takes the lock: a second run on --out fails now
-            data, debug = _quantize_into(stage, args, pairs, console, group)
-            stage.commit()
+            try:
+                data, debug = _quantize_into(stage, args, pairs, console, group)
+                stage.commit()
+            except Exception as exc:
+                full = storage_error(exc, f"--out {str(out_dir)!r}")
+                if full is None:
+                    raise
+                raise full from exc
     if not console.quiet:
         from _quantplug.report import format_summary
 
@@ -435,6 +441,7 @@ def _quantize_into(
         from _quantplug.flow.convert import convert
         from _quantplug.flow.prepare import prepare
         from _quantplug.lowering.lower import lower
+        from _quantplug.cli.output import storage_cause
         from _quantplug.meta import STATE_KEY
         from _quantplug.observers.nonfinite import ignored_counts, masked_counts
         from _quantplug.plugins.registry import load_backend
@@ -574,6 +581,8 @@ def _quantize_into(
         _drop_pass_provenance(exported)
         torch.export.save(exported, str(stage.path / "quantized.pt2"))
     except Exception as exc:
+        if storage_cause(exc) is not None:
+            raise  # a full disk stops the run (cmd_quantize names --out)
         warn(f"the quantized program could not be saved as quantized.pt2: {_first_line(exc)}")
     t = lap("save", t)
 
@@ -617,13 +626,14 @@ def _quantize_into(
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from _quantplug.files import write_atomic
+    from _quantplug.files import refuse_planted_links, write_atomic
     from _quantplug.report import format_summary, load_report, render_html
 
-    data = load_report(args.out)
     folder = Path(args.out)
     if not folder.is_dir():
         folder = folder.parent
+    refuse_planted_links(folder / "report.html", repr(str(folder / "report.html")))
+    data = load_report(args.out)
     try:
         page, summary = render_html(data), format_summary(data)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
@@ -833,14 +843,6 @@ def _quiet_torch(console: Console) -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-class Terminated(BaseException):
-    """SIGTERM/SIGHUP as an exception, so the run cleans up (a BaseException: nothing swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 #: signals received inside ``signals_deferred`` (None outside it)
 _deferred: list[int] | None = None
 
@@ -973,10 +975,15 @@ def _main(argv: Sequence[str]) -> int:
         with _signals_as_exceptions(received):
             return int(args.func(args, console))
     except BaseException as exc:
+        if isinstance(exc, Terminated) and not received:  # --nproc's launcher: torch's agent caught it
+            received.append(exc.signum)
         if received:  # whatever the interrupted code made of the signal
             signum = received[0]
             console.error("interrupted" if signum == signal.SIGINT else f"terminated by signal {signum}")
             return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+        if isinstance(exc, BrokenPipeError) and stdout_reader_gone():
+            silence_stdout()  # the reader (| head) took what it wanted: the command's work is done
+            return EXIT_OK
         if isinstance(exc, (InputError, QuantplugError)):
             if console.verbose:
                 traceback.print_exc(file=console.stream)

@@ -7,7 +7,10 @@ overrides, the target and every point the search measured, drawn as the trade-of
 ``report.html``. The file is the user's to read and edit; ``--mixed-precision-file FILE`` applies
 it again without searching (also under ``--nproc``, where every process must apply the same).
 
-The arguments are checked here without torch; the search itself runs in ``choose``.
+The arguments are checked here without torch; the search itself runs in ``choose``. An applied
+file is read as untrusted input (a regular file, bounded, not too deep, finite numbers) and
+checked before torch is imported: its backend, its ``preset_option`` (the backend's own: another
+option would silently receive the presets) and its presets, against the backend's metadata.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from _quantplug.cli.errors import InputError
 #: calibration batches the search calibrates and measures every candidate on (the first ones)
 SEARCH_BATCHES = 8
 FILE_NAME = "mixed_precision.json"
+#: the format the file declares (``_quantplug.algorithms.mixed_precision.FORMAT``, not imported
+#: here: it imports torch)
+FILE_FORMAT = "quantplug-mixed-precision/1"
+#: the largest mixed_precision.json read (one entry per layer and per measured point)
+FILE_LIMIT = 64 * 2**20
 
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
 _UNITS |= {"kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -119,15 +127,13 @@ def check_arguments(
             raise InputError(
                 f"{flag} is the target of a mixed-precision search: add --mixed-precision PRESET,PRESET"
             )
-        if applied is not None and not Path(applied).is_file():
-            raise InputError(
-                f"--mixed-precision-file {applied!r} not found (a {FILE_NAME} from an earlier run)"
-            )
         if applied is not None and preset_option and preset_option in pairs:
             raise InputError(
                 f"--mixed-precision-file sets the presets (its 'default' and per-layer overrides): leave out "
                 f"--option {preset_option}={pairs[preset_option]}, or edit the file"
             )
+        if applied is not None:
+            args.mixed_choice = read_choice(applied, args.backend, preset_option, presets)
         return
     if applied is not None:
         raise InputError(
@@ -169,6 +175,60 @@ def check_arguments(
     args.mixed_budget = parse_budget(budget) if budget is not None else None
 
 
+def read_choice(
+    path: str, backend: str, preset_option: str | None, presets: list[str] | None
+) -> dict[str, Any]:
+    """``--mixed-precision-file``'s choice, checked against ``backend`` (its ``preset_option`` and
+    ``presets`` from metadata; None: unknown before the plugin is imported, checked in ``choose``)."""
+    from _quantplug.files import UnreadableFileError, read_json
+    from _quantplug.suggest import did_you_mean
+
+    where = f"--mixed-precision-file {path!r}"
+    written = f"(a {FILE_NAME} written by `quantplug quantize --mixed-precision`)"
+    try:
+        data = read_json(path, limit=FILE_LIMIT)
+    except FileNotFoundError:
+        raise InputError(f"{where} not found {written}") from None
+    except UnreadableFileError as exc:
+        raise InputError(f"cannot read --mixed-precision-file {exc}") from None
+    except OSError as exc:
+        raise InputError(f"{where} cannot be read: {exc.strerror or exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
+        raise InputError(f"{where} cannot be read: it is not a {FILE_FORMAT} document {written}")
+    default, overrides = data.get("default"), data.get("overrides", {})
+    if not isinstance(default, str) or not isinstance(overrides, dict):
+        raise InputError(f"{where}: 'default' must be a preset name and 'overrides' an object {written}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in overrides.items()):
+        raise InputError(f"{where}: 'overrides' must map layer names to preset names")
+    if not isinstance(data.get("options", {}), dict) or not isinstance(data.get("target", {}), dict):
+        raise InputError(f"{where}: 'options' and 'target' must be objects {written}")
+    if data.get("backend") != backend:
+        raise InputError(
+            f"{where} holds presets of backend {data.get('backend')!r}, not {backend!r}: pass --backend "
+            f"{data.get('backend')} or search again"
+        )
+    check_preset_option(where, data.get("preset_option"), backend, preset_option)
+    unknown = sorted({default, *overrides.values()} - set(presets or ()))
+    if presets is not None and unknown:  # (without metadata: MixedPrecision.check, once imported)
+        raise InputError(
+            f"{where} uses preset {unknown[0]!r}{did_you_mean(unknown[0], presets)}, which backend "
+            f"{backend!r} does not offer; its presets: {', '.join(presets)}"
+        )
+    return data
+
+
+def check_preset_option(where: str, named: Any, backend: str, preset_option: str | None) -> None:
+    """A file's ``preset_option`` is the backend's: the option its ``default`` and overrides are
+    given to. Another one (``activation_dtype``) would silently receive a preset name that happens
+    to be one of its values, the preset itself staying at its default."""
+    if preset_option is not None and named != preset_option:
+        raise InputError(
+            f"{where} names preset_option {named!r}, but backend {backend!r} selects presets with option "
+            f"{preset_option!r}: its 'default' and overrides are {preset_option} values; set "
+            f'"preset_option": "{preset_option}" in the file'
+        )
+
+
 def choose(
     args: argparse.Namespace,
     pairs: Mapping[str, str],
@@ -197,19 +257,23 @@ def choose(
         )
         source = "search"
     elif args.mixed_precision_file is not None:
+        from _quantplug.plugins.registry import load_backend
+
         path = Path(args.mixed_precision_file)
+        data = getattr(args, "mixed_choice", None)
+        if data is None:  # not checked yet (a caller other than check_arguments)
+            data = read_choice(str(path), args.backend, None, None)
         try:
-            found = MixedPrecision.load(path)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, QuantplugError) as exc:
+            found = MixedPrecision.from_dict(data)
+        except (ValueError, KeyError, TypeError, AttributeError, QuantplugError) as exc:
             raise InputError(
                 f"--mixed-precision-file {str(path)!r} cannot be read: {type(exc).__name__}: {exc} "
                 f"(it must be a {FILE_NAME} written by `quantplug quantize --mixed-precision`)"
             ) from None
-        if found.backend != args.backend:
-            raise InputError(
-                f"--mixed-precision-file {str(path)!r} holds presets of backend {found.backend!r}, not "
-                f"{args.backend!r}: pass --backend {found.backend} or search again"
-            )
+        where = f"--mixed-precision-file {str(path)!r}"
+        check_preset_option(
+            where, found.preset_option, args.backend, load_backend(args.backend).info.preset_option
+        )
         found.options = options  # this run's options; the file gives the presets
         found.check(program)
         source = str(path)
@@ -228,8 +292,11 @@ def quantizer_for(mixed: Mapping[str, Any], pairs: Mapping[str, str]) -> Any:
 
 
 def write_choice(mixed: Mapping[str, Any], folder: Path) -> Path:
-    """``FOLDER/mixed_precision.json``: the choice as ``--mixed-precision-file`` reads it back."""
+    """``FOLDER/mixed_precision.json``: the choice as ``--mixed-precision-file`` reads it back:
+    strict JSON, a measurement without a finite value (identical outputs: infinite SQNR) as null."""
+    from _quantplug.report.data import finite_json
+
     keep = {k: v for k, v in mixed.items() if k not in ("source", "layers")}
     path = folder / FILE_NAME
-    path.write_text(json.dumps(keep, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(finite_json(keep), indent=2, allow_nan=False) + "\n", encoding="utf-8")
     return path

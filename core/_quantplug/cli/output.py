@@ -6,8 +6,9 @@ final location (``--out`` resolved through symbolic links), so that renames, nev
 it in place:
 
 * the *anchor* folder holds the staging folder, the lock and the journal: the parent of the
-  resolved ``--out``, or ``--out`` itself when it cannot be renamed (a mount point, or a parent
-  the user may not write);
+  resolved ``--out``, or ``--out`` itself when it cannot be renamed (a mount point, a bind mount
+  included; another user's folder in a sticky parent; a parent the user may not write), decided
+  before the run, not found at its end;
 * ``--out`` absent: the staging folder is renamed to it;
 * ``--out`` holding nothing but quantplug outputs: the two folders are swapped in one system call
   (``renameat2(RENAME_EXCHANGE)`` on Linux, ``renamex_np(RENAME_SWAP)`` on macOS); where the
@@ -20,6 +21,10 @@ it in place:
 The commit's renames run with SIGINT/SIGTERM/SIGHUP blocked; before it, the command line turns
 those signals into exceptions, so the staging folder is removed however the run stops. A lock
 (``flock``) makes a second run targeting the same ``--out`` fail at once with a clear error.
+
+``--out`` is never reached through a symbolic link another user planted in a shared sticky
+folder (:func:`~_quantplug.files.refuse_planted_links`); a full or read-only filesystem stops the
+run with one line naming the path (:func:`storage_error`), the previous output in place.
 """
 
 from __future__ import annotations
@@ -42,12 +47,42 @@ from types import TracebackType
 from typing import Any
 
 from _quantplug.cli.errors import InputError
-from _quantplug.files import umask, write_atomic
+from _quantplug.files import read_json, refuse_planted_links, umask, write_atomic
 
 #: what ``quantplug quantize`` writes into --out (plus whatever this run staged)
 OUTPUT_NAMES = frozenset({"quantized.pt2", "artifact", "report.html", "report.json"})
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+#: a full or read-only filesystem: the user's to fix (exit 2, naming the path), not quantplug's
+_STORAGE = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space", errno.EFBIG: "free some space"}
+_STORAGE[errno.EROFS] = "make it writable"
+
+
+def storage_cause(exc: BaseException) -> OSError | None:
+    """The error of a full or read-only filesystem ``exc`` is or was raised from, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in _STORAGE:
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def storage_error(exc: BaseException, what: str) -> InputError | None:
+    """The one-line error for a run stopped by a full or read-only filesystem, naming ``what``
+    (``--out 'DIR'``) and the file being written; None when ``exc`` is something else."""
+    cause = storage_cause(exc)
+    if cause is None or cause.errno is None:
+        return None
+    name = f" ({cause.filename})" if cause.filename else ""
+    return InputError(
+        f"cannot write {what}: {cause.strerror or os.strerror(cause.errno)}{name}; "
+        f"{_STORAGE[cause.errno]} or choose another folder (nothing was replaced)"
+    )
 
 
 class StagedOutput:
@@ -60,11 +95,14 @@ class StagedOutput:
 
     def __init__(self, out: str | os.PathLike[str]) -> None:
         self.out = Path(out)
+        refuse_planted_links(self.out, f"--out {str(self.out)!r}")
         self.target = Path(os.path.realpath(self.out))
         if self.target.exists() and not self.target.is_dir():
             raise InputError(f"--out {str(self.out)!r} exists and is not a folder")
         parent = self.target.parent
-        movable = not (self.target.exists() and os.path.ismount(self.target))
+        # a folder that cannot be renamed (a mount point, bind mounts included; one of another
+        # user's in a sticky folder) is replaced entry by entry: found now, not at the commit
+        movable = not (self.target.exists() and not _renamable(self.target))
         if movable:
             try:
                 parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +252,36 @@ class StagedOutput:
                     shutil.rmtree(p, ignore_errors=True)
 
 
+def _renamable(folder: Path) -> bool:
+    """Whether this process may rename ``folder`` (an existing folder): not a mount point, and
+    not in a sticky parent unless this user owns it or the parent (or is root)."""
+    if os.path.ismount(folder) or str(folder) in _mount_points():
+        return False
+    if not hasattr(os, "geteuid"):
+        return True
+    parent = os.stat(folder.parent)
+    if not parent.st_mode & stat.S_ISVTX:
+        return True
+    me = os.geteuid()
+    return me == 0 or me in (os.lstat(folder).st_uid, parent.st_uid)
+
+
+def _mount_points() -> set[str]:
+    """Every mount point (Linux's /proc/self/mountinfo), bind mounts included: ``os.path.ismount``
+    misses a bind mount of a folder of the same filesystem (same device, another inode)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    points = set()
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 4:  # the 5th field, with spaces and the like octal-escaped (\040)
+            points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+    return points
+
+
 def _owned(path: Path) -> bool:
     """Whether ``path`` (not followed) belongs to this user (always true where uids do not exist)."""
     try:
@@ -228,17 +296,17 @@ def _own_journal(path: Path) -> dict[str, Any] | None:
     if not os.path.lexists(path) or path.is_symlink() or not _owned(path):
         return None
     try:
-        journal = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        journal = read_json(path, limit=2**20)
+    except (OSError, ValueError):
         return None
     if not isinstance(journal, dict) or not isinstance(journal.get("entries", {}), dict):
         return None
-    plain = re.compile(r"^[^/\\]+$")
+    plain = re.compile(r"[^/\\\n]+")
     names = [journal.get("old"), *journal.get("entries", {})]
     if journal.get("kind") == "entries":
         names.append(journal.get("stage"))
     if journal.get("kind") not in ("swap", "entries") or not all(
-        isinstance(n, str) and plain.match(n) and n not in (".", "..") for n in names
+        isinstance(n, str) and plain.fullmatch(n) and n not in (".", "..") for n in names
     ):
         return None
     return journal

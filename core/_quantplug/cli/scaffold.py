@@ -26,10 +26,19 @@ def add_parser(sub: Any, add_common: Callable[..., None]) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    from _quantplug.plugins.registry import list_backends
     from _quantplug.scaffold import create_backend, names
 
-    root = create_backend(args.name, args.dir)
     derived = names(args.name)
+    taken = next((e for e in list_backends() if e.name == args.name), None)  # metadata: nothing imported
+    if taken is not None:
+        by = f" (distribution {taken.distribution})" if taken.distribution else ""
+        console.warn(
+            f"a backend named {args.name!r} is already installed{by}: installing this one beside it makes "
+            f"every `-b {args.name}` fail (the name is claimed twice); choose another name, or uninstall "
+            "the other first"
+        )
+    root = create_backend(args.name, args.dir)
     print(f"wrote {root}")
     console.info(
         f"next: pip install -e {root}  &&  quantplug conformance {args.name}  "

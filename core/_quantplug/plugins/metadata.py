@@ -25,15 +25,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from _quantplug.files import UnreadableFileError, read_json
 from _quantplug.plugins.contract import OPTION_TYPES, BackendInfo, BackendOption, Preset
 
 FORMAT = "quantplug-backend/1"
 SUFFIX = ".backend.json"
+#: the largest metadata file read (the shipped ones are a few KB); read as untrusted input
+#: (:func:`~_quantplug.files.read_json`: a regular file, nested at most 64 levels)
+METADATA_LIMIT = 4 * 2**20
 
 
 class MetadataError(ValueError):
@@ -76,23 +81,59 @@ def _option_to_dict(option: BackendOption) -> dict[str, Any]:
 
 
 def info_from_dict(data: Any) -> BackendInfo:
-    """The BackendInfo a metadata file describes (no ``check`` code: that stays in the plugin)."""
+    """The BackendInfo a metadata file describes (no ``check`` code: that stays in the plugin).
+
+    ``preset_option`` and ``qat_option`` must name declared options (a ``preset_option`` naming
+    another option would make every preset a value of that one), the preset option's choices
+    (if it lists any) must be the presets, and the QAT option must be a bool option.
+    """
     try:
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise MetadataError(f"not a {FORMAT} document")
         options = tuple(_option_from_dict(o) for o in data["options"])
         presets = tuple(Preset(str(p["name"]), str(p.get("description", ""))) for p in data["presets"])
-        return BackendInfo(
+        info = BackendInfo(
             name=str(data["name"]),
             description=str(data.get("description", "")),
             options=options,
             presets=presets,
-            preset_option=data.get("preset_option"),
-            qat_option=data.get("qat_option"),
-            requires_api=data.get("requires_api"),
+            preset_option=_optional_str(data.get("preset_option"), "preset_option"),
+            qat_option=_optional_str(data.get("qat_option"), "qat_option"),
+            requires_api=_optional_str(data.get("requires_api"), "requires_api"),
         )
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        if isinstance(exc, MetadataError):
+            raise
         raise MetadataError(f"malformed backend metadata: {type(exc).__name__}: {exc}") from None
+    _check_roles(info)
+    return info
+
+
+def _optional_str(value: Any, key: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise MetadataError(f"{key} must be an option name or null, not {value!r}")
+    return value
+
+
+def _check_roles(info: BackendInfo) -> None:
+    """The options the metadata gives a role (preset, QAT) exist and can play it."""
+    names = [o.name for o in info.options]
+    preset = info.option(info.preset_option) if info.preset_option is not None else None
+    if info.preset_option is not None:
+        if preset is None:
+            raise MetadataError(
+                f"preset_option {info.preset_option!r} names no declared option (options: {', '.join(names)})"
+            )
+        presets = {p.name for p in info.presets}
+        if preset.choices is not None and set(map(str, preset.choices)) != presets:
+            raise MetadataError(
+                f"preset_option {info.preset_option!r} takes {sorted(map(str, preset.choices))}, not the "
+                f"presets {sorted(presets)}"
+            )
+    if info.qat_option is not None:
+        qat = info.option(info.qat_option)
+        if qat is None or qat.type is not bool:
+            raise MetadataError(f"qat_option {info.qat_option!r} names no declared bool option")
 
 
 def _option_from_dict(o: Mapping[str, Any]) -> BackendOption:
@@ -156,11 +197,13 @@ def read_declared(module: str, name: str) -> BackendInfo | None:
         MetadataError: the file exists but is not a valid description of backend ``name``.
     """
     path = metadata_path(module, name)
-    if path is None or not path.is_file():
+    if path is None or not os.path.lexists(path):
         return None
     try:
-        info = info_from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        info = info_from_dict(read_json(path, limit=METADATA_LIMIT, finite=False))
+    except UnreadableFileError as exc:
+        raise MetadataError(str(exc)) from None
+    except (OSError, ValueError) as exc:
         raise MetadataError(f"{path}: {exc}") from None
     if info.name != name:
         raise MetadataError(f"{path} describes backend {info.name!r}, not {name!r}")
@@ -174,11 +217,11 @@ COMMAND = "quantplug metadata"
 def stale_reason(module: str, info: BackendInfo) -> str | None:
     """Why backend ``info.name``'s metadata file does not match ``info`` (None: it matches or is absent)."""
     path = metadata_path(module, info.name)
-    if path is None or not path.is_file():
+    if path is None or not os.path.lexists(path):
         return None
     try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        found = read_json(path, limit=METADATA_LIMIT, finite=False)
+    except (OSError, ValueError) as exc:
         return f"{path} cannot be read: {exc}"
     if found != info_to_dict(info):
         return (

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from _quantplug.errors import QuantplugError
-from _quantplug.files import write_atomic
+from _quantplug.files import UnreadableFileError, read_json, write_atomic
 
 SCHEMA = "quantplug-report/1"
 WORST_COUNT = 20
@@ -23,14 +23,16 @@ class ReportError(QuantplugError):
     """A report folder or report.json that cannot be read."""
 
 
-def _clean(value: Any) -> Any:
-    """JSON-safe: non-finite floats become None, tuples lists, unknown objects their str()."""
+def finite_json(value: Any) -> Any:
+    """JSON-safe: non-finite floats become None, tuples lists, unknown objects their str() (what
+    quantplug writes, its readers read back: :func:`~_quantplug.files.read_json` refuses
+    ``NaN``/``Infinity``)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): finite_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set)):
-        return [_clean(v) for v in value]
+        return [finite_json(v) for v in value]
     if value is None or isinstance(value, (bool, int, str)):
         return value
     return str(value)
@@ -112,7 +114,7 @@ def build_report(
     }
     if mixed_precision is not None:
         data["mixed_precision"] = dict(mixed_precision)
-    return _clean(data)
+    return finite_json(data)
 
 
 def _artifact_summary(artifact: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -130,20 +132,23 @@ def _artifact_summary(artifact: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """report.json, strict JSON (non-finite numbers become null), replaced in one rename."""
-    write_atomic(path, json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
+    write_atomic(path, json.dumps(finite_json(data), indent=2, allow_nan=False) + "\n")
 
 
 def load_report(location: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read report.json from a folder written by ``quantplug quantize`` (or the file itself)."""
+    """Read report.json from a folder written by ``quantplug quantize`` (or the file itself), as
+    untrusted input (:func:`~_quantplug.files.read_json`: a regular file, bounded, finite)."""
     path = Path(location)
     if path.is_dir():
         path = path / "report.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         raise ReportError(f"no report.json in {location!s} (write one with `quantplug quantize --out DIR`)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ReportError(f"cannot read {path}: {exc}") from None
+    try:  # a regular file of bounded size and depth, finite numbers (report.json is strict JSON)
+        data = read_json(path)
+    except UnreadableFileError as exc:
+        raise ReportError(f"cannot read {exc}") from None
+    except OSError as exc:
+        raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ReportError(f"{path} is not a quantplug report (expected schema {SCHEMA!r})")
     problem = _check(data, _REPORT, "")

@@ -9,11 +9,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from _quantplug.report.plot import sqnr_plot_png, tradeoff_plot_png
+from _quantplug.report.plot import group_size, plotted_rows, sqnr_plot_png, tradeoff_plot_png
 
 GOOD_DB = 30.0  # SQNR at or above: green
 FAIR_DB = 20.0  # at or above: amber; below: red
 HIGHLIGHT = 5  # worst layers highlighted in the plot
+#: the most rows of the table of every compared node (a page of 200,000 rows is 60 MB that no
+#: browser shows): the others are in report.json
+TABLE_LIMIT = 5000
 
 _CSS = """
 :root { --fg:#1d2330; --muted:#5b6475; --line:#e3e6ec; --bg:#f6f7f9; --card:#fff;
@@ -405,8 +408,14 @@ def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> st
 
     # -- plot ------------------------------------------------------------------------------------
     parts.append('<h2>Per-layer SQNR</h2><div class="panel plot">')
+    plotted = len(plotted_rows(layers))
+    size = group_size(plotted)
+    grouped = ""
+    if size > 1:
+        groups = math.ceil(plotted / size)
+        grouped = f" in {groups:,} groups of {size:,} consecutive nodes, each bar a group's lowest SQNR"
     if plot_png:
-        alt = f"Per-layer SQNR of {len(layers)} nodes, the {HIGHLIGHT} worst highlighted"
+        alt = f"Per-layer SQNR of {plotted:,} nodes{grouped}, the {HIGHLIGHT} worst highlighted"
         parts.append(_png("sqnr-plot", alt, plot_png))
     else:
         reason = "matplotlib is not installed (pip install matplotlib)" if layers else "no node was compared"
@@ -414,7 +423,15 @@ def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> st
     parts.append(
         "<p class='muted'>Each bar compares a node's output in the quantized program with the same "
         "node in the float program on the same inputs (what its consumers see: after its own "
-        "quantize/dequantize when its output is quantized). Errors accumulate along the graph.</p></div>"
+        "quantize/dequantize when its output is quantized). Errors accumulate along the graph."
+        + (
+            f" With {plotted:,} nodes, a bar per node would not be legible: each bar stands for "
+            f"{size:,} consecutive nodes and shows the lowest SQNR among them; the worst nodes are "
+            "listed below, every node in report.json."
+            if size > 1
+            else ""
+        )
+        + "</p></div>"
     )
 
     # -- worst nodes -----------------------------------------------------------------------------
@@ -442,9 +459,12 @@ def render_html(data: Mapping[str, Any], *, plot_png: bytes | None = None) -> st
         )
 
     # -- all layers, sharing groups, files, timings ----------------------------------------------
+    shown = layers[:TABLE_LIMIT]
     parts.append(
-        f"<details><summary>All compared nodes ({len(layers)}, graph order)</summary>"
-        + _node_table(layers, ident="all-nodes", rank=False)
+        f"<details><summary>All compared nodes ({len(layers):,}, graph order"
+        + (f"; the first {len(shown):,} here, all in report.json" if len(shown) < len(layers) else "")
+        + ")</summary>"
+        + _node_table(shown, ident="all-nodes", rank=False)
         + "</details>"
     )
     groups = data.get("sharing_groups", [])

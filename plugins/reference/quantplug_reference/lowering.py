@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,12 @@ class ReferenceArtifact(Artifact):
             )
         arrays = []
         for i, (spec, value) in enumerate(zip(self.inputs, inputs)):
-            arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+            if isinstance(value, torch.Tensor):
+                value = value.detach().cpu()
+                # numpy has no bfloat16; the model computes it in float32 (ort_passes.bfloat16_in_float32)
+                arr = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+            else:
+                arr = np.asarray(value)
             fits = arr.ndim == len(spec.shape) and all(
                 not isinstance(d, int) or d == n for d, n in zip(spec.shape, arr.shape)
             )
@@ -308,6 +313,10 @@ def _spell_for_ort(result: Any) -> None:
     from quantplug_reference import ort_passes
 
     pack_int4_constants(result)
+    retyped = set(ort_passes.bfloat16_in_float32(result.model))
+    if retyped:  # the graph's inputs and outputs are float32 now
+        result.inputs = [replace(i, dtype="float32") if i.name in retyped else i for i in result.inputs]
+        result.outputs = [replace(o, dtype="float32") if o.name in retyped else o for o in result.outputs]
     ort_passes.int4_linears_as_matmulnbits(result.model, result.encodings)
     ort_passes.dequantize_weights_as_arithmetic(result.model, result.encodings)
     ort_passes.retype_signed_activations(result.model, result.encodings)

@@ -25,6 +25,11 @@ way they are stored or spelled changes. ``encodings.json`` follows (``stored_as`
   (an ``addmm`` weight stored ``[in, out]``, as GPT-2's ``Conv1D``), and for an 8-bit weight
   multiplied by another stored tensor (Swin V2's position-bias MLP over its constant coordinate
   table), of which ORT makes no integer product but a ``MatMulNBits``.
+* ``bfloat16_in_float32``: ONNX Runtime's CPU kernels have no bfloat16 arithmetic (not even
+  ``Add``) and its Python API cannot feed bfloat16 arrays: a bfloat16 program's model computes in
+  float32, inputs and outputs included, as ORT itself does for the float16 ops it has no kernel
+  for. The integer grids are the program's; the float arithmetic between them is float32 instead
+  of bfloat16 (closer to exact, not bit-equal to the program).
 * ``int4_linears_as_matmulnbits``: a linear with a float input and a 4-bit weight is written as
   ORT's ``MatMulNBits`` (domain ``com.microsoft``) with ``accuracy_level=1``: the packed 4-bit
   weight is read directly and the products are float, as in the program. Left as
@@ -62,6 +67,9 @@ class _Graph:
             for name in node.input:
                 self.users.setdefault(name, []).append(node)
         self.outputs = {o.name for o in self.graph.output}
+        self.node_names = {n.name for n in self.graph.node if n.name}
+        #: names given out by fresh()/node() for what is not in the graph yet
+        self.given: set[str] = set()
 
     def constant(self, name: str) -> Any:
         """The numpy value of an initializer or ``Constant`` output, else None."""
@@ -90,11 +98,24 @@ class _Graph:
         return None
 
     def fresh(self, base: str) -> str:
-        taken = set(self.inits) | set(self.producer) | {i.name for i in self.graph.input}
+        """A value name no tensor of the graph has, nor one given out before."""
+        taken = set(self.inits) | set(self.producer) | {i.name for i in self.graph.input} | self.given
+        return self._unique(base, taken)
+
+    def node(self, op_type: str, inputs: list[str], outputs: list[str], base: str, **attrs: Any) -> Any:
+        """A new node named ``base`` (or ``base_N``): node names are unique by construction (ONNX
+        Runtime refuses a model holding two nodes of one name)."""
+        from onnx import helper
+
+        name = self._unique(base, self.node_names | self.given)
+        return helper.make_node(op_type, inputs, outputs, name=name, **attrs)
+
+    def _unique(self, base: str, taken: set[str]) -> str:
         name, i = base, 0
         while name in taken:
             i += 1
             name = f"{base}_{i}"
+        self.given.add(name)
         return name
 
     def add_initializer(self, array: Any, base: str) -> str:
@@ -137,6 +158,78 @@ def _entries_by(encodings: Iterable[dict[str, Any]], key: str) -> dict[str, list
         if info and info.get(key):
             found.setdefault(info[key], []).append(info)
     return found
+
+
+# --------------------------------------------------------------------------- bfloat16
+
+
+def bfloat16_in_float32(model: Any) -> list[str]:
+    """Every bfloat16 tensor, initializer, constant and cast of ``model`` made float32 (module
+    docstring); the casts to float32 that are then no-ops dropped. Returns the graph inputs and
+    outputs it retyped (their dtype is now float32)."""
+    from onnx import TensorProto, shape_inference
+
+    bf16, f32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+    graph = model.graph
+    typed = [*graph.input, *graph.output, *graph.value_info]
+    if not (
+        any(v.type.tensor_type.elem_type == bf16 for v in typed)
+        or any(t.data_type == bf16 for t in graph.initializer)
+        or any(a.name in ("to", "dtype") and a.i == bf16 for n in graph.node for a in n.attribute)
+    ):
+        return []
+    retyped = [v.name for v in (*graph.input, *graph.output) if v.type.tensor_type.elem_type == bf16]
+    for value in typed:
+        if value.type.tensor_type.elem_type == bf16:
+            value.type.tensor_type.elem_type = f32
+    for tensor in graph.initializer:
+        _bfloat16_tensor_as_float32(tensor)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name in ("to", "dtype") and attr.i == bf16:
+                attr.i = f32
+            elif attr.HasField("t"):
+                _bfloat16_tensor_as_float32(attr.t)
+    try:
+        inferred = shape_inference.infer_shapes(model)
+    except Exception:  # no types known: the casts stay (ORT drops no-op casts itself)
+        return retyped
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in (*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info)
+    }
+    types.update({t.name: t.data_type for t in graph.initializer})
+    outputs = {o.name for o in graph.output}
+    rename: dict[str, str] = {}
+    keep = []
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = rename.get(name, name)
+        to = _attrs(node).get("to") if node.op_type == "Cast" else None
+        if to == f32 and types.get(node.input[0]) == f32 and node.output[0] not in outputs:
+            rename[node.output[0]] = node.input[0]  # a no-op now: its readers read its input
+            continue
+        keep.append(node)
+    if rename:
+        del graph.node[:]
+        graph.node.extend(keep)
+    return retyped
+
+
+def _bfloat16_tensor_as_float32(tensor: Any) -> None:
+    """A bfloat16 ``TensorProto`` as float32 (the same values: bfloat16 is float32's top half)."""
+    import numpy as np
+    from onnx import TensorProto
+
+    if tensor.data_type != TensorProto.BFLOAT16:
+        return
+    if tensor.raw_data:
+        bits = np.frombuffer(tensor.raw_data, dtype="<u2").astype(np.uint32)
+    else:
+        bits = np.asarray(tensor.int32_data, dtype=np.uint32)
+    tensor.raw_data = (bits << 16).astype("<u4").tobytes()
+    del tensor.int32_data[:]
+    tensor.data_type = TensorProto.FLOAT
 
 
 # --------------------------------------------------------------------------- int8 activations
@@ -281,7 +374,7 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
     products with 16-bit activations: ``a16w8``) have their DequantizeLinear spelled Cast + Mul
     (module docstring). Returns the weights rewritten."""
     import numpy as np
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
     g = _Graph(model)
     by_node = _entries_by(encodings, "node")
@@ -315,9 +408,7 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
         out, base = dq.output[0], dq.name or dq.output[0]
         nodes: list[Any] = []
         cast_out = g.fresh(out + "_int")
-        nodes.append(
-            helper.make_node("Cast", [dq.input[0]], [cast_out], to=TensorProto.FLOAT, name=base + "_cast")
-        )
+        nodes.append(g.node("Cast", [dq.input[0]], [cast_out], base + "_cast", to=TensorProto.FLOAT))
         value = cast_out
         rank = weight.ndim
         if block and scale.ndim == rank:  # per block: split the blocked axis in (blocks, block)
@@ -333,19 +424,19 @@ def dequantize_weights_as_arithmetic(model: Any, encodings: list[dict[str, Any]]
         if split is not None:
             shape_name = g.add_initializer(np.array(split, np.int64), base + "_blocks")
             reshaped = g.fresh(out + "_blocks")
-            nodes.append(helper.make_node("Reshape", [value, shape_name], [reshaped], name=base + "_split"))
+            nodes.append(g.node("Reshape", [value, shape_name], [reshaped], base + "_split"))
             value = reshaped
         if zero is not None and np.any(zero != 0):
             z_name = g.add_initializer(zero.astype(np.float32).reshape(param_shape), base + "_zero_point_f")
             centered = g.fresh(out + "_centered")
-            nodes.append(helper.make_node("Sub", [value, z_name], [centered], name=base + "_center"))
+            nodes.append(g.node("Sub", [value, z_name], [centered], base + "_center"))
             value = centered
         s_name = g.add_initializer(scale.astype(np.float32).reshape(param_shape), base + "_scale_b")
         scaled = out if split is None else g.fresh(out + "_scaled")
-        nodes.append(helper.make_node("Mul", [value, s_name], [scaled], name=base + "_scale"))
+        nodes.append(g.node("Mul", [value, s_name], [scaled], base + "_scale"))
         if split is not None:
             back = g.add_initializer(np.array(weight.shape, np.int64), base + "_shape")
-            nodes.append(helper.make_node("Reshape", [scaled, back], [out], name=base + "_merge"))
+            nodes.append(g.node("Reshape", [scaled, back], [out], base + "_merge"))
         replace[id(dq)] = nodes
         for info in by_node.get(dq.name, []):
             info.update(node=nodes[-1].name, scale=s_name, zero_point=None, spelled="Cast*scale")
@@ -427,11 +518,11 @@ def int4_linears_as_matmulnbits(model: Any, encodings: list[dict[str, Any]]) -> 
         b_name = g.add_initializer(packed, dq.input[0] + "_nbits")
         s_name = g.add_initializer(scales, dq.input[1] + "_nbits")
         product = out if bias is None else g.fresh(out + "_matmul")
-        node = helper.make_node(
+        node = g.node(
             "MatMulNBits",
             [x, b_name, s_name],
             [product],
-            name=(anchor.name or out) + "_nbits",
+            (anchor.name or out) + "_nbits",
             domain=MS_DOMAIN,
             K=k,
             N=n,
@@ -441,7 +532,7 @@ def int4_linears_as_matmulnbits(model: Any, encodings: list[dict[str, Any]]) -> 
         )
         nodes = [node]
         if bias is not None:
-            nodes.append(helper.make_node("Add", [product, bias], [out], name=(anchor.name or out) + "_bias"))
+            nodes.append(g.node("Add", [product, bias], [out], (anchor.name or out) + "_bias"))
         replace[id(anchor)] = nodes
         replace[id(dq)] = []
         for other in extra:
