@@ -35,6 +35,7 @@ from _quantplug.annotation.specs import is_annotated as is_annotated
 from _quantplug.conformance.profile import CAPABILITIES as CAPABILITIES
 from _quantplug.conformance.profile import ConformanceProfile as ConformanceProfile
 from _quantplug.errors import AnnotationError as AnnotationError
+from _quantplug.errors import BackendFailedError as BackendFailedError
 from _quantplug.errors import CalibrationError as CalibrationError
 from _quantplug.errors import ConstraintViolationError as ConstraintViolationError
 from _quantplug.errors import ConversionError as ConversionError

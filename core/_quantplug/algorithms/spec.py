@@ -43,11 +43,10 @@ from torch.fx import GraphModule
 
 from _quantplug.algorithms.option_checks import AlgorithmOption, option_values
 from _quantplug.annotation.spec_view import spec_range
-from _quantplug.errors import CalibrationError, OptionError
+from _quantplug.errors import CalibrationError
 from _quantplug.graph.attrs import put_attr
 from _quantplug.observers.per_block import resolve_block_size
 from _quantplug.plugins.contract import OPTION_TYPES
-from _quantplug.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from typing_extensions import dataclass_transform

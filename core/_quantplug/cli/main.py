@@ -437,11 +437,11 @@ def _quantize_into(
         from _quantplug.algorithms.config import Algorithms
         from _quantplug.api import get_quantizer
         from _quantplug.cli.inputs import check_batches, load_model
+        from _quantplug.cli.output import storage_cause
         from _quantplug.debug.compare import compare, tensor_bytes
         from _quantplug.flow.convert import convert
         from _quantplug.flow.prepare import prepare
         from _quantplug.lowering.lower import lower
-        from _quantplug.cli.output import storage_cause
         from _quantplug.meta import STATE_KEY
         from _quantplug.observers.nonfinite import ignored_counts, masked_counts
         from _quantplug.plugins.registry import load_backend
