@@ -30,8 +30,7 @@ from functools import cache
 
 import torch
 
-from quantplug.backend import OUTPUT, OpConstraint, PortConstraint
-from quantplug_reference.rules import RULE_MODULES
+from quantplug.backend import OUTPUT, OpConstraint, PortConstraint, rules_from_index
 
 SOURCE = "quantplug-reference (QDQ ONNX on ONNX Runtime)"
 #: the first opset whose QuantizeLinear has 16-bit outputs
@@ -41,9 +40,14 @@ OPSET_16_BIT = 21
 CONSTANT_INPUT_OPS = ("aten.embedding.default", "aten.index.Tensor", "aten.addmm.default")
 #: ops without a tensor input of their own: the pieces of a split (``operator.getitem``)
 OUTPUT_ONLY_OPS = ("_operator.getitem",)
-#: every op the reference rules claim; an extension's rule for another op is constrained on its
-#: output only (what its input 0 holds is the extension's business)
-CLAIMED_OPS = frozenset(op for module in RULE_MODULES for op in module.ops)
+
+
+@cache
+def claimed_ops() -> frozenset[str]:
+    """Every op the reference rules claim (read from their index, importing no rules module); an
+    extension's rule for another op is constrained on its output only (what its input 0 holds is
+    the extension's business)."""
+    return frozenset(op for module in rules_from_index("quantplug_reference.rules") for op in module.ops)
 
 
 def activation_dtypes(opset: int) -> frozenset[torch.dtype]:
@@ -64,6 +68,6 @@ def _activation(opset: int) -> PortConstraint:
 def constraints_for(op: str, opset: int) -> tuple[OpConstraint, ...]:
     """The constraints of one claimed op (by ATen name) when lowering at ``opset``."""
     act = _activation(opset)
-    if op in CONSTANT_INPUT_OPS or op in OUTPUT_ONLY_OPS or op not in CLAIMED_OPS:
+    if op in CONSTANT_INPUT_OPS or op in OUTPUT_ONLY_OPS or op not in claimed_ops():
         return (OpConstraint(op, ports={OUTPUT: act}, source=SOURCE),)
     return (OpConstraint(op, ports={0: act, OUTPUT: act}, source=SOURCE),)
