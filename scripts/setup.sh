@@ -53,6 +53,9 @@ if [ "${1:-}" = "--test" ]; then
   # real architectures for the tests (random weights, no downloads): torchvision without its torch pin
   pip_install torchvision==0.28.0 --no-deps
   pip_install transformers==5.23.0
+  # the versions the reference backend's ONNX Runtime pieces were read on
+  # (plugins/reference/quantplug_reference/peers); a newer ORT is checked there first
+  pip_install onnxruntime==1.32.0 onnx==1.23.2 onnxscript==0.7.2
   # tests/cli: rendering report.html in headless Chromium (Debian package)
   if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
     system_install chromium "headless rendering of report.html in tests/cli" \

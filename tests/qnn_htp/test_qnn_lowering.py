@@ -118,7 +118,7 @@ def test_onnx_model_runs_like_the_quantized_program(lowered: dict) -> None:
         # The HTP computes qnn_htp's numbers, not ORT's integer kernels: ORT runs the QDQ graph as
         # written (DequantizeLinear -> float op -> QuantizeLinear), which is CPU-independent. Its
         # fused U8S8 kernels would saturate 8-bit weights' pair sums on AVX2 CPUs without VNNI
-        # (see quantplug_reference.accumulation) and test ORT's CPU rather than the file.
+        # (see quantplug_reference.peers.accumulation) and test ORT's CPU rather than the file.
         options = ort.SessionOptions()
         options.add_session_config_entry("session.disable_quant_qdq", "1")
         options.optimized_model_filepath = str(directory / "optimized.onnx")

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import quantplug
-from quantplug_reference import ort_passes
 from quantplug_reference.configs import PRESETS
+from quantplug_reference.peers import ort_passes
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

@@ -5,7 +5,7 @@ kernels at run time, and on x86 with AVX2 but no VNNI (or AVX-512BW without VNNI
 add pairs of products in a saturating int16. So these tests check the *structure*: the graph ORT
 builds from the saved ``model.onnx`` in a plain session (no option), every integer product in it
 with its real integer weights, against every CPU's accumulation path
-(``quantplug_reference.accumulation``), for every preset, on models built to saturate (wide layers,
+(``quantplug_reference.peers.accumulation``), for every preset, on models built to saturate (wide layers,
 activations pushed to the top of their grid, large weights, convolutions with many input channels).
 The model itself is checked against emulations of the two narrow paths (property tests), and
 against real AVX2 kernels under QEMU where QEMU is installed (``test_reference_qemu.py``).
@@ -29,7 +29,7 @@ import quantplug
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from quantplug_reference import accumulation as acc  # noqa: E402
+from quantplug_reference.peers import accumulation as acc  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -8,7 +8,7 @@ ONNX Runtime artifact on held-out batches):
   (``quantplug/lowering/contiguous.py``);
 * HF Swin V2 at ``int8``: its position-bias MLP multiplies a constant coordinate table; ORT fused
   that product into a ``MatMulNBits`` that quantizes the table to int8 on the fly, which the
-  exactness check refused (``quantplug_reference.ort_passes``: such weights are spelled as
+  exactness check refused (``quantplug_reference.peers.ort_passes``: such weights are spelled as
   arithmetic);
 * a projected LSTM at ``int8`` (``quantplug/lowering/projected_lstm.py``);
 * HF ConvBERT at ``qnn_htp`` 8a8w: the exporter expanded its ``nn.Unfold`` (``im2col``) into

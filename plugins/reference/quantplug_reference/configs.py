@@ -34,7 +34,7 @@ from quantplug.backend import (
     QuantizationSpec,
     derived_bias_spec,
 )
-from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
+from quantplug_reference.peers.accumulation import SATURATION_FREE_WEIGHT_MAX
 
 PRESETS: dict[str, str] = {
     "int8": "uint8/int8 asymmetric activations, int8 per-channel symmetric weights, int32 bias",

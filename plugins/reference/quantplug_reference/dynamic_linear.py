@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
+from quantplug_reference.peers.accumulation import SATURATION_FREE_WEIGHT_MAX
 
 qd = torch.ops.quantized_decomposed
 

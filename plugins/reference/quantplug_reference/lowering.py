@@ -156,7 +156,8 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
     """Export the Q/DQ program to QDQ ONNX, keep it as ``model.pt2``, list the encodings, and
     check that ORT's integer kernels reproduce the program on every CPU."""
     from quantplug.backend import compact_node_metadata, export_qdq_onnx
-    from quantplug_reference.session_probe import ensure_session_survives
+    from quantplug_reference.peers import unverified
+    from quantplug_reference.peers.session_probe import ensure_session_survives
 
     opset = int(context.option("onnx_opset", 21) or 21)
     for_onnx, translations, fused = _for_ort(program)
@@ -199,6 +200,9 @@ def write_artifact(program: GraphModule, context: BackendContext) -> ReferenceAr
         "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in result.inputs],
         "outputs": [{"name": o.name, "shape": list(o.shape), "dtype": o.dtype} for o in result.outputs],
         "ort_integer_kernels": checked,
+        # what to recheck before trusting this artifact's exactness on an ORT the pieces were not
+        # read on (empty on a verified ORT); see quantplug_reference.peers
+        "ort_unverified": unverified(),
     }
     return artifact
 
@@ -211,7 +215,7 @@ def _check_integer_kernels(model_bytes: bytes, artifact: ReferenceArtifact) -> d
     ``artifact.run``."""
     import warnings
 
-    from quantplug_reference.accumulation import verify_model
+    from quantplug_reference.peers.accumulation import verify_model
 
     ort = _onnxruntime()
 
@@ -310,7 +314,7 @@ def _map_fused_weights(result: Any, program: GraphModule, fused: dict[str, dict[
 def _spell_for_ort(result: Any) -> None:
     """The ``ort_passes`` rewrites, in order; the encodings' ONNX names follow."""
     from quantplug.backend import pack_int4_constants
-    from quantplug_reference import ort_passes
+    from quantplug_reference.peers import ort_passes
 
     pack_int4_constants(result)
     retyped = set(ort_passes.bfloat16_in_float32(result.model))

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from quantplug_reference.accumulation import SATURATION_FREE_WEIGHT_MAX
+from quantplug_reference.peers.accumulation import SATURATION_FREE_WEIGHT_MAX
 
 #: operators ORT fuses with the dequantized weight into an integer product
 PRODUCT_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
