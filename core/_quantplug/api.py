@@ -11,6 +11,7 @@ from _quantplug.algorithms.config import Algorithms, configured
 from _quantplug.errors import QuantplugError
 from _quantplug.flow.convert import convert
 from _quantplug.flow.prepare import prepare
+from _quantplug.graph.mutation import private_inputs, writes_an_input
 from _quantplug.plugins.registry import load_backend
 from _quantplug.quantizer.quantizer import Quantizer, make_quantizer
 
@@ -84,7 +85,8 @@ def quantize(
             held_out=config.held_out,
         )
     prepared = prepare(program, quantizer, nonfinite=nonfinite, algorithms=config)
+    copies = writes_an_input(prepared.graph)  # the caller's batches stay as given
     with torch.no_grad():
         for batch in batches:
-            prepared(*_as_args(batch))
+            prepared(*(private_inputs(_as_args(batch)) if copies else _as_args(batch)))
     return convert(prepared)

@@ -53,6 +53,7 @@ from torch.utils import _pytree as pytree
 from _quantplug.algorithms.sequential import batch_bytes, fits
 from _quantplug.errors import AlgorithmError, NonFiniteError
 from _quantplug.graph.calls import Call, check_flat_inputs
+from _quantplug.graph.mutation import private_inputs, writes_an_input
 from _quantplug.observers.nonfinite import nonfinite_counts
 
 logger = logging.getLogger("quantplug.algorithms")
@@ -150,12 +151,13 @@ def quantized_error(
     algorithms (with ``steps``), calibrated on ``batches`` (flat inputs) and run on ``measured``
     (default: the same batches), against ``reference`` (the float program's outputs on those)."""
     prepared = steps.prepare(gm, quantizer, nonfinite=nonfinite)
+    own = private_inputs if writes_an_input(gm.graph) else (lambda batch: batch)  # runs repeat
     with torch.no_grad():
         for batch in batches:
-            Interpreter(prepared).run(*batch)
+            Interpreter(prepared).run(*own(batch))
         converted = steps.convert(prepared)
         runs = batches if measured is None else measured
-        outputs = [output_tensors(Interpreter(converted).run(*batch)) for batch in runs]
+        outputs = [output_tensors(Interpreter(converted).run(*own(batch))) for batch in runs]
     return relative_error(reference, outputs)
 
 

@@ -31,7 +31,7 @@ from _quantplug.debug.artifact import ArtifactRunner
 from _quantplug.debug.decibels import format_db, json_float, sqnr
 from _quantplug.errors import QuantplugError
 from _quantplug.graph.calls import Call, check_flat_inputs, in_spec_of
-from _quantplug.graph.mutation import mutated_aliases, writes_in_place
+from _quantplug.graph.mutation import mutated_aliases, private_inputs, writes_an_input, writes_in_place
 from _quantplug.graph.op_names import op_name
 from _quantplug.graph.working_copy import working_copy
 from _quantplug.meta import DEBUG_HANDLE_KEY, FLOAT_REASON_KEY, GROUP_KEY, OBSERVERS, QPARAMS_KEY
@@ -264,6 +264,7 @@ class _Capture(Interpreter):
         self._wanted = wanted
         self._sink = sink
         self._copy = any(writes_in_place(n) for n in gm.graph.nodes)
+        self._writes_input = writes_an_input(gm.graph)
 
     def run_node(self, n: Node) -> Any:
         result = super().run_node(n)
@@ -276,6 +277,8 @@ class _Capture(Interpreter):
         """Run one batch, keyword inputs matched to placeholders by the module's calling convention."""
         flat = batch.flat(in_spec_of(self.module), what)
         check_flat_inputs(self.module, flat, what)  # a clear error, not torch's shape guard
+        if self._writes_input:  # the float and the quantized side each get the caller's values
+            flat = private_inputs(flat)
         return self.run(*flat, enable_io_processing=False)
 
 

@@ -143,8 +143,9 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
     threshold = mask_sentinel(observer)
     if threshold > -math.inf:
         sentinel = (data <= threshold) & finite  # -inf follows the policy below
-        keep = finite & ~sentinel
-        _record_masks(observer, int(sentinel.sum()), {"-inf"})
+        if mask_like(data, sentinel, finite):
+            keep = finite & ~sentinel
+            _record_masks(observer, int(sentinel.sum()), {"-inf"})
     policy = getattr(observer, POLICY_ATTR, "error")
     if not nan and not inf:
         return keep
@@ -170,6 +171,27 @@ def handle(observer: Any, data: torch.Tensor) -> torch.Tensor:
         nan=nan,
         inf=inf,
     )
+
+
+#: how far beyond every other value of the batch a mask entry lies: masks are sentinels
+#: (-65504, -1e9, ``finfo.min``; -1e4 before a softmax), orders of magnitude past the data, where
+#: activations that merely reach past the threshold continue the data's own range
+MASK_GAP = 8.0
+
+
+def mask_like(data: torch.Tensor, sentinel: torch.Tensor, finite: torch.Tensor) -> bool:
+    """Whether the values at or below the mask threshold (``sentinel``) are mask entries rather
+    than data: each at least :data:`MASK_GAP` times farther from zero than every other finite value
+    of the batch. Activations of a model with a wide range (down to -200,000) are data: taken for
+    masks they were left out of the range and clamped (held-out SQNR 30.1 -> 3.8 dB)."""
+    if not bool(sentinel.any()):
+        return False
+    others = finite & ~sentinel
+    if not bool(others.any()):
+        return True  # nothing but sentinels: a mask-filled state (RWKV's first step)
+    nearest = float(data[sentinel].max())
+    widest = float(data[others].abs().max())
+    return abs(nearest) >= MASK_GAP * widest
 
 
 def _record_masks(observer: Any, count: int, ends: set[str]) -> None:
