@@ -3,7 +3,7 @@
 Each process is a fresh interpreter (``sys.executable``) started from the environment given
 (``os.environ`` by default), in a session of its own, so that the user's Ctrl-C reaches only this
 process, which then stops the child. It reports every step; this side applies them to the
-report (``runner.Assembly``) and watches the clock. When a process ends before its last step (a
+report (``steps.Assembly``) and watches the clock. When a process ends before its last step (a
 hook calling ``os._exit``, a crash of native code, a hang ``faulthandler`` ended) or stays silent
 past the timeout (then it is killed), the step it was running fails with what happened and a new
 process runs the cases left, so one bad hook costs one case, never the run.
@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from _quantplug.conformance.checks import Check
 from _quantplug.conformance.report import ConformanceReport
-from _quantplug.conformance.runner import Assembly
+from _quantplug.conformance.steps import Assembly
 from _quantplug.conformance.worker import GRACE_S
 from _quantplug.errors import BackendLoadError, QuantplugError
 

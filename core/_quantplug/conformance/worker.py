@@ -46,7 +46,7 @@ def main() -> int:
 def _run(request: dict[str, Any], timeout: float, emit: Callable[[dict[str, Any]], None]) -> int:
     from _quantplug.conformance.checks import CHECKS, Session
     from _quantplug.conformance.faults import describe, guarded, user_interrupted
-    from _quantplug.conformance.runner import run_steps
+    from _quantplug.conformance.steps import run_steps
     from _quantplug.errors import BackendLoadError, QuantplugError
     from _quantplug.plugins.registry import load_backend
 
