@@ -25,6 +25,7 @@ from _quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
+from _quantplug.flow.exported_modes import ExportedModes
 from _quantplug.flow.inspect import QUANTIZE_OPS
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
@@ -41,9 +42,9 @@ from _quantplug.meta import (
     CALIBRATED_REPORT_KEY,
     DEBUG_HANDLE_KEY,
     GROUP_KEY,
-    OBSERVERS,
     QPARAMS_KEY,
     STATE_KEY,
+    observer_gid,
 )
 from _quantplug.observers import block_ops as qp_ops
 from _quantplug.observers.base import ObserverBase
@@ -270,8 +271,7 @@ def compute_qparams(
     observers' ``calculate_qparams()`` themselves, through derive functions that may come from
     foreign quantizers; while they run, every source observer answers with its cached result.
     """
-    container = getattr(prepared, OBSERVERS)
-    prepared_obs = {g.gid: getattr(container, f"g{g.gid}") for g in state.groups}
+    prepared_obs = {g.gid: _observer(prepared, g) for g in state.groups}
     used = dict(prepared_obs)  # what each group's qparams are computed from
     # constants' statistics: derived and fixed observers need none (and a derived one must keep
     # pointing at the prepared source observers, which answer from the cache below)
@@ -294,7 +294,8 @@ def compute_qparams(
                     except NonFiniteError:  # named as the weight it is, not as calibration data
                         check_finite_constant(nodes[name], value, group.describe())
                         raise
-    for group in state.groups:
+    measured = [g for g in state.groups if not g.floating]  # float groups have no encoding
+    for group in measured:
         if not group.dynamic:
             check_state(group.describe(), used[group.gid])
         if not group.dynamic and not observer_saw_data(used[group.gid]):
@@ -321,7 +322,7 @@ def compute_qparams(
     # what needs no other observer's result is computed up front, many observers at once
     independent = {
         id(used[g.gid]): used[g.gid]
-        for g in state.groups
+        for g in measured
         if not g.dynamic and not isinstance(used[g.gid], DerivedObserver)
     }
     by_observer.update(zip(independent, calculate_qparams_many(list(independent.values()))))
@@ -339,7 +340,7 @@ def compute_qparams(
         weight_overrides.biases.update(chosen.biases)
     try:
         derived = []
-        for group in state.groups:
+        for group in measured:
             if group.dynamic:
                 raw[group.gid] = None
             elif isinstance(used[group.gid], DerivedObserver):
@@ -355,8 +356,20 @@ def compute_qparams(
         for module in patched:
             module.__dict__.pop("calculate_qparams", None)
     # no NaN/inf scale reaches any file
-    check_all_qparams([(g.describe(), *found) for g in state.groups if (found := raw[g.gid]) is not None])
-    return {group.gid: _qparams(group, raw[group.gid]) for group in state.groups}
+    check_all_qparams([(g.describe(), *found) for g in measured if (found := raw[g.gid]) is not None])
+    return {group.gid: _qparams(group, raw[group.gid]) for group in measured}
+
+
+def _observer(prepared: GraphModule, group: Group) -> Any:
+    """``group``'s observer on ``prepared``, or a ConversionError saying where it went."""
+    found = prepared._modules.get(group.target)
+    if found is None:
+        raise ConversionError(
+            f"the prepared module has no observer {group.target!r} (of {group.describe()}): something "
+            "deleted it after prepare (a graph rewrite that removed its call_module nodes, then "
+            "delete_all_unused_submodules()); calibrate and convert the module prepare returned"
+        )
+    return found
 
 
 class _Cached:
@@ -395,7 +408,6 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     env: dict[Node, Node | _Dequantized] = {}
     tensors: dict[str, torch.Tensor] = {}
     emit = _Emitter(graph, tensors, AttrNamer(prepared))
-    observer_prefix = OBSERVERS + "."
     # constant groups have no observer nodes: their keys are quantized here, as observers would be
     constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
     for (producer, consumer), gid in state.constant_edges.items():
@@ -439,9 +451,15 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     for node in prepared.graph.nodes:
         if is_tap(node):  # algorithms' calibration taps end with calibration
             continue
-        if node.op == "call_module" and str(node.target).startswith(observer_prefix):
-            gid = int(str(node.target)[len(observer_prefix) + 1 :])
+        observed = observer_gid(node.target) if node.op == "call_module" else None
+        if observed is not None:
+            gid = observed
+            if state.groups[gid].constant:  # a parked observer: its constant is quantized below
+                continue
             src = _lookup(env, node.args[0], node)
+            if state.groups[gid].floating:  # stays float: no Q/DQ (float16: to half and back)
+                env[node] = _float_edge(graph, src, state.groups[gid].spec.dtype)
+                continue
             qp = qparams[gid]
             if qp.granularity in ("dynamic", "token"):
                 env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)
@@ -468,7 +486,7 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
     since = code_counter()
-    converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
+    converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
     _populate(converted, prepared, graph, tensors)
     converted.graph = graph  # the one code generation
     release_code_with(converted, since=since)
@@ -479,11 +497,27 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     return converted
 
 
+class ConvertedModule(ExportedModes, GraphModule):
+    """What :func:`convert` returns: the reference Q/DQ program, whose ``train()``/``eval()``
+    raise as on an exported module (:mod:`_quantplug.flow.exported_modes`)."""
+
+
 def _quantized(emit: _Emitter, src: Node, qp: QParams, gid: int, origin: Node) -> _Dequantized:
     """Env value of a quantized tensor: its quantize node, and a dequantize per consumer."""
     q = emit.quantize(src, qp, f"g{gid}")
     q.meta[GROUP_KEY] = gid
     return _Dequantized(_dq_maker(emit, q, qp, gid, origin), duplicate=True)
+
+
+def _float_edge(graph: Graph, src: Node, dtype: torch.dtype) -> Node:
+    """What a float spec's observer becomes, as torchao's convert makes it: nothing, or for
+    float16 a cast to half and back (``convert_element_type.no_fuse``, which inductor's fp16
+    weight patterns match and no pass folds away)."""
+    if dtype != torch.float16:
+        return src
+    cast = qd.convert_element_type.no_fuse
+    half = _call_function(graph, cast, (src, torch.float16))
+    return _call_function(graph, cast, (half, torch.float32))
 
 
 def _store_constants_as_integers(
