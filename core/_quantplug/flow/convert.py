@@ -9,6 +9,7 @@ understand. Each quantized consumer gets its own dequantize node, so a backend c
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import partial
@@ -294,16 +295,14 @@ def compute_qparams(
                     except NonFiniteError:  # named as the weight it is, not as calibration data
                         check_finite_constant(nodes[name], value, group.describe())
                         raise
-    measured = [g for g in state.groups if not g.floating]  # float groups have no encoding
+    # float groups have no encoding; an observer converting itself computes its own
+    measured = [g for g in state.groups if not g.floating and not converts_itself(prepared_obs[g.gid], g)]
+    unseen = [g for g in measured if not g.dynamic and not observer_saw_data(used[g.gid])]
+    if unseen:
+        _uncalibrated(state, unseen)
     for group in measured:
         if not group.dynamic:
             check_state(group.describe(), used[group.gid])
-        if not group.dynamic and not observer_saw_data(used[group.gid]):
-            raise CalibrationError(
-                f"the observer of {group.describe()} never saw data; run calibration batches through the "
-                "prepared model (prepared(*inputs)) before convert(), "
-                "or check that this path of the model runs"
-            )
     raw: dict[int, tuple[Any, Any] | None] = {}
     by_observer: dict[int, tuple[Any, Any]] = {}  # id(observer used) -> its qparams
     patched: list[nn.Module] = []
@@ -372,6 +371,89 @@ def _observer(prepared: GraphModule, group: Group) -> Any:
     return found
 
 
+def converts_itself(observer: Any, group: Group) -> bool:
+    """Whether ``observer`` writes its own Q/DQ ops: a PT2E observer with a
+    ``convert(model, observer_node)`` method, which torchao's ``convert_pt2e`` calls instead of
+    emitting Q/DQ from ``calculate_qparams()`` (custom int4 ops, say). torchao's affine observers
+    have one too; they are quantplug's own affine path's to convert, so they are left out, as
+    are constants (observed and stored as integers by convert itself) and float groups."""
+    if group.constant or group.floating or not callable(getattr(observer, "convert", None)):
+        return False
+    return not any(c.__name__ == "AffineQuantizedObserverBase" for c in type(observer).__mro__)
+
+
+class _HookModel(nn.Module):
+    """What an observer's ``convert(model, observer_node)`` hook is given as ``model``: the graph
+    being built, and buffers registered into the converted module's tensors. Names already taken
+    on the prepared module read as taken, so a hook's new attribute never shadows one."""
+
+    def __init__(self, graph: Graph, tensors: dict[str, torch.Tensor], prepared: GraphModule) -> None:
+        super().__init__()
+        self.__dict__["graph"] = graph
+        self.__dict__["_hook_tensors"] = tensors
+        self.__dict__["_hook_prepared"] = prepared
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        if tensor is not None:
+            self.__dict__["_hook_tensors"][name] = tensor
+
+    def __getattr__(self, name: str) -> Any:
+        tensors = self.__dict__["_hook_tensors"]
+        if name in tensors:
+            return tensors[name]
+        return getattr(self.__dict__["_hook_prepared"], name)
+
+
+def _run_convert_hook(model: _HookModel, observer: Any, target: str, src: Node) -> Node:
+    """``observer.convert(model, node)`` on a stand-in observer node in the new graph; returns the
+    node the hook put in its place (its users are rewired by ``replace_all_uses_with``, so a
+    temporary user tells which one)."""
+    graph = model.graph
+    stand_in = add_node(graph, "call_module", target, (src,), {})
+    probe = _call_function(graph, torch.ops.aten.alias.default, (stand_in,))
+    observer.convert(model, stand_in)
+    replacement = probe.args[0]
+    graph.erase_node(probe)
+    if stand_in in graph.nodes:
+        raise ConversionError(
+            f"{type(observer).__name__}.convert(model, node) left its observer node {stand_in.name!r} in the "
+            "graph; it must replace the node's uses and erase it, as torchao's convert_pt2e expects"
+        )
+    assert isinstance(replacement, Node)
+    return replacement
+
+
+def _uncalibrated(state: PreparedState, unseen: list[Group]) -> None:
+    """Observers that never saw data: an error for quantplug's backends, torchao's behaviour for a
+    foreign PT2E quantizer.
+
+    A quantplug backend's program converted with uncalibrated observers would carry made-up
+    scales (1.0) into a deployed model, so convert refuses and names them. torchao's
+    ``convert_pt2e`` instead asks each observer for its qparams, which warns and answers its
+    defaults (scale 1, zero point 0), and code written for it (structure checks that prepare and
+    convert without data) relies on that: with a foreign quantizer (``state.backend`` is None)
+    convert does the same and warns once, naming the observers.
+    """
+    if state.backend is not None:
+        group = unseen[0]
+        more = f" (nor did {len(unseen) - 1} other observers)" if len(unseen) > 1 else ""
+        raise CalibrationError(
+            f"the observer of {group.describe()} never saw data{more}; run calibration batches through "
+            "the prepared model (prepared(*inputs)) before convert(), "
+            "or check that this path of the model runs"
+        )
+    shown = "; ".join(g.describe() for g in unseen[:3]) + (
+        f" and {len(unseen) - 3} more" if len(unseen) > 3 else ""
+    )
+    warnings.warn(
+        f"convert: {len(unseen)} observer(s) never saw data ({shown}); they get their observers' default "
+        "qparams, as torchao's convert_pt2e gives them. Run calibration batches through the prepared "
+        "model before convert() for real encodings.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 class _Cached:
     """Stands in for an observer's ``calculate_qparams`` during convert: the result computed once."""
 
@@ -408,6 +490,10 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     env: dict[Node, Node | _Dequantized] = {}
     tensors: dict[str, torch.Tensor] = {}
     emit = _Emitter(graph, tensors, AttrNamer(prepared))
+    hook_model = _HookModel(graph, tensors, prepared)
+    converting_themselves = {
+        g.gid: obs for g in state.groups if converts_itself(obs := getattr(prepared, g.target), g)
+    }
     # constant groups have no observer nodes: their keys are quantized here, as observers would be
     constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
     for (producer, consumer), gid in state.constant_edges.items():
@@ -459,6 +545,9 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             src = _lookup(env, node.args[0], node)
             if state.groups[gid].floating:  # stays float: no Q/DQ (float16: to half and back)
                 env[node] = _float_edge(graph, src, state.groups[gid].spec.dtype)
+                continue
+            if gid in converting_themselves:  # PT2E's observer hook: it writes its own ops
+                env[node] = _run_convert_hook(hook_model, converting_themselves[gid], str(node.target), src)
                 continue
             qp = qparams[gid]
             if qp.granularity in ("dynamic", "token"):

@@ -29,7 +29,7 @@ from _quantplug.algorithms.guard import FlowSteps, flat_batches
 from _quantplug.algorithms.registry import resolve_algorithms
 from _quantplug.algorithms.taps import install_collectors
 from _quantplug.algorithms.transforms import run_transforms
-from _quantplug.annotation.spec_view import SpecKind, is_float_spec, spec_kind
+from _quantplug.annotation.spec_view import SpecKind, is_float_spec, is_per_channel, spec_kind
 from _quantplug.errors import AnnotationError, QuantplugError
 from _quantplug.flow.convert import convert
 from _quantplug.flow.exported_modes import ExportedModes
@@ -37,7 +37,7 @@ from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.calls import Call, in_spec_of, input_misfit
 from _quantplug.graph.constants import written
 from _quantplug.graph.index_arithmetic import index_arithmetic
-from _quantplug.graph.mutation import mutated_aliases
+from _quantplug.graph.mutation import mutated_aliases, writes_into_state
 from _quantplug.graph.softmax_inputs import score_values
 from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
 from _quantplug.meta import (
@@ -59,7 +59,7 @@ from _quantplug.quantizer.quantizer import Quantizer, coverage_of
 from _quantplug.rewrites.pipeline import rewrite_for_annotation
 from _quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from _quantplug.sharing.problem import solve
-from _quantplug.sharing.resolution import Key, SharingGroups
+from _quantplug.sharing.resolution import Key, SharingGroups, describe_key
 from _quantplug.validation.engine import CalibratedPlan
 from _quantplug.validation.report import ValidationReport
 
@@ -259,6 +259,7 @@ def _prepare(
     with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
         _call(quantizer, "annotate", gm)
     keys = collect_keys(gm.graph)
+    _check_channel_axes(keys)
     if not keys.specs:
         _warn_nothing_quantized(gm, quantizer)
     problem = keys.problem(gm.graph)
@@ -298,6 +299,24 @@ def _prepare(
     gm.meta[STATE_KEY] = state
     gm.meta[BACKEND_KEY] = state.backend
     return gm
+
+
+def _check_channel_axes(keys: AnnotatedKeys) -> None:
+    """A static per-channel spec needs its ``ch_axis``: without one its observer fails on the first
+    tensor it sees (torchao's with a TypeError, in calibration or, for a weight, in convert). Named
+    here, at prepare, by the key that carries it. (Dynamic per-channel specs mean per token.)"""
+    for key, spec in keys.specs.items():
+        if (
+            spec_kind(spec) is SpecKind.PLAIN
+            and is_per_channel(spec)
+            and getattr(spec, "ch_axis", None) is None
+            and not getattr(spec, "is_dynamic", False)
+        ):
+            raise AnnotationError(
+                f"the per-channel spec of {describe_key(key)} has no ch_axis: set "
+                "QuantizationSpec(..., ch_axis=N), the dimension that holds the channels (0 for a "
+                "conv or linear weight, 1 for a transposed conv's)"
+            )
 
 
 def _warn_nothing_quantized(gm: GraphModule, quantizer: Any) -> None:
@@ -501,6 +520,8 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
             continue
         current = output_obs.get(producer_name, by_name[producer_name])
         consumer = by_name[consumer_name]
+        if writes_into_state(by_name[producer_name], consumer):  # the state itself is written
+            continue
         if producer_name in written_later:
             consumer.replace_input_with(current, new_observer(current, group, before=consumer))
             continue
