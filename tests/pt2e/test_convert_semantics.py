@@ -279,7 +279,7 @@ def test_conv_with_string_padding_and_batch_norm_is_folded_as_torchao() -> None:
         )
 
 
-# ----------------------------------------------------------------------------- per-channel spec without ch_axis
+# ------------------------------------------------------------------------ per-channel spec without ch_axis
 
 
 class PerChannelWithoutAxis(_Annotating):
