@@ -29,6 +29,7 @@ from _quantplug.algorithms.guard import FlowSteps, flat_batches
 from _quantplug.algorithms.registry import resolve_algorithms
 from _quantplug.algorithms.taps import install_collectors
 from _quantplug.algorithms.transforms import run_transforms
+from _quantplug.deprecated import warn_old_module_attribute
 from _quantplug.annotation.spec_view import SpecKind, is_float_spec, is_per_channel, spec_kind
 from _quantplug.errors import AnnotationError, QuantplugError
 from _quantplug.flow.convert import convert
@@ -180,6 +181,20 @@ def prepare(
     chosen = resolve_algorithms(config.algorithms)  # issue 15: names -> configured objects, before any work
     with paused_gc():
         return _prepare(program, quantizer, qat=qat, nonfinite=nonfinite, algorithms=chosen, config=config)
+
+
+def __getattr__(name: str) -> Any:
+    """``OBSERVERS``, the name of 0.1.0's observer container (``quantplug.flow.prepare.OBSERVERS``),
+    resolves until 0.4.0 with a DeprecationWarning: there is no container any more."""
+    if name == "OBSERVERS":
+        warn_old_module_attribute(
+            "quantplug.flow.prepare.OBSERVERS",
+            "observers are top-level modules named activation_post_process_N (quantplug.backend."
+            "prepared_state(prepared).groups[i].target names group i's); no 'quantplug_observers' "
+            "container exists",
+        )
+        return "quantplug_observers"
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: prepare and convert as the algorithm guard quantizes with them (the algorithms, a layer below
