@@ -29,8 +29,8 @@ from _quantplug.algorithms.guard import FlowSteps, flat_batches
 from _quantplug.algorithms.registry import resolve_algorithms
 from _quantplug.algorithms.taps import install_collectors
 from _quantplug.algorithms.transforms import run_transforms
-from _quantplug.deprecated import warn_old_module_attribute
 from _quantplug.annotation.spec_view import SpecKind, is_float_spec, is_per_channel, spec_kind
+from _quantplug.deprecated import warn_old_module_attribute
 from _quantplug.errors import AnnotationError, QuantplugError
 from _quantplug.flow.convert import convert
 from _quantplug.flow.exported_modes import ExportedModes
