@@ -80,6 +80,7 @@ def _speed_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     import quantplug
+    from _quantplug.meta import observer_children
     from bench.models import build
     from quantplug.distributed import shard, sync_observers
 
@@ -95,7 +96,7 @@ def _speed_worker(args: argparse.Namespace) -> dict[str, Any]:
         prepared = quantplug.prepare(program, quantizer)
         with torch.no_grad():
             prepared(*batch(10**6))  # warm-up, not part of the data: first-call costs
-            for obs in prepared.quantplug_observers.children():  # forget it again
+            for _, obs in observer_children(prepared):  # forget it again
                 for name, buf in obs.named_buffers():
                     if name.endswith(("min_val",)):
                         buf.fill_(float("inf"))

@@ -198,6 +198,16 @@ def warn_old_keyword(function: str, keyword: str, *, stacklevel: int = 3) -> Non
     )
 
 
+def warn_old_module_attribute(old: str, instead: str) -> None:
+    """The warning a 0.1.0 module attribute that lost its meaning gives when read (``instead``
+    says what replaced it)."""
+    warnings.warn(
+        f"{old} is deprecated since quantplug 0.2.0 and resolves until quantplug {REMOVED_IN}: {instead}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 def _caller_stacklevel() -> int:
     """``stacklevel`` for a warning given in :func:`warn_old_module`: the importing code's frame.
 

@@ -54,8 +54,11 @@ CALIBRATED_REPORT_KEY = "quantplug_calibrated_validation"
 ALGORITHMS_KEY = "quantplug_algorithms"
 
 # -- module attribute names ------------------------------------------------------------------
-#: the container module holding every observer of a prepared module
-OBSERVERS = "quantplug_observers"
+#: the attribute name prefix of a prepared module's observers: group ``N``'s observer is the
+#: top-level submodule ``activation_post_process_N``, called by ``call_module`` nodes of that
+#: target, as torchao's ``prepare_pt2e`` names them (code written for torchao reads
+#: ``getattr(prepared, node.target)`` and checks the prefix)
+OBSERVER_PREFIX = "activation_post_process_"
 #: the container module holding the algorithms' taps
 TAPS = "quantplug_algorithm_taps"
 #: on an observer: how many calibration batches ``sync_observers`` merged into it
@@ -69,3 +72,28 @@ def kept_meta(node: Any, *, trace: Sequence[str] = TRACE_META) -> dict[str, Any]
     """The meta of ``node`` a rewrite puts on the nodes it makes in its place: ``trace`` (where
     in the model it came from) and the debug handle the numeric debugger matches nodes on."""
     return {k: node.meta[k] for k in (*trace, DEBUG_HANDLE_KEY) if k in node.meta}
+
+
+def observer_target(gid: int) -> str:
+    """The attribute name (and ``call_module`` target) of sharing group ``gid``'s observer."""
+    return f"{OBSERVER_PREFIX}{gid}"
+
+
+def observer_gid(target: Any) -> int | None:
+    """The sharing group whose observer ``target`` names, or None for any other target."""
+    if not isinstance(target, str) or not target.startswith(OBSERVER_PREFIX):
+        return None
+    digits = target[len(OBSERVER_PREFIX) :]
+    return int(digits) if digits.isdigit() else None
+
+
+def observer_children(module: Any) -> list[tuple[str, Any]]:
+    """A prepared module's observers as ``(name, module)``, in group order (top-level children
+    named by :func:`observer_target`); empty for any other module."""
+    children = getattr(module, "_modules", None)
+    if not isinstance(children, dict):
+        return []
+    found = [
+        (gid, name, child) for name, child in children.items() if (gid := observer_gid(name)) is not None
+    ]
+    return [(name, child) for _, name, child in sorted(found, key=lambda t: t[0])]

@@ -22,7 +22,7 @@ from torch.fx import GraphModule
 
 import quantplug
 from _quantplug.graph.working_copy import AttrNamer, working_copy
-from _quantplug.meta import OBSERVERS, STATE_KEY
+from _quantplug.meta import STATE_KEY, observer_children, observer_target
 from _quantplug.observers import kernels
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.peers.torchao_observers import accelerate, calculate_qparams_many
@@ -223,10 +223,10 @@ def test_cyclic_gc_is_held_off_while_graphs_are_built() -> None:
 def test_observers_are_named_by_group_without_probing() -> None:
     prepared = _calibrated(quantplug.get_quantizer("reference"), batches=1)
     state = prepared.meta[STATE_KEY]
-    container = getattr(prepared, OBSERVERS)
-    assert [name for name, _ in container.named_children()] == [f"g{g.gid}" for g in state.groups]
+    names = [observer_target(g.gid) for g in state.groups]
+    assert [name for name, _ in observer_children(prepared)] == names
     targets = {str(n.target) for n in prepared.graph.nodes if n.op == "call_module"}
-    assert targets <= {f"{OBSERVERS}.g{g.gid}" for g in state.groups}
+    assert targets == set(names)  # every observer is called by a node (parked ones too)
 
 
 class _Probed(nn.Module):
@@ -261,15 +261,14 @@ def test_attr_namer_is_constant_time_per_name() -> None:
 def test_constant_observers_are_not_in_the_calibration_graph(name: str) -> None:
     prepared = _calibrated(QUANTIZERS[name]())
     state = prepared.meta[STATE_KEY]
-    called = Counter(str(n.target) for n in prepared.graph.nodes if n.op == "call_module")
+    read = Counter(str(n.target) for n in prepared.graph.nodes if n.op == "call_module" and n.users)
     constant = [g for g in state.groups if g.constant]
     assert constant, "the model has weights: some groups must be constant"
-    for group in constant:
-        assert called[group.target] == 0
+    for group in constant:  # parked: a node reads the weight, nothing reads the node
+        assert read[group.target] == 0
     # and calibration left their observers untouched (they are fed at convert, into copies)
-    container = getattr(prepared, OBSERVERS)
     for group in constant:
-        obs = getattr(container, f"g{group.gid}")
+        obs = getattr(prepared, group.target)
         min_val = getattr(obs, "min_val", None)
         if isinstance(min_val, torch.Tensor):
             assert min_val.numel() == 0 or not torch.isfinite(min_val).any()
@@ -282,7 +281,8 @@ def test_convert_computes_each_observers_qparams_once(name: str, monkeypatch: py
     prepared = _calibrated(QUANTIZERS[name]())
     calls: Counter[int] = Counter()  # observer -> computations, one at a time or in a batch
     batching = []
-    classes = {type(m) for m in getattr(prepared, OBSERVERS).modules() if hasattr(m, "calculate_qparams")}
+    observers = [m for _, obs in observer_children(prepared) for m in obs.modules()]
+    classes = {type(m) for m in observers if hasattr(m, "calculate_qparams")}
     for cls in classes:
         original = cls.__dict__.get("calculate_qparams") or cls.calculate_qparams
 
@@ -307,7 +307,7 @@ def test_convert_computes_each_observers_qparams_once(name: str, monkeypatch: py
     assert calls, "no observer computed qparams"
     assert max(calls.values()) == 1, f"some observer computed its qparams {max(calls.values())} times"
     # the cache is gone afterwards: the observers answer for themselves again
-    assert not any("calculate_qparams" in m.__dict__ for m in getattr(prepared, OBSERVERS).modules())
+    assert not any("calculate_qparams" in m.__dict__ for m in observers)
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import quantplug
+from _quantplug.meta import observer_children
 from quantplug.distributed import shard, sync_observers
 from tests.distributed.worker import batches, program
 
@@ -46,7 +47,7 @@ def test_repeated_syncs_count_every_batch_once(group: None) -> None:
 
 
 def _counts(prepared: torch.nn.Module) -> dict[str, int]:
-    return {n: int(o.num_batches) for n, o in prepared.quantplug_observers.named_children()}
+    return {n: int(o.num_batches) for n, o in observer_children(prepared)}
 
 
 def test_a_histogram_synced_twice_with_new_data_is_refused(group: None) -> None:

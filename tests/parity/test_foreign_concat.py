@@ -22,7 +22,7 @@ from torch import nn
 import quantplug
 from _quantplug.flow.inspect import encodings
 from _quantplug.flow.prepare import PreparedModule
-from _quantplug.meta import OBSERVERS
+from _quantplug.meta import OBSERVER_PREFIX, observer_children
 
 from ..qnn_htp.real_models import small_vit, torchvision_model
 
@@ -126,11 +126,14 @@ def test_observer_nodes_resolve_by_name() -> None:
         prepared = quantplug.prepare(ep, qnn.QnnQuantizer())
     assert isinstance(prepared, PreparedModule)
     observer_nodes = [n for n in prepared.graph.nodes if n.op == "call_module"]
-    assert observer_nodes and all(str(n.target).startswith(OBSERVERS + ".") for n in observer_nodes)
-    for node in observer_nodes:
-        assert getattr(prepared, node.name) is prepared.get_submodule(str(node.target))
-    # still one container: no module registered twice, no duplicate state
-    assert [name for name, _ in prepared.named_children()].count(OBSERVERS) == 1
-    assert not any(name.startswith(OBSERVERS + "_") for name in prepared.state_dict())
+    assert observer_nodes and all(str(n.target).startswith(OBSERVER_PREFIX) for n in observer_nodes)
+    for node in observer_nodes:  # a group's second node is named activation_post_process_N_1
+        assert getattr(prepared, node.name) is getattr(prepared, str(node.target))
+    # one attribute per group: no module registered twice, no duplicate state
+    observers = observer_children(prepared)
+    assert len({id(m) for _, m in observers}) == len(observers)
+    assert {name.split(".")[0] for name in prepared.state_dict() if name.startswith(OBSERVER_PREFIX)} <= {
+        name for name, _ in observers
+    }
     with pytest.raises(AttributeError):
         prepared.no_such_attribute  # noqa: B018

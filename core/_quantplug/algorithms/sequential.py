@@ -29,6 +29,7 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
+from _quantplug.meta import observer_gid
 
 #: at most this many calibration batches are kept for the sequential pass
 STORE_BATCHES = 32
@@ -181,7 +182,6 @@ class QuantizedSimulation(Interpreter):
 
     Args:
         prepared: the calibrated prepared module (not modified).
-        observer_prefix: the qualified name prefix of its observers (``<container>.g<gid>``).
         activation: ``gid -> (spec, qparams or None)`` for every observer in the graph.
         weights: ``get_attr target -> tensor`` read instead of the float weight (dequantized codes).
         feeds: ``layer node name -> callables`` given that layer's arguments (as the node receives them).
@@ -191,14 +191,12 @@ class QuantizedSimulation(Interpreter):
     def __init__(
         self,
         prepared: GraphModule,
-        observer_prefix: str,
         activation: Mapping[int, tuple[Any, tuple[Any, Any] | None]],
         weights: Mapping[str, torch.Tensor],
         feeds: Mapping[str, Sequence[Callable[[Sequence[Any]], None]]],
         is_tap: Callable[[Node], bool],
     ) -> None:
         super().__init__(prepared, garbage_collect_values=True)
-        self.observer_prefix = observer_prefix + "."
         self.activation = activation
         self.weights = weights
         self.feeds = feeds
@@ -236,9 +234,8 @@ class QuantizedSimulation(Interpreter):
         return replaced if replaced is not None else super().get_attr(target, args, kwargs)
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        name = str(target)
-        if name.startswith(self.observer_prefix):
-            gid = int(name[len(self.observer_prefix) + 1 :])
+        gid = observer_gid(target)
+        if gid is not None:  # a constant's parked observer: not in ``activation``, its input as is
             spec, qparams = self.activation.get(gid, (None, None))
             return fake_quantize_activation(args[0], spec, qparams)
         return super().call_module(target, args, kwargs)

@@ -44,7 +44,7 @@ from _quantplug.algorithms.taps import (
 from _quantplug.algorithms.weight_layers import LayerHessian, share_hessians
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.errors import AlgorithmError
-from _quantplug.meta import ALGORITHMS_KEY, OBSERVERS
+from _quantplug.meta import ALGORITHMS_KEY
 from _quantplug.observers.copies import fresh_copy
 
 logger = logging.getLogger("quantplug.algorithms")
@@ -183,7 +183,7 @@ def choose_weights(
         for node_name, (layout, fed_taps) in cells.items():
             feeds.setdefault(node_name, []).append(_all_arguments(RecurrentTap(layout, fed_taps)))
         if feeds:
-            simulation = QuantizedSimulation(prepared, OBSERVERS, activation, current, feeds, is_tap)
+            simulation = QuantizedSimulation(prepared, activation, current, feeds, is_tap)
             for batch in batches:
                 simulation.run_batch(batch)
         for tap in sequential_taps:  # the same samples as the float taps': counted once
@@ -314,7 +314,7 @@ def _model_guard(
     def outputs(
         encodings: dict[int, tuple[Any, tuple[Any, Any] | None]], replaced: dict[str, torch.Tensor]
     ) -> list[list[torch.Tensor]]:
-        simulation = QuantizedSimulation(prepared, OBSERVERS, encodings, replaced, {}, is_tap)
+        simulation = QuantizedSimulation(prepared, encodings, replaced, {}, is_tap)
         return [output_tensors(simulation.outputs(batch)) for batch in batches]
 
     return ModelGuard(

@@ -41,6 +41,23 @@ def spec_kind(spec: Any) -> SpecKind:
     )
 
 
+def is_float_spec(spec: Any) -> bool:
+    """Whether ``spec`` keeps its tensor in floating point: a plain spec of a floating dtype that
+    is no quantized grid (``QuantizationSpec(dtype=torch.float32,
+    observer_or_fake_quant_ctr=PlaceholderObserver)``, PT2E's way to say "this edge stays float";
+    float16 is a cast to half and back, as torchao's convert makes it). Float8 dtypes, which are
+    grids, are not float specs."""
+    dtype = getattr(spec, "dtype", None)
+    return (
+        spec_kind(spec) is SpecKind.PLAIN
+        and isinstance(dtype, torch.dtype)
+        and dtype.is_floating_point
+        and dtype not in SUPPORTED_DTYPES
+        and getattr(spec, "quant_min", None) is None
+        and getattr(spec, "quant_max", None) is None
+    )
+
+
 def spec_range(spec: Any) -> tuple[int, int]:
     """(quant_min, quant_max) with missing bounds filled from the dtype."""
     dtype = spec.dtype
@@ -48,7 +65,8 @@ def spec_range(spec: Any) -> tuple[int, int]:
     if dtype in SUPPORTED_DTYPES:
         return resolve_range(dtype, qmin, qmax)
     if qmin is None or qmax is None:
-        raise AnnotationError(f"spec {spec!r} has dtype {dtype} and no quant_min/quant_max")
+        what = " (a float spec: it has no integer range)" if is_float_spec(spec) else ""
+        raise AnnotationError(f"spec {spec!r} has dtype {dtype} and no quant_min/quant_max{what}")
     return int(qmin), int(qmax)
 
 
@@ -72,7 +90,7 @@ def spec_signature(spec: Any) -> Hashable:
         kind.value,
         spec.dtype,
         bool(getattr(spec, "is_dynamic", False)),
-        spec_range(spec),
+        None if is_float_spec(spec) else spec_range(spec),
         getattr(spec, "qscheme", None),
         getattr(spec, "ch_axis", None),
         getattr(spec, "scale", None),

@@ -34,7 +34,7 @@ from _quantplug.graph.calls import Call, check_flat_inputs, in_spec_of
 from _quantplug.graph.mutation import mutated_aliases, private_inputs, writes_an_input, writes_in_place
 from _quantplug.graph.op_names import op_name
 from _quantplug.graph.working_copy import working_copy
-from _quantplug.meta import DEBUG_HANDLE_KEY, FLOAT_REASON_KEY, GROUP_KEY, OBSERVERS, QPARAMS_KEY
+from _quantplug.meta import DEBUG_HANDLE_KEY, FLOAT_REASON_KEY, GROUP_KEY, QPARAMS_KEY, observer_gid
 from _quantplug.meta import STATE_KEY as PREPARED_KEY
 from _quantplug.observers import block_ops as qp_ops
 from _quantplug.rewrites.parameter_writes import functionalize_parameter_writes
@@ -414,7 +414,7 @@ def compare(
             f"compare() expects the quantized program as the GraphModule from quantplug.convert(), "
             f"got {type(quantized).__name__}"
         )
-    if any(str(n.target).startswith(OBSERVERS) for n in quantized.graph.nodes):
+    if any(n.op == "call_module" and observer_gid(n.target) is not None for n in quantized.graph.nodes):
         raise QuantplugError(
             "compare() got a prepared module (it still has observers); pass quantplug.convert(prepared)"
         )

@@ -16,12 +16,16 @@ from typing import Any
 from torch import nn
 
 from _quantplug.distributed.sync import prepared_of
-from _quantplug.meta import OBSERVERS
+from _quantplug.meta import observer_children
 
 
 def observer_buffer_names(prepared: nn.Module) -> list[str]:
     """Fully qualified names of the observers' buffers in ``prepared``."""
-    return [f"{OBSERVERS}.{name}" for name, _ in getattr(prepared_of(prepared), OBSERVERS).named_buffers()]
+    return [
+        f"{name}.{buffer}"
+        for name, observer in observer_children(prepared_of(prepared))
+        for buffer, _ in observer.named_buffers()
+    ]
 
 
 def ignore_observer_buffers(prepared: nn.Module) -> None:

@@ -23,7 +23,7 @@ from torch.fx import GraphModule
 from _quantplug.algorithms.merge import class_name, fed_collectors
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
-from _quantplug.meta import OBSERVERS, TAPS
+from _quantplug.meta import TAPS, observer_gid
 
 
 def observer_signature(obs: nn.Module) -> str:
@@ -78,7 +78,8 @@ def _algorithm_lines(prepared: GraphModule) -> list[str]:
     lines = [f"collector {f.site} {f.algorithm} {class_name(f.collector)}" for f in fed_collectors(prepared)]
     for node in prepared.graph.nodes:
         target = str(node.target)
-        if node.op != "get_attr" or target.split(".")[0] in (OBSERVERS, TAPS):
+        head = target.split(".")[0]
+        if node.op != "get_attr" or head == TAPS or observer_gid(head) is not None:
             continue
         value = fetch_attr(prepared, target)
         if isinstance(value, torch.Tensor):

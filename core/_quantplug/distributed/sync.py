@@ -39,7 +39,7 @@ from _quantplug.algorithms.merge import check_mergeable
 from _quantplug.distributed.collectors import sync_collectors
 from _quantplug.distributed.fingerprint import describe_mismatch, digest, fingerprint, mismatch_advice
 from _quantplug.errors import DistributedError
-from _quantplug.meta import OBSERVERS, SYNCED_ATTR
+from _quantplug.meta import SYNCED_ATTR, observer_children
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.merge import has_statistics, merge_observers
 from _quantplug.observers.nonfinite import COUNT_ATTR, MASK_ENDS_ATTR, MASKED_ATTR
@@ -65,9 +65,9 @@ class SyncResult:
 def prepared_of(module: nn.Module) -> nn.Module:
     """The prepared program inside a ``DistributedDataParallel`` (or any ``.module`` wrapper)."""
     inner = module
-    while not hasattr(inner, OBSERVERS) and isinstance(wrapped := getattr(inner, "module", None), nn.Module):
+    while not observer_children(inner) and isinstance(wrapped := getattr(inner, "module", None), nn.Module):
         inner = wrapped
-    if not isinstance(getattr(inner, OBSERVERS, None), nn.Module):
+    if not observer_children(inner):
         raise DistributedError(
             f"sync_observers needs a module returned by quantplug.prepare (or a DistributedDataParallel "
             f"wrapping one); got a {type(module).__name__} holding no quantplug observers"
@@ -76,9 +76,8 @@ def prepared_of(module: nn.Module) -> nn.Module:
 
 
 def named_observers(prepared: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The observers of a prepared program, in group order (``g0, g1, ...``)."""
-    children = list(getattr(prepared, OBSERVERS).named_children())
-    return sorted(children, key=lambda kv: (len(kv[0]), kv[0]))
+    """The observers of a prepared program, in group order (``activation_post_process_0, 1, ...``)."""
+    return observer_children(prepared)
 
 
 def _comm_device(group: Any) -> torch.device:

@@ -9,6 +9,7 @@ understand. Each quantized consumer gets its own dequantize node, so a backend c
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import partial
@@ -25,6 +26,7 @@ from _quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
+from _quantplug.flow.exported_modes import ExportedModes
 from _quantplug.flow.inspect import QUANTIZE_OPS
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
@@ -41,9 +43,9 @@ from _quantplug.meta import (
     CALIBRATED_REPORT_KEY,
     DEBUG_HANDLE_KEY,
     GROUP_KEY,
-    OBSERVERS,
     QPARAMS_KEY,
     STATE_KEY,
+    observer_gid,
 )
 from _quantplug.observers import block_ops as qp_ops
 from _quantplug.observers.base import ObserverBase
@@ -270,8 +272,7 @@ def compute_qparams(
     observers' ``calculate_qparams()`` themselves, through derive functions that may come from
     foreign quantizers; while they run, every source observer answers with its cached result.
     """
-    container = getattr(prepared, OBSERVERS)
-    prepared_obs = {g.gid: getattr(container, f"g{g.gid}") for g in state.groups}
+    prepared_obs = {g.gid: _observer(prepared, g) for g in state.groups}
     used = dict(prepared_obs)  # what each group's qparams are computed from
     # constants' statistics: derived and fixed observers need none (and a derived one must keep
     # pointing at the prepared source observers, which answer from the cache below)
@@ -294,15 +295,14 @@ def compute_qparams(
                     except NonFiniteError:  # named as the weight it is, not as calibration data
                         check_finite_constant(nodes[name], value, group.describe())
                         raise
-    for group in state.groups:
+    # float groups have no encoding; an observer converting itself computes its own
+    measured = [g for g in state.groups if not g.floating and not converts_itself(prepared_obs[g.gid], g)]
+    unseen = [g for g in measured if not g.dynamic and not observer_saw_data(used[g.gid])]
+    if unseen:
+        _uncalibrated(state, unseen)
+    for group in measured:
         if not group.dynamic:
             check_state(group.describe(), used[group.gid])
-        if not group.dynamic and not observer_saw_data(used[group.gid]):
-            raise CalibrationError(
-                f"the observer of {group.describe()} never saw data; run calibration batches through the "
-                "prepared model (prepared(*inputs)) before convert(), "
-                "or check that this path of the model runs"
-            )
     raw: dict[int, tuple[Any, Any] | None] = {}
     by_observer: dict[int, tuple[Any, Any]] = {}  # id(observer used) -> its qparams
     patched: list[nn.Module] = []
@@ -321,7 +321,7 @@ def compute_qparams(
     # what needs no other observer's result is computed up front, many observers at once
     independent = {
         id(used[g.gid]): used[g.gid]
-        for g in state.groups
+        for g in measured
         if not g.dynamic and not isinstance(used[g.gid], DerivedObserver)
     }
     by_observer.update(zip(independent, calculate_qparams_many(list(independent.values()))))
@@ -339,7 +339,7 @@ def compute_qparams(
         weight_overrides.biases.update(chosen.biases)
     try:
         derived = []
-        for group in state.groups:
+        for group in measured:
             if group.dynamic:
                 raw[group.gid] = None
             elif isinstance(used[group.gid], DerivedObserver):
@@ -355,8 +355,103 @@ def compute_qparams(
         for module in patched:
             module.__dict__.pop("calculate_qparams", None)
     # no NaN/inf scale reaches any file
-    check_all_qparams([(g.describe(), *found) for g in state.groups if (found := raw[g.gid]) is not None])
-    return {group.gid: _qparams(group, raw[group.gid]) for group in state.groups}
+    check_all_qparams([(g.describe(), *found) for g in measured if (found := raw[g.gid]) is not None])
+    return {group.gid: _qparams(group, raw[group.gid]) for group in measured}
+
+
+def _observer(prepared: GraphModule, group: Group) -> Any:
+    """``group``'s observer on ``prepared``, or a ConversionError saying where it went."""
+    found = prepared._modules.get(group.target)
+    if found is None:
+        raise ConversionError(
+            f"the prepared module has no observer {group.target!r} (of {group.describe()}): something "
+            "deleted it after prepare (a graph rewrite that removed its call_module nodes, then "
+            "delete_all_unused_submodules()); calibrate and convert the module prepare returned"
+        )
+    return found
+
+
+def converts_itself(observer: Any, group: Group) -> bool:
+    """Whether ``observer`` writes its own Q/DQ ops: a PT2E observer with a
+    ``convert(model, observer_node)`` method, which torchao's ``convert_pt2e`` calls instead of
+    emitting Q/DQ from ``calculate_qparams()`` (custom int4 ops, say). torchao's affine observers
+    have one too; they are quantplug's own affine path's to convert, so they are left out, as
+    are constants (observed and stored as integers by convert itself) and float groups."""
+    if group.constant or group.floating or not callable(getattr(observer, "convert", None)):
+        return False
+    return not any(c.__name__ == "AffineQuantizedObserverBase" for c in type(observer).__mro__)
+
+
+class _HookModel(nn.Module):
+    """What an observer's ``convert(model, observer_node)`` hook is given as ``model``: the graph
+    being built, and buffers registered into the converted module's tensors. Names already taken
+    on the prepared module read as taken, so a hook's new attribute never shadows one."""
+
+    def __init__(self, graph: Graph, tensors: dict[str, torch.Tensor], prepared: GraphModule) -> None:
+        super().__init__()
+        self.__dict__["graph"] = graph
+        self.__dict__["_hook_tensors"] = tensors
+        self.__dict__["_hook_prepared"] = prepared
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        if tensor is not None:
+            self.__dict__["_hook_tensors"][name] = tensor
+
+    def __getattr__(self, name: str) -> Any:
+        tensors = self.__dict__["_hook_tensors"]
+        if name in tensors:
+            return tensors[name]
+        return getattr(self.__dict__["_hook_prepared"], name)
+
+
+def _run_convert_hook(model: _HookModel, observer: Any, target: str, src: Node) -> Node:
+    """``observer.convert(model, node)`` on a stand-in observer node in the new graph; returns the
+    node the hook put in its place (its users are rewired by ``replace_all_uses_with``, so a
+    temporary user tells which one)."""
+    graph = model.graph
+    stand_in = add_node(graph, "call_module", target, (src,), {})
+    probe = _call_function(graph, torch.ops.aten.alias.default, (stand_in,))
+    observer.convert(model, stand_in)
+    replacement = probe.args[0]
+    graph.erase_node(probe)
+    if stand_in in graph.nodes:
+        raise ConversionError(
+            f"{type(observer).__name__}.convert(model, node) left its observer node {stand_in.name!r} in the "
+            "graph; it must replace the node's uses and erase it, as torchao's convert_pt2e expects"
+        )
+    assert isinstance(replacement, Node)
+    return replacement
+
+
+def _uncalibrated(state: PreparedState, unseen: list[Group]) -> None:
+    """Observers that never saw data: an error for quantplug's backends, torchao's behaviour for a
+    foreign PT2E quantizer.
+
+    A quantplug backend's program converted with uncalibrated observers would carry made-up
+    scales (1.0) into a deployed model, so convert refuses and names them. torchao's
+    ``convert_pt2e`` instead asks each observer for its qparams, which warns and answers its
+    defaults (scale 1, zero point 0), and code written for it (structure checks that prepare and
+    convert without data) relies on that: with a foreign quantizer (``state.backend`` is None)
+    convert does the same and warns once, naming the observers.
+    """
+    if state.backend is not None:
+        group = unseen[0]
+        more = f" (nor did {len(unseen) - 1} other observers)" if len(unseen) > 1 else ""
+        raise CalibrationError(
+            f"the observer of {group.describe()} never saw data{more}; run calibration batches through "
+            "the prepared model (prepared(*inputs)) before convert(), "
+            "or check that this path of the model runs"
+        )
+    shown = "; ".join(g.describe() for g in unseen[:3]) + (
+        f" and {len(unseen) - 3} more" if len(unseen) > 3 else ""
+    )
+    warnings.warn(
+        f"convert: {len(unseen)} observer(s) never saw data ({shown}); they get their observers' default "
+        "qparams, as torchao's convert_pt2e gives them. Run calibration batches through the prepared "
+        "model before convert() for real encodings.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 class _Cached:
@@ -395,7 +490,10 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     env: dict[Node, Node | _Dequantized] = {}
     tensors: dict[str, torch.Tensor] = {}
     emit = _Emitter(graph, tensors, AttrNamer(prepared))
-    observer_prefix = OBSERVERS + "."
+    hook_model = _HookModel(graph, tensors, prepared)
+    converting_themselves = {
+        g.gid: obs for g in state.groups if converts_itself(obs := getattr(prepared, g.target), g)
+    }
     # constant groups have no observer nodes: their keys are quantized here, as observers would be
     constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
     for (producer, consumer), gid in state.constant_edges.items():
@@ -439,9 +537,18 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     for node in prepared.graph.nodes:
         if is_tap(node):  # algorithms' calibration taps end with calibration
             continue
-        if node.op == "call_module" and str(node.target).startswith(observer_prefix):
-            gid = int(str(node.target)[len(observer_prefix) + 1 :])
+        observed = observer_gid(node.target) if node.op == "call_module" else None
+        if observed is not None:
+            gid = observed
+            if state.groups[gid].constant:  # a parked observer: its constant is quantized below
+                continue
             src = _lookup(env, node.args[0], node)
+            if state.groups[gid].floating:  # stays float: no Q/DQ (float16: to half and back)
+                env[node] = _float_edge(graph, src, state.groups[gid].spec.dtype)
+                continue
+            if gid in converting_themselves:  # PT2E's observer hook: it writes its own ops
+                env[node] = _run_convert_hook(hook_model, converting_themselves[gid], str(node.target), src)
+                continue
             qp = qparams[gid]
             if qp.granularity in ("dynamic", "token"):
                 env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)
@@ -468,7 +575,7 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
     since = code_counter()
-    converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
+    converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
     _populate(converted, prepared, graph, tensors)
     converted.graph = graph  # the one code generation
     release_code_with(converted, since=since)
@@ -479,11 +586,27 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     return converted
 
 
+class ConvertedModule(ExportedModes, GraphModule):
+    """What :func:`convert` returns: the reference Q/DQ program, whose ``train()``/``eval()``
+    raise as on an exported module (:mod:`_quantplug.flow.exported_modes`)."""
+
+
 def _quantized(emit: _Emitter, src: Node, qp: QParams, gid: int, origin: Node) -> _Dequantized:
     """Env value of a quantized tensor: its quantize node, and a dequantize per consumer."""
     q = emit.quantize(src, qp, f"g{gid}")
     q.meta[GROUP_KEY] = gid
     return _Dequantized(_dq_maker(emit, q, qp, gid, origin), duplicate=True)
+
+
+def _float_edge(graph: Graph, src: Node, dtype: torch.dtype) -> Node:
+    """What a float spec's observer becomes, as torchao's convert makes it: nothing, or for
+    float16 a cast to half and back (``convert_element_type.no_fuse``, which inductor's fp16
+    weight patterns match and no pass folds away)."""
+    if dtype != torch.float16:
+        return src
+    cast = qd.convert_element_type.no_fuse
+    half = _call_function(graph, cast, (src, torch.float16))
+    return _call_function(graph, cast, (half, torch.float32))
 
 
 def _store_constants_as_integers(

@@ -1,14 +1,17 @@
 """prepare(): annotate -> resolve sharing -> validate -> one observer per group.
 
-Works on a copy of the caller's graph, inserts observers with O(1) naming into one container
-module, and recompiles once. Groups whose tensors are all parameters or buffers (weights,
-biases) get no observer in the graph: convert() measures them once, so calibration runs at float
-speed for weights instead of re-observing them every batch. Every other group keeps an observer
-per key, as torchao's prepare_pt2e gives it, because foreign observers may look for one (ExecuTorch's
-ConcatObserver finds each concat input's observer in the graph): a group mixing a weight and
-activations (an embedding table whose looked-up rows share its encoding), values computed from
-weights only (a transposed weight, an LSTM's ``zeros`` state) and QAT weights. convert() still
-stores all of them as integers (see ``flow.constants``).
+Works on a copy of the caller's graph, inserts observers with O(1) naming (group ``N``'s observer
+is the top-level submodule ``activation_post_process_N``, torchao's prefix) and recompiles once.
+Groups whose tensors are all parameters or buffers (weights, biases) are *parked*
+(:mod:`_quantplug.observers.parked`): their observer's node reads the constant but nothing reads
+the node, and it passes the constant through unobserved, so calibration runs at float speed for
+weights; convert() measures them once. The node keeps the observer reachable from the graph, so
+a rewrite that deletes uncalled submodules (torchao's ``move_exported_model_to_eval``) keeps it.
+Every other group keeps an observer per key, as torchao's prepare_pt2e gives it, because foreign
+observers may look for one (ExecuTorch's ConcatObserver finds each concat input's observer in the
+graph): a group mixing a weight and activations (an embedding table whose looked-up rows share
+its encoding), values computed from weights only (a transposed weight, an LSTM's ``zeros`` state)
+and QAT weights. convert() still stores all of them as integers (see ``flow.constants``).
 """
 
 from __future__ import annotations
@@ -26,44 +29,55 @@ from _quantplug.algorithms.guard import FlowSteps, flat_batches
 from _quantplug.algorithms.registry import resolve_algorithms
 from _quantplug.algorithms.taps import install_collectors
 from _quantplug.algorithms.transforms import run_transforms
-from _quantplug.annotation.spec_view import SpecKind, spec_kind
+from _quantplug.annotation.spec_view import SpecKind, is_float_spec, is_per_channel, spec_kind
+from _quantplug.deprecated import warn_old_module_attribute
 from _quantplug.errors import AnnotationError, QuantplugError
 from _quantplug.flow.convert import convert
+from _quantplug.flow.exported_modes import ExportedModes
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.calls import Call, in_spec_of, input_misfit
 from _quantplug.graph.constants import written
 from _quantplug.graph.index_arithmetic import index_arithmetic
-from _quantplug.graph.mutation import mutated_aliases
+from _quantplug.graph.mutation import mutated_aliases, writes_into_state
 from _quantplug.graph.softmax_inputs import score_values
 from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
-from _quantplug.meta import ALGORITHMS_KEY, BACKEND_KEY, DEBUG_HANDLE_KEY, GROUP_KEY, OBSERVERS, STATE_KEY
+from _quantplug.meta import (
+    ALGORITHMS_KEY,
+    BACKEND_KEY,
+    DEBUG_HANDLE_KEY,
+    GROUP_KEY,
+    STATE_KEY,
+    observer_children,
+)
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.factory import create_observer
 from _quantplug.observers.nonfinite import check_policy
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
+from _quantplug.observers.parked import park
 from _quantplug.peers.torchao_matching import fast_partition_matching
 from _quantplug.peers.torchao_observers import accelerate, clonable
 from _quantplug.quantizer.quantizer import Quantizer, coverage_of
 from _quantplug.rewrites.pipeline import rewrite_for_annotation
 from _quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from _quantplug.sharing.problem import solve
-from _quantplug.sharing.resolution import Key, SharingGroups
+from _quantplug.sharing.resolution import Key, SharingGroups, describe_key
 from _quantplug.validation.engine import CalibratedPlan
 from _quantplug.validation.report import ValidationReport
 
 logger = logging.getLogger("quantplug.flow.prepare")
 
 
-class PreparedModule(GraphModule):
+class PreparedModule(ExportedModes, GraphModule):
     """What :func:`prepare` returns: a GraphModule whose observer nodes also resolve by name.
 
-    quantplug keeps every observer in one container (``quantplug_observers.gN``: O(1) naming, one
-    module tree), so an observer node is named ``quantplug_observers_gN`` while its module lives
-    at ``quantplug_observers.gN``. Observers written for torchao's prepare, where a node's name is
-    its module's attribute name, look their peers up as ``getattr(gm, node.name)`` (ExecuTorch's
-    ``ConcatObserver`` does, to widen its inputs' observers): here any attribute that is not found
-    otherwise and names a ``call_module`` node resolves to the module that node calls. The lookup
-    only runs on a miss and builds its name table once (again if the graph changed).
+    A sharing group has one observer (``activation_post_process_N``) called by a node per key, so
+    the second node calling it is named ``activation_post_process_N_1``. Observers written for
+    torchao's prepare, where each node's name is its own module's attribute name, look their peers
+    up as ``getattr(gm, node.name)`` (ExecuTorch's ``ConcatObserver`` does, to widen its inputs'
+    observers): here any attribute that is not found otherwise and names a ``call_module`` node
+    resolves to the module that node calls. The lookup only runs on a miss and builds its name
+    table once (again if the graph changed). ``train()``/``eval()`` raise as on an exported module
+    (:mod:`_quantplug.flow.exported_modes`).
     """
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -169,6 +183,20 @@ def prepare(
         return _prepare(program, quantizer, qat=qat, nonfinite=nonfinite, algorithms=chosen, config=config)
 
 
+def __getattr__(name: str) -> Any:
+    """``OBSERVERS``, the name of 0.1.0's observer container (``quantplug.flow.prepare.OBSERVERS``),
+    resolves until 0.4.0 with a DeprecationWarning: there is no container any more."""
+    if name == "OBSERVERS":
+        warn_old_module_attribute(
+            "quantplug.flow.prepare.OBSERVERS",
+            "observers are top-level modules named activation_post_process_N (quantplug.backend."
+            "prepared_state(prepared).groups[i].target names group i's); no 'quantplug_observers' "
+            "container exists",
+        )
+        return "quantplug_observers"
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: prepare and convert as the algorithm guard quantizes with them (the algorithms, a layer below
 #: flow, are handed these and never import flow)
 STEPS = FlowSteps(prepare=prepare, convert=convert)
@@ -177,7 +205,7 @@ STEPS = FlowSteps(prepare=prepare, convert=convert)
 def _check_float_program(program: Any) -> None:
     """A prepared or converted program given again fails here, not deep inside annotation."""
     gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
-    if isinstance(gm, GraphModule) and (STATE_KEY in gm.meta or hasattr(gm, OBSERVERS)):
+    if isinstance(gm, GraphModule) and (STATE_KEY in gm.meta or observer_children(gm)):
         raise QuantplugError(
             "this module is already prepared (it holds quantplug observers); prepare the float program "
             "(the ExportedProgram you exported), then calibrate and convert the result"
@@ -246,6 +274,7 @@ def _prepare(
     with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
         _call(quantizer, "annotate", gm)
     keys = collect_keys(gm.graph)
+    _check_channel_axes(keys)
     if not keys.specs:
         _warn_nothing_quantized(gm, quantizer)
     problem = keys.problem(gm.graph)
@@ -259,7 +288,6 @@ def _prepare(
     callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
     if callable(callback):
         observers = _run_pt2e_callback(gm, callback, state, observers)
-    container = nn.Module()
     inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     scores = score_values(gm.graph)
     for gid, obs in observers.items():
@@ -273,8 +301,9 @@ def _prepare(
             observes_input=bool(producers & inputs),
             observes_scores=bool(producers & scores),
         )
-        container.add_module(f"g{gid}", obs)
-    gm.add_module(OBSERVERS, container)
+        if group.constant:
+            park(obs)
+        gm.add_module(group.target, obs)
     _insert_observer_nodes(gm, state)
     _count_calls_per_pass(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
@@ -285,6 +314,24 @@ def _prepare(
     gm.meta[STATE_KEY] = state
     gm.meta[BACKEND_KEY] = state.backend
     return gm
+
+
+def _check_channel_axes(keys: AnnotatedKeys) -> None:
+    """A static per-channel spec needs its ``ch_axis``: without one its observer fails on the first
+    tensor it sees (torchao's with a TypeError, in calibration or, for a weight, in convert). Named
+    here, at prepare, by the key that carries it. (Dynamic per-channel specs mean per token.)"""
+    for key, spec in keys.specs.items():
+        if (
+            spec_kind(spec) is SpecKind.PLAIN
+            and is_per_channel(spec)
+            and getattr(spec, "ch_axis", None) is None
+            and not getattr(spec, "is_dynamic", False)
+        ):
+            raise AnnotationError(
+                f"the per-channel spec of {describe_key(key)} has no ch_axis: set "
+                "QuantizationSpec(..., ch_axis=N), the dimension that holds the channels (0 for a "
+                "conv or linear weight, 1 for a transposed conv's)"
+            )
 
 
 def _warn_nothing_quantized(gm: GraphModule, quantizer: Any) -> None:
@@ -327,7 +374,8 @@ def _build_groups(
     for gid, members in enumerate(groups.members):
         spec = keys.specs[groups.representative[gid]]
         dynamic = bool(getattr(spec, "is_dynamic", False))
-        constant = not dynamic and all(from_constant(k) for k in members)
+        floating = is_float_spec(spec)  # observed in the graph as torchao does (a placeholder observer)
+        constant = not dynamic and not floating and all(from_constant(k) for k in members)
         result.append(
             Group(
                 gid=gid,
@@ -336,6 +384,7 @@ def _build_groups(
                 constant=constant,
                 dynamic=dynamic,
                 per_pass=gid in groups.observed_per_pass,
+                floating=floating,
             )
         )
     state = PreparedState(groups=result, group_of=dict(groups.group_of), qat=qat, backend=backend)
@@ -354,7 +403,7 @@ def _count_calls_per_pass(gm: GraphModule, state: PreparedState) -> None:
     call sites in the graph: every node runs once per pass), or in QAT of the observer its
     fake-quant module wraps. Observers without a ``calls_per_pass`` (min-max ones, whose result
     does not depend on it) are left alone."""
-    per_pass = {g.target: g for g in state.groups if g.per_pass}
+    per_pass = {g.target: g for g in state.groups if g.per_pass and not g.constant}  # parked: never called
     if not per_pass:
         return
     calls: dict[str, int] = {}
@@ -429,10 +478,22 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         if n.op == "placeholder":
             last_placeholder = n
 
+    calls: dict[int, int] = {}  # group id -> its observer's nodes so far
+
     def new_observer(source: Node, group: Group, before: Node | None = None) -> Node:
         anchor = last_placeholder if source.op == "placeholder" and last_placeholder is not None else source
+        # named explicitly: torch.fx would name a second call of activation_post_process_5 as
+        # activation_post_process_6 (it counts up the numeric suffix), which is another group's
+        # observer, and code resolving getattr(gm, node.name) would find the wrong one
+        count = calls[group.gid] = calls.get(group.gid, -1) + 1
+        name = group.target if not count else f"{group.target}_{count}"
         with graph.inserting_before(before) if before is not None else graph.inserting_after(anchor):
-            obs = graph.call_module(group.target, (source,))
+            obs = graph.create_node("call_module", group.target, (source,), name=name)
+        if obs.name != name:  # the program already had a node of that name
+            raise QuantplugError(
+                f"cannot name the observer node of {group.describe()} {name!r}: the program already has "
+                "a node of that name; rename it (activation_post_process_* names belong to observers)"
+            )
         for k in ("val", "tensor_meta", "nn_module_stack", "stack_trace", DEBUG_HANDLE_KEY):
             if k in source.meta:
                 obs.meta[k] = source.meta[k]
@@ -443,6 +504,11 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
     # number can come back just below itself and its cast to integers would truncate it
     edges_observed = {key[1] for key in state.group_of if isinstance(key, tuple)}
     float_readers = {n.name for n in index_arithmetic(graph)} - edges_observed
+    # a constant's observer is parked: one node per constant it measures, read by nothing
+    for group in state.groups:
+        if group.constant:
+            for producer in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
+                new_observer(by_name[producer], group)
     output_obs: dict[str, Node] = {}
     for n in nodes:
         gid = state.group_of.get(n.name)
@@ -469,6 +535,8 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
             continue
         current = output_obs.get(producer_name, by_name[producer_name])
         consumer = by_name[consumer_name]
+        if writes_into_state(by_name[producer_name], consumer):  # the state itself is written
+            continue
         if producer_name in written_later:
             consumer.replace_input_with(current, new_observer(current, group, before=consumer))
             continue

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 from torch.fx import GraphModule
 
-from _quantplug.meta import OBSERVERS
+from _quantplug.meta import observer_target
 from _quantplug.sharing.resolution import Key, describe_key
 from _quantplug.validation.engine import CalibratedPlan
 from _quantplug.validation.report import ValidationReport
@@ -18,8 +18,9 @@ from _quantplug.validation.report import ValidationReport
 class Group:
     """One sharing group: its spec, its keys, and whether only parameters/buffers flow through it.
 
-    ``constant`` groups are quantized at convert from the parameters' values (no observer runs
-    during calibration); in QAT no group is, since training changes the weights.
+    ``constant`` groups are quantized at convert from the parameters' values (their observer's
+    node in the prepared graph passes the weight through during calibration, see
+    :mod:`_quantplug.observers.parked`); in QAT no group is, since training changes the weights.
     """
 
     gid: int
@@ -29,10 +30,14 @@ class Group:
     dynamic: bool
     #: its observer's calls in one forward pass make one update (``SharingGroups.observed_per_pass``)
     per_pass: bool = False
+    #: a float spec's group (``annotation.spec_view.is_float_spec``): its tensors stay floating
+    #: point, no qparams; convert drops its observer (float16: a cast to half and back)
+    floating: bool = False
 
     @property
     def target(self) -> str:
-        return f"{OBSERVERS}.g{self.gid}"
+        """Its observer's attribute name on the prepared module (``activation_post_process_N``)."""
+        return observer_target(self.gid)
 
     def describe(self) -> str:
         shown = ", ".join(describe_key(k) for k in self.keys[:3])
@@ -57,4 +62,4 @@ class PreparedState:
     constant_edges: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def observer(self, gm: GraphModule, gid: int) -> nn.Module:
-        return getattr(getattr(gm, OBSERVERS), f"g{gid}")
+        return getattr(gm, observer_target(gid))

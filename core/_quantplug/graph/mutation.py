@@ -75,6 +75,14 @@ def written_args(node: Node) -> list[Node]:
     return written
 
 
+def writes_into_state(producer: Node, consumer: Node) -> bool:
+    """Whether ``consumer`` writes in place into ``producer``, a parameter or buffer or a view of
+    one (``self.buf.index_put_(...)``, ``self.buf[0].index_put_(...)``). That input edge must stay
+    float, as torchao's prepare keeps it: an observer there would hand the op a copy to write into,
+    and convert would store the state as a frozen integer constant, so every write was lost."""
+    return producer in written_args(consumer) and _base(producer).op == "get_attr"
+
+
 def is_view(node: Node) -> bool:
     """An op whose output aliases its first argument (``Tensor(a)`` returned: slice, view...)."""
     schema = _schema(node)

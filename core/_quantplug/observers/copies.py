@@ -9,11 +9,13 @@ buffers, about 15x cheaper than ``copy.deepcopy``.
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 from torch import nn
 
 from _quantplug.observers.binning import LinearBinning
+from _quantplug.observers.parked import unparked
 
 _MODULE_STATE = frozenset(nn.Module().__dict__)
 _IMMUTABLE = (
@@ -29,6 +31,7 @@ _IMMUTABLE = (
     tuple,
     frozenset,
     LinearBinning,  # never changed once made
+    types.FunctionType,  # a parked observer's ``forward`` (observers/parked.py)
 )
 
 
@@ -37,17 +40,18 @@ def fresh_copy(obs: nn.Module) -> nn.Module:
 
     Observers keep their statistics in buffers, so a leaf observer whose other attributes are
     immutable values is copied by cloning its buffers (about 15x cheaper than ``deepcopy``);
-    anything else is deep-copied.
+    anything else is deep-copied. The copy is never parked (:mod:`_quantplug.observers.parked`):
+    a copy is made to be fed, and the observer of a constant is fed its constant through one.
     """
     simple = not obs._modules and not obs._parameters
     if simple:
         simple = all(isinstance(v, _IMMUTABLE) for k, v in obs.__dict__.items() if k not in _MODULE_STATE)
     if not simple:
-        return copy.deepcopy(obs)
+        return unparked(copy.deepcopy(obs))
     new = object.__new__(type(obs))
     new.__dict__ = obs.__dict__.copy()
     new._buffers = {k: None if v is None else v.clone() for k, v in obs._buffers.items()}
     new._non_persistent_buffers_set = set(obs._non_persistent_buffers_set)
     new._parameters = {}
     new._modules = {}
-    return new
+    return unparked(new)

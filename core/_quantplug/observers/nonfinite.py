@@ -42,7 +42,7 @@ from torch import nn
 
 from _quantplug.annotation.specs import SYMMETRIC_QSCHEMES
 from _quantplug.errors import NonFiniteError, OptionError
-from _quantplug.meta import OBSERVERS
+from _quantplug.meta import observer_children
 from _quantplug.observers.base import ObserverBase, qparams_from_range
 
 POLICIES = ("error", "strict", "ignore")
@@ -285,9 +285,8 @@ def _counts(prepared: nn.Module, attr: str) -> dict[str, int]:
 
 
 def _observers(prepared: nn.Module) -> Iterator[nn.Module]:
-    container = getattr(prepared, OBSERVERS, None)
-    if isinstance(container, nn.Module):
-        yield from container.children()
+    for _, observer in observer_children(prepared):
+        yield observer
 
 
 def check_state(where: str, observer: Any) -> None:

@@ -8,6 +8,7 @@ so the caller's parameters are never written.
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 from torch.fx import GraphModule, Node
@@ -23,6 +24,10 @@ _CONVS = {
     aten.conv1d.default: False,
     aten.conv2d.default: False,
     aten.conv3d.default: False,
+    # padding="same"/"valid" (a string): the same weights and bias to fold
+    aten.conv1d.padding: False,
+    aten.conv2d.padding: False,
+    aten.conv3d.padding: False,
     aten.conv_transpose1d.default: True,
     aten.conv_transpose2d.input: True,
     aten.conv_transpose3d.input: True,
@@ -35,6 +40,12 @@ def _constant(gm: GraphModule, node: object) -> torch.Tensor | None:
         value = attr_value(gm, node)
         return value if isinstance(value, torch.Tensor) else None
     return None
+
+
+def _rank(node: object) -> int:
+    """The rank of ``node``'s tensor (0 if unknown)."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else 0
 
 
 #: ``gm.meta`` key: folded weight attribute -> the weight it was folded from (``"layer1.0.conv1.weight"``),
@@ -61,6 +72,17 @@ def fold_batch_norm(gm: GraphModule) -> int:
         else:
             training, eps = False, bn.args[6]
         if training:
+            continue
+        if is_linear and _rank(producer.args[0]) > 2:
+            # linear maps the last dim, batch norm the channel dim (1): the same dim only for a
+            # 2-D input. Folding a 3-D one would change the float model (by up to 4 on a small
+            # Linear+BatchNorm1d); torchao skips it with this warning, so does quantplug
+            warnings.warn(
+                f"Not fusing linear+bn for node '{producer.name}': the linear input is "
+                f"{_rank(producer.args[0])}-D so Linear and BatchNorm operate on different dimensions",
+                UserWarning,
+                stacklevel=2,
+            )
             continue
         tensors = [_constant(gm, a) for a in bn.args[1:5]]
         weight_node = producer.args[1]

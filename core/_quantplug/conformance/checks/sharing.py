@@ -17,7 +17,7 @@ from _quantplug.conformance.checks.session import (
 )
 from _quantplug.errors import QuantplugError
 from _quantplug.flow.prepare import PreparedState
-from _quantplug.meta import STATE_KEY
+from _quantplug.meta import STATE_KEY, observer_gid
 
 
 def sharing_problems(prepared: GraphModule) -> list[str]:
@@ -93,13 +93,9 @@ def sharing_problems(prepared: GraphModule) -> list[str]:
                 s = (source[0].name, source[1].name) if isinstance(source, tuple) else source.name
                 if s not in state.group_of:
                     problems.append(f"{_key(key)} derives from {_key(s)}, which has no group")
-    observed = {
-        int(str(n.target).rsplit(".g", 1)[1])
-        for n in nodes.values()
-        if n.op == "call_module" and ".g" in str(n.target)
-    }
+    observed = {observer_gid(n.target) for n in nodes.values() if n.op == "call_module"}
     for group in state.groups:
-        if not group.constant and group.gid not in observed:
+        if group.gid not in observed:
             problems.append(f"group {group.gid} ({group.describe()}) has no observer in the graph")
     return problems
 
