@@ -53,6 +53,7 @@ from _quantplug.observers.fixed import DerivedObserver
 from _quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.peers.torchao_observers import calculate_qparams_many
+from _quantplug.rewrites.qat_batchnorm import fold_trained_batch_norms
 from _quantplug.validation.calibrated import check_calibrated
 
 qd = torch.ops.quantized_decomposed
@@ -382,7 +383,13 @@ def convert(prepared: GraphModule) -> GraphModule:
             "prepare the exported program first"
         )
     with paused_gc():
+        if state.qat:  # batch norms trained beside their convs are folded into them now
+            prepared = fold_trained_batch_norms(prepared, _is_observer)
         return _convert(prepared, state)
+
+
+def _is_observer(node: Node) -> bool:
+    return node.op == "call_module" and str(node.target).startswith(OBSERVERS + ".")
 
 
 def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
