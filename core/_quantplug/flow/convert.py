@@ -26,6 +26,7 @@ from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
 from _quantplug.flow.inspect import QUANTIZE_OPS
+from _quantplug.flow.representation import reference_representation
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_nodes, module_attr
@@ -97,10 +98,41 @@ def _container(dtype: torch.dtype) -> torch.dtype:
     return storage_dtype(dtype) if dtype in SUPPORTED_DTYPES else dtype
 
 
-def _qparams(group: Group, raw: tuple[Any, Any] | None) -> QParams:
-    """A group's QParams from its observer's ``calculate_qparams()`` result (None: dynamic)."""
+def _observer_axis(observer: nn.Module) -> int | None:
+    """The channel axis a per-channel observer (or the one a fake-quantize wraps) measured on."""
+    for module in (observer, getattr(observer, "activation_post_process", None)):
+        axis = getattr(module, "ch_axis", None)
+        if isinstance(axis, int) and axis >= 0:
+            return axis
+    return None
+
+
+def _observer_range(observer: nn.Module) -> tuple[int, int] | None:
+    """The integer range a (PT2E) observer computed its qparams for, if it states one.
+
+    ``reduce_range=True`` (torch's ``default_fake_quant``) halves the spec's range inside the
+    observer: its scale is for 0..127 and a QAT model trained clamped to that range.
+    """
+    for module in (getattr(observer, "activation_post_process", None), observer):
+        qmin, qmax = getattr(module, "quant_min", None), getattr(module, "quant_max", None)
+        if isinstance(qmin, int) and isinstance(qmax, int) and getattr(module, "reduce_range", False):
+            return qmin, qmax
+    return None
+
+
+def _qparams(group: Group, raw: tuple[Any, Any] | None, observer: nn.Module | None = None) -> QParams:
+    """A group's QParams from its observer's ``calculate_qparams()`` result (None: dynamic).
+
+    As torchao's convert, which reads them from the observer: a per-channel spec without
+    ``ch_axis`` (PT2E's default is None) is quantized along the axis its observer measured, and
+    an observer with ``reduce_range`` quantizes to the reduced range its scale was computed for.
+    """
     spec = group.spec
     qmin, qmax = spec_range(spec)
+    reduced = _observer_range(observer) if observer is not None else None
+    if reduced is not None and qmin <= reduced[0] <= reduced[1] <= qmax:
+        qmin, qmax = reduced
+    observer_axis = _observer_axis(observer) if observer is not None else None
     dtype = _container(spec.dtype)
     symmetric = getattr(spec, "qscheme", None) in (torch.per_tensor_symmetric, torch.per_channel_symmetric)
     if group.dynamic or raw is None:
@@ -120,9 +152,8 @@ def _qparams(group: Group, raw: tuple[Any, Any] | None) -> QParams:
     if (is_per_channel(spec) and scale.numel() > 1) or (
         is_per_channel(spec) and getattr(spec, "ch_axis", None) is not None
     ):
-        return QParams(
-            scale, zero_point, qmin, qmax, dtype, "channel", axis=spec.ch_axis, symmetric=symmetric
-        )
+        axis = spec.ch_axis if getattr(spec, "ch_axis", None) is not None else observer_axis
+        return QParams(scale, zero_point, qmin, qmax, dtype, "channel", axis=axis or 0, symmetric=symmetric)
     return QParams(
         scale.reshape(-1)[:1], zero_point.reshape(-1)[:1], qmin, qmax, dtype, "tensor", symmetric=symmetric
     )
@@ -357,7 +388,7 @@ def compute_qparams(
             module.__dict__.pop("calculate_qparams", None)
     # no NaN/inf scale reaches any file
     check_all_qparams([(g.describe(), *found) for g in state.groups if (found := raw[g.gid]) is not None])
-    return {group.gid: _qparams(group, raw[group.gid]) for group in state.groups}
+    return {g.gid: _qparams(g, raw[g.gid], used[g.gid]) for g in state.groups}
 
 
 class _Cached:
@@ -374,25 +405,49 @@ def _sources_ready(obs: DerivedObserver) -> bool:
     return all("calculate_qparams" in src.__dict__ for src in obs.obs_or_fqs)
 
 
-def convert(prepared: GraphModule) -> GraphModule:
-    """Turn a calibrated prepared model into the reference quantized program (a new module)."""
+def convert(
+    prepared: GraphModule, *, fold_quantize: bool = True, use_reference_representation: bool = False
+) -> GraphModule:
+    """Turn a calibrated prepared model into the reference quantized program (a new module).
+
+    Args:
+        prepared: what :func:`~_quantplug.flow.prepare.prepare` returned, calibrated (or trained).
+        fold_quantize: store weights and other constants as the integers their quantize op
+            computes (the default, as torchao's ``convert_pt2e``); ``False`` keeps the float
+            constant and its ``quantize`` op in the program.
+        use_reference_representation: rewrite quantized add, add-relu, conv2d, linear (static
+            and dynamic), max-pool and the Q/DQ ops themselves into PT2E's integer-arithmetic
+            reference representation (``out_dtype`` ops on int8/int32 tensors), torchao's
+            ``convert_pt2e(..., use_reference_representation=True)``. That representation is
+            torchao's definition, so it needs torchao installed
+            (:mod:`_quantplug.flow.representation`).
+    """
     state = prepared.meta.get(STATE_KEY) if isinstance(prepared, GraphModule) else None
     if not isinstance(state, PreparedState):
         raise ConversionError(
             f"{type(prepared).__name__} was not produced by quantplug.prepare(); "
             "prepare the exported program first"
         )
+    for option, value in (
+        ("fold_quantize", fold_quantize),
+        ("use_reference_representation", use_reference_representation),
+    ):
+        if not isinstance(value, bool):
+            raise ConversionError(f"convert({option}={value!r}): {option} is True or False")
     with paused_gc():
         if state.qat:  # batch norms trained beside their convs are folded into them now
             prepared = fold_trained_batch_norms(prepared, _is_observer)
-        return _convert(prepared, state)
+        converted = _convert(prepared, state, fold_quantize=fold_quantize)
+    if use_reference_representation:
+        converted = reference_representation(converted)
+    return converted
 
 
 def _is_observer(node: Node) -> bool:
     return node.op == "call_module" and str(node.target).startswith(OBSERVERS + ".")
 
 
-def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
+def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool = True) -> GraphModule:
     chosen = WeightOverrides()  # what the algorithms chose (issue 15); empty without algorithms
     qparams = compute_qparams(prepared, state, chosen)
     # constraints v2: limits and relations checked again on the calibrated encodings (strict raises)
@@ -427,10 +482,12 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
         if q is None:
             qp = qparams[gid]
             target = str(producer.target)
+            codes = chosen.codes.get((target, gid))
             if producer.name in state.constant_outputs:  # requantized: folded below, exactly
                 q = emit.quantize(_lookup(env, producer, user), qp, f"g{gid}")
+            elif not fold_quantize and codes is None:  # the float constant and its quantize op
+                q = emit.quantize(_lookup(env, producer, user), qp, f"g{gid}")
             else:
-                codes = chosen.codes.get((target, gid))
                 if codes is not None:  # an algorithm's integer codes (checked against the grid)
                     ints = codes.to(qp.dtype)
                 else:
@@ -472,7 +529,8 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
         out_gid = state.constant_outputs.get(node.name)
         if out_gid is not None:
             env[node] = _quantized(emit, new, qparams[out_gid], out_gid, node)
-    _store_constants_as_integers(graph, emit, prepared, qparams)
+    if fold_quantize:
+        _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
     since = code_counter()
     converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")

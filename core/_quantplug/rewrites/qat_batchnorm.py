@@ -343,9 +343,8 @@ def _fold(gm: GraphModule, trained: _Trained, namer: AttrNamer) -> None:
     w_name, b_name = namer(base + "_bnfold_w"), namer(base + "_bnfold_b")
     gm.register_parameter(w_name, torch.nn.Parameter(fused_w.detach(), requires_grad=False))
     gm.register_parameter(b_name, torch.nn.Parameter(fused_b.detach(), requires_grad=False))
-    with graph.inserting_before(trained.weight_product):
+    with graph.inserting_before(trained.weight_product):  # before the zeros_like and its observer
         w_node = graph.get_attr(w_name)
-    with graph.inserting_before(conv):
         b_node = graph.get_attr(b_name)
     for new, like, value in ((w_node, trained.weight, fused_w), (b_node, conv, fused_b)):
         for key in _CONV_META:
