@@ -26,6 +26,7 @@ from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
 from _quantplug.flow.inspect import QUANTIZE_OPS
+from _quantplug.flow.observer_convert import converts_itself, run_observer_converts
 from _quantplug.flow.representation import reference_representation
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
@@ -289,7 +290,10 @@ def _dq_maker(emit: _Emitter, q: Node, qp: QParams, gid: int, observer: Node) ->
 
 
 def compute_qparams(
-    prepared: GraphModule, state: PreparedState, weight_overrides: WeightOverrides | None = None
+    prepared: GraphModule,
+    state: PreparedState,
+    weight_overrides: WeightOverrides | None = None,
+    observed: dict[int, nn.Module] | None = None,
 ) -> dict[int, QParams]:
     """Every group's qparams, each observer's ``calculate_qparams()`` run once.
 
@@ -388,6 +392,8 @@ def compute_qparams(
             module.__dict__.pop("calculate_qparams", None)
     # no NaN/inf scale reaches any file
     check_all_qparams([(g.describe(), *found) for g in state.groups if (found := raw[g.gid]) is not None])
+    if observed is not None:  # the observers the qparams came from (constants': fresh, observed copies)
+        observed.update(used)
     return {g.gid: _qparams(g, raw[g.gid], used[g.gid]) for g in state.groups}
 
 
@@ -449,7 +455,19 @@ def _is_observer(node: Node) -> bool:
 
 def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool = True) -> GraphModule:
     chosen = WeightOverrides()  # what the algorithms chose (issue 15); empty without algorithms
-    qparams = compute_qparams(prepared, state, chosen)
+    observed: dict[int, nn.Module] = {}
+    qparams = compute_qparams(prepared, state, chosen, observed)
+    # groups whose (PT2E) observer writes its own ops: its node is kept for it (observer_convert)
+    self_converting = {gid for gid, obs in observed.items() if converts_itself(obs)}
+    kept_observers: list[Node] = []
+    observer_modules: dict[str, nn.Module] = {}
+
+    def keep_observer(gid: int, src: Node) -> Node:
+        target = f"{OBSERVERS}.g{gid}"
+        observer_modules[target] = observed[gid]
+        kept = add_node(graph, "call_module", target, (src,), {})
+        kept_observers.append(kept)
+        return kept
     # constraints v2: limits and relations checked again on the calibrated encodings (strict raises)
     calibrated = check_calibrated(state.calibrated_checks, qparams)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)
@@ -507,6 +525,9 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
             gid = int(str(node.target)[len(observer_prefix) + 1 :])
             src = _lookup(env, node.args[0], node)
             qp = qparams[gid]
+            if gid in self_converting:
+                env[node] = keep_observer(gid, src)
+                continue
             if qp.granularity in ("dynamic", "token"):
                 env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)
                 continue
@@ -516,6 +537,9 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
             replacements: dict[Node, Node] = {}
             for producer_name, gid in constant_inputs[node.name].items():
                 producer = old_nodes[producer_name]
+                if gid in self_converting:
+                    replacements[producer] = keep_observer(gid, _lookup(env, producer, node))
+                    continue
                 q = quantized_edge(producer, gid, node)
                 replacements[producer] = _dq_maker(emit, q, qparams[gid], gid, producer)()
 
@@ -527,16 +551,20 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
             new = copy_node(graph, node, partial(_lookup, env, user=node))
         env[node] = new
         out_gid = state.constant_outputs.get(node.name)
-        if out_gid is not None:
+        if out_gid is not None and out_gid in self_converting:
+            env[node] = keep_observer(out_gid, new)
+        elif out_gid is not None:
             env[node] = _quantized(emit, new, qparams[out_gid], out_gid, node)
     if fold_quantize:
         _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
     since = code_counter()
     converted = GraphModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
-    _populate(converted, prepared, graph, tensors)
+    _populate(converted, prepared, graph, tensors, observer_modules)
     converted.graph = graph  # the one code generation
     release_code_with(converted, since=since)
+    if kept_observers:
+        run_observer_converts(converted, kept_observers, fold_quantize=fold_quantize)
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta[QPARAMS_KEY] = {gid: qp for gid, qp in qparams.items()}
     if calibrated is not None:
@@ -678,7 +706,11 @@ def _quantize_per_channel(
 
 
 def _populate(
-    module: GraphModule, prepared: GraphModule, graph: Graph, tensors: dict[str, torch.Tensor]
+    module: GraphModule,
+    prepared: GraphModule,
+    graph: Graph,
+    tensors: dict[str, torch.Tensor],
+    modules: dict[str, nn.Module] | None = None,
 ) -> None:
     """Put on ``module`` exactly what ``graph`` references (no float weights left over).
 
@@ -715,6 +747,9 @@ def _populate(
         holder = holder_at(parent_path)
         if target in tensors:
             holder.register_buffer(attr, tensors[target])
+            continue
+        if modules and target in modules:
+            holder.add_module(attr, modules[target])
             continue
         value = getattr(source_at(parent_path), attr)
         if isinstance(value, nn.Module):
