@@ -35,7 +35,9 @@ ao_ops = torch.ops.torchao
 qd = torch.ops.quantized_decomposed
 
 
-def _spec(dtype: torch.dtype, qmin: int, qmax: int, ctr: Any, *, dynamic: bool = False, **kw: Any) -> QuantizationSpec:
+def _spec(
+    dtype: torch.dtype, qmin: int, qmax: int, ctr: Any, *, dynamic: bool = False, **kw: Any
+) -> QuantizationSpec:
     return QuantizationSpec(
         dtype=dtype, quant_min=qmin, quant_max=qmax, is_dynamic=dynamic, observer_or_fake_quant_ctr=ctr, **kw
     )
@@ -58,7 +60,9 @@ SCHEMES: dict[str, tuple[QuantizationSpec, QuantizationSpec]] = {
             0,
             255,
             AffineQuantizedMinMaxObserver.with_args(
-                target_dtype=torch.uint8, mapping_type=MappingType.SYMMETRIC, granularity=PerGroup(group_size=32)
+                target_dtype=torch.uint8,
+                mapping_type=MappingType.SYMMETRIC,
+                granularity=PerGroup(group_size=32),
             ),
             qscheme=None,
         ),
@@ -78,7 +82,12 @@ SCHEMES: dict[str, tuple[QuantizationSpec, QuantizationSpec]] = {
             qscheme=None,
         ),
         _spec(
-            torch.int8, -127, 127, PerChannelMinMaxObserver.with_args(), qscheme=torch.per_channel_symmetric, ch_axis=0
+            torch.int8,
+            -127,
+            127,
+            PerChannelMinMaxObserver.with_args(),
+            qscheme=torch.per_channel_symmetric,
+            ch_axis=0,
         ),
     ),
     "dynamic-per-token-act-per-group-weight": (
@@ -97,7 +106,9 @@ SCHEMES: dict[str, tuple[QuantizationSpec, QuantizationSpec]] = {
             -127,
             127,
             AffineQuantizedMinMaxObserver.with_args(
-                target_dtype=torch.int8, mapping_type=MappingType.SYMMETRIC, granularity=PerGroup(group_size=32)
+                target_dtype=torch.int8,
+                mapping_type=MappingType.SYMMETRIC,
+                granularity=PerGroup(group_size=32),
             ),
             qscheme=None,
         ),
@@ -150,7 +161,9 @@ def test_affine_schemes_convert_as_torchao(scheme: str) -> None:
     ao_c, qp_c = convert_pt2e(ao), quantplug.convert(qp)
     assert _ops(qp_c) == _ops(ao_c)
     assert _ops(qp_c)[ao_ops.dequantize_affine] >= 2
-    weights = [n for n in qp_c.graph.nodes if n.target == ao_ops.dequantize_affine and n.args[0].op == "get_attr"]
+    weights = [
+        n for n in qp_c.graph.nodes if n.target == ao_ops.dequantize_affine and n.args[0].op == "get_attr"
+    ]
     if "per-group-weight" in scheme:  # the grouped weight is stored as integers, one scale per group
         (dq,) = weights[:1]
         assert list(dq.args[1]) == [1, 32]

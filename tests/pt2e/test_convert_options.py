@@ -137,5 +137,5 @@ def test_reference_representation_needs_torchao(monkeypatch: pytest.MonkeyPatch)
     prepared = quantplug.prepare(program, XNNPACKQuantizer().set_global(get_symmetric_quantization_config()))
     prepared(*_inputs(model, 1))
     monkeypatch.setitem(sys.modules, "torchao.quantization.pt2e.reference_representation_rewrite", None)
-    with pytest.raises(ConversionError, match="use_reference_representation=True.*install torchao"):
+    with pytest.raises(ConversionError, match=r"use_reference_representation=True.*install torchao"):
         quantplug.convert(prepared, use_reference_representation=True)

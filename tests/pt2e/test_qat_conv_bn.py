@@ -90,7 +90,9 @@ def _inputs(dim: int, n: int, seed: int) -> list[tuple[torch.Tensor]]:
 
 
 def _xnnpack(per_channel: bool) -> XNNPACKQuantizer:
-    return XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=per_channel, is_qat=True))
+    return XNNPACKQuantizer().set_global(
+        get_symmetric_quantization_config(is_per_channel=per_channel, is_qat=True)
+    )
 
 
 def _train_step(model: GraphModule, x: tuple[torch.Tensor]) -> torch.Tensor:
@@ -105,7 +107,9 @@ def _train_step(model: GraphModule, x: tuple[torch.Tensor]) -> torch.Tensor:
     return out.detach()
 
 
-def _side_by_side(model: nn.Module, dim: int, make_quantizer: Any) -> tuple[GraphModule, GraphModule, list[Any]]:
+def _side_by_side(
+    model: nn.Module, dim: int, make_quantizer: Any
+) -> tuple[GraphModule, GraphModule, list[Any]]:
     """Train torchao's and quantplug's QAT programs on the same batches; outputs must match."""
     torch.manual_seed(0)
     batches = _inputs(dim, 4, seed=1)
@@ -197,7 +201,9 @@ class DerivedBiasQuantizer(Quantizer):
         )
         if self.per_channel:
             qscheme = torch.per_channel_symmetric
-            weight_fq = FusedMovingAvgObsFakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver)
+            weight_fq = FusedMovingAvgObsFakeQuantize.with_args(
+                observer=MovingAveragePerChannelMinMaxObserver
+            )
         else:
             qscheme, weight_fq = torch.per_tensor_affine, default_fake_quant
         weight = QuantizationSpec(

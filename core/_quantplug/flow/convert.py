@@ -468,6 +468,7 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
         kept = add_node(graph, "call_module", target, (src,), {})
         kept_observers.append(kept)
         return kept
+
     # constraints v2: limits and relations checked again on the calibrated encodings (strict raises)
     calibrated = check_calibrated(state.calibrated_checks, qparams)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)

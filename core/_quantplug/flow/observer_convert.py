@@ -35,7 +35,8 @@ def run_observer_converts(converted: GraphModule, nodes: list[Node], *, fold_qua
     integers they compute."""
     targets = {str(n.target) for n in nodes}
     for node in nodes:
-        converted.get_submodule(str(node.target)).convert(converted, node)
+        observer: Any = converted.get_submodule(str(node.target))
+        observer.convert(converted, node)
     for target in targets:
         if not any(n.op == "call_module" and n.target == target for n in converted.graph.nodes):
             converted.delete_submodule(target)

@@ -215,7 +215,7 @@ def _update_spec_references(graph: Graph, replaced: dict[Node, Node]) -> None:
         return ref
 
     def updated(spec: Any) -> Any:
-        if spec is None or not dataclasses.is_dataclass(spec):
+        if spec is None or not dataclasses.is_dataclass(spec) or isinstance(spec, type):
             return spec
         if hasattr(spec, "edge_or_node"):
             new = edge_or_node(spec.edge_or_node)
@@ -290,6 +290,8 @@ def _find_trained(conv: Node, is_observer: Callable[[Node], bool]) -> _Trained |
     bias_arg = conv.args[2] if len(conv.args) > 2 else None
     zero_bias = bias_arg.args[0] if isinstance(bias_arg, Node) and is_observer(bias_arg) else bias_arg
     bias = zero_bias.args[0] if isinstance(zero_bias, Node) else None
+    if not isinstance(zero_bias, (Node, type(None))) or not isinstance(bias, (Node, type(None))):
+        return None
     between: list[Node] = []
     node = conv
     while len(node.users) == 1:
