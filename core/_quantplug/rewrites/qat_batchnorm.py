@@ -26,6 +26,7 @@ those back).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from collections.abc import Callable
@@ -70,22 +71,27 @@ def fuse_conv_bn_for_training(gm: GraphModule) -> int:
 
     Runs after annotation, before observers go in; returns how many were rewritten.
     """
-    replaced: dict[Node, Node] = {}
+    nodes: dict[Node, Node] = {}  # old node -> the node now holding its value
+    edges: dict[tuple[Node, Node], tuple[Node, Node]] = {}
     count = 0
     for bn in list(gm.graph.nodes):
         found = _trainable_pair(bn)
         if found is None:
             continue
         conv, weight, bias = found
-        new_weight, new_bias = _rewrite(gm.graph, conv, bn, weight, bias)
-        replaced[weight] = new_weight
+        new_weight, new_bias, unscaled = _rewrite(gm.graph, conv, bn, weight, bias)
+        nodes.update({weight: new_weight, conv: unscaled})
+        edges.update({(weight, conv): (new_weight, conv), (conv, bn): (unscaled, bn)})
         if bias is not None and new_bias is not None:
-            replaced[bias] = new_bias
-        _move_conv_specs(conv, {weight: new_weight, **({bias: new_bias} if bias is not None else {})})
+            nodes[bias] = new_bias
+            edges[(bias, conv)] = (new_bias, conv)
+        _move_input_specs(conv, {weight: new_weight, **({bias: new_bias} if bias is not None else {})})
+        _move_input_specs(bn, {conv: unscaled})
+        _move_output_spec(conv, unscaled)
         conv.meta[FUSED_KEY] = True
         count += 1
-    if replaced:
-        _update_spec_references(gm.graph, replaced)
+    if nodes:
+        _update_spec_references(gm.graph, nodes, edges)
     return count
 
 
@@ -114,8 +120,11 @@ def _trainable_pair(bn: Node) -> tuple[Node, Node, Node | None] | None:
     return conv, weight, bias
 
 
-def _rewrite(graph: Graph, conv: Node, bn: Node, weight: Node, bias: Node | None) -> tuple[Node, Node | None]:
-    """Insert the simulated folding around ``conv``; returns its new weight and bias arguments."""
+def _rewrite(
+    graph: Graph, conv: Node, bn: Node, weight: Node, bias: Node | None
+) -> tuple[Node, Node | None, Node]:
+    """Insert the simulated folding around ``conv``; returns its new weight and bias arguments
+    and the node computing what the conv computed before (the batch norm's new input)."""
     rank = _rank(weight)
     transposed = _CONVS[conv.target]  # type: ignore[index]
     weight_shape = [1] * rank
@@ -154,7 +163,7 @@ def _rewrite(graph: Graph, conv: Node, bn: Node, weight: Node, bias: Node | None
                 node.meta[key] = conv.meta[key]
         node.meta[DEBUG_HANDLE_KEY] = node.name
     _infer_values(made)
-    return scaled_weight, zero_bias
+    return scaled_weight, zero_bias, out
 
 
 def _rank(weight: Node) -> int:
@@ -190,28 +199,43 @@ def _infer_values(nodes: list[Node]) -> None:
             node.meta.pop("val", None)
 
 
-def _move_conv_specs(conv: Node, moved: dict[Node, Node | None]) -> None:
-    """The conv's specs on its old weight/bias inputs now sit on their replacements."""
-    annotation = conv.meta.get(Q_ANNOTATION_KEY)
+def _move_input_specs(node: Node, moved: dict[Node, Node | None]) -> None:
+    """``node``'s specs on its old inputs now sit on their replacements."""
+    annotation = node.meta.get(Q_ANNOTATION_KEY)
     specs = getattr(annotation, "input_qspec_map", None)
     if not specs:
         return
     new: dict[Node, Any] = {}
-    for node, spec in specs.items():
-        target = moved.get(node, node)
+    for arg, spec in specs.items():
+        target = moved.get(arg, arg)
         if target is not None:
             new[target] = spec
     annotation.input_qspec_map = new  # type: ignore[union-attr]
 
 
-def _update_spec_references(graph: Graph, replaced: dict[Node, Node]) -> None:
-    """Shared and derived specs anywhere that name an old weight/bias node or edge name the new one."""
+def _move_output_spec(conv: Node, unscaled: Node) -> None:
+    """A spec on the conv's output measures what the conv computed: it now sits on the node that
+    computes it again (the conv itself now computes the scaled product)."""
+    annotation = conv.meta.get(Q_ANNOTATION_KEY)
+    spec = getattr(annotation, "output_qspec", None)
+    if spec is None:
+        return
+    moved = copy.copy(annotation)
+    moved.input_qspec_map = {}
+    unscaled.meta[Q_ANNOTATION_KEY] = moved
+    annotation.output_qspec = None  # type: ignore[union-attr]
+
+
+def _update_spec_references(
+    graph: Graph, nodes: dict[Node, Node], edges: dict[tuple[Node, Node], tuple[Node, Node]]
+) -> None:
+    """Shared and derived specs anywhere that name a rewritten node or edge name its replacement."""
 
     def edge_or_node(ref: Any) -> Any:
         if isinstance(ref, Node):
-            return replaced.get(ref, ref)
+            return nodes.get(ref, ref)
         if isinstance(ref, tuple) and len(ref) == 2:
-            return (replaced.get(ref[0], ref[0]), ref[1])
+            return edges.get(ref, ref)
         return ref
 
     def updated(spec: Any) -> Any:
