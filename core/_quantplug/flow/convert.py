@@ -526,8 +526,8 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
             gid = int(str(node.target)[len(observer_prefix) + 1 :])
             src = _lookup(env, node.args[0], node)
             qp = qparams[gid]
-            if gid in self_converting:
-                env[node] = keep_observer(gid, src)
+            if gid in self_converting:  # made at its first reader, as a constant's dequantize is
+                env[node] = _Dequantized(lambda gid=gid, src=src: keep_observer(gid, src), duplicate=False)
                 continue
             if qp.granularity in ("dynamic", "token"):
                 env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)
