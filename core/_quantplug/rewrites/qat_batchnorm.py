@@ -216,14 +216,13 @@ def _move_input_specs(node: Node, moved: dict[Node, Node | None]) -> None:
 def _move_output_spec(conv: Node, unscaled: Node) -> None:
     """A spec on the conv's output measures what the conv computed: it now sits on the node that
     computes it again (the conv itself now computes the scaled product)."""
-    annotation = conv.meta.get(Q_ANNOTATION_KEY)
-    spec = getattr(annotation, "output_qspec", None)
-    if spec is None:
+    annotation: Any = conv.meta.get(Q_ANNOTATION_KEY)
+    if getattr(annotation, "output_qspec", None) is None:
         return
     moved = copy.copy(annotation)
     moved.input_qspec_map = {}
     unscaled.meta[Q_ANNOTATION_KEY] = moved
-    annotation.output_qspec = None  # type: ignore[union-attr]
+    annotation.output_qspec = None
 
 
 def _update_spec_references(
