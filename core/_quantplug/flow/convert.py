@@ -28,6 +28,8 @@ from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
 from _quantplug.flow.exported_modes import ExportedModes
 from _quantplug.flow.inspect import QUANTIZE_OPS
+from _quantplug.flow.observer_convert import converts_itself, run_observer_converts
+from _quantplug.flow.representation import reference_representation
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_nodes, module_attr
@@ -55,6 +57,7 @@ from _quantplug.observers.fixed import DerivedObserver
 from _quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.peers.torchao_observers import calculate_qparams_many
+from _quantplug.rewrites.qat_batchnorm import fold_trained_batch_norms
 from _quantplug.validation.calibrated import check_calibrated
 
 qd = torch.ops.quantized_decomposed
@@ -98,10 +101,41 @@ def _container(dtype: torch.dtype) -> torch.dtype:
     return storage_dtype(dtype) if dtype in SUPPORTED_DTYPES else dtype
 
 
-def _qparams(group: Group, raw: tuple[Any, Any] | None) -> QParams:
-    """A group's QParams from its observer's ``calculate_qparams()`` result (None: dynamic)."""
+def _observer_axis(observer: nn.Module) -> int | None:
+    """The channel axis a per-channel observer (or the one a fake-quantize wraps) measured on."""
+    for module in (observer, getattr(observer, "activation_post_process", None)):
+        axis = getattr(module, "ch_axis", None)
+        if isinstance(axis, int) and axis >= 0:
+            return axis
+    return None
+
+
+def _observer_range(observer: nn.Module) -> tuple[int, int] | None:
+    """The integer range a (PT2E) observer computed its qparams for, if it states one.
+
+    ``reduce_range=True`` (torch's ``default_fake_quant``) halves the spec's range inside the
+    observer: its scale is for 0..127 and a QAT model trained clamped to that range.
+    """
+    for module in (getattr(observer, "activation_post_process", None), observer):
+        qmin, qmax = getattr(module, "quant_min", None), getattr(module, "quant_max", None)
+        if isinstance(qmin, int) and isinstance(qmax, int) and getattr(module, "reduce_range", False):
+            return qmin, qmax
+    return None
+
+
+def _qparams(group: Group, raw: tuple[Any, Any] | None, observer: nn.Module | None = None) -> QParams:
+    """A group's QParams from its observer's ``calculate_qparams()`` result (None: dynamic).
+
+    As torchao's convert, which reads them from the observer: a per-channel spec without
+    ``ch_axis`` (PT2E's default is None) is quantized along the axis its observer measured, and
+    an observer with ``reduce_range`` quantizes to the reduced range its scale was computed for.
+    """
     spec = group.spec
     qmin, qmax = spec_range(spec)
+    reduced = _observer_range(observer) if observer is not None else None
+    if reduced is not None and qmin <= reduced[0] <= reduced[1] <= qmax:
+        qmin, qmax = reduced
+    observer_axis = _observer_axis(observer) if observer is not None else None
     dtype = _container(spec.dtype)
     symmetric = getattr(spec, "qscheme", None) in (torch.per_tensor_symmetric, torch.per_channel_symmetric)
     if group.dynamic or raw is None:
@@ -121,9 +155,8 @@ def _qparams(group: Group, raw: tuple[Any, Any] | None) -> QParams:
     if (is_per_channel(spec) and scale.numel() > 1) or (
         is_per_channel(spec) and getattr(spec, "ch_axis", None) is not None
     ):
-        return QParams(
-            scale, zero_point, qmin, qmax, dtype, "channel", axis=spec.ch_axis, symmetric=symmetric
-        )
+        axis = spec.ch_axis if getattr(spec, "ch_axis", None) is not None else observer_axis
+        return QParams(scale, zero_point, qmin, qmax, dtype, "channel", axis=axis or 0, symmetric=symmetric)
     return QParams(
         scale.reshape(-1)[:1], zero_point.reshape(-1)[:1], qmin, qmax, dtype, "tensor", symmetric=symmetric
     )
@@ -259,7 +292,10 @@ def _dq_maker(emit: _Emitter, q: Node, qp: QParams, gid: int, observer: Node) ->
 
 
 def compute_qparams(
-    prepared: GraphModule, state: PreparedState, weight_overrides: WeightOverrides | None = None
+    prepared: GraphModule,
+    state: PreparedState,
+    weight_overrides: WeightOverrides | None = None,
+    observed: dict[int, nn.Module] | None = None,
 ) -> dict[int, QParams]:
     """Every group's qparams, each observer's ``calculate_qparams()`` run once.
 
@@ -295,8 +331,8 @@ def compute_qparams(
                     except NonFiniteError:  # named as the weight it is, not as calibration data
                         check_finite_constant(nodes[name], value, group.describe())
                         raise
-    # float groups have no encoding; an observer converting itself computes its own
-    measured = [g for g in state.groups if not g.floating and not converts_itself(prepared_obs[g.gid], g)]
+    # float groups have no encoding
+    measured = [g for g in state.groups if not g.floating]
     unseen = [g for g in measured if not g.dynamic and not observer_saw_data(used[g.gid])]
     if unseen:
         _uncalibrated(state, unseen)
@@ -356,7 +392,9 @@ def compute_qparams(
             module.__dict__.pop("calculate_qparams", None)
     # no NaN/inf scale reaches any file
     check_all_qparams([(g.describe(), *found) for g in measured if (found := raw[g.gid]) is not None])
-    return {group.gid: _qparams(group, raw[group.gid]) for group in measured}
+    if observed is not None:  # the observers the qparams came from (constants': fresh, observed copies)
+        observed.update(used)
+    return {g.gid: _qparams(g, raw[g.gid], used[g.gid]) for g in measured}
 
 
 def _observer(prepared: GraphModule, group: Group) -> Any:
@@ -369,58 +407,6 @@ def _observer(prepared: GraphModule, group: Group) -> Any:
             "delete_all_unused_submodules()); calibrate and convert the module prepare returned"
         )
     return found
-
-
-def converts_itself(observer: Any, group: Group) -> bool:
-    """Whether ``observer`` writes its own Q/DQ ops: a PT2E observer with a
-    ``convert(model, observer_node)`` method, which torchao's ``convert_pt2e`` calls instead of
-    emitting Q/DQ from ``calculate_qparams()`` (custom int4 ops, say). torchao's affine observers
-    have one too; they are quantplug's own affine path's to convert, so they are left out, as
-    are constants (observed and stored as integers by convert itself) and float groups."""
-    if group.constant or group.floating or not callable(getattr(observer, "convert", None)):
-        return False
-    return not any(c.__name__ == "AffineQuantizedObserverBase" for c in type(observer).__mro__)
-
-
-class _HookModel(nn.Module):
-    """What an observer's ``convert(model, observer_node)`` hook is given as ``model``: the graph
-    being built, and buffers registered into the converted module's tensors. Names already taken
-    on the prepared module read as taken, so a hook's new attribute never shadows one."""
-
-    def __init__(self, graph: Graph, tensors: dict[str, torch.Tensor], prepared: GraphModule) -> None:
-        super().__init__()
-        self.__dict__["graph"] = graph
-        self.__dict__["_hook_tensors"] = tensors
-        self.__dict__["_hook_prepared"] = prepared
-
-    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-        if tensor is not None:
-            self.__dict__["_hook_tensors"][name] = tensor
-
-    def __getattr__(self, name: str) -> Any:
-        tensors = self.__dict__["_hook_tensors"]
-        if name in tensors:
-            return tensors[name]
-        return getattr(self.__dict__["_hook_prepared"], name)
-
-
-def _run_convert_hook(model: _HookModel, observer: Any, target: str, src: Node) -> Node:
-    """``observer.convert(model, node)`` on a stand-in observer node in the new graph; returns the
-    node the hook put in its place (its users are rewired by ``replace_all_uses_with``, so a
-    temporary user tells which one)."""
-    graph = model.graph
-    stand_in = add_node(graph, "call_module", target, (src,), {})
-    probe = _call_function(graph, torch.ops.aten.alias.default, (stand_in,))
-    observer.convert(model, stand_in)
-    replacement = probe.args[0]
-    graph.erase_node(probe)
-    if stand_in in graph.nodes:
-        raise ConversionError(
-            f"{type(observer).__name__}.convert(model, node) left its observer node {stand_in.name!r} in the "
-            "graph; it must replace the node's uses and erase it, as torchao's convert_pt2e expects"
-        )
-    assert isinstance(replacement, Node)
-    return replacement
 
 
 def _uncalibrated(state: PreparedState, unseen: list[Group]) -> None:
@@ -468,21 +454,64 @@ def _sources_ready(obs: DerivedObserver) -> bool:
     return all("calculate_qparams" in src.__dict__ for src in obs.obs_or_fqs)
 
 
-def convert(prepared: GraphModule) -> GraphModule:
-    """Turn a calibrated prepared model into the reference quantized program (a new module)."""
+def convert(
+    prepared: GraphModule, *, fold_quantize: bool = True, use_reference_representation: bool = False
+) -> GraphModule:
+    """Turn a calibrated prepared model into the reference quantized program (a new module).
+
+    Args:
+        prepared: what :func:`~_quantplug.flow.prepare.prepare` returned, calibrated (or trained).
+        fold_quantize: store weights and other constants as the integers their quantize op
+            computes (the default, as torchao's ``convert_pt2e``); ``False`` keeps the float
+            constant and its ``quantize`` op in the program.
+        use_reference_representation: rewrite quantized add, add-relu, conv2d, linear (static
+            and dynamic), max-pool and the Q/DQ ops themselves into PT2E's integer-arithmetic
+            reference representation (``out_dtype`` ops on int8/int32 tensors), torchao's
+            ``convert_pt2e(..., use_reference_representation=True)``. That representation is
+            torchao's definition, so it needs torchao installed
+            (:mod:`_quantplug.flow.representation`).
+    """
     state = prepared.meta.get(STATE_KEY) if isinstance(prepared, GraphModule) else None
     if not isinstance(state, PreparedState):
         raise ConversionError(
             f"{type(prepared).__name__} was not produced by quantplug.prepare(); "
             "prepare the exported program first"
         )
+    for option, value in (
+        ("fold_quantize", fold_quantize),
+        ("use_reference_representation", use_reference_representation),
+    ):
+        if not isinstance(value, bool):
+            raise ConversionError(f"convert({option}={value!r}): {option} is True or False")
     with paused_gc():
-        return _convert(prepared, state)
+        if state.qat:  # batch norms trained beside their convs are folded into them now
+            prepared = fold_trained_batch_norms(prepared, _is_observer)
+        converted = _convert(prepared, state, fold_quantize=fold_quantize)
+    if use_reference_representation:
+        converted = reference_representation(converted)
+    return converted
 
 
-def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
+def _is_observer(node: Node) -> bool:
+    return node.op == "call_module" and observer_gid(node.target) is not None
+
+
+def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool = True) -> GraphModule:
     chosen = WeightOverrides()  # what the algorithms chose (issue 15); empty without algorithms
-    qparams = compute_qparams(prepared, state, chosen)
+    observed: dict[int, nn.Module] = {}
+    qparams = compute_qparams(prepared, state, chosen, observed)
+    # groups whose (PT2E) observer writes its own ops: its node is kept for it (observer_convert)
+    self_converting = {gid for gid, obs in observed.items() if converts_itself(obs)}
+    kept_observers: list[Node] = []
+    observer_modules: dict[str, nn.Module] = {}
+
+    def keep_observer(gid: int, src: Node) -> Node:
+        target = state.groups[gid].target
+        observer_modules[target] = observed[gid]
+        kept = add_node(graph, "call_module", target, (src,), {})
+        kept_observers.append(kept)
+        return kept
+
     # constraints v2: limits and relations checked again on the calibrated encodings (strict raises)
     calibrated = check_calibrated(state.calibrated_checks, qparams)
     graph = Graph(owning_module=None, tracer_cls=prepared.graph._tracer_cls)
@@ -490,10 +519,6 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     env: dict[Node, Node | _Dequantized] = {}
     tensors: dict[str, torch.Tensor] = {}
     emit = _Emitter(graph, tensors, AttrNamer(prepared))
-    hook_model = _HookModel(graph, tensors, prepared)
-    converting_themselves = {
-        g.gid: obs for g in state.groups if converts_itself(obs := getattr(prepared, g.target), g)
-    }
     # constant groups have no observer nodes: their keys are quantized here, as observers would be
     constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
     for (producer, consumer), gid in state.constant_edges.items():
@@ -518,10 +543,12 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
         if q is None:
             qp = qparams[gid]
             target = str(producer.target)
+            codes = chosen.codes.get((target, gid))
             if producer.name in state.constant_outputs:  # requantized: folded below, exactly
                 q = emit.quantize(_lookup(env, producer, user), qp, f"g{gid}")
+            elif not fold_quantize and codes is None:  # the float constant and its quantize op
+                q = emit.quantize(_lookup(env, producer, user), qp, f"g{gid}")
             else:
-                codes = chosen.codes.get((target, gid))
                 if codes is not None:  # an algorithm's integer codes (checked against the grid)
                     ints = codes.to(qp.dtype)
                 else:
@@ -546,10 +573,10 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             if state.groups[gid].floating:  # stays float: no Q/DQ (float16: to half and back)
                 env[node] = _float_edge(graph, src, state.groups[gid].spec.dtype)
                 continue
-            if gid in converting_themselves:  # PT2E's observer hook: it writes its own ops
-                env[node] = _run_convert_hook(hook_model, converting_themselves[gid], str(node.target), src)
-                continue
             qp = qparams[gid]
+            if gid in self_converting:  # made at its first reader, as a constant's dequantize is
+                env[node] = _Dequantized(lambda gid=gid, src=src: keep_observer(gid, src), duplicate=False)
+                continue
             if qp.granularity in ("dynamic", "token"):
                 env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)
                 continue
@@ -559,6 +586,9 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             replacements: dict[Node, Node] = {}
             for producer_name, gid in constant_inputs[node.name].items():
                 producer = old_nodes[producer_name]
+                if gid in self_converting:
+                    replacements[producer] = keep_observer(gid, _lookup(env, producer, node))
+                    continue
                 q = quantized_edge(producer, gid, node)
                 replacements[producer] = _dq_maker(emit, q, qparams[gid], gid, producer)()
 
@@ -570,15 +600,20 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
             new = copy_node(graph, node, partial(_lookup, env, user=node))
         env[node] = new
         out_gid = state.constant_outputs.get(node.name)
-        if out_gid is not None:
+        if out_gid is not None and out_gid in self_converting:
+            env[node] = keep_observer(out_gid, new)
+        elif out_gid is not None:
             env[node] = _quantized(emit, new, qparams[out_gid], out_gid, node)
-    _store_constants_as_integers(graph, emit, prepared, qparams)
+    if fold_quantize:
+        _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
     since = code_counter()
     converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
-    _populate(converted, prepared, graph, tensors)
+    _populate(converted, prepared, graph, tensors, observer_modules)
     converted.graph = graph  # the one code generation
     release_code_with(converted, since=since)
+    if kept_observers:
+        run_observer_converts(converted, kept_observers, fold_quantize=fold_quantize)
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta[QPARAMS_KEY] = {gid: qp for gid, qp in qparams.items()}
     if calibrated is not None:
@@ -736,7 +771,11 @@ def _quantize_per_channel(
 
 
 def _populate(
-    module: GraphModule, prepared: GraphModule, graph: Graph, tensors: dict[str, torch.Tensor]
+    module: GraphModule,
+    prepared: GraphModule,
+    graph: Graph,
+    tensors: dict[str, torch.Tensor],
+    modules: dict[str, nn.Module] | None = None,
 ) -> None:
     """Put on ``module`` exactly what ``graph`` references (no float weights left over).
 
@@ -773,6 +812,9 @@ def _populate(
         holder = holder_at(parent_path)
         if target in tensors:
             holder.register_buffer(attr, tensors[target])
+            continue
+        if modules and target in modules:
+            holder.add_module(attr, modules[target])
             continue
         value = getattr(source_at(parent_path), attr)
         if isinstance(value, nn.Module):

@@ -58,6 +58,7 @@ from _quantplug.peers.torchao_matching import fast_partition_matching
 from _quantplug.peers.torchao_observers import accelerate, clonable
 from _quantplug.quantizer.quantizer import Quantizer, coverage_of
 from _quantplug.rewrites.pipeline import rewrite_for_annotation
+from _quantplug.rewrites.qat_batchnorm import fuse_conv_bn_for_training
 from _quantplug.sharing.keys import AnnotatedKeys, collect_keys, key_of
 from _quantplug.sharing.problem import solve
 from _quantplug.sharing.resolution import Key, SharingGroups, describe_key
@@ -273,6 +274,8 @@ def _prepare(
         gm = transformed
     with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
         _call(quantizer, "annotate", gm)
+    if qat:  # conv + batch norm simulate their folding under fake-quantize (PT2E's QAT fusion)
+        fuse_conv_bn_for_training(gm)
     keys = collect_keys(gm.graph)
     _check_channel_axes(keys)
     if not keys.specs:
