@@ -29,6 +29,7 @@ from _quantplug.algorithms.transforms import run_transforms
 from _quantplug.annotation.spec_view import SpecKind, spec_kind
 from _quantplug.errors import AnnotationError, QuantplugError
 from _quantplug.flow.convert import convert
+from _quantplug.flow.qdq_meta import FROM_NODE, observes_output
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.calls import Call, in_spec_of, input_misfit
 from _quantplug.graph.constants import written
@@ -449,6 +450,8 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         if gid is None or state.groups[gid].constant:
             continue
         obs = new_observer(n, state.groups[gid])
+        if observes_output(n):  # torchao's provenance: the numeric debugger traces it to n
+            obs.meta[FROM_NODE] = n.meta[FROM_NODE]
         n.replace_all_uses_with(
             obs, delete_user_cb=lambda user, obs=obs: user is not obs and user.name not in float_readers
         )
