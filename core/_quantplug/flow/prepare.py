@@ -176,19 +176,21 @@ STEPS = FlowSteps(prepare=prepare, convert=convert)
 
 
 def _check_float_program(program: Any) -> None:
-    """A prepared or converted program given again fails here, not deep inside annotation."""
+    """A prepared module given again fails here, not deep inside annotation.
+
+    A program that already holds quantize/dequantize ops (a converted program, or one embedding
+    a converted part, re-exported) is prepared as torchao's ``prepare_pt2e`` prepares it: those
+    ops are ops like any other, the quantizer annotates what it wants around them, and convert
+    leaves them as they are (re-entrant quantization). A *prepared* module is refused: its
+    observers have not been turned into Q/DQ ops yet, and observing observers gives nested
+    encodings no backend runs (torchao nests them).
+    """
     gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
     if isinstance(gm, GraphModule) and (STATE_KEY in gm.meta or hasattr(gm, OBSERVERS)):
         raise QuantplugError(
-            "this module is already prepared (it holds quantplug observers); prepare the float program "
-            "(the ExportedProgram you exported), then calibrate and convert the result"
-        )
-    if isinstance(gm, GraphModule) and any(
-        n.op == "call_function" and getattr(n.target, "namespace", None) == "quantized_decomposed"
-        for n in gm.graph.nodes
-    ):
-        raise QuantplugError(
-            "this program is already quantized (it holds quantize/dequantize ops); prepare the float program"
+            "this module is already prepared (it holds quantplug observers); convert it first "
+            "(quantplug.convert), then prepare the converted program to quantize more of it, or prepare "
+            "the float program (the ExportedProgram you exported)"
         )
 
 
