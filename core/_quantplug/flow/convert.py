@@ -26,6 +26,7 @@ from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
 from _quantplug.flow.inspect import QUANTIZE_OPS
+from _quantplug.flow.loop_bodies import replace_loop_bodies
 from _quantplug.flow.qdq_meta import FROM_NODE, port_qdq_meta, provenance
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
@@ -482,6 +483,7 @@ def _convert(prepared: GraphModule, state: PreparedState) -> GraphModule:
     _populate(converted, prepared, graph, tensors)
     converted.graph = graph  # the one code generation
     release_code_with(converted, since=since)
+    replace_loop_bodies(prepared, converted, convert)  # each body was prepared as a program of its own
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta[QPARAMS_KEY] = {gid: qp for gid, qp in qparams.items()}
     if calibrated is not None:

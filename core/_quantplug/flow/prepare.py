@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from _quantplug.algorithms.transforms import run_transforms
 from _quantplug.annotation.spec_view import SpecKind, spec_kind
 from _quantplug.errors import AnnotationError, QuantplugError
 from _quantplug.flow.convert import convert
+from _quantplug.flow.loop_bodies import loop_bodies, replace_loop_bodies
 from _quantplug.flow.qdq_meta import FROM_NODE, observes_output
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.calls import Call, in_spec_of, input_misfit
@@ -249,7 +251,8 @@ def _prepare(
     with fast_partition_matching(gm):  # same partitions, found from an index (see fast_matching)
         _call(quantizer, "annotate", gm)
     keys = collect_keys(gm.graph)
-    if not keys.specs:
+    bodies = loop_bodies(gm)
+    if not keys.specs and not bodies:  # a loop body's own prepare warns for the body
         _warn_nothing_quantized(gm, quantizer)
     problem = keys.problem(gm.graph)
     resolver = getattr(quantizer, "resolve_sharing", None)
@@ -283,6 +286,9 @@ def _prepare(
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
         gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite, guard, held_out=judged)
         gm.meta[ALGORITHMS_KEY].undone = undone
+    if bodies:  # torchao's prepare_pt2e: each loop body prepared with the same quantizer
+        each = partial(_prepare, quantizer=quantizer, qat=qat, nonfinite=nonfinite, algorithms=[])
+        replace_loop_bodies(gm, gm, partial(each, config=config))
     _as_prepared_module(gm)
     compile_now(gm)
     gm.meta[STATE_KEY] = state
