@@ -36,7 +36,7 @@ from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.calls import Call, in_spec_of, input_misfit
 from _quantplug.graph.constants import written
 from _quantplug.graph.index_arithmetic import index_arithmetic
-from _quantplug.graph.mutation import mutated_aliases
+from _quantplug.graph.mutation import buffer_writes, mutated_aliases
 from _quantplug.graph.softmax_inputs import score_values
 from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
 from _quantplug.meta import ALGORITHMS_KEY, BACKEND_KEY, DEBUG_HANDLE_KEY, GROUP_KEY, OBSERVERS, STATE_KEY
@@ -258,7 +258,9 @@ def _prepare(
     resolver = getattr(quantizer, "resolve_sharing", None)
     groups = resolver(problem) if callable(resolver) else solve(problem)
     report, checks = _validate(quantizer, gm, groups)
-    state = _build_groups(gm, keys, groups, qat=qat, backend=getattr(quantizer, "backend", None))
+    unobserved = buffer_writes(gm.graph)  # in-place writes into buffers: the op must get the buffer
+    backend = getattr(quantizer, "backend", None)
+    state = _build_groups(gm, keys, groups, qat=qat, backend=backend, unobserved=unobserved)
     state.validation = report if isinstance(report, ValidationReport) else None
     state.calibrated_checks = checks
     observers = _create_observers(state, keys)
@@ -281,7 +283,7 @@ def _prepare(
         )
         container.add_module(f"g{gid}", obs)
     gm.add_module(OBSERVERS, container)
-    _insert_observer_nodes(gm, state)
+    _insert_observer_nodes(gm, state, unobserved)
     _count_calls_per_pass(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
         gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite, guard, held_out=judged)
@@ -323,14 +325,23 @@ def _validate(quantizer: Any, gm: GraphModule, groups: SharingGroups) -> tuple[A
 
 
 def _build_groups(
-    gm: GraphModule, keys: AnnotatedKeys, groups: SharingGroups, *, qat: bool, backend: str | None
+    gm: GraphModule,
+    keys: AnnotatedKeys,
+    groups: SharingGroups,
+    *,
+    qat: bool,
+    backend: str | None,
+    unobserved: set[tuple[str, str]] | None = None,
 ) -> PreparedState:
+    unobserved = unobserved or set()
     # parameters and buffers that no op of the graph writes (a buffer updated in place, a running
     # state, changes at every forward: its group keeps its observer and is quantized at run time)
     attrs = {n.name for n in gm.graph.nodes if n.op == "get_attr" and not written(n)} if not qat else set()
 
     def from_constant(key: Key) -> bool:
-        return (key[0] if isinstance(key, tuple) else key) in attrs
+        # an edge left unobserved (a buffer an op writes) is no data: a group of nothing else is
+        # measured at convert, from the buffer as it is then, and used by no Q/DQ
+        return key in unobserved or (key[0] if isinstance(key, tuple) else key) in attrs
 
     result: list[Group] = []
     for gid, members in enumerate(groups.members):
@@ -349,7 +360,7 @@ def _build_groups(
         )
     state = PreparedState(groups=result, group_of=dict(groups.group_of), qat=qat, backend=backend)
     for key, gid in groups.group_of.items():
-        if not result[gid].constant:
+        if not result[gid].constant or key in unobserved:
             continue
         if not isinstance(key, tuple):
             state.constant_outputs[key] = gid
@@ -429,7 +440,7 @@ def _run_pt2e_callback(
     return observers
 
 
-def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
+def _insert_observer_nodes(gm: GraphModule, state: PreparedState, unobserved: set[tuple[str, str]]) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
@@ -476,7 +487,7 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
             continue
         group = state.groups[gid]
         producer_name, consumer_name = key
-        if group.constant or state.group_of.get(producer_name) == gid:
+        if group.constant or state.group_of.get(producer_name) == gid or key in unobserved:
             continue
         current = output_obs.get(producer_name, by_name[producer_name])
         consumer = by_name[consumer_name]
