@@ -56,6 +56,37 @@ class WriteQuantizer(Quantizer):
         pass
 
 
+class AddQuantizer(Quantizer):
+    """add_: each input and the output with a spec of its own (the written edge alone in its group)."""
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        for node in model.graph.nodes:
+            if node.op == "call_function" and node.target == torch.ops.aten.add_.Tensor:
+                spec = QuantizationSpec(
+                    dtype=torch.int8,
+                    observer_or_fake_quant_ctr=observer.default_observer,
+                    quant_min=-128,
+                    quant_max=127,
+                    qscheme=torch.per_tensor_symmetric,
+                )
+                node.meta["quantization_annotation"] = QuantizationAnnotation(
+                    input_qspec_map={node.args[0]: spec, node.args[1]: spec}, output_qspec=spec
+                )
+        return model
+
+    def validate(self, model: GraphModule) -> None:
+        pass
+
+
+class AddsToRowOfBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(3, 2))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.buf.select(0, 2).add_(x).clone()
+
+
 class WritesBuffer(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -88,15 +119,23 @@ def _qdq(gm: GraphModule) -> Counter[str]:
     )
 
 
-@pytest.mark.parametrize("model_class", [WritesBuffer, WritesRowOfBuffer], ids=["buffer", "view_of_buffer"])
-def test_a_written_buffer_stays_a_written_buffer(model_class: type[torch.nn.Module]) -> None:
+CASES = {
+    "index_put_buffer": (WritesBuffer, WriteQuantizer),
+    "index_put_view_of_buffer": (WritesRowOfBuffer, WriteQuantizer),
+    "add_view_of_buffer_own_spec": (AddsToRowOfBuffer, AddQuantizer),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_written_buffer_stays_a_written_buffer(case: str) -> None:
+    model_class, quantizer_class = CASES[case]
     seen: dict[str, Any] = {}
     for flow, prepare, convert in (
         ("torchao", prepare_pt2e, convert_pt2e),
         ("quantplug", quantplug.prepare, quantplug.convert),
     ):
         program = torch.export.export(model_class().eval(), BATCHES[0], strict=True).module()
-        prepared = prepare(program, WriteQuantizer())
+        prepared = prepare(program, quantizer_class())
         for batch in BATCHES:
             prepared(*batch)
         converted = convert(prepared)

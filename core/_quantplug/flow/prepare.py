@@ -42,6 +42,7 @@ from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
 from _quantplug.meta import ALGORITHMS_KEY, BACKEND_KEY, DEBUG_HANDLE_KEY, GROUP_KEY, OBSERVERS, STATE_KEY
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.factory import create_observer
+from _quantplug.observers.fixed import FixedQParamsObserver
 from _quantplug.observers.nonfinite import check_policy
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.peers.torchao_matching import fast_partition_matching
@@ -259,11 +260,13 @@ def _prepare(
     groups = resolver(problem) if callable(resolver) else solve(problem)
     report, checks = _validate(quantizer, gm, groups)
     unobserved = buffer_writes(gm.graph)  # in-place writes into buffers: the op must get the buffer
-    backend = getattr(quantizer, "backend", None)
-    state = _build_groups(gm, keys, groups, qat=qat, backend=backend, unobserved=unobserved)
+    state = _build_groups(gm, keys, groups, qat=qat, backend=getattr(quantizer, "backend", None))
     state.validation = report if isinstance(report, ValidationReport) else None
     state.calibrated_checks = checks
     observers = _create_observers(state, keys)
+    for group in state.groups:  # only edges left unobserved (buffers ops write): no Q/DQ reads it
+        if all(key in unobserved for key in group.keys):
+            observers[group.gid] = FixedQParamsObserver(1.0, 0)
     callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
     if callable(callback):
         observers = _run_pt2e_callback(gm, callback, state, observers)
@@ -325,23 +328,14 @@ def _validate(quantizer: Any, gm: GraphModule, groups: SharingGroups) -> tuple[A
 
 
 def _build_groups(
-    gm: GraphModule,
-    keys: AnnotatedKeys,
-    groups: SharingGroups,
-    *,
-    qat: bool,
-    backend: str | None,
-    unobserved: set[tuple[str, str]] | None = None,
+    gm: GraphModule, keys: AnnotatedKeys, groups: SharingGroups, *, qat: bool, backend: str | None
 ) -> PreparedState:
-    unobserved = unobserved or set()
     # parameters and buffers that no op of the graph writes (a buffer updated in place, a running
     # state, changes at every forward: its group keeps its observer and is quantized at run time)
     attrs = {n.name for n in gm.graph.nodes if n.op == "get_attr" and not written(n)} if not qat else set()
 
     def from_constant(key: Key) -> bool:
-        # an edge left unobserved (a buffer an op writes) is no data: a group of nothing else is
-        # measured at convert, from the buffer as it is then, and used by no Q/DQ
-        return key in unobserved or (key[0] if isinstance(key, tuple) else key) in attrs
+        return (key[0] if isinstance(key, tuple) else key) in attrs
 
     result: list[Group] = []
     for gid, members in enumerate(groups.members):
@@ -360,7 +354,7 @@ def _build_groups(
         )
     state = PreparedState(groups=result, group_of=dict(groups.group_of), qat=qat, backend=backend)
     for key, gid in groups.group_of.items():
-        if not result[gid].constant or key in unobserved:
+        if not result[gid].constant:
             continue
         if not isinstance(key, tuple):
             state.constant_outputs[key] = gid
