@@ -77,6 +77,7 @@ class TaggingQuantizer(Quantizer):
                 for node in partition:
                     if self.tag:
                         node.meta["quantization_tag"] = f"{op}_{index}"
+                        node.meta["custom"] = {"partition": f"{op}_{index}"}  # stays on the ops
         return model
 
     def validate(self, model: GraphModule) -> None:
@@ -123,13 +124,15 @@ def _kind(node: Node) -> str | None:
     return None
 
 
-def tagged(gm: GraphModule) -> Counter[tuple[str, str, str | None]]:
-    """(Q/DQ op or ``get_attr``, tag, stack trace) of every tagged Q/DQ or constant node."""
-    found: Counter[tuple[str, str, str | None]] = Counter()
+def tagged(gm: GraphModule) -> Counter[tuple[str, str | None, str | None, str]]:
+    """(Q/DQ op or ``get_attr``, tag, stack trace, ``custom``) of every Q/DQ or constant node
+    carrying a tag or ``custom`` metadata."""
+    found: Counter[tuple[str, str | None, str | None, str]] = Counter()
     for node in gm.graph.nodes:
-        kind, tag = _kind(node), node.meta.get("quantization_tag")
-        if kind is not None and tag is not None:
-            found[(kind, tag, node.meta.get("stack_trace") if kind != "get_attr" else None)] += 1
+        kind, tag, custom = _kind(node), node.meta.get("quantization_tag"), node.meta.get("custom")
+        if kind is not None and (tag is not None or custom is not None):
+            trace = node.meta.get("stack_trace") if kind != "get_attr" else None
+            found[(kind, tag, trace, repr(custom))] += 1
     return found
 
 
@@ -170,7 +173,7 @@ def test_tags_and_stack_traces_as_torchao(case: str) -> None:
     if case == "untagged":
         assert not expected
     else:  # the comparison sees Q/DQ nodes, not only constants
-        assert any(kind != "get_attr" for kind, _, _ in expected)
+        assert any(kind != "get_attr" for kind, _, _, _ in expected)
 
 
 def _debug_results(model: GraphModule, inputs: tuple[Any, ...]) -> dict[Any, Any]:
