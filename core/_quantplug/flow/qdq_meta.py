@@ -90,13 +90,21 @@ _VIEW_LIKE = frozenset(
     }
 )
 _SYM_SIZE = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default})
+_QUANT_WORKFLOW = QUANTIZE | DEQUANTIZE | CHOOSE_QPARAMS
 
 
 def provenance(origin: Node) -> list[NodeSource]:
     """``from_node`` of a Q/DQ node made from ``origin`` (an observer node, or for a weight
     quantized at convert, the weight's node): torchao's record, so the numeric debugger traces it
-    to ``origin``'s oldest ancestor."""
-    return [NodeSource(origin, CONVERT_PASS, [NodeSourceAction.CREATE])]
+    to ``origin``'s oldest ancestor.
+
+    ``NodeSource(origin)`` would deep-copy ``origin``'s whole provenance chain for every Q/DQ
+    node; the records are never changed once made, so the new one refers to that chain instead.
+    """
+    source = NodeSource(None, CONVERT_PASS, [NodeSourceAction.CREATE])
+    source.node_info = NodeSource.NodeInfo(origin.name, str(origin.target), id(origin.graph))
+    source.from_node = origin.meta.get(FROM_NODE, [])
+    return [source]
 
 
 def observes_output(node: Node) -> bool:
@@ -136,7 +144,7 @@ def port_qdq_meta(graph: Graph, weight_sources: Mapping[Node, Node]) -> None:
     def reads(dq: Node, input_name: str) -> bool:
         """Whether ``dq`` reads ``input_name`` through quantize/dequantize ops only."""
         node: Any = dq
-        while _is_call(node, QUANTIZE | DEQUANTIZE | CHOOSE_QPARAMS):
+        while _is_call(node, _QUANT_WORKFLOW):
             node = node.args[0]
         if not isinstance(node, Node):
             return False
