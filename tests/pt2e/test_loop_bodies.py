@@ -119,3 +119,23 @@ def test_loop_body_is_observed_and_converted_as_torchao_does(case: str) -> None:
     assert bodies["quantplug"]  # the body holds Q/DQ ops
     for ours, theirs in zip(outputs["quantplug"], outputs["torchao"], strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_quantplug_backends_quantize_loop_bodies_too(case: str) -> None:
+    """The body is prepared by the same quantizer, quantplug's own backends included: the
+    reference backend's linear rule (per-channel weights, derived bias) reaches the loop's ops."""
+    model_class, op, index, batches = CASES[case]
+    torch.manual_seed(0)
+    model = model_class().eval()
+    exported = torch.export.export(model, batches[0], strict=True)
+    prepared = quantplug.prepare(exported, quantplug.get_quantizer("reference"))
+    with torch.no_grad():  # in grad mode torch's loops trace their body with fake tensors
+        for batch in batches:
+            prepared(*batch)
+        converted = quantplug.convert(prepared)
+        body = _qdq(_body(converted, op, index))
+        assert body[str(torch.ops.quantized_decomposed.dequantize_per_channel.default)] >= 1  # the weight
+        assert body[str(torch.ops.quantized_decomposed.quantize_per_tensor.default)] >= 1
+        for batch in batches:
+            torch.testing.assert_close(converted(*batch), model(*batch), atol=0.05, rtol=0)
