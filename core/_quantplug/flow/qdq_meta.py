@@ -30,7 +30,7 @@ Other metadata (``custom``, ``nn_module_stack``) stays on the ops, as in torchao
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeGuard
 
 import torch
@@ -101,8 +101,11 @@ def provenance(origin: Node) -> list[NodeSource]:
     ``NodeSource(origin)`` would deep-copy ``origin``'s whole provenance chain for every Q/DQ
     node; the records are never changed once made, so the new one refers to that chain instead.
     """
+    info = getattr(NodeSource, "NodeInfo", None)
+    if info is None:  # another torch: its own (copying) constructor
+        return [NodeSource(origin, CONVERT_PASS, [NodeSourceAction.CREATE])]
     source = NodeSource(None, CONVERT_PASS, [NodeSourceAction.CREATE])
-    source.node_info = NodeSource.NodeInfo(origin.name, str(origin.target), id(origin.graph))
+    source.node_info = info(origin.name, str(origin.target), id(origin.graph))
     source.from_node = origin.meta.get(FROM_NODE, [])
     return [source]
 
@@ -169,7 +172,9 @@ def port_qdq_meta(graph: Graph, weight_sources: Mapping[Node, Node]) -> None:
                 _copy_meta(quantizes[0], node.meta)
 
 
-def _port_static_input(node: Node, name: str, reads: Any, weight_sources: Mapping[Node, Node]) -> None:
+def _port_static_input(
+    node: Node, name: str, reads: Callable[[Node, str], bool], weight_sources: Mapping[Node, Node]
+) -> None:
     dq = next((a for a in node.args if _is_call(a, DEQUANTIZE) and reads(a, name)), None)
     if dq is None:
         return
