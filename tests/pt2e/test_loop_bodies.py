@@ -139,3 +139,15 @@ def test_quantplug_backends_quantize_loop_bodies_too(case: str) -> None:
         assert body[str(torch.ops.quantized_decomposed.quantize_per_tensor.default)] >= 1
         for batch in batches:
             torch.testing.assert_close(converted(*batch), model(*batch), atol=0.05, rtol=0)
+
+
+def test_lowering_a_program_with_a_loop_is_refused_naming_the_loop() -> None:
+    model_class, _, _, batches = CASES["while_loop"]
+    exported = torch.export.export(model_class().eval(), batches[0], strict=True)
+    quantizer = quantplug.get_quantizer("reference")
+    prepared = quantplug.prepare(exported, quantizer)
+    with torch.no_grad():
+        prepared(*batches[0])
+    converted = quantplug.convert(prepared)
+    with pytest.raises(quantplug.LoweringError, match=r"runs a loop .*while_loop_body.*unroll the loop"):
+        quantplug.lower(converted, quantizer)
