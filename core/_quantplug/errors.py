@@ -123,6 +123,12 @@ class AnnotationError(QuantplugError, ValueError):
     """Annotations that cannot be turned into observers (bad sharing, missing sources, ...)."""
 
 
+class TensorKwargError(AnnotationError, AssertionError):
+    """An annotated node takes a tensor as a keyword argument (``out=``, a traced ``max=``):
+    PT2E places observers on positional inputs only, so that tensor would stay unquantized
+    without a word. An ``AssertionError`` too, as torchao's ``prepare_pt2e`` raises there."""
+
+
 class CalibrationError(QuantplugError, RuntimeError):
     """convert() was asked for qparams an observer cannot give (it never saw data)."""
 

@@ -51,6 +51,7 @@ from _quantplug.errors import NonFiniteError as NonFiniteError
 from _quantplug.errors import ObserverMergeError as ObserverMergeError
 from _quantplug.errors import OptionError as OptionError
 from _quantplug.errors import QuantplugError as QuantplugError
+from _quantplug.errors import TensorKwargError as TensorKwargError
 from _quantplug.errors import UnknownAlgorithmError as UnknownAlgorithmError
 from _quantplug.errors import UnknownBackendError as UnknownBackendError
 from _quantplug.errors import UnsafeArchiveError as UnsafeArchiveError

@@ -95,6 +95,7 @@ _SHARED: dict[str, tuple[str, ...]] = {
         "ObserverMergeError",
         "OptionError",
         "QuantplugError",
+        "TensorKwargError",
     ),
 }
 

@@ -44,6 +44,7 @@ from _quantplug.errors import NonFiniteError as NonFiniteError
 from _quantplug.errors import ObserverMergeError as ObserverMergeError
 from _quantplug.errors import OptionError as OptionError
 from _quantplug.errors import QuantplugError as QuantplugError
+from _quantplug.errors import TensorKwargError as TensorKwargError
 from _quantplug.flow.inspect import DEQUANTIZE_OPS as DEQUANTIZE_OPS
 from _quantplug.flow.inspect import QUANTIZE_OPS as QUANTIZE_OPS
 from _quantplug.flow.inspect import calibrated_report as calibrated_report

@@ -28,7 +28,9 @@ from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
 from _quantplug.flow.exported_modes import ExportedModes
 from _quantplug.flow.inspect import QUANTIZE_OPS
+from _quantplug.flow.loop_bodies import replace_loop_bodies
 from _quantplug.flow.observer_convert import converts_itself, run_observer_converts
+from _quantplug.flow.qdq_meta import FROM_NODE, port_qdq_meta, provenance
 from _quantplug.flow.representation import reference_representation
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
@@ -279,6 +281,7 @@ def _float_dtype(node: Node) -> torch.dtype | None:
 
 def _dq_maker(emit: _Emitter, q: Node, qp: QParams, gid: int, observer: Node) -> Any:
     out_dtype = _float_dtype(observer)
+    origin = provenance(observer)
 
     def make() -> Node:
         dq = emit.dequantize(q, qp, f"g{gid}", out_dtype)
@@ -286,6 +289,7 @@ def _dq_maker(emit: _Emitter, q: Node, qp: QParams, gid: int, observer: Node) ->
         for k in ("val", "nn_module_stack", "stack_trace", DEBUG_HANDLE_KEY):
             if k in observer.meta:
                 dq.meta[k] = observer.meta[k]
+        dq.meta[FROM_NODE] = list(origin)
         return dq
 
     return make
@@ -526,6 +530,7 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
     # (producer, group id or the qparams' value) -> its quantize node or integer tensor
     edge_q: dict[tuple[str, Hashable], Node] = {}
     old_nodes = {n.name: n for n in prepared.graph.nodes}
+    weight_sources: dict[Node, Node] = {}  # integer constant -> the weight it was quantized from
 
     def quantized_edge(producer: Node, gid: int, user: Node) -> Node:
         """The integer tensor of a parameter (or the quantize node of an already quantized one).
@@ -555,7 +560,11 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
                     value = chosen.biases.get(target, fetch_attr(prepared, target)).detach()
                     ints = _quantize_tensor(value, qp)
                 q = emit.constant(target + "_q", ints)
+                weight_sources[q] = producer
             q.meta[GROUP_KEY] = gid
+            # its own origin, as torchao's folded constant descends from the weight's observer: a
+            # weight's handle must not be its consumer's (the float op is matched on that one)
+            q.meta[FROM_NODE] = provenance(q)
             edge_q[key] = q
         return q
 
@@ -578,7 +587,7 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
                 env[node] = _Dequantized(lambda gid=gid, src=src: keep_observer(gid, src), duplicate=False)
                 continue
             if qp.granularity in ("dynamic", "token"):
-                env[node] = _Dequantized(lambda src=src, qp=qp: emit.dynamic_qdq(src, qp), duplicate=False)
+                env[node] = _Dequantized(partial(_dynamic_qdq, emit, src, qp, node), duplicate=False)
                 continue
             env[node] = _quantized(emit, src, qp, gid, node)
             continue
@@ -590,7 +599,8 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
                     replacements[producer] = keep_observer(gid, _lookup(env, producer, node))
                     continue
                 q = quantized_edge(producer, gid, node)
-                replacements[producer] = _dq_maker(emit, q, qparams[gid], gid, producer)()
+                replacements[producer] = dq = _dq_maker(emit, q, qparams[gid], gid, producer)()
+                dq.meta[FROM_NODE] = list(q.meta[FROM_NODE])
 
             def transform(n: Node, r: dict[Node, Node] = replacements, u: Node = node) -> Node:
                 return r[n] if n in r else _lookup(env, n, u)
@@ -604,6 +614,7 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
             env[node] = keep_observer(out_gid, new)
         elif out_gid is not None:
             env[node] = _quantized(emit, new, qparams[out_gid], out_gid, node)
+    port_qdq_meta(graph, weight_sources)  # before the quantizes of constants become integers
     if fold_quantize:
         _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
@@ -614,6 +625,7 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
     release_code_with(converted, since=since)
     if kept_observers:
         run_observer_converts(converted, kept_observers, fold_quantize=fold_quantize)
+    replace_loop_bodies(prepared, converted, convert)  # each body was prepared as a program of its own
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta[QPARAMS_KEY] = {gid: qp for gid, qp in qparams.items()}
     if calibrated is not None:
@@ -630,6 +642,7 @@ def _quantized(emit: _Emitter, src: Node, qp: QParams, gid: int, origin: Node) -
     """Env value of a quantized tensor: its quantize node, and a dequantize per consumer."""
     q = emit.quantize(src, qp, f"g{gid}")
     q.meta[GROUP_KEY] = gid
+    q.meta[FROM_NODE] = provenance(origin)
     return _Dequantized(_dq_maker(emit, q, qp, gid, origin), duplicate=True)
 
 
@@ -642,6 +655,21 @@ def _float_edge(graph: Graph, src: Node, dtype: torch.dtype) -> Node:
     cast = qd.convert_element_type.no_fuse
     half = _call_function(graph, cast, (src, torch.float16))
     return _call_function(graph, cast, (half, torch.float32))
+
+
+def _dynamic_qdq(emit: _Emitter, src: Node, qp: QParams, observer: Node) -> Node:
+    """The run-time choose_qparams -> quantize -> dequantize of a dynamic observer, each node
+    descending from the observer (torchao's provenance)."""
+    dq = emit.dynamic_qdq(src, qp)
+    origin = provenance(observer)
+    q = dq.args[0]
+    assert isinstance(q, Node)
+    scale = q.args[1]
+    assert isinstance(scale, Node)
+    for made in (dq, q, scale.args[0]):
+        assert isinstance(made, Node)
+        made.meta[FROM_NODE] = list(origin)
+    return dq
 
 
 def _store_constants_as_integers(

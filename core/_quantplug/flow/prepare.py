@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,11 +35,13 @@ from _quantplug.deprecated import warn_old_module_attribute
 from _quantplug.errors import AnnotationError, QuantplugError
 from _quantplug.flow.convert import convert
 from _quantplug.flow.exported_modes import ExportedModes
+from _quantplug.flow.loop_bodies import loop_bodies, replace_loop_bodies
+from _quantplug.flow.qdq_meta import FROM_NODE, observes_output
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.calls import Call, in_spec_of, input_misfit
 from _quantplug.graph.constants import written
 from _quantplug.graph.index_arithmetic import index_arithmetic
-from _quantplug.graph.mutation import mutated_aliases, writes_into_state
+from _quantplug.graph.mutation import buffer_writes, mutated_aliases
 from _quantplug.graph.softmax_inputs import score_values
 from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
 from _quantplug.meta import (
@@ -51,6 +54,7 @@ from _quantplug.meta import (
 )
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.factory import create_observer
+from _quantplug.observers.fixed import FixedQParamsObserver
 from _quantplug.observers.nonfinite import check_policy
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.observers.parked import park
@@ -204,19 +208,21 @@ STEPS = FlowSteps(prepare=prepare, convert=convert)
 
 
 def _check_float_program(program: Any) -> None:
-    """A prepared or converted program given again fails here, not deep inside annotation."""
+    """A prepared module given again fails here, not deep inside annotation.
+
+    A program that already holds quantize/dequantize ops (a converted program, or one embedding
+    a converted part, re-exported) is prepared as torchao's ``prepare_pt2e`` prepares it: those
+    ops are ops like any other, the quantizer annotates what it wants around them, and convert
+    leaves them as they are (re-entrant quantization). A *prepared* module is refused: its
+    observers have not been turned into Q/DQ ops yet, and observing observers gives nested
+    encodings no backend runs (torchao nests them).
+    """
     gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
     if isinstance(gm, GraphModule) and (STATE_KEY in gm.meta or observer_children(gm)):
         raise QuantplugError(
-            "this module is already prepared (it holds quantplug observers); prepare the float program "
-            "(the ExportedProgram you exported), then calibrate and convert the result"
-        )
-    if isinstance(gm, GraphModule) and any(
-        n.op == "call_function" and getattr(n.target, "namespace", None) == "quantized_decomposed"
-        for n in gm.graph.nodes
-    ):
-        raise QuantplugError(
-            "this program is already quantized (it holds quantize/dequantize ops); prepare the float program"
+            "this module is already prepared (it holds quantplug observers); convert it first "
+            "(quantplug.convert), then prepare the converted program to quantize more of it, or prepare "
+            "the float program (the ExportedProgram you exported)"
         )
 
 
@@ -278,16 +284,21 @@ def _prepare(
         fuse_conv_bn_for_training(gm)
     keys = collect_keys(gm.graph)
     _check_channel_axes(keys)
-    if not keys.specs:
+    bodies = loop_bodies(gm)
+    if not keys.specs and not bodies:  # a loop body's own prepare warns for the body
         _warn_nothing_quantized(gm, quantizer)
     problem = keys.problem(gm.graph)
     resolver = getattr(quantizer, "resolve_sharing", None)
     groups = resolver(problem) if callable(resolver) else solve(problem)
     report, checks = _validate(quantizer, gm, groups)
+    unobserved = buffer_writes(gm.graph)  # in-place writes into buffers: the op must get the buffer
     state = _build_groups(gm, keys, groups, qat=qat, backend=getattr(quantizer, "backend", None))
     state.validation = report if isinstance(report, ValidationReport) else None
     state.calibrated_checks = checks
     observers = _create_observers(state, keys)
+    for group in state.groups:  # only edges left unobserved (buffers ops write): no Q/DQ reads it
+        if all(key in unobserved for key in group.keys):
+            observers[group.gid] = FixedQParamsObserver(1.0, 0)
     callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
     if callable(callback):
         observers = _run_pt2e_callback(gm, callback, state, observers)
@@ -307,11 +318,14 @@ def _prepare(
         if group.constant:
             park(obs)
         gm.add_module(group.target, obs)
-    _insert_observer_nodes(gm, state)
+    _insert_observer_nodes(gm, state, unobserved)
     _count_calls_per_pass(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
         gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite, guard, held_out=judged)
         gm.meta[ALGORITHMS_KEY].undone = undone
+    if bodies:  # torchao's prepare_pt2e: each loop body prepared with the same quantizer
+        each = partial(_prepare, quantizer=quantizer, qat=qat, nonfinite=nonfinite, algorithms=[])
+        replace_loop_bodies(gm, gm, partial(each, config=config))
     _as_prepared_module(gm)
     compile_now(gm)
     gm.meta[STATE_KEY] = state
@@ -472,7 +486,7 @@ def _run_pt2e_callback(
     return observers
 
 
-def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
+def _insert_observer_nodes(gm: GraphModule, state: PreparedState, unobserved: set[tuple[str, str]]) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
@@ -518,6 +532,8 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
         if gid is None or state.groups[gid].constant:
             continue
         obs = new_observer(n, state.groups[gid])
+        if observes_output(n):  # torchao's provenance: the numeric debugger traces it to n
+            obs.meta[FROM_NODE] = n.meta[FROM_NODE]
         n.replace_all_uses_with(
             obs, delete_user_cb=lambda user, obs=obs: user is not obs and user.name not in float_readers
         )
@@ -534,12 +550,10 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState) -> None:
             continue
         group = state.groups[gid]
         producer_name, consumer_name = key
-        if group.constant or state.group_of.get(producer_name) == gid:
+        if group.constant or state.group_of.get(producer_name) == gid or key in unobserved:
             continue
         current = output_obs.get(producer_name, by_name[producer_name])
         consumer = by_name[consumer_name]
-        if writes_into_state(by_name[producer_name], consumer):  # the state itself is written
-            continue
         if producer_name in written_later:
             consumer.replace_input_with(current, new_observer(current, group, before=consumer))
             continue

@@ -75,14 +75,6 @@ def written_args(node: Node) -> list[Node]:
     return written
 
 
-def writes_into_state(producer: Node, consumer: Node) -> bool:
-    """Whether ``consumer`` writes in place into ``producer``, a parameter or buffer or a view of
-    one (``self.buf.index_put_(...)``, ``self.buf[0].index_put_(...)``). That input edge must stay
-    float, as torchao's prepare keeps it: an observer there would hand the op a copy to write into,
-    and convert would store the state as a frozen integer constant, so every write was lost."""
-    return producer in written_args(consumer) and _base(producer).op == "get_attr"
-
-
 def is_view(node: Node) -> bool:
     """An op whose output aliases its first argument (``Tensor(a)`` returned: slice, view...)."""
     schema = _schema(node)
@@ -92,7 +84,8 @@ def is_view(node: Node) -> bool:
     return info is not None and not info.is_write
 
 
-def _base(node: Node) -> Node:
+def view_base(node: Node) -> Node:
+    """The tensor ``node`` is a view of (through any chain of views), or ``node`` itself."""
     while is_view(node) and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node
@@ -111,7 +104,7 @@ def _views_of(base: Node) -> list[Node]:
 def own_aliases(written: Node) -> list[Node] | None:
     """The tensor ``written`` belongs to and every view of it, when the program makes that tensor
     itself; None for placeholders and constants (``torch.export`` writes those back itself)."""
-    base = _base(written)
+    base = view_base(written)
     return _views_of(base) if base.op == "call_function" else None
 
 
@@ -179,3 +172,20 @@ def read_after(write: Node, aliases: list[Node], order: dict[Node, int]) -> bool
         for alias in aliases
         for user in alias.users
     )
+
+
+def buffer_writes(graph: Graph) -> set[tuple[str, str]]:
+    """(tensor, op) name pairs: an op writing one of its arguments in place where that argument is
+    a buffer of the module or a view of one (``buf.index_put_(...)``, ``buf.select(0, 0).add_(x)``).
+
+    A quantize on such an edge would hand the op a copy: the write would never reach the buffer,
+    and convert would store the buffer's first value as integers for good. torchao's prepare_pt2e
+    inserts no observer there either; the op's other inputs and its output are quantized as
+    annotated, and ``torch.export`` of the converted program still sees the buffer mutated.
+    """
+    return {
+        (written.name, node.name)
+        for node in graph.nodes
+        for written in written_args(node)
+        if view_base(written).op == "get_attr"
+    }

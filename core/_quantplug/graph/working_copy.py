@@ -26,7 +26,7 @@ from torch.fx import Graph, GraphModule, Node, map_arg
 from torch.fx.node import Argument, Target
 
 from _quantplug.errors import QuantplugError
-from _quantplug.graph.mutation import written_args
+from _quantplug.graph.mutation import view_base, written_args
 
 try:  # private torch helpers; without them we fall back to ep.module()
     from torch.export._unlift import _get_codegen
@@ -195,8 +195,9 @@ def _written_targets(gm: GraphModule) -> list[str]:
     written: dict[str, None] = {}
     for node in gm.graph.nodes:
         for arg in _written_args(gm, node):
-            if arg.op == "get_attr":
-                written[str(arg.target)] = None
+            base = view_base(arg)  # a write into a view (``buf.select(0, 1).add_(x)``) writes its base
+            if base.op == "get_attr":
+                written[str(base.target)] = None
     return list(written)
 
 

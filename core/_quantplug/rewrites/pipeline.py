@@ -32,6 +32,7 @@ from _quantplug.rewrites.embedding_bag import rewrite_fixed_bags
 from _quantplug.rewrites.hand_written_linear import linear_from_matmul
 from _quantplug.rewrites.no_op_arguments import drop_no_op_arguments
 from _quantplug.rewrites.parameter_writes import functionalize_parameter_writes
+from _quantplug.rewrites.previous_flow import forget_previous_flow
 from _quantplug.rewrites.unread_writes import drop_unread_writes
 
 
@@ -73,6 +74,12 @@ def _keep_debug_handles(gm: GraphModule) -> None:
 
 #: the rewrites, in the order they run
 PIPELINE: tuple[Step, ...] = (
+    Step(
+        "forget_previous_flow",
+        forget_previous_flow,
+        When.ALWAYS,
+        "a converted program quantized again: the first flow's annotations name another graph's nodes",
+    ),
     Step(
         "functionalize_parameter_writes",
         functionalize_parameter_writes,

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.fx import Graph, Node
 
 from _quantplug.annotation.spec_view import SpecKind, spec_kind, spec_signature
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY
-from _quantplug.errors import AnnotationError
+from _quantplug.errors import AnnotationError, TensorKwargError
 from _quantplug.sharing.problem import SharingProblem
 from _quantplug.sharing.resolution import Key, KeySpec
 
@@ -70,6 +71,36 @@ def _tensor_args(node: Node) -> set[Node]:
     return found
 
 
+#: what a keyword node may stand for without being a tensor to quantize (a size, a flag)
+_NOT_TENSORS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _keyword_nodes(value: Any) -> list[Node]:
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _keyword_nodes(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _keyword_nodes(v)]
+    return []
+
+
+def _check_keyword_arguments(node: Node) -> None:
+    """torchao's prepare_pt2e refuses an annotated node with a node among its keyword arguments
+    (observers go on positional inputs only, so it would stay float unnoticed); so does quantplug.
+    Sizes (a ``SymInt`` node) are not tensors and pass."""
+    for name, value in node.kwargs.items():
+        for arg in _keyword_nodes(value):
+            if isinstance(arg.meta.get("val"), _NOT_TENSORS):
+                continue
+            raise TensorKwargError(
+                f"node {node.name!r} ({node.target}) is annotated and takes {arg.name!r} as keyword argument "
+                f"{name!r}: quantization observes positional inputs only, so it would stay unquantized; "
+                "use the functional form of the op (no out=) or pass the tensor positionally (torch.export "
+                "does), or leave the node unannotated"
+            )
+
+
 def collect_keys(graph: Graph) -> AnnotatedKeys:
     """Read every node's annotation (ours or PT2E's); input edges first, then the output."""
     keys = AnnotatedKeys()
@@ -77,6 +108,7 @@ def collect_keys(graph: Graph) -> AnnotatedKeys:
         ann = node.meta.get(Q_ANNOTATION_KEY)
         if ann is None:
             continue
+        _check_keyword_arguments(node)
         input_map = getattr(ann, "input_qspec_map", None) or {}
         if input_map:
             args = _tensor_args(node)

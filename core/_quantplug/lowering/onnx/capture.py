@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - depends on the torch version
     _LazyGraphModule = None  # type: ignore[assignment,misc]
 
 from _quantplug.errors import LoweringError
+from _quantplug.flow.loop_bodies import loop_bodies
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.working_copy import RANGE_CONSTRAINTS, copy_graph
 from _quantplug.lowering.onnx.provenance import where
@@ -54,6 +55,13 @@ def to_exported_program(
     """
     from torch.export.graph_signature import ExportGraphSignature
 
+    bodies = loop_bodies(gm)
+    if bodies:  # each body is a program of its own, with constants and values not lifted here
+        raise LoweringError(
+            f"the converted program runs a loop (scan or while_loop; its body {bodies[0]!r}), which cannot "
+            "be wrapped as an ExportedProgram for lowering yet; run the converted GraphModule itself, or "
+            "unroll the loop in the model (a Python for loop over a fixed count) before torch.export"
+        )
     graph = Graph(owning_module=gm)  # dead-code elimination asks it about submodules
     copied = copy_graph(graph, gm.graph)
     if copied is None:
