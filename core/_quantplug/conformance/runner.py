@@ -20,6 +20,7 @@ from _quantplug.conformance.checks import CHECKS, Check, Session
 from _quantplug.conformance.faults import MIN_TIMEOUT_S
 from _quantplug.conformance.report import ConformanceReport
 from _quantplug.conformance.steps import Assembly, Event, run_steps
+from _quantplug.conformance.steps import run_case as run_case  # 0.1.0 read it here
 
 #: seconds one check (one case of a per-op check) may take before it fails as hung
 DEFAULT_TIMEOUT_S = 600.0

@@ -335,8 +335,9 @@ def compute_qparams(
                     except NonFiniteError:  # named as the weight it is, not as calibration data
                         check_finite_constant(nodes[name], value, group.describe())
                         raise
-    # float groups have no encoding
-    measured = [g for g in state.groups if not g.floating]
+    # float groups have no encoding, nor have observers that write their own ops (but torchao's
+    # affine observers, whose qparams the encodings list)
+    measured = [g for g in state.groups if not g.floating and not _opaque(prepared_obs[g.gid])]
     unseen = [g for g in measured if not g.dynamic and not observer_saw_data(used[g.gid])]
     if unseen:
         _uncalibrated(state, unseen)
@@ -411,6 +412,13 @@ def _observer(prepared: GraphModule, group: Group) -> Any:
             "delete_all_unused_submodules()); calibrate and convert the module prepare returned"
         )
     return found
+
+
+def _opaque(observer: Any) -> bool:
+    """An observer that converts itself and is not one of torchao's affine observers: torchao's
+    convert asks it for nothing but its ops, so quantplug does not ask it for qparams either."""
+    affine = any(c.__name__ == "AffineQuantizedObserverBase" for c in type(observer).__mro__)
+    return converts_itself(observer) and not affine
 
 
 def _uncalibrated(state: PreparedState, unseen: list[Group]) -> None:
@@ -573,19 +581,19 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
     for node in prepared.graph.nodes:
         if is_tap(node):  # algorithms' calibration taps end with calibration
             continue
-        observed = observer_gid(node.target) if node.op == "call_module" else None
-        if observed is not None:
-            gid = observed
+        observer_group = observer_gid(node.target) if node.op == "call_module" else None
+        if observer_group is not None:
+            gid = observer_group
             if state.groups[gid].constant:  # a parked observer: its constant is quantized below
                 continue
             src = _lookup(env, node.args[0], node)
             if state.groups[gid].floating:  # stays float: no Q/DQ (float16: to half and back)
                 env[node] = _float_edge(graph, src, state.groups[gid].spec.dtype)
                 continue
-            qp = qparams[gid]
             if gid in self_converting:  # made at its first reader, as a constant's dequantize is
                 env[node] = _Dequantized(lambda gid=gid, src=src: keep_observer(gid, src), duplicate=False)
                 continue
+            qp = qparams[gid]
             if qp.granularity in ("dynamic", "token"):
                 env[node] = _Dequantized(partial(_dynamic_qdq, emit, src, qp, node), duplicate=False)
                 continue
