@@ -155,6 +155,8 @@ class AlgorithmRun:
     #: ``Algorithms([...], held_out=...)``'s, or by default those split off the calibration
     #: (:class:`HeldOutSplit`); None or empty: the calibration batches
     held_out: list[tuple[Any, ...]] | None = None
+    #: the default split of the calibration (None: none); its ``batches`` are ``held_out``
+    split: HeldOutSplit | None = None
 
 
 def install_collectors(
@@ -211,6 +213,7 @@ def install_collectors(
     count = 0
     held = HeldOutSplit(HELD_OUT_EVERY, GUARD_BATCHES, GUARD_BYTES) if judged_on_store and split else None
     if held is not None:
+        run.split = held
         run.held_out = held.batches  # filled during calibration; the same list
     if sequential_layers or judged_on_store:  # batches kept for convert to re-run
         run.inputs = (
