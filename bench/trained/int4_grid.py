@@ -30,6 +30,7 @@ CLIP = torch.linspace(0.5, 1.0, 21)
 def quantize_groups(w: torch.Tensor, group: int, scheme: str, search: bool) -> torch.Tensor:
     """``w`` [out, in] dequantized from its int4 grid, per group of ``group`` inputs."""
     out, inp = w.shape
+    group = group if inp % group == 0 else inp  # a group that does not divide: per channel, as the preset
     g = w.reshape(out, inp // group, group)
     fractions = CLIP if search else torch.ones(1)
     best, best_err = g, torch.full(g.shape[:2], float("inf"))
