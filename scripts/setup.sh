@@ -50,8 +50,28 @@ if [ "${1:-}" = "--test" ]; then
   pip_install torchao==0.18.0 --no-deps
   pip_install executorch==1.5.1 --no-deps
   pip_install flatbuffers packaging pyyaml ruamel.yaml tabulate sympy typing-extensions expecttest parameterized
-  # real architectures for the tests (random weights, no downloads): torchvision without its torch pin
-  pip_install torchvision==0.28.0 --no-deps
+  # real architectures for the tests (random weights, no downloads): torchvision 0.28.0, the
+  # release for torch 2.13, without its torch pin. PyPI's wheel is built for PyPI's (CUDA) torch;
+  # next to a CPU build of torch its C ops do not load and `import torchvision` fails
+  # (`operator torchvision::nms does not exist`), and transformers imports it wherever it is
+  # installed. So it goes into .venv only where it imports there; otherwise .venv keeps none
+  # (a user's own models then say "No module named torchvision" instead of failing half-way
+  # through an import) and the tests get their copy in .test-packages/, which only the test
+  # session puts on its path (tests/conftest.py, with tests/torchvision_compat.py).
+  if ! "$VPY" -c "import torchvision" >/dev/null 2>&1; then
+    if "$VPY" -m pip show -q torchvision >/dev/null 2>&1; then  # an earlier setup's unusable copy
+      "$VPY" -m pip uninstall -y -q torchvision
+    fi
+    pip_install torchvision==0.28.0 --no-deps
+    if ! "$VPY" -c "import torchvision" >/dev/null 2>&1; then
+      "$VPY" -m pip uninstall -y -q torchvision
+      echo "setup: torchvision 0.28.0 from the package index does not match this torch build" \
+        "($("$VPY" -c 'import torch; print(torch.__version__)')); .venv keeps none, the tests get" \
+        "theirs in .test-packages/ (install a build matching your torch to use torchvision)" >&2
+      [ -d .test-packages/torchvision-0.28.0.dist-info ] \
+        || pip_install --no-deps --upgrade --target .test-packages torchvision==0.28.0
+    fi
+  fi
   pip_install transformers==5.23.0
   # the versions the reference backend's ONNX Runtime pieces were read on
   # (plugins/reference/quantplug_reference/peers); a newer ORT is checked there first

@@ -59,8 +59,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # ops as a side effect; test modules read them (torch.ops.quantized_decomposed) at import
     import torch.ao.quantization.fx._decomposed  # noqa: F401
 
-    from tests.torchvision_compat import ensure_importable
+    from tests.torchvision_compat import TEST_PACKAGES, ensure_importable
 
+    if TEST_PACKAGES.is_dir():  # the tests' torchvision where .venv has none (scripts/setup.sh)
+        sys.path.append(str(TEST_PACKAGES))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.environ.get("PYTHONPATH", ""), str(TEST_PACKAGES)) if p
+        )
     ensure_importable()  # torchvision (and transformers, which imports it) next to CPU torch
 
     if os.environ.get("QUANTPLUG_TEST_SITE"):  # a nested pytest: the outer session set it up

@@ -1,10 +1,14 @@
-"""``import torchvision`` next to the CPU build of torch (the test environment's).
+"""``import torchvision`` next to the CPU build of torch, for the test session only.
 
 PyPI's torchvision 0.28.0 wheel is built against CUDA torch; next to ``torch==2.13.0+cpu`` its
 ``_C`` extension does not load, and ``import torchvision`` then fails registering fake kernels for
-``torchvision::nms``/``qnms`` (``operator torchvision::nms does not exist``). transformers imports
-torchvision too where it is installed, so every test touching either would fail. Declaring those
-two schemas lets the pure-Python models import; no test calls a detection op.
+``torchvision::nms``/``qnms`` (``operator torchvision::nms does not exist``). So
+``scripts/setup.sh --test`` leaves such a build out of ``.venv`` (a user's environment imports
+transformers, and says plainly that torchvision is absent) and installs it for the tests in
+:data:`TEST_PACKAGES`, which ``tests/conftest.py`` puts on the session's path. Declaring those two
+schemas lets its pure-Python models import; no test calls a detection op.
+``tests/test_environment.py`` checks, in a subprocess without this module, that ``.venv`` itself
+imports what it holds.
 """
 
 from __future__ import annotations
@@ -12,7 +16,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from pathlib import Path
 from typing import Any
+
+#: where ``scripts/setup.sh --test`` installs the tests' torchvision when ``.venv`` can hold none
+TEST_PACKAGES = Path(__file__).resolve().parent.parent / ".test-packages"
 
 _SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",

@@ -91,13 +91,20 @@ def data() -> torch.Tensor:
 
 
 def convert(
-    algorithms: list[Any], guard: bool = True, preset: str = "int8", x: torch.Tensor | None = None
+    algorithms: list[Any],
+    guard: bool = True,
+    preset: str = "int8",
+    x: torch.Tensor | None = None,
+    held_out: Any = "calibration",
 ) -> tuple[Any, Any]:
-    """The converted MLP (reference backend, calibrated on ``x`` in batches of 8) and its prepared module."""
+    """The converted MLP (reference backend, calibrated on ``x`` in batches of 8) and its prepared
+    module. The guard judges on the calibration batches (``held_out="calibration"``) unless told:
+    these tests check what it guarantees on the batches it judges on."""
     x = data() if x is None else x
     ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
     quantizer = quantplug.get_quantizer("reference", preset=preset)
-    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(algorithms, guard=guard))
+    config = quantplug.Algorithms(algorithms, guard=guard, held_out=held_out if guard else None)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=config)
     for i in range(0, len(x), BATCH):
         prepared(x[i : i + BATCH])
     return quantplug.convert(prepared), prepared
@@ -191,7 +198,8 @@ def test_without_stored_batches_nothing_is_judged() -> None:
     x = data()
     ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
     quantizer = quantplug.get_quantizer("reference", preset="int8")
-    prepared = quantplug.prepare(ep, quantizer, algorithms=[Shift({"fc2.weight"})])
+    algorithms = quantplug.Algorithms([Shift({"fc2.weight"})], held_out="calibration")
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms)
     prepared.meta[RUN_KEY].inputs.batches.clear()
     for i in range(0, len(x), BATCH):  # observers calibrated, the store emptied afterwards
         prepared(x[i : i + BATCH])
@@ -319,7 +327,11 @@ def convnet_outputs(
     ep = torch.export.export(model, batches[0])
     quantizer = quantplug.get_quantizer("reference", preset="int8_per_tensor")
     prepared = quantplug.prepare(
-        ep, quantizer, algorithms=quantplug.Algorithms(algorithms, calibration=batches, guard=guard)
+        ep,
+        quantizer,
+        algorithms=quantplug.Algorithms(
+            algorithms, calibration=batches, guard=guard, held_out="calibration" if guard else None
+        ),
     )
     with torch.no_grad():
         for b in batches:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +262,22 @@ def collected(prepared: nn.Module) -> dict[str, Any]:
     return found
 
 
+@contextlib.contextmanager
+def one_process() -> Iterator[None]:
+    """Calibrate as one process does: the reference runs of this rank see every batch, so the
+    position of each in the calibration is its count, not its place among round-robin shards
+    (``_quantplug.algorithms.sequential.calibration_position``, which places the guard's held-out
+    batches and the stored ones)."""
+    from _quantplug.algorithms import sequential
+
+    original = sequential.calibration_position
+    sequential.calibration_position = lambda seen: seen
+    try:
+        yield
+    finally:
+        sequential.calibration_position = original
+
+
 def scenario_algorithms(rank: int) -> dict[str, Any]:
     """Every built-in algorithm calibrated on 2 ranks against 1 process; a reservoir sample merged;
     a collector that cannot merge; transforms given other data on each rank."""
@@ -274,7 +292,7 @@ def scenario_algorithms(rank: int) -> dict[str, Any]:
         found[label] = {"digest": digest(quantplug.convert(prepared)), "collected": collected(prepared)}
         if rank == 0:
             single = _algo_prepare(algorithms, data)
-            with torch.no_grad():
+            with torch.no_grad(), one_process():
                 for x in data:
                     single(x)
             found[label]["single_digest"] = digest(quantplug.convert(single))

@@ -131,7 +131,14 @@ def test_weight_only_presets(token_model, preset: str, group_size: int, dtype: s
     assert table and all(e["kind"] == "constant" for e in table), "activations stay float"
     # linears with a dividing group are per-block; fc 'tail' (40 inputs) falls back to per-channel
     by_tensor = {e["tensor"]: e for e in table}
-    for weight in ("fc1_weight_q0", "fc2_weight_q0", "odd_weight_q0", "emb_weight_q0"):
+    weights = ("fc1_weight_q0", "fc2_weight_q0", "odd_weight_q0")
+    if preset == "weight_only_int4":  # its embedding table: int8 per row (configs.embedding_table_spec)
+        emb = by_tensor["emb_weight_q0"]
+        found = (emb["granularity"], emb["axis"], emb["quant_min"], emb["quant_max"])
+        assert found == ("channel", 0, -127, 127)
+    else:
+        weights += ("emb_weight_q0",)
+    for weight in weights:
         entry = by_tensor[weight]
         assert (entry["quant_min"], entry["quant_max"]) == qrange
         assert entry["dtype"] == dtype

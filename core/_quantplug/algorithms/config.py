@@ -24,6 +24,8 @@ from _quantplug.errors import OptionError
 
 #: prepare's keywords before :class:`Algorithms` -> the field of Algorithms each became
 OLD_KEYWORDS = {"calibration": "calibration", "algorithm_guard": "guard", "held_out": "held_out"}
+#: ``Algorithms(..., held_out=ON_CALIBRATION)``: the guard judges on the calibration batches
+ON_CALIBRATION = "calibration"
 
 
 @dataclass(frozen=True, init=False, eq=False, repr=False)
@@ -45,17 +47,21 @@ class Algorithms:
             default on those batches (beyond a 0.004 dB tie margin, float noise); ``False`` keeps
             every choice.
         held_out: batches not calibrated on (as ``calibration``'s) for the guard to judge on
-            instead of the calibration batches (the first 8, at most 32 MiB of them). The
-            algorithms fit their choices to the calibration data, where a choice that overfits
-            (GPTQ on a layer that saw fewer rows than it has inputs) still looks good; judged on
-            held-out data it is refused, and the guarantee reads "never worse than the default on
-            ``held_out``". Needs the guard.
+            (the first 8, at most 32 MiB of them). The algorithms fit their choices to the
+            calibration data, where a choice that overfits (GPTQ on a layer that saw fewer rows
+            than it has inputs; SeqMSE on a trained LSTM) still looks good; judged on held-out
+            data it is refused, and the guarantee reads "never worse than the default on the
+            held-out batches". By default (None) every 4th calibration batch is held out: the
+            algorithms (and the transforms, of ``calibration``'s batches) do not see it, the
+            guard judges on it; with fewer than 4 batches nothing is held out.
+            ``"calibration"``: no split, the guard judges on the calibration batches the
+            algorithms fitted (0.1's behaviour). Needs the guard.
     """
 
     algorithms: tuple[Any, ...]
     calibration: Sequence[Any] | None
     guard: bool
-    held_out: Sequence[Any] | None
+    held_out: Sequence[Any] | str | None
 
     def __init__(
         self,
@@ -63,12 +69,17 @@ class Algorithms:
         *,
         calibration: Sequence[Any] | None = None,
         guard: bool = True,
-        held_out: Sequence[Any] | None = None,
+        held_out: Sequence[Any] | str | None = None,
     ) -> None:
         if not isinstance(guard, bool):
             raise OptionError(
                 f"guard must be True or False, got {guard!r}; pass "
                 "Algorithms([...], guard=False) to keep every choice of the algorithms"
+            )
+        if isinstance(held_out, str) and held_out != ON_CALIBRATION:
+            raise OptionError(
+                f"held_out must be batches, None (every 4th calibration batch held out) or "
+                f"{ON_CALIBRATION!r} (judged on the calibration batches), got {held_out!r}"
             )
         if held_out is not None and not guard:
             raise OptionError(
@@ -86,7 +97,9 @@ class Algorithms:
         shown = [repr(list(self.algorithms))]
         for name in ("calibration", "held_out"):
             batches = getattr(self, name)
-            if batches is not None:
+            if isinstance(batches, str):
+                shown.append(f"{name}={batches!r}")
+            elif batches is not None:
                 count = len(batches) if isinstance(batches, Sequence) else "?"
                 shown.append(f"{name}=<{count} batches>")
         if not self.guard:

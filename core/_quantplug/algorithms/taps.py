@@ -23,7 +23,7 @@ from _quantplug.algorithms import weight_layers
 from _quantplug.algorithms.experts import ExpertsLayer, packed_rows, routed_rows
 from _quantplug.algorithms.finite_inputs import finite_samples
 from _quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES, ModelGuard
-from _quantplug.algorithms.sequential import InputStore
+from _quantplug.algorithms.sequential import HELD_OUT_EVERY, HeldOutSplit, InputStore
 from _quantplug.algorithms.sites import RecurrentWeight, weight_sites
 from _quantplug.algorithms.spec import WeightSite, algorithm_name, is_sequential
 from _quantplug.algorithms.weight_layers import (
@@ -55,8 +55,15 @@ class Tap(nn.Module):
         self.nonfinite = nonfinite
         self.batches = 0
         self.ignored = 0
+        #: the calibration split (:class:`HeldOutSplit`): batches held out feed no collector
+        self.split: HeldOutSplit | None = None
+
+    def held(self) -> bool:
+        return self.split is not None and self.split.holding
 
     def forward(self, x: torch.Tensor) -> None:
+        if self.held():
+            return
         self.batches += 1
         with torch.no_grad():
             value, dropped = finite_samples(x.detach(), self.nonfinite, self.site, self.owners)
@@ -87,6 +94,8 @@ class ExpertsTap(Tap):
         self.layer = layer
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> None:  # type: ignore[override]
+        if self.held():
+            return
         self.batches += 1
         with torch.no_grad():
             rows, owner = routed_rows(x.detach(), ids.detach(), self.layer.in_out)
@@ -142,9 +151,12 @@ class AlgorithmRun:
     guarded: ModelGuard | None = None
     #: transforms the guard undid at prepare: ``(algorithm, error with it, error without it)``
     undone: list[tuple[str, float, float]] = field(default_factory=list)
-    #: the held-out batches (flat) the guard judges on instead of the stored calibration batches
-    #: (``Algorithms([...], held_out=...)``); None: the calibration batches
+    #: the held-out batches (flat) the guard judges on instead of the stored calibration batches:
+    #: ``Algorithms([...], held_out=...)``'s, or by default those split off the calibration
+    #: (:class:`HeldOutSplit`); None or empty: the calibration batches
     held_out: list[tuple[Any, ...]] | None = None
+    #: the default split of the calibration (None: none); its ``batches`` are ``held_out``
+    split: HeldOutSplit | None = None
 
 
 def install_collectors(
@@ -154,12 +166,15 @@ def install_collectors(
     nonfinite: str = "error",
     guard: bool = True,
     held_out: Sequence[tuple[Any, ...]] | None = None,
+    split: bool = True,
 ) -> AlgorithmRun:
     """Ask each algorithm for a collector per weight site and tap the layers' inputs for them.
 
     The program's inputs are tapped too (an :class:`InputStore`) when convert will re-run stored
     batches: for sequential layer inputs, or for the guard (:mod:`_quantplug.algorithms.guard`)
     when some algorithm chooses weights and no ``held_out`` batches (flat) were given to judge on.
+    Then, with ``split``, every :data:`HELD_OUT_EVERY`-th calibration batch is held out from the
+    algorithms (:class:`HeldOutSplit`) for the guard to judge on.
     """
     run = AlgorithmRun(
         list(algorithms),
@@ -196,8 +211,16 @@ def install_collectors(
     )
     _share_hessians(planned, algorithms, nodes)
     count = 0
+    held = HeldOutSplit(HELD_OUT_EVERY, GUARD_BATCHES, GUARD_BYTES) if judged_on_store and split else None
+    if held is not None:
+        run.split = held
+        run.held_out = held.batches  # filled during calibration; the same list
     if sequential_layers or judged_on_store:  # batches kept for convert to re-run
-        run.inputs = InputStore() if sequential_layers else InputStore(GUARD_BATCHES, GUARD_BYTES)
+        run.inputs = (
+            InputStore(split=held)
+            if sequential_layers
+            else InputStore(GUARD_BATCHES, GUARD_BYTES, split=held)
+        )
         container.add_module("inputs", run.inputs)
         user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         with gm.graph.inserting_after(user_inputs[-1] if user_inputs else None):
@@ -220,12 +243,14 @@ def install_collectors(
             container.add_module(
                 name, ExpertsTap(site.label, [wanted[i] for i in fed], owners, moe, nonfinite)
             )
+            getattr(container, name).split = held
             product = nodes[moe.product]
             with gm.graph.inserting_before(product):
                 tap = gm.graph.call_module(f"{TAPS}.{name}", (product.args[moe.input_index], nodes[moe.ids]))
             tap.meta[ALGORITHM_TAP_KEY] = site.name
             continue
         container.add_module(name, Tap(site.label, [wanted[i] for i in fed], owners, nonfinite))
+        getattr(container, name).split = held
         cell = recurrent.get(site.name)
         if cell is not None:  # fed by the op's RecurrentTap, inserted below
             cells.setdefault(site.node, (cell.layout, []))[1].append((cell.role, getattr(container, name)))

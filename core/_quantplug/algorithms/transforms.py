@@ -25,6 +25,7 @@ from _quantplug.algorithms.guard import (
     output_tensors,
     quantized_error,
 )
+from _quantplug.algorithms.sequential import HELD_OUT_EVERY
 from _quantplug.algorithms.spec import TransformContext, algorithm_name
 from _quantplug.errors import QuantplugError
 from _quantplug.graph.attrs import fetch_attr, put_attr
@@ -42,6 +43,7 @@ def run_transforms(
     guard: FlowSteps | None = None,
     nonfinite: str = "error",
     held_out: Sequence[tuple[Any, ...]] | None = None,
+    split: bool = True,
 ) -> tuple[GraphModule, list[tuple[str, float, float]]]:
     """Every algorithm's ``transform_program``, in order, on the float working copy.
 
@@ -49,7 +51,10 @@ def run_transforms(
     keyword inputs, one tensor); the transforms see them as the program's flat inputs. With a
     ``guard`` (flow's prepare and convert, to quantize with; None: no guard) and calibration
     batches, a transform whose quantized model, calibrated on the first batches, does worse on
-    them (or on the flat ``held_out`` batches, when given) than without it is undone
+    the flat ``held_out`` batches (by default every :data:`HELD_OUT_EVERY`-th calibration batch,
+    which the transforms then do not see, unless ``split`` is off; with fewer batches than that,
+    the calibration batches)
+    than without it is undone
     (:func:`_quantplug.algorithms.guard.quantized_error`); those come back as
     ``(algorithm, error with it, error without it)``.
     """
@@ -65,6 +70,17 @@ def run_transforms(
                     misfit = str(exc)
             flat.append(tuple(inputs))
         calibration = flat
+    if (
+        split
+        and guard is not None
+        and held_out is None
+        and calibration
+        and len(calibration) >= HELD_OUT_EVERY
+    ):
+        # the default split (HELD_OUT_EVERY): the transforms and the quantized candidates'
+        # calibration see the other batches, the guard measures on these
+        held_out = [b for i, b in enumerate(calibration, 1) if i % HELD_OUT_EVERY == 0]
+        calibration = [b for i, b in enumerate(calibration, 1) if i % HELD_OUT_EVERY]
     judged = guard_batches(calibration) if guard is not None and calibration and quantizer is not None else []
     measured = list(held_out) if held_out is not None else judged
     reference: list[list[torch.Tensor]] = []

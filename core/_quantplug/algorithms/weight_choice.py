@@ -125,9 +125,9 @@ def choose_weights(
         else []
         for ref in refs
     ]
-    if run.held_out is not None:  # Algorithms(..., held_out=...): batches the algorithms never saw
+    if run.held_out:  # Algorithms(..., held_out=...) or split off the calibration: never fitted on
         judged = run.held_out
-    else:
+    else:  # too few calibration batches to hold any out: the guard judges on those the algorithms saw
         judged = guard_batches(batches) if run.guard else []
     simulate = (bool(batches) and any(wants)) or bool(judged)
     order = (
@@ -140,7 +140,7 @@ def choose_weights(
         for ref, grid in zip(refs, grids):
             current[ref.site.name] = grid.dequantize(grid.quantize(ref.site.weight)).to(ref.site.weight.dtype)
     activation = _activation_encodings(state, qparams_of) if simulate else {}
-    guard = _model_guard(prepared, activation, judged, run.held_out is not None) if judged else None
+    guard = _model_guard(prepared, activation, judged, bool(run.held_out)) if judged else None
     base = dict(current)  # every weight rounded to nearest: the default
     chosen: list[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]] = []  # (site index, ...)
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
@@ -500,7 +500,7 @@ def warn_underdetermined(run: AlgorithmRun) -> None:
     """
     advice = (
         ""
-        if run.held_out is not None or not run.guard
+        if run.held_out or not run.guard
         else ", or give the algorithm guard batches not calibrated on (Algorithms([...], held_out=...), "
         "quantize --held-out PATH) to judge the choices on"
     )

@@ -101,11 +101,14 @@ def sync_collectors(prepared: nn.Module, group: Any, world: int) -> CollectorSyn
     if run is None or (not fed and store is None):
         return CollectorSync(0, 0, 0)
     states = [f.collector.state() for f in fed]  # references; each travels (via the CPU) in its round
+    split_held = run.split is not None and run.held_out is run.split.batches  # the default split's
     header = {
         "synced_at": run.synced_at,
         "fed": _fed_batches(prepared),
         "sizes": [state_bytes(s) for s in states],
         "stored": [batch_bytes(b) for b in store.batches] if store is not None else [],
+        "stored_at": list(store.positions) if store is not None else [],
+        "held_at": list(run.split.positions) if split_held else None,
         "seen": store.seen if store is not None else 0,
         "held_out": None if run.held_out is None else [batch_bytes(b) for b in run.held_out],
         "held_out_digest": None if run.held_out is None else batches_digest(run.held_out),
@@ -126,13 +129,18 @@ def sync_collectors(prepared: nn.Module, group: Any, world: int) -> CollectorSyn
     del states
     stored = 0
     if store is not None:
-        order = merged_store([h["stored"] for h in headers], store.max_batches, store.max_bytes)
+        at = [h["stored_at"] for h in headers]
+        order = merged_store([h["stored"] for h in headers], store.max_batches, store.max_bytes, at)
         batches, bytes_sent = _merged_batches(store.batches, order, group, world)
-        store.replace_(batches, sum(int(h["seen"]) for h in headers))
+        store.replace_(batches, sum(int(h["seen"]) for h in headers), [at[r][i] for r, i in order])
         stored, sent = len(batches), sent + bytes_sent
     if run.held_out is not None and len({h["held_out_digest"] for h in headers}) > 1:
         # each rank its own batches (the same ones everywhere, as the CLI sends, stay as they are)
-        order = merged_store([h["held_out"] for h in headers], GUARD_BATCHES, GUARD_BYTES)
+        held_at = [h["held_at"] for h in headers]
+        known = all(a is not None for a in held_at)  # the split's batches: in the data's order
+        order = merged_store(
+            [h["held_out"] for h in headers], GUARD_BATCHES, GUARD_BYTES, held_at if known else None
+        )
         run.held_out, bytes_sent = _merged_batches(run.held_out, order, group, world)
         sent += bytes_sent
     run.synced_at = _fed_batches(prepared)

@@ -59,7 +59,12 @@ def _guard_lines(prepared: GraphModule) -> list[str]:
         return []
     if not run.guard:
         return ["algorithm guard off"]
-    judged = "held-out batches (held_out=...)" if run.held_out is not None else "calibration batches"
+    if run.split is not None:
+        judged = "every 4th calibration batch (the default split)"
+    elif run.held_out is not None:
+        judged = "held-out batches (held_out=...)"
+    else:
+        judged = "calibration batches"
     return [f"algorithm guard judging on {judged}"]
 
 

@@ -259,9 +259,11 @@ def _prepare(
     gm = working_copy(program, lazy=True)  # compiled once, below, after observers are in
     rewrite_for_annotation(gm, qat=qat, algorithms=bool(algorithms))
     guard = config.guard
+    given = None if isinstance(config.held_out, str) else config.held_out
+    split = config.held_out is None  # the default: every 4th calibration batch held out
     judged = (  # the guard's held-out batches, flat and checked against the program
-        flat_batches(gm, config.held_out, in_spec_of(program), "held_out", nonfinite)
-        if algorithms and guard and config.held_out is not None
+        flat_batches(gm, given, in_spec_of(program), "held_out", nonfinite)
+        if algorithms and guard and given is not None
         else None
     )
     if algorithms:  # algorithm hook 1: float-program transforms (CLE, SmoothQuant) on this copy
@@ -274,6 +276,7 @@ def _prepare(
             guard=STEPS if guard and not qat else None,  # a QAT model is trained after: nothing to judge now
             nonfinite=nonfinite,
             held_out=judged,
+            split=split,
         )
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
@@ -321,7 +324,9 @@ def _prepare(
     _insert_observer_nodes(gm, state, unobserved)
     _count_calls_per_pass(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
-        gm.meta[ALGORITHMS_KEY] = install_collectors(gm, state, algorithms, nonfinite, guard, held_out=judged)
+        gm.meta[ALGORITHMS_KEY] = install_collectors(
+            gm, state, algorithms, nonfinite, guard, held_out=judged, split=split
+        )
         gm.meta[ALGORITHMS_KEY].undone = undone
     if bodies:  # torchao's prepare_pt2e: each loop body prepared with the same quantizer
         each = partial(_prepare, quantizer=quantizer, qat=qat, nonfinite=nonfinite, algorithms=[])

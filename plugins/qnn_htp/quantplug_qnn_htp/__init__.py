@@ -10,11 +10,18 @@ from types import MappingProxyType
 __version__ = "0.1.0"
 
 #: the options under which qnn_htp's encodings are ExecuTorch 1.5.1 QnnQuantizer's: its moving-average
-#: activation observer without a range margin, and LSTM/GRU/RNN ops left float (it has no rule for
-#: them). qnn_htp's defaults observe the calibrated extremes with a margin at 16 bits and quantize
-#: recurrent layers (README, "Deliberate differences from ExecuTorch's QnnQuantizer", rows 20-21).
+#: activation observer without a range margin, LSTM/GRU/RNN ops left float (it has no rule for
+#: them) and per-tensor linear weights at every precision (``set_default_quant_config``'s
+#: ``is_linear_per_channel=False``). qnn_htp's defaults observe the calibrated extremes with a
+#: margin at 16 bits, quantize recurrent layers and give 4-bit linear weights one scale per channel
+#: (README, "Deliberate differences from ExecuTorch's QnnQuantizer").
 EXECUTORCH_DEFAULTS: Mapping[str, object] = MappingProxyType(
-    {"act_observer": "moving_average", "act_range_margin": 1.0, "unroll_recurrent": False}
+    {
+        "act_observer": "moving_average",
+        "act_range_margin": 1.0,
+        "unroll_recurrent": False,
+        "per_channel_linear": False,
+    }
 )
 
 

@@ -37,7 +37,13 @@ INFO = BackendInfo(
             "precision", str, configs.DEFAULT_PRECISION, "precision preset", choices=tuple(configs.PRECISIONS)
         ),
         BackendOption("per_channel_conv", bool, True, "per-channel symmetric conv weights"),
-        BackendOption("per_channel_linear", bool, False, "per-channel symmetric linear weights"),
+        BackendOption(
+            "per_channel_linear",
+            bool,
+            None,
+            "per-channel symmetric linear weights (default: on at 8a4w and 16a4w, always at "
+            "16a4w_block and 16a2w, off at 8/16-bit weights; ExecuTorch's is off)",
+        ),
         BackendOption(
             "per_channel_embedding",
             bool,

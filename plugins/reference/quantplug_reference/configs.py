@@ -42,8 +42,9 @@ PRESETS: dict[str, str] = {
     "a16w8": "16-bit asymmetric activations, int8 per-channel weights, int32 bias",
     "weight_only_int8": "int8 symmetric weights of linear/embedding/LSTM/GRU/RNN/mixture-of-experts "
     "(per channel, or per group with group_size); activations stay float",
-    "weight_only_int4": "int4 symmetric weights of linear/embedding/LSTM/GRU/RNN/mixture-of-experts, "
-    "per group of group_size inputs (default 32); activations stay float",
+    "weight_only_int4": "int4 symmetric weights of linear/LSTM/GRU/RNN/mixture-of-experts, per group "
+    "of group_size inputs (default 32), each group's range clipped to its least squared error; "
+    "embedding tables int8 per row; activations stay float",
     "dynamic_int8": "linear inputs quantized at run time to int8 per token (row), int8 per-channel "
     "weights, float bias and outputs; mixture-of-experts weights int8 per expert row",
 }
@@ -107,8 +108,12 @@ def per_channel_weight(
 
 
 def per_group_weight(dtype: torch.dtype, group: int, eps: float = EPS) -> QuantizationSpec:
-    """Symmetric weights, one scale per output channel and group of ``group`` inputs."""
+    """Symmetric weights, one scale per output channel and group of ``group`` inputs; 4-bit
+    groups clipped to their range of least squared error (``observers``), 8-bit ones min-max."""
     from quantplug.backend import PerBlockMinMaxObserver
+    from quantplug_reference.observers import ClippedPerBlockObserver
+
+    observer = PerBlockMinMaxObserver if dtype == torch.int8 else ClippedPerBlockObserver
 
     qmin, qmax = (-127, 127) if dtype == torch.int8 else (-8, 7)
     return QuantizationSpec(
@@ -117,7 +122,7 @@ def per_group_weight(dtype: torch.dtype, group: int, eps: float = EPS) -> Quanti
         quant_max=qmax,
         qscheme=torch.per_channel_symmetric,
         block_size=(1, group),
-        observer_or_fake_quant_ctr=PerBlockMinMaxObserver.with_args(eps=eps),
+        observer_or_fake_quant_ctr=observer.with_args(eps=eps),
     )
 
 
@@ -147,6 +152,17 @@ def full_int8_range(spec: Any) -> Any:
     if isinstance(spec, QuantizationSpec) and spec.dtype == torch.int8 and spec.quant_max != INT8_WEIGHT_MAX:
         return dataclasses.replace(spec, quant_min=-INT8_WEIGHT_MAX, quant_max=INT8_WEIGHT_MAX)
     return spec
+
+
+def embedding_table_spec(spec: Any) -> Any:
+    """An embedding table's spec under a config whose weight spec is ``spec``: the lookup table
+    spec, but int8 per row where the weights are 4-bit. A table multiplies nothing, so its bytes
+    are all that 4 bits save, and they cost: the trained char-level GPT of ``bench/trained`` at
+    ``weight_only_int4`` lost 0.0055 more test perplexity with int4 tables than int8 ones
+    (``bench/results/trained_int4_grid.md``; torchao and NNCF keep them float or int8)."""
+    if isinstance(spec, QuantizationSpec) and spec.dtype not in (torch.int8, torch.uint8):
+        spec = per_channel_weight(torch.int8, eps=weight_eps(spec))
+    return lookup_table_spec(spec)
 
 
 def weight_eps(spec: Any) -> float:

@@ -1,6 +1,7 @@
 """Embedding lookup: the table is quantized like a weight (per row, per group or per tensor), on
 the whole int8 grid and with the fine scale floor of weights that only dequantize
-(``configs.lookup_table_spec``).
+(``configs.lookup_table_spec``); int8 per row where the config's weights are 4-bit
+(``configs.embedding_table_spec``).
 
 Per-row and per-group tables dequantize to float rows; under a static config the output then
 gets its own activation encoding. A per-tensor table's rows share the table's encoding. Dynamic
@@ -20,7 +21,7 @@ from quantplug.backend import (
     is_float_tensor,
     register_annotator,
 )
-from quantplug_reference.configs import lookup_table_spec
+from quantplug_reference.configs import embedding_table_spec
 from quantplug_reference.rules.common import static_activations, weight_only
 from quantplug_reference.rules.linear_rules import fit_block_spec
 
@@ -36,7 +37,7 @@ def annotate_embedding(node: Node, config: QuantizationConfig) -> None:
     table = node.args[0]
     if not isinstance(table, Node) or not is_float_tensor(table):
         return
-    weight = lookup_table_spec(fit_block_spec(config.weight, table))  # a lookup multiplies nothing
+    weight = embedding_table_spec(fit_block_spec(config.weight, table))  # a lookup multiplies nothing
     if getattr(weight, "block_size", None) is not None or getattr(weight, "qscheme", None) in (
         torch.per_channel_symmetric,
         torch.per_channel_affine,
