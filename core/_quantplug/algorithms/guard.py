@@ -111,11 +111,15 @@ def relative_error(reference: Sequence[Outputs], outputs: Sequence[Outputs]) -> 
                 errors.append(0.0)
                 energies.append(0.0)
             finite = torch.isfinite(ref)
-            if not bool(torch.isfinite(out[finite]).all()):
+            if bool(finite.all()):  # the usual case: no mask (masked copies of an LLM's logits
+                kept_ref, kept_out = ref, out  # cost more than the guard's simulation of them)
+            else:
+                kept_ref, kept_out = ref[finite], out[finite]
+            if not bool(torch.isfinite(kept_out).all()):
                 return float("inf")
-            diff = out[finite] - ref[finite]
+            diff = kept_out - kept_ref
             errors[index] += float((diff * diff).sum())
-            energies[index] += float((ref[finite] * ref[finite]).sum())
+            energies[index] += float((kept_ref * kept_ref).sum())
     return sum(e / n if n > 0 else e for e, n in zip(errors, energies))
 
 
