@@ -256,6 +256,42 @@ class GroupCandidates:
         return torch.sub(self.view, codes, out=codes).reshape(self.weight.shape)
 
 
+#: leading eigen-directions of ``H`` the screening loss keeps exactly (the rest by its diagonal)
+SCREENING_RANK = 32
+
+
+def leading_factor(hessian: torch.Tensor, rank: int, seed: int = 0) -> torch.Tensor:
+    """``L`` ``[I, r]`` with ``L L^T`` the best rank-``r`` approximation of ``H`` (its leading
+    eigenpairs), by a randomized subspace iteration (Halko, Martinsson and Tropp 2011) at ``I^2 r``
+    per step: an LLM's wide layers (2048-8192 inputs) are too wide for a full eigendecomposition
+    per layer. The probes come from ``seed``: the same factor on every run."""
+    inputs = hessian.shape[0]
+    r = min(rank, inputs)
+    probes = torch.randn(inputs, r + 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    basis = torch.linalg.qr(hessian @ probes).Q
+    for _ in range(2):  # two power steps: the leading directions of an LLM's H stand out
+        basis = torch.linalg.qr(hessian @ basis).Q
+    values, vectors = torch.linalg.eigh(basis.T @ hessian @ basis)
+    values, vectors = values[-r:].clamp(min=0), vectors[:, -r:]
+    return (basis @ vectors) * values.sqrt()
+
+
+def screening_losses(
+    delta: torch.Tensor, factor: torch.Tensor | None, residual: torch.Tensor, groups: tuple[int, int]
+) -> torch.Tensor:
+    """Per scale group, the output error on ``H ~ L L^T + diag(residual)``: its leading directions
+    exactly (within each group's columns, as :func:`group_losses` takes a block's own slice of
+    ``H``), the rest by the diagonal. ``delta`` is overwritten."""
+    if factor is None:
+        return diagonal_losses(delta, residual, groups)
+    rows, cols = groups
+    out, inputs = delta.shape
+    g = inputs // cols
+    projected = torch.einsum("ogc,gcr->ogr", delta.reshape(out, g, cols), factor.reshape(g, cols, -1))
+    leading = projected.square_().sum(dim=2).reshape(out // rows, rows, g).sum(dim=1)
+    return leading + diagonal_losses(delta, residual, groups)
+
+
 def diagonal_losses(delta: torch.Tensor, diagonal: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
     """Per scale group, ``sum_i H_ii d_i^2``: the output error without the inputs' correlations
     (``diagonal`` ``[I]``, or ``[G, I]`` for a stack of Hessians over ``G`` row blocks). Costs as
@@ -302,7 +338,13 @@ def screened_encoding(
     top = max(count, math.floor(max_fraction * count + 1e-9))
     step = max(1, round(math.sqrt(top)))
     shape = (weight.shape[0] // groups[0], weight.shape[1] // groups[1])
-    diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)
+    # narrow blocks (LPBQ's, groupwise): each block's own slice of H costs no more than the
+    # leading directions would; rows (per channel, per tensor): H's leading directions and diagonal
+    narrow = groups[1] < weight.shape[1] and groups[1] <= 2 * SCREENING_RANK
+    factor = None if hessian.dim() == 3 or narrow else leading_factor(hessian, SCREENING_RANK)
+    residual = torch.diagonal(hessian, dim1=-2, dim2=-1)
+    if factor is not None:
+        residual = (residual - factor.square().sum(dim=1)).clamp(min=0)
     kept = torch.full((SCREENED, *shape), -1, dtype=torch.int64)  # fraction numerators, best first
     kept_loss = torch.full((SCREENED, *shape), float("inf"), dtype=torch.float64)
     candidate = GroupCandidates(weight, groups, symmetric)
@@ -313,7 +355,12 @@ def screened_encoding(
             group_values(t.to(torch.float64), groups)
             for t in encode(candidate.weight_at(k.to(torch.float64) / count))
         )
-        loss = diagonal_losses(candidate.error(scale, zero_point, grid), diagonal, groups)
+        delta = candidate.error(scale, zero_point, grid)
+        loss = (
+            group_losses(delta, hessian, groups)
+            if narrow
+            else screening_losses(delta, factor, residual, groups)
+        )
         loss = torch.where((kept == k).any(dim=0), float("inf"), loss)  # judged already
         losses, ks = torch.cat([kept_loss, loss[None]]), torch.cat([kept, k[None]])
         order = torch.argsort(losses, dim=0, stable=True)[:SCREENED]  # ties keep the earlier
