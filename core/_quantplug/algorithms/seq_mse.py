@@ -366,22 +366,22 @@ def screened_encoding(
         order = torch.argsort(losses, dim=0, stable=True)[:SCREENED]  # ties keep the earlier
         kept_loss, kept = losses.gather(0, order), ks.gather(0, order)
 
-    for k in [count, *(k for k in range(top, 0, -step) if k != count)]:
-        consider(torch.full(shape, k, dtype=torch.int64))
+    for numerator in [count, *(k for k in range(top, 0, -step) if k != count)]:
+        consider(torch.full(shape, numerator, dtype=torch.int64))
     centre = kept[0].clone()
     for offset in (j for i in range(1, step) for j in (i, -i)):
         consider((centre + offset).clamp(1, top))
 
     best = torch.full(shape, count, dtype=torch.int64)  # the default first: ties keep it
     best_loss = torch.full(shape, float("inf"), dtype=torch.float64)
-    for k in [best.clone(), *(torch.where(slot < 0, count, slot) for slot in kept)]:
+    for slot in [best.clone(), *(torch.where(k < 0, count, k) for k in kept)]:
         scale, zero_point = (
             t.to(torch.float64)
-            for t in encode(candidate_weight(weight, k.to(torch.float64) / count, groups, symmetric))
+            for t in encode(candidate_weight(weight, slot.to(torch.float64) / count, groups, symmetric))
         )
         loss = losses_of(weight - fake_quantize(weight, scale, zero_point, grid))
         better = loss < best_loss
-        best_loss, best = torch.where(better, loss, best_loss), torch.where(better, k, best)
+        best_loss, best = torch.where(better, loss, best_loss), torch.where(better, slot, best)
     return best.to(torch.float64) / count
 
 
@@ -439,7 +439,7 @@ def seq_mse_encoding(
     w = weight.detach().to(torch.float64)
     h = hessian.detach().to(torch.float64)
     fractions = candidate_fractions(candidates, max_fraction)
-    screen = search_work(w.shape, groups, len(fractions)) > EXHAUSTIVE_WORK
+    screen = search_work((w.shape[0], w.shape[1]), groups, len(fractions)) > EXHAUSTIVE_WORK
     with small_products(w.numel()):  # H's factor: LAPACK's threads wait on a busy machine
         losses_of = group_loss_function(h, groups, w.shape, SCREENED + 3 if screen else len(fractions))
     if screen:
