@@ -286,7 +286,8 @@ class IncrementalOutputs:
             if n.op == "get_attr":
                 target = str(n.target)
                 self.reads.setdefault(target, []).append(n)
-                users = [index[u] for u in n.users]
+                # a reader whose result nobody reads (a weight's observer node) changes nothing
+                users = [index[u] for u in n.users if u.users or u.op == "output"]
                 if users:
                     self.first_use[target] = min(self.first_use.get(target, len(self.nodes)), *users)
         self.points = frozenset(self.first_use.values())
