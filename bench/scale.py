@@ -123,7 +123,7 @@ def _sqnr(reference: Any, got: Any) -> float:
     return float("inf") if noise == 0 else 10 * math.log10(float(ref.pow(2).sum()) / noise)
 
 
-def run_one(size: str, flow: str, batches_n: int) -> dict[str, Any]:
+def run_one(size: str, flow: str, batches_n: int, lowered: bool = True) -> dict[str, Any]:
     """One flow on one size, in this process: what :func:`main` runs in a fresh process each."""
     import torch
 
@@ -153,10 +153,8 @@ def run_one(size: str, flow: str, batches_n: int) -> dict[str, Any]:
                 quantplug.lower(quantized, quantizer).save(out)
                 return sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
 
-        try:
+        if lowered:
             artifact_bytes = phases.run("lower", lower_and_save)
-        except MemoryError:
-            artifact_bytes = None
     else:
         os.environ["QNN_SDK_ROOT"] = ""  # before ExecuTorch's quantizer is built: no SDK download
         from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
@@ -249,12 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["20m", "110m"], choices=sorted(CONFIGS))
     parser.add_argument("--flows", nargs="+", default=list(FLOWS), choices=FLOWS)
     parser.add_argument("--batches", type=int, default=4, help="calibration batches (at most 4)")
+    parser.add_argument("--no-lower", action="store_true", help="stop at convert (the algorithms' ratios)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--name", default="scale", help="results file stem")
     parser.add_argument("--one", nargs=2, metavar=("SIZE", "FLOW"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one[0], args.one[1], args.batches)))
+        print(json.dumps(run_one(args.one[0], args.one[1], args.batches, not args.no_lower)))
         return 0
     machine = {"nproc": os.cpu_count(), "load_start": [round(x, 2) for x in os.getloadavg()]}
     results: list[dict[str, Any]] = []
@@ -262,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         for flow in args.flows:
             print(f"[scale] {size} {flow} ...", file=sys.stderr, flush=True)
             done = subprocess.run(
-                [sys.executable, "-m", "bench.scale", "--one", size, flow, "--batches", str(args.batches)],
+                [sys.executable, "-m", "bench.scale", "--one", size, flow, "--batches", str(args.batches)]
+                + (["--no-lower"] if args.no_lower else []),
                 capture_output=True,
                 text=True,
             )
