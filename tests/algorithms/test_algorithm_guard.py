@@ -705,3 +705,38 @@ def test_the_guard_reruns_only_the_nodes_after_a_changed_weight() -> None:
     last = targets[-1]
     incremental({last: dict(sim.module.named_parameters())[last] * 1.5})
     assert 0 < len(ran) // len(batches) < full / 2
+
+
+class WritesInPlace(nn.Module):
+    """A tensor the program makes, written in place after a weight is read (Swin's masks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros(x.shape[0], 8)
+        h = self.a(x)
+        buffer[:, :4] = 1.0
+        return self.b(h + buffer)
+
+
+def test_the_guard_runs_programs_that_write_in_place_whole() -> None:
+    """A value written in place after a checkpoint would reach the trials resumed from it: such a
+    program is run whole for every selection, with the outputs of a fresh run."""
+    from _quantplug.algorithms.sequential import IncrementalOutputs, QuantizedSimulation
+    from _quantplug.algorithms.taps import is_tap
+    from _quantplug.meta import OBSERVERS
+
+    batches = [(torch.randn(3, 8, generator=torch.Generator().manual_seed(i)),) for i in range(2)]
+    prepared = quantplug.prepare(
+        torch.export.export(WritesInPlace().eval(), batches[0]), quantplug.get_quantizer("reference")
+    )
+    sim = QuantizedSimulation(prepared, OBSERVERS, {}, {}, {}, is_tap)
+    incremental = IncrementalOutputs(sim, batches)
+    assert not incremental.points
+    params = dict(prepared.named_parameters())
+    for weights in ({}, {"b.weight": params["b.weight"] * 2}, {"a.weight": params["a.weight"] * 3}):
+        fresh = QuantizedSimulation(prepared, OBSERVERS, {}, weights, {}, is_tap)
+        assert all(torch.equal(a, fresh.outputs(b)) for a, b in zip(incremental(weights), batches))

@@ -30,6 +30,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.errors import AlgorithmError
+from _quantplug.graph.mutation import private_inputs, writes_an_input, written_args
 from _quantplug.meta import observer_gid
 
 #: at most this many calibration batches are kept for the sequential pass
@@ -290,27 +291,34 @@ class IncrementalOutputs:
                 users = [index[u] for u in n.users if u.users or u.op == "output"]
                 if users:
                     self.first_use[target] = min(self.first_use.get(target, len(self.nodes)), *users)
-        self.points = frozenset(self.first_use.values())
+        # a value written in place after a checkpoint would reach the runs resumed from it: such
+        # programs (an in-place op on a tensor they make, or on their input) run whole, each on
+        # copies of its inputs where it writes them
+        self.points = (
+            frozenset() if any(written_args(n) for n in self.nodes) else frozenset(self.first_use.values())
+        )
+        self.private = writes_an_input(simulation.graph)
         self.runs: list[_Run] = []
 
-    def _start(self, run: _Run, weights: Mapping[str, torch.Tensor]) -> tuple[int, set[str]]:
-        """The checkpoint ``run`` can resume from for ``weights``, and the targets that differ."""
-        changed = {t for t in run.weights.keys() | weights.keys() if run.weights.get(t) is not weights.get(t)}
-        first = min((self.first_use.get(t, len(self.nodes)) for t in changed), default=len(self.nodes))
+    def _start(self, run: _Run, weights: Mapping[str, torch.Tensor]) -> int | None:
+        """The checkpoint ``run`` can resume from for ``weights`` (None: the same weights)."""
+        changed = [t for t in run.weights.keys() | weights.keys() if run.weights.get(t) is not weights.get(t)]
+        if not changed:
+            return None
+        first = min(self.first_use.get(t, len(self.nodes)) for t in changed)
         kept = run.checkpoints[0].keys() if run.checkpoints else ()
-        return max((p for p in kept if p <= first), default=0), changed
+        return max((p for p in kept if p <= first), default=0)
 
     def __call__(self, weights: Mapping[str, torch.Tensor]) -> list[Any]:
-        best: tuple[int, _Run | None, set[str]] = (0, None, set())
+        start, base = 0, None
         for run in self.runs:
-            start, changed = self._start(run, weights)
-            if not changed:
+            resume = self._start(run, weights)
+            if resume is None:  # these weights ran last time or the time before
                 self.runs.remove(run)
                 self.runs.append(run)
                 return run.outputs
-            if start > best[0]:
-                best = (start, run, changed)
-        start, base, changed = best
+            if resume > start:
+                start, base = resume, run
         sim = self.simulation
         sim.weights = dict(weights)
         new = _Run(weights)
@@ -322,7 +330,7 @@ class IncrementalOutputs:
                     if n.op == "get_attr":  # selection's (a checkpoint may be an older run's)
                         env[n] = sim.get_attr(n.target, (), {})
             snapshots: dict[int, dict[Node, Any]] = {}
-            output = self._run_from(env, start, batch, snapshots)
+            output = self._run_from(env, start, private_inputs(batch) if self.private else batch, snapshots)
             if base is not None:  # the checkpoints before the resumed one are the base run's
                 snapshots.update({p: v for p, v in base.checkpoints[b].items() if p < start})
             new.checkpoints.append(snapshots)
