@@ -648,7 +648,6 @@ class Residual(nn.Module):
 def _simulation_setup() -> tuple[Any, list[tuple[torch.Tensor]], list[str]]:
     from _quantplug.algorithms.sequential import QuantizedSimulation
     from _quantplug.algorithms.taps import is_tap
-    from _quantplug.meta import OBSERVERS
 
     batches = [(torch.randn(3, 8, generator=torch.Generator().manual_seed(i)),) for i in range(2)]
     ep = torch.export.export(Residual().eval(), batches[0])
@@ -661,7 +660,7 @@ def _simulation_setup() -> tuple[Any, list[tuple[torch.Tensor]], list[str]]:
     assert len(targets) == 4
 
     def simulation(weights: dict[str, torch.Tensor]) -> Any:
-        return QuantizedSimulation(prepared, OBSERVERS, {}, weights, {}, is_tap)
+        return QuantizedSimulation(prepared, {}, weights, {}, is_tap)
 
     return simulation, batches, targets
 
@@ -727,16 +726,15 @@ def test_the_guard_runs_programs_that_write_in_place_whole() -> None:
     program is run whole for every selection, with the outputs of a fresh run."""
     from _quantplug.algorithms.sequential import IncrementalOutputs, QuantizedSimulation
     from _quantplug.algorithms.taps import is_tap
-    from _quantplug.meta import OBSERVERS
 
     batches = [(torch.randn(3, 8, generator=torch.Generator().manual_seed(i)),) for i in range(2)]
     prepared = quantplug.prepare(
         torch.export.export(WritesInPlace().eval(), batches[0]), quantplug.get_quantizer("reference")
     )
-    sim = QuantizedSimulation(prepared, OBSERVERS, {}, {}, {}, is_tap)
+    sim = QuantizedSimulation(prepared, {}, {}, {}, is_tap)
     incremental = IncrementalOutputs(sim, batches)
     assert not incremental.points
     params = dict(prepared.named_parameters())
     for weights in ({}, {"b.weight": params["b.weight"] * 2}, {"a.weight": params["a.weight"] * 3}):
-        fresh = QuantizedSimulation(prepared, OBSERVERS, {}, weights, {}, is_tap)
+        fresh = QuantizedSimulation(prepared, {}, weights, {}, is_tap)
         assert all(torch.equal(a, fresh.outputs(b)) for a, b in zip(incremental(weights), batches))

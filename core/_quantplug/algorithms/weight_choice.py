@@ -320,9 +320,7 @@ def _model_guard(
         simulation = QuantizedSimulation(prepared, encodings, replaced, {}, is_tap)
         return [output_tensors(simulation.outputs(batch)) for batch in batches]
 
-    quantized = IncrementalOutputs(
-        QuantizedSimulation(prepared, activation, {}, {}, is_tap), batches
-    )
+    quantized = IncrementalOutputs(QuantizedSimulation(prepared, activation, {}, {}, is_tap), batches)
     return ModelGuard(
         lambda replaced: [output_tensors(out) for out in quantized(replaced)],
         outputs({}, {}),
