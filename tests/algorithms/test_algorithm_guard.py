@@ -635,3 +635,118 @@ def test_held_out_batches_of_other_sizes_on_an_lstm_with_a_dynamic_batch() -> No
     assert "head.weight" in [label for label, _, _ in verdicts.kept_out]
     out = converted(torch.randn(11, 6, 8))
     assert out.shape == (11, 6, 4) and bool(torch.isfinite(out).all())
+
+
+class Residual(nn.Module):
+    """Linears on a residual stream (values live across the layers, as in a transformer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.b, self.out = (
+            nn.Linear(8, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 4),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = h + F.relu(self.a(h))
+        h = h + torch.tanh(self.b(h))
+        return self.out(h)
+
+
+def _simulation_setup() -> tuple[Any, list[tuple[torch.Tensor]], list[str]]:
+    from _quantplug.algorithms.sequential import QuantizedSimulation
+    from _quantplug.algorithms.taps import is_tap
+
+    batches = [(torch.randn(3, 8, generator=torch.Generator().manual_seed(i)),) for i in range(2)]
+    ep = torch.export.export(Residual().eval(), batches[0])
+    prepared = quantplug.prepare(ep, quantplug.get_quantizer("reference"), algorithms=[Shift({"a"})])
+    for batch in batches:
+        prepared(*batch)
+    targets = [
+        str(n.target) for n in prepared.graph.nodes if n.op == "get_attr" and "weight" in str(n.target)
+    ]
+    assert len(targets) == 4
+
+    def simulation(weights: dict[str, torch.Tensor]) -> Any:
+        return QuantizedSimulation(prepared, {}, weights, {}, is_tap)
+
+    return simulation, batches, targets
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=4), min_size=1, max_size=8))
+def test_the_guard_resumes_trials_with_the_outputs_of_full_runs(selections: list[list[int]]) -> None:
+    """Each selection (per weight: float, or one of two perturbed copies) run through the
+    incremental simulation, resumed from the checkpoints of earlier runs, gives exactly the
+    outputs of a full run of a fresh simulation."""
+    from _quantplug.algorithms.sequential import IncrementalOutputs
+
+    simulation, batches, targets = _simulation_setup()
+    g = torch.Generator().manual_seed(5)
+    params = dict(simulation({}).module.named_parameters())
+    variants = {
+        t: [params[t] + 0.1 * torch.randn(params[t].shape, generator=g) for _ in range(2)] for t in targets
+    }
+    incremental = IncrementalOutputs(simulation({}), batches)
+    for selection in selections:
+        weights = {t: variants[t][v - 1] for t, v in zip(targets, selection) if v}
+        got = incremental(weights)
+        full = [simulation(weights).outputs(batch) for batch in batches]
+        assert all(torch.equal(a, b) for a, b in zip(got, full))
+
+
+def test_the_guard_reruns_only_the_nodes_after_a_changed_weight() -> None:
+    """A trial that changes the last layer's weight runs the nodes from that layer on, not the
+    whole program (the guard's cost on an LLM: one site's share of a forward, not a forward)."""
+    from _quantplug.algorithms.sequential import IncrementalOutputs
+
+    simulation, batches, targets = _simulation_setup()
+    sim = simulation({})
+    ran: list[str] = []
+    original = sim.run_node
+    sim.run_node = lambda n: ran.append(n.name) or original(n)  # type: ignore[method-assign]
+    incremental = IncrementalOutputs(sim, batches)
+    incremental({})
+    full = len(ran) // len(batches)
+    ran.clear()
+    last = targets[-1]
+    incremental({last: dict(sim.module.named_parameters())[last] * 1.5})
+    assert 0 < len(ran) // len(batches) < full / 2
+
+
+class WritesInPlace(nn.Module):
+    """A tensor the program makes, written in place after a weight is read (Swin's masks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros(x.shape[0], 8)
+        h = self.a(x)
+        buffer[:, :4] = 1.0
+        return self.b(h + buffer)
+
+
+def test_the_guard_runs_programs_that_write_in_place_whole() -> None:
+    """A value written in place after a checkpoint would reach the trials resumed from it: such a
+    program is run whole for every selection, with the outputs of a fresh run."""
+    from _quantplug.algorithms.sequential import IncrementalOutputs, QuantizedSimulation
+    from _quantplug.algorithms.taps import is_tap
+
+    batches = [(torch.randn(3, 8, generator=torch.Generator().manual_seed(i)),) for i in range(2)]
+    prepared = quantplug.prepare(
+        torch.export.export(WritesInPlace().eval(), batches[0]), quantplug.get_quantizer("reference")
+    )
+    sim = QuantizedSimulation(prepared, {}, {}, {}, is_tap)
+    incremental = IncrementalOutputs(sim, batches)
+    assert not incremental.points
+    params = dict(prepared.named_parameters())
+    for weights in ({}, {"b.weight": params["b.weight"] * 2}, {"a.weight": params["a.weight"] * 3}):
+        fresh = QuantizedSimulation(prepared, {}, weights, {}, is_tap)
+        assert all(torch.equal(a, fresh.outputs(b)) for a, b in zip(incremental(weights), batches))

@@ -115,3 +115,12 @@ def test_quantize_judges_on_held_out_batches(tmp_path: Path) -> None:
     assert done.returncode == 2
     (line,) = _errors(done)
     assert "held-out batch 0 (wrong.pt): input 'x' has shape (1, 3, 16, 16)" in line
+
+
+def test_quantize_shows_the_algorithms_progress_layer_by_layer(tmp_path: Path) -> None:
+    """convert with algorithms runs layer after layer (minutes on an LLM): the command line counts
+    the layers chosen, as it counts calibration batches."""
+    done = run_cli("quantize", "--out", str(tmp_path / "out"), "-A", "gptq")
+    assert done.returncode == 0, done.stderr
+    counted = [line for line in done.stderr.splitlines() if line.startswith("weights chosen: ")]
+    assert len(counted) == 1 and int(counted[0].split()[2]) > 0, done.stderr

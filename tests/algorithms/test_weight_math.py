@@ -751,3 +751,36 @@ def test_seq_mse_on_a_wide_layer_seen_on_few_rows_chooses_as_with_the_full_hessi
     assert factored == [1]  # the low-rank path ran
     assert torch.equal(low.fraction, direct.fraction)
     assert abs(low.loss - direct.loss) <= 1e-9 * direct.loss
+
+
+def test_seq_mse_screening_on_large_layers_stays_near_the_exhaustive_search() -> None:
+    """Above EXHAUSTIVE_WORK a layer's candidates are screened (H's leading directions and
+    diagonal, or a narrow block's own slice; coarse to fine) and only the best few judged exactly:
+    ~40 quantizations instead of 151 exact losses. Over correlated inputs, heavy-tailed weights,
+    symmetric, asymmetric and 8-bit grids per tensor, channel and block, its output error stays
+    within 10 % of the exhaustive search's (2 % on average), and never above the default's."""
+    ratios = []
+    before = seq_mse_module.EXHAUSTIVE_WORK
+    try:
+        for seed in range(4):
+            w, h = problem(seed, 16, 128, samples=256)
+            if seed % 2:  # Student-t weights
+                g = torch.Generator().manual_seed(seed)
+                w = (
+                    w
+                    / ((torch.randn(3, 16, 128, generator=g, dtype=torch.float64) ** 2).sum(dim=0) / 3).sqrt()
+                )
+            for grid in (IntegerGrid(-7, 7), IntegerGrid(0, 15), IntegerGrid(-127, 127)):
+                for groups in ((16, 128), (1, 128), (1, 32)):
+                    run = seq_mse_module.seq_mse_encoding
+                    symmetric = grid.quant_min < 0
+                    seq_mse_module.EXHAUSTIVE_WORK = 2**62
+                    full = run(w, h, encoder(grid, groups), grid, groups, symmetric=symmetric)
+                    seq_mse_module.EXHAUSTIVE_WORK = 0
+                    screened = run(w, h, encoder(grid, groups), grid, groups, symmetric=symmetric)
+                    assert screened.loss <= screened.default_loss
+                    ratios.append(screened.loss / full.loss)
+    finally:
+        seq_mse_module.EXHAUSTIVE_WORK = before
+    assert max(ratios) < 1.1
+    assert sum(ratios) / len(ratios) < 1.02

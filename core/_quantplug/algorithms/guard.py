@@ -21,7 +21,10 @@ the algorithms do.
 
 Cost: one simulated forward pass over at most :data:`GUARD_BATCHES` batches (:data:`GUARD_BYTES`
 bytes) per weight site an algorithm changed, plus three (float, default, every choice); twice
-that where the pruned selection does worse than the default.
+that where the pruned selection does worse than the default. Each trial after the first resumes
+from the live values before the first node its changed weight reaches
+(:class:`~_quantplug.algorithms.sequential.IncrementalOutputs`), so a trial on a late layer costs
+the program from that layer on, not a whole pass.
 
 Transforms of the float program (CLE, SmoothQuant) are judged the same way at prepare
 (:func:`quantized_error`): the program is quantized with the user's quantizer and no algorithm,
@@ -111,11 +114,15 @@ def relative_error(reference: Sequence[Outputs], outputs: Sequence[Outputs]) -> 
                 errors.append(0.0)
                 energies.append(0.0)
             finite = torch.isfinite(ref)
-            if not bool(torch.isfinite(out[finite]).all()):
+            if bool(finite.all()):  # the usual case: no mask (masked copies of an LLM's logits
+                kept_ref, kept_out = ref, out  # cost more than the guard's simulation of them)
+            else:
+                kept_ref, kept_out = ref[finite], out[finite]
+            if not bool(torch.isfinite(kept_out).all()):
                 return float("inf")
-            diff = out[finite] - ref[finite]
+            diff = kept_out - kept_ref
             errors[index] += float((diff * diff).sum())
-            energies[index] += float((ref[finite] * ref[finite]).sum())
+            energies[index] += float((kept_ref * kept_ref).sum())
     return sum(e / n if n > 0 else e for e, n in zip(errors, energies))
 
 

@@ -190,6 +190,228 @@ def group_loss_function(
     return lambda delta: group_losses(delta, hessian, groups)
 
 
+#: multiply-adds of an exhaustive search (every candidate judged on the layer's output error:
+#: ``evaluations x [O, I] x [I, width]``) above which a layer's candidates are screened first
+#: (:func:`screened_encoding`). Every layer of the bench's and the tests' models is below it, so
+#: their choices are the exhaustive search's; a 20M-parameter Llama's MLP (768 x 256, per
+#: tensor) is 7x above it, and its lm_head (32000 x 256) 1000x: the exhaustive search ran past
+#: 3,000 s of convert there
+EXHAUSTIVE_WORK = 2**30
+#: candidates per scale group that screening hands to the exact output error (with the
+#: backend's default, always judged)
+SCREENED = 3
+
+
+def search_work(shape: tuple[int, int], groups: tuple[int, int], evaluations: int) -> int:
+    """Multiply-adds of judging ``evaluations`` candidates on the exact output error: an ``[O, I]``
+    error times ``H`` (per block: its block's own ``[c, c]`` slice)."""
+    out, inputs = int(shape[0]), int(shape[1])
+    width = inputs if groups[1] == inputs else groups[1]
+    return evaluations * out * inputs * width
+
+
+def group_values(expanded: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
+    """One value per scale group, ``[O // rows, I // cols]``, of a tensor constant on each group
+    (an encoding expanded to ``[O, I]``)."""
+    return group_view(expanded, groups)[:, 0, :, 0]
+
+
+class GroupCandidates:
+    """Candidate weights and their quantization errors for per-group fractions, broadcast over
+    the group view ``[O // rows, rows, I // cols, cols]`` instead of expanded: the same values as
+    :func:`candidate_weight` and ``W - fake_quantize(W)``, in a third of the passes over the
+    weight (a screened search makes ~35 of them per layer; an LLM's lm_head is 8-200M values)."""
+
+    def __init__(self, weight: torch.Tensor, groups: tuple[int, int], symmetric: bool) -> None:
+        self.weight = weight
+        self.groups = groups
+        self.symmetric = symmetric
+        self.view = group_view(weight, groups)
+        if symmetric:
+            self.hi = self.view.abs().amax(dim=(1, 3))
+            self.lo = -self.hi
+        else:
+            self.lo = self.view.amin(dim=(1, 3)).clamp(max=0)
+            self.hi = self.view.amax(dim=(1, 3)).clamp(min=0)
+
+    def weight_at(self, fraction: torch.Tensor) -> torch.Tensor:
+        """:func:`candidate_weight` for ``fraction`` ``[O // rows, I // cols]``."""
+        f = fraction[:, None, :, None]
+        if bool((fraction > 1).all()):
+            return (self.view * f).reshape(self.weight.shape)
+        lo, hi = (self.lo * fraction)[:, None, :, None], (self.hi * fraction)[:, None, :, None]
+        clipped = torch.maximum(torch.minimum(self.view, hi), lo)
+        if bool((fraction > 1).any()):
+            clipped = torch.where(f > 1, self.view * f, clipped)
+        return clipped.reshape(self.weight.shape)
+
+    def error(self, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid) -> torch.Tensor:
+        """``W - fake_quantize(W)`` ``[O, I]`` on one scale and zero point per group."""
+        s, z = scale[:, None, :, None], zero_point[:, None, :, None]
+        codes = torch.div(self.view, s).round_()
+        if self.symmetric and not bool(zero_point.any()):
+            codes.clamp_(grid.quant_min, grid.quant_max).mul_(s)
+        else:
+            codes.add_(z).clamp_(grid.quant_min, grid.quant_max).sub_(z).mul_(s)
+        return torch.sub(self.view, codes, out=codes).reshape(self.weight.shape)
+
+
+#: leading eigen-directions of ``H`` the screening loss keeps exactly (the rest by its diagonal)
+SCREENING_RANK = 32
+
+
+def leading_factor(hessian: torch.Tensor, rank: int, seed: int = 0) -> torch.Tensor:
+    """``L`` ``[I, r]`` with ``L L^T`` the best rank-``r`` approximation of ``H`` (its leading
+    eigenpairs), by a randomized subspace iteration (Halko, Martinsson and Tropp 2011) at ``I^2 r``
+    per step: an LLM's wide layers (2048-8192 inputs) are too wide for a full eigendecomposition
+    per layer. The probes come from ``seed``: the same factor on every run."""
+    inputs = hessian.shape[0]
+    r = min(rank, inputs)
+    probes = torch.randn(inputs, r + 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    basis = torch.linalg.qr(hessian @ probes).Q
+    for _ in range(2):  # two power steps: the leading directions of an LLM's H stand out
+        basis = torch.linalg.qr(hessian @ basis).Q
+    values, vectors = torch.linalg.eigh(basis.T @ hessian @ basis)
+    values, vectors = values[-r:].clamp(min=0), vectors[:, -r:]
+    return (basis @ vectors) * values.sqrt()
+
+
+def screening_losses(
+    delta: torch.Tensor, factor: torch.Tensor | None, residual: torch.Tensor, groups: tuple[int, int]
+) -> torch.Tensor:
+    """Per scale group, the output error on ``H ~ L L^T + diag(residual)``: its leading directions
+    exactly (within each group's columns, as :func:`group_losses` takes a block's own slice of
+    ``H``), the rest by the diagonal. ``delta`` is overwritten."""
+    if factor is None:
+        return diagonal_losses(delta, residual, groups)
+    rows, cols = groups
+    out, inputs = delta.shape
+    g = inputs // cols
+    projected = torch.einsum("ogc,gcr->ogr", delta.reshape(out, g, cols), factor.reshape(g, cols, -1))
+    leading = projected.square_().sum(dim=2).reshape(out // rows, rows, g).sum(dim=1)
+    return leading + diagonal_losses(delta, residual, groups)
+
+
+def diagonal_losses(delta: torch.Tensor, diagonal: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
+    """Per scale group, ``sum_i H_ii d_i^2``: the output error without the inputs' correlations
+    (``diagonal`` ``[I]``, or ``[G, I]`` for a stack of Hessians over ``G`` row blocks). Costs as
+    much as the error itself, where the exact loss costs ``I`` (or the block's width) times more.
+    ``delta`` is overwritten."""
+    out, inputs = delta.shape
+    squared = delta.square_()
+    if diagonal.dim() == 2:
+        stack = diagonal.shape[0]
+        per_input = torch.einsum("gri,gi->gri", squared.reshape(stack, -1, inputs), diagonal).reshape(
+            out, inputs
+        )
+    else:
+        per_input = squared.mul_(diagonal)
+    return group_view(per_input, groups).sum(dim=(1, 3))
+
+
+def screened_encoding(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    encode: Encoder,
+    grid: IntegerGrid,
+    groups: tuple[int, int],
+    *,
+    symmetric: bool,
+    candidates: int,
+    max_fraction: float,
+    losses_of: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Per scale group, the range fraction with the least output error among a screened few:
+    :func:`seq_mse_encoding`'s search for layers where judging every candidate exactly would cost
+    over :data:`EXHAUSTIVE_WORK` (an LLM's layers: an ``[O, I] x [I, I]`` product per candidate).
+
+    Every candidate is first scored, per group, by the diagonal of ``H`` alone
+    (:func:`diagonal_losses`: as cheap as quantizing the weight), coarse to fine: every
+    ``step``-th fraction of :func:`candidate_fractions` (``step`` about the square root of their
+    count), then each group's best one's neighbours at the search's own resolution. The
+    :data:`SCREENED` best per group, and the backend's default, are then judged on the exact
+    output error, all groups at once (one product with ``H`` per slot). So the search costs
+    ``~2 sqrt(n)`` quantizations and ``SCREENED + 1`` exact losses instead of ``n`` exact losses.
+    Returns the fractions ``[O // rows, I // cols]``.
+    """
+    count = max(1, int(candidates))
+    top = max(count, math.floor(max_fraction * count + 1e-9))
+    step = max(1, round(math.sqrt(top)))
+    shape = (weight.shape[0] // groups[0], weight.shape[1] // groups[1])
+    # narrow blocks (LPBQ's, groupwise): each block's own slice of H costs no more than the
+    # leading directions would; rows (per channel, per tensor): H's leading directions and diagonal
+    narrow = groups[1] < weight.shape[1] and groups[1] <= 2 * SCREENING_RANK
+    factor = None if hessian.dim() == 3 or narrow else leading_factor(hessian, SCREENING_RANK)
+    residual = torch.diagonal(hessian, dim1=-2, dim2=-1)
+    if factor is not None:
+        residual = (residual - factor.square().sum(dim=1)).clamp(min=0)
+    kept = torch.full((SCREENED, *shape), -1, dtype=torch.int64)  # fraction numerators, best first
+    kept_loss = torch.full((SCREENED, *shape), float("inf"), dtype=torch.float64)
+    candidate = GroupCandidates(weight, groups, symmetric)
+
+    def consider(k: torch.Tensor) -> None:
+        nonlocal kept, kept_loss
+        scale, zero_point = (
+            group_values(t.to(torch.float64), groups)
+            for t in encode(candidate.weight_at(k.to(torch.float64) / count))
+        )
+        delta = candidate.error(scale, zero_point, grid)
+        loss = (
+            group_losses(delta, hessian, groups)
+            if narrow
+            else screening_losses(delta, factor, residual, groups)
+        )
+        loss = torch.where((kept == k).any(dim=0), float("inf"), loss)  # judged already
+        losses, ks = torch.cat([kept_loss, loss[None]]), torch.cat([kept, k[None]])
+        order = torch.argsort(losses, dim=0, stable=True)[:SCREENED]  # ties keep the earlier
+        kept_loss, kept = losses.gather(0, order), ks.gather(0, order)
+
+    for numerator in [count, *(k for k in range(top, 0, -step) if k != count)]:
+        consider(torch.full(shape, numerator, dtype=torch.int64))
+    centre = kept[0].clone()
+    for offset in (j for i in range(1, step) for j in (i, -i)):
+        consider((centre + offset).clamp(1, top))
+
+    best = torch.full(shape, count, dtype=torch.int64)  # the default first: ties keep it
+    best_loss = torch.full(shape, float("inf"), dtype=torch.float64)
+    for slot in [best.clone(), *(torch.where(k < 0, count, k) for k in kept)]:
+        scale, zero_point = (
+            t.to(torch.float64)
+            for t in encode(candidate_weight(weight, slot.to(torch.float64) / count, groups, symmetric))
+        )
+        loss = losses_of(weight - fake_quantize(weight, scale, zero_point, grid))
+        better = loss < best_loss
+        best_loss, best = torch.where(better, loss, best_loss), torch.where(better, slot, best)
+    return best.to(torch.float64) / count
+
+
+def exhaustive_fractions(
+    w: torch.Tensor,
+    encode: Encoder,
+    grid: IntegerGrid,
+    groups: tuple[int, int],
+    symmetric: bool,
+    fractions: list[float],
+    losses_of: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Per scale group, the fraction of ``fractions`` (all groups at one fraction per
+    evaluation) with the least group loss; ties keep the earlier (fraction 1 is first)."""
+    shape = (w.shape[0] // groups[0], w.shape[1] // groups[1])
+    best_loss = torch.full(shape, float("inf"), dtype=torch.float64)
+    best_fraction = torch.ones(shape, dtype=torch.float64)
+    with small_products(w.numel() * groups[1]):
+        for f in fractions:
+            fraction = torch.full_like(best_fraction, f)
+            scale, zero_point = (
+                t.to(torch.float64) for t in encode(candidate_weight(w, fraction, groups, symmetric))
+            )
+            losses = losses_of(w - fake_quantize(w, scale, zero_point, grid))
+            better = losses < best_loss
+            best_loss = torch.where(better, losses, best_loss)
+            best_fraction = torch.where(better, fraction, best_fraction)
+    return best_fraction
+
+
 def seq_mse_encoding(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -216,30 +438,41 @@ def seq_mse_encoding(
     """
     w = weight.detach().to(torch.float64)
     h = hessian.detach().to(torch.float64)
-    n_row_groups, n_col_groups = w.shape[0] // groups[0], w.shape[1] // groups[1]
-    best_loss = torch.full((n_row_groups, n_col_groups), float("inf"), dtype=torch.float64)
-    best_fraction = torch.ones(n_row_groups, n_col_groups, dtype=torch.float64)
-    default: tuple[torch.Tensor, torch.Tensor] | None = None
     fractions = candidate_fractions(candidates, max_fraction)
-    losses_of = group_loss_function(h, groups, w.shape, len(fractions))
-    with small_products(w.numel() * groups[1]):
-        for f in fractions:
-            fraction = torch.full_like(best_fraction, f)
-            scale, zero_point = (
-                t.to(torch.float64) for t in encode(candidate_weight(w, fraction, groups, symmetric))
+    screen = search_work((w.shape[0], w.shape[1]), groups, len(fractions)) > EXHAUSTIVE_WORK
+    with small_products(w.numel()):  # H's factor: LAPACK's threads wait on a busy machine
+        losses_of = group_loss_function(h, groups, w.shape, SCREENED + 3 if screen else len(fractions))
+    if screen:
+        with small_products(w.numel()):
+            best_fraction = screened_encoding(
+                w,
+                h,
+                encode,
+                grid,
+                groups,
+                symmetric=symmetric,
+                candidates=candidates,
+                max_fraction=max_fraction,
+                losses_of=losses_of,
             )
-            if default is None:
-                default = (scale, zero_point)
-            losses = losses_of(w - fake_quantize(w, scale, zero_point, grid))
-            better = losses < best_loss
-            best_loss = torch.where(better, losses, best_loss)
-            best_fraction = torch.where(better, fraction, best_fraction)
-    assert default is not None
-    default_loss = float(output_error(w - fake_quantize(w, *default, grid), h).sum())
+    else:
+        best_fraction = exhaustive_fractions(w, encode, grid, groups, symmetric, fractions, losses_of)
+
+    def total(scale: torch.Tensor, zero_point: torch.Tensor) -> float:
+        delta = w - fake_quantize(w, scale, zero_point, grid)
+        # per row group the group losses are the exact output error; per block they take the
+        # block's own slice of H, so the mix is judged on the full H
+        return float((losses_of(delta) if groups[1] == w.shape[1] else output_error(delta, h)).sum())
+
+    default = tuple(
+        t.to(torch.float64)
+        for t in encode(candidate_weight(w, torch.ones_like(best_fraction), groups, symmetric))
+    )
+    default_loss = total(*default)
     scale, zero_point = (
         t.to(torch.float64) for t in encode(candidate_weight(w, best_fraction, groups, symmetric))
     )
-    loss = float(output_error(w - fake_quantize(w, scale, zero_point, grid), h).sum())
+    loss = total(scale, zero_point)
     if not loss < default_loss:  # the re-encoded mix (e.g. LPBQ's shared channel scale) lost
         scale, zero_point = default
         best_fraction = torch.ones_like(best_fraction)

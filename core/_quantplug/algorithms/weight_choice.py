@@ -21,7 +21,8 @@ from torch.fx import GraphModule
 
 from _quantplug.algorithms.experts import ExpertsLayer
 from _quantplug.algorithms.guard import Candidate, ModelGuard, guard_batches, output_tensors
-from _quantplug.algorithms.sequential import QuantizedSimulation, stages
+from _quantplug.algorithms.progress import LayerProgress
+from _quantplug.algorithms.sequential import IncrementalOutputs, QuantizedSimulation, stages
 from _quantplug.algorithms.sites import SiteRef, weight_sites
 from _quantplug.algorithms.spec import (
     LayerInputs,
@@ -145,6 +146,7 @@ def choose_weights(
     chosen: list[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]] = []  # (site index, ...)
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
     nodes = {n.name: n for n in prepared.graph.nodes}
+    progress = LayerProgress([ref.site.weight.numel() for ref in refs])
     for stage in order:
         feeds: dict[str, list[Callable[[Sequence[Any]], None]]] = {}
         sequential_taps: list[Tap] = []
@@ -206,6 +208,7 @@ def choose_weights(
                 elif i in quantized:
                     collected[i] = quantized[i]
             found = _choose_site(run.algorithms, site, grids[k], collected)
+            progress.advance(site.label, site.weight.numel())
             if found is None:
                 continue
             grid, codes, bias_delta = found
@@ -317,8 +320,9 @@ def _model_guard(
         simulation = QuantizedSimulation(prepared, encodings, replaced, {}, is_tap)
         return [output_tensors(simulation.outputs(batch)) for batch in batches]
 
+    quantized = IncrementalOutputs(QuantizedSimulation(prepared, activation, {}, {}, is_tap), batches)
     return ModelGuard(
-        lambda replaced: outputs(activation, dict(replaced)),
+        lambda replaced: [output_tensors(out) for out in quantized(replaced)],
         outputs({}, {}),
         judged_on="held-out" if held_out else "calibration",
     )

@@ -515,9 +515,10 @@ def site_encoder(matrix: SiteMatrix, grid: WeightGrid) -> Encoder:
 
     def encode(candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale, zero_point = grid.observe(matrix.weight_of(candidate))
+        # broadcast views where the layout allows (per tensor, per channel): no [O, I] copies
         return (
-            matrix.matrix_of(grid.expand(scale.to(torch.float64), matrix.shape).contiguous()),
-            matrix.matrix_of(grid.expand(zero_point.to(torch.float64), matrix.shape).contiguous()),
+            matrix.matrix_of(grid.expand(scale.to(torch.float64), matrix.shape)),
+            matrix.matrix_of(grid.expand(zero_point.to(torch.float64), matrix.shape)),
         )
 
     return encode

@@ -550,7 +550,19 @@ def _quantize_into(
             f"statistics ({shown}{more})"
         )
     t = lap("calibrate", t)
-    quantized = convert(prepared)
+    if args.algorithms:  # minutes on an LLM: a bar over the layers the algorithms choose, with its ETA
+        from _quantplug.algorithms.progress import layer_progress
+
+        with console.progress("algorithms", 0, "layers", done_label="weights chosen") as bar:
+
+            def advance(done: int, layers: int, label: str, left: float | None) -> None:
+                bar.total = layers
+                bar.advance(detail=label)
+
+            with layer_progress(advance):
+                quantized = convert(prepared)
+    else:
+        quantized = convert(prepared)
     t = lap("convert", t)
     if args.algorithms:
         options["algorithm_guard"] = _guard_verdict(prepared, args.algorithm_guard, args.held_out, console)
