@@ -140,7 +140,7 @@ MODULES: dict[str, str] = {
     "quantplug.ops": "_quantplug.observers.block_ops",
     "quantplug.plugins": "_quantplug.plugins",
     "quantplug.plugins.contract": "_quantplug.plugins.contract",
-    "quantplug.plugins.hookspecs": "_quantplug.plugins.hookspecs",
+    "quantplug.plugins.hookspecs": "_quantplug.plugins.hookspecs_1_0",  # the 1.0 hooks only
     "quantplug.plugins.metadata": "_quantplug.plugins.metadata",
     "quantplug.plugins.registry": "_quantplug.plugins.registry",
     "quantplug.quantizer": "_quantplug.quantizer",
@@ -245,10 +245,13 @@ class _AliasLoader(importlib.abc.Loader):
         warn_old_module(self.old)
         module = importlib.import_module(self.new)
         self._spec = module.__spec__
+        if self.old in PACKAGE_VIEWS:
+            return _PackageView(self.old, module, PACKAGE_VIEWS[self.old])
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        module.__spec__ = self._spec  # the import system set the alias's spec on the real module
+        if not isinstance(module, _PackageView):
+            module.__spec__ = self._spec  # the import system set the alias's spec on the real module
 
     def get_code(self, fullname: str) -> Any:
         """For ``python -m OLD.PATH`` (runpy): the code of the module that holds it now."""
@@ -260,6 +263,30 @@ class _AliasLoader(importlib.abc.Loader):
     def is_package(self, fullname: str) -> bool:
         spec = importlib.util.find_spec(self.new)
         return bool(spec and spec.submodule_search_locations is not None)
+
+
+#: old package path -> {attribute: module} where the old path shows another module than the
+#: package's own attribute: ``from quantplug.plugins import hookspecs`` gives plugin API 1.0's
+#: hooks, as ``import quantplug.plugins.hookspecs`` does (:data:`MODULES`)
+PACKAGE_VIEWS: dict[str, dict[str, str]] = {
+    "quantplug.plugins": {"hookspecs": "_quantplug.plugins.hookspecs_1_0"},
+}
+
+
+class _PackageView(types.ModuleType):
+    """An old package path whose attributes are the package's, but for :data:`PACKAGE_VIEWS`."""
+
+    def __init__(self, old: str, package: types.ModuleType, views: dict[str, str]) -> None:
+        super().__init__(old, package.__doc__)
+        self.__dict__["_package"] = package
+        self.__dict__["_views"] = views
+        self.__path__ = list(getattr(package, "__path__", []))
+
+    def __getattr__(self, name: str) -> Any:
+        views = self.__dict__["_views"]
+        if name in views:
+            return importlib.import_module(views[name])
+        return getattr(self.__dict__["_package"], name)
 
 
 class LegacyModuleFinder(importlib.abc.MetaPathFinder):
