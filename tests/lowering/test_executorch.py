@@ -30,13 +30,13 @@ if importlib.util.find_spec("executorch") is None:
 if importlib.util.find_spec("torchao") is None:
     pytest.skip("torchao is not installed (scripts/setup.sh --test installs it)", allow_module_level=True)
 
-from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner  # noqa: E402
-from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (  # noqa: E402
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
     XNNPACKQuantizer,
     get_symmetric_quantization_config,
 )
-from executorch.exir import to_edge_transform_and_lower  # noqa: E402
-from executorch.runtime import Runtime  # noqa: E402
+from executorch.exir import to_edge_transform_and_lower
+from executorch.runtime import Runtime
 
 qd = torch.ops.quantized_decomposed
 
@@ -130,7 +130,9 @@ def test_to_exported_program_lowers_to_xnnpack_and_runs_in_the_runtime(flows: di
     # every conv, the add and the classifier run in XNNPACK; only what the quantizer left
     # float (the global average pooling between them) stays outside
     assert _delegates(pte.graph) >= 1
-    left = {str(n.target) for n in pte.graph.nodes if n.op == "call_function" and "delegate" not in str(n.target)}
+    left = {
+        str(n.target) for n in pte.graph.nodes if n.op == "call_function" and "delegate" not in str(n.target)
+    }
     assert not any("convolution" in t or "addmm" in t or "linear" in t for t in left), left
     with torch.no_grad():
         expected = [ours(*batch) for batch in held_out]

@@ -346,7 +346,9 @@ def _module_call_graph(gm: GraphModule, signature: Any) -> list[Any]:
         names = [a.name for a in users]
     if out_spec is None:
         out_spec = pytree.tree_flatten(tuple(outs))[1]
-    entry = ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec, forward_arg_names=names)
+    entry = ModuleCallSignature(
+        inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec, forward_arg_names=names
+    )
     return [ModuleCallEntry(fqn="", signature=entry)]
 
 
