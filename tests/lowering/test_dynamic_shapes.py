@@ -84,10 +84,8 @@ def test_saved_artifact_runs_any_batch_and_sequence_length(
     assert _dims(model.graph.input) == {"tokens": ["batch", "seq"], "features": ["batch", "seq", 32]}
     (out,) = _dims(model.graph.output).values()
     assert out == ["batch", "seq", 16]
-    if backend == "qnn_htp" and _bits(options) == 16:
-        # the QNN converter reads these files, not ORT: ORT's CPU provider has no int16 Clip or
-        # Where kernels, which a 16-bit grid narrower than its dtype is spelled with
-        # still, every intermediate shape is spelled in the user's names (no exporter symbols)
+    if backend == "qnn_htp":
+        # every intermediate shape is spelled in the user's names (no exporter symbols)
         symbols = {
             word
             for dims in _dims(model.graph.value_info).values()
@@ -96,7 +94,6 @@ def test_saved_artifact_runs_any_batch_and_sequence_length(
             for word in re.findall(r"[A-Za-z_]\w*", dim)
         }
         assert symbols == {"batch", "seq"}
-        return
     session = _session(tmp_path / "model.onnx", backend, options)
     for seed, (b, t) in enumerate(SHAPES):
         args = inputs(b, t, seed=10 + seed)
@@ -114,11 +111,12 @@ def test_saved_artifact_runs_any_batch_and_sequence_length(
 
 
 def _session(path: Any, backend: str, options: dict[str, Any]) -> Any:
-    """A plain ONNX Runtime session on the saved file (for qnn_htp's 16-bit models, without the
-    QDQ fusions ORT 1.32 lacks kernels for)."""
+    """A plain ONNX Runtime session on the saved file (for qnn_htp's models, without graph
+    rewrites: Q/DQ arithmetic, each op as the model spells it; the QNN converter reads the
+    model, not ORT, and ORT 1.32 lacks kernels for some of its 16-bit QDQ fusions)."""
     so = ort.SessionOptions()
     if backend == "qnn_htp":
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
@@ -136,7 +134,10 @@ def _close(got: np.ndarray, expected: np.ndarray, backend: str, options: dict[st
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * scale)
         return
     step = 2 * scale / (2**bits - 1)
-    assert float(np.abs(got - expected).max()) <= 2 * step * 1.001
+    # a 16-bit grid resolves the last bits in which ORT's and torch's float kernels (LayerNorm,
+    # softmax, GELU) differ: a few intermediate codes flip and carry through to the output
+    steps = 2 if bits == 8 else 8
+    assert float(np.abs(got - expected).max()) <= steps * step * 1.001
 
 
 @pytest.mark.parametrize("precision", ["8a8w", "16a4w_block"])

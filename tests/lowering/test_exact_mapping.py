@@ -159,8 +159,11 @@ def test_identical_layernorms_keep_their_own_dequantize_nodes() -> None:
     assert {nodes[e["onnx"]["node"]].op_type for e in weights} == {"DequantizeLinear"}
 
 
-def test_narrowed_range_is_a_clip_after_quantize() -> None:
-    """An activation quantized to int8 [-127, 127] (QuantizeLinear saturates to [-128, 127])."""
+@pytest.mark.parametrize("clip", [False, True], ids=["encodings", "clip"])
+def test_narrowed_range_is_in_the_encodings_or_a_clip(clip: bool) -> None:
+    """An activation quantized to int8 [-127, 127] (QuantizeLinear saturates to [-128, 127]): by
+    default the range lives in the encodings only (pure Q/DQ); asked for, a Clip after each
+    QuantizeLinear makes the ONNX arithmetic the program's."""
     from _quantplug.lowering.onnx.export import export_qdq_onnx
     from quantplug import QuantizationConfig, QuantizationSpec
 
@@ -177,11 +180,12 @@ def test_narrowed_range_is_a_clip_after_quantize() -> None:
     for batch in batches(shape, 2, seed=1):
         prepared(*batch)
     program = quantplug.convert(prepared)
-    result = export_qdq_onnx(program)
+    result = export_qdq_onnx(program, clip_narrowed_ranges=clip)
     check_exact(program, result.model, result.encodings)
     clips = [n for n in result.model.graph.node if n.op_type == "Clip"]
     activations = [e for e in result.encodings if e["kind"] == "activation"]
-    assert activations and len(clips) == len(activations)
+    assert activations and len(clips) == (len(activations) if clip else 0)
+    assert {(e["quant_min"], e["quant_max"]) for e in activations} == {(-127, 127)}
     # the construction is exact: ONNX Runtime without its graph rewrites gives the program's values
     # (with them, ORT 1.32 rejects int8 activations behind a Clip: a bug of its QDQ transformers)
     ort = pytest.importorskip("onnxruntime")

@@ -1,7 +1,12 @@
 """The Q/DQ nodes lowering builds compute what the program's Q/DQ ops compute, for any grid:
 8/16-bit, signed or not, full or narrowed range, per tensor or per channel, activations and
 constants (property-based; the ONNX model run by ONNX's reference evaluator, which implements
-every type: ONNX Runtime has no 16-bit Clip kernel)."""
+every type: ONNX Runtime has no 16-bit Clip kernel).
+
+A narrowed range is kept in the encodings by default (pure Q/DQ: the ``QuantizeLinear``
+saturates to its type, so beyond the narrowed ends the model computes what the program would on
+the type's full range); with ``clip_narrowed_ranges=True`` an integer ``Clip`` makes the model
+equal the program everywhere."""
 
 from __future__ import annotations
 
@@ -62,8 +67,16 @@ def grids(draw: Any) -> dict[str, Any]:
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(grid=grids(), channels=st.integers(1, 6), axis=st.integers(0, 1), seed=st.integers(0, 2**16))
-def test_onnx_qdq_matches_the_program(grid: dict[str, Any], channels: int, axis: int, seed: int) -> None:
+@given(
+    grid=grids(),
+    channels=st.integers(1, 6),
+    axis=st.integers(0, 1),
+    seed=st.integers(0, 2**16),
+    clip=st.booleans(),
+)
+def test_onnx_qdq_matches_the_program(
+    grid: dict[str, Any], channels: int, axis: int, seed: int, clip: bool
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     shape = (channels, 5) if axis == 0 else (5, channels)
     weight = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
@@ -72,11 +85,18 @@ def test_onnx_qdq_matches_the_program(grid: dict[str, Any], channels: int, axis:
     span = (grid["qmax"] - grid["qmin"]) * grid["scale"]
     x = (torch.rand(shape, generator=gen) * 1.5 - 0.75) * span
     program = working_copy(torch.export.export(QDQ(grid, weight, w_scale, axis), (x,)))
-    result = export_qdq_onnx(program)
+    result = export_qdq_onnx(program, clip_narrowed_ranges=clip)
     check_exact(program, result.model, result.encodings)
+    clips = [n for n in result.model.graph.node if n.op_type == "Clip"]
+    info = torch.iinfo(grid["dtype"])
+    narrowed = (grid["qmin"], grid["qmax"]) != (info.min, info.max)
+    assert len(clips) == (1 if clip and narrowed else 0)
     from onnx.reference import ReferenceEvaluator
 
     (got,) = ReferenceEvaluator(result.model).run(None, {result.input_names[0]: x.numpy()})
+    if not clip:  # the program's arithmetic on the type's whole range
+        grid = {**grid, "qmin": int(info.min), "qmax": int(info.max)}
+        program = working_copy(torch.export.export(QDQ(grid, weight, w_scale, axis), (x,)))
     expected = program(x).numpy()
     # torch rounds x * (1 / scale), ONNX x / scale: at most one step apart, at ties
     step = np.float32(grid["scale"])

@@ -6,7 +6,9 @@ random weights from a small config (no downloads), exported (with a dynamic batc
 ``torch.export`` allows it), and for each preset prepared, calibrated on two batches, converted,
 lowered (``qnn_htp`` strictly: every ONNX tensor of a quantized op encoded) and saved; for the
 ``reference`` backend the ONNX Runtime artifact is run and compared with the Q/DQ program (in
-steps of the output's grid) and with float (SQNR).
+steps of the output's grid) and with float (SQNR); a ``qnn_htp`` ``model.onnx`` must be pure Q/DQ
+(``tests/zoo/pure_qdq.py``) and, run by ONNX Runtime as Q/DQ arithmetic, within 1 dB of the
+program (``onnx -0.01dB``: the ONNX model's SQNR against the program's).
 
     .venv/bin/python -m tests.zoo.sweep                  # every model, one at a time
     .venv/bin/python -m tests.zoo.sweep swin_t maxvit    # some of them
@@ -25,13 +27,16 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import onnx
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import quantplug
+from tests.zoo import pure_qdq
 from tests.zoo.harness import quantizer, quiet, run, sqnr
 from tests.zoo.models import VOCAB, ZooModel
 from tests.zoo.models import hugging_face as _hf
@@ -1340,6 +1345,18 @@ def one_case(
     artifact = quantplug.lower(converted, q)
     with tempfile.TemporaryDirectory() as out:
         artifact.save(out)
+        model = (Path(out) / "model.onnx").read_bytes()
+    if backend == "qnn_htp":  # pure Q/DQ, and as Q/DQ arithmetic within 1 dB of the program
+        offenders = pure_qdq.integer_domain_ops(onnx.load_from_string(model))
+        if offenders:
+            raise AssertionError(
+                f"model.onnx is not pure Q/DQ: {offenders[0]} (and {len(offenders) - 1} more)"
+            )
+        onnx_out = pure_qdq.run_without_optimizations(model, held_out)
+        gap = pure_qdq.decibels_below(reference, program_out, onnx_out)
+        if gap > 1.0:
+            raise AssertionError(f"model.onnx run as Q/DQ arithmetic is {gap:.2f} dB below the program")
+        result += f" onnx {-gap:+.2f}dB"
     runner = getattr(artifact, "run", None)
     if callable(runner):
         artifact_out = [runner(*batch) for batch in held_out]

@@ -10,7 +10,9 @@ calibrate, convert, and
   from them only, and every quantized constant is stored as an integer tensor;
 * ``test_lower_save_run``: ``quantplug.lower`` and ``Artifact.save`` work; where ONNX Runtime can
   run the artifact (``reference``), its SQNR is within 1 dB of the program's (the gap the report
-  flags);
+  flags); a ``qnn_htp`` ``model.onnx`` is pure Q/DQ (no op computes on quantized integers:
+  ``tests/zoo/pure_qdq.py``) and, run by ONNX Runtime with its graph rewrites off (Q/DQ
+  arithmetic), within 1 dB of the program (issue 45.2);
 * ``test_no_worse_than_peer``: where ExecuTorch's quantizer for the same scheme runs (through
   torchao's ``prepare_pt2e``/``convert_pt2e``; oracles only), quantplug's SQNR is at most 0.5 dB
   below it (``reference`` at ``weight_bits=8``, XNNPACKQuantizer's weight grid: see
@@ -33,7 +35,7 @@ import pytest
 import torch
 
 import quantplug
-from tests.zoo import harness
+from tests.zoo import harness, pure_qdq
 from tests.zoo.harness import PRESETS, FloatCase
 from tests.zoo.integer_weights import (
     constants_not_labelled_constant,
@@ -160,6 +162,8 @@ def test_lower_save_run(zoo: FloatCase, backend: str, preset: str, tmp_path: Pat
     written = artifact.save(tmp_path)
     assert {p.name for p in written} >= {"model.onnx", "artifact.json"}
     assert all(p.stat().st_size > 0 for p in written)
+    if backend == "qnn_htp":
+        _check_pure_qdq(zoo, result.sqnr, (tmp_path / "model.onnx").read_bytes(), backend, preset)
     if callable(getattr(artifact, "run", None)):
         outputs = [artifact.run(*batch) for batch in zoo.held_out]
         artifact_sqnr = harness.sqnr(zoo.reference, outputs)
@@ -169,6 +173,19 @@ def test_lower_save_run(zoo: FloatCase, backend: str, preset: str, tmp_path: Pat
             f"the artifact's SQNR {artifact_sqnr:.2f} dB is more than {ARTIFACT_GAP_DB} dB below the "
             f"program's {result.sqnr:.2f} dB"
         )
+
+
+def _check_pure_qdq(zoo: FloatCase, program_sqnr: float, model: bytes, backend: str, preset: str) -> None:
+    import onnx
+
+    assert pure_qdq.integer_domain_ops(onnx.load_from_string(model)) == []
+    outputs = pure_qdq.run_without_optimizations(model, zoo.held_out)
+    onnx_sqnr = harness.sqnr(zoo.reference, outputs)
+    harness.record(kind="onnx_qdq", model=zoo.name, backend=backend, preset=preset, sqnr=onnx_sqnr)
+    assert onnx_sqnr >= min(program_sqnr, 100.0) - ARTIFACT_GAP_DB, (
+        f"model.onnx run as Q/DQ arithmetic scores {onnx_sqnr:.2f} dB, more than {ARTIFACT_GAP_DB} dB "
+        f"below the program's {program_sqnr:.2f} dB"
+    )
 
 
 @_parametrize("peer", list(harness.PEERS))

@@ -324,7 +324,14 @@ def _user_output_spec(arg: Any) -> Any:
 
 
 def _module_call_graph(gm: GraphModule, signature: Any) -> list[Any]:
-    """The calling convention of ``gm`` (its pytree specs), as ``torch.export`` records it."""
+    """The calling convention of ``gm`` (its pytree specs), as ``torch.export`` records it.
+
+    The root entry lists no input or output arguments, as ``torch.export`` writes it: its
+    arguments are the graph signature's. Naming the nodes here (as 0.1.0 did) ties the entry to
+    node names that every later pass may change: ExecuTorch's ``to_edge`` decomposes the program,
+    its outputs get new names, and torch's verifier then refused the program
+    (``SpecViolationError: Output ... does not exist in the graph``, issue 45.1).
+    """
     from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
     from torch.utils import _pytree as pytree
 
@@ -340,7 +347,7 @@ def _module_call_graph(gm: GraphModule, signature: Any) -> list[Any]:
     if out_spec is None:
         out_spec = pytree.tree_flatten(tuple(outs))[1]
     entry = ModuleCallSignature(
-        inputs=users, outputs=outs, in_spec=in_spec, out_spec=out_spec, forward_arg_names=names
+        inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec, forward_arg_names=names
     )
     return [ModuleCallEntry(fqn="", signature=entry)]
 

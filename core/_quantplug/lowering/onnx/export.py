@@ -25,8 +25,9 @@ What the stock exporter lacks, this module adds:
   axis, block_size)``;
 * dynamic quantization (``choose_qparams*``, per-token ``quantize``/``dequantize``): spelled out
   with reductions and elementwise ops, with the arithmetic of ``quantized_decomposed``;
-* a narrowed range (e.g. ``[-127, 127]``): a ``Clip`` after ``QuantizeLinear`` (which saturates to
-  the whole dtype).
+* a narrowed range (e.g. ``int16 [-32767, 32767]``): in the encodings only, the model staying
+  pure Q/DQ (``QuantizeLinear`` saturates to the whole dtype; see ``qdq_sites``); or, with
+  ``clip_narrowed_ranges=True``, an integer ``Clip`` after the ``QuantizeLinear``.
 
 The core does not depend on ONNX: ``onnx`` and ``onnxscript`` are imported when this module's
 functions run, and their absence is a ``LoweringError`` saying what to install.
@@ -106,7 +107,8 @@ class OnnxExportResult:
     * ``tensor``: the float tensor the encoding describes: the input of the ``QuantizeLinear``
       for activations, the output of the ``DequantizeLinear`` for constants (weights, biases);
     * ``quantized``: the integer tensor: the ``QuantizeLinear`` output (after its ``Clip`` when
-      the range is narrowed), or the integer initializer of a constant;
+      the range is narrowed and ``clip_narrowed_ranges`` was asked for), or the integer
+      initializer of a constant;
     * ``dequantized``: the outputs of the ``DequantizeLinear`` nodes that read ``quantized``
       (of the ``Cast`` after one, for a float16/bfloat16 program: what their readers read; the
       same holds for a constant's ``tensor``);
@@ -180,6 +182,7 @@ def export_qdq_onnx(
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     custom_translations: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
+    clip_narrowed_ranges: bool = False,
 ) -> OnnxExportResult:
     """Export a converted (Q/DQ) program to a QDQ ONNX model.
 
@@ -195,6 +198,11 @@ def export_qdq_onnx(
             output is unused).
         input_names / output_names: ONNX graph input/output names (default: the program's).
         custom_translations: extra ``{torch op: onnxscript function}`` for ops of your own.
+        clip_narrowed_ranges: an activation range narrower than its integer type (``int16
+            [-32767, 32767]``) is by default carried by the encodings only, the model holding no
+            integer op but Q/DQ (what Qualcomm's converter and ONNX Runtime take); ``True`` adds
+            an integer ``Clip`` after its ``QuantizeLinear``, so that the ONNX arithmetic equals
+            the program's beyond the calibrated range too (ONNX Runtime has no 16-bit ``Clip``).
 
     Raises:
         LoweringError: ``onnx``/``onnxscript`` are missing, the opset is too low, an input does
@@ -242,7 +250,7 @@ def export_qdq_onnx(
         raise _export_error(exc, program) from exc
     _rename(model.graph.inputs, input_names, "input")
     _rename(model.graph.outputs, output_names, "output")
-    placed = qdq_sites.insert_qdq(model, sites)
+    placed = qdq_sites.insert_qdq(model, sites, clip_narrowed_ranges=clip_narrowed_ranges, opset=opset)
     _name_dimensions(model, dimension_names(program))
     proto = _serialize(model)
     result = OnnxExportResult(

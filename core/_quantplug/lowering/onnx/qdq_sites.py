@@ -7,13 +7,25 @@ change along the way, so that mapping them back by name loses some. Here each st
 of the converted program becomes a *site*: before export it is replaced by
 ``quantplug::qdq_site(x, key, dtype)``, an opaque op the exporter translates to a single
 placeholder node and cannot fold, merge or decompose; the key survives any re-tracing. After
-translation, :func:`insert_qdq` replaces each placeholder with the real ``QuantizeLinear`` (plus a
-``Clip`` for a narrowed range) or ``DequantizeLinear`` built from the program's own qparams, with
-initializers of its own. Every encoding's ONNX tensors are therefore known by construction.
+translation, :func:`insert_qdq` replaces each placeholder with the real ``QuantizeLinear`` or
+``DequantizeLinear`` built from the program's own qparams, with initializers of its own. Every
+encoding's ONNX tensors are therefore known by construction.
+
+A range narrower than its integer type (``int16 [-32767, 32767]``, the symmetric 16-bit grid of
+``qnn_htp``) has no place in ONNX's Q/DQ parameters: by default it lives in the encodings only
+(each entry's ``quant_min``/``quant_max``, which a backend writes into its encodings file) and the
+``QuantizeLinear`` saturates to its type, so the model stays pure Q/DQ: only Q/DQ nodes read or
+write integer tensors. That is what Qualcomm's converter expects (Q/DQ pairs around float ops),
+and what ONNX Runtime runs: it has no 16-bit ``Clip`` kernel (``NOT_IMPLEMENTED: Where(16)``,
+issue 45.2). Inside the calibrated range both compute the same codes; beyond it the model may
+use the codes between the narrowed and the full range (``-32768``). ``clip_narrowed_ranges=True``
+adds an integer ``Clip`` after such a ``QuantizeLinear`` instead, for a model whose ONNX
+arithmetic must equal the program's everywhere (not runnable by ONNX Runtime at 16 bits).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +98,9 @@ class Site:
     block_size: tuple[int, ...] = ()
     shape: tuple[int, ...] = ()  # the quantized tensor's shape (per-block grids need it)
     out_dtype: torch.dtype = torch.float32  # a dequantize's float type
+    #: a tensor computed at run time (not a constant) on a 4-bit grid in an 8-bit container: its
+    #: Q/DQ pair uses ONNX's INT4/UINT4 type (opset 21), which holds the range itself
+    four_bit: bool = False
 
 
 _GRANULARITY = {
@@ -151,6 +166,8 @@ def _site(gm: GraphModule, node: Node, granularity: str, key: int) -> Site:
             f"QuantizeLinear/DequantizeLinear cannot hold; use an 8- or 16-bit grid (or 4/2-bit in an "
             "8-bit container) for it"
         )
+    reads_constant = not quantize and isinstance(src, Node) and src.op == "get_attr"
+    four_bit = not reads_constant and _fits_four_bits(container, int(qmin), int(qmax))
     if out_dtype != torch.float32 and out_dtype not in _FLOAT_TYPES:
         raise LoweringError(
             f"{describe(node)} is dequantized to {out_dtype} (node {node.name!r}), which ONNX lacks; "
@@ -166,8 +183,16 @@ def _site(gm: GraphModule, node: Node, granularity: str, key: int) -> Site:
         dtype=container,
         shape=shape,
         out_dtype=out_dtype,
+        four_bit=four_bit,
         **fields,
     )
+
+
+def _fits_four_bits(container: torch.dtype, qmin: int, qmax: int) -> bool:
+    """An 8-bit container holding a range ONNX's INT4 / UINT4 type holds (PT2E's 4-bit idiom)."""
+    if container == torch.int8:
+        return -8 <= qmin and qmax <= 7
+    return container == torch.uint8 and 0 <= qmin and qmax <= 15
 
 
 def _static(val: Any) -> bool:
@@ -235,12 +260,19 @@ class PlacedSite:
     zero_point: str
 
 
-def insert_qdq(model: Any, sites: Sequence[Site]) -> dict[int, PlacedSite]:
+def insert_qdq(
+    model: Any, sites: Sequence[Site], *, clip_narrowed_ranges: bool = False, opset: int = 21
+) -> dict[int, PlacedSite]:
     """Turn each ``qdq_site`` placeholder of ``model`` (an ``onnx_ir.Model`` straight from
     translation) into its Q/DQ nodes; return where each site is, by key.
 
     The placeholder node itself becomes the last of them (so its output keeps its name, type
-    and readers); the others are inserted before it.
+    and readers); the others are inserted before it. ``clip_narrowed_ranges``: an integer
+    ``Clip`` after each ``QuantizeLinear`` whose range is narrower than its type (see the
+    module's docstring); otherwise the model holds no integer op but Q/DQ. A 4-bit grid computed
+    at run time takes ONNX's 4-bit type from ``opset`` 21 on; below it, where only an 8-bit type
+    exists, its ``QuantizeLinear`` is clipped whatever ``clip_narrowed_ranges`` says (saturating
+    at 8 bits would not be one code off but sixteen times the range).
     """
     names = _NameSource(model.graph)
     placed: dict[int, PlacedSite] = {}
@@ -248,7 +280,12 @@ def insert_qdq(model: Any, sites: Sequence[Site]) -> dict[int, PlacedSite]:
         fx_node = node.meta.get("node")
         if fx_node is not None and getattr(fx_node, "target", None) is qdq_site:
             site = sites[int(fx_node.args[1])]
-            placed[site.key] = _place(model.graph, node, site, names)
+            if site.four_bit and opset < 21:
+                site = dataclasses.replace(site, four_bit=False)
+                clip = True
+            else:
+                clip = clip_narrowed_ranges
+            placed[site.key] = _place(model.graph, node, site, names, clip)
     return placed
 
 
@@ -302,6 +339,10 @@ def _onnx_params(site: Site) -> tuple[Any, Any, dict[str, int]]:
     import numpy as np
 
     np_dtype = np.dtype(_INT_TYPES[site.dtype])
+    if site.four_bit:
+        import ml_dtypes
+
+        np_dtype = np.dtype(ml_dtypes.int4 if site.dtype == torch.int8 else ml_dtypes.uint4)
     if site.granularity == "tensor":
         return np.array(site.scale, np.float32), np.array(site.zero_point, np_dtype), {}
     if site.granularity == "channel":
@@ -319,7 +360,9 @@ def _onnx_params(site: Site) -> tuple[Any, Any, dict[str, int]]:
     return scale, zero, attrs
 
 
-def _full_range(dtype: torch.dtype) -> tuple[int, int]:
+def _full_range(dtype: torch.dtype, four_bit: bool = False) -> tuple[int, int]:
+    if four_bit:
+        return (-8, 7) if dtype == torch.int8 else (0, 15)
     info = torch.iinfo(dtype)
     return int(info.min), int(info.max)
 
@@ -333,7 +376,7 @@ class _Step:
     dtype: Any  # the output's ir.DataType
 
 
-def _place(graph: Any, marker: Any, site: Site, names: _NameSource) -> PlacedSite:
+def _place(graph: Any, marker: Any, site: Site, names: _NameSource, clip_narrowed: bool) -> PlacedSite:
     import numpy as np
     import onnx_ir as ir
 
@@ -351,7 +394,7 @@ def _place(graph: Any, marker: Any, site: Site, names: _NameSource) -> PlacedSit
             )
             source = 0
         steps.append(_Step("QuantizeLinear", [source, s, z], attrs, site.node, container))
-        if (site.quant_min, site.quant_max) != _full_range(site.dtype):
+        if clip_narrowed and (site.quant_min, site.quant_max) != _full_range(site.dtype, site.four_bit):
             lo = names.initializer(f"{site.node}_min", np.array(site.quant_min, zero.dtype))
             hi = names.initializer(f"{site.node}_max", np.array(site.quant_max, zero.dtype))
             steps.append(_Step("Clip", [len(steps) - 1, lo, hi], {}, f"{site.node}_clip", container))
@@ -371,6 +414,8 @@ def _place(graph: Any, marker: Any, site: Site, names: _NameSource) -> PlacedSit
             graph.insert_before(marker, node)
         else:
             node = _morph(marker, step.op_type, inputs, step.attrs, names.node(step.name))
+            if site.quantize:  # the integer type is the site's (INT4 for a 4-bit grid), not the placeholder's
+                node.outputs[0].type = ir.TensorType(step.dtype)
         made.append(node)
     qdq = made[1] if steps[0].op_type == "Cast" and site.quantize else made[0]
     return PlacedSite(
