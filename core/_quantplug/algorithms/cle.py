@@ -23,6 +23,7 @@ Works on the float program before annotation (on quantplug's copy), for any back
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -191,7 +192,17 @@ class CrossLayerEqualization(Algorithm):
             found = stats.get(pair.first.name)
             if found is None:
                 continue
-            mean, std = found
+            mean, std, rows = found
+            if rows < MIN_ABSORB_ROWS:
+                warnings.warn(
+                    f"cle: not absorbing the high biases of {pair.first.name!r}: its statistics come from "
+                    f"{rows} calibration row(s), fewer than {MIN_ABSORB_ROWS}; a mean and deviation from so "
+                    "few samples are the samples themselves (one row made the output noise: -0.1 dB). "
+                    "Give more calibration data, or cle's absorb_high_bias=False",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                continue
             h = torch.clamp(mean - self.sigmas * std, min=0.0).to(torch.float32)
             if not bool((h > 0).any()):
                 continue
@@ -205,6 +216,10 @@ class CrossLayerEqualization(Algorithm):
                 carried = w2.reshape(w2.shape[0], w2.shape[1], -1).sum(-1) @ h
             context.set_constant(gm, str(b1.target), fetch_attr(gm, str(b1.target)).detach() - h)
             context.set_constant(gm, str(b2.target), fetch_attr(gm, str(b2.target)).detach() + carried)
+
+
+#: the fewest rows (samples per channel) whose mean and deviation bias absorption trusts
+MIN_ABSORB_ROWS = 32
 
 
 def _weight(node: Node) -> Node:
@@ -221,8 +236,9 @@ def _bias(node: Node) -> list[Node]:
 
 def _moments(
     gm: GraphModule, nodes: Sequence[Node], context: TransformContext
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per-channel mean and std of ``nodes``' outputs over the calibration batches (running sums)."""
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+    """Per-channel mean and std of ``nodes``' outputs over the calibration batches (running sums),
+    and how many rows they come from."""
     wanted = {n.name: n for n in nodes}
     sums: dict[str, list[Any]] = {}
 
@@ -247,5 +263,5 @@ def _moments(
     for name, (count, total, squares) in sums.items():
         mean = total / count
         var = torch.clamp(squares / count - mean * mean, min=0.0)
-        result[name] = (mean, var.sqrt())
+        result[name] = (mean, var.sqrt(), int(count))
     return result

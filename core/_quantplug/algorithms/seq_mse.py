@@ -48,6 +48,7 @@ from _quantplug.algorithms.spec import (
     options_as_fields,
 )
 from _quantplug.algorithms.weight_layers import (
+    MAX_HESSIAN_INPUTS,
     Encoder,
     LayerHessian,
     collects_hessian,
@@ -522,7 +523,9 @@ class SeqMSE(Algorithm):
             return None
         hessian = hessian_of(collected, matrix)
         if hessian is None:
-            if not self.data_free:
+            if not self.data_free or matrix.weight.shape[1] > MAX_HESSIAN_INPUTS:
+                # too wide for a Hessian: skipped as collects_hessian warned, identity included
+                # (a 65,536-input layer's would be 32 GiB of float64)
                 return None
             hessian = torch.eye(matrix.weight.shape[1], dtype=torch.float64)
 
