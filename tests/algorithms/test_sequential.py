@@ -131,7 +131,8 @@ def test_sequential_prepared_module_keeps_a_bounded_input_store() -> None:
     x = torch.randn(BATCH, 16)
     ep = torch.export.export(model, (x,))
     quantizer = quantplug.get_quantizer("qnn_htp", soc_model="SM8650", precision="8a8w")
-    prepared = quantplug.prepare(ep, quantizer, algorithms=[("gptq", {"sequential": True})])
+    algorithms = quantplug.Algorithms([("gptq", {"sequential": True})], held_out="calibration")
+    prepared = quantplug.prepare(ep, quantizer, algorithms=algorithms)  # every batch stored
     store = prepared.meta[RUN_KEY].inputs
     assert isinstance(store, InputStore)
     for _ in range(store.max_batches + 5):
