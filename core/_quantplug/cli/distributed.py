@@ -117,8 +117,8 @@ def launch(argv: list[str], nproc: int, console: Console) -> int:
         try:
             elastic_launch(config, sys.executable)("-m", "quantplug", *argv)
         except SignalException as exc:  # the launcher's own signal: torch's agent passed it on
-            if exc.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
+            # as the signal it was (SIGINT included): a bare KeyboardInterrupt here would read as
+            # one raised by code quantplug ran, since quantplug's own handler never saw the signal
             raise Terminated(int(exc.sigval)) from None
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()  # the cause; the others were stopped after it
