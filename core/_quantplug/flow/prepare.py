@@ -348,12 +348,31 @@ def _check_channel_axes(keys: AnnotatedKeys) -> None:
             and is_per_channel(spec)
             and getattr(spec, "ch_axis", None) is None
             and not getattr(spec, "is_dynamic", False)
+            and _observer_axis(spec) is None  # torchao's observers default to one (axis 0): used
         ):
             raise AnnotationError(
                 f"the per-channel spec of {describe_key(key)} has no ch_axis: set "
                 "QuantizationSpec(..., ch_axis=N), the dimension that holds the channels (0 for a "
                 "conv or linear weight, 1 for a transposed conv's)"
             )
+
+
+def _observer_axis(spec: Any) -> int | None:
+    """The channel axis the spec's observer takes when the spec names none, as torchao's prepare
+    builds it: a ``PerChannel...`` observer class gets the spec's ``ch_axis`` (None: it fails on its
+    first tensor), any other (a fake-quantize wrapping one) keeps its own default. None when
+    there is no axis to take."""
+    ctor = getattr(spec, "observer_or_fake_quant_ctr", None)
+    partial = getattr(ctor, "p", None)
+    cls = getattr(partial, "func", ctor)
+    if "PerChannel" in getattr(cls, "__name__", ""):
+        return None
+    try:
+        observer = ctor() if callable(ctor) else None
+    except Exception:  # an observer that cannot be built without more: decided where it is built
+        return 0
+    axis = getattr(observer, "ch_axis", None)
+    return axis if isinstance(axis, int) else None
 
 
 def _warn_nothing_quantized(gm: GraphModule, quantizer: Any) -> None:
