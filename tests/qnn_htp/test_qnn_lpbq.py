@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import quantplug
+from _quantplug.observers.parked import unparked
 
 pytest.importorskip("quantplug_qnn_htp")
 
@@ -49,7 +50,9 @@ def test_converted_program_dequantizes_with_device_scales() -> None:
     for b in batches:
         prepared(*b)
     state = prepared.meta[STATE_KEY]
-    obs = copy.deepcopy(state.observer(prepared, state.group_of[("conv3_weight", "conv2d_2")]))
+    # a weight's observer is parked in the prepared module (convert measures the weight, once):
+    # an unparked copy measures it here as convert does
+    obs = unparked(copy.deepcopy(state.observer(prepared, state.group_of[("conv3_weight", "conv2d_2")])))
     assert isinstance(obs, LpbqObserver)
     gm = quantplug.convert(prepared)  # weights are observed there, once
     obs(model.conv3.weight)
