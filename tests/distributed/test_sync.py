@@ -69,7 +69,8 @@ def test_a_rank_that_never_arrives_is_named_after_the_timeout(tmp_path: Path) ->
 
 def test_qat_under_ddp_keeps_every_ranks_statistics(two_ranks: list) -> None:  # type: ignore[type-arg]
     r0, r1 = (r["qat"] for r in two_ranks)
-    single = r0["single_input"]["activation_post_process_0"]  # the model input's observer: data only, no weights
+    # the model input's observer: data only, no weights
+    single = r0["single_input"]["activation_post_process_0"]
     # DDP's default buffer broadcast overwrites rank 1's statistics: its widest batch is lost
     assert not torch.equal(r0["plain"]["qparams"]["activation_post_process_0"][0], single[0])
     # quantplug's wrapper + sync_observers: every rank's data counts, the same program on both ranks
