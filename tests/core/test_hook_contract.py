@@ -92,43 +92,6 @@ def _node(gm: torch.fx.GraphModule, target: Any) -> torch.fx.Node:
     return next(n for n in gm.graph.nodes if n.target == target)
 
 
-class Chip:
-    """A backend whose hooks' answers are given to it: the rules above, an int8 config."""
-
-    def __init__(self, rules: str, **answers: Any) -> None:
-        self.rules, self.answers = rules, answers
-
-    @hookimpl
-    def quantplug_backend_info(self) -> BackendInfo:
-        return BackendInfo(name="t_hooks", description="hook contract test backend")
-
-    @hookimpl
-    def quantplug_annotation_rules(self, context: BackendContext) -> list[RulesModule]:
-        return [RulesModule(self.rules, ["aten.linear.default", "aten.relu.default"])]
-
-    @hookimpl
-    def quantplug_quantization_config(
-        self, preset: str | None, context: BackendContext
-    ) -> QuantizationConfig:
-        return QuantizationConfig(I8, I8, W8, None)
-
-    @hookimpl
-    def quantplug_fusion_patterns(self, context: BackendContext) -> Sequence[FusionPattern]:
-        return self.answers.get("fusion", [])
-
-    @hookimpl
-    def quantplug_annotation_passes(self, context: BackendContext) -> Sequence[NamedPass]:
-        return self.answers.get("passes", [])
-
-    @hookimpl
-    def quantplug_io_config(self, context: BackendContext) -> QuantizationConfig | None:
-        return self.answers.get("io")
-
-    @hookimpl
-    def quantplug_conformance_profile(self, context: BackendContext) -> ConformanceProfile | None:
-        return self.answers.get("profile")
-
-
 class Extension:
     """An extension of it: hooks answering what it is given (None when not given)."""
 
@@ -150,6 +113,29 @@ class Extension:
     @hookimpl
     def quantplug_conformance_profile(self, context: BackendContext) -> ConformanceProfile | None:
         return self.answers.get("profile")
+
+
+class Chip(Extension):
+    """A backend whose hooks' answers are given to it (as its extension's are): the rules above,
+    an int8 config."""
+
+    def __init__(self, rules: str, **answers: Any) -> None:
+        super().__init__(**answers)
+        self.rules = rules
+
+    @hookimpl
+    def quantplug_backend_info(self) -> BackendInfo:
+        return BackendInfo(name="t_hooks", description="hook contract test backend")
+
+    @hookimpl
+    def quantplug_annotation_rules(self, context: BackendContext) -> list[RulesModule]:
+        return [RulesModule(self.rules, ["aten.linear.default", "aten.relu.default"])]
+
+    @hookimpl
+    def quantplug_quantization_config(
+        self, preset: str | None, context: BackendContext
+    ) -> QuantizationConfig:
+        return QuantizationConfig(I8, I8, W8, None)
 
 
 # -- quantplug_annotation_rules ----------------------------------------------------------------
