@@ -60,8 +60,10 @@ def test_lowers_and_the_artifact_computes_the_program(name: str, backend: str, p
     rows = sweep(name, presets=((backend, preset),))
     assert rows["export"] == "dyn", rows
     row = rows[f"{backend}:{preset}"]
-    if backend == "qnn_htp":  # lowered strictly; no runtime here to run the artifact
-        assert re.match(r"ok \S+ \(", row), row
+    if backend == "qnn_htp":  # lowered strictly; its model.onnx, run as Q/DQ arithmetic, is the program
+        onnx_row = re.match(r"ok \S+ onnx (\S+)dB", row)
+        assert onnx_row, row
+        assert float(onnx_row[1]) > -1.0, row
         return
     found = re.match(r"ok (\S+) art (\S+) d", row)
     assert found, row
