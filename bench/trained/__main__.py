@@ -40,6 +40,7 @@ from bench.trained import flows
 from bench.trained.tasks import MODELS, Task, metrics, task
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
+NNCF_SIDE = RESULTS / "trained_nncf.json"
 
 
 def primary(kind: str) -> str:
@@ -209,6 +210,25 @@ def algorithms_table(results: dict[str, Any], tasks: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def nncf_versions() -> str:
+    if not NNCF_SIDE.is_file():
+        return "not run"
+    found = json.loads(NNCF_SIDE.read_text())
+    return f"NNCF {found['nncf']}, torch {found['torch']}"
+
+
+def with_nncf(results: dict[str, Any]) -> dict[str, Any]:
+    """NNCF's INT4 rows (run in its own venv by :mod:`bench.trained.nncf_side`) as peers beside
+    ``ref weight_only_int4``, for the models both runs have."""
+    if not NNCF_SIDE.is_file():
+        return results
+    for model, rows in json.loads(NNCF_SIDE.read_text())["models"].items():
+        if model in results:
+            for flow, found in rows.items():
+                results[model]["peers"][flow] = {**found, "beside": "ref weight_only_int4"}
+    return results
+
+
 def render(results: dict[str, Any], kinds: dict[str, str], argv: Sequence[str], minutes: float) -> str:
     text = [
         "# Quantization on trained models: task metrics\n",
@@ -218,8 +238,8 @@ def render(results: dict[str, Any], kinds: dict[str, str], argv: Sequence[str], 
         "windows of 64 bytes from stdlib modules never trained or calibrated on) or the 360 held-out "
         "digits (cross-entropy, nats). Program: the converted Q/DQ module; artifact: `reference`'s "
         "`model.onnx` in ONNX Runtime (graph optimizations on, as shipped). Flips: % of predictions whose "
-        "top-1 differs from the float model's. NNCF: not run here (it needs its own venv, "
-        "`bench/nncf_compare.py`; none was installed on this machine).\n",
+        "top-1 differs from the float model's. NNCF's rows come from its own venv "
+        "(`bench/trained/nncf_side.py`, `bench/results/trained_nncf.json`: " + nncf_versions() + ").\n",
         "## Every preset, and the peers\n",
     ]
     for model, res in results.items():
@@ -281,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     into["algorithms"].setdefault(config, {}).update(runs)
         kinds = {k: "lm" if "ppl" in v["float"] else "classify" for k, v in results.items()}
         minutes = sum(float(v.get("minutes", 0)) for v in results.values())
-        Path(args.out).write_text(render(results, kinds, shown, minutes))
+        Path(args.out).write_text(render(with_nncf(results), kinds, shown, minutes))
         Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
         return 0
     torch.set_num_threads(args.threads)
@@ -319,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         results[model]["minutes"] = round((time.perf_counter() - begun) / 60, 1)
         out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    text = render(results, kinds, shown, (time.perf_counter() - started) / 60)
+    text = render(with_nncf(results), kinds, shown, (time.perf_counter() - started) / 60)
     out.write_text(text)
     print(text)
     return 0
