@@ -1,10 +1,8 @@
 """convert's torchao options, side by side with torchao's convert_pt2e.
 
-torchao's reference representation rewrite applied to quantplug's converted program must give
-the program torchao gives (the same integer ops, the same numbers; quantplug refuses
-``use_reference_representation=True`` naming that call, since it does not import torchao),
-``fold_quantize=False`` must keep every constant's quantize op as
-torchao does, and both must compute what the default conversion computes.
+``fold_quantize=False`` must keep every constant's quantize op as torchao does and compute what
+the default conversion computes; both options' values are checked. (``use_reference_representation``:
+``test_reference_representation.py``.)
 """
 
 from __future__ import annotations
@@ -100,20 +98,6 @@ def _ops(gm: GraphModule) -> Counter[Any]:
     return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_reference_representation_as_torchao(case: str) -> None:
-    from torchao.quantization.pt2e.reference_representation_rewrite import reference_representation_rewrite
-
-    ao, qp, x = _both(case)
-    ao, qp = (reference_representation_rewrite(m) for m in (ao, qp))
-    assert _ops(qp) == _ops(ao)
-    if case == "add-relu":  # the rewrite ran: integer adds, no float add between Q/DQ
-        assert _ops(qp)[OUT_DTYPE] == 2
-    if case == "linear-per-channel":
-        assert not _ops(qp)[qd.dequantize_per_channel.default]
-    torch.testing.assert_close(qp(*x), ao(*x))
-
-
 @pytest.mark.parametrize("case", ["conv2d-maxpool", "linear-per-channel"])
 def test_unfolded_quantize_as_torchao(case: str) -> None:
     ao, qp, x = _both(case, fold_quantize=False)
@@ -133,14 +117,5 @@ def test_option_values_are_checked() -> None:
     prepared(*_inputs(model, 1))
     with pytest.raises(ConversionError, match="fold_quantize"):
         quantplug.convert(prepared, fold_quantize="yes")  # type: ignore[arg-type]
-
-
-def test_reference_representation_is_refused_naming_the_call() -> None:
-    model = Add()
-    program = torch.export.export(model, _inputs(model, 0), strict=True)
-    prepared = quantplug.prepare(program, XNNPACKQuantizer().set_global(get_symmetric_quantization_config()))
-    prepared(*_inputs(model, 1))
-    with pytest.raises(
-        ConversionError, match=r"use_reference_representation=True.*reference_representation_rewrite\("
-    ):
-        quantplug.convert(prepared, use_reference_representation=True)
+    with pytest.raises(ConversionError, match="use_reference_representation"):
+        quantplug.convert(prepared, use_reference_representation=1)  # type: ignore[arg-type]

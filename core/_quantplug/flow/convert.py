@@ -31,6 +31,7 @@ from _quantplug.flow.inspect import QUANTIZE_OPS
 from _quantplug.flow.loop_bodies import replace_loop_bodies
 from _quantplug.flow.observer_convert import converts_itself, run_observer_converts
 from _quantplug.flow.qdq_meta import FROM_NODE, port_qdq_meta, provenance
+from _quantplug.flow.reference_representation import to_reference_representation
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_nodes, module_attr
@@ -475,13 +476,13 @@ def convert(
         fold_quantize: store weights and other constants as the integers their quantize op
             computes (the default, as torchao's ``convert_pt2e``); ``False`` keeps the float
             constant and its ``quantize`` op in the program.
-        use_reference_representation: accepted for ``convert_pt2e``'s signature; ``True`` is
-            refused with a ConversionError giving the one call that does it. PT2E's
-            integer-arithmetic reference representation is torchao's definition
-            (``reference_representation_rewrite``), which quantplug neither copies (it would
-            drift) nor imports (torchao is no dependency of quantplug); applied by the caller to
-            quantplug's converted program, which uses ``convert_pt2e``'s ops and arguments, it
-            gives torchao's program.
+        use_reference_representation: ``True`` rewrites the program into PT2E's integer-arithmetic
+            reference representation, as torchao's ``convert_pt2e`` does: int8 linear, 2-d
+            convolution, dynamic linear, add, add + relu and max-pool chains as the integer ops an
+            int8 kernel computes, every other int8 quantize/dequantize (per tensor, per channel)
+            as its formula (:mod:`_quantplug.flow.reference_representation`). A quantize op the
+            representation cannot express (another dtype, per-block or affine) raises a
+            ConversionError naming it.
     """
     state = prepared.meta.get(STATE_KEY) if isinstance(prepared, GraphModule) else None
     if not isinstance(state, PreparedState):
@@ -495,18 +496,12 @@ def convert(
     ):
         if not isinstance(value, bool):
             raise ConversionError(f"convert({option}={value!r}): {option} is True or False")
-    if use_reference_representation:
-        raise ConversionError(
-            "convert(use_reference_representation=True): PT2E's reference representation is torchao's "
-            "rewrite, which quantplug does not import; apply it to the converted program: "
-            "from torchao.quantization.pt2e.reference_representation_rewrite import "
-            "reference_representation_rewrite; "
-            "m = reference_representation_rewrite(quantplug.convert(prepared))"
-        )
     with paused_gc():
         if state.qat:  # batch norms trained beside their convs are folded into them now
             prepared = fold_trained_batch_norms(prepared, _is_observer)
         converted = _convert(prepared, state, fold_quantize=fold_quantize)
+        if use_reference_representation:
+            converted = to_reference_representation(converted)
     return converted
 
 
