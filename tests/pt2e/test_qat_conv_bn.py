@@ -211,7 +211,9 @@ class DerivedBiasQuantizer(Quantizer):
             quant_min=0,
             quant_max=255 if self.weight_dtype == torch.uint8 else 2**31 - 1,
             qscheme=qscheme,
-            ch_axis=0 if self.per_channel else None,
+            # the int32 weight names no axis (as torchao's own QAT tests): the fake-quantize's
+            # per-channel observer keeps its default, 0, in torchao's prepare and in quantplug's
+            ch_axis=0 if self.per_channel and self.weight_dtype == torch.uint8 else None,
             observer_or_fake_quant_ctr=weight_fq,
         )
         specs: dict[Node, Any] = {conv.args[0]: act, conv.args[1]: weight}
@@ -248,6 +250,8 @@ def test_derived_bias_and_custom_weight_specs(per_channel: bool, weight_dtype: t
     dq = qd.dequantize_per_channel.default if per_channel else qd.dequantize_per_tensor.default
     assert weight_dq.target == dq
     assert weight_dq.args[-1] == weight_dtype
+    if per_channel:
+        assert weight_dq.args[3] == 0  # the axis, given or the observer's default
     if weight_dtype == torch.uint8:  # the folded bias is quantized with the derived encoding
         assert bias.target == dq and bias.args[0].op == "get_attr"
         assert bias.args[-1] == torch.int32

@@ -215,3 +215,27 @@ def test_unrepresentable_dtype_is_refused_naming_the_node() -> None:
     with pytest.raises(ConversionError, match=r"node 'quantize_per_tensor\w*'.*torch.uint8.*int8"):
         quantplug.convert(prepared, use_reference_representation=True)
     assert _quantization_ops(quantplug.convert(prepared))  # the prepared model is unchanged
+
+
+def test_loop_body_is_rewritten() -> None:
+    """torchao's convert_pt2e converts a while_loop's body with the same options (checked side by
+    side by hand: the same ops, equal outputs): its Q/DQ ops become integer arithmetic there too."""
+    from tests.pt2e.test_loop_bodies import CASES, _body
+
+    model_class, op, index, batches = CASES["while_loop"]
+    torch.manual_seed(0)
+    program = torch.export.export(model_class().eval(), batches[0], strict=True)
+    prepared = quantplug.prepare(program, XNNPACKQuantizer().set_global(get_symmetric_quantization_config()))
+    with torch.no_grad():  # in grad mode torch's loops trace their body with fake tensors
+        for batch in batches:
+            prepared(*batch)
+        ours, qdq = (quantplug.convert(prepared, use_reference_representation=r) for r in (True, False))
+        body = _body(ours, op, index)
+        assert not _quantization_ops(body) and _kinds(body)["aten.round"]
+        qdq_body = _body(qdq, op, index)
+        assert _quantization_ops(qdq_body)
+        out_scale = [n.args[1] for n in qdq_body.graph.nodes if n.target == qd.quantize_per_tensor.default][
+            -1
+        ]
+        # three steps, each off by at most one quantum of its output
+        assert (ours(*batches[0]) - qdq(*batches[0])).abs().max() <= 3 * out_scale + 1e-6

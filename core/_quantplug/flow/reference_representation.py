@@ -331,12 +331,14 @@ def _dynamic_linear(anchor: Node) -> _Match | None:
 
 
 def _is_item(node: Any, index: int) -> bool:
+    """``node`` is ``producer[index]`` of a node ``producer``."""
     return (
         isinstance(node, Node)
         and node.op == "call_function"
         and node.target is operator.getitem
-        and node.args[1] == index
         and isinstance(node.args[0], Node)
+        and isinstance(node.args[1], int)
+        and node.args[1] == index
     )
 
 
@@ -403,10 +405,11 @@ def _max_pool2d(anchor: Node) -> _Match | None:
     """``dequantize -> max_pool2d_with_indices -> [0] -> quantize``: the pool on the zero-centred
     integers, rescaled to the output's scale (truncated to int8, as torchao's replacement)."""
     q = _int8_per_tensor(anchor, QUANTIZE_PER_TENSOR)
-    item = q.input if q is not None else None
-    if q is None or not _is_item(item, 0) or not _only_used_by(item, anchor):
+    if q is None or not _is_item(q.input, 0) or not _only_used_by(q.input, anchor):
         return None
+    item: Node = q.input
     pool = item.args[0]
+    assert isinstance(pool, Node)
     if pool.target != aten.max_pool2d_with_indices.default or not _only_used_by(pool, item):
         return None
     x = _dequantized_input(pool.args[0] if pool.args else None, pool)
