@@ -15,6 +15,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.fx import GraphModule
 
@@ -239,3 +241,48 @@ def test_loop_body_is_rewritten() -> None:
         ]
         # three steps, each off by at most one quantum of its output
         assert (ours(*batches[0]) - qdq(*batches[0])).abs().max() <= 3 * out_scale + 1e-6
+
+
+def _int8_add_program(
+    scales: tuple[float, float, float], zero_points: tuple[int, int, int], relu: bool
+) -> GraphModule:
+    """``dequantize(x), dequantize(y) -> add (-> relu) -> quantize`` on int8 tensors: the chain
+    convert writes for a quantized add, with the given encodings."""
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    (sx, sy, so), (zx, zy, zo) = scales, zero_points
+    dx = graph.call_function(qd.dequantize_per_tensor.default, (x, sx, zx, -128, 127, torch.int8))
+    dy = graph.call_function(qd.dequantize_per_tensor.default, (y, sy, zy, -128, 127, torch.int8))
+    out = graph.call_function(aten.add.Tensor, (dx, dy))
+    if relu:
+        out = graph.call_function(aten.relu.default, (out,))
+    graph.output(graph.call_function(qd.quantize_per_tensor.default, (out, so, zo, -128, 127, torch.int8)))
+    return GraphModule(torch.nn.Module(), graph)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    scales=st.tuples(*(st.floats(1e-3, 1.0) for _ in range(3))),
+    zero_points=st.tuples(*(st.integers(-128, 127) for _ in range(3))),
+    relu=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_integer_add_is_within_one_step_of_the_qdq_add(
+    scales: tuple[float, float, float], zero_points: tuple[int, int, int], relu: bool, seed: int
+) -> None:
+    """The integer add (each input rescaled to the output's scale and rounded, then summed) gives
+    the Q/DQ chain's int8 result or its neighbour, at any encodings. The add-relu's rescaling is
+    an ``out_dtype`` multiply, which truncates each input toward zero (torchao's arithmetic): two
+    steps at most, and never below the output's zero point."""
+    from _quantplug.flow.reference_representation import to_reference_representation
+
+    qdq = _int8_add_program(scales, zero_points, relu)
+    reference = to_reference_representation(_int8_add_program(scales, zero_points, relu))
+    assert str(OUT_DTYPE if relu else aten.round.default) in {str(n.target) for n in reference.graph.nodes}
+    g = torch.Generator().manual_seed(seed)
+    x, y = (torch.randint(-128, 128, (64,), generator=g, dtype=torch.int8) for _ in range(2))
+    ours, theirs = reference(x, y), qdq(x, y)
+    assert ours.dtype == torch.int8
+    assert (ours.int() - theirs.int()).abs().max() <= (2 if relu else 1)
+    if relu:
+        assert ours.min() >= zero_points[2]

@@ -80,7 +80,7 @@ def to_reference_representation(gm: GraphModule) -> GraphModule:
     for module in graphs:
         for rule in RULES:
             for node in list(module.graph.nodes):
-                if node.graph is module.graph and node.op == "call_function":  # not erased by a rewrite
+                if node.op == "call_function" and not getattr(node, "_erased", False):
                     _apply(rule, module.graph, node)
         _refuse_remaining(module)
         since = code_counter()
