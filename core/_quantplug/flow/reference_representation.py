@@ -6,7 +6,7 @@ written out in the integer arithmetic an int8 kernel performs, so that the progr
 what a backend must compute (rounding, the int32 accumulator, the requantization multiplier),
 and runs anywhere torch runs. It is the representation of int8 quantization PT2E defines:
 
-- ``quantize -> op -> quantize`` chains of the ops an int8 kernel computes: a static linear or 2-d
+- ``dequantize -> op -> quantize`` chains of the ops an int8 kernel computes: a static linear or 2-d
   convolution (int16 operands minus their zero points into an int32 accumulator through
   ``out_dtype``, the bias as int32 at ``x_scale * w_scale``, the requantization multiplier
   ``x_scale * w_scale / out_scale``), a dynamically quantized linear (the activation's qparams
@@ -188,7 +188,7 @@ class _Emitter:
         )
         return self.to(self.clamp(q, low, high), torch.int8)
 
-    def int_matmul_bias_scale(self, acc: Node, bias: Any, x: _Quant, w: _Quant, unsqueeze: int) -> Node:
+    def add_bias(self, acc: Node, bias: Any, x: _Quant, w: _Quant, unsqueeze: int) -> Node:
         """The int32 accumulator plus the bias quantized at ``x_scale * w_scale`` (broadcast over
         ``unsqueeze`` trailing dimensions); no bias term without a bias."""
         if bias is None:
@@ -254,7 +254,7 @@ def _static_linear(anchor: Node) -> _Match | None:
     def emit(e: _Emitter) -> Node:
         xs, ws = _int_operands(e, x, w)
         acc = e(out_dtype, aten.linear.default, torch.int32, xs, ws, None)
-        return _requantize(e, e.int_matmul_bias_scale(acc, args["bias"], x, w, 0), x, w, out)
+        return _requantize(e, e.add_bias(acc, args["bias"], x, w, 0), x, w, out)
 
     return _Match(anchor, (linear, x.node, w.node), emit)
 
@@ -276,7 +276,7 @@ def _static_conv2d(anchor: Node) -> _Match | None:
     def emit(e: _Emitter) -> Node:
         xs, ws = _int_operands(e, x, w)
         acc = e(out_dtype, aten.convolution.default, torch.int32, xs, ws, None, *layout)
-        return _requantize(e, e.int_matmul_bias_scale(acc, args["bias"], x, w, 2), x, w, out)
+        return _requantize(e, e.add_bias(acc, args["bias"], x, w, 2), x, w, out)
 
     return _Match(anchor, (conv, x.node, w.node), emit)
 
@@ -324,7 +324,7 @@ def _dynamic_linear(anchor: Node) -> _Match | None:
         xs = e(aten.sub.Tensor, e.to(x_i8, torch.int16), zero_point)
         ws = e(aten.sub.Tensor, w16, w.zero_point)
         acc = e(out_dtype, aten.linear.default, torch.int32, xs, ws, None)
-        acc = e.int_matmul_bias_scale(acc, args["bias"], x, w, 0)
+        acc = e.add_bias(acc, args["bias"], x, w, 0)
         return e(aten.mul.Tensor, acc, e(aten.mul.Tensor, scale, w.scale))
 
     return _Match(anchor, (x_dq.node, x_q.node, w.node), emit)
@@ -533,7 +533,7 @@ def _refuse_remaining(gm: GraphModule) -> None:
         "no integer-arithmetic reference representation: PT2E's covers int8 quantize/dequantize per "
         "tensor and per channel (with zero points) only. Quantize that edge as int8 with a "
         "per-tensor or per-channel spec, or convert without use_reference_representation (the Q/DQ "
-        "program computes the same numbers)"
+        "program)"
     )
 
 
