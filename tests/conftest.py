@@ -7,6 +7,13 @@ its package and a ``.dist-info`` folder (entry points and metadata generated fro
 ``pyproject.toml``, as pip would write them) on ``sys.path`` and on the ``PYTHONPATH`` of the
 processes they start. Entry-point discovery then finds it through the very mechanism that finds
 installed plugins, and nothing remains once the session ends.
+
+The session, and every process it starts, runs torch on one intra-op thread (``OMP_NUM_THREADS``,
+unless the caller set it). The tests' tensors are small, and on a loaded machine (CI's 2 busy
+cores) each parallel op waits for a thread the scheduler has not run yet: ``torch.round`` of 130k
+floats took 35 ms on 2 threads and 20 us on one at load 10; tests/lowering/test_exact_mapping.py
+took 257 s on 2 threads and 98 s on one at load 5-8 (CPU time 120 s and 74 s). Results do not
+depend on it: the product promises the same numbers on any thread count.
 """
 
 from __future__ import annotations
@@ -57,7 +64,11 @@ def pytest_configure(config: pytest.Config) -> None:
     global _site
     # ``import quantplug`` no longer imports torch, so it no longer registers the standard Q/DQ
     # ops as a side effect; test modules read them (torch.ops.quantized_decomposed) at import
-    import torch.ao.quantization.fx._decomposed  # noqa: F401
+    import torch
+    import torch.ao.quantization.fx._decomposed
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the CLI and worker processes
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from tests.torchvision_compat import TEST_PACKAGES, ensure_importable
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from tests.zoo import harness
 from tests.zoo.models import MODELS
@@ -47,18 +46,3 @@ def zoo(request: pytest.FixtureRequest) -> Iterator[harness.FloatCase]:
         pytest.skip(f"{model.needs} is not installed (scripts/setup.sh --test installs it)")
     yield harness.float_case(name)
     harness.forget()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Run the zoo on one intra-op thread, restored afterwards.
-
-    The zoo's tensors are small (32x32 images, 12 tokens): a second thread buys little, and on a
-    loaded machine (CI's 2 busy cores) every parallel op waits for a thread the scheduler has not
-    run yet; measured on 2 cores at load 10: ``torch.round`` of 130k floats 35 ms on 2 threads,
-    20 us on one. Results do not depend on it (the SQNR floors hold on any thread count).
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -119,7 +119,7 @@ def run(gm: Callable[..., Any], batches: list[Inputs]) -> list[Any]:
 def quantizer(backend: str, preset: str, **options: Any) -> Any:
     if backend == "qnn_htp":
         return quantplug.get_quantizer("qnn_htp", soc_model=SOC_MODEL, precision=preset, **options)
-    # one ONNX Runtime thread, as the zoo runs torch (tests/zoo/conftest.py: one_thread)
+    # one ONNX Runtime thread, as the zoo runs torch (tests/conftest.py: one intra-op thread)
     return quantplug.get_quantizer(backend, preset=preset, ort_threads=1, **options)
 
 
