@@ -41,7 +41,7 @@ from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.calls import Call, in_spec_of, input_misfit
 from _quantplug.graph.constants import written
 from _quantplug.graph.index_arithmetic import index_arithmetic
-from _quantplug.graph.mutation import buffer_writes, mutated_aliases
+from _quantplug.graph.mutation import buffer_state_keys, buffer_writes, mutated_aliases
 from _quantplug.graph.softmax_inputs import score_values
 from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
 from _quantplug.meta import (
@@ -294,12 +294,14 @@ def _prepare(
     resolver = getattr(quantizer, "resolve_sharing", None)
     groups = resolver(problem) if callable(resolver) else solve(problem)
     report, checks = _validate(quantizer, gm, groups)
-    unobserved = buffer_writes(gm.graph)  # in-place writes into buffers: the op must get the buffer
+    # in-place writes into buffers (the op must get the buffer), and every read of such a buffer:
+    # state, which no quantize may clamp to the range of its first values (whatever annotated it)
+    unobserved = buffer_writes(gm.graph) | buffer_state_keys(gm.graph)
     state = _build_groups(gm, keys, groups, qat=qat, backend=getattr(quantizer, "backend", None))
     state.validation = report if isinstance(report, ValidationReport) else None
     state.calibrated_checks = checks
     observers = _create_observers(state, keys)
-    for group in state.groups:  # only edges left unobserved (buffers ops write): no Q/DQ reads it
+    for group in state.groups:  # only keys left unobserved (buffer writes and reads): no Q/DQ reads it
         if all(key in unobserved for key in group.keys):
             observers[group.gid] = FixedQParamsObserver(1.0, 0)
     callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
@@ -510,7 +512,7 @@ def _run_pt2e_callback(
     return observers
 
 
-def _insert_observer_nodes(gm: GraphModule, state: PreparedState, unobserved: set[tuple[str, str]]) -> None:
+def _insert_observer_nodes(gm: GraphModule, state: PreparedState, unobserved: set[Key]) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
@@ -553,7 +555,7 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState, unobserved: se
     output_obs: dict[str, Node] = {}
     for n in nodes:
         gid = state.group_of.get(n.name)
-        if gid is None or state.groups[gid].constant:
+        if gid is None or state.groups[gid].constant or n.name in unobserved:
             continue
         obs = new_observer(n, state.groups[gid])
         if observes_output(n):  # torchao's provenance: the numeric debugger traces it to n

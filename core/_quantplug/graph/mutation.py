@@ -174,7 +174,7 @@ def read_after(write: Node, aliases: list[Node], order: dict[Node, int]) -> bool
     )
 
 
-def buffer_writes(graph: Graph) -> set[tuple[str, str]]:
+def buffer_writes(graph: Graph) -> set[str | tuple[str, str]]:
     """(tensor, op) name pairs: an op writing one of its arguments in place where that argument is
     a buffer of the module or a view of one (``buf.index_put_(...)``, ``buf.select(0, 0).add_(x)``).
 
@@ -189,3 +189,80 @@ def buffer_writes(graph: Graph) -> set[tuple[str, str]]:
         for written in written_args(node)
         if view_base(written).op == "get_attr"
     }
+
+
+def _returns_written(node: Node) -> bool:
+    """An in-place op whose result is the tensor it writes (``add_``, ``index_put_``, ``copy_``)."""
+    schema = _schema(node)
+    if not writes_in_place(node) or schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and info.is_write
+
+
+def buffer_aliases(graph: Graph) -> dict[Node, str]:
+    """Node -> buffer name: every buffer the program writes in place, its views, and the in-place
+    ops whose result is the buffer (``calls.add_(1)`` returns ``calls``)."""
+    state: dict[Node, str] = {}
+    for node in graph.nodes:
+        for target in written_args(node):
+            base = view_base(target)
+            if base.op == "get_attr":
+                state.setdefault(base, str(base.target))
+    stack = list(state)
+    while stack:
+        alias = stack.pop()
+        for user in alias.users:
+            if user in state or not user.args or user.args[0] is not alias:
+                continue
+            if is_view(user) or _returns_written(user):
+                state[user] = state[alias]
+                stack.append(user)
+    return state
+
+
+def buffer_state(graph: Graph) -> dict[Node, str]:
+    """Node -> why it stays float: the ops that read a buffer the program writes in place (a
+    counter ``calls.add_(1)``, a running state ``state.copy_(...)``, an accumulator), before or
+    after the write, and the views and in-place results that are the buffer itself.
+
+    Such a buffer is state: not a constant (convert must not freeze it) and not an activation
+    either, because calibration sees only its first values. A quantize on its reads takes the
+    range of those first calls, and the converted program then clamps every later value (a
+    counter read stops counting at the number of calibration batches). Its readers therefore get
+    no spec on their inputs, nor on their output, which follows the state as well. Ops that only
+    write it (batch norm's running statistics in training) are :func:`buffer_writes`.
+    """
+    aliases = buffer_aliases(graph)
+    reasons: dict[Node, str] = {}
+    for alias, buffer in aliases.items():
+        if alias.op == "call_function":
+            reasons.setdefault(
+                alias,
+                f"is buffer {buffer!r} (or a view of it), which the program writes in place: state "
+                "whose later values calibration never sees, so it stays float",
+            )
+        for user in alias.users:
+            if user.op != "call_function" or user in aliases or alias in written_args(user):
+                continue
+            reasons.setdefault(
+                user,
+                f"reads buffer {buffer!r}, which the program writes in place ({alias.name!r}): state "
+                "whose later values calibration never sees, so no quantize may clamp it to the "
+                "calibrated range",
+            )
+    return reasons
+
+
+def buffer_state_keys(graph: Graph) -> set[str | tuple[str, str]]:
+    """The quantization keys :func:`buffer_state` keeps float, for quantizers that annotated them
+    anyway (torchao's XNNPACKQuantizer quantizes ``calls.add_(1)`` and ``x + calls`` as any add):
+    the edges from the buffer into its readers, and the outputs of the readers and of the
+    in-place results that are the buffer. Other inputs of those nodes (the value an
+    ``index_put_`` writes) stay as annotated."""
+    aliases = buffer_aliases(graph)
+    keys: set[str | tuple[str, str]] = set()
+    for node in buffer_state(graph):
+        keys.add(node.name)
+        keys.update((a.name, node.name) for a in node.all_input_nodes if a in aliases)
+    return keys

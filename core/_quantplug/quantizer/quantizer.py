@@ -26,7 +26,7 @@ from _quantplug.errors import (
     QuantplugError,
 )
 from _quantplug.graph.index_arithmetic import index_arithmetic
-from _quantplug.graph.mutation import mutated_aliases
+from _quantplug.graph.mutation import buffer_state, mutated_aliases
 from _quantplug.graph.op_names import op_name
 from _quantplug.graph.working_copy import working_copy
 from _quantplug.meta import FLOAT_REASON_KEY, NOTE_KEY, RULE_KEY
@@ -261,7 +261,7 @@ class Quantizer:
             for head, tail in plan.fused.items():
                 by_name[head].meta[FUSED_TAIL_KEY] = tail
                 by_name[tail].meta[FUSED_HEAD_KEY] = head
-        kept_float = {**index_arithmetic(graph), **mutated_aliases(graph)}
+        kept_float = {**index_arithmetic(graph), **mutated_aliases(graph), **buffer_state(graph)}
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
