@@ -266,9 +266,17 @@ class QuantizedSimulation(Interpreter):
     Args:
         prepared: the calibrated prepared module (not modified).
         activation: ``gid -> (spec, qparams or None)`` for every observer in the graph.
-        weights: ``get_attr target -> tensor`` read instead of the float weight (dequantized codes).
+        weights: ``get_attr target -> tensor`` read instead of the float weight (dequantized codes):
+            the weights the algorithms changed.
         feeds: ``layer node name -> callables`` given that layer's arguments (as the node receives them).
         is_tap: which call_module nodes are calibration taps (skipped).
+        rounded: ``get_attr target -> tensor or None``, what a weight not in ``weights`` reads (its
+            rounding to nearest, made from the program's own tensor at each read, never stored;
+            None: the program's tensor). Every other attribute is the program's own tensor.
+
+    Memory: the program's parameters are shared, never copied; only the weights the algorithms
+    changed are held (a model with a 1M-row embedding and one 64x64 layer GPTQ changes holds
+    that layer, not the table: the table's copies cost 1.9 GB).
     """
 
     def __init__(
@@ -278,12 +286,14 @@ class QuantizedSimulation(Interpreter):
         weights: Mapping[str, torch.Tensor],
         feeds: Mapping[str, Sequence[Callable[[Sequence[Any]], None]]],
         is_tap: Callable[[Node], bool],
+        rounded: Callable[[str], torch.Tensor | None] | None = None,
     ) -> None:
         super().__init__(prepared, garbage_collect_values=True)
         self.activation = activation
         self.weights = weights
         self.feeds = feeds
         self.is_tap = is_tap
+        self.rounded = rounded
         self._left: set[str] = set()
 
     def run_batch(self, batch: Sequence[Any]) -> None:
@@ -301,8 +311,9 @@ class QuantizedSimulation(Interpreter):
             return self.run(*batch)
 
     def run_node(self, n: Node) -> Any:
-        if n.op == "call_module" and self.is_tap(n):
-            return None
+        if n.op == "call_module" and (self.is_tap(n) or (not n.users and observer_gid(n.target) is not None)):
+            return None  # a tap, or a constant's parked observer: nothing reads it (and a value no
+            # node uses stays in the environment to the end of the run: a weight's rounded copy)
         if n.name in self._left:
             args, _ = self.fetch_args_kwargs_from_env(n)
             for feed in self.feeds[n.name]:
@@ -314,6 +325,8 @@ class QuantizedSimulation(Interpreter):
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         replaced = self.weights.get(str(target))
+        if replaced is None and self.rounded is not None:
+            replaced = self.rounded(str(target))
         return replaced if replaced is not None else super().get_attr(target, args, kwargs)
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -326,7 +339,8 @@ class QuantizedSimulation(Interpreter):
 
 class _Run:
     """One cached run of :class:`IncrementalOutputs`: the weights it read, per batch the live
-    values at each checkpoint (references: the interpreter's own values, no copies) and the
+    values at each checkpoint (references: the interpreter's own values, no copies; the weights live
+    there as None, read again on resuming) and the
     outputs."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -430,8 +444,9 @@ class IncrementalOutputs:
         with torch.no_grad():
             for i in range(start, len(self.nodes)):
                 node = self.nodes[i]
-                if i in self.points:
-                    snapshots[i] = dict(sim.env)
+                if i in self.points:  # a weight live there is read again on resuming, not kept:
+                    # rounded at each read (QuantizedSimulation.rounded), kept it would be a copy
+                    snapshots[i] = {n: None if n.op == "get_attr" else v for n, v in sim.env.items()}
                 sim.env[node] = sim.run_node(node)
                 for dead in sim.user_to_last_uses.get(node, []):
                     del sim.env[dead]

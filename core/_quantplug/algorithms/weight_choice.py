@@ -136,13 +136,12 @@ def choose_weights(
         if simulate
         else [list(range(len(refs)))]
     )
-    current: dict[str, torch.Tensor] = {}  # what the simulation reads for each weight (and bias)
-    if simulate:
-        for ref, grid in zip(refs, grids):
-            current[ref.site.name] = grid.dequantize(grid.quantize(ref.site.weight)).to(ref.site.weight.dtype)
+    # what the simulation reads for each weight (and bias) an algorithm changed; every other
+    # weight site is read rounded to nearest, from the program's tensor, at each read
+    current: dict[str, torch.Tensor] = {}
+    rounded = _rounded_to_nearest(refs, grids)
     activation = _activation_encodings(state, qparams_of) if simulate else {}
-    guard = _model_guard(prepared, activation, judged, bool(run.held_out)) if judged else None
-    base = dict(current)  # every weight rounded to nearest: the default
+    guard = _model_guard(prepared, activation, judged, bool(run.held_out), rounded) if judged else None
     chosen: list[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]] = []  # (site index, ...)
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
     nodes = {n.name: n for n in prepared.graph.nodes}
@@ -185,7 +184,7 @@ def choose_weights(
         for node_name, (layout, fed_taps) in cells.items():
             feeds.setdefault(node_name, []).append(_all_arguments(RecurrentTap(layout, fed_taps)))
         if feeds:
-            simulation = QuantizedSimulation(prepared, activation, current, feeds, is_tap)
+            simulation = QuantizedSimulation(prepared, activation, current, feeds, is_tap, rounded)
             for batch in batches:
                 simulation.run_batch(batch)
         for tap in sequential_taps:  # the same samples as the float taps': counted once
@@ -228,7 +227,7 @@ def choose_weights(
     warn_ignored(ignored)
     keep = [True] * len(chosen)
     if guard is not None:
-        keep = _guarded(guard, refs, chosen, base, current)
+        keep = _guarded(guard, refs, chosen, rounded, current)
     for (k, grid, codes, corrected), kept in zip(chosen, keep):
         if not kept:
             continue  # the default (round-to-nearest) does better in this model
@@ -279,20 +278,41 @@ def _all_arguments(tap: RecurrentTap) -> Callable[[Sequence[Any]], None]:
     return feed
 
 
+def _rounded_to_nearest(
+    refs: Sequence[SiteRef], grids: Sequence[WeightGrid]
+) -> Callable[[str], torch.Tensor | None]:
+    """``get_attr target -> its weight rounded to nearest`` (None: no weight site), made from the
+    program's own tensor at each call (:meth:`WeightGrid.rounded`)."""
+    sites = {ref.site.name: (ref.site.weight, grid) for ref, grid in zip(refs, grids)}
+
+    def read(target: str) -> torch.Tensor | None:
+        found = sites.get(target)
+        return None if found is None else found[1].rounded(found[0])
+
+    return read
+
+
 def _guarded(
     guard: ModelGuard,
     refs: Sequence[SiteRef],
     chosen: Sequence[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]],
-    base: dict[str, torch.Tensor],
+    rounded: Callable[[str], torch.Tensor | None],
     current: dict[str, torch.Tensor],
 ) -> list[bool]:
-    """The guard's selection among ``chosen`` (a choice that changes nothing is kept unjudged)."""
+    """The guard's selection among ``chosen`` (a choice that changes nothing is kept unjudged).
+
+    The default every choice is judged against holds the changed sites rounded to nearest, made
+    once here; the weights no algorithm changed are the simulation's own rounding at each read."""
     candidates: list[Candidate] = []
     judged: list[int] = []
+    base: dict[str, torch.Tensor] = {}
     for index, (k, _, _, corrected) in enumerate(chosen):
         ref = refs[k]
+        default = rounded(ref.site.name)
+        assert default is not None  # a chosen site is a weight site
+        base[ref.site.name] = default
         now = {ref.site.name: current[ref.site.name]}
-        before = {ref.site.name: base[ref.site.name]}
+        before = {ref.site.name: default}
         if corrected is not None and ref.bias_target is not None and ref.site.bias is not None:
             now[ref.bias_target], before[ref.bias_target] = corrected, ref.site.bias
         if all(torch.equal(now[t], before[t]) for t in now):
@@ -311,8 +331,11 @@ def _model_guard(
     activation: dict[int, tuple[Any, tuple[Any, Any] | None]],
     batches: Sequence[tuple[Any, ...]],
     held_out: bool,
+    rounded: Callable[[str], torch.Tensor | None],
 ) -> ModelGuard:
-    """The guard over ``batches``, the float model's outputs its reference."""
+    """The guard over ``batches``, the float model's outputs its reference. Its quantized runs
+    read the weights a selection changes from the selection and every other weight site rounded
+    to nearest (``rounded``), every other tensor from the program: no copy of its parameters."""
 
     def outputs(
         encodings: dict[int, tuple[Any, tuple[Any, Any] | None]], replaced: dict[str, torch.Tensor]
@@ -320,7 +343,9 @@ def _model_guard(
         simulation = QuantizedSimulation(prepared, encodings, replaced, {}, is_tap)
         return [output_tensors(simulation.outputs(batch)) for batch in batches]
 
-    quantized = IncrementalOutputs(QuantizedSimulation(prepared, activation, {}, {}, is_tap), batches)
+    quantized = IncrementalOutputs(
+        QuantizedSimulation(prepared, activation, {}, {}, is_tap, rounded), batches
+    )
     return ModelGuard(
         lambda replaced: [output_tensors(out) for out in quantized(replaced)],
         outputs({}, {}),
