@@ -339,9 +339,8 @@ class QuantizedSimulation(Interpreter):
 
 class _Run:
     """One cached run of :class:`IncrementalOutputs`: the weights it read, per batch the live
-    values at each checkpoint (references: the interpreter's own values, no copies; the weights live
-    there as None, read again on resuming) and the
-    outputs."""
+    values at each checkpoint (references: the interpreter's own values, no copies; the weights
+    live there as None, read again on resuming) and the outputs."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
         self.weights = dict(weights)

@@ -296,7 +296,7 @@ def _prepare(
     report, checks = _validate(quantizer, gm, groups)
     # in-place writes into buffers (the op must get the buffer), and every read of such a buffer:
     # state, which no quantize may clamp to the range of its first values (whatever annotated it)
-    unobserved = buffer_writes(gm.graph) | buffer_state_keys(gm.graph)
+    unobserved: set[Key] = {*buffer_writes(gm.graph), *buffer_state_keys(gm.graph)}
     state = _build_groups(gm, keys, groups, qat=qat, backend=getattr(quantizer, "backend", None))
     state.validation = report if isinstance(report, ValidationReport) else None
     state.calibrated_checks = checks

@@ -174,7 +174,7 @@ def read_after(write: Node, aliases: list[Node], order: dict[Node, int]) -> bool
     )
 
 
-def buffer_writes(graph: Graph) -> set[str | tuple[str, str]]:
+def buffer_writes(graph: Graph) -> set[tuple[str, str]]:
     """(tensor, op) name pairs: an op writing one of its arguments in place where that argument is
     a buffer of the module or a view of one (``buf.index_put_(...)``, ``buf.select(0, 0).add_(x)``).
 
