@@ -750,3 +750,72 @@ def test_the_guard_runs_programs_that_write_in_place_whole() -> None:
     for weights in ({}, {"b.weight": params["b.weight"] * 2}, {"a.weight": params["a.weight"] * 3}):
         fresh = QuantizedSimulation(prepared, {}, weights, {}, is_tap)
         assert all(torch.equal(a, fresh.outputs(b)) for a, b in zip(incremental(weights), batches))
+
+
+def _with_loss(algorithms: list[Any], loss: Any, preset: str = "weight_only_int4") -> tuple[Any, Any]:
+    """:func:`convert` with ``Algorithms(..., guard_loss=loss)``, judged on the calibration batches."""
+    x = data()
+    ep = torch.export.export(Mlp().eval(), (x[:BATCH],))
+    quantizer = quantplug.get_quantizer("reference", preset=preset)
+    config = quantplug.Algorithms(algorithms, held_out="calibration", guard_loss=loss)
+    prepared = quantplug.prepare(ep, quantizer, algorithms=config)
+    for i in range(0, len(x), BATCH):
+        prepared(x[i : i + BATCH])
+    return quantplug.convert(prepared), prepared
+
+
+def test_the_guard_minimises_the_task_loss_it_is_given(caplog: pytest.LogCaptureFixture) -> None:
+    """GPTQ brings every layer of the MLP closer to float, so the output-error guard keeps it all;
+    a task whose loss is the distance to the round-to-nearest program (every other program loses)
+    gets that program back, bit for bit, and the log names what each choice cost in loss."""
+    x = data()
+    default, _ = convert([], preset="weight_only_int4")
+    gptq, gptq_prepared = convert(["gptq"], preset="weight_only_int4")
+    assert gptq_prepared.meta[RUN_KEY].guarded.kept_out == []
+    assert not torch.equal(outputs(gptq, x), outputs(default, x))
+    seen: list[tuple[int, int]] = []
+
+    def like_the_default(outs: list[torch.Tensor], inputs: tuple[Any, ...]) -> float:
+        seen.append((len(outs), len(inputs)))
+        with torch.no_grad():
+            target = default(*inputs).to(torch.float64)
+        return float((outs[0] - target).square().sum())
+
+    with caplog.at_level(logging.INFO, logger="quantplug.algorithms"):
+        guarded, prepared = _with_loss(["gptq"], like_the_default)
+    assert torch.equal(outputs(guarded, x), outputs(default, x))
+    verdicts = prepared.meta[RUN_KEY].guarded
+    assert sorted(label for label, _, _ in verdicts.kept_out) == ["fc1.weight", "fc2.weight", "fc3.weight"]
+    assert set(seen) == {(1, 1)}  # one output tensor, one flat input per batch
+    assert "raised the task loss" in caplog.text and "fc2.weight (loss +" in caplog.text
+    # a loss that is the squared distance to float again keeps what the output-error guard keeps
+    reference = Mlp().eval()
+
+    def like_float(outs: list[torch.Tensor], inputs: tuple[Any, ...]) -> float:
+        with torch.no_grad():
+            return float((outs[0] - reference(*inputs).to(torch.float64)).square().sum())
+
+    kept, _ = _with_loss(["gptq"], like_float)
+    assert torch.equal(outputs(kept, x), outputs(gptq, x))
+
+
+@pytest.mark.parametrize(
+    ("loss", "error"),
+    [
+        (lambda outs, inputs: -1.0, "must not be negative"),
+        (lambda outs, inputs: outs[0], "must return one number"),
+        (lambda outs, inputs: "low", "must return one number"),
+    ],
+    ids=["negative", "a tensor of many", "a string"],
+)
+def test_a_guard_loss_that_is_not_a_loss_is_named(loss: Any, error: str) -> None:
+    with pytest.raises(quantplug.AlgorithmError, match=rf"guard_loss=\.\.\.\) returned .*{error}"):
+        _with_loss(["gptq"], loss)
+
+
+def test_a_guard_loss_is_checked_when_configured() -> None:
+    with pytest.raises(quantplug.OptionError, match="guard_loss must be a function"):
+        quantplug.Algorithms(["gptq"], guard_loss=3)  # type: ignore[arg-type]
+    with pytest.raises(quantplug.OptionError, match="guard=False turns the guard off"):
+        quantplug.Algorithms(["gptq"], guard=False, guard_loss=lambda outs, inputs: 0.0)
+    assert "guard_loss=<lambda>" in repr(quantplug.Algorithms(["gptq"], guard_loss=lambda o, i: 0.0))

@@ -26,6 +26,12 @@ from the live values before the first node its changed weight reaches
 (:class:`~_quantplug.algorithms.sequential.IncrementalOutputs`), so a trial on a late layer costs
 the program from that layer on, not a whole pass.
 
+``Algorithms([...], guard_loss=fn)`` replaces the output error by the task's own loss
+(:func:`task_loss`): closer to float is not always better for the task (SeqMSE on the trained
+byte-level LSTM brings its logits closer to float and raises its next-byte cross-entropy on
+held-out and test text alike), and where the user can say what the model is for, the guard
+selects by that.
+
 Transforms of the float program (CLE, SmoothQuant) are judged the same way at prepare
 (:func:`quantized_error`): the program is quantized with the user's quantizer and no algorithm,
 before and after the transform, each calibrated and measured on the first batches given to
@@ -126,6 +132,57 @@ def relative_error(reference: Sequence[Outputs], outputs: Sequence[Outputs]) -> 
     return sum(e / n if n > 0 else e for e, n in zip(errors, energies))
 
 
+#: ``Algorithms([...], guard_loss=...)``: one batch's quantized outputs (:func:`output_tensors`)
+#: and flat inputs -> the task's loss on it (lower is better, never negative)
+GuardLoss = Callable[[Outputs, tuple[Any, ...]], float]
+
+
+def task_loss(loss: GuardLoss, outputs: Sequence[Outputs], batches: Sequence[tuple[Any, ...]]) -> float:
+    """The mean of the user's ``loss`` over the batches; a NaN or inf loss (a quantized model
+    that overflows) is the worst there is, as :func:`relative_error` counts a non-finite output."""
+    if len(outputs) != len(batches):
+        raise ValueError(f"{len(outputs)} batches of outputs for {len(batches)} batches of inputs")
+    total = 0.0
+    for index, (out, batch) in enumerate(zip(outputs, batches)):
+        value = loss(out, batch)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise AlgorithmError(
+                f"Algorithms(guard_loss=...) returned {type(value).__name__} for batch {index}: it "
+                "must return one number, the batch's loss (lower is better); call .item() on a tensor"
+            )
+        if math.isnan(value) or math.isinf(value):
+            return float("inf")
+        if value < 0:
+            raise AlgorithmError(
+                f"Algorithms(guard_loss=...) returned {value} for batch {index}: the guard compares "
+                "losses by their ratio (a tie margin of 0.1 %), so a loss must not be negative; "
+                "add a constant that keeps it above 0"
+            )
+        total += float(value)
+    return total / len(batches) if batches else 0.0
+
+
+def measure(
+    reference: Sequence[Outputs],
+    outputs: Sequence[Outputs],
+    loss: GuardLoss | None,
+    batches: Sequence[tuple[Any, ...]],
+) -> float:
+    """What the guard minimises: the user's task loss where given, else the output error."""
+    return relative_error(reference, outputs) if loss is None else task_loss(loss, outputs, batches)
+
+
+def change(worse: float, better: float, loss: bool) -> str:
+    """What a choice cost, for messages: the output SQNR change, or the task loss's."""
+    if not loss:
+        return f"{decibels(worse, better):+.2f} dB"
+    if math.isinf(worse) or better <= 0:
+        return "loss +inf %" if worse > better else "loss +0.00 %"
+    return f"loss {100 * (worse / better - 1):+.2f} %"
+
+
 class Prepare(Protocol):
     """``prepare(program, quantizer, nonfinite=...)``: a float program prepared, no algorithm."""
 
@@ -153,10 +210,12 @@ def quantized_error(
     reference: Sequence[Outputs],
     nonfinite: str,
     measured: Sequence[tuple[Any, ...]] | None = None,
+    loss: GuardLoss | None = None,
 ) -> float:
     """:func:`relative_error` of ``gm`` (a float program) quantized by ``quantizer`` without
     algorithms (with ``steps``), calibrated on ``batches`` (flat inputs) and run on ``measured``
-    (default: the same batches), against ``reference`` (the float program's outputs on those)."""
+    (default: the same batches), against ``reference`` (the float program's outputs on those);
+    with ``loss``, the task loss there instead (:func:`measure`)."""
     prepared = steps.prepare(gm, quantizer, nonfinite=nonfinite)
     own = private_inputs if writes_an_input(gm.graph) else (lambda batch: batch)  # runs repeat
     with torch.no_grad():
@@ -165,7 +224,7 @@ def quantized_error(
         converted = steps.convert(prepared)
         runs = batches if measured is None else measured
         outputs = [output_tensors(Interpreter(converted).run(*own(batch))) for batch in runs]
-    return relative_error(reference, outputs)
+    return measure(reference, outputs, loss, runs)
 
 
 def guard_batches(
@@ -247,9 +306,13 @@ class ModelGuard:
     tried: int = 0
     #: which batches the error is measured on, for messages (``Algorithms([...], held_out=...)``)
     judged_on: str = "calibration"
+    #: the user's task loss (``Algorithms([...], guard_loss=...)``), measured on ``inputs`` (the
+    #: judged batches, flat) instead of the output error; None: the output error
+    loss: GuardLoss | None = None
+    inputs: Sequence[tuple[Any, ...]] = ()
 
     def _error(self, weights: Mapping[str, torch.Tensor]) -> float:
-        return relative_error(self.reference, self.evaluate(weights))
+        return measure(self.reference, self.evaluate(weights), self.loss, self.inputs)
 
     def select(self, base: Mapping[str, torch.Tensor], candidates: Sequence[Candidate]) -> list[bool]:
         """Which candidates to keep, in their order (upstream first).
@@ -305,13 +368,15 @@ class ModelGuard:
         """The verdicts in one line (the CLI's report shows it beside the algorithms)."""
         if not self.kept_out:
             return f"every choice kept ({self.tried} weight(s) changed by the algorithms)"
+        loss = self.loss is not None
         shown = ", ".join(
-            f"{label} ({decibels(worse, better):+.2f} dB)" for label, worse, better in self.kept_out[:5]
+            f"{label} ({change(worse, better, loss)})" for label, worse, better in self.kept_out[:5]
         )
         more = f" and {len(self.kept_out) - 5} more" if len(self.kept_out) > 5 else ""
         return (
             f"round-to-nearest kept at {len(self.kept_out)} of {self.tried} weight(s), where the "
-            f"algorithms' choice lowered the model's output SQNR on the {self.judged_on} batches: "
+            f"algorithms' choice {'raised the task loss' if loss else 'lowered the output SQNR'} on the "
+            f"{self.judged_on} batches: "
             f"{shown}{more}"
         )
 

@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from _quantplug.algorithms import weight_layers
 from _quantplug.algorithms.experts import ExpertsLayer, packed_rows, routed_rows
 from _quantplug.algorithms.finite_inputs import finite_samples
-from _quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES, ModelGuard
+from _quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES, GuardLoss, ModelGuard
 from _quantplug.algorithms.sequential import HELD_OUT_EVERY, HeldOutSplit, InputStore
 from _quantplug.algorithms.sites import RecurrentWeight, weight_sites
 from _quantplug.algorithms.spec import WeightSite, algorithm_name, is_sequential
@@ -157,6 +157,9 @@ class AlgorithmRun:
     held_out: list[tuple[Any, ...]] | None = None
     #: the default split of the calibration (None: none); its ``batches`` are ``held_out``
     split: HeldOutSplit | None = None
+    #: the task loss the guard minimises (``Algorithms([...], guard_loss=...)``; None: the output
+    #: error against float)
+    guard_loss: GuardLoss | None = None
 
 
 def install_collectors(
@@ -167,6 +170,7 @@ def install_collectors(
     guard: bool = True,
     held_out: Sequence[tuple[Any, ...]] | None = None,
     split: bool = True,
+    guard_loss: GuardLoss | None = None,
 ) -> AlgorithmRun:
     """Ask each algorithm for a collector per weight site and tap the layers' inputs for them.
 
@@ -181,6 +185,7 @@ def install_collectors(
         nonfinite=nonfinite,
         guard=guard,
         held_out=list(held_out) if guard and held_out is not None else None,
+        guard_loss=guard_loss if guard else None,
     )
     container = nn.Module()
     gm.add_module(TAPS, container)

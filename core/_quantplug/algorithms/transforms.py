@@ -19,7 +19,8 @@ from torch.fx import GraphModule, Interpreter
 
 from _quantplug.algorithms.guard import (
     FlowSteps,
-    decibels,
+    GuardLoss,
+    change,
     guard_batches,
     lower,
     output_tensors,
@@ -44,6 +45,7 @@ def run_transforms(
     nonfinite: str = "error",
     held_out: Sequence[tuple[Any, ...]] | None = None,
     split: bool = True,
+    guard_loss: GuardLoss | None = None,
 ) -> tuple[GraphModule, list[tuple[str, float, float]]]:
     """Every algorithm's ``transform_program``, in order, on the float working copy.
 
@@ -91,7 +93,9 @@ def run_transforms(
     def quantized_error_of(program: GraphModule) -> float:  # called only with judged batches
         assert guard is not None
         with _naming(misfit, "the algorithm guard"):
-            return quantized_error(guard, program, quantizer, judged, reference, nonfinite, measured)
+            return quantized_error(
+                guard, program, quantizer, judged, reference, nonfinite, measured, guard_loss
+            )
 
     error: float | None = None  # the quantized error of the program as transformed so far
     left_out: list[tuple[str, float, float]] = []
@@ -126,11 +130,10 @@ def run_transforms(
             put_attr(gm, target, value)
         left_out.append((name, found, error))
         logger.info(
-            "algorithm guard: %s undone: it lowered the quantized model's output SQNR on the "
-            "%s batches by %.2f dB",
+            "algorithm guard: %s undone: the quantized model did worse with it on the %s batches (%s)",
             name,
             "held-out" if held_out is not None else "calibration",
-            -decibels(found, error),
+            change(found, error, guard_loss is not None),
         )
     return gm, left_out
 

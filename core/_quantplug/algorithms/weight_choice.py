@@ -20,7 +20,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from _quantplug.algorithms.experts import ExpertsLayer
-from _quantplug.algorithms.guard import Candidate, ModelGuard, guard_batches, output_tensors
+from _quantplug.algorithms.guard import Candidate, GuardLoss, ModelGuard, guard_batches, output_tensors
 from _quantplug.algorithms.progress import LayerProgress
 from _quantplug.algorithms.sequential import IncrementalOutputs, QuantizedSimulation, stages
 from _quantplug.algorithms.sites import SiteRef, weight_sites
@@ -141,7 +141,11 @@ def choose_weights(
     current: dict[str, torch.Tensor] = {}
     rounded = _rounded_to_nearest(refs, grids)
     activation = _activation_encodings(state, qparams_of) if simulate else {}
-    guard = _model_guard(prepared, activation, judged, bool(run.held_out), rounded) if judged else None
+    guard = (
+        _model_guard(prepared, activation, judged, bool(run.held_out), rounded, run.guard_loss)
+        if judged
+        else None
+    )
     chosen: list[tuple[int, WeightGrid, torch.Tensor, torch.Tensor | None]] = []  # (site index, ...)
     ignored = {tap.site: tap.ignored for tap in taps(prepared)[0] if tap.ignored}
     nodes = {n.name: n for n in prepared.graph.nodes}
@@ -332,10 +336,12 @@ def _model_guard(
     batches: Sequence[tuple[Any, ...]],
     held_out: bool,
     rounded: Callable[[str], torch.Tensor | None],
+    loss: GuardLoss | None = None,
 ) -> ModelGuard:
-    """The guard over ``batches``, the float model's outputs its reference. Its quantized runs
-    read the weights a selection changes from the selection and every other weight site rounded
-    to nearest (``rounded``), every other tensor from the program: no copy of its parameters."""
+    """The guard over ``batches``, the float model's outputs its reference (or the task ``loss``).
+    Its quantized runs read the weights a selection changes from the selection and every other
+    weight site rounded to nearest (``rounded``), every other tensor from the program: no copy of
+    its parameters."""
 
     def outputs(
         encodings: dict[int, tuple[Any, tuple[Any, Any] | None]], replaced: dict[str, torch.Tensor]
@@ -350,6 +356,8 @@ def _model_guard(
         lambda replaced: [output_tensors(out) for out in quantized(replaced)],
         outputs({}, {}),
         judged_on="held-out" if held_out else "calibration",
+        loss=loss,
+        inputs=list(batches),
     )
 
 

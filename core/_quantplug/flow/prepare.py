@@ -277,6 +277,7 @@ def _prepare(
             nonfinite=nonfinite,
             held_out=judged,
             split=split,
+            guard_loss=config.guard_loss,
         )
     transformed = _call(quantizer, "transform_for_annotation", gm)
     if isinstance(transformed, GraphModule):
@@ -327,7 +328,14 @@ def _prepare(
     _count_calls_per_pass(gm, state)
     if algorithms:  # algorithm hook 2: taps feeding the algorithms' per-layer collectors
         gm.meta[ALGORITHMS_KEY] = install_collectors(
-            gm, state, algorithms, nonfinite, guard, held_out=judged, split=split
+            gm,
+            state,
+            algorithms,
+            nonfinite,
+            guard,
+            held_out=judged,
+            split=split,
+            guard_loss=config.guard_loss,
         )
         gm.meta[ALGORITHMS_KEY].undone = undone
     if bodies:  # torchao's prepare_pt2e: each loop body prepared with the same quantizer
