@@ -70,6 +70,7 @@ def bench_model(
     algorithm_configs: Sequence[str] | None = None,
     held_out: str | None = None,
     save: Any = None,
+    guard_loss: bool = False,
 ) -> dict[str, Any]:
     """Every run of ``t``; ``save(results so far)`` after each (a long run stopped keeps its cells)."""
     key = primary(t.kind)
@@ -101,11 +102,15 @@ def bench_model(
         ]
         for algs in tried:
             name = flows.label(algs) + (" (guard on calibration)" if held_out == "calibration" else "")
+            name += " (guard on next-byte loss)" if guard_loss else ""
 
             def run_alg(
                 algs: Sequence[flows.Spec] = algs, backend: str = backend, options: dict[str, Any] = options
             ) -> Any:
-                return measured(flows.quantplug_flow(t, backend, options, algs, held_out=held_out))
+                loss = flows.next_byte_loss if guard_loss else None
+                return measured(
+                    flows.quantplug_flow(t, backend, options, algs, held_out=held_out, guard_loss=loss)
+                )
 
             out["algorithms"][config] = runs
             found = runs[name] = _try(log, f"{config} {name}", run_alg)
@@ -276,6 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help='Algorithms(..., held_out="calibration"): the guard judges on the batches the algorithms fitted',
     )
+    parser.add_argument(
+        "--guard-loss",
+        action="store_true",
+        help="Algorithms(..., guard_loss=next-byte cross-entropy): the guard minimises the language "
+        "model's own loss on its held-out batches instead of the output error",
+    )
     parser.add_argument("--train", action="store_true", help="retrain and store the language models first")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "trained.md"))
@@ -336,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lambda so_far, model=model: out.with_suffix(".json").write_text(
                 json.dumps({**results, model: so_far}, indent=1)
             ),
+            args.guard_loss and t.kind == "lm",
         )
         results[model]["minutes"] = round((time.perf_counter() - begun) / 60, 1)
         out.with_suffix(".json").write_text(json.dumps(results, indent=1))

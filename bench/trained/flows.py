@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import quantplug
 from bench.trained.tasks import Task
@@ -74,13 +75,16 @@ def quantplug_flow(
     algorithms: Sequence[Spec] = (),
     artifact: bool = False,
     held_out: str | None = None,
+    guard_loss: Callable[[list[torch.Tensor], tuple[Any, ...]], float] | None = None,
 ) -> dict[str, Any]:
     """prepare (with ``algorithms`` judged by the default guard, or ``Algorithms(...,
-    held_out=held_out)``) / calibrate / convert; the test logits of the Q/DQ program and, with
-    ``artifact``, of the lowered model in ONNX Runtime."""
+    held_out=held_out, guard_loss=guard_loss)``) / calibrate / convert; the test logits of the Q/DQ
+    program and, with ``artifact``, of the lowered model in ONNX Runtime."""
     quantizer = quantplug.get_quantizer(backend, **{**(HTP if backend == "qnn_htp" else {}), **options})
     algs = (
-        quantplug.Algorithms(list(algorithms), calibration=task.calibration, held_out=held_out)
+        quantplug.Algorithms(
+            list(algorithms), calibration=task.calibration, held_out=held_out, guard_loss=guard_loss
+        )
         if algorithms
         else None
     )
@@ -96,6 +100,13 @@ def quantplug_flow(
             lowered = quantplug.lower(converted, quantizer)
             found["artifact"] = [lowered.run(*b) for b in task.test]
     return found
+
+
+def next_byte_loss(outputs: list[torch.Tensor], inputs: tuple[Any, ...]) -> float:
+    """The language models' own loss for ``Algorithms(guard_loss=...)``: the next byte's
+    cross-entropy within each window (no labels needed: the next input byte is the label)."""
+    logits, tokens = outputs[0], inputs[0]
+    return float(F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()))
 
 
 def _pt2e(task: Task, quantizer: Any) -> list[torch.Tensor]:
