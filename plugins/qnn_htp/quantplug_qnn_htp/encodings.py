@@ -431,6 +431,37 @@ def to_aimet(
     return doc
 
 
+def dumps(document: Mapping[str, Any]) -> str:
+    """The encodings document as JSON text whose size is what it says.
+
+    One tensor per line, each written without spaces (``json.dumps(indent=2)`` puts every number
+    of every list on a line of its own: an LPBQ weight's block scales, one small integer each,
+    took 12 bytes apiece that way, 3 this way). Top-level keys and the lists' brackets keep a
+    line each, so the file still reads (and diffs) tensor by tensor. The JSON values are those
+    of ``document`` exactly (strict JSON: no NaN or infinity).
+    """
+
+    def compact(value: Any) -> str:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+    def rows(items: list[str], indent: str) -> list[str]:
+        return [f"{indent}{item}{',' if i < len(items) - 1 else ''}" for i, item in enumerate(items)]
+
+    keys = list(document)
+    lines = ["{"]
+    for i, key in enumerate(keys):
+        value, end = document[key], "," if i < len(keys) - 1 else ""
+        if isinstance(value, list) and value:
+            lines += [f"  {compact(key)}: [", *rows([compact(v) for v in value], "    "), f"  ]{end}"]
+        elif isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
+            named = [f"{compact(name)}: {compact(v)}" for name, v in value.items()]  # 0.6.1's dicts
+            lines += [f"  {compact(key)}: {{", *rows(named, "    "), f"  }}{end}"]
+        else:
+            lines.append(f"  {compact(key)}: {compact(value)}{end}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
 @cache
 def schema(version: str) -> dict[str, Any]:
     """The JSON schema (draft 7) of an encodings file version, shipped with this package."""
@@ -456,6 +487,7 @@ __all__ = [
     "QuantizerArgs",
     "aimet_offset",
     "bitwidth",
+    "dumps",
     "from_entry",
     "lpbq_parts",
     "onnx_dtype_name",

@@ -22,7 +22,6 @@ arch and a per-tensor summary. Pass the pair to ``qnn-onnx-converter --input_net
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -79,6 +78,12 @@ LOWERING_PASSES: tuple[tuple[str, Any], ...] = (("qnn_htp.check_encodings", chec
 
 # --- the writer ---------------------------------------------------------------------------------
 
+#: a model whose initializers hold more bytes than this is written as ``model.onnx`` plus
+#: ``model.onnx.data`` (ONNX external data, which ``onnx.load`` and QNN's converter read from
+#: beside the model), streamed tensor by tensor from the program when the artifact is saved;
+#: a smaller one is a single ``model.onnx`` held as bytes (``artifact.files["model.onnx"]``)
+SINGLE_FILE_BYTES = 16 * 2**20
+
 _Q_SUFFIX = re.compile(r"_q\d*$")
 
 
@@ -130,9 +135,16 @@ def _initializer_names(model: Any) -> set[str]:
 def onnx_encodings(
     program: GraphModule, context: BackendContext, example_inputs: Sequence[torch.Tensor] | None = None
 ) -> tuple[Any, list[qnn_enc.QnnEncoding], list[str]]:
-    """Export ``program`` to QDQ ONNX; return ``(onnx model, encodings keyed by ONNX names, conflicts)``."""
+    """Export ``program`` to QDQ ONNX; return ``(export result, encodings keyed by ONNX names,
+    conflicts)``.
+
+    The result's model holds no weight data (``external_data=True``): the weights stay in the
+    program's tensors until the artifact is written, 4-bit ones stored as ``INT4`` (two codes a
+    byte, :func:`quantplug.backend.pack_int4_constants`); the ``DequantizeLinear`` outputs the
+    encodings describe are the same.
+    """
     try:
-        from quantplug.backend import export_qdq_onnx
+        from quantplug.backend import export_qdq_onnx, pack_int4_constants
     except ImportError as exc:  # pragma: no cover - the core ships it
         raise LoweringError(f"qnn_htp lowering needs quantplug.lowering.onnx_export ({exc})") from exc
     found = program.meta.get(META_KEY)
@@ -140,7 +152,8 @@ def onnx_encodings(
         check_encodings(program, context)
         found = program.meta[META_KEY]
     by_node = {entry["node"]: enc for entry, enc in found}
-    result = export_qdq_onnx(program, example_inputs)
+    result = export_qdq_onnx(program, example_inputs, external_data=True)
+    pack_int4_constants(result)
     model = result.model
     renames = _rename_param_tensors(model, result)
     initializers = _initializer_names(model)
@@ -169,7 +182,7 @@ def onnx_encodings(
         names.setdefault(tensor, named)
     if missing:
         raise LoweringError(_missing_message(program, missing))
-    return model, list(names.values()), conflicts
+    return result, list(names.values()), conflicts
 
 
 def _missing_message(program: GraphModule, missing: Sequence[str]) -> str:
@@ -200,7 +213,8 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
     from quantplug.backend import compact_node_metadata
 
     version = context.option("encodings_version") or qnn_enc.DEFAULT_VERSION
-    model, encs, conflicts = onnx_encodings(program, context)
+    result, encs, conflicts = onnx_encodings(program, context)
+    model = result.model
     completeness = check_completeness(model, [e.name for e in encs], program, strict=context.strict)
     compact_node_metadata(model)  # the check above read the exporter's notes; the file ships without
     try:
@@ -220,11 +234,12 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
         }
         for e in encs
     ]
+    external = result.external_bytes > SINGLE_FILE_BYTES
     return Artifact(
         backend=context.backend,
         files={
-            qnn_enc.MODEL_FILE: bytes(model.SerializeToString()),
-            qnn_enc.ENCODINGS_FILE: json.dumps(document, indent=2, allow_nan=False),
+            qnn_enc.MODEL_FILE: result.save if external else result.model_bytes(),
+            qnn_enc.ENCODINGS_FILE: qnn_enc.dumps(document),
         },
         metadata={
             "options": dict(context.options),
@@ -232,6 +247,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
             "htp_arch": getattr(soc, "arch_name", None),
             "encodings_version": version,
             "onnx_opset": 21,
+            "onnx_external_data": qnn_enc.MODEL_FILE + ".data" if external else None,
             "quantized_tensors": len(encs),
             "encoding_conflicts": conflicts,
             "tensors": summary,

@@ -131,6 +131,9 @@ class OnnxExportResult:
     path: Path | None = None
     _program: GraphModule | None = field(default=None, repr=False)
     _exported: Any = field(default=None, repr=False)
+    #: initializers kept out of ``model`` (``external_data=True``): name -> ``onnx_ir`` tensor
+    #: over the program's own storage, written to the ``.data`` file by :meth:`save`
+    _external: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def exported_program(self) -> Any:
@@ -161,12 +164,45 @@ class OnnxExportResult:
         """quantplug encoding nodes with no tensor in the ONNX model."""
         return [e["node"] for e in self.encodings if e.get("onnx") is None]
 
+    @property
+    def external_bytes(self) -> int:
+        """Bytes of the initializers kept out of ``model`` (0 unless ``external_data=True``)."""
+        return sum(int(t.nbytes) for t in self._external.values())
+
+    def initializer_array(self, name: str) -> Any:
+        """An initializer's values as a numpy array, wherever they are kept (a view of the
+        program's tensor when kept out of ``model``)."""
+        if name in self._external:
+            return self._external[name].numpy()
+        from onnx import numpy_helper
+
+        found = next((t for t in self.model.graph.initializer if t.name == name), None)
+        if found is None:
+            raise KeyError(f"no initializer {name!r} in the model")
+        return numpy_helper.to_array(found)
+
     def model_bytes(self) -> bytes:
-        return bytes(self.model.SerializeToString())
+        """The serialized model, every initializer inside it (with ``external_data=True`` this
+        builds a full copy: for small models; large ones go through :meth:`save`)."""
+        if not self._external:
+            return bytes(self.model.SerializeToString())
+        full = type(self.model)()
+        full.CopyFrom(self.model)
+        for tensor in full.graph.initializer:
+            data = self._external.get(tensor.name)
+            if data is not None:
+                del tensor.external_data[:]
+                tensor.data_location = tensor.DEFAULT
+                tensor.raw_data = data.tobytes()
+        return bytes(full.SerializeToString())
 
     def save(self, path: str | Path) -> Path:
-        """Write the model to ``path`` (weights past 2 GB go to a ``.data`` file beside it)."""
-        return _save_model(self.model, Path(path))
+        """Write the model to ``path``. Initializers kept out of ``model`` (``external_data=True``)
+        are streamed, one tensor at a time, to ``<file name>.data`` beside it, and ``model``
+        then records where each one is; otherwise weights past 2 GB go to such a file."""
+        if not self._external:
+            return _save_model(self.model, Path(path))
+        return _save_with_external_data(self.model, self._external, Path(path))
 
 
 # --------------------------------------------------------------------------------- entry point
@@ -183,6 +219,7 @@ def export_qdq_onnx(
     output_names: Sequence[str] | None = None,
     custom_translations: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
     clip_narrowed_ranges: bool = False,
+    external_data: bool = False,
 ) -> OnnxExportResult:
     """Export a converted (Q/DQ) program to a QDQ ONNX model.
 
@@ -252,7 +289,9 @@ def export_qdq_onnx(
     _rename(model.graph.outputs, output_names, "output")
     placed = qdq_sites.insert_qdq(model, sites, clip_narrowed_ranges=clip_narrowed_ranges, opset=opset)
     _name_dimensions(model, dimension_names(program))
+    external = _keep_out_large_initializers(model) if external_data else {}
     proto = _serialize(model)
+    del model, program  # the ONNX graph: only ``external``'s tensors (the program's) live on
     result = OnnxExportResult(
         model=proto,
         opset=opset,
@@ -260,6 +299,7 @@ def export_qdq_onnx(
         outputs=_value_infos(onnx, proto.graph.output, ()),
         encodings=[dict(e) for e in table],
         _program=quantized,
+        _external=external,
     )
     _map_encodings(result, placed)
     if path is not None:
@@ -369,6 +409,69 @@ def _serialize(model: Any) -> Any:
     import onnx_ir as ir
 
     return ir.serde.serialize_model(model)
+
+
+#: with ``external_data=True``, initializers of at least this many bytes stay out of the model
+#: proto (ONNX's own ``size_threshold`` for external data)
+EXTERNAL_MIN_BYTES = 1024
+#: the placeholder location of initializers kept out of the proto, until ``save`` writes them
+_UNSAVED = "<unsaved>"
+
+
+def _keep_out_large_initializers(model: Any) -> dict[str, Any]:
+    """Swap each large initializer of ``model`` (an ``onnx_ir.Model``) for an external reference,
+    so that serializing the model copies none of its data; return the tensors swapped out, by
+    name, in the model's order."""
+    import onnx_ir as ir
+
+    kept: dict[str, Any] = {}
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < EXTERNAL_MIN_BYTES:
+            continue
+        kept[name] = tensor
+        value.const_value = ir.ExternalTensor(
+            _UNSAVED, None, None, tensor.dtype, shape=tensor.shape, name=name
+        )
+    return kept
+
+
+#: tensors past this size start at a multiple of the page size in the ``.data`` file (mappable)
+_ALIGN_FROM_BYTES = 1 << 20
+_PAGE = 4096
+
+
+def _save_with_external_data(model: Any, tensors: Mapping[str, Any], path: Path) -> Path:
+    """Write ``tensors`` one by one to ``<path.name>.data``, record each one's place in
+    ``model``'s initializers, then write ``model`` (which holds no tensor data) to ``path``."""
+    import onnx
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    location = path.name + ".data"
+    places: dict[str, tuple[int, int]] = {}
+    with open(path.parent / location, "wb") as f:
+        offset = 0
+        for name, tensor in tensors.items():
+            data = tensor.tobytes()  # one tensor's bytes at a time (4-bit codes packed here)
+            if len(data) > _ALIGN_FROM_BYTES and offset % _PAGE:
+                f.write(b"\0" * (_PAGE - offset % _PAGE))
+                offset += _PAGE - offset % _PAGE
+            f.write(data)
+            places[name] = (offset, len(data))
+            offset += len(data)
+            del data
+    for initializer in model.graph.initializer:
+        place = places.get(initializer.name)
+        if place is None:
+            continue
+        del initializer.external_data[:]
+        initializer.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", place[0]), ("length", place[1])):
+            entry = initializer.external_data.add()
+            entry.key, entry.value = key, str(value)
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    return path
 
 
 def _map_encodings(result: OnnxExportResult, placed: Mapping[int, Any]) -> None:
@@ -653,7 +756,9 @@ def pack_int4_constants(result: OnnxExportResult) -> list[str]:
 
     The ``DequantizeLinear`` results are unchanged; runtimes that read 4-bit weights natively
     (ONNX Runtime's ``MatMulNBits``) need this type to recognise them. A zero point shared with
-    a constant that stays 8-bit keeps the whole pair 8-bit.
+    a constant that stays 8-bit keeps the whole pair 8-bit. An initializer kept out of the model
+    (``external_data=True``) is converted when :meth:`OnnxExportResult.save` writes it: no
+    4-bit copy of the weights is held meanwhile.
     """
     from onnx import TensorProto, numpy_helper
 
@@ -681,13 +786,11 @@ def pack_int4_constants(result: OnnxExportResult) -> list[str]:
         for name in names:
             if name is not None:
                 wanted[name] = target
-    import ml_dtypes
-
-    arrays = {name: numpy_helper.to_array(inits[name]) for name in wanted}
+    arrays = {name: result.initializer_array(name) for name in wanted}  # views, for kept-out ones
     for name, target in list(wanted.items()):
         lo, hi = (-8, 7) if target == TensorProto.INT4 else (0, 15)
         array = arrays[name]
-        if array.size and (int(array.min()) < lo or int(array.max()) > hi):
+        if array.dtype.kind not in "iu" or (array.size and (int(array.min()) < lo or int(array.max()) > hi)):
             del wanted[name]
     # a DequantizeLinear reading a converted tensor needs its data and zero point both converted
     changed = True
@@ -701,10 +804,33 @@ def pack_int4_constants(result: OnnxExportResult) -> list[str]:
                         if p in wanted:
                             del wanted[p]
                             changed = True
+    for value in (*graph.value_info, *graph.input):  # the types stated for them follow
+        if value.name in wanted and value.type.HasField("tensor_type"):
+            value.type.tensor_type.elem_type = wanted[value.name]
     for name, target in wanted.items():
-        dtype = ml_dtypes.int4 if target == TensorProto.INT4 else ml_dtypes.uint4
-        inits[name].CopyFrom(numpy_helper.from_array(arrays[name].astype(dtype), name))
+        if name in result._external:
+            result._external[name] = _four_bit_on_write(arrays[name], target, name)
+            inits[name].data_type = target
+        else:
+            inits[name].CopyFrom(numpy_helper.from_array(arrays[name].astype(_four_bit_numpy(target)), name))
     return sorted(wanted)
+
+
+def _four_bit_numpy(onnx_type: int) -> Any:
+    import ml_dtypes
+    from onnx import TensorProto
+
+    return ml_dtypes.int4 if onnx_type == TensorProto.INT4 else ml_dtypes.uint4
+
+
+def _four_bit_on_write(array: Any, onnx_type: int, name: str) -> Any:
+    """``array`` as an ``onnx_ir`` 4-bit tensor computed when its bytes are asked for."""
+    import onnx_ir as ir
+
+    dtype = _four_bit_numpy(onnx_type)
+    return ir.LazyTensor(
+        lambda: ir.Tensor(array.astype(dtype)), ir.DataType(onnx_type), ir.Shape(array.shape), name=name
+    )
 
 
 # --------------------------------------------------------------------------------- model helpers
