@@ -5,7 +5,8 @@ On a transformers Llama with a tied embedding / LM-head table (``tie_word_embedd
 * 4-bit weight codes are ONNX ``INT4`` initializers (two codes a byte), their zero points too, and
   the model stays pure Q/DQ, running as Q/DQ arithmetic within 1 dB of the program;
 * a table both uses quantize alike (``per_channel_embedding``: the LM head's 4-bit grid) is one
-  initializer, read by both ``DequantizeLinear`` nodes;
+  initializer, read by both ``DequantizeLinear`` nodes; one they quantize differently (by default
+  the embedding's table is on the 16-bit activation grid) is two, which ``artifact.json`` says;
 * a model past ``SINGLE_FILE_BYTES`` is written as ``model.onnx`` + ``model.onnx.data``, streamed
   from the program's tensors: loaded with its external data it is the single-file model, byte for
   byte, and runs the same; neither the float model nor the converted program is changed;
@@ -67,7 +68,11 @@ def _quantize(model: torch.nn.Module, **options: Any) -> tuple[torch.fx.GraphMod
 
 
 def _state(module: torch.nn.Module) -> dict[str, bytes]:
-    return {k: v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for k, v in module.state_dict().items()}
+    """Every tensor's bytes (whatever its dtype or rank)."""
+    state = module.state_dict()
+    return {
+        k: v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for k, v in state.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +92,9 @@ def tied() -> dict[str, Any]:
     }
 
 
-def test_4bit_weights_are_int4_and_the_tied_table_is_stored_once(tied: dict[str, Any], tmp_path: Path) -> None:
+def test_4bit_weights_are_int4_and_the_tied_table_is_stored_once(
+    tied: dict[str, Any], tmp_path: Path
+) -> None:
     tied["single"].save(tmp_path)
     model = onnx.load(str(tmp_path / "model.onnx"))
     inits = {t.name: t for t in model.graph.initializer}
@@ -109,6 +116,7 @@ def test_4bit_weights_are_int4_and_the_tied_table_is_stored_once(tied: dict[str,
     encodings = json.loads((tmp_path / "model.encodings").read_text())
     named = {e["name"] for e in encodings["param_encodings"]}
     assert {n.output[0] for n in read_by_dq[tables[0]]} <= named
+    assert tied["single"].metadata["parameters_stored_twice"] == []
 
 
 def test_external_data_is_the_single_file_model_and_runs_the_same(
@@ -155,6 +163,9 @@ def test_lpbq_encodings_are_compact_and_say_the_same(tmp_path: Path) -> None:
 
     program, quantizer = _quantize(_llama(), precision="16a4w_block", block_size=16)
     artifact = quantplug.lower(program, quantizer)
+    # the tied table's uses quantize it differently here (16-bit table, LPBQ head): two tables, said so
+    (twice,) = artifact.metadata["parameters_stored_twice"]
+    assert len(twice["initializers"]) == 2 and "lm_head" in twice["parameter"]
     text = artifact.files["model.encodings"]
     assert isinstance(text, str)
     document = json.loads(text)

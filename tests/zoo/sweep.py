@@ -1328,6 +1328,14 @@ def steps(program_out: list[Any], artifact_out: list[Any]) -> float:
     return worst
 
 
+def _model_bytes(path: Path) -> bytes:
+    """A saved ONNX model as one serialized proto, its external data (``model.onnx.data``, written
+    for large models) read in."""
+    import onnx
+
+    return bytes(onnx.load(str(path)).SerializeToString())
+
+
 def one_case(
     program: torch.export.ExportedProgram,
     backend: str,
@@ -1345,7 +1353,7 @@ def one_case(
     artifact = quantplug.lower(converted, q)
     with tempfile.TemporaryDirectory() as out:
         artifact.save(out)
-        model = (Path(out) / "model.onnx").read_bytes()
+        model = _model_bytes(Path(out) / "model.onnx")
     if backend == "qnn_htp":  # pure Q/DQ, and as Q/DQ arithmetic within 1 dB of the program
         offenders = pure_qdq.integer_domain_ops(onnx.load_from_string(model))
         if offenders:

@@ -124,6 +124,34 @@ def _rename_param_tensors(model: Any, result: Any) -> dict[str, str]:
     return renames
 
 
+def _parameters_stored_twice(result: Any) -> list[dict[str, Any]]:
+    """Parameters whose uses quantize them differently, so that the model holds several integer
+    tables for one parameter (convert names each form ``<parameter>_q<N>``).
+
+    The usual case is a tied embedding / LM-head table (``tie_word_embeddings``): the embedding's
+    table on the activation grid (16-bit per tensor), the LM head's on the weight grid. With
+    ``per_channel_embedding=True`` both take the weight grid, convert keeps one table, and the
+    model stores it once, read by both ``DequantizeLinear`` nodes.
+    """
+    initializers = {t.name: t for t in result.model.graph.initializer}
+    forms: dict[str, set[str]] = {}
+    for entry in result.encodings:
+        info = entry.get("onnx")
+        if entry["kind"] == "constant" and info and info["quantized"] in initializers:
+            forms.setdefault(_Q_SUFFIX.sub("", info["quantized"]), set()).add(info["quantized"])
+    return [
+        {
+            "parameter": base,
+            "initializers": sorted(names),
+            "hint": "its uses quantize it differently (a tied embedding table on the activation grid, "
+            "the LM head's on the weight grid); per_channel_embedding=True quantizes both alike and "
+            "stores it once",
+        }
+        for base, names in sorted(forms.items())
+        if len(names) > 1
+    ]
+
+
 def _initializer_names(model: Any) -> set[str]:
     names = {i.name for i in model.graph.initializer}
     for node in model.graph.node:  # constants the exporter kept as Constant nodes
@@ -250,6 +278,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
             "onnx_external_data": qnn_enc.MODEL_FILE + ".data" if external else None,
             "quantized_tensors": len(encs),
             "encoding_conflicts": conflicts,
+            "parameters_stored_twice": _parameters_stored_twice(result),
             "tensors": summary,
             **completeness.metadata(),
         },

@@ -441,6 +441,21 @@ _ALIGN_FROM_BYTES = 1 << 20
 _PAGE = 4096
 
 
+def _tensor_bytes(tensor: Any) -> Any:
+    """An ``onnx_ir`` tensor's ONNX bytes (little-endian): the program's own memory when it is laid
+    out so already, else a copy of this one tensor (4-bit codes are packed two a byte here)."""
+    import sys
+
+    import numpy as np
+    import onnx_ir as ir
+
+    if sys.byteorder == "little" and not isinstance(tensor, ir.LazyTensor) and tensor.dtype.bitwidth >= 8:
+        array = tensor.numpy()
+        if array.flags.c_contiguous and array.dtype.kind in "biuf":
+            return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+    return tensor.tobytes()
+
+
 def _save_with_external_data(model: Any, tensors: Mapping[str, Any], path: Path) -> Path:
     """Write ``tensors`` one by one to ``<path.name>.data``, record each one's place in
     ``model``'s initializers, then write ``model`` (which holds no tensor data) to ``path``."""
@@ -452,7 +467,7 @@ def _save_with_external_data(model: Any, tensors: Mapping[str, Any], path: Path)
     with open(path.parent / location, "wb") as f:
         offset = 0
         for name, tensor in tensors.items():
-            data = tensor.tobytes()  # one tensor's bytes at a time (4-bit codes packed here)
+            data = _tensor_bytes(tensor)
             if len(data) > _ALIGN_FROM_BYTES and offset % _PAGE:
                 f.write(b"\0" * (_PAGE - offset % _PAGE))
                 offset += _PAGE - offset % _PAGE
