@@ -159,6 +159,7 @@ def run_one(size: str, flow: str, batches_n: int, lowered: bool = True) -> dict[
     precision, _, algorithm = rest.partition("+")
     ep = phases.run("export", lambda: torch.export.export(model, calibration[0]))
     artifact_bytes = None
+    artifact_files: dict[str, int] = {}
     if backend == "qnn_htp":
         import quantplug
 
@@ -170,13 +171,14 @@ def run_one(size: str, flow: str, batches_n: int, lowered: bool = True) -> dict[
         with torch.no_grad():
             output = quantized(*held_out)
 
-        def lower_and_save() -> int:
+        def lower_and_save() -> dict[str, int]:
             with tempfile.TemporaryDirectory() as out:
                 quantplug.lower(quantized, quantizer).save(out)
-                return sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
+                return {p.name: p.stat().st_size for p in sorted(Path(out).rglob("*")) if p.is_file()}
 
         if lowered:
-            artifact_bytes = phases.run("lower", lower_and_save)
+            artifact_files = phases.run("lower", lower_and_save)
+            artifact_bytes = sum(artifact_files.values())
     else:
         os.environ["QNN_SDK_ROOT"] = ""  # before ExecuTorch's quantizer is built: no SDK download
         from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
@@ -201,6 +203,7 @@ def run_one(size: str, flow: str, batches_n: int, lowered: bool = True) -> dict[
         "seconds": phases.seconds,
         "peak_mib": phases.peak_mib,
         "artifact_mib": None if artifact_bytes is None else artifact_bytes / 2**20,
+        "artifact_files": artifact_files,  # bytes of each file written
         "sqnr_db": _sqnr(reference, output),
     }
 
@@ -264,6 +267,12 @@ def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
             )
             + " |"
         )
+    with_files = [r for r in results if r.get("artifact_files")]
+    if with_files:
+        lines += ["", "Artifact files, MiB:", ""]
+        for r in with_files:
+            files = ", ".join(f"`{name}` {size / 2**20:.2f}" for name, size in r["artifact_files"].items())
+            lines.append(f"- {r['size']} {r['flow']}: {files}")
     lines += ["", "Ratios (same run):", ""]
     by = {(r["size"], r["flow"]): r for r in results if "error" not in r}
 

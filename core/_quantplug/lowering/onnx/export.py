@@ -240,6 +240,13 @@ def export_qdq_onnx(
             integer op but Q/DQ (what Qualcomm's converter and ONNX Runtime take); ``True`` adds
             an integer ``Clip`` after its ``QuantizeLinear``, so that the ONNX arithmetic equals
             the program's beyond the calibrated range too (ONNX Runtime has no 16-bit ``Clip``).
+        external_data: keep every initializer of at least :data:`EXTERNAL_MIN_BYTES` out of
+            ``result.model``: it holds their name, type and shape (``data_location EXTERNAL``)
+            while their values stay in the program's own tensors until ``result.save(path)``
+            streams them to ``<file name>.data`` (write it with ``result.save``: ``onnx.save``
+            has no data to write; ``result.model_bytes()`` builds a single-file copy). The proto
+            then holds no copy of the weights (nor do the checks that serialize it, e.g. shape
+            inference), which is what keeps lowering a large model from copying its weights.
 
     Raises:
         LoweringError: ``onnx``/``onnxscript`` are missing, the opset is too low, an input does
@@ -452,7 +459,7 @@ def _tensor_bytes(tensor: Any) -> Any:
     if sys.byteorder == "little" and not isinstance(tensor, ir.LazyTensor) and tensor.dtype.bitwidth >= 8:
         array = tensor.numpy()
         if array.flags.c_contiguous and array.dtype.kind in "biuf":
-            return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+            return array.reshape(-1).view(np.uint8).data
     return tensor.tobytes()
 
 
