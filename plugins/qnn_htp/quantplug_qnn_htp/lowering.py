@@ -58,7 +58,7 @@ def _shape_of(gm: GraphModule, tensor: str) -> tuple[int, ...] | None:
 def check_encodings(program: GraphModule, context: BackendContext) -> None:
     """Compute every tensor's QNN encoding; raise listing all that QNN cannot encode."""
     act_symmetric = bool(context.option("act_symmetric", False))
-    found: list[tuple[dict[str, Any], qnn_enc.QnnEncoding]] = []
+    found: list[tuple[str, qnn_enc.QnnEncoding]] = []  # (node, encoding): the entries' lists go
     problems: list[str] = []
     nodes = {n.name: n for n in program.graph.nodes}
     for entry in program_encodings(program):
@@ -68,7 +68,7 @@ def check_encodings(program: GraphModule, context: BackendContext) -> None:
         except qnn_enc.EncodingError as exc:
             problems.append(f"  {describe(nodes[entry['node']])} (node {entry['node']!r}): {exc}")
             continue
-        found.append((entry, enc))
+        found.append((entry["node"], enc))
     if problems:
         raise LoweringError(
             f"{len(problems)} quantized tensor(s) cannot be encoded for QNN HTP:\n" + "\n".join(problems)
@@ -182,7 +182,7 @@ def onnx_encodings(
     if found is None:
         check_encodings(program, context)
         found = program.meta[META_KEY]
-    by_node = {entry["node"]: enc for entry, enc in found}
+    by_node = dict(found)
     result = export_qdq_onnx(program, example_inputs, external_data=True)
     pack_int4_constants(result)
     model = result.model
@@ -269,7 +269,7 @@ def write_artifact(program: GraphModule, context: BackendContext) -> Artifact:
     return Artifact(
         backend=context.backend,
         files={
-            qnn_enc.MODEL_FILE: result.save if external else result.model_bytes(),
+            qnn_enc.MODEL_FILE: result.model_writer() if external else result.model_bytes(),
             qnn_enc.ENCODINGS_FILE: qnn_enc.dumps(document),
         },
         metadata={

@@ -196,13 +196,25 @@ class OnnxExportResult:
                 tensor.raw_data = data.tobytes()
         return bytes(full.SerializeToString())
 
+    def model_writer(self) -> Callable[[Path], Path]:
+        """:meth:`save` as a ``write(path)`` callable for an :class:`Artifact`'s files, holding
+        only the model and the tensors kept out of it: neither the program nor the encodings
+        (whose per-block scales, as Python lists, outweigh an LPBQ model's block scales 8 to 1)
+        live on with the artifact."""
+        model, external = self.model, self._external
+
+        def write(path: Path) -> Path:
+            if not external:
+                return _save_model(model, Path(path))
+            return _save_with_external_data(model, external, Path(path))
+
+        return write
+
     def save(self, path: str | Path) -> Path:
         """Write the model to ``path``. Initializers kept out of ``model`` (``external_data=True``)
         are streamed, one tensor at a time, to ``<file name>.data`` beside it, and ``model``
         then records where each one is; otherwise weights past 2 GB go to such a file."""
-        if not self._external:
-            return _save_model(self.model, Path(path))
-        return _save_with_external_data(self.model, self._external, Path(path))
+        return self.model_writer()(Path(path))
 
 
 # --------------------------------------------------------------------------------- entry point
