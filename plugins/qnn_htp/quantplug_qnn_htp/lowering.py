@@ -18,8 +18,8 @@ Files: ``model.onnx`` and ``model.encodings`` (AIMET's ``<prefix>.encodings``; v
 the options, SoC, HTP arch and a per-tensor summary. 4-bit weight codes are ONNX ``INT4``, two a
 byte. A model whose weights exceed :data:`SINGLE_FILE_BYTES` keeps them in ``model.onnx.data``
 (ONNX external data, read from beside the model by ``onnx.load`` and the converter): lowering
-never copies them, saving streams them from the program one tensor at a time. Pass the pair to ``qnn-onnx-converter --input_network model.onnx
---quantization_overrides model.encodings``.
+never copies them, saving streams them from the program one tensor at a time. Pass the pair to
+``qnn-onnx-converter --input_network model.onnx --quantization_overrides model.encodings``.
 """
 
 from __future__ import annotations
