@@ -8,10 +8,10 @@ QnnQuantizer through torchao, in one run.
 Every (size, flow) runs in a fresh process (``--one``), so each peak RSS is that flow's alone:
 the process's high-water mark (``VmHWM``) read after each phase and reset before the next
 (``/proc/self/clear_refs``). Per flow: seconds and peak RSS of export, prepare, calibration
-(``--batches`` batches of 64 random tokens, batch 1, under ``torch.no_grad()``), convert and, for quantplug, lower +
-save (the ONNX artifact, whose size on disk is reported); the output SQNR of the converted
-program against the float model on a batch not calibrated on. Ratios printed: each algorithm's
-added prepare+calibrate+convert time over the default flow's (target: at most 2x at 110M for
+(``--batches`` batches of 64 random tokens, batch 1, under ``torch.no_grad()``), convert and,
+for quantplug, lower + save (the ONNX artifact, whose size on disk is reported); the output SQNR
+of the converted program against the float model on a batch not calibrated on. Ratios printed:
+each algorithm's added prepare+calibrate+convert time over the default flow's (target: at most 2x at 110M for
 SeqMSE and GPTQ at 16a4w), quantplug's time over ExecuTorch's at the same precision, and the
 peak RSS over the float weights' bytes (target: 1.5x plus a fixed overhead).
 
