@@ -11,9 +11,9 @@ the process's high-water mark (``VmHWM``) read after each phase and reset before
 (``--batches`` batches of 64 random tokens, batch 1, under ``torch.no_grad()``), convert and,
 for quantplug, lower + save (the ONNX artifact, whose size on disk is reported); the output SQNR
 of the converted program against the float model on a batch not calibrated on. Ratios printed:
-each algorithm's added prepare+calibrate+convert time over the default flow's (target: at most 2x at 110M for
-SeqMSE and GPTQ at 16a4w), quantplug's time over ExecuTorch's at the same precision, and the
-peak RSS over the float weights' bytes (target: 1.5x plus a fixed overhead).
+each algorithm's added prepare+calibrate+convert time over the default flow's (target: at most
+2x at 110M for SeqMSE and GPTQ at 16a4w), quantplug's time over ExecuTorch's at the same
+precision, and the peak RSS over the float weights' bytes (target: 1.5x plus a fixed overhead).
 
 Flows: ``qnn_htp-<precision>[+algorithm]`` (``quantplug.prepare(ep, get_quantizer("qnn_htp",
 precision=...), algorithms=[...])``, then ``lower``) and ``executorch-<16a8w|16a4w>``
