@@ -101,7 +101,10 @@ def bench_model(
             c for c in flows.COMBINATIONS if all((s if isinstance(s, str) else s[0]) in algorithms for s in c)
         ]
         for algs in tried:
-            name = flows.label(algs) + (" (guard on calibration)" if held_out == "calibration" else "")
+            name = flows.label(algs) + {
+                "calibration": " (guard on calibration)",
+                "spare": " (guard on spare text)",
+            }.get(held_out or "", "")
             name += " (guard on next-byte loss)" if guard_loss else ""
 
             def run_alg(
@@ -109,7 +112,14 @@ def bench_model(
             ) -> Any:
                 loss = flows.next_byte_loss if guard_loss else None
                 return measured(
-                    flows.quantplug_flow(t, backend, options, algs, held_out=held_out, guard_loss=loss)
+                    flows.quantplug_flow(
+                        t,
+                        backend,
+                        options,
+                        algs,
+                        held_out=t.spare if held_out == "spare" else held_out,
+                        guard_loss=loss,
+                    )
                 )
 
             out["algorithms"][config] = runs
@@ -280,6 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         const="calibration",
         default=None,
         help='Algorithms(..., held_out="calibration"): the guard judges on the batches the algorithms fitted',
+    )
+    parser.add_argument(
+        "--guard-on-spare",
+        dest="held_out",
+        action="store_const",
+        const="spare",
+        help="Algorithms(..., held_out=...): the guard judges on the calibration text left over (4 "
+        "batches the model is not calibrated on) instead of a split of the calibration batches",
     )
     parser.add_argument(
         "--guard-loss",

@@ -74,7 +74,7 @@ def quantplug_flow(
     options: dict[str, Any],
     algorithms: Sequence[Spec] = (),
     artifact: bool = False,
-    held_out: str | None = None,
+    held_out: str | Sequence[Any] | None = None,
     guard_loss: Callable[[list[torch.Tensor], tuple[Any, ...]], float] | None = None,
 ) -> dict[str, Any]:
     """prepare (with ``algorithms`` judged by the default guard, or ``Algorithms(...,

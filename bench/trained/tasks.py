@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ class Task:
     test: list[tuple[torch.Tensor, ...]]
     labels: list[torch.Tensor]
     reference: list[torch.Tensor]  # the float model's logits on the test batches
+    #: calibration text the calibration batches leave over (language models: 4 batches), for
+    #: ``bench.trained --guard-on-spare`` to give the guard as held-out data
+    spare: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
 
 
 def task(name: str, calibration_batches: int = 8, test_batches: int | None = None) -> Task:
@@ -50,6 +53,7 @@ def task(name: str, calibration_batches: int = 8, test_batches: int | None = Non
         test = [(held_x[i : i + DIGITS_BATCH],) for i in range(0, HELD_OUT, DIGITS_BATCH)]
         labels = [held_y[i : i + DIGITS_BATCH] for i in range(0, HELD_OUT, DIGITS_BATCH)]
         kind = "classify"
+        spare = []
     else:
         from bench.trained.weights import load
 
@@ -59,6 +63,10 @@ def task(name: str, calibration_batches: int = 8, test_batches: int | None = Non
         calibration = [
             (cal[i : i + LM_BATCH, :-1],) for i in range(0, calibration_batches * LM_BATCH, LM_BATCH)
         ]
+        spare = [
+            (cal[i : i + LM_BATCH, :-1],)
+            for i in range(calibration_batches * LM_BATCH, len(cal) - LM_BATCH + 1, LM_BATCH)
+        ]
         test = [(tst[i : i + LM_BATCH, :-1],) for i in range(0, len(tst), LM_BATCH)]
         labels = [tst[i : i + LM_BATCH, 1:] for i in range(0, len(tst), LM_BATCH)]
         kind = "lm"
@@ -67,7 +75,7 @@ def task(name: str, calibration_batches: int = 8, test_batches: int | None = Non
     with torch.no_grad():
         reference = [model(*b) for b in test]
     program = torch.export.export(model, calibration[0])
-    return Task(name, kind, model, program, calibration, test, labels, reference)
+    return Task(name, kind, model, program, calibration, test, labels, reference, spare)
 
 
 def metrics(task: Task, logits: Sequence[torch.Tensor]) -> dict[str, float]:
