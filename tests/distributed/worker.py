@@ -383,7 +383,12 @@ def main() -> None:
     torch.set_num_threads(1)
     if scenario == "cli":
         cli_rank(rank)
-        return
+        # end as `python -m quantplug` ends a rank process (``_end_rank_process``): gloo's threads can
+        # abort the interpreter's finalisation after a run that succeeded, with the group destroyed
+        # (seen on a loaded machine: rank 1 exited -6 with its result written)
+        from _quantplug.cli.main import _end_rank_process
+
+        _end_rank_process(0)
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     try:
         result = globals()[f"scenario_{scenario}"](rank)
