@@ -65,16 +65,19 @@ from _quantplug.algorithms.weight_layers import (
 )
 from _quantplug.algorithms.weight_matrix import (
     IntegerGrid,
-    dampened,
+    dampen_,
     output_error,
+    permute_columns_,
     quantize_codes,
     small_products,
+    transpose_,
 )
 
 
 @dataclass(frozen=True)
 class GptqResult:
-    """Integer codes ``[O, I]`` (float tensor of exact integers) and the error they leave."""
+    """Integer codes ``[O, I]`` (float64 tensor of exact integers: the memory GPTQ worked the
+    weight in) and the error they leave."""
 
     codes: torch.Tensor
     #: the output error ``sum over rows of d^T H d`` of the result under the dampened ``H``,
@@ -82,17 +85,35 @@ class GptqResult:
     loss: float
 
 
-def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``), ``H`` dampened first.
+def inverse_hessian_factor(
+    hessian: torch.Tensor, damp: float, overwrite: bool = False, order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``), ``H`` (in ``order``, if given)
+    dampened first.
 
     Row ``i`` of ``U`` divided by ``U[i, i]`` is row ``i`` of the inverse of the Hessian
     restricted to columns ``i..``, the only rows the column-by-column update needs.
+
+    Computed in one ``[I, I]`` buffer (LAPACK factors and inverts in place): ``hessian``'s own
+    memory with ``overwrite`` (a contiguous float64 matrix the caller gives up), else a copy.
+    The widest layers' are gigabytes: each step in its own buffer was three copies more. The
+    buffer is column-major, as LAPACK's results are: the factor's layout decides which kernels
+    its products take, and with them the last bits of GPTQ's sums.
     """
-    # one I x I intermediate alive at a time (the widest layers' are gigabytes)
-    lower = torch.linalg.cholesky(dampened(hessian.to(torch.float64), damp))
-    inverse = torch.cholesky_inverse(lower)
-    del lower
-    return torch.linalg.cholesky(inverse, upper=True)
+    h = hessian.to(torch.float64)
+    mine = overwrite and h is hessian and h.is_contiguous()
+    buffer = h if mine else h.clone(memory_format=torch.contiguous_format)
+    # the buffer holds the transpose of H in order, so that its transposed view is H in order,
+    # column-major: columns permuted, transposed, columns permuted (slices of rows at a time)
+    if order is not None:
+        permute_columns_(buffer, order)
+    transpose_(buffer)
+    if order is not None:
+        permute_columns_(buffer, order)
+    factor = dampen_(buffer.T, damp)
+    torch.linalg.cholesky(factor, out=factor)
+    torch.cholesky_inverse(factor, out=factor)
+    return torch.linalg.cholesky(factor, upper=True, out=factor)
 
 
 def column_order(hessian: torch.Tensor, act_order: bool) -> torch.Tensor | None:
@@ -103,13 +124,16 @@ def column_order(hessian: torch.Tensor, act_order: bool) -> torch.Tensor | None:
     return torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
 
 
-def _factor(hessian: torch.Tensor, damp: float, order: torch.Tensor | None) -> torch.Tensor:
+def _factor(
+    hessian: torch.Tensor, damp: float, order: torch.Tensor | None, overwrite: bool = False
+) -> torch.Tensor:
+    """:func:`inverse_hessian_factor` of ``H`` in ``order`` (``overwrite``: in ``hessian``'s own
+    memory, as :func:`inverse_hessian_factor`)."""
     if hessian.dim() == 3:  # a grouped layer: one factor per row block
         return torch.stack(
             [_factor(h, damp, None if order is None else order[g]) for g, h in enumerate(hessian)]
         )
-    h = hessian if order is None else hessian[order][:, order]
-    return inverse_hessian_factor(h, damp)
+    return inverse_hessian_factor(hessian, damp, overwrite, order)
 
 
 def _gptq_rows(
@@ -150,6 +174,26 @@ def _gptq_rows(
     return codes.reshape(weight.shape), loss
 
 
+#: rows one slice of GPTQ's lazy batch update takes at least: a product of fewer rows may take
+#: another kernel whose sums round differently, and the codes must not depend on the slicing
+UPDATE_SLICE_ROWS = 256
+#: elements of the product one slice of the lazy batch update makes (32 MiB of float64)
+UPDATE_SLICE_ELEMENTS = 1 << 22
+
+
+def update_slices(rows: int, columns: int) -> list[slice]:
+    """Row slices for the lazy batch update of ``rows`` rows' last ``columns`` columns: the whole
+    matrix when its product is small, else slices of about :data:`UPDATE_SLICE_ELEMENTS` (never
+    fewer than :data:`UPDATE_SLICE_ROWS` rows, the last one taking the rest). The product of a
+    whole 8192 x 8192 layer's update is 512 MiB beside the working weight; a slice's is 32 MiB,
+    with the same values (each row's product is the same sum)."""
+    step = max(UPDATE_SLICE_ROWS, UPDATE_SLICE_ELEMENTS // max(1, columns))
+    if rows < 2 * step:
+        return [slice(0, rows)]
+    starts = list(range(0, rows - step, step))
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], rows])]
+
+
 def _gptq_pass(
     weight: torch.Tensor,
     scale: torch.Tensor,
@@ -158,42 +202,54 @@ def _gptq_pass(
     order: torch.Tensor | None,
     grid: IntegerGrid,
     block: int,
+    overwrite: bool = False,
 ) -> tuple[torch.Tensor, float]:
-    """GPTQ's column loop (float64 ``[O, I]`` inputs; ``factor`` from :func:`_factor` in ``order``).
+    """GPTQ's column loop (float64 ``[O, I]`` weight; ``factor`` from :func:`_factor` in ``order``;
+    ``scale``/``zero_point`` broadcastable to ``[O, I]``: ``[O, I]``, ``[O, 1]`` or ``[1, 1]``).
 
     Rows never interact: row ``o``'s codes depend on row ``o`` of the weight and the encoding
     only, so several candidate encodings of one weight can be rounded in one pass, stacked.
+
+    One ``[O, I]`` float64 buffer holds the working weight and, column by column as each is
+    done, its codes (exact integers): ``weight`` itself with ``overwrite``, else a copy. The
+    encoding is read column by column where it is used, never permuted or expanded.
     """
-    w = weight.clone()
-    s = scale.expand_as(w)
-    z = zero_point.expand_as(w)
+    w = weight if overwrite and weight.is_contiguous() else weight.contiguous().clone()
     if order is not None:
-        w, s, z = w[:, order], s[:, order], z[:, order]
+        permute_columns_(w, order)
     u = factor
-    columns = w.shape[1]
-    codes = torch.zeros_like(w)
+    rows, columns = w.shape
     loss = 0.0
     step = max(1, int(block))
-    with small_products(w.shape[0] * columns * step):
+
+    def column(param: torch.Tensor, k: int) -> torch.Tensor:  # the encoding of column k of w
+        if param.shape[-1] == 1:
+            return param[:, 0]
+        return param[:, k if order is None else int(order[k])]
+
+    with small_products(rows * columns * step):
         for start in range(0, columns, step):
             stop = min(start + step, columns)
             wb = w[:, start:stop].clone()
             errors = torch.zeros_like(wb)
             ub = u[start:stop, start:stop]
             for j in range(stop - start):
+                s, z = column(scale, start + j), column(zero_point, start + j)
                 col = wb[:, j]
-                q = quantize_codes(col, s[:, start + j], z[:, start + j], grid)
-                codes[:, start + j] = q
-                deq = (q - z[:, start + j]) * s[:, start + j]
+                q = quantize_codes(col, s, z, grid)
+                deq = (q - z) * s
                 d = ub[j, j]
                 err = (col - deq) / d
                 loss += float((err * err).sum())
                 wb[:, j:] -= err.unsqueeze(1) * ub[j, j:].unsqueeze(0)
                 errors[:, j] = err
-            w[:, stop:] -= errors @ u[start:stop, stop:]
+                wb[:, j] = q  # done: its codes
+            for part in update_slices(rows, columns - stop):  # the rest absorbs the block's error
+                w[part, stop:] -= errors[part] @ u[start:stop, stop:]
+            w[:, start:stop] = wb
     if order is not None:
-        codes = codes[:, torch.argsort(order)]
-    return codes, loss
+        permute_columns_(w, torch.argsort(order))
+    return w, loss
 
 
 def gptq_codes(
@@ -206,37 +262,40 @@ def gptq_codes(
     block: int = 128,
     damp: float = 0.01,
     act_order: bool = False,
+    overwrite_hessian: bool = False,
 ) -> GptqResult:
-    """GPTQ's codes for ``weight`` ``[O, I]`` on the grid ``scale``/``zero_point`` (both ``[O, I]``).
+    """GPTQ's codes for ``weight`` ``[O, I]`` on the grid ``scale``/``zero_point`` (broadcastable
+    to ``[O, I]``: one value per weight, per row ``[O, 1]`` or for all ``[1, 1]``).
 
     Args:
-        weight: the float weight matrix (not modified).
+        weight: the float weight matrix (not modified; float64 is worked on in a copy of it, made
+            after the factor, so that the two never wait side by side).
         hessian: ``sum x x^T`` of the layer's inputs, ``[I, I]``; or ``[G, I, I]``, one per
             block of ``O / G`` rows (a grouped convolution's groups).
-        scale, zero_point: the encoding, expanded to one value per weight.
+        scale, zero_point: the encoding.
         grid: the backend's integer range.
         block: columns per lazy batch (any value gives the same codes up to float rounding).
         damp: dampening, relative to the Hessian's mean diagonal (the paper's 1 %).
         act_order: quantize the most active input columns first.
+        overwrite_hessian: ``hessian`` (float64) is the caller's to give up: the factor is made
+            in its memory, one ``[I, I]`` less (the codes are the same either way).
 
     Inputs no sample reached (zero rows of ``H``) are rounded to nearest: the data says nothing
     about them, and the weight may serve other inputs the Hessian did not see. ``H`` gives them a
     unit diagonal and no coupling, so no other column's error is pushed onto them.
     """
-    w = weight.detach().to(torch.float64)
     h = hessian.detach().to(torch.float64)
     order = column_order(h, act_order)
-    codes, loss = _gptq_rows(
-        w,
-        scale.detach().to(torch.float64),
-        zero_point.detach().to(torch.float64),
-        _factor(h, damp, order),
-        order,
-        grid,
-        block,
-        w.shape[0],
-    )
-    return GptqResult(codes.to(weight.dtype if weight.dtype.is_floating_point else torch.float32), loss)
+    factor = _factor(h, damp, order, overwrite=overwrite_hessian and h.dim() == 2)
+    del h  # its memory is the factor's (overwrite_hessian) or the caller's
+    w = weight.detach().to(torch.float64)
+    mine = w.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()  # a copy: work in it
+    scale, zero_point = scale.detach().to(torch.float64), zero_point.detach().to(torch.float64)
+    if factor.dim() == 3:
+        codes, loss = _gptq_rows(w, scale, zero_point, factor, order, grid, block, w.shape[0])
+    else:
+        codes, loss = _gptq_pass(w, scale, zero_point, factor, order, grid, block, overwrite=mine)
+    return GptqResult(codes, loss)
 
 
 @dataclass(frozen=True)
@@ -398,25 +457,36 @@ class GPTQ(Algorithm):
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
     ) -> WeightChoice | None:
-        found = matrix_and_hessian(site, grid, collected)
+        found = matrix_and_hessian(site, grid, collected, compact=True)
         if found is None:
             return None
         matrix, hessian = found
         h = hessian.to(torch.float64)
-        given = matrix.error(matrix.matrix_of(codes.to(torch.float64)), h)
+        given = matrix.error(matrix.matrix_of(codes), h)
+        searches = self._searches(site, collected)
+        # the Hessian convert made for this call lends GPTQ its memory for the factor, and is made
+        # again in place for the error (LayerHessian.made); the weight is the model's own tensor
+        # (compact), converted to float64 per slice where it is read
+        own = self._hessians.get(site.name)
+        lend = not searches and own is not None and h is hessian and hessian.dim() == 2 and own.made(hessian)
         result = gptq_codes(
             matrix.weight,
-            hessian,
+            h,
             matrix.scale,
             matrix.zero_point,
             matrix.grid,
             block=self.lazy_batch,
             damp=self.damp,
             act_order=self.act_order,
+            overwrite_hessian=lend,
         )
+        if lend:
+            assert own is not None
+            own.result(out=h)  # what it was, bit for bit
         best = matrix.error(result.codes, h)
         choice = WeightChoice(codes=matrix.codes(result.codes))
-        if self._searches(site, collected):
+        del result
+        if searches:
             search = gptq_scale_search(
                 matrix.weight,
                 h,
@@ -432,7 +502,8 @@ class GPTQ(Algorithm):
             )
             if search.loss < best:
                 best = search.loss
-                clipped = candidate_weight(matrix.weight, search.fraction, matrix.groups, grid.symmetric)
+                weight = matrix.weight.to(torch.float64)
+                clipped = candidate_weight(weight, search.fraction, matrix.groups, grid.symmetric)
                 scale, zero_point = grid.observe(matrix.weight_of(clipped))
                 choice = WeightChoice(
                     codes=matrix.codes(search.codes),

@@ -42,6 +42,7 @@ import torch
 from torch.fx import GraphModule
 
 from _quantplug.algorithms.option_checks import AlgorithmOption, option_values
+from _quantplug.algorithms.weight_matrix import code_dtype
 from _quantplug.annotation.spec_view import spec_range
 from _quantplug.errors import CalibrationError
 from _quantplug.graph.attrs import put_attr
@@ -240,8 +241,10 @@ class WeightGrid:
         zero_point: torch.Tensor | None = None,
         *,
         rounding: Callable[[torch.Tensor], torch.Tensor] = torch.round,
+        dtype: torch.dtype = torch.int64,
     ) -> torch.Tensor:
-        """Integer codes (int64) of ``weight`` on this grid: ``clamp(rounding(w / s) + z)``.
+        """Integer codes (int64, or ``dtype``: :attr:`code_dtype` holds them in the least memory)
+        of ``weight`` on this grid: ``clamp(rounding(w / s) + z)``.
 
         Rounded to nearest (the default ``rounding``), a large weight is computed in slices of
         rows into the codes: its float intermediates would otherwise be four copies of it (a
@@ -250,8 +253,8 @@ class WeightGrid:
         z = self.expand(self.zero_point if zero_point is None else zero_point, weight.shape)
         if rounding is not torch.round or weight.dim() == 0 or weight.numel() <= _SLICE:
             codes = rounding(weight.to(torch.float32) / s) + z.to(torch.float32)
-            return codes.clamp(self.quant_min, self.quant_max).to(torch.int64)
-        out = torch.empty(weight.shape, dtype=torch.int64, device=weight.device)
+            return codes.clamp(self.quant_min, self.quant_max).to(dtype)
+        out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
         rows = max(1, _SLICE // max(1, weight[0].numel()))
         for start in range(0, weight.shape[0], rows):
             part = slice(start, start + rows)
@@ -259,13 +262,20 @@ class WeightGrid:
             out[part] = codes.clamp_(self.quant_min, self.quant_max)
         return out
 
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """The narrowest signed integer dtype holding this grid's codes (int8 for an 8-bit
+        grid): the dtype of the codes :meth:`Algorithm.choose_weight` is given."""
+        return code_dtype(self.quant_min, self.quant_max)
+
     def dequantize(
         self, codes: torch.Tensor, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The float weight that ``codes`` stand for: ``(q - z) * s``."""
+        """The float weight that ``codes`` stand for: ``(q - z) * s`` (float32, made in place in
+        one buffer: a large weight's intermediates were three copies of it)."""
         s = self.expand(self.scale if scale is None else scale, codes.shape).to(torch.float32)
         z = self.expand(self.zero_point if zero_point is None else zero_point, codes.shape)
-        return (codes.to(torch.float32) - z.to(torch.float32)) * s
+        return codes.to(torch.float32, copy=True).sub_(z.to(torch.float32)).mul_(s)
 
     def rounded(self, weight: torch.Tensor) -> torch.Tensor:
         """``dequantize(quantize(weight))`` in ``weight``'s dtype: the same values (the same float
@@ -425,8 +435,10 @@ class Algorithm:
     ) -> WeightChoice | None:
         """The weight's codes/scales on ``grid``, given the current ``codes`` and what was collected.
 
-        ``collected`` is this algorithm's collector's ``result()`` (None without one, or when the
-        layer never ran).
+        ``codes`` are of :attr:`WeightGrid.code_dtype`, the narrowest signed integer dtype holding
+        the grid's range (int8 for an 8-bit grid; widen them before arithmetic that could leave
+        it). ``collected`` is this algorithm's collector's ``result()`` (None without one, or when
+        the layer never ran).
         """
         return None
 

@@ -211,6 +211,7 @@ def choose_weights(
                 elif i in quantized:
                     collected[i] = quantized[i]
             found = _choose_site(run.algorithms, site, grids[k], collected)
+            del collected, quantized  # a Hessian's result must not outlive its site's choice
             progress.advance(site.label, site.weight.numel())
             if found is None:
                 continue
@@ -415,7 +416,7 @@ def _choose_site(
 ) -> tuple[WeightGrid, torch.Tensor, torch.Tensor | None] | None:
     """Every algorithm's choice for one site, in order (None: none chose anything)."""
     grid = default
-    codes = grid.quantize(site.weight)
+    codes = grid.quantize(site.weight, dtype=grid.code_dtype)  # int64 would be 2x a float32 weight
     chose = False
     bias_delta: torch.Tensor | None = None
     for index, algorithm in enumerate(algorithms):
@@ -475,7 +476,7 @@ def _apply(
             )
         grid = grid.with_encoding(scale, zp.to(grid.zero_point.dtype))
         if choice.codes is None:
-            codes = grid.quantize(site.weight)
+            codes = grid.quantize(site.weight, dtype=grid.code_dtype)
     if choice.codes is not None:
         new = torch.as_tensor(choice.codes).detach()
         if tuple(new.shape) != tuple(site.weight.shape):
@@ -486,7 +487,7 @@ def _apply(
             raise refuse("codes that are not integers")
         if bool((new < grid.quant_min).any()) or bool((new > grid.quant_max).any()):
             raise refuse(f"codes outside the grid's range [{grid.quant_min}, {grid.quant_max}]")
-        codes = new.to(torch.int64)
+        codes = new.to(grid.code_dtype)
     delta = None
     if choice.bias_delta is not None:
         delta = torch.as_tensor(choice.bias_delta).detach().to(torch.float32)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ from _quantplug.algorithms.weight_matrix import (
     column_groups,
     from_matrix,
     output_error,
+    row_slices,
+    rows_times,
+    shrink_toward_diagonal_,
     shrunk_toward_diagonal,
     to_matrix,
 )
@@ -238,6 +242,9 @@ class HessianSums:
     def __init__(self) -> None:
         self.accumulator: HessianAccumulator | None = None
         self.unsupported = False
+        #: counts the changes to the sums (every batch, every merge): a result made at another
+        #: count is not what :meth:`LayerHessian.result` would make now
+        self.version = 0
 
 
 class LayerHessian:
@@ -271,6 +278,9 @@ class LayerHessian:
         self.sums = HessianSums()
         #: whether this collector sums its rows (else it reads a leader's: :meth:`follow`)
         self.leads = True
+        #: the last tensor :meth:`result` made, the sums' version it was made from and the
+        #: shrinkage intensity applied to it (None: not shrunk)
+        self._made: tuple[weakref.ref[torch.Tensor], int, float | None] | None = None
 
     def follow(self, leader: LayerHessian) -> None:
         """Read ``leader``'s sums from now on instead of summing the same rows again: the caller
@@ -286,6 +296,7 @@ class LayerHessian:
             )
         self.sums = leader.sums
         self.leads = False
+        self._made = None
 
     @property
     def hessian(self) -> HessianAccumulator | None:
@@ -314,11 +325,13 @@ class LayerHessian:
         if rows is None:
             self.sums.unsupported = True
             self.sums.accumulator = None
+            self.sums.version += 1
             return
         if self.sums.accumulator is None:
             groups = rows.shape[0] if rows.dim() == 3 else None
             self.sums.accumulator = HessianAccumulator(self.columns, groups)
         self.sums.accumulator.add(rows)
+        self.sums.version += 1
 
     @property
     def rows(self) -> int:
@@ -332,15 +345,42 @@ class LayerHessian:
         near_singular = 0 < self.rows < NEAR_SINGULAR_ROWS * self.columns
         return self.shrinkage == "all" or (self.shrinkage == "singular" and near_singular)
 
-    def result(self) -> torch.Tensor | None:
+    def result(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The mean ``x x^T`` (float64), shrunk where :attr:`shrinks`, or None when the layer never
-        ran or is not supported."""
+        ran or is not supported.
+
+        Made in one new ``[I, I]`` (shrunk in place), or written into ``out`` (float64, of the
+        result's shape) with none: an algorithm that borrowed the buffer of a result this
+        collector made (:meth:`made`) gives it back so, bit for bit as it was, while the sums
+        are held beside it (an 8192-input layer's ``H`` is 512 MiB a copy)."""
         hessian = self.hessian
         if hessian is None or hessian.rows == 0:
             return None
-        if not self.shrinks:
-            return hessian.mean()
-        return shrunk_toward_diagonal(hessian.mean(), hessian.fourth, hessian.rows)[0]
+        again = out is not None and self.made(out)
+        mean = hessian.mean() if out is None else torch.div(hessian.sum, max(hessian.rows, 1), out=out)
+        intensity = None
+        if self.shrinks:
+            if mean.dim() == 2:  # made again: the same intensity, not estimated a second time
+                known = self._made[2] if again and self._made is not None else None
+                if not again or known is not None:
+                    intensity = shrink_toward_diagonal_(mean, hessian.fourth, hessian.rows, known)
+            else:
+                shrunk = shrunk_toward_diagonal(mean, hessian.fourth, hessian.rows)[0]
+                mean = shrunk if out is None else out.copy_(shrunk)
+        self._made = (weakref.ref(mean), self.sums.version, intensity)
+        return mean
+
+    def made(self, tensor: Any) -> bool:
+        """Whether ``tensor`` is the last result this collector made and the sums have not changed
+        since: :meth:`result` would make it again, bit for bit, so its holder may use its memory
+        and restore it with ``result(out=tensor)``."""
+        if self._made is None or not isinstance(tensor, torch.Tensor):
+            return False
+        made, version, _ = self._made
+        return made() is tensor and version == self.sums.version
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_made": None}  # a weak reference does not pickle
 
     def state(self) -> dict[str, Any]:
         """This rank's sums (a follower's are its leader's, merged there: it sends none)."""
@@ -360,6 +400,7 @@ class LayerHessian:
             return
         sums = self.sums
         sums.unsupported = any(bool(s["unsupported"]) for s in states)
+        sums.version += 1
         total = None if sums.unsupported else sum_in_order([s["sum"] for s in states])
         sums.accumulator = None
         if total is not None:
@@ -388,9 +429,18 @@ def share_hessians(collectors: Sequence[tuple[Hashable, LayerHessian]]) -> list[
     return list(leaders.values())
 
 
+#: rows a slice of :meth:`SiteMatrix.error` holds at least: a matrix product of fewer rows may take
+#: another kernel whose sums round differently, and the error must not depend on the slicing
+ERROR_SLICE_ROWS = 256
+#: elements of a slice of :meth:`SiteMatrix.error` (32 MiB of float64); matrices under two
+#: slices are weighed whole
+ERROR_SLICE_ELEMENTS = 1 << 22
+
+
 @dataclass(frozen=True)
 class SiteMatrix:
-    """A weight, its encoding and its grid as ``[O, I]`` matrices (float64)."""
+    """A weight, its encoding and its grid as ``[O, I]`` matrices (float64; see
+    :func:`site_matrix` for its ``compact`` form)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -413,8 +463,15 @@ class SiteMatrix:
         return _expert_rows(tensor, True) if self.in_out else tensor.reshape(self.weight.shape)
 
     def codes(self, matrix: torch.Tensor) -> torch.Tensor:
-        """Codes of the matrix back in the weight's shape (int64)."""
-        return self._as_weight(matrix.round()).to(torch.int64)
+        """Codes of the matrix back in the weight's shape, in the grid's
+        :attr:`~.weight_matrix.IntegerGrid.code_dtype`, converted a slice of rows at a time."""
+        dtype = self.grid.code_dtype
+        if self.in_out:
+            return self._as_weight(matrix.round()).to(dtype)
+        out = torch.empty(matrix.shape, dtype=dtype)
+        for part, codes in zip(row_slices(out), row_slices(matrix)):
+            part.copy_(codes.round())
+        return from_matrix(out, self.shape)
 
     def error(
         self,
@@ -422,21 +479,50 @@ class SiteMatrix:
         hessian: torch.Tensor,
         scale: torch.Tensor | None = None,
         zero_point: torch.Tensor | None = None,
+        *,
+        weight: torch.Tensor | None = None,
     ) -> float:
-        """The output error ``tr(D H D^T)`` of codes (an ``[O, I]`` matrix) on this encoding, or on
-        ``scale``/``zero_point`` (expanded to ``[O, I]``) where another one is weighed."""
+        """The output error ``tr(D H D^T)`` of codes (an ``[O, I]`` matrix, any dtype) on this
+        encoding, or on ``scale``/``zero_point`` (broadcastable to ``[O, I]``) where another one is
+        weighed; ``weight`` reads the weight from another matrix of the same values (the float32
+        weight itself, where GPTQ used this one's memory).
+
+        A large matrix is weighed a slice of rows at a time (:data:`ERROR_SLICE_ROWS` at least),
+        into one error per row summed as before: its float64 ``D`` and ``D H`` were four copies
+        of the weight's size at once (2 GiB for an 8192 x 8192 layer)."""
         scale = self.scale if scale is None else scale
         zero_point = self.zero_point if zero_point is None else zero_point
-        delta = self.weight - (codes.to(torch.float64) - zero_point) * scale
-        return float(output_error(delta, hessian.to(torch.float64)).sum())
+        weight = self.weight if weight is None else weight
+        h = hessian.to(torch.float64)
+        out = codes.shape[0]
+        step = max(ERROR_SLICE_ROWS, ERROR_SLICE_ELEMENTS // max(1, codes.shape[1]))
+        if h.dim() == 3 or out < 2 * step:
+            delta = weight.to(torch.float64) - (codes.to(torch.float64) - zero_point) * scale
+            return float(output_error(delta, h).sum())
+        errors = torch.empty(out, dtype=torch.float64)
+        starts = list(range(0, out - step, step))  # the last slice takes the rest: never a thin one
+        for start, stop in zip(starts, [*starts[1:], out]):
+            part = slice(start, stop)
+            s = scale[part] if scale.shape[0] > 1 else scale
+            z = zero_point[part] if zero_point.shape[0] > 1 else zero_point
+            # in place, the values of the expression above: two temporaries of a slice
+            delta = weight[part].to(torch.float64, copy=True)
+            delta.sub_(codes[part].to(torch.float64, copy=True).sub_(z).mul_(s))
+            errors[part] = rows_times(delta, h).mul_(delta).sum(dim=1)
+        return float(errors.sum())
 
     def weight_of(self, matrix: torch.Tensor) -> torch.Tensor:
         """A float matrix back in the weight's shape (float32)."""
         return self._as_weight(matrix).to(torch.float32)
 
 
-def site_matrix(site: WeightSite, grid: WeightGrid) -> SiteMatrix | None:
+def site_matrix(site: WeightSite, grid: WeightGrid, compact: bool = False) -> SiteMatrix | None:
     """The matrix view of ``site``'s weight on ``grid`` (None when the grid is not row-contiguous).
+
+    ``compact``: the weight is a view of the site's own tensor (its dtype, no float64 copy) and a
+    per-tensor or per-channel encoding stays ``[1, 1]`` or ``[O, 1]``, broadcast where it is used,
+    not expanded to ``[O, I]``: three float64 copies of the weight's size less, for a caller that
+    converts the weight itself where it needs float64 and only broadcasts the encoding (GPTQ).
 
     Output channels must be dim 0 (per-channel axis 0; blocks of one output channel each):
     what linear and convolution weights use on every backend quantplug knows. A
@@ -455,12 +541,20 @@ def site_matrix(site: WeightSite, grid: WeightGrid) -> SiteMatrix | None:
         groups = column_groups(shape, None, None)
     if groups is None:
         return None
-    scale = grid.expand(grid.scale.to(torch.float64), shape)
-    zero_point = grid.expand(grid.zero_point.to(torch.float64), shape)
+    if compact and grid.granularity in ("tensor", "channel"):
+
+        def compacted(param: torch.Tensor) -> torch.Tensor:
+            flat = param.to(torch.float64).reshape(-1)
+            return flat[:1].reshape(1, 1) if grid.granularity == "tensor" else flat.reshape(shape[0], 1)
+
+        scale, zero_point = compacted(grid.scale), compacted(grid.zero_point)
+    else:
+        scale = to_matrix(grid.expand(grid.scale.to(torch.float64), shape).contiguous())
+        zero_point = to_matrix(grid.expand(grid.zero_point.to(torch.float64), shape).contiguous())
     return SiteMatrix(
-        weight=to_matrix(site.weight.detach().to(torch.float64)),
-        scale=to_matrix(scale.contiguous()),
-        zero_point=to_matrix(zero_point.contiguous()),
+        weight=to_matrix(site.weight.detach() if compact else site.weight.detach().to(torch.float64)),
+        scale=scale,
+        zero_point=zero_point,
         grid=IntegerGrid(grid.quant_min, grid.quant_max),
         groups=groups,
         shape=shape,
@@ -539,7 +633,7 @@ def hessian_of(collected: Any, matrix: SiteMatrix) -> torch.Tensor | None:
 
 
 def matrix_and_hessian(
-    site: WeightSite, grid: WeightGrid, collected: Any
+    site: WeightSite, grid: WeightGrid, collected: Any, compact: bool = False
 ) -> tuple[SiteMatrix, torch.Tensor] | None:
     """What a Hessian-based choice needs: the matrix view and its Hessian (None: keep the default).
 
@@ -548,7 +642,7 @@ def matrix_and_hessian(
     table it cost 1.4 GB to say "keep the default"."""
     if not isinstance(collected, torch.Tensor):
         return None
-    matrix = site_matrix(site, grid)
+    matrix = site_matrix(site, grid, compact)
     hessian = None if matrix is None else hessian_of(collected, matrix)
     return None if matrix is None or hessian is None else (matrix, hessian)
 

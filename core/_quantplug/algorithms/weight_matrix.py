@@ -47,6 +47,24 @@ class IntegerGrid:
     def levels(self) -> int:
         return self.quant_max - self.quant_min + 1
 
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return code_dtype(self.quant_min, self.quant_max)
+
+
+def code_dtype(quant_min: int, quant_max: int) -> torch.dtype:
+    """The narrowest signed integer dtype holding every code of ``[quant_min, quant_max]``.
+
+    Codes are held in it while algorithms choose them: int64 codes of a large weight are twice
+    its float32 size (an 8192 x 8192 layer's 512 MiB), an int8 grid's codes an eighth of that.
+    Signed, so that differences of codes and zero points do not wrap around as unsigned ones do.
+    """
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        info = torch.iinfo(dtype)
+        if info.min <= quant_min and quant_max <= info.max:
+            return dtype
+    return torch.int64
+
 
 def quantize_codes(
     w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid
@@ -269,19 +287,75 @@ def shrunk_toward_diagonal(
     if rows < 2:
         return mean, 0.0
     if mean.dim() == 3:  # a grouped layer: each group's H on its own evidence
-        shrunk = [
+        groups = [
             shrunk_toward_diagonal(m, float(f), rows)
             for m, f in zip(mean, torch.as_tensor(fourth).reshape(-1))
         ]
-        return torch.stack([h for h, _ in shrunk]), max(d for _, d in shrunk)
-    off = mean.clone()  # then in place: I x I float64 can be gigabytes (fewer copies at once)
-    off.diagonal().zero_()
-    squared = float(off.square().sum())
-    if squared <= 0.0:
-        return mean, 0.0  # already diagonal
-    variance = (float(fourth) / rows - squared) / rows
-    intensity = min(max(variance / squared, 0.0), 1.0)
-    return mean - off.mul_(intensity), intensity
+        return torch.stack([h for h, _ in groups]), max(d for _, d in groups)
+    shrunk = mean.clone()
+    intensity = shrink_toward_diagonal_(shrunk, fourth, rows)
+    return (mean, 0.0) if intensity is None else (shrunk, intensity)
+
+
+def shrink_toward_diagonal_(
+    mean: torch.Tensor, fourth: float | torch.Tensor, rows: int, intensity: float | None = None
+) -> float | None:
+    """:func:`shrunk_toward_diagonal` of one ``[I, I]`` in place; its intensity, or None where
+    ``mean`` is left as it was (fewer than two rows, or already diagonal). ``intensity``, from an
+    earlier call on the same ``mean``, is applied without being estimated again.
+
+    Bit for bit the values :func:`shrunk_toward_diagonal` returns, with one ``[I, I]`` temporary
+    instead of three (none with ``intensity``): a 8192-input layer's ``H`` is 512 MiB a copy, and
+    its result is made while its sums are held (:meth:`~.weight_layers.LayerHessian.result`)."""
+    if rows < 2:
+        return None
+    diagonal = mean.diagonal().clone()
+    mean.diagonal().zero_()  # now the off-diagonal part
+    if intensity is None:
+        squared = float(mean.square().sum())
+        if squared <= 0.0:
+            mean.diagonal().copy_(diagonal)
+            return None  # already diagonal
+        variance = (float(fourth) / rows - squared) / rows
+        intensity = min(max(variance / squared, 0.0), 1.0)
+    for part in row_slices(mean):  # off - off * d, a slice of rows at a time
+        part.sub_(part * intensity)
+    mean.diagonal().copy_(diagonal)  # the diagonal loses nothing (its off-diagonal part is 0)
+    return intensity
+
+
+#: elements of one temporary a slice of rows may take (:func:`row_slices`): 32 MiB of float64
+SLICE_ELEMENTS = 1 << 22
+
+
+def row_slices(matrix: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views of consecutive rows of ``matrix`` of about :data:`SLICE_ELEMENTS` elements each:
+    elementwise work on an ``[I, I]`` or ``[O, I]`` matrix with a temporary of one slice, not of
+    the matrix."""
+    rows = max(1, SLICE_ELEMENTS // max(1, matrix[0].numel())) if matrix.shape[0] else 1
+    for start in range(0, matrix.shape[0], rows):
+        yield matrix[start : start + rows]
+
+
+def transpose_(matrix: torch.Tensor) -> torch.Tensor:
+    """A square contiguous ``matrix`` transposed in its own memory, a slab of rows at a time
+    (returned; read through ``matrix.T`` it holds the values it held before, column-major)."""
+    size = matrix.shape[0]
+    rows = max(1, SLICE_ELEMENTS // max(1, size))
+    for start in range(0, size, rows):
+        stop = min(start + rows, size)
+        matrix[start:stop, start:stop] = matrix[start:stop, start:stop].T.clone()
+        right = matrix[start:stop, stop:].clone()
+        matrix[start:stop, stop:] = matrix[stop:, start:stop].T
+        matrix[stop:, start:stop] = right.T
+    return matrix
+
+
+def permute_columns_(matrix: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``matrix[:, order]`` written into ``matrix`` itself, a slice of rows at a time."""
+    for part in row_slices(matrix):
+        part.copy_(part[:, order])
+    return matrix
 
 
 def dampened(hessian: torch.Tensor, relative: float) -> torch.Tensor:
@@ -293,13 +367,17 @@ def dampened(hessian: torch.Tensor, relative: float) -> torch.Tensor:
     """
     if hessian.dim() == 3:
         return torch.stack([dampened(h, relative) for h in hessian])
-    h = hessian.clone()
-    diag = torch.diagonal(h)
+    return dampen_(hessian.clone(), relative)
+
+
+def dampen_(hessian: torch.Tensor, relative: float) -> torch.Tensor:
+    """:func:`dampened` of one ``[I, I]`` in place (returned)."""
+    diag = torch.diagonal(hessian)
     dead = diag <= 0
     diag[dead] = 1.0
     damp = float(relative) * float(diag.mean())
     diag += damp
-    return h
+    return hessian
 
 
 #: below this many multiply-adds per product, loops of small products run on one thread
