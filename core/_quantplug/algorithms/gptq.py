@@ -177,15 +177,15 @@ def _gptq_rows(
 #: rows one slice of GPTQ's lazy batch update takes at least: a product of fewer rows may take
 #: another kernel whose sums round differently, and the codes must not depend on the slicing
 UPDATE_SLICE_ROWS = 256
-#: elements of the product one slice of the lazy batch update makes (32 MiB of float64)
-UPDATE_SLICE_ELEMENTS = 1 << 22
+#: elements of the product one slice of the lazy batch update makes (8 MiB of float64)
+UPDATE_SLICE_ELEMENTS = 1 << 20
 
 
 def update_slices(rows: int, columns: int) -> list[slice]:
     """Row slices for the lazy batch update of ``rows`` rows' last ``columns`` columns: the whole
     matrix when its product is small, else slices of about :data:`UPDATE_SLICE_ELEMENTS` (never
     fewer than :data:`UPDATE_SLICE_ROWS` rows, the last one taking the rest). The product of a
-    whole 8192 x 8192 layer's update is 512 MiB beside the working weight; a slice's is 32 MiB,
+    whole 8192 x 8192 layer's update is 512 MiB beside the working weight; a slice's is 16 MiB,
     with the same values (each row's product is the same sum)."""
     step = max(UPDATE_SLICE_ROWS, UPDATE_SLICE_ELEMENTS // max(1, columns))
     if rows < 2 * step:
