@@ -480,12 +480,13 @@ class GPTQ(Algorithm):
             act_order=self.act_order,
             overwrite_hessian=lend,
         )
+        choice = WeightChoice(codes=matrix.codes(result.codes))
+        del result  # the float64 working weight: gone before the Hessian is made again
+        assert choice.codes is not None
         if lend:
             assert own is not None
             own.result(out=h)  # what it was, bit for bit
-        best = matrix.error(result.codes, h)
-        choice = WeightChoice(codes=matrix.codes(result.codes))
-        del result
+        best = matrix.error(matrix.matrix_of(choice.codes), h)
         if searches:
             search = gptq_scale_search(
                 matrix.weight,

@@ -432,9 +432,9 @@ def share_hessians(collectors: Sequence[tuple[Hashable, LayerHessian]]) -> list[
 #: rows a slice of :meth:`SiteMatrix.error` holds at least: a matrix product of fewer rows may take
 #: another kernel whose sums round differently, and the error must not depend on the slicing
 ERROR_SLICE_ROWS = 256
-#: elements of a slice of :meth:`SiteMatrix.error` (32 MiB of float64); matrices under two
+#: elements of a slice of :meth:`SiteMatrix.error` (8 MiB of float64); matrices under two
 #: slices are weighed whole
-ERROR_SLICE_ELEMENTS = 1 << 22
+ERROR_SLICE_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
