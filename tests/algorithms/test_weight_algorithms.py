@@ -346,8 +346,9 @@ class GroupedConvs(nn.Module):
         self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
         self.grouped = nn.Conv2d(8, 16, 3, padding=1, groups=4)
         with torch.no_grad():
-            for layer in (self.depthwise, self.grouped):
-                layer.weight.copy_(heavy_tailed(layer.weight.shape, g) * 4)
+            for layer in (self.depthwise, self.grouped):  # biases too: from g, not the global RNG,
+                layer.weight.copy_(heavy_tailed(layer.weight.shape, g) * 4)  # whose state depends
+                layer.bias.copy_(torch.randn(layer.bias.shape, generator=g) * 0.1)  # on what ran before
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.grouped(torch.relu(self.depthwise(x)))  # type: ignore[no-any-return]
@@ -362,9 +363,11 @@ def test_grouped_convolutions_are_chosen_group_by_group() -> None:
     options = {"precision": "16a4w"}
     default_model = quantize(model, x, [], "qnn_htp", **options)
     default = _weight_qparams(default_model)
-    seq_mse = _weight_qparams(quantize(model, x, [("seq_mse", {"data_free": False})], "qnn_htp", **options))
-    for grouped in (0, 1):  # the depthwise and the grouped convolution
-        assert not torch.equal(seq_mse[grouped].scale, default[grouped].scale)
+    unguarded = quantize(model, x, [("seq_mse", {"data_free": False})], "qnn_htp", guard=False, **options)
+    seq_mse = _weight_qparams(unguarded)  # both weights' scales, and their biases' derived from them
+    assert len(seq_mse) == len(default) == 4
+    for chosen, rounded in zip(seq_mse, default):
+        assert not torch.equal(chosen.scale, rounded.scale)
     base = sqnr(model, default_model, x)
     for algorithm in ("gptq", ("seq_mse", {"data_free": False}), ("adaround", {"iterations": 200})):
         gained = sqnr(model, quantize(model, x, [algorithm], "qnn_htp", **options), x)
