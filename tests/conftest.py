@@ -111,6 +111,31 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """
     import logging
 
+    _seed_global_generators(item.nodeid)
     trace = logging.getLogger("torch.__trace")
     trace.propagate = True
     trace.handlers = [h for h in trace.handlers if not type(h).__module__.startswith("_pytest")]
+
+
+def _seed_global_generators(nodeid: str) -> None:
+    """Start every test from the same global RNG state, whatever ran before it.
+
+    A test that builds a layer without a generator (``nn.Linear`` draws its weights and bias from
+    torch's global RNG) otherwise gets a model that depends on the tests run before it in the
+    process and on PYTHONHASHSEED, so it can pass or fail by run (a grouped-convolution test did).
+    The seed comes from the test's id through a stable hash, so a test sees the same numbers
+    alone, in the whole suite and in any order; hypothesis manages its own randomness.
+    """
+    import random
+    import zlib
+
+    import torch
+
+    seed = zlib.crc32(nodeid.encode("utf-8"))
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # numpy is not a dependency of the product
+        return
+    np.random.seed(seed)
