@@ -58,6 +58,7 @@ from _quantplug.observers.factory import observer_saw_data
 from _quantplug.observers.fixed import DerivedObserver
 from _quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
+from _quantplug.peers.torch_codegen import generating_code
 from _quantplug.peers.torchao_observers import calculate_qparams_many
 from _quantplug.rewrites.qat_batchnorm import fold_trained_batch_norms
 from _quantplug.validation.calibrated import check_calibrated
@@ -630,7 +631,8 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
     since = code_counter()
     converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
     _populate(converted, prepared, graph, tensors, observer_modules)
-    converted.graph = graph  # the one code generation
+    with generating_code(graph):
+        converted.graph = graph  # the one code generation
     release_code_with(converted, since=since)
     if kept_observers:
         run_observer_converts(converted, kept_observers, fold_quantize=fold_quantize)

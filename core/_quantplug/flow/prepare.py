@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 from _quantplug.algorithms.config import Algorithms, configured
 from _quantplug.algorithms.guard import FlowSteps, flat_batches
@@ -58,6 +58,7 @@ from _quantplug.observers.fixed import FixedQParamsObserver
 from _quantplug.observers.nonfinite import check_policy
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.observers.parked import park
+from _quantplug.peers.torch_codegen import generating_code
 from _quantplug.peers.torchao_matching import fast_partition_matching
 from _quantplug.peers.torchao_observers import accelerate, clonable
 from _quantplug.quantizer.quantizer import Quantizer, coverage_of
@@ -111,14 +112,25 @@ class PreparedModule(ExportedModes, GraphModule):
             return self.get_submodule(target)
 
     def _module_name_table(self, name: str) -> str | None:
-        table = self.__dict__.get("_quantplug_call_module_names")
-        if table is None or name not in table:  # first miss, or the graph changed since
-            graph = self.__dict__.get("_graph")
-            if graph is None:
-                return None
+        graph = self.__dict__.get("_graph")
+        if graph is None:
+            return None
+        # rebuilt only when the graph changed since: every miss rebuilding it made the misses of a
+        # caller probing for free names (convert names each constant it adds) quadratic
+        stamp = _graph_stamp(graph)
+        cached = self.__dict__.get("_quantplug_call_module_names")
+        if cached is None or cached[0] != stamp:
             table = {n.name: str(n.target) for n in graph.nodes if n.op == "call_module"}
-            self.__dict__["_quantplug_call_module_names"] = table
-        return table.get(name)
+            cached = self.__dict__["_quantplug_call_module_names"] = (stamp, table)
+        return cached[1].get(name)
+
+
+def _graph_stamp(graph: Graph) -> tuple[Graph, int, int]:
+    """Changes whenever a node is added, erased or renamed: torch.fx registers every name it
+    gives (a node's, a rename's) in the graph's namespace and never takes one back."""
+    namespace = getattr(graph, "_graph_namespace", None)
+    used = getattr(namespace, "_used_names", None)
+    return graph, len(graph.nodes), len(used) if used is not None else -1
 
 
 def _as_prepared_module(gm: GraphModule) -> None:
@@ -342,7 +354,8 @@ def _prepare(
         each = partial(_prepare, quantizer=quantizer, qat=qat, nonfinite=nonfinite, algorithms=[])
         replace_loop_bodies(gm, gm, partial(each, config=config))
     _as_prepared_module(gm)
-    compile_now(gm)
+    with generating_code(gm.graph):
+        compile_now(gm)
     gm.meta[STATE_KEY] = state
     gm.meta[BACKEND_KEY] = state.backend
     return gm

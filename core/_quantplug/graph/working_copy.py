@@ -361,14 +361,14 @@ def add_node(
 
     torch 2.13's ``create_node`` walks every argument with pytree to warn about raw SymInts
     (which exported graphs keep inside Nodes); that walk is a quarter of the cost of copying a
-    graph. Creating the node bare and then setting ``args``/``kwargs`` through their public
-    setters records the same users and gives the same node.
+    graph. The node is created bare and then given its arguments in the one step ``Node``'s own
+    constructor takes (the same users, the same node): through the public ``args``/``kwargs``
+    setters it took two, each through ``Node.__setattr__``, which takes the node out of the
+    graph's lookup table and files it again on every assignment.
     """
     node = graph.create_node(op, target, None, None, name, type_expr)
-    if args:
-        node.args = args
-    if kwargs:
-        node.kwargs = kwargs
+    if args or kwargs:
+        node._update_args_kwargs(args, kwargs if kwargs else node.kwargs)
     return node
 
 
@@ -377,7 +377,10 @@ def copy_node(graph: Graph, node: Node, arg_transform: Callable[[Node], Argument
     args = map_arg(node.args, arg_transform)
     kwargs = map_arg(node.kwargs, arg_transform)
     new = add_node(graph, node.op, node.target, args, kwargs, node.name, node.type)
-    new.meta = copy.copy(node.meta)
+    if type(node.meta) is dict:  # into the new node's own empty dict: no Node.__setattr__
+        new.meta.update(node.meta)
+    else:
+        new.meta = copy.copy(node.meta)
     return new
 
 

@@ -58,6 +58,15 @@ PIECES: dict[str, PeerPiece] = {
             ("tests/core/test_perf_structure.py", "tests/core/test_peers.py"),
         ),
         PeerPiece(
+            "torch_codegen",
+            {"torch": ("2.13.",)},
+            "replaces",
+            "speed: torch.fx's code generation assigns every node a temporary repr function and back, "
+            "and each assignment re-files the node in the graph's lookup table under the same key; "
+            "with the table hidden while the code is generated, the same code comes out",
+            ("tests/core/test_peers.py",),
+        ),
+        PeerPiece(
             "onnx_translate",
             {"torch": ("2.13.",)},
             "replaces",

@@ -48,6 +48,27 @@ def _rank(node: object) -> int:
     return val.dim() if isinstance(val, torch.Tensor) else 0
 
 
+def _like(node: object, fake: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """``node``'s fake value if it is what ``fake.new_empty(shape)`` would make (a contiguous
+    tensor of that shape and of ``fake``'s dtype and device that needs no grad), else None.
+
+    The folded bias of a conv without one describes a per-channel vector: the batch norm's running
+    mean (whose node the fold leaves unread) already is one. Reusing it spares a fake-tensor
+    dispatch per fold (a fifth of folding a ResNet's batch norms), as the folded weight and a
+    folded existing bias reuse their originals' values."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if (
+        isinstance(val, torch.Tensor)
+        and val.dtype == fake.dtype
+        and val.device == fake.device
+        and val.shape == shape
+        and val.is_contiguous()
+        and not val.requires_grad
+    ):
+        return val
+    return None
+
+
 #: ``gm.meta`` key: folded weight attribute -> the weight it was folded from (``"layer1.0.conv1.weight"``),
 #: so messages about a folded weight name what the user wrote
 
@@ -125,7 +146,8 @@ def fold_batch_norm(gm: GraphModule) -> int:
                 new.meta["val"] = old.meta["val"]
             elif "val" in weight_node.meta:
                 fake = weight_node.meta["val"]
-                new.meta["val"] = fake.new_empty(fused_b.shape)
+                like = _like(bn.args[3], fake, fused_b.shape)
+                new.meta["val"] = like if like is not None else fake.new_empty(fused_b.shape)
         args = list(producer.args)
         if len(args) < 3:
             args.append(None)
