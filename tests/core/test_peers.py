@@ -147,3 +147,29 @@ def test_the_public_onnx_exporter_runs_where_its_internals_are_unverified(unveri
     plain = quantplug.lower(quantized, quantizer)
     x = _inputs(1)[0]
     assert torch.equal(torch.as_tensor(plain.run(x)[0]), torch.as_tensor(fast.run(x)[0]))
+
+
+def test_code_generation_stands_down_with_the_same_code_and_leaves_the_graph_intact(unverified: Any) -> None:
+    import torch.fx.graph as fx_graph
+
+    from _quantplug.peers import torch_codegen
+
+    functions = {name: getattr(fx_graph, name) for name in torch_codegen._MEMOIZED}
+    fast = _x86_quantized()
+    assert {name: getattr(fx_graph, name) for name in functions} == functions  # torch's own, rebound
+    table = fast.graph._find_nodes_lookup_table
+    filed = {key: list(nodes) for key, nodes in table.table.items()}
+    with torch_codegen.generating_code(fast.graph):
+        assert fast.graph._find_nodes_lookup_table == ()  # hidden while the code is generated
+        assert fx_graph._get_qualified_name is not functions["_get_qualified_name"]
+        fast.recompile()
+    assert fast.graph._find_nodes_lookup_table is table
+    assert {key: list(nodes) for key, nodes in table.table.items()} == filed
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    assert fast.graph.find_nodes(op="call_function", target=quantize)
+    unverified("torch_codegen")
+    plain = _x86_quantized()
+    assert plain.code == fast.code and "quantize_per_tensor" in fast.code
+    with torch_codegen.generating_code(plain.graph):  # stood down: nothing hidden, nothing rebound
+        assert not isinstance(plain.graph._find_nodes_lookup_table, tuple)
+        assert fx_graph._get_qualified_name is functions["_get_qualified_name"]

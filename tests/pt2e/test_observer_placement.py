@@ -107,6 +107,26 @@ def test_getattr_of_an_observer_node_target_is_its_observer() -> None:
     assert placed["quantplug"] == placed["torchao"]
 
 
+def test_node_names_resolve_once_the_graph_changes_and_misses_keep_the_name_table() -> None:
+    """Names of call_module nodes resolve to their observers; a miss on an unchanged graph reuses
+    the table (convert probes one free name per constant it adds: rebuilding per miss was
+    quadratic), and a node added afterwards resolves."""
+    gm = calibrated("quantplug", _program(), x86, batches(SHAPE, 1))
+    assert not hasattr(gm, "no_such_observer_call")
+    table = gm.__dict__["_quantplug_call_module_names"]
+    assert not hasattr(gm, "no_such_observer_call_either")
+    assert gm.__dict__["_quantplug_call_module_names"] is table
+    observer = _observer_nodes(gm)[0]
+    with gm.graph.inserting_after(observer):
+        extra = gm.graph.create_node(
+            "call_module", str(observer.target), (observer,), name="no_such_observer_call"
+        )
+    assert extra.name == "no_such_observer_call"
+    assert gm.no_such_observer_call is getattr(gm, str(observer.target))
+    gm.graph.erase_node(extra)
+    assert not hasattr(gm, "no_such_observer_call")
+
+
 def test_weight_observers_are_reachable_from_the_graph_and_idle_in_calibration() -> None:
     program = _program()
     prepared = calibrated("quantplug", program, x86, [])
