@@ -58,8 +58,9 @@ def generating_code(graph: Graph) -> Iterator[None]:
     """Hold while ``graph``'s module is (re)compiled; nothing else may edit ``graph`` meanwhile."""
     global _depth
     table = graph.__dict__.get(_TABLE)
-    originals = {name: getattr(fx_graph, name, None) for name in _MEMOIZED}
-    if table is None or not verified("torch_codegen") or not all(map(callable, originals.values())):
+    found = {name: getattr(fx_graph, name, None) for name in _MEMOIZED}
+    originals = {name: fn for name, fn in found.items() if callable(fn)}
+    if table is None or not verified("torch_codegen") or len(originals) < len(_MEMOIZED):
         yield
         return
     with _lock:
