@@ -35,6 +35,7 @@ _TABLE = "_find_nodes_lookup_table"
 _MEMOIZED = ("_get_qualified_name", "_is_from_torch", "is_opaque_value_type")
 _lock = threading.RLock()
 _depth = 0
+_originals: dict[str, Any] = {}  # torch's own functions while the memoized ones are bound
 
 
 def _memo(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -58,14 +59,17 @@ def generating_code(graph: Graph) -> Iterator[None]:
     """Hold while ``graph``'s module is (re)compiled; nothing else may edit ``graph`` meanwhile."""
     global _depth
     table = graph.__dict__.get(_TABLE)
-    found = {name: getattr(fx_graph, name, None) for name in _MEMOIZED}
-    originals = {name: fn for name, fn in found.items() if callable(fn)}
-    if table is None or not verified("torch_codegen") or len(originals) < len(_MEMOIZED):
+    if table is None or not verified("torch_codegen"):
         yield
         return
-    with _lock:
-        if not _depth:  # the outermost holder binds the memoized functions (one thread at a time)
-            for name, fn in originals.items():
+    with _lock:  # one thread at a time binds, and the outermost holder restores, torch's functions
+        if not _depth:
+            found = {name: fn for name in _MEMOIZED if callable(fn := getattr(fx_graph, name, None))}
+            if len(found) < len(_MEMOIZED):  # another torch.fx: its own path
+                yield
+                return
+            _originals.update(found)
+            for name, fn in found.items():
                 setattr(fx_graph, name, _memo(fn))
         _depth += 1
         setattr(graph, _TABLE, ())  # ``node in ()`` is False: Node.__setattr__ leaves the table alone
@@ -75,5 +79,6 @@ def generating_code(graph: Graph) -> Iterator[None]:
             setattr(graph, _TABLE, table)
             _depth -= 1
             if not _depth:
-                for name, fn in originals.items():
+                for name, fn in _originals.items():
                     setattr(fx_graph, name, fn)
+                _originals.clear()

@@ -62,8 +62,9 @@ PIECES: dict[str, PeerPiece] = {
             {"torch": ("2.13.",)},
             "replaces",
             "speed: torch.fx's code generation assigns every node a temporary repr function and back, "
-            "and each assignment re-files the node in the graph's lookup table under the same key; "
-            "with the table hidden while the code is generated, the same code comes out",
+            "each assignment re-filing the node in the graph's lookup table under the same key, and "
+            "asks pure questions (qualified names, opaque types) again per node; with the table "
+            "hidden and the answers memoized while the code is generated, the same code comes out",
             ("tests/core/test_peers.py",),
         ),
         PeerPiece(
