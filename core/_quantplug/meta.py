@@ -40,6 +40,9 @@ FOLDED_FROM = "quantplug_folded_from"
 GROUP_KEY = "quantplug_group"
 #: on an algorithm's tap node, the weight site it feeds (or ``"inputs"``)
 ALGORITHM_TAP_KEY = "quantplug_algorithm_tap"
+#: on a constant's parked observer node (prepare): True; its readers read the constant through
+#: it, as PT2E's weight observers are read, and it passes the constant through unobserved
+PARKED_KEY = "quantplug_parked"
 
 # -- GraphModule.meta -------------------------------------------------------------------------
 #: prepare's state (``PreparedState``): groups, sharing, validation, what convert needs

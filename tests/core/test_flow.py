@@ -65,12 +65,14 @@ def test_caller_program_and_graph_module_untouched() -> None:
 
 def test_weights_are_stored_as_integers_and_observed_once() -> None:
     _, _, prepared = _prepared()
-    # observers of weights are parked: their node reads the weight, nothing reads the node
+    # observers of weights are parked: their node is the weight's reader's argument (as torchao's
+    # weight observers are), and it passes the weight through
     observed = [
         n for n in prepared.graph.nodes if n.op == "call_module" and observer_gid(n.target) is not None
     ]
-    assert all(not n.users for n in observed if n.args[0].op == "get_attr")
-    assert any(n.args[0].op == "get_attr" for n in observed)
+    parked = [n for n in observed if n.args[0].op == "get_attr"]
+    assert parked and all(n.users for n in parked)
+    assert all(n not in user.args[0:1] for n in parked for user in n.users)  # read as a weight or bias
     for batch in demo_calibration(4):
         prepared(*batch)
     converted = quantplug.convert(prepared)

@@ -1,10 +1,11 @@
 """Observers as PT2E code finds them, and the prepared module through a PT2E user's rewrites.
 
-Issue 44, kinds 1 and 2: torchao's ``move_exported_model_to_eval`` rewrites dropout and batch norm
+Issue 44, kinds 1 and 2 (and 10): torchao's ``move_exported_model_to_eval`` rewrites dropout and batch norm
 with ``torch.fx.subgraph_rewriter``, which ends with ``delete_all_unused_submodules()``; quantplug's
 observers of weights had no graph node, were deleted, and convert failed (``no attribute 'g1'``).
 And code written for torchao reads ``getattr(prepared, node.target)`` on observer nodes and checks
-their ``activation_post_process_`` prefix. Each test runs torchao's flow beside quantplug's.
+their ``activation_post_process_`` prefix, and a layer's weight argument is its weight observer's node
+(``linear(x, activation_post_process_1(weight), bias)``). Each test runs torchao's flow beside quantplug's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from .flows import FLOWS, batches, calibrated, qdq_counts, run_flow, x86
 pytest.importorskip("torchao.quantization.pt2e")
 
 from torchao.quantization.pt2e import move_exported_model_to_eval
+from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+    X86InductorQuantizer,
+    get_default_x86_inductor_quantization_config,
+)
 
 import quantplug
 
@@ -127,14 +132,53 @@ def test_node_names_resolve_once_the_graph_changes_and_misses_keep_the_name_tabl
     assert not hasattr(gm, "no_such_observer_call")
 
 
+def _weight_arguments(gm: GraphModule) -> list[tuple[str, str, str]]:
+    """Per conv/linear, in graph order: what its weight argument is (op, the constant behind an
+    observer node), and the observer's class and scheme."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten.conv2d.default,
+            torch.ops.aten.linear.default,
+        ):
+            weight = node.args[1]
+            observer = getattr(gm, str(weight.target)) if weight.op == "call_module" else None
+            behind = weight.args[0] if weight.op == "call_module" else weight
+            found.append(
+                (
+                    weight.op,
+                    str(behind.target),
+                    f"{type(observer).__name__} {getattr(observer, 'qscheme', '')}",
+                )
+            )
+    return found
+
+
+def _fc_only() -> X86InductorQuantizer:
+    return X86InductorQuantizer().set_module_name_qconfig(
+        "fc", get_default_x86_inductor_quantization_config()
+    )
+
+
+@pytest.mark.parametrize("quantizer", [x86, _fc_only], ids=["global", "module_name"])
+def test_a_weight_is_read_through_its_observer_node_as_in_torchao(quantizer: Callable[[], Any]) -> None:
+    program = _program()
+    prepared = {f: calibrated(f, program, quantizer, []) for f in FLOWS}
+    found = _weight_arguments(prepared["quantplug"])
+    assert found == _weight_arguments(prepared["torchao"])
+    expected = ["call_module", "call_module"] if quantizer is x86 else ["get_attr", "call_module"]
+    assert [op for op, _, _ in found] == expected
+    assert "PerChannelMinMaxObserver torch.per_channel_symmetric" in {kind for _, _, kind in found}
+
+
 def test_weight_observers_are_reachable_from_the_graph_and_idle_in_calibration() -> None:
     program = _program()
     prepared = calibrated("quantplug", program, x86, [])
     torchao_prepared = calibrated("torchao", program, x86, batches(SHAPE, 1))
     weights = {n.name for n in prepared.graph.nodes if n.op == "get_attr" and n.name.endswith("weight")}
     parked = [n for n in _observer_nodes(prepared) if n.args[0].name in weights]
-    assert {n.args[0].name for n in parked} == weights  # one node per weight, read by nothing
-    assert all(not n.users for n in parked)
+    assert {n.args[0].name for n in parked} == weights  # one node per weight, read by its layer
+    assert all(len(n.users) == 1 for n in parked)
     # torchao's weight observers sit on the weight edge; same class and scheme
     torchao_weight_observers = sorted(
         type(getattr(torchao_prepared, str(n.target))).__name__

@@ -27,6 +27,7 @@ import torch
 from torch.fx import Node
 
 from _quantplug.errors import AlgorithmError
+from _quantplug.graph.attrs import behind_parked
 
 aten = torch.ops.aten
 
@@ -59,7 +60,11 @@ def experts_layer(node: Node, weight: Node) -> ExpertsLayer | None:
     ``weight[ids]`` (one 1-D integer index on the experts' axis of a 3-D float weight) and its one
     user is ``bmm(node, x)`` or ``bmm(x, node)``, ``x`` of ``in``-wide rows (through the observer
     prepare puts between them where the backend quantizes the gathered rows)."""
-    if node.op != "call_function" or node.target is not aten.index.Tensor or node.args[0] is not weight:
+    if (
+        node.op != "call_function"
+        or node.target is not aten.index.Tensor
+        or behind_parked(node.args[0]) is not weight
+    ):
         return None
     indices = node.args[1]
     if not isinstance(indices, (list, tuple)) or len(indices) != 1 or not isinstance(indices[0], Node):

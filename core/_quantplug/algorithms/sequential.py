@@ -30,6 +30,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.errors import AlgorithmError
+from _quantplug.graph.attrs import behind_parked
 from _quantplug.graph.mutation import private_inputs, writes_an_input, written_args
 from _quantplug.meta import observer_gid
 
@@ -312,8 +313,8 @@ class QuantizedSimulation(Interpreter):
 
     def run_node(self, n: Node) -> Any:
         if n.op == "call_module" and (self.is_tap(n) or (not n.users and observer_gid(n.target) is not None)):
-            return None  # a tap, or a constant's parked observer: nothing reads it (and a value no
-            # node uses stays in the environment to the end of the run: a weight's rounded copy)
+            return None  # a tap, or an observer nothing reads (and a value no node uses stays in
+            # the environment to the end of the run: a weight's rounded copy)
         if n.name in self._left:
             args, _ = self.fetch_args_kwargs_from_env(n)
             for feed in self.feeds[n.name]:
@@ -331,10 +332,17 @@ class QuantizedSimulation(Interpreter):
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         gid = observer_gid(target)
-        if gid is not None:  # a constant's parked observer: not in ``activation``, its input as is
+        if gid is not None:  # a constant's parked observer: not in ``activation``, its input (the
+            # weight as ``get_attr`` gave it) as is
             spec, qparams = self.activation.get(gid, (None, None))
             return fake_quantize_activation(args[0], spec, qparams)
         return super().call_module(target, args, kwargs)
+
+
+def _reads_weight(node: Node) -> bool:
+    """A ``get_attr`` node or a parked observer of one, whose value in a simulation is the
+    weight the selection gives (rounded at each read): checkpoints keep neither."""
+    return behind_parked(node).op == "get_attr"
 
 
 class _Run:
@@ -381,7 +389,8 @@ class IncrementalOutputs:
             if n.op == "get_attr":
                 target = str(n.target)
                 self.reads.setdefault(target, []).append(n)
-                # a reader whose result nobody reads (a weight's observer node) changes nothing
+                # a reader whose result nobody reads changes nothing; a weight's parked observer
+                # (just before the weight's first reader) reads it as its readers do
                 users = [index[u] for u in n.users if u.users or u.op == "output"]
                 if users:
                     self.first_use[target] = min(self.first_use.get(target, len(self.nodes)), *users)
@@ -421,8 +430,8 @@ class IncrementalOutputs:
             if base is not None:
                 env = dict(base.checkpoints[b][start])
                 for n in env:  # weights read before the checkpoint, still live there: this
-                    if n.op == "get_attr":  # selection's (a checkpoint may be an older run's)
-                        env[n] = sim.get_attr(n.target, (), {})
+                    if _reads_weight(n):  # selection's (a checkpoint may be an older run's)
+                        env[n] = sim.get_attr(behind_parked(n).target, (), {})
             snapshots: dict[int, dict[Node, Any]] = {}
             output = self._run_from(env, start, private_inputs(batch) if self.private else batch, snapshots)
             if base is not None:  # the checkpoints before the resumed one are the base run's
@@ -445,7 +454,7 @@ class IncrementalOutputs:
                 node = self.nodes[i]
                 if i in self.points:  # a weight live there is read again on resuming, not kept:
                     # rounded at each read (QuantizedSimulation.rounded), kept it would be a copy
-                    snapshots[i] = {n: None if n.op == "get_attr" else v for n, v in sim.env.items()}
+                    snapshots[i] = {n: None if _reads_weight(n) else v for n, v in sim.env.items()}
                 sim.env[node] = sim.run_node(node)
                 for dead in sim.user_to_last_uses.get(node, []):
                     del sim.env[dead]

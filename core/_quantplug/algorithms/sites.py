@@ -19,7 +19,7 @@ from torch.fx import GraphModule, Node
 from _quantplug.algorithms.experts import ExpertsLayer, experts_forward, experts_forward_in_out, experts_layer
 from _quantplug.algorithms.spec import WeightSite
 from _quantplug.annotation.spec_view import SpecKind, spec_kind
-from _quantplug.graph.attrs import fetch_attr
+from _quantplug.graph.attrs import behind_parked, fetch_attr
 from _quantplug.graph.op_names import LAYER_OPS
 from _quantplug.graph.recurrent import RecurrentLayout, RecurrentRole, recurrent_layout
 from _quantplug.meta import FOLDED_FROM
@@ -30,7 +30,7 @@ def _layer_call(gm: GraphModule, node: Node) -> Callable[[torch.Tensor, torch.Te
     if str(node.target) not in LAYER_OPS or len(node.args) < 2:
         return None
     rest: list[Any] = []
-    for arg in node.args[2:]:
+    for arg in map(behind_parked, node.args[2:]):
         if isinstance(arg, Node):
             if arg.op != "get_attr":
                 return None
@@ -53,14 +53,14 @@ def _weight_call(
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """``node`` as ``f(x, w)`` when it multiplies ``weight`` as a layer's weight (its second
     argument), else None (an embedding's lookup, an operand of a plain product...)."""
-    weight_index = next((i for i, a in enumerate(node.args) if a is weight), None)
+    weight_index = next((i for i, a in enumerate(node.args) if behind_parked(a) is weight), None)
     return _layer_call(gm, node) if weight_index == 1 else None
 
 
 def _same_layer(a: Node, b: Node) -> bool:
     """Whether ``a`` and ``b`` apply their (shared) weight as one layer: the same op with the same
     arguments after the input (the same bias node, stride, padding...)."""
-    rest_a, rest_b = a.args[2:], b.args[2:]
+    rest_a, rest_b = [behind_parked(x) for x in a.args[2:]], [behind_parked(x) for x in b.args[2:]]
     return (
         a.target == b.target
         and len(rest_a) == len(rest_b)
@@ -72,6 +72,7 @@ def _same_layer(a: Node, b: Node) -> bool:
 
 
 def _constant(gm: GraphModule, node: Any) -> tuple[str | None, torch.Tensor | None]:
+    node = behind_parked(node)
     if isinstance(node, Node) and node.op == "get_attr":
         return str(node.target), fetch_attr(gm, str(node.target))
     return None, None
@@ -101,7 +102,7 @@ def _recurrent_weight(gm: GraphModule, node: Node, weight: Node) -> RecurrentWei
     layout = recurrent_layout(node)
     if layout is None:
         return None
-    params = list(node.args[2])  # type: ignore[arg-type]
+    params = [behind_parked(p) for p in node.args[2]]  # type: ignore[union-attr]
     index = next((i for i, p in enumerate(params) if p is weight), None)
     role = None if index is None else layout.role(index)
     if role is None:

@@ -533,8 +533,10 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
     env: dict[Node, Node | _Dequantized] = {}
     tensors: dict[str, torch.Tensor] = {}
     emit = _Emitter(graph, tensors, AttrNamer(prepared))
-    # constant groups have no observer nodes: their keys are quantized here, as observers would be
+    # constant groups' observers are parked (observers/parked.py): their keys are quantized here,
+    # from the constants' values, and each reader of a parked node gets its constant's dequantize
     constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
+    parked: dict[Node, Node] = {}  # a parked observer node -> the constant it reads
     for (producer, consumer), gid in state.constant_edges.items():
         constant_inputs.setdefault(consumer, {})[producer] = gid
     # (producer, group id or the qparams' value) -> its quantize node or integer tensor
@@ -586,7 +588,11 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
         observer_group = observer_gid(node.target) if node.op == "call_module" else None
         if observer_group is not None:
             gid = observer_group
-            if state.groups[gid].constant:  # a parked observer: its constant is quantized below
+            if state.groups[gid].constant:  # a parked observer: its readers read the constant's
+                producer = node.args[0]  # dequantize, made for each below (or its output's)
+                assert isinstance(producer, Node)
+                parked[node] = producer
+                env[node] = env[producer]
                 continue
             src = _lookup(env, node.args[0], node)
             if state.groups[gid].floating:  # stays float: no Q/DQ (float16: to half and back)
@@ -613,7 +619,8 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
                 dq.meta[FROM_NODE] = list(q.meta[FROM_NODE])
 
             def transform(n: Node, r: dict[Node, Node] = replacements, u: Node = node) -> Node:
-                return r[n] if n in r else _lookup(env, n, u)
+                read = parked.get(n, n)
+                return r[read] if read in r else _lookup(env, n, u)
 
             new = copy_node(graph, node, transform)
         else:

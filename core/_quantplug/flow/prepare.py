@@ -3,10 +3,11 @@
 Works on a copy of the caller's graph, inserts observers with O(1) naming (group ``N``'s observer
 is the top-level submodule ``activation_post_process_N``, torchao's prefix) and recompiles once.
 Groups whose tensors are all parameters or buffers (weights, biases) are *parked*
-(:mod:`_quantplug.observers.parked`): their observer's node reads the constant but nothing reads
-the node, and it passes the constant through unobserved, so calibration runs at float speed for
-weights; convert() measures them once. The node keeps the observer reachable from the graph, so
-a rewrite that deletes uncalled submodules (torchao's ``move_exported_model_to_eval``) keeps it.
+(:mod:`_quantplug.observers.parked`): their observer's node reads the constant and the
+constant's readers read the node, as torchao's, but it passes the constant through unobserved, so
+calibration runs at float speed for weights; convert() measures them once. The node keeps the
+observer reachable from the graph, so a rewrite that deletes uncalled submodules (torchao's
+``move_exported_model_to_eval``) keeps it.
 Every other group keeps an observer per key, as torchao's prepare_pt2e gives it, because foreign
 observers may look for one (ExecuTorch's ConcatObserver finds each concat input's observer in the
 graph): a group mixing a weight and activations (an embedding table whose looked-up rows share
@@ -17,7 +18,7 @@ and QAT weights. convert() still stores all of them as integers (see ``flow.cons
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -49,6 +50,7 @@ from _quantplug.meta import (
     BACKEND_KEY,
     DEBUG_HANDLE_KEY,
     GROUP_KEY,
+    PARKED_KEY,
     STATE_KEY,
     observer_children,
 )
@@ -568,11 +570,7 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState, unobserved: se
     # number can come back just below itself and its cast to integers would truncate it
     edges_observed = {key[1] for key in state.group_of if isinstance(key, tuple)}
     float_readers = {n.name for n in index_arithmetic(graph)} - edges_observed
-    # a constant's observer is parked: one node per constant it measures, read by nothing
-    for group in state.groups:
-        if group.constant:
-            for producer in sorted({k[0] if isinstance(k, tuple) else k for k in group.keys}):
-                new_observer(by_name[producer], group)
+    _insert_parked_observers(graph, state, new_observer, float_readers)
     output_obs: dict[str, Node] = {}
     for n in nodes:
         gid = state.group_of.get(n.name)
@@ -608,3 +606,56 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState, unobserved: se
         if edge_observer is None:
             edge_observer = edge_obs[(producer_name, gid)] = new_observer(current, group)
         consumer.replace_input_with(current, edge_observer)
+
+
+def _insert_parked_observers(
+    graph: Graph,
+    state: PreparedState,
+    new_observer: Callable[..., Node],
+    float_readers: set[str],
+) -> None:
+    """A constant group's observer is parked (:mod:`_quantplug.observers.parked`): one node per
+    constant it measures, and that constant's readers in the group read it, as torchao's weight
+    observers are read (``linear(x, activation_post_process_1(weight), bias)``); it passes the
+    constant through, so calibration runs at float speed.
+
+    Each node sits just before its first reader (the algorithms' checkpoints resume before a
+    weight's first read: a node at the top of the graph would make every resume a full run).
+    Every parked node reads the constant itself (convert and :func:`~_quantplug.graph.attrs.
+    behind_parked` find the constant as its argument); a reader's edge in another group than the
+    constant's own output group reads that edge's node instead of the output's.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_name = {n.name: n for n in order}
+    readers: dict[tuple[str, int], list[Node]] = {}  # (constant, group) -> its readers through it
+    for key, gid in state.group_of.items():
+        if not state.groups[gid].constant:
+            continue
+        if isinstance(key, tuple):
+            if state.group_of.get(key[0]) != gid:  # else the constant's output node is read
+                readers.setdefault((key[0], gid), []).append(by_name[key[1]])
+        else:
+            users = [u for u in by_name[key].users if u.name not in float_readers]
+            readers.setdefault((key, gid), []).extend(users)
+
+    def place(item: tuple[tuple[str, int], list[Node]]) -> tuple[int, int, str, int]:
+        (name, gid), users = item  # before its first reader, in that reader's argument order
+        first = min(users, key=order.__getitem__) if users else by_name[name]
+        inputs = first.all_input_nodes
+        return order[first], inputs.index(by_name[name]) if by_name[name] in inputs else -1, name, gid
+
+    parked: dict[tuple[str, int], Node] = {}
+    for (name, gid), users in sorted(readers.items(), key=place):
+        first = min(users, key=order.__getitem__) if users else None
+        node = parked[(name, gid)] = new_observer(by_name[name], state.groups[gid], before=first)
+        node.meta[PARKED_KEY] = True
+    outputs = {}  # constant -> its output group's parked node, read unless an edge has its own
+    for (name, gid), node in parked.items():
+        if state.group_of.get(name) == gid:
+            outputs[name] = node
+            for user in readers[(name, gid)]:
+                user.replace_input_with(by_name[name], node)
+    for (name, gid), node in parked.items():
+        if state.group_of.get(name) != gid:
+            for user in readers[(name, gid)]:
+                user.replace_input_with(outputs.get(name, by_name[name]), node)

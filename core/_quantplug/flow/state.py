@@ -19,8 +19,9 @@ class Group:
     """One sharing group: its spec, its keys, and whether only parameters/buffers flow through it.
 
     ``constant`` groups are quantized at convert from the parameters' values (their observer's
-    node in the prepared graph passes the weight through during calibration, see
-    :mod:`_quantplug.observers.parked`); in QAT no group is, since training changes the weights.
+    node in the prepared graph, which the weight's readers read, passes the weight through during
+    calibration, see :mod:`_quantplug.observers.parked`); in QAT no group is, since training
+    changes the weights.
     """
 
     gid: int

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from _quantplug.meta import PARKED_KEY
+
 
 def fetch_attr(module: torch.nn.Module, target: str) -> Any:
     """The attribute at dotted path ``target`` below ``module`` (what a get_attr node reads)."""
@@ -35,4 +37,18 @@ def attr_value(gm: torch.nn.Module, arg: Any) -> Any:
     """What ``arg`` stands for in ``gm``: the value a get_attr node reads, anything else as is."""
     if isinstance(arg, Node) and arg.op == "get_attr":
         return fetch_attr(gm, str(arg.target))
+    return arg
+
+
+def behind_parked(arg: Any) -> Any:
+    """The constant a prepared graph's reader reads through a parked observer node (``arg``
+    itself for anything else).
+
+    A weight's observer in a prepared graph sits on the weight's edge, as in torchao's
+    (``linear(x, activation_post_process_1(weight), bias)``), but passes the weight through
+    unobserved (:mod:`_quantplug.observers.parked`): code asking which constant an op reads
+    looks through it.
+    """
+    if isinstance(arg, Node) and arg.meta.get(PARKED_KEY):
+        return arg.args[0]
     return arg

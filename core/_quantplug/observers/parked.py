@@ -10,12 +10,15 @@ delete every submodule no node calls, which lost the weights' observers (convert
 ``no attribute 'g1'``).
 
 So a constant's observer is *parked*: prepare gives it one ``call_module`` node on the constant,
-with no users, and this module makes that call cheap and durable. The instance's ``forward``
-returns its input (the weight is not observed per batch; one call costs a module call, about a
-microsecond) and ``_is_impure`` tells ``Graph.eliminate_dead_code`` to keep the node although
-nothing reads its result. Both are instance attributes, so the observer stays an instance of its
-own class (``isinstance`` and its settings, such as ``qscheme``, read as before) and pickles and
-deep-copies as before. :func:`unparked` gives the copy convert feeds the constant to.
+which the constant's readers read, as torchao's weight observers are read
+(``linear(x, activation_post_process_1(weight), bias)``; code written for torchao takes a layer's
+weight argument for its observer), and this module makes that call cheap and durable. The
+instance's ``forward`` returns its input (the weight is not observed per batch; one call costs a
+module call, about a microsecond) and ``_is_impure`` tells ``Graph.eliminate_dead_code`` to keep
+the node should a rewrite leave nothing reading it. Both are instance attributes, so the
+observer stays an instance of its own class (``isinstance`` and its settings, such as
+``qscheme``, read as before) and pickles and deep-copies as before. :func:`unparked` gives the
+copy convert feeds the constant to; convert replaces the node by the constant's dequantize.
 """
 
 from __future__ import annotations
