@@ -8,6 +8,7 @@ the default conversion computes; both options' values are checked. (``use_refere
 from __future__ import annotations
 
 from collections import Counter
+from operator import attrgetter
 from typing import Any
 
 import pytest
@@ -108,6 +109,34 @@ def test_unfolded_quantize_as_torchao(case: str) -> None:
     torch.testing.assert_close(qp(*x), ao(*x))
     _, folded, _ = _both(case)
     torch.testing.assert_close(folded(*x), qp(*x), atol=0, rtol=0)
+
+
+def _integer_constants(gm: GraphModule) -> dict[str, torch.Tensor]:
+    """The int8 tensors (the stored weights) the program reads through ``get_attr``, by attribute."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = attrgetter(str(node.target))(gm)
+            if value.dtype == torch.int8:
+                found[str(node.target)] = value
+    return found
+
+
+def test_folded_weights_keep_their_names_and_torchao_s_folding_gives_its_names() -> None:
+    """A documented difference (docs/migrating-from-torchao.md): quantplug names a folded weight
+    after the weight, torchao ``_frozen_paramN``; the integers are the same, and torchao's own
+    constant folding run on ``fold_quantize=False`` gives its names exactly."""
+    from torchao.quantization.pt2e.constant_fold import constant_fold
+
+    ao, qp, x = _both("linear-per-channel")
+    assert list(_integer_constants(ao)) == ["_frozen_param0"]
+    assert list(_integer_constants(qp)) == ["linear_weight_q0"]
+    torch.testing.assert_close(qp.linear_weight_q0, ao._frozen_param0, atol=0, rtol=0)
+    _, unfolded, _ = _both("linear-per-channel", fold_quantize=False)
+    quantize = {qd.quantize_per_channel.default}
+    constant_fold(unfolded, lambda n: n.op == "call_function" and n.target in quantize)
+    assert list(_integer_constants(unfolded)) == ["_frozen_param0"] and "linear_weight" not in unfolded.code
+    torch.testing.assert_close(unfolded(*x), qp(*x), atol=0, rtol=0)
 
 
 def test_option_values_are_checked() -> None:
