@@ -638,16 +638,17 @@ def _insert_parked_observers(
             users = [u for u in by_name[key].users if u.name not in float_readers]
             readers.setdefault((key, gid), []).extend(users)
 
-    def place(item: tuple[tuple[str, int], list[Node]]) -> tuple[int, int, str, int]:
-        (name, gid), users = item  # before its first reader, in that reader's argument order
-        first = min(users, key=order.__getitem__) if users else by_name[name]
-        inputs = first.all_input_nodes
-        return order[first], inputs.index(by_name[name]) if by_name[name] in inputs else -1, name, gid
+    first = {key: min(users, key=order.__getitem__) if users else None for key, users in readers.items()}
+
+    def place(key: tuple[str, int]) -> tuple[int, int, str, int]:
+        """Before its first reader, in that reader's argument order (no reader: after it)."""
+        constant, reader = by_name[key[0]], first[key] or by_name[key[0]]
+        inputs = reader.all_input_nodes
+        return order[reader], inputs.index(constant) if constant in inputs else -1, *key
 
     parked: dict[tuple[str, int], Node] = {}
-    for (name, gid), users in sorted(readers.items(), key=place):
-        first = min(users, key=order.__getitem__) if users else None
-        node = parked[(name, gid)] = new_observer(by_name[name], state.groups[gid], before=first)
+    for name, gid in sorted(readers, key=place):
+        node = parked[(name, gid)] = new_observer(by_name[name], state.groups[gid], before=first[(name, gid)])
         node.meta[PARKED_KEY] = True
     outputs = {}  # constant -> its output group's parked node, read unless an edge has its own
     for (name, gid), node in parked.items():
