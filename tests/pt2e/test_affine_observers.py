@@ -160,6 +160,9 @@ def test_affine_schemes_convert_as_torchao(scheme: str) -> None:
         torch.testing.assert_close(qp(*x), ao(*x))
     ao_c, qp_c = convert_pt2e(ao), quantplug.convert(qp)
     assert _ops(qp_c) == _ops(ao_c)
+    # the weights folded from torchao's ops carry torchao's constant-folding names, code included
+    assert _frozen(qp_c) == _frozen(ao_c)
+    assert ("_frozen_param0" in qp_c.code) == ("per-group-weight" in scheme)
     assert _ops(qp_c)[ao_ops.dequantize_affine] >= 2
     weights = [
         n for n in qp_c.graph.nodes if n.target == ao_ops.dequantize_affine and n.args[0].op == "get_attr"
@@ -171,6 +174,18 @@ def test_affine_schemes_convert_as_torchao(scheme: str) -> None:
         assert fetch(qp_c, dq.args[2]).shape == (64, 2)
     # per-token / per-group numbers: the same outputs as torchao (a per-tensor encoding differs by ~0.1)
     torch.testing.assert_close(qp_c(*batches[2]), ao_c(*batches[2]))
+
+
+def _frozen(gm: GraphModule) -> list[tuple[str, torch.dtype]]:
+    """The integer constants torchao's ``dequantize_affine`` reads (the weights folded from
+    ``quantize_affine``): attribute and dtype, in graph order."""
+    return [
+        (str(n.target), fetch(gm, n).dtype)
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+        and not fetch(gm, n).is_floating_point()
+        and any(u.target == ao_ops.dequantize_affine for u in n.users)
+    ]
 
 
 def fetch(gm: GraphModule, node: Node) -> torch.Tensor:

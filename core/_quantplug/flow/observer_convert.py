@@ -8,7 +8,11 @@ torchao's ``choose_qparams_affine`` / ``quantize_affine`` / ``dequantize_affine`
 what torchao's consumers (its lowering, ExecuTorch's torchao kernels) read. quantplug does the
 same for such observers: it keeps their node through its own conversion and lets them write
 their ops; the quantize of a constant (a grouped weight) is then computed once and stored as
-integers, as torchao's ``fold_quantize`` does.
+integers, as torchao's ``fold_quantize`` does, under torchao's names (``_frozen_param0, 1, ...``):
+these programs are torchao's ops throughout, read by torchao's consumers, and no quantplug
+writer lowers them, so the names follow the ops. The Q/DQ programs quantplug writes itself name a
+folded weight after the weight (``linear_weight_q0``), the name its encodings and artifacts carry
+(docs/migrating-from-torchao.md).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def _quantize_ops() -> set[Any]:
 def _fold_constant_quantizes(gm: GraphModule) -> None:
     """A quantize op whose tensor arguments are all constants becomes its integer result."""
     quantize = _quantize_ops()
-    namer = AttrNamer(gm)
+    namer = AttrNamer(gm)  # torchao's constant_fold: _frozen_param0, 1, ... (the first free ones)
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in quantize:
@@ -73,9 +77,7 @@ def _fold_constant_quantizes(gm: GraphModule) -> None:
 
         with torch.no_grad():
             result = node.target(*[value(a) for a in node.args], **node.kwargs)  # type: ignore[operator]
-        source = node.args[0]
-        assert isinstance(source, Node)
-        name = namer(str(source.target).replace(".", "_") + "_q")
+        name = namer("_frozen_param")
         gm.register_buffer(name, result)
         with graph.inserting_before(node):
             stored = graph.get_attr(name)
@@ -83,4 +85,5 @@ def _fold_constant_quantizes(gm: GraphModule) -> None:
         stored.meta["val"] = result
         node.replace_all_uses_with(stored)
         graph.erase_node(node)
+        stored.name = node.name  # as torchao's constant folding: the node keeps the quantize's name
     graph.eliminate_dead_code()
