@@ -152,9 +152,9 @@ class MaskAwareObserver(ObserverBase):
             data = data[real]
         if data.numel():
             self.inner(data)
-            self.num_batches += 1
+            self.num_batches.add_(1)
         elif bool(self.saw_negative_mask) or bool(self.saw_positive_mask):
-            self.num_batches += 1  # masks alone are data too: see calculate_qparams
+            self.num_batches.add_(1)  # masks alone are data too: see calculate_qparams
         return x
 
     def merge_(self, others: Sequence[Any]) -> None:
