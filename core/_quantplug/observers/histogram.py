@@ -8,6 +8,7 @@ what every error estimate and re-binning below assumes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,11 @@ _REFINE_POINTS = 17
 def _clip(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
     """``np.clip`` without its Python-level dispatch (a few microseconds a call, many calls)."""
     return np.minimum(np.maximum(x, lo), hi)
+
+
+def _differs(a: float, b: float) -> bool:
+    """Whether ``a`` and ``b`` differ, zeros of opposite signs included (``fill_`` keeps the sign)."""
+    return a != b or (a == 0.0 and math.copysign(1.0, a) != math.copysign(1.0, b))
 
 
 class _HistStats:
@@ -172,8 +178,8 @@ class HistogramObserver(ObserverBase):
             histogram.add_(recalled[0])
             buffers["num_batches"].add_(ONE)
             return x
-        data = x.detach().float()
-        readable = kernels.readable(data)
+        data = (x.detach() if x.requires_grad else x).float()
+        readable = kernels.readable(data, None if batch is None or data is not x else batch.dense)
         if not readable and kernels.enabled():
             data = data.reshape(-1)  # a copy the native kernels can read
             readable = kernels.readable(data)
@@ -209,8 +215,10 @@ class HistogramObserver(ObserverBase):
                 seen.remember(self, batch, (counts, new_min, new_max))
         else:
             histogram[0] += data.numel()
-        min_val.fill_(new_min)
-        max_val.fill_(new_max)
+        if _differs(new_min, cur_min):  # most batches leave the range as it is
+            min_val.fill_(new_min)
+        if _differs(new_max, cur_max):
+            max_val.fill_(new_max)
         buffers["num_batches"].add_(ONE)
         return x
 

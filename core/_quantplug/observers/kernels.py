@@ -82,10 +82,15 @@ def dense_values(x: torch.Tensor) -> bool:
     )
 
 
-def readable(x: torch.Tensor) -> bool:
+def readable(x: torch.Tensor, dense: bool | None = None) -> bool:
     """Whether the native kernels are in use and may read ``x`` (:func:`dense_values`, with
-    fewer than :data:`MAX_ELEMENTS` elements): then ``checked=True`` skips the same checks."""
-    return _native is not None and 0 < x.numel() < MAX_ELEMENTS and dense_values(x)
+    fewer than :data:`MAX_ELEMENTS` elements): then ``checked=True`` skips the same checks.
+    ``dense``: :func:`seen.dense` of ``x`` where the caller knows it."""
+    if _native is None or not 0 < x.numel() < MAX_ELEMENTS:
+        return False
+    if dense is None:
+        return dense_values(x)
+    return dense and type(x) is torch.Tensor and x.dtype is _F32 and x.is_cpu
 
 
 def minmax(x: torch.Tensor, checked: bool = False) -> tuple[float, float] | None:
@@ -102,14 +107,14 @@ def minmax(x: torch.Tensor, checked: bool = False) -> tuple[float, float] | None
     return None if lo == 0.0 or hi == 0.0 else (lo, hi)
 
 
-def extremes(x: torch.Tensor) -> tuple[float, float] | None:
+def extremes(x: torch.Tensor, dense: bool | None = None) -> tuple[float, float] | None:
     """``torch.aminmax(x)`` as Python floats (NaN, NaN with a NaN in ``x``), or None.
 
     Unlike :func:`minmax` this keeps an extreme of zero with whichever sign the kernel met first
     (in a contiguous ``x``: for observers whose qparams do not depend on the sign of a zero
-    extreme, quantplug's own).
+    extreme, quantplug's own). ``dense``: as for :func:`readable`.
     """
-    if not readable(x):
+    if not readable(x, dense):
         return None
     assert _native is not None
     lo, hi = _native.minmax(x.data_ptr(), x.numel())

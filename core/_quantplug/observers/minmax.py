@@ -51,7 +51,7 @@ def batch_extremes(observer: Any, x: torch.Tensor) -> tuple[float, float] | None
     found = seen.recall_extremes(batch)
     if found is None:
         data = x.detach()
-        found = kernels.extremes(data)
+        found = kernels.extremes(data, None if batch is None else batch.dense)
         if found is None:
             lo, hi = torch.stack(list(torch.aminmax(data.float()))).tolist()
             found = (lo, hi)

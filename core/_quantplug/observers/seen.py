@@ -47,13 +47,28 @@ def layout(x: torch.Tensor) -> Layout:
     transpose or permutation of it that needs no copy have the same one."""
     if x.is_contiguous():
         return ((1, x.numel()),)
+    key = (x.shape, x.stride())
+    found = _LAYOUTS.get(key)
+    if found is None:
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        found = _LAYOUTS[key] = _merged(*key)
+    return found
+
+
+def _merged(shape: tuple[int, ...], strides: tuple[int, ...]) -> Layout:
     merged: list[tuple[int, int]] = []
-    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz != 1):
+    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz != 1):
         if merged and merged[-1][0] * merged[-1][1] == stride:
             merged[-1] = (merged[-1][0], merged[-1][1] * size)
         else:
             merged.append((stride, size))
     return tuple(merged)
+
+
+#: layouts of the non-contiguous shapes and strides met (a model has a few dozen)
+_LAYOUTS: dict[tuple[Any, ...], Layout] = {}
+_LAYOUTS_KEPT = 4096
 
 
 def dense(x: torch.Tensor) -> bool:
@@ -63,15 +78,16 @@ def dense(x: torch.Tensor) -> bool:
 
 
 class Batch:
-    """Where a batch's values are (module docstring)."""
+    """Where a batch's values are (module docstring); ``dense``: as :func:`dense` says of it."""
 
-    __slots__ = ("address", "dtype", "layout", "numel", "storage", "version")
+    __slots__ = ("address", "dense", "dtype", "layout", "numel", "storage", "version")
 
     def __init__(self, x: torch.Tensor) -> None:
         self.address = x.data_ptr()
         self.numel = x.numel()
         self.dtype = x.dtype
         self.layout = layout(x)
+        self.dense = self.layout == ((1, self.numel),)
         self.storage = weakref.ref(x.untyped_storage())
         self.version = x._version
 
