@@ -44,18 +44,23 @@ def merge_averages_(observer: Any, others: Sequence[Any]) -> None:
 def batch_extremes(observer: Any, x: torch.Tensor) -> tuple[float, float] | None:
     """The min and max of ``x`` as floats (None: no finite element to record), NaN/inf handled.
 
-    A batch holding the very values of one observed just before (a view of it, or the same tensor
-    at another observer: :mod:`seen`) gets that batch's extremes without a pass over it.
+    A batch holding the very values of one observed recently (a view of it, the same tensor at
+    another observer, or a constant this observer meets at every batch, such as an embedding
+    table sharing its output's grid: :mod:`seen`) gets that batch's extremes without a pass over it.
     """
     batch = seen.probe(x)
-    found = seen.recall_extremes(batch)
+    found = seen.recall(observer, batch)
     if found is None:
-        data = x.detach()
-        found = kernels.extremes(data, None if batch is None else batch.dense)
+        found = seen.recall_extremes(batch)
         if found is None:
-            lo, hi = torch.stack(list(torch.aminmax(data.float()))).tolist()
-            found = (lo, hi)
-        seen.remember_extremes(batch, found)
+            data = x.detach()
+            found = kernels.extremes(data, None if batch is None else batch.dense)
+            if found is None:
+                lo, hi = torch.stack(list(torch.aminmax(data.float()))).tolist()
+                found = (lo, hi)
+            seen.remember_extremes(batch, found)
+        if found[0] != 0.0 and found[1] != 0.0:  # see seen.remember_extremes
+            seen.remember(observer, batch, found)
     lo, hi = found
     if nonfinite.ordinary(observer, lo, hi):
         return lo, hi

@@ -15,7 +15,8 @@ to it: while it lives, its memory holds no other tensor), the same first address
 element type, the same addresses (:func:`layout`: sizes and strides up to the order and merging
 of dimensions), and the same version counter value (views share it with their base, and every
 in-place write through any of them bumps it). Only CPU tensors of class ``torch.Tensor`` outside
-inference mode (whose tensors have no version counter) are matched.
+inference mode (whose tensors have no version counter) are matched, and parameters only outside
+autograd (:func:`probe`).
 
 Two kinds of memory: each observer's own (:func:`recall` / :func:`remember`, in the instance
 ``__dict__``: never copied or pickled), for statistics that depend on the observer (a histogram's
@@ -27,10 +28,26 @@ the counts of those batches: one histogram each).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+_enabled = True
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Observe every batch in full, as if none had been seen (to compare the two: same results)."""
+    global _enabled
+    saved, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = saved
+
 
 #: the observer attribute holding its recent batches
 ATTR = "_quantplug_seen_batches"
@@ -106,8 +123,15 @@ class Batch:
 
 
 def probe(x: torch.Tensor) -> Batch | None:
-    """``x`` as a :class:`Batch` to look up and record, or None where it cannot be matched."""
-    if type(x) is not torch.Tensor or not x.is_cpu or x.is_inference():
+    """``x`` as a :class:`Batch` to look up and record, or None where it cannot be matched.
+
+    A tensor that requires grad (a parameter) is matched only outside autograd (calibration under
+    ``torch.no_grad()``): training writes parameters between batches, and a write through
+    ``param.data`` bumps no version counter the parameter shares.
+    """
+    if not _enabled or type(x) is not torch.Tensor or not x.is_cpu or x.is_inference():
+        return None
+    if x.requires_grad and torch.is_grad_enabled():
         return None
     return Batch(x)
 
