@@ -14,7 +14,7 @@ the values is skipped.
 to it: while it lives, its memory holds no other tensor), the same first address, the same
 element type, the same addresses (:func:`layout`: sizes and strides up to the order and merging
 of dimensions), and the same version counter value (views share it with their base, and every
-in-place write through any of them bumps it). Only CPU tensors of class ``torch.Tensor`` outside
+in-place write through any of them bumps it). Only CPU tensors (parameters included) outside
 inference mode (whose tensors have no version counter) are matched, and parameters only outside
 autograd (:func:`probe`).
 
@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 _enabled = True
+#: tensor classes whose memory is their values (subclasses may have none: fake, functional...)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @contextlib.contextmanager
@@ -129,7 +131,7 @@ def probe(x: torch.Tensor) -> Batch | None:
     ``torch.no_grad()``): training writes parameters between batches, and a write through
     ``param.data`` bumps no version counter the parameter shares.
     """
-    if not _enabled or type(x) is not torch.Tensor or not x.is_cpu or x.is_inference():
+    if not _enabled or type(x) not in _PLAIN or not x.is_cpu or x.is_inference():
         return None
     if x.requires_grad and torch.is_grad_enabled():
         return None
