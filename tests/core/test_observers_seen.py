@@ -171,7 +171,9 @@ def test_average_step_rounds_as_float32_arithmetic(current: float, value: float,
     f32 = np.float32
     with np.errstate(over="ignore"):
         expected = float(f32(current) + f32(f32(value) - f32(current)) * f32(c))
-    assert _average_step(current, value, c) == expected or (np.isnan(expected) and np.isnan(_average_step(current, value, c)))
+    assert _average_step(current, value, c) == expected or (
+        np.isnan(expected) and np.isnan(_average_step(current, value, c))
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -246,7 +248,9 @@ def test_calibration_gives_the_same_program_as_full_passes(
                 else:
                     with seen.disabled():
                         prepared(x)
-        observers = {f"{n}.{k}": v.clone() for n, o in observer_children(prepared) for k, v in _state(o).items()}
+        observers = {
+            f"{n}.{k}": v.clone() for n, o in observer_children(prepared) for k, v in _state(o).items()
+        }
         return observers, quantplug.convert(prepared).state_dict()
 
     (obs_fast, sd_fast), (obs_full, sd_full) = calibrated(True), calibrated(False)

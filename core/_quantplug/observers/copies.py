@@ -47,7 +47,9 @@ def fresh_copy(obs: nn.Module) -> nn.Module:
     simple = not obs._modules and not obs._parameters
     if simple:
         simple = all(
-            isinstance(v, _IMMUTABLE) for k, v in obs.__dict__.items() if k not in _MODULE_STATE and k != seen.ATTR
+            isinstance(v, _IMMUTABLE)
+            for k, v in obs.__dict__.items()
+            if k not in _MODULE_STATE and k != seen.ATTR
         )
     if not simple:
         return unparked(copy.deepcopy(obs))

@@ -7,11 +7,10 @@ infinite values (then :mod:`_quantplug.observers.nonfinite` applies the calibrat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import math
 import struct
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
