@@ -11,14 +11,6 @@ import numpy as np
 import torch
 
 
-def _cdf_at(positions: torch.Tensor, hist: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
-    """Mass left of ``positions`` (in bin units) under the piecewise-uniform histogram."""
-    bins = hist.numel()
-    t = positions.clamp(0.0, float(bins))
-    j = t.floor().clamp(max=bins - 1).long()
-    return cum[j] + hist[j] * (t - j.to(t.dtype))
-
-
 def rebin_histogram(
     hist: torch.Tensor, old_min: float, old_max: float, new_min: float, new_max: float
 ) -> torch.Tensor:
@@ -30,24 +22,20 @@ def rebin_histogram(
     """
     bins = hist.numel()
     h = hist.detach().to(device="cpu", dtype=torch.float64)
-    out = torch.zeros(bins, dtype=torch.float64)
     new_width = (new_max - new_min) / bins
-    if new_width <= 0.0:
-        out[0] = h.sum()
-    elif old_max <= old_min:
-        idx = min(max(int((old_min - new_min) / new_width), 0), bins - 1)
-        out[idx] = h.sum()
+    if new_width > 0.0 and old_max > old_min:
+        out = torch.from_numpy(_spread(h.numpy(), old_min, old_max, new_min, new_width))
     else:
-        return torch.from_numpy(_spread(h.numpy(), old_min, old_max, new_min, new_width)).to(
-            device=hist.device, dtype=hist.dtype
-        )
+        out = torch.zeros(bins, dtype=torch.float64)
+        idx = 0 if new_width <= 0.0 else min(max(int((old_min - new_min) / new_width), 0), bins - 1)
+        out[idx] = h.sum()
     return out.to(device=hist.device, dtype=hist.dtype)
 
 
 def _spread(h: np.ndarray, old_min: float, old_max: float, new_min: float, new_width: float) -> np.ndarray:
     """The float64 histogram ``h`` over ``[old_min, old_max]`` read at the edges of ``len(h)``
     bins of ``new_width`` from ``new_min``: the same float64 operations, one by one, as the torch
-    expression ``diff(cdf_at((edges - old_min) / old_width)).clamp(min=0)`` (element-wise
+    expression ``diff(cdf((edges - old_min) / old_width)).clamp(min=0)`` (element-wise
     operations and a sequential cumulative sum round alike in NumPy and torch), in NumPy because
     each of its dozen operations costs a fraction of a torch operation's dispatch (a calibration
     batch re-bins every histogram whose range grew: 60 per batch in an 8-block decoder)."""
