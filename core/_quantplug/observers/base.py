@@ -18,8 +18,12 @@ from torch import nn
 from _quantplug.annotation.dtypes import UINT2, UINT4, full_range, resolve_range
 from _quantplug.annotation.specs import SYMMETRIC_QSCHEMES
 from _quantplug.errors import ObserverMergeError, OptionError
+from _quantplug.observers import seen
 
 DEFAULT_EPS = float(torch.finfo(torch.float32).eps)
+#: ``num_batches.add_(ONE)``: a batch counted in place without wrapping a Python 1 into a tensor
+#: per call (``num_batches += 1`` also goes through ``Module.__setattr__``: 10 us a call)
+ONE = torch.ones((), dtype=torch.int64)
 
 
 class ObserverFactory:
@@ -165,6 +169,13 @@ class ObserverBase(nn.Module):
                 "cannot be combined across processes; override merge_ (see 'Observers that merge' in "
                 "docs/writing-a-backend.md)"
             )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state without the batches it saw last (``observers.seen``: weak references
+        to storages, meaningless in a copy)."""
+        state = dict(super().__getstate__())
+        state.pop(seen.ATTR, None)
+        return state
 
     def _add_batches(self, others: Sequence[Any]) -> None:
         """``num_batches`` after a merge: every batch any of them saw."""

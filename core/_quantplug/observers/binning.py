@@ -94,10 +94,13 @@ class LinearBinning:
         t.div_(divisor).clamp_max_(float(self.bins - 1))
         return torch.bincount(t.to(torch.int32), minlength=self.bins)
 
-    def count_into(self, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
-        """Set (or add to) float32 CPU ``out`` the counts of ``x``: the native kernel, else :meth:`counts`."""
+    def count_into(
+        self, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False, checked: bool = False
+    ) -> None:
+        """Set (or add to) float32 CPU ``out`` the counts of ``x``: the native kernel, else
+        :meth:`counts`. ``checked``: as :func:`_quantplug.observers.kernels.bin_counts`'s."""
         scale = 0.0 if self.scale is None else float(self.scale)
-        if kernels.bin_counts(x, self.lo, scale, self.divisor, self.bins, out, accumulate):
+        if kernels.bin_counts(x, self.lo, scale, self.divisor, self.bins, out, accumulate, checked):
             return
         if accumulate:
             out.add_(self.counts(x))

@@ -14,6 +14,7 @@ import types
 import torch
 from torch import nn
 
+from _quantplug.observers import seen
 from _quantplug.observers.binning import LinearBinning
 from _quantplug.observers.parked import unparked
 
@@ -45,11 +46,16 @@ def fresh_copy(obs: nn.Module) -> nn.Module:
     """
     simple = not obs._modules and not obs._parameters
     if simple:
-        simple = all(isinstance(v, _IMMUTABLE) for k, v in obs.__dict__.items() if k not in _MODULE_STATE)
+        simple = all(
+            isinstance(v, _IMMUTABLE)
+            for k, v in obs.__dict__.items()
+            if k not in _MODULE_STATE and k != seen.ATTR
+        )
     if not simple:
         return unparked(copy.deepcopy(obs))
     new = object.__new__(type(obs))
     new.__dict__ = obs.__dict__.copy()
+    seen.forget(new)  # a copy has seen no batch
     new._buffers = {k: None if v is None else v.clone() for k, v in obs._buffers.items()}
     new._non_persistent_buffers_set = set(obs._non_persistent_buffers_set)
     new._parameters = {}

@@ -22,6 +22,8 @@ from types import ModuleType
 
 import torch
 
+from _quantplug.observers import seen
+
 _built: ModuleType | None
 try:
     from _quantplug.observers import _histogram_kernels as _built
@@ -67,27 +69,57 @@ def _plain(x: torch.Tensor) -> bool:
     )
 
 
-def minmax(x: torch.Tensor) -> tuple[float, float] | None:
+def dense_values(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a float32 CPU tensor whose values fill the memory from ``x.data_ptr()`` on,
+    one each (contiguous, or a transpose or permutation of a contiguous block): reductions and
+    counts that do not depend on the order of the values may read that memory as it lies."""
+    return (
+        type(x) is torch.Tensor
+        and x.dtype is _F32
+        and x.layout is torch.strided
+        and x.device.type == "cpu"
+        and seen.dense(x)
+    )
+
+
+def readable(x: torch.Tensor, dense: bool | None = None) -> bool:
+    """Whether the native kernels are in use and may read ``x`` (:func:`dense_values`, with
+    fewer than :data:`MAX_ELEMENTS` elements): then ``checked=True`` skips the same checks.
+    ``dense``: :func:`seen.dense` of ``x`` where the caller knows it."""
+    if _native is None or not 0 < x.numel() < MAX_ELEMENTS:
+        return False
+    if dense is None:
+        return dense_values(x)
+    return dense and type(x) is torch.Tensor and x.dtype is _F32 and x.is_cpu
+
+
+def minmax(x: torch.Tensor, checked: bool = False) -> tuple[float, float] | None:
     """``torch.aminmax(x)`` as Python floats (NaN, NaN with a NaN in ``x``), or None.
 
     None also where an extreme is zero: torch's reduction may return either sign of zero when
-    both occur, and observers keep the sign they are given.
+    both occur, and observers keep the sign they are given. ``checked``: :func:`readable` is known
+    to hold for ``x``.
     """
-    if _native is None or not 0 < x.numel() < MAX_ELEMENTS or not _plain(x):
+    if not checked and not readable(x):
         return None
+    assert _native is not None
     lo, hi = _native.minmax(x.data_ptr(), x.numel())
     return None if lo == 0.0 or hi == 0.0 else (lo, hi)
 
 
-def extremes(x: torch.Tensor) -> tuple[float, float] | None:
+def extremes(x: torch.Tensor, dense: bool | None = None) -> tuple[float, float] | None:
     """``torch.aminmax(x)`` as Python floats (NaN, NaN with a NaN in ``x``), or None.
 
-    Unlike :func:`minmax` this keeps an extreme of zero with whichever sign the kernel met first:
-    for observers whose qparams do not depend on the sign of a zero extreme (quantplug's own).
+    Unlike :func:`minmax` this keeps an extreme of zero with whichever sign the kernel met first
+    (in a contiguous ``x``: for observers whose qparams do not depend on the sign of a zero
+    extreme, quantplug's own). ``dense``: as for :func:`readable`.
     """
-    if _native is None or not 0 < x.numel() < MAX_ELEMENTS or not _plain(x):
+    if not readable(x, dense):
         return None
+    assert _native is not None
     lo, hi = _native.minmax(x.data_ptr(), x.numel())
+    if (lo == 0.0 or hi == 0.0) and not x.is_contiguous():
+        return None  # the sign of a zero extreme met in memory order may not be the one torch gives
     return lo, hi
 
 
@@ -99,18 +131,19 @@ def bin_counts(
     bins: int,
     out: torch.Tensor,
     accumulate: bool,
+    checked: bool = False,
 ) -> bool:
     """Count ``x`` into ``out`` (``bins`` float32 counters: set, or added to); False if not done.
 
     The bin of a value is ``int(min((x - lo) * scale / divisor, bins - 1))`` in float32 (no
     multiplication when ``scale`` is 0): :class:`_quantplug.observers.binning.LinearBinning`
     chooses the operands so that this is torch.histc's bin. ``x`` must lie within the binned
-    range; ``out`` must not overlap ``x``.
+    range; ``out`` must not overlap ``x``. ``checked``: :func:`readable` is known to hold for
+    ``x``, and ``out`` is a contiguous float32 CPU tensor of ``bins`` elements.
     """
-    if _native is None or not 0 < x.numel() < MAX_ELEMENTS or not _plain(x):
+    if not checked and not (readable(x) and _plain(out) and out.numel() == bins):
         return False
-    if not _plain(out) or out.numel() != bins:
-        return False
+    assert _native is not None
     _native.bin_counts(x.data_ptr(), x.numel(), lo, scale, divisor, bins, out.data_ptr(), accumulate)
     return True
 

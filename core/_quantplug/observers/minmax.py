@@ -7,14 +7,15 @@ infinite values (then :mod:`_quantplug.observers.nonfinite` applies the calibrat
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from _quantplug.observers import kernels, nonfinite
-from _quantplug.observers.base import ObserverBase
+from _quantplug.observers import kernels, nonfinite, seen
+from _quantplug.observers.base import ONE, ObserverBase
 from _quantplug.observers.merge import merged_average, merged_extremes
 
 
@@ -40,17 +41,29 @@ def merge_averages_(observer: Any, others: Sequence[Any]) -> None:
 
 
 def batch_extremes(observer: Any, x: torch.Tensor) -> tuple[float, float] | None:
-    """The min and max of ``x`` as floats (None: no finite element to record), NaN/inf handled."""
-    data = x.detach()
-    found = kernels.extremes(data)
+    """The min and max of ``x`` as floats (None: no finite element to record), NaN/inf handled.
+
+    A batch holding the very values of one observed recently (a view of it, the same tensor at
+    another observer, or a constant this observer meets at every batch, such as an embedding
+    table sharing its output's grid: :mod:`seen`) gets that batch's extremes without a pass over it.
+    """
+    batch = seen.probe(x)
+    found = seen.recall(observer, batch)
     if found is None:
-        data = data.float()
-        lo, hi = torch.stack(list(torch.aminmax(data))).tolist()
-    else:
-        lo, hi = found
+        found = seen.recall_extremes(batch)
+        if found is None:
+            data = x.detach()
+            found = kernels.extremes(data, None if batch is None else batch.dense)
+            if found is None:
+                lo, hi = torch.stack(list(torch.aminmax(data.float()))).tolist()
+                found = (lo, hi)
+            seen.remember_extremes(batch, found)
+        if found[0] != 0.0 and found[1] != 0.0:  # see seen.remember_extremes
+            seen.remember(observer, batch, found)
+    lo, hi = found
     if nonfinite.ordinary(observer, lo, hi):
         return lo, hi
-    lo_t, hi_t = nonfinite.finite_extremes(observer, data.float())
+    lo_t, hi_t = nonfinite.finite_extremes(observer, x.detach().float())
     lo, hi = lo_t.item(), hi_t.item()
     return (lo, hi) if lo <= hi else None
 
@@ -72,14 +85,18 @@ class MinMaxObserver(ObserverBase):
         found = batch_extremes(self, x)
         if found is not None:
             self._update(*found)
-            self.num_batches += 1
+            # in place (``+=`` goes through Module.__setattr__), and buffers read from their dict
+            # (attribute reads go through Module.__getattr__): microseconds per call, hundreds of calls
+            self._buffers["num_batches"].add_(ONE)  # type: ignore[union-attr]
         return x
 
     def _update(self, lo: float, hi: float) -> None:
-        if lo < self.min_val.item():
-            self.min_val.fill_(lo)
-        if hi > self.max_val.item():
-            self.max_val.fill_(hi)
+        buffers: Any = self._buffers
+        low, high = buffers["min_val"], buffers["max_val"]
+        if lo < low.item():
+            low.fill_(lo)
+        if hi > high.item():
+            high.fill_(hi)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._qparams(self.min_val, self.max_val)
@@ -116,24 +133,46 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         if self._calls >= self.calls_per_pass:
             if self._pending is not None:
                 self._update(*self._pending)
-                self.num_batches += 1
+                self.num_batches.add_(ONE)
             self._calls, self._pending = 0, None
         return x
 
     def _update(self, lo: float, hi: float) -> None:
-        if int(self.num_batches) == 0:
-            self.min_val.fill_(lo)
-            self.max_val.fill_(hi)
+        buffers: Any = self._buffers
+        low, high = buffers["min_val"], buffers["max_val"]
+        if int(buffers["num_batches"]) == 0:
+            low.fill_(lo)
+            high.fill_(hi)
         else:
             # min + c * (lo - min) in float32 scalars: the very roundings of torch's 0-dim float32
             # arithmetic (torch's observers), without a tensor operation per step
-            c = np.float32(self.averaging_constant)
-            low, high = np.float32(self.min_val.item()), np.float32(self.max_val.item())
-            self.min_val.fill_(float(low + np.float32(np.float32(lo) - low) * c))
-            self.max_val.fill_(float(high + np.float32(np.float32(hi) - high) * c))
+            c = float32(self.averaging_constant)
+            low.fill_(_average_step(low.item(), lo, c))
+            high.fill_(_average_step(high.item(), hi, c))
 
     def merge_(self, others: Sequence[Any]) -> None:
         merge_averages_(self, others)
+
+
+_FLOAT32 = struct.Struct("f")
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest, ties to even, as numpy's and torch's casts)."""
+    try:
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]  # type: ignore[no-any-return]
+    except OverflowError:  # beyond float32's range: struct refuses what a cast makes infinite
+        return math.copysign(math.inf, value)
+
+
+def _average_step(current: float, value: float, c: float) -> float:
+    """``current + (value - current) * c`` in float32 arithmetic (all three float32 values).
+
+    Each float64 operation on float32 operands, rounded to float32, is the float32 operation:
+    float64 has more than twice float32's precision plus two bits, so the double rounding is
+    exact for a sum, a difference and a product.
+    """
+    return float32(current + float32(float32(float32(value) - current) * c))
 
 
 def _per_channel_extremes(observer: Any, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +206,7 @@ class PerChannelMinMaxObserver(ObserverBase):
             self.max_val = hi.clone()
         else:
             self._update(lo, hi)
-        self.num_batches += 1
+        self.num_batches.add_(ONE)
         return x
 
     def _update(self, lo: torch.Tensor, hi: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch
 from _quantplug.annotation.dtypes import storage_dtype
 from _quantplug.errors import AnnotationError
 from _quantplug.observers import nonfinite
-from _quantplug.observers.base import ObserverBase
+from _quantplug.observers.base import ONE, ObserverBase
 from _quantplug.observers.fake_quantize import fake_quantize as _fake_quantize
 from _quantplug.observers.minmax import merge_extremes_
 
@@ -155,7 +155,7 @@ class PerBlockMinMaxObserver(ObserverBase):
                 )
             torch.minimum(self.min_val, lo, out=self.min_val)
             torch.maximum(self.max_val, hi, out=self.max_val)
-        self.num_batches += 1
+        self.num_batches.add_(ONE)
         return x
 
     def _block_extremes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ class has the highest priority, so a concat or mask observer governs its whole g
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -139,6 +140,29 @@ class MaskAwareObserver(ObserverBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         data = x.detach()
+        if data.dtype == torch.float32 and data.numel():
+            # one reduction tells a batch without masks (most of them) and which ends have some
+            lo, hi = torch.stack(list(torch.aminmax(data))).tolist()
+            if not (-MASK_THRESHOLD < lo and hi < MASK_THRESHOLD):  # masks, or NaN: False either way
+                if math.isnan(lo) or math.isnan(hi):
+                    data = self._real_values(data)
+                else:
+                    if lo <= -MASK_THRESHOLD:
+                        self.saw_negative_mask.fill_(True)
+                    if hi >= MASK_THRESHOLD:
+                        self.saw_positive_mask.fill_(True)
+                    data = torch.masked_select(data, data.abs() < MASK_THRESHOLD)  # = data[real]
+        else:
+            data = self._real_values(data)
+        if data.numel():
+            self.inner(data)
+            self.num_batches.add_(1)
+        elif bool(self.saw_negative_mask) or bool(self.saw_positive_mask):
+            self.num_batches.add_(1)  # masks alone are data too: see calculate_qparams
+        return x
+
+    def _real_values(self, data: torch.Tensor) -> torch.Tensor:
+        """``data`` without its mask values (the ends they lie beyond recorded), NaN handled."""
         real = data.abs() < MASK_THRESHOLD  # False for ±inf, NaN and huge mask constants
         if not bool(real.all()):
             masked = data[~real]
@@ -150,12 +174,7 @@ class MaskAwareObserver(ObserverBase):
             if bool((masked > 0).any()):
                 self.saw_positive_mask.fill_(True)
             data = data[real]
-        if data.numel():
-            self.inner(data)
-            self.num_batches += 1
-        elif bool(self.saw_negative_mask) or bool(self.saw_positive_mask):
-            self.num_batches += 1  # masks alone are data too: see calculate_qparams
-        return x
+        return data
 
     def merge_(self, others: Sequence[Any]) -> None:
         """Merge the inner observers; a mask end any of them saw is seen."""
