@@ -241,7 +241,9 @@ def released(request: pytest.FixtureRequest) -> dict[str, Any]:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     kept = quantplug.convert(prepared)  # the prepared module stays usable without the option
     freed = quantplug.convert(prepared, release_float_weights=True)
-    return dict(model=model, ep=ep, prepared=prepared, before=before, kept=kept, freed=freed)
+    return dict(
+        model=model, ep=ep, prepared=prepared, before=before, kept=kept, freed=freed, precision=request.param
+    )
 
 
 def test_release_gives_the_same_program(released: dict[str, Any]) -> None:
@@ -276,3 +278,15 @@ def test_a_released_prepared_module_refuses_every_use(released: dict[str, Any]) 
         quantplug.convert(prepared)
     with pytest.raises(ConversionError, match="release_float_weights is True or False"):
         quantplug.convert(_prepared("16a8w")[2], release_float_weights="yes")  # type: ignore[arg-type]
+
+
+def test_quantize_converts_releasing_its_own_prepared_module(released: dict[str, Any]) -> None:
+    """The one-call flow owns its prepared module: same program, the caller's model untouched."""
+    model = released["model"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    program = quantplug.quantize(model, TOKENS, backend="qnn_htp", precision=released["precision"])
+    assert program.code == released["kept"].code
+    for name, value in released["kept"].state_dict().items():
+        assert torch.equal(program.state_dict()[name], value), name
+    for name, value in before.items():
+        assert torch.equal(model.state_dict()[name], value), name
