@@ -34,22 +34,22 @@ def refuse_released(module: Any, doing: str) -> None:
     """Raise if ``module`` is a prepared module a ``release_float_weights`` convert consumed."""
     meta = getattr(module, "meta", None)
     if isinstance(meta, dict) and meta.get(RELEASED_KEY):
-        raise ConversionError(
-            f"cannot {doing}: this prepared module was consumed by convert({OPTION}=True), which "
-            "released its float weights; prepare the exported program again (quantplug.prepare(ep, "
-            f"quantizer)) and calibrate it, or convert without {OPTION} to keep using the prepared module"
-        )
+        raise _consumed(doing)
+
+
+def _consumed(doing: str) -> ConversionError:
+    return ConversionError(
+        f"cannot {doing}: this prepared module was consumed by convert({OPTION}=True), which "
+        "released its float weights; prepare the exported program again (quantplug.prepare(ep, "
+        f"quantizer)) and calibrate it, or convert without {OPTION} to keep using the prepared module"
+    )
 
 
 class _Consumed:
     """The forward of a consumed prepared module: a typed error, not a missing attribute."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise ConversionError(
-            f"cannot run this prepared module (calibration, an algorithm's pass): it was consumed by "
-            f"convert({OPTION}=True), which released its float weights; prepare the exported program "
-            "again (quantplug.prepare(ep, quantizer)) and calibrate it"
-        )
+        raise _consumed("run this prepared module (calibration, an algorithm's pass)")
 
 
 class FloatWeightRelease:
