@@ -153,8 +153,18 @@ def _fixed_overhead_mib(backend: str) -> float:
     return _kib("VmRSS") / 1024
 
 
-def run_one(size: str, flow: str, batches_n: int, lowered: bool = True) -> dict[str, Any]:
-    """One flow on one size, in this process: what :func:`main` runs in a fresh process each."""
+def run_one(
+    size: str, flow: str, batches_n: int, lowered: bool = True, release: bool = True
+) -> dict[str, Any]:
+    """One flow on one size, in this process: what :func:`main` runs in a fresh process each.
+
+    With ``release`` (the default) a quantplug flow does what a script that owns its model can:
+    it drops the float model and the exported program once prepared (the float reference output
+    is computed before), and converts with ``release_float_weights=True``, so the prepared module
+    holds the last references to the float weights and convert frees each as its integers are
+    written. ``--keep-float`` keeps both through convert, as before (the flow's memory with a
+    caller that keeps its model).
+    """
     import torch
 
     fixed_mib = _fixed_overhead_mib(flow.partition("-")[0])
@@ -162,6 +172,7 @@ def run_one(size: str, flow: str, batches_n: int, lowered: bool = True) -> dict[
     model_mib = _kib("VmRSS") / 1024
     calibration, held_out = batches[: max(1, min(batches_n, 4))], batches[-1]
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         reference = model(*held_out)
     phases = Phases()
@@ -176,8 +187,11 @@ def run_one(size: str, flow: str, batches_n: int, lowered: bool = True) -> dict[
         quantizer = quantplug.get_quantizer("qnn_htp", precision=precision)
         algorithms = [algorithm] if algorithm else []
         prepared = phases.run("prepare", lambda: quantplug.prepare(ep, quantizer, algorithms=algorithms))
+        if release:  # the prepared module's references to the float weights are the last ones
+            del model, ep
         phases.run("calibrate", lambda: _calibrate(prepared, calibration))
-        quantized = phases.run("convert", lambda: quantplug.convert(prepared))
+        quantized = phases.run("convert", lambda: quantplug.convert(prepared, release_float_weights=release))
+        del prepared  # consumed (release) or no longer needed
         with torch.no_grad():
             output = quantized(*held_out)
 
@@ -206,7 +220,8 @@ def run_one(size: str, flow: str, batches_n: int, lowered: bool = True) -> dict[
     return {
         "size": size,
         "flow": flow,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": params,
+        "release_float_weights": release and backend == "qnn_htp",
         "weights_mib": weights_bytes / 2**20,
         "fixed_mib": fixed_mib,  # RSS with the libraries imported, before the model is built
         "model_mib": model_mib,  # RSS once the float model is built
@@ -257,6 +272,16 @@ def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
         "",
         "fixed = RSS with torch, transformers, onnx and the backend imported, before the model is built "
         "(what no model size changes); the memory target is (peak - fixed) / weights <= 1.5x.",
+        "",
+        (
+            "quantplug flows drop the float model and the exported program once prepared and convert with "
+            "`release_float_weights=True`: the prepared module's references to the float weights are the "
+            "last, and convert frees each weight as its integers are written (`--keep-float` keeps them "
+            "through convert: the memory of a caller that holds its model)."
+            if any(r.get("release_float_weights") for r in results)
+            else "quantplug flows kept the float model and the exported program through convert "
+            "(`--keep-float`, or results from before `release_float_weights`)."
+        ),
         "",
         "Peak RSS per phase, MiB (each phase's own high-water mark; the float model alone holds "
         "`model` - `fixed`):",
@@ -316,12 +341,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flows", nargs="+", default=list(FLOWS), choices=FLOWS)
     parser.add_argument("--batches", type=int, default=4, help="calibration batches (at most 4)")
     parser.add_argument("--no-lower", action="store_true", help="stop at convert (the algorithms' ratios)")
+    parser.add_argument(
+        "--keep-float",
+        action="store_true",
+        help="quantplug flows keep the float model and program through convert (no release_float_weights)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--name", default="scale", help="results file stem")
     parser.add_argument("--one", nargs=2, metavar=("SIZE", "FLOW"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one[0], args.one[1], args.batches, not args.no_lower)))
+        print(
+            json.dumps(
+                run_one(args.one[0], args.one[1], args.batches, not args.no_lower, not args.keep_float)
+            )
+        )
         return 0
     machine = {"nproc": os.cpu_count(), "load_start": [round(x, 2) for x in os.getloadavg()]}
     results: list[dict[str, Any]] = []
@@ -330,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[scale] {size} {flow} ...", file=sys.stderr, flush=True)
             done = subprocess.run(
                 [sys.executable, "-m", "bench.scale", "--one", size, flow, "--batches", str(args.batches)]
-                + (["--no-lower"] if args.no_lower else []),
+                + (["--no-lower"] if args.no_lower else [])
+                + (["--keep-float"] if args.keep_float else []),
                 capture_output=True,
                 text=True,
             )

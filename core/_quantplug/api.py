@@ -64,17 +64,7 @@ def quantize(
     """
     old: dict[str, Any] = {k: options.pop(k) for k in ("algorithm_guard", "held_out") if k in options}
     config = configured(algorithms, old, function="quantize")
-    if isinstance(model, torch.export.ExportedProgram):
-        program = model
-    else:
-        if example_inputs is None:
-            raise QuantplugError("quantize() needs example_inputs to export an nn.Module")
-        flags = {m: m.training for m in model.modules()}
-        try:
-            program = torch.export.export(model.eval(), tuple(example_inputs))
-        finally:
-            for module, training in flags.items():
-                module.training = training
+    program = model if isinstance(model, torch.export.ExportedProgram) else _export(model, example_inputs)
     quantizer = get_quantizer(backend, **options)
     batches = list(calibration) if calibration is not None else [tuple(example_inputs or ())]
     if config.algorithms and config.calibration is None:  # the algorithms see the calibration data
@@ -89,4 +79,20 @@ def quantize(
     with torch.no_grad():
         for batch in batches:
             prepared(*(private_inputs(_as_args(batch)) if copies else _as_args(batch)))
-    return convert(prepared)
+    # the prepared module is this call's own: convert drops its float weights as their integers are
+    # written, so a model built for this call (no other reference to it) is freed weight by weight
+    # during convert; a caller's model and program keep their weights (only our references go)
+    del model, program
+    return convert(prepared, release_float_weights=True)
+
+
+def _export(model: torch.nn.Module, example_inputs: Sequence[Any] | None) -> torch.export.ExportedProgram:
+    """``model`` exported in eval mode, its own train/eval flags left as they were."""
+    if example_inputs is None:
+        raise QuantplugError("quantize() needs example_inputs to export an nn.Module")
+    flags = {m: m.training for m in model.modules()}
+    try:
+        return torch.export.export(model.eval(), tuple(example_inputs))
+    finally:
+        for module, training in flags.items():
+            module.training = training

@@ -47,6 +47,8 @@ PARKED_KEY = "quantplug_parked"
 # -- GraphModule.meta -------------------------------------------------------------------------
 #: prepare's state (``PreparedState``): groups, sharing, validation, what convert needs
 STATE_KEY = "quantplug_prepared"
+#: set on a prepared module ``convert(release_float_weights=True)`` consumed (its float weights gone)
+RELEASED_KEY = "quantplug_released_float_weights"
 #: the backend a program was prepared for (kept by convert; lower checks it)
 BACKEND_KEY = "quantplug_backend"
 #: convert's qparams per sharing group (its presence marks a program quantplug converted)

@@ -672,7 +672,7 @@ def test_accelerated_torchao_per_channel_observer_is_bit_identical() -> None:
 
 
 def test_weight_quantization_matches_the_decomposed_op() -> None:
-    from _quantplug.flow.convert import _quantize_per_channel
+    from _quantplug.flow.convert import QParams, _quantize_tensor
 
     qd = torch.ops.quantized_decomposed
     g = torch.Generator().manual_seed(3)
@@ -684,7 +684,8 @@ def test_weight_quantization_matches_the_decomposed_op() -> None:
         zp = torch.randint(-10, 10, (shape[axis],), generator=g) * (trial % 2)
         for qmin, qmax, dtype in ((-128, 127, torch.int8), (0, 255, torch.uint8)):
             expected = qd.quantize_per_channel.default(w, scale, zp, axis, qmin, qmax, dtype)
-            assert torch.equal(_quantize_per_channel(w, scale, zp, axis, qmin, qmax, dtype), expected)
+            qp = QParams(scale, zp, qmin, qmax, dtype, "channel", axis=axis)
+            assert torch.equal(_quantize_tensor(w, qp), expected)
 
 
 @pytest.mark.parametrize("name", ["x86", "xnnpack"])

@@ -8,6 +8,7 @@ understand. Each quantized consumer gets its own dequantize node, so a backend c
 
 from __future__ import annotations
 
+import gc
 import operator
 import warnings
 from collections.abc import Hashable
@@ -32,6 +33,7 @@ from _quantplug.flow.loop_bodies import replace_loop_bodies
 from _quantplug.flow.observer_convert import converts_itself, run_observer_converts
 from _quantplug.flow.qdq_meta import FROM_NODE, port_qdq_meta, provenance
 from _quantplug.flow.reference_representation import to_reference_representation
+from _quantplug.flow.release import FloatWeightRelease, refuse_released
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_nodes, module_attr
@@ -58,6 +60,7 @@ from _quantplug.observers.factory import observer_saw_data
 from _quantplug.observers.fixed import DerivedObserver
 from _quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
+from _quantplug.observers.per_block import block_grid_shape, resolve_block_size
 from _quantplug.peers.torch_codegen import generating_code
 from _quantplug.peers.torchao_observers import calculate_qparams_many
 from _quantplug.rewrites.qat_batchnorm import fold_trained_batch_norms
@@ -468,7 +471,11 @@ def _sources_ready(obs: DerivedObserver) -> bool:
 
 
 def convert(
-    prepared: GraphModule, *, fold_quantize: bool = True, use_reference_representation: bool = False
+    prepared: GraphModule,
+    *,
+    fold_quantize: bool = True,
+    use_reference_representation: bool = False,
+    release_float_weights: bool = False,
 ) -> GraphModule:
     """Turn a calibrated prepared model into the reference quantized program (a new module).
 
@@ -484,7 +491,16 @@ def convert(
             as its formula (:mod:`_quantplug.flow.reference_representation`). A quantize op the
             representation cannot express (another dtype, per-block or affine) raises a
             ConversionError naming it.
+        release_float_weights: ``True`` drops the prepared module's reference to each float
+            weight as soon as its integers are written (and to every other tensor at the end), so
+            a caller that no longer holds the float model or exported program gets their memory
+            back during convert instead of holding the float weights and all the integers at once.
+            The caller's model and program are not touched (the references dropped are the
+            prepared module's own); what the converted program reads float it keeps. The prepared
+            module is consumed: any later use (a forward, convert, an algorithm) raises a
+            ConversionError saying to prepare again (:mod:`_quantplug.flow.release`).
     """
+    refuse_released(prepared, "convert this module again")
     state = prepared.meta.get(STATE_KEY) if isinstance(prepared, GraphModule) else None
     if not isinstance(state, PreparedState):
         raise ConversionError(
@@ -494,13 +510,20 @@ def convert(
     for option, value in (
         ("fold_quantize", fold_quantize),
         ("use_reference_representation", use_reference_representation),
+        ("release_float_weights", release_float_weights),
     ):
         if not isinstance(value, bool):
             raise ConversionError(f"convert({option}={value!r}): {option} is True or False")
+    given = prepared
+    if release_float_weights:  # a program the caller dropped may be held by cycles only: freed now
+        gc.collect()
     with paused_gc():
         if state.qat:  # batch norms trained beside their convs are folded into them now
             prepared = fold_trained_batch_norms(prepared, _is_observer)
-        converted = _convert(prepared, state, fold_quantize=fold_quantize)
+        release = FloatWeightRelease(prepared, state) if release_float_weights else None
+        converted = _convert(prepared, state, fold_quantize=fold_quantize, release=release)
+        if release is not None:
+            release.finish(given, converted)
         if use_reference_representation:
             converted = to_reference_representation(converted)
     return converted
@@ -510,7 +533,13 @@ def _is_observer(node: Node) -> bool:
     return node.op == "call_module" and observer_gid(node.target) is not None
 
 
-def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool = True) -> GraphModule:
+def _convert(
+    prepared: GraphModule,
+    state: PreparedState,
+    *,
+    fold_quantize: bool = True,
+    release: FloatWeightRelease | None = None,
+) -> GraphModule:
     chosen = WeightOverrides()  # what the algorithms chose (issue 15); empty without algorithms
     observed: dict[int, nn.Module] = {}
     qparams = compute_qparams(prepared, state, chosen, observed)
@@ -578,6 +607,8 @@ def _convert(prepared: GraphModule, state: PreparedState, *, fold_quantize: bool
             # weight's handle must not be its consumer's (the float op is matched on that one)
             q.meta[FROM_NODE] = provenance(q)
             edge_q[key] = q
+        if release is not None and q.op == "get_attr":  # this reader is served by integers now
+            release.written(producer, user)
         return q
 
     for target, corrected in chosen.biases.items():  # float biases an algorithm corrected
@@ -763,57 +794,115 @@ def _eliminate_dead_code(graph: Graph) -> None:
             graph.erase_node(node)
 
 
+#: float32 elements a constant is quantized at a time (4 MiB): the integers are written slice by
+#: slice into their own tensor, so quantizing a weight holds its codes and one slice's float
+#: temporaries, never whole-weight float copies (at 110M parameters, LPBQ's lm_head took four
+#: 94 MiB temporaries, the flow's peak)
+SLICE_ELEMENTS = 1 << 20
+
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _quantize_tensor(value: torch.Tensor, qp: QParams) -> torch.Tensor:
+    """The integers ``value``'s quantize op computes under ``qp``, written in row slices.
+
+    Every slice takes the op's own float32 steps (``quantize_per_tensor``, ``quantize_per_channel``,
+    quantplug's ``quantize_per_block``) on its rows, so the integers are the op's, bit for bit;
+    what is not a float weight the slices handle (a 0-d value, another dtype, parameters whose
+    shape the op would refuse) goes to the op itself, whose errors it keeps.
+    """
+    if qp.granularity not in ("tensor", "channel", "block"):
+        raise ConversionError(f"constant tensors cannot use {qp.granularity} quantization")
+    sliced = _row_quantizer(value, qp) if value.dtype in _FLOAT_INPUTS and value.dim() > 0 else None
+    if sliced is None:
+        return _quantize_whole(value, qp)
+    rows_of, step = sliced
+    dtype = storage_dtype(qp.dtype) if qp.granularity == "block" else qp.dtype
+    out = torch.empty_like(value.detach(), dtype=dtype)  # the op's layout (a transposed weight's)
+    per_row = max(1, value[:1].numel())
+    rows = max(step, SLICE_ELEMENTS // per_row // step * step)
+    with torch.no_grad():
+        for start in range(0, value.shape[0], rows):
+            stop = min(start + rows, value.shape[0])
+            out[start:stop] = rows_of(start, stop)
+    return out
+
+
+def _row_quantizer(value: torch.Tensor, qp: QParams) -> tuple[Any, int] | None:
+    """``(rows_of, step)``: ``rows_of(start, stop)`` is the op's clamped float result on those rows
+    of ``value`` (slices start at multiples of ``step``); None where only the whole op applies."""
+    x = value.detach()
+    if qp.granularity == "tensor":
+        inv_scale, point = 1.0 / float(qp.scale), int(qp.zero_point)
+
+        def per_tensor(start: int, stop: int) -> torch.Tensor:
+            rows = x[start:stop].to(torch.float32)
+            return torch.clamp(torch.round(rows * inv_scale) + point, qp.quant_min, qp.quant_max)
+
+        return per_tensor, 1
+    if qp.granularity == "channel":
+        axis = qp.axis if qp.axis is not None and qp.axis >= 0 else x.dim() + (qp.axis or 0)
+        scale, zero_point = qp.scale, qp.zero_point
+        if not 0 <= axis < x.dim() or scale.dim() != 1 or scale.numel() != x.shape[axis]:
+            return None
+        if zero_point.shape != scale.shape:
+            return None
+        shape = [1] * x.dim()
+        shape[axis] = scale.numel()
+        inverse, offset = (1.0 / scale).view(shape), zero_point.view(shape)
+
+        def per_channel(start: int, stop: int) -> torch.Tensor:
+            rows = x[start:stop].to(torch.float32)
+            inv, zp = (inverse[start:stop], offset[start:stop]) if axis == 0 else (inverse, offset)
+            return torch.clamp(torch.round(rows * inv) + zp, qp.quant_min, qp.quant_max)
+
+        return per_channel, 1
+    return _block_rows(x, qp)
+
+
+def _block_rows(x: torch.Tensor, qp: QParams) -> tuple[Any, int] | None:
+    """Per-block rows: each block's scale broadcast over its block (a view of the rows as
+    ``[grid0, block0, grid1, block1, ...]``), not stretched into a weight-sized copy."""
+    block = resolve_block_size(list(qp.block_size or ()), x.shape)
+    grid = block_grid_shape(block, x.shape)
+    params = []
+    for param in (qp.scale, qp.zero_point):
+        param = param.to(torch.float32)
+        if param.numel() == 1:
+            param = param.reshape([1] * (2 * x.dim()))
+        elif tuple(param.shape) == grid:
+            param = param.reshape([n for g in grid for n in (g, 1)])
+        else:
+            return None  # the op names the mismatch
+        params.append(param)
+    scale, zero_point = params
+
+    def per_block(start: int, stop: int) -> torch.Tensor:
+        rows = x[start:stop].to(torch.float32)
+        shape = [n for g, b in zip((rows.shape[0] // block[0], *grid[1:]), block) for n in (g, b)]
+        first = slice(start // block[0], stop // block[0])
+        s = scale[first] if scale.shape[0] > 1 else scale
+        zp = zero_point[first] if zero_point.shape[0] > 1 else zero_point
+        q = torch.clamp(torch.round(rows.reshape(shape) / s) + zp, qp.quant_min, qp.quant_max)
+        return q.reshape(rows.shape)
+
+    return per_block, block[0]
+
+
+def _quantize_whole(value: torch.Tensor, qp: QParams) -> torch.Tensor:
+    """The quantize op on the whole of ``value`` (what the row slices do not cover)."""
     if qp.granularity == "tensor":
         return qd.quantize_per_tensor.default(
             value, float(qp.scale), int(qp.zero_point), qp.quant_min, qp.quant_max, qp.dtype
         )
     if qp.granularity == "channel":
         axis = qp.axis if qp.axis is not None and qp.axis >= 0 else value.dim() + (qp.axis or 0)
-        if (
-            value.dtype == torch.float32
-            and qp.scale.dtype == torch.float32
-            and not qp.zero_point.dtype.is_floating_point
-            and qp.scale.dim() == 1
-            and qp.zero_point.shape == qp.scale.shape
-            and qp.scale.numel() == value.shape[axis]
-        ):
-            return _quantize_per_channel(
-                value, qp.scale, qp.zero_point, axis, qp.quant_min, qp.quant_max, qp.dtype
-            )
         return qd.quantize_per_channel.default(
             value, qp.scale, qp.zero_point, axis, qp.quant_min, qp.quant_max, qp.dtype
         )
-    if qp.granularity == "block":
-        return qp_ops.quantize_per_block(
-            value, qp.scale, qp.zero_point, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype
-        )
-    raise ConversionError(f"constant tensors cannot use {qp.granularity} quantization")
-
-
-def _quantize_per_channel(
-    value: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """``quantized_decomposed.quantize_per_channel`` with the same float32 steps, in place.
-
-    The op computes ``clamp(round(x * (1 / scale)) + zero_point, qmin, qmax)`` on a permuted
-    copy and four temporaries; broadcasting the parameters along ``axis`` and updating one
-    buffer in place gives the same integers about 5x faster on weight-sized tensors.
-    """
-    shape = [1] * value.dim()
-    shape[axis] = scale.numel()
-    out = value * (1.0 / scale).view(shape)
-    out.round_()
-    if bool(zero_point.any()):  # symmetric weights: adding zeros would change nothing
-        out.add_(zero_point.view(shape))
-    out.clamp_(quant_min, quant_max)
-    return out.to(dtype)
+    return qp_ops.quantize_per_block(
+        value, qp.scale, qp.zero_point, list(qp.block_size or ()), qp.quant_min, qp.quant_max, qp.dtype
+    )
 
 
 def _populate(
