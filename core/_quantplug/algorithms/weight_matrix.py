@@ -393,8 +393,19 @@ def small_products(macs: int) -> Iterator[None]:
     than the product itself). The thread count is restored afterwards; results do not depend on
     it beyond float summation order.
     """
+    if macs >= SMALL_PRODUCT:
+        yield
+        return
+    with single_thread():
+        yield
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """One intra-op thread within the block (the count restored after): for loops of small
+    operations, each of which would otherwise open a parallel region (:func:`small_products`)."""
     before = torch.get_num_threads()
-    if macs >= SMALL_PRODUCT or before == 1:
+    if before == 1:
         yield
         return
     torch.set_num_threads(1)
