@@ -100,35 +100,65 @@ def output_tensors(value: Any) -> Outputs:
     ]
 
 
-def relative_error(reference: Sequence[Outputs], outputs: Sequence[Outputs]) -> float:
+@dataclass(frozen=True)
+class ReferenceTerm:
+    """What :func:`relative_error` needs of one float output, whatever it is compared with: where
+    it is finite (None: everywhere, the usual case) and its energy there."""
+
+    finite: torch.Tensor | None
+    energy: float
+
+
+def reference_terms(reference: Sequence[Outputs]) -> list[list[ReferenceTerm]]:
+    """Each reference output's :class:`ReferenceTerm`, per batch: made once for a guard that
+    compares many runs with one reference (an LLM's logits cost a pass each for the mask and the
+    energy, per trial)."""
+    terms: list[list[ReferenceTerm]] = []
+    for batch in reference:
+        row: list[ReferenceTerm] = []
+        for ref in batch:
+            finite = torch.isfinite(ref)
+            kept = ref if bool(finite.all()) else ref[finite]
+            row.append(ReferenceTerm(None if kept is ref else finite, float((kept * kept).sum())))
+        terms.append(row)
+    return terms
+
+
+def relative_error(
+    reference: Sequence[Outputs],
+    outputs: Sequence[Outputs],
+    terms: Sequence[Sequence[ReferenceTerm]] | None = None,
+) -> float:
     """``sum over outputs of |q - f|^2 / |f|^2``, each sum over every batch.
 
     Each output counts relative to its own energy, so a small output (an LSTM's cell state beside
     its sequence) is not drowned by a large one. Positions where the float output is not finite
     (masked logits) are left out; a finite float value the quantized model turns into NaN or inf
-    makes the error infinite. An all-zero float output counts its absolute error.
+    makes the error infinite. An all-zero float output counts its absolute error. ``terms``:
+    :func:`reference_terms` of ``reference``, if made already (the same result).
     """
     if len(reference) != len(outputs):
         raise ValueError(f"{len(outputs)} batches of outputs for {len(reference)} reference batches")
+    if terms is None:
+        terms = reference_terms(reference)
     errors: list[float] = []
     energies: list[float] = []
-    for ref_batch, out_batch in zip(reference, outputs):
+    for ref_batch, out_batch, term_batch in zip(reference, outputs, terms):
         if len(ref_batch) != len(out_batch):
             raise ValueError(f"{len(out_batch)} outputs for {len(ref_batch)} reference outputs")
-        for index, (ref, out) in enumerate(zip(ref_batch, out_batch)):
+        for index, (ref, out, term) in enumerate(zip(ref_batch, out_batch, term_batch)):
             if index == len(errors):
                 errors.append(0.0)
                 energies.append(0.0)
-            finite = torch.isfinite(ref)
-            if bool(finite.all()):  # the usual case: no mask (masked copies of an LLM's logits
+            if term.finite is None:  # the usual case: no mask (masked copies of an LLM's logits
                 kept_ref, kept_out = ref, out  # cost more than the guard's simulation of them)
             else:
-                kept_ref, kept_out = ref[finite], out[finite]
+                kept_ref, kept_out = ref[term.finite], out[term.finite]
             if not bool(torch.isfinite(kept_out).all()):
                 return float("inf")
             diff = kept_out - kept_ref
             errors[index] += float((diff * diff).sum())
-            energies[index] += float((kept_ref * kept_ref).sum())
+            energies[index] += term.energy
     return sum(e / n if n > 0 else e for e, n in zip(errors, energies))
 
 
@@ -169,9 +199,13 @@ def measure(
     outputs: Sequence[Outputs],
     loss: GuardLoss | None,
     batches: Sequence[tuple[Any, ...]],
+    terms: Sequence[Sequence[ReferenceTerm]] | None = None,
 ) -> float:
-    """What the guard minimises: the user's task loss where given, else the output error."""
-    return relative_error(reference, outputs) if loss is None else task_loss(loss, outputs, batches)
+    """What the guard minimises: the user's task loss where given, else the output error
+    (``terms``: :func:`reference_terms` of ``reference``, if made already)."""
+    if loss is None:
+        return relative_error(reference, outputs, terms)
+    return task_loss(loss, outputs, batches)
 
 
 def change(worse: float, better: float, loss: bool) -> str:
@@ -310,9 +344,13 @@ class ModelGuard:
     #: judged batches, flat) instead of the output error; None: the output error
     loss: GuardLoss | None = None
     inputs: Sequence[tuple[Any, ...]] = ()
+    #: :func:`reference_terms` of ``reference``, made at the first trial
+    _terms: list[list[ReferenceTerm]] | None = field(default=None, init=False, repr=False)
 
     def _error(self, weights: Mapping[str, torch.Tensor]) -> float:
-        return measure(self.reference, self.evaluate(weights), self.loss, self.inputs)
+        if self._terms is None and self.loss is None:
+            self._terms = reference_terms(self.reference)
+        return measure(self.reference, self.evaluate(weights), self.loss, self.inputs, self._terms)
 
     def select(self, base: Mapping[str, torch.Tensor], candidates: Sequence[Candidate]) -> list[bool]:
         """Which candidates to keep, in their order (upstream first).

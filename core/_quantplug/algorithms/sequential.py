@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 
+from _quantplug.algorithms.weight_matrix import single_thread
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.errors import AlgorithmError
 from _quantplug.graph.attrs import behind_parked
@@ -257,6 +258,12 @@ def fake_quantize_activation(x: torch.Tensor, spec: Any, qparams: tuple[Any, Any
     return out.to(x.dtype)
 
 
+#: activations of at most this many elements are fake-quantized on one thread: an LLM's are a
+#: few tokens wide, where a parallel region costs more than the work (and on a busy machine waits
+#: for a descheduled worker, milliseconds per activation); elementwise, the values are the same
+ELEMENTWISE_ONE_THREAD = 1 << 18
+
+
 class _Done(Exception):
     """Raised once every layer input a pass wants has been seen (the rest of the model is not run)."""
 
@@ -335,7 +342,11 @@ class QuantizedSimulation(Interpreter):
         if gid is not None:  # a constant's parked observer: not in ``activation``, its input (the
             # weight as ``get_attr`` gave it) as is
             spec, qparams = self.activation.get(gid, (None, None))
-            return fake_quantize_activation(args[0], spec, qparams)
+            x = args[0]
+            if isinstance(x, torch.Tensor) and x.numel() <= ELEMENTWISE_ONE_THREAD:
+                with single_thread():
+                    return fake_quantize_activation(x, spec, qparams)
+            return fake_quantize_activation(x, spec, qparams)
         return super().call_module(target, args, kwargs)
 
 
