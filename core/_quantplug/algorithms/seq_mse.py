@@ -221,7 +221,12 @@ class GroupCandidates:
     """Candidate weights and their quantization errors for per-group fractions, broadcast over
     the group view ``[O // rows, rows, I // cols, cols]`` instead of expanded: the same values as
     :func:`candidate_weight` and ``W - fake_quantize(W)``, in a third of the passes over the
-    weight (a screened search makes ~35 of them per layer; an LLM's lm_head is 8-200M values)."""
+    weight (a screened search makes ~35 of them per layer; an LLM's lm_head is 8-200M values).
+
+    Both are made in one scratch buffer the size of the weight, which each call overwrites (a
+    search uses each result before asking for the next): a fresh tensor per result was a fresh
+    mapping of pages to fault in, twice per candidate (an lm_head's is 200 MB).
+    """
 
     def __init__(self, weight: torch.Tensor, groups: tuple[int, int], symmetric: bool) -> None:
         self.weight = weight
@@ -234,22 +239,31 @@ class GroupCandidates:
         else:
             self.lo = self.view.amin(dim=(1, 3)).clamp(max=0)
             self.hi = self.view.amax(dim=(1, 3)).clamp(min=0)
+        self._scratch: torch.Tensor | None = None
+
+    def _buffer(self) -> torch.Tensor:
+        if self._scratch is None:
+            self._scratch = torch.empty(self.view.shape, dtype=self.view.dtype)
+        return self._scratch
 
     def weight_at(self, fraction: torch.Tensor) -> torch.Tensor:
-        """:func:`candidate_weight` for ``fraction`` ``[O // rows, I // cols]``."""
+        """:func:`candidate_weight` for ``fraction`` ``[O // rows, I // cols]`` (in the scratch
+        buffer: valid until the next call)."""
         f = fraction[:, None, :, None]
+        buffer = self._buffer()
         if bool((fraction > 1).all()):
-            return (self.view * f).reshape(self.weight.shape)
+            return torch.mul(self.view, f, out=buffer).reshape(self.weight.shape)
         lo, hi = (self.lo * fraction)[:, None, :, None], (self.hi * fraction)[:, None, :, None]
-        clipped = torch.maximum(torch.minimum(self.view, hi), lo)
+        clipped = torch.maximum(torch.minimum(self.view, hi, out=buffer), lo, out=buffer)
         if bool((fraction > 1).any()):
             clipped = torch.where(f > 1, self.view * f, clipped)
         return clipped.reshape(self.weight.shape)
 
     def error(self, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid) -> torch.Tensor:
-        """``W - fake_quantize(W)`` ``[O, I]`` on one scale and zero point per group."""
+        """``W - fake_quantize(W)`` ``[O, I]`` on one scale and zero point per group (in the
+        scratch buffer: valid until the next call)."""
         s, z = scale[:, None, :, None], zero_point[:, None, :, None]
-        codes = torch.div(self.view, s).round_()
+        codes = torch.div(self.view, s, out=self._buffer()).round_()
         if self.symmetric and not bool(zero_point.any()):
             codes.clamp_(grid.quant_min, grid.quant_max).mul_(s)
         else:
@@ -376,11 +390,12 @@ def screened_encoding(
     best = torch.full(shape, count, dtype=torch.int64)  # the default first: ties keep it
     best_loss = torch.full(shape, float("inf"), dtype=torch.float64)
     for slot in [best.clone(), *(torch.where(k < 0, count, k) for k in kept)]:
+        # candidate_weight's values and ``weight - fake_quantize(weight)``'s, per group
         scale, zero_point = (
-            t.to(torch.float64)
-            for t in encode(candidate_weight(weight, slot.to(torch.float64) / count, groups, symmetric))
+            group_values(t.to(torch.float64), groups)
+            for t in encode(candidate.weight_at(slot.to(torch.float64) / count))
         )
-        loss = losses_of(weight - fake_quantize(weight, scale, zero_point, grid))
+        loss = losses_of(candidate.error(scale, zero_point, grid))
         better = loss < best_loss
         best_loss, best = torch.where(better, loss, best_loss), torch.where(better, slot, best)
     return best.to(torch.float64) / count
