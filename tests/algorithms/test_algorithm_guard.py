@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any
 
 import pytest
@@ -269,6 +270,20 @@ def test_the_selection_is_never_worse_than_the_default_nor_than_every_choice(err
     assert guard.error <= errors[0] / (1 - TIE) * (1 + 1e-9) + 1e-12
     assert guard.error <= errors[-1] * (1 + 1e-9) + 1e-12
     assert len(guard.kept_out) == keep.count(False) and guard.tried == len(keep)
+
+
+def test_each_trial_is_reported_within_the_count_announced(caplog: pytest.LogCaptureFixture) -> None:
+    """On an LLM the guard's trials run for minutes after the algorithms' per-layer lines: each
+    says how many the selection runs at most, and none goes past it (pruning alone; pruning that
+    the default beats, then forward selection)."""
+    for errors, total in (([4.0, 1.0, 2.0, 3.0], 5), ([1.0, 5.0, 5.0, 3.0], 6)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="quantplug.algorithms"):
+            select(errors)
+        found = [re.match(r"algorithm guard: trial (\d+) of at most (\d+)", m) for m in caplog.messages]
+        trials = [(int(m.group(1)), int(m.group(2))) for m in found if m]
+        assert [t for t, _ in trials] == list(range(1, total + 1))
+        assert all(t <= bound for t, bound in trials)
 
 
 # errors of 1, 2 or 3 choices on a coarse grid: every two of them equal, or 8 % apart or more

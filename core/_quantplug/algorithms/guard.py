@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -346,11 +347,26 @@ class ModelGuard:
     inputs: Sequence[tuple[Any, ...]] = ()
     #: :func:`reference_terms` of ``reference``, made at the first trial
     _terms: list[list[ReferenceTerm]] | None = field(default=None, init=False, repr=False)
+    #: trials run, the count the selection runs at most so far, and when it started (progress)
+    _trials: int = field(default=0, init=False, repr=False)
+    _bound: int = field(default=0, init=False, repr=False)
+    _start: float = field(default=0.0, init=False, repr=False)
 
     def _error(self, weights: Mapping[str, torch.Tensor]) -> float:
         if self._terms is None and self.loss is None:
             self._terms = reference_terms(self.reference)
-        return measure(self.reference, self.evaluate(weights), self.loss, self.inputs, self._terms)
+        found = measure(self.reference, self.evaluate(weights), self.loss, self.inputs, self._terms)
+        self._trials += 1
+        self._progress()
+        return found
+
+    def _progress(self) -> None:
+        """A log line per trial: on an LLM the selection runs a simulated pass (most of one) per
+        weight site, minutes in all, after the algorithms' own per-layer lines."""
+        elapsed = time.perf_counter() - self._start
+        logger.info(
+            "algorithm guard: trial %d of at most %d (%.1f s so far)", self._trials, self._bound, elapsed
+        )
 
     def select(self, base: Mapping[str, torch.Tensor], candidates: Sequence[Candidate]) -> list[bool]:
         """Which candidates to keep, in their order (upstream first).
@@ -368,6 +384,7 @@ class ModelGuard:
         margin (``default / (1 - TIE)``; exactly, when forward selection decided).
         """
         self.tried = len(candidates)
+        self._trials, self._bound, self._start = 0, 2 + 2 * len(candidates), time.perf_counter()
         verdicts: dict[int, tuple[float, float]] = {}  # last judgment: (error with, error without)
         self.default_error = self._error(base)
         current = {**base}
@@ -390,6 +407,7 @@ class ModelGuard:
                 keep[i] = True
                 current, error = trial, found
         if lower(self.default_error, error):
+            self._bound = self._trials + len(candidates)  # forward selection: one more sweep
             current, error = {**base}, self.default_error
             for i, candidate in enumerate(candidates):
                 trial = {**current, **candidate.chosen}
