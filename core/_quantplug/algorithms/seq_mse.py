@@ -253,11 +253,16 @@ class GroupCandidates:
         buffer = self._buffer()
         if bool((fraction > 1).all()):
             return torch.mul(self.view, f, out=buffer).reshape(self.weight.shape)
-        lo, hi = (self.lo * fraction)[:, None, :, None], (self.hi * fraction)[:, None, :, None]
-        clipped = torch.maximum(torch.minimum(self.view, hi, out=buffer), lo, out=buffer)
+        lo, hi = self.lo * fraction, self.hi * fraction
+        source = self.view
         if bool((fraction > 1).any()):
-            clipped = torch.where(f > 1, self.view * f, clipped)
-        return clipped.reshape(self.weight.shape)
+            # groups scaled up are multiplied by their fraction and clipped to +-inf (no value,
+            # nor the sign of a zero, changes); the others multiplied by 1 (exact) and clipped
+            wide = fraction > 1
+            source = torch.mul(self.view, f.clamp(min=1), out=buffer)
+            lo, hi = lo.masked_fill(wide, -math.inf), hi.masked_fill(wide, math.inf)
+        clipped = torch.minimum(source, hi[:, None, :, None], out=buffer)
+        return torch.maximum(clipped, lo[:, None, :, None], out=buffer).reshape(self.weight.shape)
 
     def error(self, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid) -> torch.Tensor:
         """``W - fake_quantize(W)`` ``[O, I]`` on one scale and zero point per group (in the
