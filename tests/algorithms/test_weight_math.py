@@ -18,6 +18,7 @@ from _quantplug.algorithms.adaround import AdaroundSchedule, adaround_codes, rec
 from _quantplug.algorithms.gptq import gptq_codes, gptq_scale_search
 from _quantplug.algorithms.seq_mse import (
     Encoder,
+    GroupCandidates,
     candidate_fractions,
     candidate_weight,
     expand_groups,
@@ -149,6 +150,55 @@ def test_gptq_codes_stay_on_the_block_grid(
     codes = gptq_codes(w, h, s, z, grid, act_order=act_order).codes
     assert codes.min() >= grid.quant_min and codes.max() <= grid.quant_max
     assert torch.equal(codes, codes.round())
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.sampled_from([(1, 12), (1, 4), (2, 3), (6, 12)]),
+    st.booleans(),
+    st.lists(st.integers(1, 150), min_size=1, max_size=24),
+    GRIDS,
+)
+def test_group_candidates_are_the_expanded_candidates_and_their_errors(
+    seed: int, groups: tuple[int, int], symmetric: bool, numerators: list[int], grid: IntegerGrid
+) -> None:
+    """SeqMSE's screened search makes its candidates per group in one scratch buffer; they must be
+    :func:`candidate_weight`'s values (the backend's observer reads them), for fractions below, at
+    and above 1 mixed across groups, on rows of zeros and negative zeros, and their errors those
+    of ``W - fake_quantize(W)`` however many were made before in the same buffer."""
+    w, _ = problem(seed, 6, 12)
+    w[1] = 0.0
+    w[2, :5] = -0.0
+    w[3] = -w[3].abs()
+    shape = (6 // groups[0], 12 // groups[1])
+    candidates = GroupCandidates(w, groups, symmetric)
+    picks = torch.tensor(numerators * (shape[0] * shape[1] // len(numerators) + 1))
+    for shift in range(3):
+        fraction = picks.roll(shift)[: shape[0] * shape[1]].reshape(shape).to(torch.float64) / 100
+        made = candidates.weight_at(fraction)
+        expected = candidate_weight(w, fraction, groups, symmetric)
+        assert torch.equal(made, expected)
+        scale = group_view(expected, groups).abs().amax(dim=(1, 3)).clamp(min=1e-6) / grid.quant_max
+        zero = torch.zeros_like(scale) if symmetric else torch.full_like(scale, float(grid.quant_min < 0))
+        error = candidates.error(scale, zero, grid)
+        wide = expand_groups(scale, groups), expand_groups(zero, groups)
+        assert torch.equal(error, w - fake_quantize(w, *wide, grid))
+
+
+def test_gptq_gives_back_the_callers_thread_count() -> None:
+    """Each lazy batch's column loop runs on one thread; the caller's count is restored, also for
+    a pass on a layer too small for threads at all."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows, cols in ((4, 6), (96, 64)):
+            w, h = problem(1, rows, cols)
+            s, z = encoding(w, IntegerGrid(-8, 7), (1, cols))
+            gptq_codes(w, h, s, z, IntegerGrid(-8, 7), block=16)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_gptq_beats_rounding_to_nearest_on_correlated_inputs() -> None:
