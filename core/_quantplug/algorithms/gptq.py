@@ -220,8 +220,9 @@ def _gptq_block(
     The block is worked transposed (``[block, O]``: a column is a contiguous row, and the rank-1
     updates run over contiguous rows) and on one thread: every step is elementwise on an
     ``O``-vector, where a parallel region on a busy machine waits for a descheduled worker per
-    operation (GPTQ at 110M parameters spent three quarters of its time so). Elementwise results
-    do not depend on the layout or the thread count: the codes are those of the column-major loop.
+    operation (one 768 x 768 layer, load 5 on two cores: 20.6 s on two threads, 4.1 s so).
+    Elementwise results do not depend on the layout or the thread count: the codes and the loss
+    are those of the column-major loop, bit for bit.
     """
     wb = w[:, start:stop].T.contiguous()
     errors = torch.empty_like(wb)
