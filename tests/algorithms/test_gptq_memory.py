@@ -7,14 +7,12 @@ written out here as they were, bit for bit.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import _quantplug.algorithms.gptq as gptq_module
@@ -32,46 +30,29 @@ from _quantplug.algorithms.weight_matrix import (
     quantize_codes,
     shrink_toward_diagonal_,
 )
+from tests.live_storage import LiveStorage
 
 FAST = settings(max_examples=20, deadline=None)
 GRIDS = st.sampled_from([IntegerGrid(-8, 7), IntegerGrid(0, 15), IntegerGrid(-128, 127)])
 
 
-class LiveTensorBytes(TorchDispatchMode):
+class LiveTensorBytes(LiveStorage):
     """The bytes of the tensor storages made inside the mode and still alive, and their peak
     (storages of the tensors in ``existing``, made before, are not counted)."""
 
     def __init__(self, existing: Any = ()) -> None:
         super().__init__()
-        self.views: dict[int, list[int]] = {}  # storage address -> [bytes, tensors alive on it]
         self.existing = {
             t.untyped_storage().data_ptr() for t in tree_leaves(existing) if isinstance(t, torch.Tensor)
         }
-        self.live = 0
-        self.peak = 0
-
-    def _gone(self, address: int) -> None:
-        entry = self.views[address]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self.views[address]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor) or tensor.untyped_storage().nbytes() == 0:
                 continue
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in self.existing:
-                continue
-            entry = self.views.get(storage.data_ptr())
-            if entry is None:
-                entry = self.views[storage.data_ptr()] = [storage.nbytes(), 0]
-                self.live += entry[0]
-                self.peak = max(self.peak, self.live)
-            entry[1] += 1
-            weakref.finalize(tensor, self._gone, storage.data_ptr())
+            if tensor.untyped_storage().data_ptr() not in self.existing:
+                self.count(tensor)
         return out
 
 

@@ -8,7 +8,6 @@ counts them), never read from the machine; the integers are the quantize ops' ow
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +16,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import _quantplug.flow.convert as convert_module
@@ -25,39 +23,21 @@ import quantplug
 from _quantplug.errors import ConversionError
 from _quantplug.flow.convert import QParams, _quantize_tensor
 from _quantplug.observers.per_block import quantize_per_block
+from tests.live_storage import LiveStorage
 
 qd = torch.ops.quantized_decomposed
 FAST = settings(max_examples=25, deadline=None)
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(LiveStorage):
     """Bytes of the storages alive: those made inside the mode, plus ``tracked`` tensors made
     before (each storage counted until its last tensor counted is collected; views of storages made
     before and not tracked are not counted); ``peak`` is their high-water mark."""
 
     def __init__(self, tracked: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
-        self.views: dict[int, list[int]] = {}  # storage address -> [bytes, tensors alive on it]
-        self.live = 0
         for tensor in tracked:
-            self._add(tensor)
-        self.peak = self.live
-
-    def _add(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        entry = self.views.get(storage.data_ptr())
-        if entry is None:
-            entry = self.views[storage.data_ptr()] = [storage.nbytes(), 0]
-            self.live += entry[0]
-        entry[1] += 1
-        weakref.finalize(tensor, self._gone, storage.data_ptr())
-
-    def _gone(self, address: int) -> None:
-        entry = self.views[address]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self.views[address]
+            self.count(tensor)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -70,8 +50,7 @@ class LiveBytes(TorchDispatchMode):
             address = tensor.untyped_storage().data_ptr()
             if address in inputs and address not in self.views:
                 continue  # a view of (or a write into) a storage made before and not tracked
-            self._add(tensor)
-            self.peak = max(self.peak, self.live)
+            self.count(tensor)
         return out
 
 
