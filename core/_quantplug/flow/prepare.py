@@ -17,6 +17,7 @@ and QAT weights. convert() still stores all of them as integers (see ``flow.cons
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -129,10 +130,16 @@ class PreparedModule(ExportedModes, GraphModule):
 
 def _graph_stamp(graph: Graph) -> tuple[Graph, int, int]:
     """Changes whenever a node is added, erased or renamed: torch.fx registers every name it
-    gives (a node's, a rename's) in the graph's namespace and never takes one back."""
+    gives (a node's, a rename's) in the graph's namespace and never takes one back. On a torch
+    without that namespace every call is a new stamp (the table is rebuilt at each miss, as
+    before: slower, never stale)."""
     namespace = getattr(graph, "_graph_namespace", None)
     used = getattr(namespace, "_used_names", None)
-    return graph, len(graph.nodes), len(used) if used is not None else -1
+    return graph, len(graph.nodes), len(used) if used is not None else -next(_UNSTAMPED)
+
+
+#: stamps of graphs without a name namespace: each one differs from every other
+_UNSTAMPED = itertools.count(1)
 
 
 def _as_prepared_module(gm: GraphModule) -> None:
