@@ -59,6 +59,7 @@ from _quantplug.algorithms.weight_layers import (
 )
 from _quantplug.algorithms.weight_matrix import (
     IntegerGrid,
+    dequantize_codes,
     fake_quantize,
     hessian_factor,
     low_rank_factor,
@@ -75,6 +76,8 @@ class SeqMseResult:
     fraction: torch.Tensor
     loss: float  # output error (sum of d^T H d) with the chosen encoding
     default_loss: float  # ... with the backend's default encoding (the full range)
+    #: ... with the codes it was given (``seq_mse_encoding(codes=...)``; None: none given)
+    codes_loss: float | None = None
 
 
 def group_view(values: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
@@ -228,17 +231,22 @@ class GroupCandidates:
     mapping of pages to fault in, twice per candidate (an lm_head's is 200 MB).
     """
 
-    def __init__(self, weight: torch.Tensor, groups: tuple[int, int], symmetric: bool) -> None:
+    def __init__(
+        self, weight: torch.Tensor, groups: tuple[int, int], symmetric: bool, dtype: torch.dtype | None = None
+    ) -> None:
         self.weight = weight
         self.groups = groups
         self.symmetric = symmetric
-        self.view = group_view(weight, groups)
+        view = group_view(weight, groups)
+        # the ranges in the weight's own dtype: a float32 candidate's clipping bounds are then
+        # the float64 ones rounded, and its clipped values those of the float64 candidate rounded
         if symmetric:
-            self.hi = self.view.abs().amax(dim=(1, 3))
+            self.hi = view.abs().amax(dim=(1, 3))
             self.lo = -self.hi
         else:
-            self.lo = self.view.amin(dim=(1, 3)).clamp(max=0)
-            self.hi = self.view.amax(dim=(1, 3)).clamp(min=0)
+            self.lo = view.amin(dim=(1, 3)).clamp(max=0)
+            self.hi = view.amax(dim=(1, 3)).clamp(min=0)
+        self.view = view if dtype is None else view.to(dtype)
         self._scratch: torch.Tensor | None = None
 
     def _buffer(self) -> torch.Tensor:
@@ -248,11 +256,13 @@ class GroupCandidates:
 
     def weight_at(self, fraction: torch.Tensor) -> torch.Tensor:
         """:func:`candidate_weight` for ``fraction`` ``[O // rows, I // cols]`` (in the scratch
-        buffer: valid until the next call)."""
-        f = fraction[:, None, :, None]
+        buffer: valid until the next call; in the candidates' dtype)."""
+        dtype = self.view.dtype
+        f = fraction.to(dtype)[:, None, :, None]
         buffer = self._buffer()
+        shape = (self.weight.shape[0], self.weight.shape[1])
         if bool((fraction > 1).all()):
-            return torch.mul(self.view, f, out=buffer).reshape(self.weight.shape)
+            return torch.mul(self.view, f, out=buffer).reshape(shape)
         lo, hi = self.lo * fraction, self.hi * fraction
         source = self.view
         if bool((fraction > 1).any()):
@@ -261,19 +271,23 @@ class GroupCandidates:
             wide = fraction > 1
             source = torch.mul(self.view, f.clamp(min=1), out=buffer)
             lo, hi = lo.masked_fill(wide, -math.inf), hi.masked_fill(wide, math.inf)
-        clipped = torch.minimum(source, hi[:, None, :, None], out=buffer)
-        return torch.maximum(clipped, lo[:, None, :, None], out=buffer).reshape(self.weight.shape)
+        # one pass (bounds lo <= 0 <= hi: the same values as min then max)
+        clipped = torch.clamp(
+            source, lo.to(dtype)[:, None, :, None], hi.to(dtype)[:, None, :, None], out=buffer
+        )
+        return clipped.reshape(shape)
 
     def error(self, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid) -> torch.Tensor:
         """``W - fake_quantize(W)`` ``[O, I]`` on one scale and zero point per group (in the
         scratch buffer: valid until the next call)."""
-        s, z = scale[:, None, :, None], zero_point[:, None, :, None]
+        dtype = self.view.dtype
+        s, z = scale.to(dtype)[:, None, :, None], zero_point.to(dtype)[:, None, :, None]
         codes = torch.div(self.view, s, out=self._buffer()).round_()
         if self.symmetric and not bool(zero_point.any()):
             codes.clamp_(grid.quant_min, grid.quant_max).mul_(s)
         else:
             codes.add_(z).clamp_(grid.quant_min, grid.quant_max).sub_(z).mul_(s)
-        return torch.sub(self.view, codes, out=codes).reshape(self.weight.shape)
+        return torch.sub(self.view, codes, out=codes).reshape(self.weight.shape[0], self.weight.shape[1])
 
 
 #: leading eigen-directions of ``H`` the screening loss keeps exactly (the rest by its diagonal)
@@ -329,33 +343,42 @@ def diagonal_losses(delta: torch.Tensor, diagonal: torch.Tensor, groups: tuple[i
     return group_view(per_input, groups).sum(dim=(1, 3))
 
 
-def screened_encoding(
+@dataclass(frozen=True)
+class GroupSearch:
+    """A search's result per scale group, ``[O // rows, I // cols]`` each: the chosen fraction,
+    its exact group loss and encoding, and the backend default's group loss and encoding (the
+    encodings as :class:`GroupCandidates` read them: one value per group)."""
+
+    fraction: torch.Tensor
+    loss: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    default_loss: torch.Tensor
+    #: the default's encoding as ``encode`` gave it, expanded to ``[O, I]``
+    default: tuple[torch.Tensor, torch.Tensor]
+
+
+def slot_encoding(
+    encode: Encoder, made: GroupCandidates, numerator: torch.Tensor, count: int
+) -> tuple[torch.Tensor, ...]:
+    """The backend's encoding of the candidate at fractions ``numerator / count`` per group: its
+    scale and zero point per group, then expanded to ``[O, I]`` as ``encode`` gave them (float64)."""
+    expanded = [t.to(torch.float64) for t in encode(made.weight_at(numerator.to(torch.float64) / count))]
+    return (*(group_values(t, made.groups) for t in expanded), *expanded)
+
+
+def screened_numerators(
     weight: torch.Tensor,
     hessian: torch.Tensor,
     encode: Encoder,
     grid: IntegerGrid,
     groups: tuple[int, int],
-    *,
     symmetric: bool,
-    candidates: int,
-    max_fraction: float,
-    losses_of: Callable[[torch.Tensor], torch.Tensor],
+    count: int,
+    top: int,
 ) -> torch.Tensor:
-    """Per scale group, the range fraction with the least output error among a screened few:
-    :func:`seq_mse_encoding`'s search for layers where judging every candidate exactly would cost
-    over :data:`EXHAUSTIVE_WORK` (an LLM's layers: an ``[O, I] x [I, I]`` product per candidate).
-
-    Every candidate is first scored, per group, by the diagonal of ``H`` alone
-    (:func:`diagonal_losses`: as cheap as quantizing the weight), coarse to fine: every
-    ``step``-th fraction of :func:`candidate_fractions` (``step`` about the square root of their
-    count), then each group's best one's neighbours at the search's own resolution. The
-    :data:`SCREENED` best per group, and the backend's default, are then judged on the exact
-    output error, all groups at once (one product with ``H`` per slot). So the search costs
-    ``~2 sqrt(n)`` quantizations and ``SCREENED + 1`` exact losses instead of ``n`` exact losses.
-    Returns the fractions ``[O // rows, I // cols]``.
-    """
-    count = max(1, int(candidates))
-    top = max(count, math.floor(max_fraction * count + 1e-9))
+    """:func:`screened_encoding`'s screening: the :data:`SCREENED` best fraction numerators per
+    group, best first, ``[SCREENED, O // rows, I // cols]`` (-1: fewer were tried), in float32."""
     step = max(1, round(math.sqrt(top)))
     shape = (weight.shape[0] // groups[0], weight.shape[1] // groups[1])
     # narrow blocks (LPBQ's, groupwise): each block's own slice of H costs no more than the
@@ -365,19 +388,19 @@ def screened_encoding(
     residual = torch.diagonal(hessian, dim1=-2, dim2=-1)
     if factor is not None:
         residual = (residual - factor.square().sum(dim=1)).clamp(min=0)
+        factor = factor.to(torch.float32)
+    residual = residual.to(torch.float32)
+    narrow_hessian = hessian.to(torch.float32) if narrow else hessian
     kept = torch.full((SCREENED, *shape), -1, dtype=torch.int64)  # fraction numerators, best first
-    kept_loss = torch.full((SCREENED, *shape), float("inf"), dtype=torch.float64)
-    candidate = GroupCandidates(weight, groups, symmetric)
+    kept_loss = torch.full((SCREENED, *shape), float("inf"), dtype=torch.float32)
+    candidate = GroupCandidates(weight, groups, symmetric, dtype=torch.float32)
 
     def consider(k: torch.Tensor) -> None:
         nonlocal kept, kept_loss
-        scale, zero_point = (
-            group_values(t.to(torch.float64), groups)
-            for t in encode(candidate.weight_at(k.to(torch.float64) / count))
-        )
+        scale, zero_point, _, _ = slot_encoding(encode, candidate, k, count)
         delta = candidate.error(scale, zero_point, grid)
         loss = (
-            group_losses(delta, hessian, groups)
+            group_losses(delta, narrow_hessian, groups)
             if narrow
             else screening_losses(delta, factor, residual, groups)
         )
@@ -391,19 +414,62 @@ def screened_encoding(
     centre = kept[0].clone()
     for offset in (j for i in range(1, step) for j in (i, -i)):
         consider((centre + offset).clamp(1, top))
+    return kept
 
+
+def screened_encoding(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    encode: Encoder,
+    grid: IntegerGrid,
+    groups: tuple[int, int],
+    *,
+    symmetric: bool,
+    candidates: int,
+    max_fraction: float,
+    losses_of: Callable[[torch.Tensor], torch.Tensor],
+) -> GroupSearch:
+    """Per scale group, the range fraction with the least output error among a screened few:
+    :func:`seq_mse_encoding`'s search for layers where judging every candidate exactly would cost
+    over :data:`EXHAUSTIVE_WORK` (an LLM's layers: an ``[O, I] x [I, I]`` product per candidate).
+
+    Every candidate is first scored, per group, on ``H``'s leading directions and its diagonal
+    (:func:`screening_losses`; a narrow block on its own slice of ``H``), coarse to fine: every
+    ``step``-th fraction of :func:`candidate_fractions` (``step`` about the square root of their
+    count), then each group's best one's neighbours at the search's own resolution. The
+    :data:`SCREENED` best per group, and the backend's default, are then judged on the exact
+    output error (float64), all groups at once (one product with ``H`` per slot). So the search
+    costs ``~2 sqrt(n)`` quantizations and ``SCREENED + 1`` exact losses instead of ``n`` exact
+    losses. The screening runs in float32 (its candidate weights are the float64 ones rounded,
+    which is what the observer reads anyway; its errors those of the backend's float32
+    quantization): it only ranks, and the exact losses decide; in float64 its passes over the
+    weight and products with the leading directions were most of an LLM's convert.
+    """
+    count = max(1, int(candidates))
+    top = max(count, math.floor(max_fraction * count + 1e-9))
+    shape = (weight.shape[0] // groups[0], weight.shape[1] // groups[1])
+    kept = screened_numerators(weight, hessian, encode, grid, groups, symmetric, count, top)
+
+    exact = GroupCandidates(weight, groups, symmetric)
     best = torch.full(shape, count, dtype=torch.int64)  # the default first: ties keep it
-    best_loss = torch.full(shape, float("inf"), dtype=torch.float64)
-    for slot in [best.clone(), *(torch.where(k < 0, count, k) for k in kept)]:
-        # candidate_weight's values and ``weight - fake_quantize(weight)``'s, per group
-        scale, zero_point = (
-            group_values(t.to(torch.float64), groups)
-            for t in encode(candidate.weight_at(slot.to(torch.float64) / count))
-        )
-        loss = losses_of(candidate.error(scale, zero_point, grid))
+    default_scale, default_zero_point, *default = slot_encoding(encode, exact, best, count)
+    default_loss = losses_of(exact.error(default_scale, default_zero_point, grid))
+    best_loss, best_scale, best_zero_point = default_loss, default_scale, default_zero_point
+    for slot in (torch.where(k < 0, count, k) for k in kept):
+        scale, zero_point, _, _ = slot_encoding(encode, exact, slot, count)
+        loss = losses_of(exact.error(scale, zero_point, grid))
         better = loss < best_loss
         best_loss, best = torch.where(better, loss, best_loss), torch.where(better, slot, best)
-    return best.to(torch.float64) / count
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero_point = torch.where(better, zero_point, best_zero_point)
+    return GroupSearch(
+        best.to(torch.float64) / count,
+        best_loss,
+        best_scale,
+        best_zero_point,
+        default_loss,
+        (default[0], default[1]),
+    )
 
 
 def exhaustive_fractions(
@@ -420,13 +486,14 @@ def exhaustive_fractions(
     shape = (w.shape[0] // groups[0], w.shape[1] // groups[1])
     best_loss = torch.full(shape, float("inf"), dtype=torch.float64)
     best_fraction = torch.ones(shape, dtype=torch.float64)
+    candidate = GroupCandidates(w, groups, symmetric)  # candidate_weight's values, in one buffer
     with small_products(w.numel() * groups[1]):
         for f in fractions:
             fraction = torch.full_like(best_fraction, f)
             scale, zero_point = (
-                t.to(torch.float64) for t in encode(candidate_weight(w, fraction, groups, symmetric))
+                group_values(t.to(torch.float64), groups) for t in encode(candidate.weight_at(fraction))
             )
-            losses = losses_of(w - fake_quantize(w, scale, zero_point, grid))
+            losses = losses_of(candidate.error(scale, zero_point, grid))
             better = losses < best_loss
             best_loss = torch.where(better, losses, best_loss)
             best_fraction = torch.where(better, fraction, best_fraction)
@@ -443,6 +510,8 @@ def seq_mse_encoding(
     symmetric: bool,
     candidates: int = 100,
     max_fraction: float = 1.5,
+    codes: torch.Tensor | None = None,
+    current: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SeqMseResult:
     """The per-group range (and so the encoding) with the least output error.
 
@@ -456,16 +525,22 @@ def seq_mse_encoding(
         symmetric: whether the grid is symmetric (clipping keeps it centred on zero).
         candidates: range fractions tried per unit of range, ``k / candidates``.
         max_fraction: the largest fraction tried (:func:`candidate_fractions`).
+        codes: the weight's codes so far (``[O, I]``, on the encoding ``current``: scale and zero
+            point broadcastable to ``[O, I]``), judged on the same loss as the search's choice
+            (:attr:`SeqMseResult.codes_loss`, where the choice is not the default): an earlier
+            algorithm's codes may beat any clipping.
     """
     w = weight.detach().to(torch.float64)
     h = hessian.detach().to(torch.float64)
     fractions = candidate_fractions(candidates, max_fraction)
     screen = search_work((w.shape[0], w.shape[1]), groups, len(fractions)) > EXHAUSTIVE_WORK
+    rows = groups[1] == w.shape[1]
     with small_products(w.numel()):  # H's factor: LAPACK's threads wait on a busy machine
         losses_of = group_loss_function(h, groups, w.shape, SCREENED + 3 if screen else len(fractions))
+    search: GroupSearch | None = None
     if screen:
         with small_products(w.numel()):
-            best_fraction = screened_encoding(
+            search = screened_encoding(
                 w,
                 h,
                 encode,
@@ -476,29 +551,45 @@ def seq_mse_encoding(
                 max_fraction=max_fraction,
                 losses_of=losses_of,
             )
+        best_fraction = search.fraction
     else:
         best_fraction = exhaustive_fractions(w, encode, grid, groups, symmetric, fractions, losses_of)
 
-    def total(scale: torch.Tensor, zero_point: torch.Tensor) -> float:
-        delta = w - fake_quantize(w, scale, zero_point, grid)
+    def total(scale: torch.Tensor, zero_point: torch.Tensor, quantized: torch.Tensor | None = None) -> float:
+        if quantized is None:
+            quantized = fake_quantize(w, scale, zero_point, grid)
+        delta = w - quantized
         # per row group the group losses are the exact output error; per block they take the
         # block's own slice of H, so the mix is judged on the full H
-        return float((losses_of(delta) if groups[1] == w.shape[1] else output_error(delta, h)).sum())
+        return float((losses_of(delta) if rows else output_error(delta, h)).sum())
 
-    default = tuple(
-        t.to(torch.float64)
-        for t in encode(candidate_weight(w, torch.ones_like(best_fraction), groups, symmetric))
-    )
-    default_loss = total(*default)
-    scale, zero_point = (
-        t.to(torch.float64) for t in encode(candidate_weight(w, best_fraction, groups, symmetric))
-    )
-    loss = total(scale, zero_point)
+    made = GroupCandidates(w, groups, symmetric)  # candidate_weight's values, without expanding
+    if search is not None and rows:  # the screened search judged the default on this same loss
+        default, default_loss = search.default, float(search.default_loss.sum())
+    else:
+        default = tuple(t.to(torch.float64) for t in encode(made.weight_at(torch.ones_like(best_fraction))))
+        default_loss = total(*default)
+    scale, zero_point = (t.to(torch.float64) for t in encode(made.weight_at(best_fraction)))
+    del made
+    if (
+        search is not None
+        and rows
+        and torch.equal(group_values(scale, groups), search.scale)
+        and torch.equal(group_values(zero_point, groups), search.zero_point)
+    ):
+        # every group got the encoding its slot had (a per-channel observer): the mix's error is
+        # the sum of the losses the search measured on exactly these rows
+        loss = float(search.loss.sum())
+    else:
+        loss = total(scale, zero_point)
     if not loss < default_loss:  # the re-encoded mix (e.g. LPBQ's shared channel scale) lost
         scale, zero_point = default
         best_fraction = torch.ones_like(best_fraction)
         loss = default_loss
-    return SeqMseResult(scale, zero_point, best_fraction, loss, default_loss)
+    codes_loss = None
+    if codes is not None and current is not None and bool((best_fraction != 1).any()):
+        codes_loss = total(*current, dequantize_codes(codes.to(torch.float64), *current))
+    return SeqMseResult(scale, zero_point, best_fraction, loss, default_loss, codes_loss)
 
 
 @options_as_fields
@@ -558,14 +649,16 @@ class SeqMSE(Algorithm):
             symmetric=grid.symmetric,
             candidates=self.candidates,
             max_fraction=self.max_fraction,
+            codes=matrix.matrix_of(codes),
+            current=(matrix.scale, matrix.zero_point),
         )
         if bool((result.fraction == 1).all()):
             return None
-        if not result.loss < matrix.error(matrix.matrix_of(codes.to(torch.float64)), hessian):
+        assert result.codes_loss is not None  # codes were given
+        if not result.loss < result.codes_loss:
             return None  # the codes it was given (e.g. GPTQ's, AdaRound's) beat nearest on any clipping
-        scale, zero_point = grid.observe(
-            matrix.weight_of(candidate_weight(matrix.weight, result.fraction, matrix.groups, grid.symmetric))
-        )
+        chosen = GroupCandidates(matrix.weight, matrix.groups, grid.symmetric).weight_at(result.fraction)
+        scale, zero_point = grid.observe(matrix.weight_of(chosen))
         scale = scale.reshape(grid.scale.shape)
         if grid.symmetric:
             return WeightChoice(scale=scale)
