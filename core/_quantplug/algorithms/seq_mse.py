@@ -333,6 +333,9 @@ def diagonal_losses(delta: torch.Tensor, diagonal: torch.Tensor, groups: tuple[i
     ``delta`` is overwritten."""
     out, inputs = delta.shape
     squared = delta.square_()
+    if diagonal.dim() == 1 and groups[1] == inputs:  # rows: one product, no [O, I] pass more
+        rows = groups[0]
+        return (squared @ diagonal).reshape(out // rows, rows).sum(dim=1, keepdim=True)
     if diagonal.dim() == 2:
         stack = diagonal.shape[0]
         per_input = torch.einsum("gri,gi->gri", squared.reshape(stack, -1, inputs), diagonal).reshape(
@@ -356,6 +359,8 @@ class GroupSearch:
     default_loss: torch.Tensor
     #: the default's encoding as ``encode`` gave it, expanded to ``[O, I]``
     default: tuple[torch.Tensor, torch.Tensor]
+    #: the group losses of ``codes_delta`` where it is the default's error (None: it is not)
+    codes_loss: torch.Tensor | None = None
 
 
 def slot_encoding(
@@ -428,6 +433,7 @@ def screened_encoding(
     candidates: int,
     max_fraction: float,
     losses_of: Callable[[torch.Tensor], torch.Tensor],
+    codes_delta: torch.Tensor | None = None,
 ) -> GroupSearch:
     """Per scale group, the range fraction with the least output error among a screened few:
     :func:`seq_mse_encoding`'s search for layers where judging every candidate exactly would cost
@@ -444,6 +450,8 @@ def screened_encoding(
     which is what the observer reads anyway; its errors those of the backend's float32
     quantization): it only ranks, and the exact losses decide; in float64 its passes over the
     weight and products with the leading directions were most of an LLM's convert.
+    ``codes_delta``, the error of the codes the weight has so far, is compared with the
+    default's: where they are the same values, they have the same losses, judged once.
     """
     count = max(1, int(candidates))
     top = max(count, math.floor(max_fraction * count + 1e-9))
@@ -453,7 +461,9 @@ def screened_encoding(
     exact = GroupCandidates(weight, groups, symmetric)
     best = torch.full(shape, count, dtype=torch.int64)  # the default first: ties keep it
     default_scale, default_zero_point, *default = slot_encoding(encode, exact, best, count)
-    default_loss = losses_of(exact.error(default_scale, default_zero_point, grid))
+    default_delta = exact.error(default_scale, default_zero_point, grid)
+    same = codes_delta is not None and torch.equal(default_delta, codes_delta)
+    default_loss = losses_of(default_delta)
     best_loss, best_scale, best_zero_point = default_loss, default_scale, default_zero_point
     for slot in (torch.where(k < 0, count, k) for k in kept):
         scale, zero_point, _, _ = slot_encoding(encode, exact, slot, count)
@@ -469,6 +479,7 @@ def screened_encoding(
         best_zero_point,
         default_loss,
         (default[0], default[1]),
+        default_loss if same else None,
     )
 
 
@@ -535,6 +546,9 @@ def seq_mse_encoding(
     fractions = candidate_fractions(candidates, max_fraction)
     screen = search_work((w.shape[0], w.shape[1]), groups, len(fractions)) > EXHAUSTIVE_WORK
     rows = groups[1] == w.shape[1]
+    codes_delta = None
+    if codes is not None and current is not None:
+        codes_delta = w - dequantize_codes(codes.to(torch.float64), *current)
     with small_products(w.numel()):  # H's factor: LAPACK's threads wait on a busy machine
         losses_of = group_loss_function(h, groups, w.shape, SCREENED + 3 if screen else len(fractions))
     search: GroupSearch | None = None
@@ -550,25 +564,33 @@ def seq_mse_encoding(
                 candidates=candidates,
                 max_fraction=max_fraction,
                 losses_of=losses_of,
+                codes_delta=codes_delta,
             )
         best_fraction = search.fraction
     else:
         best_fraction = exhaustive_fractions(w, encode, grid, groups, symmetric, fractions, losses_of)
 
-    def total(scale: torch.Tensor, zero_point: torch.Tensor, quantized: torch.Tensor | None = None) -> float:
-        if quantized is None:
-            quantized = fake_quantize(w, scale, zero_point, grid)
-        delta = w - quantized
+    def error(delta: torch.Tensor) -> float:
         # per row group the group losses are the exact output error; per block they take the
         # block's own slice of H, so the mix is judged on the full H
         return float((losses_of(delta) if rows else output_error(delta, h)).sum())
 
+    def total(scale: torch.Tensor, zero_point: torch.Tensor) -> float:
+        return error(w - fake_quantize(w, scale, zero_point, grid))
+
     made = GroupCandidates(w, groups, symmetric)  # candidate_weight's values, without expanding
+    codes_loss = None
     if search is not None and rows:  # the screened search judged the default on this same loss
         default, default_loss = search.default, float(search.default_loss.sum())
+        if search.codes_loss is not None:
+            codes_loss = float(search.codes_loss.sum())
     else:
         default = tuple(t.to(torch.float64) for t in encode(made.weight_at(torch.ones_like(best_fraction))))
-        default_loss = total(*default)
+        default_delta = w - fake_quantize(w, *default, grid)
+        default_loss = error(default_delta)
+        if codes_delta is not None and torch.equal(default_delta, codes_delta):
+            codes_loss = default_loss  # the codes are the default's: the same loss
+        del default_delta
     scale, zero_point = (t.to(torch.float64) for t in encode(made.weight_at(best_fraction)))
     del made
     if (
@@ -586,9 +608,8 @@ def seq_mse_encoding(
         scale, zero_point = default
         best_fraction = torch.ones_like(best_fraction)
         loss = default_loss
-    codes_loss = None
-    if codes is not None and current is not None and bool((best_fraction != 1).any()):
-        codes_loss = total(*current, dequantize_codes(codes.to(torch.float64), *current))
+    if codes_loss is None and codes_delta is not None and bool((best_fraction != 1).any()):
+        codes_loss = error(codes_delta)
     return SeqMseResult(scale, zero_point, best_fraction, loss, default_loss, codes_loss)
 
 
