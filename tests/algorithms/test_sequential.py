@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Interpreter, Node
 import quantplug
 from _quantplug.algorithms.collectors import InputSample
 from _quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES
-from _quantplug.algorithms.sequential import InputStore, stages
+from _quantplug.algorithms.sequential import InputStore, fake_quantize_per_tensor, stages
 from _quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
 from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 
@@ -291,3 +291,36 @@ def test_weight_algorithms_run_sequentially_and_beat_the_default(algorithm: str)
     if algorithm == "adaround":
         options["iterations"] = 100
     assert quantized_sqnr([(algorithm, options)]) > quantized_sqnr([]) + 0.5
+
+
+#: values ATen's fake-quantize kernel handles apart (non-finite, huge, signed zeros, subnormal)
+SPECIAL = (0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3e38, -3e38, 1e-45)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([(0, 255), (-128, 127), (0, 65535), (-7, 7), (-(2**31), 2**31 - 1)]),
+    st.integers(-6, 1),
+    st.booleans(),
+    st.booleans(),
+)
+def test_simulated_activations_are_atens_fake_quantize_value_for_value(
+    seed: int, grid: tuple[int, int], exponent: int, shifted: bool, special: bool
+) -> None:
+    """The simulation's per-tensor fake quantization (the guard's trials, sequential inputs) gives
+    ``torch.fake_quantize_per_tensor_affine``'s values bit for bit, signs of zeros included: on
+    rounding ties, beyond the grid, on non-finite and huge values (where it hands over to ATen),
+    on a grid too wide for float32 to count."""
+    g = torch.Generator().manual_seed(seed)
+    qmin, qmax = grid
+    scale = float(torch.rand(1, generator=g).float() * 10.0**exponent + 1e-12)
+    zero_point = int(torch.randint(qmin, qmax + 1, (1,), generator=g)) if shifted else 0
+    ties = (torch.randint(-300, 300, (64,), generator=g).float() + 0.5) * scale
+    x = torch.cat([torch.randn(448, generator=g) * scale * 200, ties])
+    if special:
+        x[:40] = torch.tensor(SPECIAL)[torch.randint(0, len(SPECIAL), (40,), generator=g)]
+    expected = torch.fake_quantize_per_tensor_affine(x, scale, zero_point, qmin, qmax)
+    got = fake_quantize_per_tensor(x, scale, zero_point, qmin, qmax)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))
