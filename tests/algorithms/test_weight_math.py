@@ -780,7 +780,7 @@ def test_a_low_rank_factor_is_the_hessian_and_gives_its_losses(
 
 
 def test_seq_mse_on_a_wide_layer_seen_on_few_rows_chooses_as_with_the_full_hessian() -> None:
-    """The low-rank path (taken where the direct products would cost over LOW_RANK_WORK) makes
+    """The low-rank path (taken where the direct products would cost over ROWS_LOW_RANK_WORK) makes
     the same choice, at the same loss."""
     h = wide_few_rows(0, 512, 40)
     w = torch.randn(8, 512, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -790,14 +790,14 @@ def test_seq_mse_on_a_wide_layer_seen_on_few_rows_chooses_as_with_the_full_hessi
         return seq_mse_encoding(w, h, encoder(grid, (1, 512)), grid, (1, 512), symmetric=True, candidates=20)
 
     direct = run()
-    before, factor = seq_mse_module.LOW_RANK_WORK, seq_mse_module.low_rank_factor
+    before, factor = seq_mse_module.ROWS_LOW_RANK_WORK, seq_mse_module.low_rank_factor
     factored: list[int] = []
     try:
-        seq_mse_module.LOW_RANK_WORK = 0
+        seq_mse_module.ROWS_LOW_RANK_WORK = 0
         seq_mse_module.low_rank_factor = lambda *a: factored.append(1) or factor(*a)  # type: ignore[assignment]
         low = run()
     finally:
-        seq_mse_module.LOW_RANK_WORK, seq_mse_module.low_rank_factor = before, factor
+        seq_mse_module.ROWS_LOW_RANK_WORK, seq_mse_module.low_rank_factor = before, factor
     assert factored == [1]  # the low-rank path ran
     assert torch.equal(low.fraction, direct.fraction)
     assert abs(low.loss - direct.loss) <= 1e-9 * direct.loss

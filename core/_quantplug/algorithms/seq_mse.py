@@ -157,6 +157,12 @@ def candidate_weight(
 #: low-rank ``H`` is factored at ``I^2 k`` first (:func:`~.weight_matrix.low_rank_factor`):
 #: torchvision's r3d_18, 13824 inputs seen on 64 rows, spent half an hour in those products
 LOW_RANK_WORK = 10**12
+#: the same for one scale per row group, whose direct losses are whole ``[O, I] x [I, I]``
+#: products: a 110M Llama's MLP down projection (768 x 2048, seen on 192 rows) spent 2e10 in its
+#: screened search's exact losses, three times what factoring and the factor's products cost.
+#: Every layer of the bench's and the tests' models is below it (their exhaustive searches cost
+#: under :data:`EXHAUSTIVE_WORK`)
+ROWS_LOW_RANK_WORK = 10**10
 
 
 def factor_group_losses(delta: torch.Tensor, factor: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:
@@ -179,7 +185,8 @@ def group_loss_function(
     low-rank (fewer calibration rows than inputs: a ResNet's late convolutions, 4608 inputs and a
     few hundred rows), ``||D L||^2`` with ``H = L L^T`` (:func:`hessian_factor`) gives the same
     losses at ``k / I`` of the cost. Otherwise, where the products would be long (over
-    :data:`LOW_RANK_WORK`) and ``H``'s rank is at most ``I / 8``, the same at ``I^2 k`` to factor.
+    :data:`LOW_RANK_WORK`, :data:`ROWS_LOW_RANK_WORK` per row group) and ``H``'s rank is at most
+    ``I / 8``, the same at ``I^2 k`` to factor.
     """
     rows, cols = groups
     out, inputs = int(shape[0]), int(shape[1])
@@ -187,7 +194,9 @@ def group_loss_function(
         factor = hessian_factor(hessian)
         if factor.shape[1] < inputs // 2:
             return lambda delta: (delta @ factor).pow(2).sum(dim=1).reshape(out // rows, rows, 1).sum(dim=1)
-    elif hessian.dim() == 2 and evaluations * out * inputs * inputs > LOW_RANK_WORK:
+    elif hessian.dim() == 2 and evaluations * out * inputs * inputs > (
+        ROWS_LOW_RANK_WORK if cols == inputs else LOW_RANK_WORK
+    ):
         low = low_rank_factor(hessian, inputs // 8)
         if low is not None:
             return lambda delta: factor_group_losses(delta, low, groups)
