@@ -59,7 +59,6 @@ from _quantplug.algorithms.weight_layers import (
 )
 from _quantplug.algorithms.weight_matrix import (
     IntegerGrid,
-    dequantize_codes,
     fake_quantize,
     hessian_factor,
     low_rank_factor,
@@ -557,7 +556,9 @@ def seq_mse_encoding(
     rows = groups[1] == w.shape[1]
     codes_delta = None
     if codes is not None and current is not None:
-        codes_delta = w - dequantize_codes(codes.to(torch.float64), *current)
+        # w - (codes - z) * s in one buffer (an lm_head's is 200 MB)
+        codes_delta = codes.to(torch.float64, copy=True).sub_(current[1]).mul_(current[0])
+        codes_delta = torch.sub(w, codes_delta, out=codes_delta)
     with small_products(w.numel()):  # H's factor: LAPACK's threads wait on a busy machine
         losses_of = group_loss_function(h, groups, w.shape, SCREENED + 3 if screen else len(fractions))
     search: GroupSearch | None = None
