@@ -595,7 +595,8 @@ def seq_mse_encoding(
         if search.codes_loss is not None:
             codes_loss = float(search.codes_loss.sum())
     else:
-        default = tuple(t.to(torch.float64) for t in encode(made.weight_at(torch.ones_like(best_fraction))))
+        default_scale, default_zero_point = encode(made.weight_at(torch.ones_like(best_fraction)))
+        default = (default_scale.to(torch.float64), default_zero_point.to(torch.float64))
         default_delta = w - fake_quantize(w, *default, grid)
         default_loss = error(default_delta)
         if codes_delta is not None and torch.equal(default_delta, codes_delta):
