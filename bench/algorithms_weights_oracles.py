@@ -136,25 +136,34 @@ def ours(
 def nncf_run(model: nn.Module, batches: list[torch.Tensor], **flags: Any) -> float:
     import copy
 
-    import nncf
-
     calibration, measure = batches[:8], batches[8:]
     # NNCF's data-aware algorithms run on TorchFX (its nn.Module backend takes no dataset options)
     dynamic = batch_dynamic_shapes([(b,) for b in batches])
     program = torch.export.export(copy.deepcopy(model), (calibration[0],), dynamic_shapes=dynamic).module()
-    compressed = nncf.compress_weights(
+    compressed = nncf_compress(program, calibration, **flags)
+    with torch.no_grad():
+        return sqnr([model(b) for b in measure], [compressed(b) for b in measure])
+
+
+def nncf_compress(
+    program: nn.Module, calibration: Sequence[torch.Tensor], group_size: int = 32, **flags: Any
+) -> nn.Module:
+    """NNCF 3.4 ``compress_weights`` on an exported program's module, as this bench runs it: INT4_SYM
+    on every layer (``all_layers``, no backup precision), ``group_size`` weights per scale (-1: one
+    per output channel), the data-aware algorithms in ``flags`` fed ``calibration``."""
+    import nncf
+
+    return nncf.compress_weights(
         program,
         mode=nncf.CompressWeightsMode.INT4_SYM,
         ratio=1.0,
-        group_size=32,
+        group_size=group_size,
         all_layers=True,
         backup_mode=nncf.BackupMode.NONE,
-        dataset=nncf.Dataset(calibration),
+        dataset=nncf.Dataset(list(calibration)),
         subset_size=sum(b.shape[0] for b in calibration),
         **flags,
     )
-    with torch.no_grad():
-        return sqnr([model(b) for b in measure], [compressed(b) for b in measure])
 
 
 def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str, grid: str = "aimet") -> float:
@@ -166,38 +175,13 @@ def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str, gri
     ExecuTorch's), so both tools run on the same grid; two AIMET internals that assume a
     power-of-two grid are adapted (:func:`_aimet_on_qnn_grid`).
     """
-    import copy
-
-    from tests.torchvision_compat import ensure_importable
-
-    ensure_importable()  # AIMET imports torchvision, whose CUDA wheel needs its op schemas here
-    from aimet_common.defs import QuantScheme
-    from aimet_torch.model_preparer import prepare_model
-    from aimet_torch.quantsim import QuantizationSimModel
-
-    restrict = _aimet_on_qnn_grid() if grid == "qnn" else (lambda sim: sim)
     calibration, measure = batches[:8], batches[8:]
     reference = model
-    model = prepare_model(copy.deepcopy(model))  # functionals (silu, *, +) as modules, as AIMET requires
+    model = aimet_prepare(model)
     dummy = calibration[0]
 
-    def calibrate(m: nn.Module, _: Any = None) -> None:
-        with torch.no_grad():
-            for b in calibration:
-                m(b)
-
-    def make_sim(m: nn.Module, **kwargs: Any) -> Any:
-        options = {
-            "dummy_input": dummy,
-            "quant_scheme": QuantScheme.post_training_tf,
-            "default_param_bw": 4,
-            "default_output_bw": 16,
-            "config_file": _aimet_per_channel_config(),
-            **kwargs,
-        }
-        return restrict(QuantizationSimModel(m, **options))
-
     if algorithm == "adaround":
+        from aimet_common.defs import QuantScheme
         from aimet_torch.adaround.adaround_weight import Adaround, AdaroundParameters
 
         params = AdaroundParameters(  # quantplug's step count (AIMET's default 10,000: minutes per layer)
@@ -209,7 +193,9 @@ def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str, gri
         # holds the rounded weights (a fresh sim's min-max encoding of them gives back the same
         # codes: each channel's largest weight sits on the grid's end), so its encodings file is not
         # needed (and cannot spell a [-7, 7] grid).
-        with _patched(Adaround, "_get_quantsim", staticmethod(lambda m, **kw: make_sim(m, **kw))):
+        with _patched(
+            Adaround, "_get_quantsim", staticmethod(lambda m, **kw: aimet_sim(m, dummy, grid, **kw))
+        ):
             with _patched(Adaround, "_export_encodings_to_json", classmethod(lambda cls, *a, **k: None)):
                 with tempfile.TemporaryDirectory() as tmp:
                     model = Adaround.apply_adaround(
@@ -223,24 +209,71 @@ def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str, gri
                         default_config_file=_aimet_per_channel_config(),
                     )
         _strip_quantized_modules(model)
-        sim = make_sim(model)
+        sim = aimet_sim(model, dummy, grid)
     else:
-        sim = make_sim(model)
+        sim = aimet_sim(model, dummy, grid)
         if algorithm == "seq_mse":
-            from aimet_torch.seq_mse import SeqMseParams, SequentialMse, apply_seq_mse
-
-            # AIMET turns a candidate range into an encoding with a quantizer rebuilt from ``bitwidth``
-            # (so [-8, 7]); on the qnn grid, one with the weight quantizer's own qmin/qmax
-            own = (
-                classmethod(_encoding_on_own_grid)
-                if grid == "qnn"
-                else SequentialMse.__dict__.get("compute_param_encodings")
-            )
-            with _patched(SequentialMse, "compute_param_encodings", own):
-                apply_seq_mse(model, sim, list(calibration), SeqMseParams(num_batches=len(calibration)))
-    sim.compute_encodings(calibrate, None)
+            aimet_seq_mse(model, sim, calibration, grid)
+    aimet_calibrate(sim, calibration)
     with torch.no_grad():
         return sqnr([reference(b) for b in measure], [sim.model(b) for b in measure])
+
+
+def aimet_prepare(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with its functionals (silu, *, +) as modules, as AIMET quantizes only modules."""
+    import copy
+
+    from tests.torchvision_compat import ensure_importable
+
+    ensure_importable()  # AIMET imports torchvision, whose CUDA wheel needs its op schemas here
+    from aimet_torch.model_preparer import prepare_model
+
+    return prepare_model(copy.deepcopy(model))  # type: ignore[no-any-return]
+
+
+def aimet_sim(model: nn.Module, dummy: Any, grid: str = "aimet", **kwargs: Any) -> Any:
+    """AIMET's ``QuantizationSimModel`` of a prepared model: 4-bit per-channel symmetric weights,
+    16-bit min-max (``post_training_tf``) activations, on ``grid`` (see :func:`aimet_run`)."""
+    from aimet_common.defs import QuantScheme
+    from aimet_torch.quantsim import QuantizationSimModel
+
+    options = {
+        "dummy_input": dummy,
+        "quant_scheme": QuantScheme.post_training_tf,
+        "default_param_bw": 4,
+        "default_output_bw": 16,
+        "config_file": _aimet_per_channel_config(),
+        **kwargs,
+    }
+    sim = QuantizationSimModel(model, **options)
+    return _aimet_on_qnn_grid()(sim) if grid == "qnn" else sim
+
+
+def aimet_seq_mse(model: nn.Module, sim: Any, calibration: Sequence[Any], grid: str = "aimet") -> None:
+    """AIMET's ``apply_seq_mse`` with its default parameters on ``calibration`` (all of it): sets the
+    sim's weight encodings, which ``compute_encodings`` then leaves alone."""
+    from aimet_torch.seq_mse import SeqMseParams, SequentialMse, apply_seq_mse
+
+    # AIMET turns a candidate range into an encoding with a quantizer rebuilt from ``bitwidth``
+    # (so [-8, 7]); on the qnn grid, one with the weight quantizer's own qmin/qmax
+    own = (
+        classmethod(_encoding_on_own_grid)
+        if grid == "qnn"
+        else SequentialMse.__dict__.get("compute_param_encodings")
+    )
+    with _patched(SequentialMse, "compute_param_encodings", own):
+        apply_seq_mse(model, sim, list(calibration), SeqMseParams(num_batches=len(calibration)))
+
+
+def aimet_calibrate(sim: Any, calibration: Sequence[Any]) -> None:
+    """The sim's encodings from min-max statistics over ``calibration``."""
+
+    def calibrate(m: nn.Module, _: Any = None) -> None:
+        with torch.no_grad():
+            for b in calibration:
+                m(b)
+
+    sim.compute_encodings(calibrate, None)
 
 
 def _encoding_on_own_grid(cls: Any, quantizer: Any, x_min: torch.Tensor, x_max: torch.Tensor) -> None:

@@ -230,6 +230,7 @@ def run_one(
         "artifact_mib": None if artifact_bytes is None else artifact_bytes / 2**20,
         "artifact_files": artifact_files,  # bytes of each file written
         "sqnr_db": _sqnr(reference, output),
+        "reference_sum": float(reference.double().sum()),  # the same model in every flow (and venv)
     }
 
 
