@@ -15,8 +15,9 @@ each algorithm's added prepare+calibrate+convert time over the default flow's (t
 2x at 110M for SeqMSE and GPTQ at 16a4w), quantplug's time over ExecuTorch's at the same
 precision, and the peak RSS over the float weights' bytes (target: 1.5x plus a fixed overhead).
 
-Flows: ``qnn_htp-<precision>[+algorithm]`` (``quantplug.prepare(ep, get_quantizer("qnn_htp",
-precision=...), algorithms=[...])``, then ``lower``) and ``executorch-<16a8w|16a4w>``
+Flows: ``qnn_htp-<precision>[+algorithm[/unguarded]]`` (``quantplug.prepare(ep, get_quantizer("qnn_htp",
+precision=...), algorithms=[...])``, then ``lower``; ``/unguarded``: ``Algorithms([...], guard=False)``,
+as AIMET and NNCF run, for ``bench.scale_oracles``) and ``executorch-<16a8w|16a4w>``
 (``prepare_pt2e(ep.module(), QnnQuantizer)`` / ``convert_pt2e``, ExecuTorch 1.5.1, SM8750,
 ``QNN_SDK_ROOT=""`` before it is built; ExecuTorch's own lowering needs the QNN SDK, absent here,
 so its artifact is not measured). Results: ``bench/results/scale.md`` and ``scale.json``, with the
@@ -185,7 +186,10 @@ def run_one(
         import quantplug
 
         quantizer = quantplug.get_quantizer("qnn_htp", precision=precision)
-        algorithms = [algorithm] if algorithm else []
+        algorithm, _, mode = algorithm.partition("/")  # "/unguarded": every choice kept, all batches fit
+        algorithms: Any = [algorithm] if algorithm else []
+        if mode == "unguarded":
+            algorithms = quantplug.Algorithms(algorithms, guard=False)
         prepared = phases.run("prepare", lambda: quantplug.prepare(ep, quantizer, algorithms=algorithms))
         if release:  # the prepared module's references to the float weights are the last ones
             del model, ep
