@@ -379,6 +379,12 @@ class LayerHessian:
         made, version, _ = self._made
         return made() is tensor and version == self.sums.version
 
+    def release(self, tensor: torch.Tensor) -> None:
+        """``tensor``, the last result made, was given up by its holder (its memory holds other
+        values now): :meth:`made` is False for it from now on."""
+        if self.made(tensor):
+            self._made = None
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_made": None}  # a weak reference does not pickle
 
