@@ -70,6 +70,7 @@ from _quantplug.algorithms.weight_matrix import (
     dampen_,
     output_error,
     permute_columns_,
+    reverse_,
     row_slices,
     single_thread,
     small_products,
@@ -120,16 +121,16 @@ def update_factor(
     permute_columns_(buffer, backwards)
     factor = dampen_(buffer.T, damp)  # column-major, as LAPACK's results are
     torch.linalg.cholesky(factor, out=factor)
-    # buffer is L^T (row-major) for the factor L of the reversed H; L reversed is V
-    reverse = torch.arange(size - 1, -1, -1)
-    permute_columns_(buffer, reverse)
-    transpose_(buffer)
-    permute_columns_(buffer, reverse)
+    # buffer is L^T (row-major) for the factor L of the reversed H; L reversed is V, and so
+    # buffer reversed is V^T: V column-major, read through buffer.T
+    reverse_(buffer)
     diagonal = buffer.diagonal().clone()
-    for part in row_slices(buffer):  # V[j, k] / V[k, k]
-        part.div_(diagonal)
+    start = 0
+    for part in row_slices(buffer):  # V[j, k] / V[k, k]: row k of V^T divided by V[k, k]
+        part.div_(diagonal[start : start + part.shape[0]].unsqueeze(1))
+        start += part.shape[0]
     buffer.diagonal().copy_(diagonal)
-    return buffer
+    return buffer.T
 
 
 def column_order(hessian: torch.Tensor, act_order: bool) -> torch.Tensor | None:
