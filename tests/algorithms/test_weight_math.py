@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import _quantplug.algorithms.gptq as gptq_module
 import _quantplug.algorithms.seq_mse as seq_mse_module
 from _quantplug.algorithms.adaround import AdaroundSchedule, adaround_codes, rectified_sigmoid
-from _quantplug.algorithms.gptq import gptq_codes, gptq_scale_search
+from _quantplug.algorithms.gptq import gptq_codes, gptq_scale_search, undampened_error
 from _quantplug.algorithms.seq_mse import (
     Encoder,
     GroupCandidates,
@@ -109,6 +109,36 @@ def test_gptq_matches_the_direct_least_squares_solve(
     assert abs(got.loss - float(output_error(w - dequantize_codes(expected, s, z), h).sum())) < 1e-6 * (
         1 + got.loss
     )
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 6),
+    st.integers(1, 40),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([0.001, 0.01, 0.3]),
+    GRIDS,
+)
+def test_gptq_weighs_its_codes_and_the_given_ones_as_h_does(
+    seed: int, rows: int, cols: int, act_order: bool, dead: bool, damp: float, grid: IntegerGrid
+) -> None:
+    """The errors GPTQ's choice is judged by, of its own codes (from its loss) and of the codes it
+    was given (through its factor), are ``tr(D H D^T)`` on the undampened ``H``, inputs no sample
+    reached included: what a product with ``H`` gives, up to float rounding."""
+    w, h = problem(seed, rows, cols, samples=max(2, cols // 2))
+    if dead:  # an input no sample reached: a zero row and column
+        h[0], h[:, 0] = 0.0, 0.0
+    s, z = encoding(w, grid, (1, cols))
+    nearest = quantize_codes(w, s, z, grid)
+    got = gptq_codes(w, h, s, z, grid, damp=damp, act_order=act_order, given=nearest, block=7)
+    assert got.given_loss is not None
+    diagonal = torch.diagonal(h)
+    for loss, codes in ((got.loss, got.codes), (got.given_loss, nearest)):
+        exact = float(output_error(w - dequantize_codes(codes, s, z), h).sum())
+        weighed = undampened_error(loss, w, codes, s, z, diagonal, damp)
+        assert math.isclose(weighed, exact, rel_tol=1e-9, abs_tol=1e-9 * float(diagonal.sum()))
 
 
 @FAST
