@@ -76,7 +76,6 @@ from _quantplug.algorithms.weight_matrix import (
     small_products,
     transpose_,
 )
-from _quantplug.errors import AlgorithmError
 
 
 @dataclass(frozen=True)
@@ -193,19 +192,19 @@ def _gptq_rows(
     return codes.reshape(weight.shape), loss
 
 
-#: rows one slice of GPTQ's lazy batch update takes at least: a product of fewer rows may take
-#: another kernel whose sums round differently, and the codes must not depend on the slicing
+#: rows one slice of an ``[O, I]`` error matrix GPTQ weighs takes at least (:func:`factor_loss`,
+#: :func:`undampened_error`): a product of fewer rows may take another kernel whose sums round
+#: differently, and the errors must not depend on the slicing
 UPDATE_SLICE_ROWS = 256
-#: elements of the product one slice of the lazy batch update makes (8 MiB of float64)
+#: elements of one slice of such a matrix (8 MiB of float64)
 UPDATE_SLICE_ELEMENTS = 1 << 20
 
 
 def update_slices(rows: int, columns: int) -> list[slice]:
-    """Row slices for the lazy batch update of ``rows`` rows' last ``columns`` columns: the whole
-    matrix when its product is small, else slices of about :data:`UPDATE_SLICE_ELEMENTS` (never
-    fewer than :data:`UPDATE_SLICE_ROWS` rows, the last one taking the rest). The product of a
-    whole 8192 x 8192 layer's update is 512 MiB beside the working weight; a slice's is 16 MiB,
-    with the same values (each row's product is the same sum)."""
+    """Row slices of a ``rows`` x ``columns`` matrix: the whole matrix when it is small, else
+    slices of about :data:`UPDATE_SLICE_ELEMENTS` (never fewer than :data:`UPDATE_SLICE_ROWS`
+    rows, the last one taking the rest). A whole 8192 x 8192 layer's float64 error and its
+    product are 512 MiB each beside the weight; a slice's are 8 MiB."""
     step = max(UPDATE_SLICE_ROWS, UPDATE_SLICE_ELEMENTS // max(1, columns))
     if rows < 2 * step:
         return [slice(0, rows)]
@@ -215,8 +214,8 @@ def update_slices(rows: int, columns: int) -> list[slice]:
 
 @dataclass(frozen=True)
 class _BlockErrors:
-    """A lazy batch's scaled rounding errors ``[O, block]`` (contiguous, for the block update's
-    product) and the part of the loss its columns add."""
+    """A lazy batch's rounding errors ``[block, O]`` (a row per column: the weight's own value less
+    its dequantized code) and the part of the loss its columns add."""
 
     matrix: torch.Tensor
     loss: float
@@ -249,43 +248,39 @@ def _block_encoding(
 
 
 def _gptq_block(
-    w: torch.Tensor,
+    wb: torch.Tensor,
     own: torch.Tensor,
-    f: torch.Tensor,
-    start: int,
-    stop: int,
+    fb: torch.Tensor,
     scale: list[torch.Tensor],
     zero_point: list[torch.Tensor] | None,
     grid: IntegerGrid,
 ) -> _BlockErrors:
-    """Columns ``start:stop`` of ``w`` rounded one by one, each one's error pushed onto the rest of
-    the block (``w``'s columns there become their codes). ``own``: the weight's own values of
-    these columns ``[n, O]`` (:func:`_block_columns`), ``f``: :func:`update_factor`;
-    ``scale``/``zero_point``: each column's encoding (:func:`_block_encoding`; ``zero_point``
-    None: all zero, a symmetric grid).
+    """One lazy batch of the transposed working weight ``wb`` (``[n, O]``: a row per column of the
+    weight, as the earlier batches left it) rounded column by column, each one's error pushed
+    onto the rest of the batch; ``wb`` holds the codes after. ``own``: the weight's own values of
+    these columns ``[n, O]`` (:func:`_block_columns`), ``fb``: :func:`update_factor` on the
+    batch's columns; ``scale``/``zero_point``: each column's encoding (:func:`_block_encoding`;
+    ``zero_point`` None: all zero, a symmetric grid).
 
     Column ``k`` is rounded as ``w_k + sum_{j<k} d_j F[j, k]``, ``d_j`` the error left in column
-    ``j`` (its own value less its dequantized code). The block is worked transposed (``[block, O]``:
-    a column is a contiguous row) and on one thread: every step is an ``O``-vector operation,
-    where a parallel region on a busy machine waits for a descheduled worker per operation (one
-    768 x 768 layer, load 5 on two cores: 20.6 s on two threads, 4.1 s so). Inside the block the
-    errors travel in sub-blocks of :data:`INNER_BLOCK` columns: a column takes the errors of its
-    sub-block's earlier columns as one matrix-vector product when it is reached, and the rest of
-    the block takes a sub-block's as one matrix product. A rank-1 update of the whole rest of the
-    block per column (the paper's loop) read and wrote ``block / 2`` rows of ``O`` per column:
-    most of GPTQ's time.
+    ``j`` (its own value less its dequantized code). Every step is an ``O``-vector operation on a
+    contiguous row, run on one thread: a parallel region on a busy machine waits for a
+    descheduled worker per operation (one 768 x 768 layer, load 5 on two cores: 20.6 s on two
+    threads, 4.1 s so). Inside the batch the errors travel in sub-blocks of :data:`INNER_BLOCK`
+    columns: a column takes the errors of its sub-block's earlier columns as one matrix-vector
+    product when it is reached, and the rest of the batch takes a sub-block's as one matrix
+    product. A rank-1 update of the whole rest of the batch per column (the paper's loop) read
+    and wrote ``block / 2`` rows of ``O`` per column: most of GPTQ's time.
 
-    Returns the block's errors ``[O, n]`` for the update of the rest of the matrix, and the part
+    Returns the batch's errors ``[n, O]`` for the update of the rest of the matrix, and the part
     of the loss its columns add: ``sum_j ((w'_j - q_j) V[j, j])^2``, ``w'_j`` the column as
     rounded (the paper's scaled errors: their squares sum to ``tr(D H D^T)``).
     """
-    wb = w[:, start:stop].T.contiguous()
     codes = torch.empty_like(wb)
     errors = torch.empty_like(wb)
     dequantized = torch.empty_like(wb)
-    fb = f[start:stop, start:stop]
     columns, found, error, deq = wb.unbind(0), codes.unbind(0), errors.unbind(0), dequantized.unbind(0)
-    n = stop - start
+    n = wb.shape[0]
     for first in range(0, n, INNER_BLOCK):
         last = min(first + INNER_BLOCK, n)
         for j in range(first, last):
@@ -301,12 +296,33 @@ def _gptq_block(
                 q.add_(z).clamp_(grid.quant_min, grid.quant_max)
                 torch.sub(q, z, out=deq[j]).mul_(s)
             torch.sub(own[j], deq[j], out=error[j])
-        if last < n:  # the rest of the block absorbs the sub-block's errors
+        if last < n:  # the rest of the batch absorbs the sub-block's errors
             wb[last:].addmm_(fb[first:last, last:].T, errors[first:last])
-    scaled = wb.sub_(dequantized).mul_(fb.diagonal().unsqueeze(1))  # wb may be w's own memory
+    scaled = wb.sub_(dequantized).mul_(fb.diagonal().unsqueeze(1))
     loss = float(scaled.square_().sum())
-    w[:, start:stop] = codes.T
-    return _BlockErrors(errors.T.contiguous(), loss)
+    wb.copy_(codes)
+    return _BlockErrors(errors, loss)
+
+
+def permute_rows_(matrix: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``matrix[order]`` written into ``matrix`` itself, one cycle of the permutation at a time
+    (a row's copy held): whole contiguous rows move, so memory stays one row beyond the matrix."""
+    index = order.tolist()
+    done = [False] * len(index)
+    for start in range(len(index)):
+        if done[start] or index[start] == start:
+            continue
+        held = matrix[start].clone()
+        k = start
+        while True:
+            done[k] = True
+            source = index[k]
+            if source == start:
+                matrix[k] = held
+                break
+            matrix[k] = matrix[source]
+            k = source
+    return matrix
 
 
 def _gptq_pass(
@@ -317,29 +333,28 @@ def _gptq_pass(
     order: torch.Tensor | None,
     grid: IntegerGrid,
     block: int,
-    overwrite: bool = False,
-    original: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """GPTQ's column loop (float64 ``[O, I]`` weight; ``factor`` from :func:`_factor` in ``order``;
-    ``scale``/``zero_point`` broadcastable to ``[O, I]``: ``[O, I]``, ``[O, 1]`` or ``[1, 1]``).
+    """GPTQ's column loop (an ``[O, I]`` weight, any float dtype, never written; ``factor`` from
+    :func:`_factor` in ``order``; ``scale``/``zero_point`` broadcastable to ``[O, I]``: ``[O, I]``,
+    ``[O, 1]`` or ``[1, 1]``). Returns the codes ``[O, I]`` and the loss (summed a lazy batch at a
+    time).
 
     Rows never interact: row ``o``'s codes depend on row ``o`` of the weight and the encoding
     only, so several candidate encodings of one weight can be rounded in one pass, stacked.
 
-    One ``[O, I]`` float64 buffer holds the working weight and, column by column as each is
-    done, its codes (exact integers): ``weight`` itself with ``overwrite`` (then ``original``, the
-    weight's values in another tensor, is read where the errors need them), else a copy. The
-    encoding is read a lazy batch's columns at a time where it is used, never permuted or
-    expanded whole. The loss is summed a lazy batch at a time (float summation order only).
+    One float64 buffer holds the working weight transposed (``[I, O]``, a row per column in the
+    order they are rounded) and, lazy batch by lazy batch, its codes (exact integers); the codes
+    come back as its transposed view, rows put back in the weight's column order in place. Each
+    lazy batch is a view of contiguous rows, and the rest of the matrix absorbs a batch's errors
+    in place (one matrix product, no temporary): the weight is transposed and permuted once, not
+    a batch at a time. The encoding is read a lazy batch's columns at a time where it is used,
+    never permuted or expanded whole.
     """
-    w = weight if overwrite and weight.is_contiguous() else weight.contiguous().clone()
-    own = weight if original is None else original
-    if own is w:
-        raise AlgorithmError("GPTQ works a weight in its own memory only given its values elsewhere")
+    rows, columns = weight.shape
+    wt = torch.empty(columns, rows, dtype=torch.float64)
+    wt.copy_(weight.T)
     if order is not None:
-        permute_columns_(w, order)
-    u = factor
-    rows, columns = w.shape
+        permute_rows_(wt, order)
     loss = 0.0
     step = max(1, int(block))
     symmetric = not bool(zero_point.any())
@@ -348,15 +363,17 @@ def _gptq_pass(
             stop = min(start + step, columns)
             scales = _block_encoding(scale, order, start, stop)
             zeros = None if symmetric else _block_encoding(zero_point, order, start, stop)
-            values = _block_columns(own, order, start, stop)
+            values = _block_columns(weight, order, start, stop)
             with single_thread():
-                errors = _gptq_block(w, values, u, start, stop, scales, zeros, grid)
+                errors = _gptq_block(
+                    wt[start:stop], values, factor[start:stop, start:stop], scales, zeros, grid
+                )
             loss += errors.loss
-            for part in update_slices(rows, columns - stop):  # the rest absorbs the block's error
-                w[part, stop:] += errors.matrix[part] @ u[start:stop, stop:]
+            if stop < columns:  # the rest absorbs the batch's errors
+                wt[stop:].addmm_(factor[start:stop, stop:].T, errors.matrix)
     if order is not None:
-        permute_columns_(w, torch.argsort(order))
-    return w, loss
+        permute_rows_(wt, torch.argsort(order))
+    return wt.T, loss
 
 
 def gptq_codes(
@@ -376,8 +393,8 @@ def gptq_codes(
     to ``[O, I]``: one value per weight, per row ``[O, 1]`` or for all ``[1, 1]``).
 
     Args:
-        weight: the float weight matrix (not modified; float64 is worked on in a copy of it, made
-            after the factor, so that the two never wait side by side).
+        weight: the float weight matrix (not modified; worked on transposed in a float64 buffer
+            of GPTQ's own, made after the factor, so that the two never wait side by side).
         hessian: ``sum x x^T`` of the layer's inputs, ``[I, I]``; or ``[G, I, I]``, one per
             block of ``O / G`` rows (a grouped convolution's groups).
         scale, zero_point: the encoding.
@@ -400,15 +417,12 @@ def gptq_codes(
     order = column_order(h, act_order)
     factor = _factor(h, damp, order, overwrite=overwrite_hessian and h.dim() == 2)
     del h  # its memory is the factor's (overwrite_hessian) or the caller's
-    w = weight.detach().to(torch.float64)
-    mine = w.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()  # a copy: work in it
+    w = weight.detach()
     scale, zero_point = scale.detach().to(torch.float64), zero_point.detach().to(torch.float64)
     if factor.dim() == 3:
         codes, loss = _gptq_rows(w, scale, zero_point, factor, order, grid, block, w.shape[0])
     else:
-        codes, loss = _gptq_pass(
-            w, scale, zero_point, factor, order, grid, block, overwrite=mine, original=weight
-        )
+        codes, loss = _gptq_pass(w, scale, zero_point, factor, order, grid, block)
         if given is not None:
             return GptqResult(codes, loss, factor_loss(weight, given, scale, zero_point, factor, order))
     return GptqResult(codes, loss)
