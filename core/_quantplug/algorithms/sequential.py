@@ -466,6 +466,9 @@ class IncrementalOutputs:
         )
         self.private = writes_an_input(simulation.graph)
         self.runs: list[_Run] = []
+        #: the nodes whose value is a weight (:func:`_reads_weight`), found once: a checkpoint asks
+        #: of every live value at every trial
+        self.weight_readers = frozenset(n for n in self.nodes if _reads_weight(n))
 
     def _start(self, run: _Run, weights: Mapping[str, torch.Tensor]) -> int | None:
         """The checkpoint ``run`` can resume from for ``weights`` (None: the same weights)."""
@@ -494,7 +497,7 @@ class IncrementalOutputs:
             if base is not None:
                 env = dict(base.checkpoints[b][start])
                 for n in env:  # weights read before the checkpoint, still live there: this
-                    if _reads_weight(n):  # selection's (a checkpoint may be an older run's)
+                    if n in self.weight_readers:  # selection's (a checkpoint may be an older run's)
                         env[n] = sim.get_attr(behind_parked(n).target, (), {})
             snapshots: dict[int, dict[Node, Any]] = {}
             output = self._run_from(env, start, private_inputs(batch) if self.private else batch, snapshots)
@@ -518,7 +521,8 @@ class IncrementalOutputs:
                 node = self.nodes[i]
                 if i in self.points:  # a weight live there is read again on resuming, not kept:
                     # rounded at each read (QuantizedSimulation.rounded), kept it would be a copy
-                    snapshots[i] = {n: None if _reads_weight(n) else v for n, v in sim.env.items()}
+                    readers = self.weight_readers
+                    snapshots[i] = {n: None if n in readers else v for n, v in sim.env.items()}
                 sim.env[node] = sim.run_node(node)
                 for dead in sim.user_to_last_uses.get(node, []):
                     del sim.env[dead]
