@@ -227,9 +227,7 @@ class _BlockErrors:
 INNER_BLOCK = 16
 
 
-def _block_columns(
-    matrix: torch.Tensor, order: torch.Tensor | None, start: int, stop: int
-) -> torch.Tensor:
+def _block_columns(matrix: torch.Tensor, order: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
     """Columns ``start:stop`` of the (permuted) working weight's layout read from ``matrix``
     (``[O, I]`` in the weight's own column order), one float64 row per column: ``[n, O]``."""
     columns = matrix[:, start:stop] if order is None else matrix.index_select(1, order[start:stop])
