@@ -666,9 +666,11 @@ class GPTQ(Algorithm):
         matrix, hessian = found
         h = hessian.to(torch.float64)
         given_codes = matrix.matrix_of(codes)
-        # one H: the given codes weighed through GPTQ's factor (factor_loss), not a product with H
-        given = None if h.dim() == 2 else matrix.error(given_codes, h)
         searches = self._searches(site, collected)
+        # one H, not searched (H lent to the factor): the given codes weighed through GPTQ's
+        # factor (factor_loss), not a product with H. The scale search compares exact products
+        # with H (gptq_scale_search): its candidates and both codes are weighed so, ties exact
+        given = None if h.dim() == 2 and not searches else matrix.error(given_codes, h)
         # the Hessian convert made for this call lends GPTQ its memory for the factor (its error
         # needs no H after: undampened_error); the weight is the model's own tensor (compact),
         # converted to float64 per slice where it is read
@@ -698,7 +700,9 @@ class GPTQ(Algorithm):
                 )
 
             given = undampened(result.given_loss, given_codes)
-            best = undampened(result.loss, matrix.matrix_of(choice.codes))
+            # the same codes are the same error (two ways of weighing them differ in the last bit)
+            same = torch.equal(choice.codes, codes.to(choice.codes.dtype))
+            best = given if same else undampened(result.loss, matrix.matrix_of(choice.codes))
         else:
             best = matrix.error(matrix.matrix_of(choice.codes), h)
         del result  # the float64 working weight
