@@ -242,12 +242,30 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}x"
 
 
+def thread_env(threads: int | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a flow's fresh process: ``threads`` intra-op threads for torch (and its
+    BLAS) when given. On a shared 2-core machine torch's default of one thread per core makes every
+    parallel op wait for a descheduled worker: the 110M default flow's calibration took 4 s of CPU
+    per batch at load 4 and 0.15 s on one thread, so ratios taken at the default move with the
+    load; ``--threads 1`` on every flow of a run compares the same work."""
+    env = dict(os.environ if env is None else env)
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def threads_label(machine: dict[str, Any]) -> str:
+    threads = machine.get("threads")
+    return "torch's default threads" if threads is None else f"{threads} torch thread(s) per flow"
+
+
 def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
     lines = [
         "# LLM scale: quantplug qnn_htp vs ExecuTorch QnnQuantizer (`python -m bench.scale`)",
         "",
-        f"Machine: {machine['nproc']} cores, load average {machine['load_start']} at the start, "
-        f"{machine['load_end']} at the end (shared: absolute times are inflated, ratios are from one run). "
+        f"Machine: {machine['nproc']} cores, {threads_label(machine)}, load average {machine['load_start']} "
+        f"at the start, {machine['load_end']} at the end (shared: absolute times are inflated, ratios are "
+        "from one run). "
         f"Llama configs with random weights, batch 1 x {TOKENS} tokens; each flow in a fresh process.",
         "",
         "| size | flow | params | export s | prepare s | calib s | convert s | p+c+c s | lower s "
@@ -351,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="quantplug flows keep the float model and program through convert (no release_float_weights)",
     )
+    parser.add_argument(
+        "--threads", type=int, help="torch threads in every flow's process (default: torch's; see thread_env)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--name", default="scale", help="results file stem")
     parser.add_argument("--one", nargs=2, metavar=("SIZE", "FLOW"), help=argparse.SUPPRESS)
@@ -362,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         return 0
-    machine = {"nproc": os.cpu_count(), "load_start": [round(x, 2) for x in os.getloadavg()]}
+    machine = {
+        "nproc": os.cpu_count(),
+        "threads": args.threads,
+        "load_start": [round(x, 2) for x in os.getloadavg()],
+    }
     results: list[dict[str, Any]] = []
     for size in args.sizes:
         for flow in args.flows:
@@ -373,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (["--keep-float"] if args.keep_float else []),
                 capture_output=True,
                 text=True,
+                env=thread_env(args.threads),
             )
             try:
                 result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.scale import CONFIGS, Phases, _kib
+from bench.scale import CONFIGS, Phases, _kib, thread_env, threads_label
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -153,10 +153,10 @@ def _command(size: str, flow: str, oracle_python: str) -> list[str]:
     return [oracle_python, "-m", "bench.scale_oracles", "--one", size, flow]
 
 
-def _oracle_env() -> dict[str, str]:
+def _oracle_env(threads: int | None) -> dict[str, str]:
     """The oracle venv imports quantplug from this checkout (the oracle file imports it at the top)."""
     paths = [ROOT / "core", ROOT / "plugins" / "reference", ROOT / "plugins" / "qnn_htp", ROOT]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
+    return thread_env(threads, {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)})
 
 
 def _tool_versions(python: str) -> dict[str, str]:
@@ -198,9 +198,9 @@ def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
         "# Issue 43.1 side by side: quantplug SeqMSE / GPTQ vs AIMET SeqMSE / NNCF scale estimation "
         "(`python -m bench.scale_oracles`)",
         "",
-        f"Machine: {machine['nproc']} cores, load average {machine['load_start']} at the start, "
-        f"{machine['load_end']} at the end (shared: absolute times are inflated; every figure below is "
-        f"from this one run). quantplug at {machine['quantplug_commit']} in `.venv` "
+        f"Machine: {machine['nproc']} cores, {threads_label(machine)}, load average {machine['load_start']} "
+        f"at the start, {machine['load_end']} at the end (shared: absolute times are inflated; every "
+        f"figure below is from this one run). quantplug at {machine['quantplug_commit']} in `.venv` "
         f"({_versions(machine['versions_main'])}); AIMET and NNCF in the oracle venv "
         f"({_versions(machine['versions_oracle'])}). Llama configs with random weights (`bench.scale`), 4 "
         "calibration batches of 1 x 64 tokens, SQNR of the logits against float on a fifth; each flow "
@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the oracle venv's python (AIMET and NNCF; default $ORACLE_PYTHON or /tmp/oracles/bin/python)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per flow before it is stopped")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads in every flow's process, both venvs (see thread_env)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--name", default="scale_oracles", help="results file stem")
     parser.add_argument("--one", nargs=2, metavar=("SIZE", "FLOW"), help=argparse.SUPPRESS)
@@ -308,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ).stdout.strip()
     machine: dict[str, Any] = {
         "nproc": os.cpu_count(),
+        "threads": args.threads,
         "load_start": [round(x, 2) for x in os.getloadavg()],
         "quantplug_commit": commit or "?",
         "versions_main": _tool_versions(sys.executable),
@@ -324,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                     capture_output=True,
                     text=True,
                     cwd=ROOT,
-                    env=None if flow.startswith("qnn_htp-") else _oracle_env(),
+                    env=(
+                        thread_env(args.threads) if flow.startswith("qnn_htp-") else _oracle_env(args.threads)
+                    ),
                     timeout=args.timeout,
                 )
                 result = json.loads(done.stdout.strip().splitlines()[-1])
