@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -174,8 +174,47 @@ def factor_group_losses(delta: torch.Tensor, factor: torch.Tensor, groups: tuple
     return per_row.pow(2).sum(dim=2).reshape(o // rows, rows, g).sum(dim=1)
 
 
+_Factor = TypeVar("_Factor")
+
+
+class HessianFactors:
+    """The factors of ``H`` a search made (:func:`hessian_factor`, :func:`low_rank_factor`,
+    :func:`leading_factor`), kept for the next layer if it reads the same ``H``: a transformer's
+    query, key and value projections (or its MLP's gate and up projections) read one input, and
+    each factored the same ``H`` again, a third of the factoring of a 110M Llama.
+
+    Exact: a factor is reused only for an ``H`` equal, bit for bit, to the one it was made from
+    (a copy of which is kept: the caller's may be lent to another algorithm and overwritten).
+    ``H`` over :data:`MAX_BYTES` is neither kept nor matched (every factor made afresh): its copy
+    would be a second ``[I, I]`` in memory, where its products, not its factors, are the cost.
+    """
+
+    #: the largest ``H`` whose factors are kept (an ``[I, I]`` float64 of 4096 inputs)
+    MAX_BYTES = 128 << 20
+
+    def __init__(self) -> None:
+        self._hessian: torch.Tensor | None = None
+        self._made: dict[str, Any] = {}
+
+    def get(self, kind: str, hessian: torch.Tensor, make: Callable[[torch.Tensor], _Factor]) -> _Factor:
+        """``make(hessian)``, or the factor of that ``kind`` made earlier from an equal ``H``."""
+        if hessian.numel() * hessian.element_size() > self.MAX_BYTES:
+            return make(hessian)
+        known = self._hessian
+        if known is None or known.shape != hessian.shape or not torch.equal(known, hessian):
+            self._hessian, self._made = hessian.clone(), {}
+        if kind not in self._made:
+            self._made[kind] = make(hessian)
+        factor: _Factor = self._made[kind]
+        return factor
+
+
 def group_loss_function(
-    hessian: torch.Tensor, groups: tuple[int, int], shape: torch.Size, evaluations: int
+    hessian: torch.Tensor,
+    groups: tuple[int, int],
+    shape: torch.Size,
+    evaluations: int,
+    factors: HessianFactors | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`group_losses` for ``evaluations`` weight errors of ``shape``, at the least cost.
 
@@ -185,18 +224,19 @@ def group_loss_function(
     few hundred rows), ``||D L||^2`` with ``H = L L^T`` (:func:`hessian_factor`) gives the same
     losses at ``k / I`` of the cost. Otherwise, where the products would be long (over
     :data:`LOW_RANK_WORK`, :data:`ROWS_LOW_RANK_WORK` per row group) and ``H``'s rank is at most
-    ``I / 8``, the same at ``I^2 k`` to factor.
+    ``I / 8``, the same at ``I^2 k`` to factor. ``factors``: those of an equal ``H`` made before.
     """
+    factors = HessianFactors() if factors is None else factors
     rows, cols = groups
     out, inputs = int(shape[0]), int(shape[1])
     if hessian.dim() == 2 and cols == inputs and evaluations * out > 10 * inputs:
-        factor = hessian_factor(hessian)
+        factor = factors.get("full", hessian, hessian_factor)
         if factor.shape[1] < inputs // 2:
             return lambda delta: (delta @ factor).pow(2).sum(dim=1).reshape(out // rows, rows, 1).sum(dim=1)
     elif hessian.dim() == 2 and evaluations * out * inputs * inputs > (
         ROWS_LOW_RANK_WORK if cols == inputs else LOW_RANK_WORK
     ):
-        low = low_rank_factor(hessian, inputs // 8)
+        low = factors.get("low rank", hessian, lambda h: low_rank_factor(h, inputs // 8))
         if low is not None:
             return lambda delta: factor_group_losses(delta, low, groups)
     return lambda delta: group_losses(delta, hessian, groups)
@@ -389,15 +429,21 @@ def screened_numerators(
     symmetric: bool,
     count: int,
     top: int,
+    factors: HessianFactors | None = None,
 ) -> torch.Tensor:
     """:func:`screened_encoding`'s screening: the :data:`SCREENED` best fraction numerators per
     group, best first, ``[SCREENED, O // rows, I // cols]`` (-1: fewer were tried), in float32."""
+    factors = HessianFactors() if factors is None else factors
     step = max(1, round(math.sqrt(top)))
     shape = (weight.shape[0] // groups[0], weight.shape[1] // groups[1])
     # narrow blocks (LPBQ's, groupwise): each block's own slice of H costs no more than the
     # leading directions would; rows (per channel, per tensor): H's leading directions and diagonal
     narrow = groups[1] < weight.shape[1] and groups[1] <= 2 * SCREENING_RANK
-    factor = None if hessian.dim() == 3 or narrow else leading_factor(hessian, SCREENING_RANK)
+    factor = (
+        None
+        if hessian.dim() == 3 or narrow
+        else factors.get("leading", hessian, lambda h: leading_factor(h, SCREENING_RANK))
+    )
     residual = torch.diagonal(hessian, dim1=-2, dim2=-1)
     if factor is not None:
         residual = (residual - factor.square().sum(dim=1)).clamp(min=0)
@@ -442,6 +488,7 @@ def screened_encoding(
     max_fraction: float,
     losses_of: Callable[[torch.Tensor], torch.Tensor],
     codes_delta: torch.Tensor | None = None,
+    factors: HessianFactors | None = None,
 ) -> GroupSearch:
     """Per scale group, the range fraction with the least output error among a screened few:
     :func:`seq_mse_encoding`'s search for layers where judging every candidate exactly would cost
@@ -460,11 +507,12 @@ def screened_encoding(
     weight and products with the leading directions were most of an LLM's convert.
     ``codes_delta``, the error of the codes the weight has so far, is compared with the
     default's: where they are the same values, they have the same losses, judged once.
+    ``factors``: those of an equal ``H`` made before (:class:`HessianFactors`).
     """
     count = max(1, int(candidates))
     top = max(count, math.floor(max_fraction * count + 1e-9))
     shape = (weight.shape[0] // groups[0], weight.shape[1] // groups[1])
-    kept = screened_numerators(weight, hessian, encode, grid, groups, symmetric, count, top)
+    kept = screened_numerators(weight, hessian, encode, grid, groups, symmetric, count, top, factors)
 
     exact = GroupCandidates(weight, groups, symmetric)
     best = torch.full(shape, count, dtype=torch.int64)  # the default first: ties keep it
@@ -531,6 +579,7 @@ def seq_mse_encoding(
     max_fraction: float = 1.5,
     codes: torch.Tensor | None = None,
     current: tuple[torch.Tensor, torch.Tensor] | None = None,
+    factors: HessianFactors | None = None,
 ) -> SeqMseResult:
     """The per-group range (and so the encoding) with the least output error.
 
@@ -548,7 +597,10 @@ def seq_mse_encoding(
             point broadcastable to ``[O, I]``), judged on the same loss as the search's choice
             (:attr:`SeqMseResult.codes_loss`, where the choice is not the default): an earlier
             algorithm's codes may beat any clipping.
+        factors: :class:`HessianFactors` kept from earlier layers (that of the same input reuse
+            them); None: made for this call only.
     """
+    factors = HessianFactors() if factors is None else factors
     w = weight.detach().to(torch.float64)
     h = hessian.detach().to(torch.float64)
     fractions = candidate_fractions(candidates, max_fraction)
@@ -560,7 +612,9 @@ def seq_mse_encoding(
         codes_delta = codes.to(torch.float64, copy=True).sub_(current[1]).mul_(current[0])
         codes_delta = torch.sub(w, codes_delta, out=codes_delta)
     with small_products(w.numel()):  # H's factor: LAPACK's threads wait on a busy machine
-        losses_of = group_loss_function(h, groups, w.shape, SCREENED + 3 if screen else len(fractions))
+        losses_of = group_loss_function(
+            h, groups, w.shape, SCREENED + 3 if screen else len(fractions), factors
+        )
     search: GroupSearch | None = None
     if screen:
         with small_products(w.numel()):
@@ -575,6 +629,7 @@ def seq_mse_encoding(
                 max_fraction=max_fraction,
                 losses_of=losses_of,
                 codes_delta=codes_delta,
+                factors=factors,
             )
         best_fraction = search.fraction
     else:
@@ -653,6 +708,13 @@ class SeqMSE(Algorithm):
     data_free: bool = option(True, "weights without a re-runnable layer: minimise the weights' own error")
     sequential: bool = sequential_option()
 
+    def __post_init__(self) -> None:
+        #: the last layer's factors of ``H``, reused by the next one if it reads the same input
+        self._factors = HessianFactors()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_factors": HessianFactors()}  # a cache: not sent, nor copied
+
     def collector(self, site: WeightSite) -> LayerHessian | None:
         return LayerHessian(site, grouped=True) if collects_hessian(site, self.name) else None
 
@@ -683,6 +745,7 @@ class SeqMSE(Algorithm):
             max_fraction=self.max_fraction,
             codes=matrix.matrix_of(codes),
             current=(matrix.scale, matrix.zero_point),
+            factors=self._factors,
         )
         if bool((result.fraction == 1).all()):
             return None
