@@ -297,6 +297,15 @@ class GroupCandidates:
         self.view = view if dtype is None else view.to(dtype)
         self._scratch: torch.Tensor | None = None
 
+    def in_dtype(self, dtype: torch.dtype) -> GroupCandidates:
+        """The same candidates in ``dtype`` (its own scratch buffer), on these ranges: as if made
+        from the weight with ``dtype``, without a pass more over it to find them."""
+        other = GroupCandidates.__new__(GroupCandidates)
+        other.weight, other.groups, other.symmetric = self.weight, self.groups, self.symmetric
+        other.lo, other.hi = self.lo, self.hi
+        other.view, other._scratch = self.view.to(dtype), None
+        return other
+
     def _buffer(self) -> torch.Tensor:
         if self._scratch is None:
             self._scratch = torch.empty(self.view.shape, dtype=self.view.dtype)
@@ -430,6 +439,7 @@ def screened_numerators(
     count: int,
     top: int,
     factors: HessianFactors | None = None,
+    made: GroupCandidates | None = None,
 ) -> torch.Tensor:
     """:func:`screened_encoding`'s screening: the :data:`SCREENED` best fraction numerators per
     group, best first, ``[SCREENED, O // rows, I // cols]`` (-1: fewer were tried), in float32."""
@@ -452,7 +462,11 @@ def screened_numerators(
     narrow_hessian = hessian.to(torch.float32) if narrow else hessian
     kept = torch.full((SCREENED, *shape), -1, dtype=torch.int64)  # fraction numerators, best first
     kept_loss = torch.full((SCREENED, *shape), float("inf"), dtype=torch.float32)
-    candidate = GroupCandidates(weight, groups, symmetric, dtype=torch.float32)
+    candidate = (
+        GroupCandidates(weight, groups, symmetric, dtype=torch.float32)
+        if made is None
+        else made.in_dtype(torch.float32)
+    )
 
     def consider(k: torch.Tensor) -> None:
         nonlocal kept, kept_loss
@@ -489,6 +503,7 @@ def screened_encoding(
     losses_of: Callable[[torch.Tensor], torch.Tensor],
     codes_delta: torch.Tensor | None = None,
     factors: HessianFactors | None = None,
+    made: GroupCandidates | None = None,
 ) -> GroupSearch:
     """Per scale group, the range fraction with the least output error among a screened few:
     :func:`seq_mse_encoding`'s search for layers where judging every candidate exactly would cost
@@ -507,14 +522,15 @@ def screened_encoding(
     weight and products with the leading directions were most of an LLM's convert.
     ``codes_delta``, the error of the codes the weight has so far, is compared with the
     default's: where they are the same values, they have the same losses, judged once.
-    ``factors``: those of an equal ``H`` made before (:class:`HessianFactors`).
+    ``factors``: those of an equal ``H`` made before (:class:`HessianFactors`); ``made``: the
+    weight's :class:`GroupCandidates` (float64), if the caller has them.
     """
     count = max(1, int(candidates))
     top = max(count, math.floor(max_fraction * count + 1e-9))
     shape = (weight.shape[0] // groups[0], weight.shape[1] // groups[1])
-    kept = screened_numerators(weight, hessian, encode, grid, groups, symmetric, count, top, factors)
+    exact = GroupCandidates(weight, groups, symmetric) if made is None else made
+    kept = screened_numerators(weight, hessian, encode, grid, groups, symmetric, count, top, factors, exact)
 
-    exact = GroupCandidates(weight, groups, symmetric)
     best = torch.full(shape, count, dtype=torch.int64)  # the default first: ties keep it
     default_scale, default_zero_point, *default = slot_encoding(encode, exact, best, count)
     default_delta = exact.error(default_scale, default_zero_point, grid)
@@ -547,13 +563,16 @@ def exhaustive_fractions(
     symmetric: bool,
     fractions: list[float],
     losses_of: Callable[[torch.Tensor], torch.Tensor],
+    made: GroupCandidates | None = None,
 ) -> torch.Tensor:
     """Per scale group, the fraction of ``fractions`` (all groups at one fraction per
-    evaluation) with the least group loss; ties keep the earlier (fraction 1 is first)."""
+    evaluation) with the least group loss; ties keep the earlier (fraction 1 is first).
+    ``made``: ``w``'s :class:`GroupCandidates`, if the caller has them."""
     shape = (w.shape[0] // groups[0], w.shape[1] // groups[1])
     best_loss = torch.full(shape, float("inf"), dtype=torch.float64)
     best_fraction = torch.ones(shape, dtype=torch.float64)
-    candidate = GroupCandidates(w, groups, symmetric)  # candidate_weight's values, in one buffer
+    # candidate_weight's values, in one buffer
+    candidate = GroupCandidates(w, groups, symmetric) if made is None else made
     with small_products(w.numel() * groups[1]):
         for f in fractions:
             fraction = torch.full_like(best_fraction, f)
@@ -615,6 +634,7 @@ def seq_mse_encoding(
         losses_of = group_loss_function(
             h, groups, w.shape, SCREENED + 3 if screen else len(fractions), factors
         )
+    made = GroupCandidates(w, groups, symmetric)  # candidate_weight's values, without expanding
     search: GroupSearch | None = None
     if screen:
         with small_products(w.numel()):
@@ -630,10 +650,11 @@ def seq_mse_encoding(
                 losses_of=losses_of,
                 codes_delta=codes_delta,
                 factors=factors,
+                made=made,
             )
         best_fraction = search.fraction
     else:
-        best_fraction = exhaustive_fractions(w, encode, grid, groups, symmetric, fractions, losses_of)
+        best_fraction = exhaustive_fractions(w, encode, grid, groups, symmetric, fractions, losses_of, made)
 
     def error(delta: torch.Tensor) -> float:
         # per row group the group losses are the exact output error; per block they take the
@@ -643,7 +664,6 @@ def seq_mse_encoding(
     def total(scale: torch.Tensor, zero_point: torch.Tensor) -> float:
         return error(w - fake_quantize(w, scale, zero_point, grid))
 
-    made = GroupCandidates(w, groups, symmetric)  # candidate_weight's values, without expanding
     codes_loss = None
     if search is not None and rows:  # the screened search judged the default on this same loss
         default, default_loss = search.default, float(search.default_loss.sum())
