@@ -7,6 +7,7 @@ never produces exact rounding ties that would make "the same codes" ill-defined.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from _quantplug.algorithms.gptq import gptq_codes, gptq_scale_search, undampened
 from _quantplug.algorithms.seq_mse import (
     Encoder,
     GroupCandidates,
+    HessianFactors,
     candidate_fractions,
     candidate_weight,
     expand_groups,
@@ -864,3 +866,50 @@ def test_seq_mse_screening_on_large_layers_stays_near_the_exhaustive_search() ->
         seq_mse_module.EXHAUSTIVE_WORK = before
     assert max(ratios) < 1.1
     assert sum(ratios) / len(ratios) < 1.02
+
+
+def test_layers_reading_one_input_share_the_factors_of_its_hessian() -> None:
+    """A transformer's query, key and value projections read one input: with one HessianFactors
+    their searches factor that ``H`` once (given equal copies, as convert gives each layer its
+    own), with the choices and losses each search makes alone; an ``H`` one value off is factored
+    anew."""
+    w, h = problem(0, 32, 16, samples=4)  # rank 4: the full factor's products are the cheaper
+    weights = [w, problem(1, 32, 16)[0], problem(2, 32, 16)[0]]
+    grid, groups = IntegerGrid(-7, 7), (1, 16)
+    made: list[str] = []
+    before = (
+        seq_mse_module.EXHAUSTIVE_WORK,
+        seq_mse_module.hessian_factor,
+        seq_mse_module.leading_factor,
+    )
+    full, leading = before[1], before[2]
+
+    def run(weight: torch.Tensor, hessian: torch.Tensor, factors: HessianFactors | None) -> Any:
+        return seq_mse_encoding(
+            weight, hessian, encoder(grid, groups), grid, groups, symmetric=True, factors=factors
+        )
+
+    try:
+        seq_mse_module.EXHAUSTIVE_WORK = 0  # screened: the leading directions and the full factor
+        seq_mse_module.hessian_factor = lambda *a: made.append("full") or full(*a)  # type: ignore[assignment]
+        seq_mse_module.leading_factor = lambda *a: made.append("leading") or leading(*a)  # type: ignore[assignment]
+        alone = [run(x, h, None) for x in weights]
+        assert made == ["full", "leading"] * 3
+        made.clear()
+        shared = HessianFactors()
+        together = [run(x, h.clone(), shared) for x in weights]
+        assert made == ["full", "leading"]
+        made.clear()
+        changed = h.clone()
+        changed[0, 0] *= 1 + 1e-15
+        run(w, changed, shared)
+        assert made == ["full", "leading"]
+    finally:
+        (
+            seq_mse_module.EXHAUSTIVE_WORK,
+            seq_mse_module.hessian_factor,
+            seq_mse_module.leading_factor,
+        ) = before
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a.fraction, b.fraction) and torch.equal(a.scale, b.scale)
+        assert (a.loss, a.default_loss) == (b.loss, b.default_loss)
