@@ -913,3 +913,25 @@ def test_layers_reading_one_input_share_the_factors_of_its_hessian() -> None:
     for a, b in zip(alone, together, strict=True):
         assert torch.equal(a.fraction, b.fraction) and torch.equal(a.scale, b.scale)
         assert (a.loss, a.default_loss) == (b.loss, b.default_loss)
+
+
+def test_group_losses_in_float32_products_are_the_float64_ones_to_float32_precision() -> None:
+    """A screened search judges its survivors with float32 products (half the time of float64's):
+    on each path (the full factor, the low-rank factor, ``H`` itself) the group losses are those
+    of float64 products to float32's precision, and returned in float64."""
+    h = problem(0, 64, 32, samples=8)[1]  # rank 8: the full factor's path
+    wide = wide_few_rows(1, 512, 16)  # rank 16: the low-rank factor's path (max rank 512 / 8)
+    delta = torch.randn(64, 512, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    cases = [
+        ("full", h, (1, 32), delta[:, :32], 6),  # 6 evaluations * 64 rows > 10 * 32 inputs
+        ("low rank", wide, (1, 64), delta, 10**6),  # blocks: 1e6 * 64 * 512^2 > LOW_RANK_WORK
+        ("H", h, (1, 8), delta[:, :32], 6),
+    ]
+    for path, hessian, groups, d, evaluations in cases:
+        factors = HessianFactors()
+        exact = group_loss_function(hessian, groups, d.shape, evaluations, factors)(d)
+        assert [k for k, v in factors._made.items() if v is not None] == ([] if path == "H" else [path])
+        fast = group_loss_function(hessian, groups, d.shape, evaluations, dtype=torch.float32)(d)
+        assert fast.dtype == torch.float64 and fast.shape == exact.shape
+        assert not torch.equal(fast, exact)  # the products were float32
+        torch.testing.assert_close(fast, exact, rtol=1e-5, atol=0)

@@ -215,6 +215,7 @@ def group_loss_function(
     shape: torch.Size,
     evaluations: int,
     factors: HessianFactors | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`group_losses` for ``evaluations`` weight errors of ``shape``, at the least cost.
 
@@ -225,21 +226,38 @@ def group_loss_function(
     losses at ``k / I`` of the cost. Otherwise, where the products would be long (over
     :data:`LOW_RANK_WORK`, :data:`ROWS_LOW_RANK_WORK` per row group) and ``H``'s rank is at most
     ``I / 8``, the same at ``I^2 k`` to factor. ``factors``: those of an equal ``H`` made before.
+
+    ``dtype``: that of the products (the errors, ``H`` or its factor are cast to it; the factors
+    are made in float64 either way); the group losses are returned in float64.
     """
     factors = HessianFactors() if factors is None else factors
     rows, cols = groups
     out, inputs = int(shape[0]), int(shape[1])
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype)
+
     if hessian.dim() == 2 and cols == inputs and evaluations * out > 10 * inputs:
         factor = factors.get("full", hessian, hessian_factor)
         if factor.shape[1] < inputs // 2:
-            return lambda delta: (delta @ factor).pow(2).sum(dim=1).reshape(out // rows, rows, 1).sum(dim=1)
+            full = cast(factor)
+            return lambda delta: (
+                (cast(delta) @ full)
+                .pow(2)
+                .sum(dim=1)
+                .to(torch.float64)
+                .reshape(out // rows, rows, 1)
+                .sum(dim=1)
+            )
     elif hessian.dim() == 2 and evaluations * out * inputs * inputs > (
         ROWS_LOW_RANK_WORK if cols == inputs else LOW_RANK_WORK
     ):
         low = factors.get("low rank", hessian, lambda h: low_rank_factor(h, inputs // 8))
         if low is not None:
-            return lambda delta: factor_group_losses(delta, low, groups)
-    return lambda delta: group_losses(delta, hessian, groups)
+            low_cast = cast(low)
+            return lambda delta: factor_group_losses(cast(delta), low_cast, groups).to(torch.float64)
+    h_cast = cast(hessian)
+    return lambda delta: group_losses(cast(delta), h_cast, groups).to(torch.float64)
 
 
 #: multiply-adds of an exhaustive search (every candidate judged on the layer's output error:
@@ -514,7 +532,9 @@ def screened_encoding(
     ``step``-th fraction of :func:`candidate_fractions` (``step`` about the square root of their
     count), then each group's best one's neighbours at the search's own resolution. The
     :data:`SCREENED` best per group, and the backend's default, are then judged on the exact
-    output error (float64), all groups at once (one product with ``H`` per slot). So the search
+    output error, all groups at once (one product with ``H`` per slot: ``losses_of``, whose
+    products :func:`seq_mse_encoding` makes float32; in float64 they were a third of a 110M
+    Llama's search, and at float32 its program came out the same, bit for bit). So the search
     costs ``~2 sqrt(n)`` quantizations and ``SCREENED + 1`` exact losses instead of ``n`` exact
     losses. The screening runs in float32 (its candidate weights are the float64 ones rounded,
     which is what the observer reads anyway; its errors those of the backend's float32
@@ -632,7 +652,12 @@ def seq_mse_encoding(
         codes_delta = torch.sub(w, codes_delta, out=codes_delta)
     with small_products(w.numel()):  # H's factor: LAPACK's threads wait on a busy machine
         losses_of = group_loss_function(
-            h, groups, w.shape, SCREENED + 3 if screen else len(fractions), factors
+            h,
+            groups,
+            w.shape,
+            SCREENED + 3 if screen else len(fractions),
+            factors,
+            torch.float32 if screen else torch.float64,
         )
     made = GroupCandidates(w, groups, symmetric)  # candidate_weight's values, without expanding
     search: GroupSearch | None = None
