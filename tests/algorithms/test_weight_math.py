@@ -143,6 +143,22 @@ def test_gptq_weighs_its_codes_and_the_given_ones_as_h_does(
         assert math.isclose(weighed, exact, rel_tol=1e-9, abs_tol=1e-9 * loss)  # loss >= exact
 
 
+def test_the_papers_inverse_factor_is_the_inverse_of_the_update_factors_v() -> None:
+    """0.1.0's ``inverse_hessian_factor`` (the paper's ``U``, ``H^-1 = U^T U``) still resolves and
+    still is that factor, in any column order: ``U^T U`` inverts the dampened ``H``, and ``U`` is
+    ``V^-1`` for the ``V`` GPTQ now reads its updates from (so their diagonals are reciprocal)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 12, generator=g, dtype=torch.float64)
+    h = x.T @ x
+    order = torch.randperm(12, generator=g)
+    dampened = h[order][:, order] + 0.01 * float(h.diagonal().mean()) * torch.eye(12, dtype=torch.float64)
+    u = gptq_module.inverse_hessian_factor(h, 0.01, order=order)
+    assert torch.allclose(torch.triu(u), u)
+    assert torch.allclose(u.T @ u, torch.linalg.inv(dampened), rtol=1e-9, atol=1e-12)
+    f = gptq_module.update_factor(h, 0.01, order=order)
+    assert torch.allclose(u.diagonal() * f.diagonal(), torch.ones(12, dtype=torch.float64), rtol=1e-10)
+
+
 @FAST
 @given(st.integers(0, 2**31), st.integers(1, 5), st.integers(2, 12), st.integers(1, 5), GRIDS)
 def test_gptq_lazy_batches_do_not_change_the_codes(

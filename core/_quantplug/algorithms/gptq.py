@@ -134,6 +134,32 @@ def update_factor(
     return buffer.T
 
 
+def inverse_hessian_factor(
+    hessian: torch.Tensor, damp: float, overwrite: bool = False, order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The paper's factor: upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``), ``H`` (in
+    ``order``, if given) dampened first; ``U = V^-1`` for the ``V`` of :func:`update_factor`.
+
+    GPTQ no longer uses it (:func:`update_factor` gives the same updates from one factorization
+    instead of three); 0.1.0 released it as ``quantplug.algorithms.gptq.inverse_hessian_factor``,
+    and that path resolves until the deprecation table's removal release (``_quantplug.deprecated``).
+    ``overwrite``: computed in ``hessian``'s own memory (a contiguous float64 matrix the caller
+    gives up), else in a copy; column-major, as LAPACK's results are.
+    """
+    h = hessian.to(torch.float64)
+    mine = overwrite and h is hessian and h.is_contiguous()
+    buffer = h if mine else h.clone(memory_format=torch.contiguous_format)
+    if order is not None:  # H in order, column-major: columns permuted, transposed, columns permuted
+        permute_columns_(buffer, order)
+    transpose_(buffer)
+    if order is not None:
+        permute_columns_(buffer, order)
+    factor = dampen_(buffer.T, damp)
+    torch.linalg.cholesky(factor, out=factor)
+    torch.cholesky_inverse(factor, out=factor)
+    return torch.linalg.cholesky(factor, upper=True, out=factor)
+
+
 def column_order(hessian: torch.Tensor, act_order: bool) -> torch.Tensor | None:
     """The order columns are quantized in: act-order's (largest ``H`` diagonal first), or None
     (``[G, I]`` for a stack of Hessians: each row block's own order)."""
