@@ -837,7 +837,7 @@ def _row_quantizer(value: torch.Tensor, qp: QParams) -> tuple[Any, int] | None:
 
         def per_tensor(start: int, stop: int) -> torch.Tensor:
             rows = x[start:stop].to(torch.float32)
-            return torch.clamp(torch.round(rows * inv_scale) + point, qp.quant_min, qp.quant_max)
+            return _round_shift_clamp(rows * inv_scale, point, qp)
 
         return per_tensor, 1
     if qp.granularity == "channel":
@@ -854,10 +854,25 @@ def _row_quantizer(value: torch.Tensor, qp: QParams) -> tuple[Any, int] | None:
         def per_channel(start: int, stop: int) -> torch.Tensor:
             rows = x[start:stop].to(torch.float32)
             inv, zp = (inverse[start:stop], offset[start:stop]) if axis == 0 else (inverse, offset)
-            return torch.clamp(torch.round(rows * inv) + zp, qp.quant_min, qp.quant_max)
+            return _round_shift_clamp(rows * inv, zp, qp)
 
         return per_channel, 1
     return _block_rows(x, qp)
+
+
+def _round_shift_clamp(scaled: torch.Tensor, zero_point: Any, qp: QParams) -> torch.Tensor:
+    """``clamp(round(scaled) + zero_point, quant_min, quant_max)`` in ``scaled``'s own memory.
+
+    ``scaled`` is a fresh temporary (the rows times the inverse scale, or over the scale):
+    rounding, shifting and clamping it in place gives the same floats as the three out-of-place
+    ops, without the weight-sized temporaries they allocate (whose page faults were most of
+    quantizing a weight). A zero point that would widen the sum beyond ``scaled``'s dtype takes
+    the out-of-place path, which computes and keeps the sum in the wider dtype.
+    """
+    scaled.round_()
+    if torch.result_type(scaled, zero_point) != scaled.dtype:
+        return torch.clamp(scaled + zero_point, qp.quant_min, qp.quant_max)
+    return scaled.add_(zero_point).clamp_(qp.quant_min, qp.quant_max)
 
 
 def _block_rows(x: torch.Tensor, qp: QParams) -> tuple[Any, int] | None:
@@ -883,8 +898,7 @@ def _block_rows(x: torch.Tensor, qp: QParams) -> tuple[Any, int] | None:
         first = slice(start // block[0], stop // block[0])
         s = scale[first] if scale.shape[0] > 1 else scale
         zp = zero_point[first] if zero_point.shape[0] > 1 else zero_point
-        q = torch.clamp(torch.round(rows.reshape(shape) / s) + zp, qp.quant_min, qp.quant_max)
-        return q.reshape(rows.shape)
+        return _round_shift_clamp(rows.reshape(shape) / s, zp, qp).reshape(rows.shape)
 
     return per_block, block[0]
 

@@ -180,9 +180,53 @@ def histogram_qparams(observers: Sequence[HistogramObserver]) -> list[tuple[torc
     the defaults, or a state off the fast path) goes through torchao's own method.
     """
     ranges = search_ranges(observers)
+    searched = [i for i, found in enumerate(ranges) if found is not None]
+    results = _qparams_together(
+        [observers[i] for i in searched],
+        [ranges[i][0] for i in searched],  # type: ignore[index]
+        [ranges[i][1] for i in searched],  # type: ignore[index]
+    )
+    done = dict(zip(searched, results))
     return [
-        _ao.HistogramObserver.calculate_qparams(obs) if found is None else obs._calculate_qparams(*found)
-        for obs, found in zip(observers, ranges)
+        _ao.HistogramObserver.calculate_qparams(obs) if i not in done else done[i]
+        for i, obs in enumerate(observers)
+    ]
+
+
+def _qparams_together(
+    observers: Sequence[Any], mins: Sequence[torch.Tensor], maxs: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``obs._calculate_qparams(lo, hi)`` for each observer and its 0-dim range ends, computed
+    for many observers at once.
+
+    torchao's ``_calculate_qparams`` is elementwise once its validity check passes, and a 0-dim
+    range gives one-element qparams (its ``eps`` is a one-element tensor), so observers with the
+    same settings get theirs from one call on their stacked ranges: the same float32 operations
+    on each element, split off and copied (no two observers' qparams share storage). Observers
+    whose ranges torchao would reject (``min > max``, NaN) keep their own call.
+    """
+    results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(observers)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, obs in enumerate(observers):
+        lo, hi, eps = mins[i], maxs[i], obs.eps
+        if lo.dim() or hi.dim() or lo.dtype != hi.dtype or eps.shape != (1,):
+            continue
+        key: tuple[Any, ...] = (type(obs), obs.qscheme, obs.dtype, obs.quant_min, obs.quant_max)
+        key += (obs.has_customized_qrange, eps.dtype, eps.device, float(eps), lo.dtype, lo.device)
+        groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        lo = torch.stack([mins[i] for i in members])
+        hi = torch.stack([maxs[i] for i in members])
+        if not bool((lo <= hi).all()):  # torchao asserts, per observer: let each one do so
+            continue
+        scale, zero_point = observers[members[0]]._calculate_qparams(lo, hi)
+        if scale.shape != lo.shape or zero_point.shape != lo.shape:
+            continue
+        for i, s, z in zip(members, scale.split(1), zero_point.split(1)):
+            results[i] = (s.clone(), z.clone())
+    return [
+        obs._calculate_qparams(lo, hi) if r is None else r
+        for obs, lo, hi, r in zip(observers, mins, maxs, results)
     ]
 
 
