@@ -401,6 +401,7 @@ HISTOGRAM_CONFIGS = [
     {"bins": 300},
     {"dtype": torch.int16, "quant_min": -32768, "quant_max": 32767, "qscheme": torch.per_tensor_symmetric},
     {"dtype": torch.uint16, "quant_min": 0, "quant_max": 65535},
+    {"eps": 0.05},  # its own eps: qparams computed together only with observers of the same one
 ]
 
 
@@ -510,6 +511,9 @@ def test_calculate_qparams_many_is_each_observers_calculate_qparams(monkeypatch:
     for i, (s_ref, z_ref) in enumerate(expected):
         for s, z in (single[i], many[i], small_chunks[i]):
             assert _same_bits(s, s_ref) and torch.equal(z, z_ref), (i, type(observers[i]))
+            assert z.dtype == z_ref.dtype and z.shape == z_ref.shape, (i, type(observers[i]))
+        for t in many[i]:  # computed together, stored apart
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), i
 
 
 def test_batched_quantization_errors_are_torchaos_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -686,6 +690,19 @@ def test_weight_quantization_matches_the_decomposed_op() -> None:
             expected = qd.quantize_per_channel.default(w, scale, zp, axis, qmin, qmax, dtype)
             qp = QParams(scale, zp, qmin, qmax, dtype, "channel", axis=axis)
             assert torch.equal(_quantize_tensor(w, qp), expected)
+        point = int(zp[0])
+        expected = qd.quantize_per_tensor.default(w, float(scale[0]), point, -128, 127, torch.int8)
+        qp = QParams(scale[:1], zp[:1], -128, 127, torch.int8, "tensor")
+        assert torch.equal(_quantize_tensor(w, qp), expected)
+        # a float64 zero point widens the sum: rounded, shifted and clamped in float64, as the
+        # formula computes it out of place (not in the float32 product's memory)
+        wide = zp.to(torch.float64) + 1e-9  # lost in a float32 sum: -3 + 1e-9 truncates to -2
+        shape = [1] * w.dim()
+        shape[axis] = -1
+        sum64 = torch.round(w * (1.0 / scale).view(shape)) + wide.view(shape)
+        expected = torch.clamp(sum64, -128, 127).to(torch.int8)
+        qp = QParams(scale, wide, -128, 127, torch.int8, "channel", axis=axis)
+        assert torch.equal(_quantize_tensor(w, qp), expected)
 
 
 @pytest.mark.parametrize("name", ["x86", "xnnpack"])
