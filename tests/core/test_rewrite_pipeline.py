@@ -94,3 +94,37 @@ def test_the_pipeline_runs_each_step_under_its_condition() -> None:
             assert ("fold_batch_norm" in ran) is not qat
             assert ("linear_from_addmm" in ran) is (algorithms and not qat)
     assert {s.when for s in PIPELINE} == set(When)
+
+
+def test_batch_norm_folding_removes_what_torchs_dead_code_pass_removes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fold's own dead-code pass (torch's without its lint) leaves the graph torch's leaves:
+    the folded batch norms, their unread parameters, and any other unused pure node."""
+    from _quantplug.rewrites import batchnorm
+
+    class ConvBn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.bn = torch.nn.BatchNorm2d(4)
+            self.conv2 = torch.nn.Conv2d(4, 4, 1, bias=False)
+            self.bn2 = torch.nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn2(self.conv2(torch.relu(self.bn(self.conv(x)))))
+
+    program = torch.export.export(ConvBn().eval(), (torch.randn(1, 3, 8, 8),))
+
+    def folded() -> list[tuple[str, str, str, str]]:
+        gm = working_copy(program)
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(x):  # dead, pure: both passes remove it
+            gm.graph.call_function(torch.ops.aten.neg.default, (x,))
+        assert batchnorm.fold_batch_norm(gm) == 2
+        return [(n.name, n.op, str(n.target), str(n.args)) for n in gm.graph.nodes]
+
+    ours = folded()
+    monkeypatch.setattr(batchnorm, "_eliminate_dead_code", lambda gm: gm.graph.eliminate_dead_code())
+    assert ours == folded()
+    assert not any("batch_norm" in target or target == "aten.neg.default" for _, _, target, _ in ours)
