@@ -865,8 +865,8 @@ def _round_shift_clamp(scaled: torch.Tensor, zero_point: Any, qp: QParams) -> to
 
     ``scaled`` is a fresh temporary (the rows times the inverse scale, or over the scale):
     rounding, shifting and clamping it in place gives the same floats as the three out-of-place
-    ops, without the weight-sized temporaries they allocate (whose page faults were most of
-    quantizing a weight). A zero point that would widen the sum beyond ``scaled``'s dtype takes
+    ops, without the three weight-sized temporaries they allocate and write (a fifth of
+    quantizing a decoder's weights). A zero point that would widen the sum beyond ``scaled``'s dtype takes
     the out-of-place path, which computes and keeps the sum in the wider dtype.
     """
     scaled.round_()

@@ -168,8 +168,8 @@ def fold_batch_norm(gm: GraphModule) -> int:
 def _eliminate_dead_code(gm: GraphModule) -> None:
     """``gm.graph.eliminate_dead_code()`` without its ``lint()``, the same nodes removed.
 
-    torch lints the whole graph first (a third of folding a ResNet's batch norms: every get_attr
-    target looked up again) to be sure it is topologically sorted; a working copy of an exported
+    torch lints the whole graph first (a seventh of folding a ResNet's batch norms: every
+    get_attr target looked up again) to be sure it is topologically sorted; a working copy of an exported
     program is, and the fold only re-pointed arguments at nodes made before their users. Where
     torch's pass would do more (a subgraph module to clean as well, or a tracing context that
     decides whether random ops are pure) its own pass runs.
