@@ -37,13 +37,66 @@
 /* independent sub-histograms, so that neighbouring equal bins do not serialise on one counter */
 #define LANES 4
 
+/* AVX2 variants, used where the CPU has AVX2 (compiled by GCC and Clang on x86; elsewhere the
+ * SSE2 or scalar code runs): the same IEEE float32 operations on 8 lanes, the same results. */
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define QP_AVX2 1
+#define QP_TARGET_AVX2 __attribute__((target("avx2")))
+static int use_avx2 = 0;
+#endif
+
+/* min and max of x[i..n) folded into *mn and *mx; a NaN sets *nan */
+static void minmax_tail(const float *x, int64_t i, int64_t n, float *mn, float *mx, int *nan) {
+    for (; i < n; i++) {
+        float v = x[i];
+        *nan |= v != v;
+        *mn = v < *mn ? v : *mn;
+        *mx = v > *mx ? v : *mx;
+    }
+}
+
+#ifdef QP_AVX2
+/* folds x[0..i) into *mn, *mx, *nan and returns i (0 when n is too short to pay) */
+QP_TARGET_AVX2 static int64_t minmax_avx2(const float *x, int64_t n, float *mn, float *mx, int *nan) {
+    int64_t i = 0;
+    if (n < 16) {
+        return 0;
+    }
+    __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY);
+    __m256 vmn2 = vmn, vmx2 = vmx, vnan = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        vnan = _mm256_or_ps(vnan, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+        vmn = _mm256_min_ps(a, vmn);
+        vmx = _mm256_max_ps(a, vmx);
+        vmn2 = _mm256_min_ps(b, vmn2);
+        vmx2 = _mm256_max_ps(b, vmx2);
+    }
+    float lo[8], hi[8];
+    _mm256_storeu_ps(lo, _mm256_min_ps(vmn, vmn2));
+    _mm256_storeu_ps(hi, _mm256_max_ps(vmx, vmx2));
+    for (int k = 0; k < 8; k++) {
+        *mn = lo[k] < *mn ? lo[k] : *mn;
+        *mx = hi[k] > *mx ? hi[k] : *mx;
+    }
+    *nan |= _mm256_movemask_ps(vnan) != 0;
+    return i;
+}
+#endif
+
 /* min and max of x[0..n); a NaN anywhere makes both NaN */
 static void minmax_f32(const float *x, int64_t n, float *out_min, float *out_max) {
     float mn = INFINITY, mx = -INFINITY;
     int64_t i = 0;
     int nan = 0;
+#ifdef QP_AVX2
+    if (use_avx2) {
+        i = minmax_avx2(x, n, &mn, &mx, &nan);
+    }
+#endif
 #ifdef QP_SSE2
-    if (n >= 8) {
+    if (i == 0 && n >= 8) {
         __m128 vmn = _mm_set1_ps(INFINITY), vmx = _mm_set1_ps(-INFINITY);
         __m128 vmn2 = vmn, vmx2 = vmx, vnan = _mm_setzero_ps();
         for (; i + 8 <= n; i += 8) {
@@ -64,12 +117,7 @@ static void minmax_f32(const float *x, int64_t n, float *out_min, float *out_max
         nan = _mm_movemask_ps(vnan) != 0;
     }
 #endif
-    for (; i < n; i++) {
-        float v = x[i];
-        nan |= v != v;
-        mn = v < mn ? v : mn;
-        mx = v > mx ? v : mx;
-    }
+    minmax_tail(x, i, n, &mn, &mx, &nan);
     if (nan) {
         mn = mx = NAN;
     }
@@ -77,45 +125,91 @@ static void minmax_f32(const float *x, int64_t n, float *out_min, float *out_max
     *out_max = mx;
 }
 
-/* bin indices of x[0..m): (x - lo) [* scale] / divisor, clamped into [0, last], truncated */
-static void bin_indices(const float *restrict x, int64_t m, float lo, float scale, float divisor,
-                        float last, int32_t *restrict idx) {
-    if (scale != 0.0f) {
-        for (int64_t i = 0; i < m; i++) {
-            float t = (x[i] - lo) * scale;
-            t = t / divisor;
-            t = t < last ? t : last;
-            t = t > 0.0f ? t : 0.0f; /* only for memory safety: x >= lo by contract */
-            idx[i] = (int32_t)t;
-        }
-    } else {
-        for (int64_t i = 0; i < m; i++) {
-            float t = (x[i] - lo) / divisor;
-            t = t < last ? t : last;
-            t = t > 0.0f ? t : 0.0f;
-            idx[i] = (int32_t)t;
-        }
+/* The binning: a value's bin is (x - lo) [* scale] / divisor, clamped into [first, final] and
+ * truncated; it is counted at offset bin - first. Clamped into [0, bins - 1] that is torch.histc's
+ * bin (see binning.py). Every step is monotonic, so the bins of values within [v, w] lie between
+ * the bins of v and w, and clamping into those instead changes no bin. */
+typedef struct {
+    float lo, scale, divisor, first, final;
+} Binning;
+
+static float bin_position(const Binning *g, float v) {
+    float t = v - g->lo;
+    if (g->scale != 0.0f) {
+        t = t * g->scale;
+    }
+    t = t / g->divisor;
+    t = t < g->final ? t : g->final; /* NaN: the last bin (memory safety only) */
+    return t > g->first ? t : g->first;
+}
+
+static void bin_offsets_tail(const float *restrict x, int64_t i, int64_t m, const Binning *g,
+                             int32_t *restrict idx) {
+    const int32_t first = (int32_t)g->first;
+    for (; i < m; i++) {
+        idx[i] = (int32_t)bin_position(g, x[i]) - first;
     }
 }
 
-/* out[b] (= or +=) the number of x[i] in bin b, as float32; 0 on success, -1 out of memory */
+#ifdef QP_AVX2
+QP_TARGET_AVX2 static void bin_offsets_avx2(const float *restrict x, int64_t m, const Binning *g,
+                                           int32_t *restrict idx) {
+    const __m256 lo = _mm256_set1_ps(g->lo), scale = _mm256_set1_ps(g->scale);
+    const __m256 divisor = _mm256_set1_ps(g->divisor), first = _mm256_set1_ps(g->first);
+    const __m256 final = _mm256_set1_ps(g->final);
+    const __m256i offset = _mm256_set1_epi32((int32_t)g->first);
+    const int scaled = g->scale != 0.0f;
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        __m256 t = _mm256_sub_ps(_mm256_loadu_ps(x + i), lo);
+        if (scaled) {
+            t = _mm256_mul_ps(t, scale);
+        }
+        t = _mm256_div_ps(t, divisor);
+        t = _mm256_max_ps(_mm256_min_ps(t, final), first); /* bin_position's operand order */
+        _mm256_storeu_si256((__m256i *)(idx + i), _mm256_sub_epi32(_mm256_cvttps_epi32(t), offset));
+    }
+    bin_offsets_tail(x, i, m, g, idx);
+}
+#endif
+
+/* offsets (bin - first) of x[0..m) */
+static void bin_offsets(const float *restrict x, int64_t m, const Binning *g, int32_t *restrict idx) {
+#ifdef QP_AVX2
+    if (use_avx2) {
+        bin_offsets_avx2(x, m, g, idx);
+        return;
+    }
+#endif
+    bin_offsets_tail(x, 0, m, g, idx);
+}
+
+/* out[b] (= or +=) the number of x[i] in bin b, as float32, for x within [mn, mx] (its extremes;
+ * NaN when not known): only the bins between theirs are counted and summed, the rest are left
+ * (or set to 0). 0 on success, -1 out of memory. */
 static int bin_counts_f32(const float *x, int64_t n, float lo, float scale, float divisor, int64_t bins,
-                          float *out, int accumulate) {
+                          float mn, float mx, float *out, int accumulate) {
+    Binning g = {lo, scale, divisor, 0.0f, (float)(bins - 1)};
+    if (mn == mn && mx == mx) {
+        const float first = bin_position(&g, mn), final = bin_position(&g, mx);
+        g.first = (float)(int32_t)first;
+        g.final = (float)(int32_t)final;
+    }
+    const int64_t first = (int64_t)g.first, width = (int64_t)g.final - first + 1;
     uint32_t stack_counts[LANES * STACK_BINS];
     uint32_t *counts = stack_counts;
-    if (bins > STACK_BINS) {
-        counts = (uint32_t *)malloc(sizeof(uint32_t) * LANES * (size_t)bins);
+    if (width > STACK_BINS) {
+        counts = (uint32_t *)malloc(sizeof(uint32_t) * LANES * (size_t)width);
         if (counts == NULL) {
             return -1;
         }
     }
-    memset(counts, 0, sizeof(uint32_t) * LANES * (size_t)bins);
-    uint32_t *c0 = counts, *c1 = counts + bins, *c2 = counts + 2 * bins, *c3 = counts + 3 * bins;
-    const float last = (float)(bins - 1);
+    memset(counts, 0, sizeof(uint32_t) * LANES * (size_t)width);
+    uint32_t *c0 = counts, *c1 = counts + width, *c2 = counts + 2 * width, *c3 = counts + 3 * width;
     int32_t idx[CHUNK];
     for (int64_t start = 0; start < n; start += CHUNK) {
         int64_t m = n - start < CHUNK ? n - start : CHUNK;
-        bin_indices(x + start, m, lo, scale, divisor, last, idx);
+        bin_offsets(x + start, m, &g, idx);
         int64_t i = 0;
         for (; i + LANES <= m; i += LANES) {
             c0[idx[i]]++;
@@ -127,10 +221,15 @@ static int bin_counts_f32(const float *x, int64_t n, float lo, float scale, floa
             c0[idx[i]]++;
         }
     }
-    for (int64_t b = 0; b < bins; b++) {
-        /* exact: callers keep n below 2**24 */
-        float total = (float)((uint64_t)c0[b] + c1[b] + c2[b] + c3[b]);
-        out[b] = accumulate ? out[b] + total : total;
+    if (!accumulate) {
+        memset(out, 0, sizeof(float) * (size_t)first);
+        memset(out + first + width, 0, sizeof(float) * (size_t)(bins - first - width));
+    }
+    float *o = out + first;
+    for (int64_t b = 0; b < width; b++) {
+        /* exact: callers keep n below 2**24, so the sum fits an int32 and a float32 holds it */
+        float total = (float)(int32_t)(c0[b] + c1[b] + c2[b] + c3[b]);
+        o[b] = accumulate ? o[b] + total : total;
     }
     if (counts != stack_counts) {
         free(counts);
@@ -269,13 +368,92 @@ static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = bin_counts_f32((const float *)x, n, (float)lo, (float)scale, (float)divisor, bins,
+    float mn, mx;
+    minmax_f32((const float *)x, n, &mn, &mx);
+    status = bin_counts_f32((const float *)x, n, (float)lo, (float)scale, (float)divisor, bins, mn, mx,
                             (float *)out, accumulate);
     Py_END_ALLOW_THREADS
     if (status < 0) {
         return PyErr_NoMemory();
     }
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(observe_doc,
+             "observe(address, n, lo, hi, scale, divisor, bins, hist_address, min_address, max_address,\n"
+             "        batches_address) -> None or (min, max)\n\n"
+             "A histogram observer's batch of n contiguous float32 values when its range holds them: if\n"
+             "the float32 range at min_address and max_address is [lo, hi] and every value lies in it,\n"
+             "adds their counts (bin_counts' binning) to the bins float32 counters at hist_address and 1\n"
+             "to the int64 at batches_address, and returns None. Otherwise writes nothing and returns the\n"
+             "values' (min, max), as minmax does.");
+
+static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 11,
+                    "observe(address, n, lo, hi, scale, divisor, bins, hist_address, min_address, "
+                    "max_address, batches_address)") < 0) {
+        return NULL;
+    }
+    void *x, *hist, *lo_at, *hi_at, *batches;
+    if (as_address(args[0], &x) < 0 || as_address(args[7], &hist) < 0 || as_address(args[8], &lo_at) < 0 ||
+        as_address(args[9], &hi_at) < 0 || as_address(args[10], &batches) < 0) {
+        return NULL;
+    }
+    int64_t n = PyLong_AsLongLong(args[1]);
+    double lo = PyFloat_AsDouble(args[2]);
+    double hi = PyFloat_AsDouble(args[3]);
+    double scale = PyFloat_AsDouble(args[4]);
+    double divisor = PyFloat_AsDouble(args[5]);
+    int64_t bins = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n <= 0 || n >= (1 << 24) || bins <= 0 || bins > (1 << 24) || x == NULL || hist == NULL ||
+        lo_at == NULL || hi_at == NULL || batches == NULL) {
+        PyErr_SetString(PyExc_ValueError, "observe needs non-null addresses, 0 < n < 2**24 and 0 < bins <= 2**24");
+        return NULL;
+    }
+    const float lo_f = (float)lo, hi_f = (float)hi;
+    float mn, mx;
+    int status = 1; /* 1: not counted */
+    Py_BEGIN_ALLOW_THREADS
+    minmax_f32((const float *)x, n, &mn, &mx);
+    if (*(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f && mn >= lo_f && mx <= hi_f) {
+        status = bin_counts_f32((const float *)x, n, lo_f, (float)scale, (float)divisor, bins, mn, mx,
+                                (float *)hist, 1);
+        if (status == 0) {
+            *(int64_t *)batches += 1;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        return PyErr_NoMemory();
+    }
+    if (status == 0) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(dd)", (double)mn, (double)mx);
+}
+
+PyDoc_STRVAR(use_avx2_doc,
+             "_use_avx2(flag) -> bool\n\nWhether the AVX2 code ran until now; from now on it runs if flag and "
+             "the CPU has AVX2 (tests compare it with the SSE2 and scalar code).");
+
+static PyObject *set_avx2(PyObject *self, PyObject *flag) {
+    (void)self;
+    int wanted = PyObject_IsTrue(flag);
+    if (wanted < 0) {
+        return NULL;
+    }
+#ifdef QP_AVX2
+    int was = use_avx2;
+    __builtin_cpu_init();
+    use_avx2 = wanted && __builtin_cpu_supports("avx2");
+    return PyBool_FromLong(was);
+#else
+    Py_RETURN_FALSE;
+#endif
 }
 
 PyDoc_STRVAR(rebin_doc,
@@ -322,6 +500,8 @@ static PyMethodDef methods[] = {
     {"rebin", (PyCFunction)(void (*)(void))rebin, METH_FASTCALL, rebin_doc},
     {"minmax", (PyCFunction)(void (*)(void))minmax, METH_FASTCALL, minmax_doc},
     {"bin_counts", (PyCFunction)(void (*)(void))bin_counts, METH_FASTCALL, bin_counts_doc},
+    {"observe", (PyCFunction)(void (*)(void))observe, METH_FASTCALL, observe_doc},
+    {"_use_avx2", set_avx2, METH_O, use_avx2_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -330,4 +510,10 @@ static struct PyModuleDef module = {
     "Native min/max and histogram binning for quantplug's histogram observers.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__histogram_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__histogram_kernels(void) {
+#ifdef QP_AVX2
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    return PyModule_Create(&module);
+}

@@ -22,3 +22,18 @@ def rebin(
     out_address: int,
     /,
 ) -> bool: ...
+def observe(
+    address: int,
+    n: int,
+    lo: float,
+    hi: float,
+    scale: float,
+    divisor: float,
+    bins: int,
+    hist_address: int,
+    min_address: int,
+    max_address: int,
+    batches_address: int,
+    /,
+) -> tuple[float, float] | None: ...
+def _use_avx2(flag: bool, /) -> bool: ...

@@ -25,6 +25,9 @@ from _quantplug.observers.rebin import rebin_histogram
 _METHODS = ("mse", "percentile")
 #: the instance attribute keeping the binning of the current range (not state: made again at will)
 _BINNING = "_quantplug_binning"
+#: the instance attribute keeping the native step of the current range (:class:`_Steady`)
+_STEADY = "_quantplug_steady"
+_STEADY_BUFFERS = ("histogram", "min_val", "max_val", "num_batches")
 _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
 # clipping search: coarse points per axis (1-D symmetric search, 2-D affine search), then each
@@ -114,6 +117,56 @@ class _HistStats:
         return j + min(max(frac, 0.0), 1.0)
 
 
+class _Steady:
+    """What :func:`kernels.observe_histogram` needs to count a batch within the current range
+    (most batches, once the range stops growing) in one native call: the range's binning and
+    the buffers it was made for. The native call checks that the buffers still hold the range
+    (``merge_``, ``load_state_dict`` or a ``fill_`` may have moved it); a buffer replaced
+    (``.to()``, assignment) retires the step. Kept in the instance ``__dict__``, never copied."""
+
+    __slots__ = ("binning", "binning_of", "buffers")
+
+    def __init__(self, binning: LinearBinning, buffers: tuple[torch.Tensor, ...]) -> None:
+        self.binning_of = binning
+        scale = 0.0 if binning.scale is None else float(binning.scale)
+        self.binning = (binning.lo, binning.hi, scale, binning.divisor, binning.bins)
+        self.buffers = buffers
+
+    @classmethod
+    def make(cls, binning: LinearBinning | None, buffers: Any, lo: float, hi: float) -> _Steady | None:
+        """The step of ``binning`` (the range ``[lo, hi]``), or None where the native kernels are
+        off or the general path must see every batch: a range reaching down to where values may
+        be mask entries (``nonfinite.ordinary`` must hold for every batch within the range), or
+        buffers the kernel cannot write (another dtype or device)."""
+        if binning is None or not kernels.enabled() or binning.lo != lo or binning.hi != hi:
+            return None
+        if not lo > nonfinite.SCORE_MASK_SENTINEL:
+            return None
+        found = tuple(buffers[name] for name in _STEADY_BUFFERS)
+        histogram, min_val, max_val, num_batches = found
+        if not (
+            all(type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() for t in found)
+            and histogram.dtype is torch.float32
+            and histogram.numel() == binning.bins
+            and min_val.dtype is torch.float32
+            and max_val.dtype is torch.float32
+            and num_batches.dtype is torch.int64
+            and min_val.numel() == max_val.numel() == num_batches.numel() == 1
+        ):
+            return None
+        return cls(binning, found)
+
+    def serves(self, buffers: Any) -> bool:
+        """Whether the observer's buffers are still the ones this step writes."""
+        mine = self.buffers
+        return (
+            buffers["histogram"] is mine[0]
+            and buffers["min_val"] is mine[1]
+            and buffers["max_val"] is mine[2]
+            and buffers["num_batches"] is mine[3]
+        )
+
+
 class HistogramObserver(ObserverBase):
     """Per-tensor activation observer that picks its range from a running histogram.
 
@@ -165,9 +218,23 @@ class HistogramObserver(ObserverBase):
         self.register_buffer("max_val", torch.tensor(float("-inf")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffers: Any = self._buffers  # not Module.__getattr__: microseconds per call, hundreds of calls
+        steady = self.__dict__.get(_STEADY)
+        extremes: tuple[float, float] | None = None
+        if steady is not None and steady.serves(buffers):
+            # most batches: the range holds them, one native call counts them (or says it does not)
+            found = kernels.observe_histogram(x, steady.binning, *steady.buffers)
+            if found is None:
+                return x
+            if found is not False and found[0] != 0.0 and found[1] != 0.0:
+                extremes = found  # as kernels.minmax would give them below (it declines zeros)
+        return self._observe(x, buffers, extremes)
+
+    def _observe(self, x: torch.Tensor, buffers: Any, extremes: tuple[float, float] | None) -> torch.Tensor:
+        """A batch the native step did not count: the first, one that widens the range, one the
+        kernels cannot read (or with the kernels off). ``extremes``: ``x``'s, if already known."""
         if x.numel() == 0:
             return x
-        buffers: Any = self._buffers  # not Module.__getattr__: microseconds per call, hundreds of calls
         histogram, min_val, max_val = buffers["histogram"], buffers["min_val"], buffers["max_val"]
         cur_min, cur_max = min_val.item(), max_val.item()
         batch = seen.probe(x)
@@ -183,13 +250,14 @@ class HistogramObserver(ObserverBase):
         if not readable and kernels.enabled():
             data = data.reshape(-1)  # a copy the native kernels can read
             readable = kernels.readable(data)
-        extremes = seen.recall_extremes(batch)
         if extremes is None:
-            extremes = kernels.minmax(data, checked=True) if readable else None
+            extremes = seen.recall_extremes(batch)
             if extremes is None:
-                lo, hi = torch.stack(list(torch.aminmax(data))).tolist()
-                extremes = (lo, hi)
-            seen.remember_extremes(batch, extremes)
+                extremes = kernels.minmax(data, checked=True) if readable else None
+                if extremes is None:
+                    lo, hi = torch.stack(list(torch.aminmax(data))).tolist()
+                    extremes = (lo, hi)
+                seen.remember_extremes(batch, extremes)
         lo_f, hi_f = extremes
         ordinary = nonfinite.ordinary(self, lo_f, hi_f)
         if not ordinary:
@@ -220,6 +288,10 @@ class HistogramObserver(ObserverBase):
         if _differs(new_max, cur_max):
             max_val.fill_(new_max)
         buffers["num_batches"].add_(ONE)
+        steady = self.__dict__.get(_STEADY)
+        binning = self.__dict__.get(_BINNING)
+        if steady is None or steady.binning_of is not binning or not steady.serves(buffers):
+            self.__dict__[_STEADY] = _Steady.make(binning, buffers, new_min, new_max)
         return x
 
     def _counts(self, data: torch.Tensor, lo: float, hi: float, readable: bool) -> torch.Tensor:
@@ -234,6 +306,12 @@ class HistogramObserver(ObserverBase):
         counts = torch.empty(self.bins, dtype=torch.float32)
         binning.count_into(data, counts, checked=readable)
         return counts
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state without its native step (a copy makes its own from its buffers)."""
+        state = super().__getstate__()
+        state.pop(_STEADY, None)
+        return state
 
     def merge_(self, others: Sequence[Any]) -> None:
         """Re-bin every histogram onto the union of the ranges and sum them (module docstring of

@@ -148,6 +148,54 @@ def bin_counts(
     return True
 
 
+def observe_histogram(
+    x: torch.Tensor,
+    binning: tuple[float, float, float, float, int],
+    histogram: torch.Tensor,
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    num_batches: torch.Tensor,
+) -> tuple[float, float] | bool | None:
+    """A histogram observer's batch in one native call, where its range already holds the batch.
+
+    ``binning``: ``(lo, hi, scale, divisor, bins)``, the range and :func:`bin_counts`' operands
+    of its bins; the buffers: float32 contiguous CPU ``histogram`` (``bins`` counters), float32
+    ``min_val`` and ``max_val``, int64 ``num_batches`` (the caller checks them once). Where the
+    buffers hold that range and every value of ``x`` lies in it, the counts are added to the
+    histogram (rounded as ``histogram.add_(counts)`` rounds them), ``num_batches`` grows by one,
+    and None is returned. Otherwise nothing is written: False where the kernels cannot read ``x``
+    (or are off), else ``x``'s ``(min, max)`` as :func:`minmax` computes them (NaN, NaN with a
+    NaN), for the caller's general path.
+    """
+    native = _native
+    if (
+        native is None
+        or type(x) is not torch.Tensor
+        or x.dtype is not _F32
+        or x.layout is not torch.strided
+        or not x.is_cpu
+        or not x.is_contiguous()
+    ):
+        return False
+    n = x.numel()
+    if not 0 < n < MAX_ELEMENTS:
+        return False
+    lo, hi, scale, divisor, bins = binning
+    return native.observe(  # type: ignore[no-any-return]
+        x.data_ptr(),
+        n,
+        lo,
+        hi,
+        scale,
+        divisor,
+        bins,
+        histogram.data_ptr(),
+        min_val.data_ptr(),
+        max_val.data_ptr(),
+        num_batches.data_ptr(),
+    )
+
+
 def rebin(
     hist: torch.Tensor,
     rate: int,
