@@ -341,11 +341,13 @@ PyDoc_STRVAR(bin_counts_doc,
              "bin_counts(address, n, lo, scale, divisor, bins, out_address, accumulate) -> None\n\n"
              "Counts n contiguous float32 values into bins float32 counters at out_address (set them,\n"
              "or add to them if accumulate): bin = int(min((x - lo) [* scale] / divisor, bins - 1)),\n"
-             "all in float32; a scale of 0 means none. The values must lie in [lo, hi].");
+             "all in float32; a scale of 0 means none. The values must lie in [lo, hi].\n"
+             "bin_counts(..., accumulate, min, max): the same, given the values' min and max.");
 
 static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (check_count(nargs, 8, "bin_counts(address, n, lo, scale, divisor, bins, out_address, accumulate)") < 0) {
+    if (nargs != 10 &&
+        check_count(nargs, 8, "bin_counts(address, n, lo, scale, divisor, bins, out_address, accumulate)") < 0) {
         return NULL;
     }
     void *x, *out;
@@ -358,6 +360,9 @@ static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t na
     double divisor = PyFloat_AsDouble(args[4]);
     int64_t bins = PyLong_AsLongLong(args[5]);
     int accumulate = PyObject_IsTrue(args[7]);
+    const int known = nargs == 10;
+    double given_min = known ? PyFloat_AsDouble(args[8]) : 0.0;
+    double given_max = known ? PyFloat_AsDouble(args[9]) : 0.0;
     if (PyErr_Occurred() || accumulate < 0) {
         return NULL;
     }
@@ -368,8 +373,10 @@ static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     int status;
     Py_BEGIN_ALLOW_THREADS
-    float mn, mx;
-    minmax_f32((const float *)x, n, &mn, &mx);
+    float mn = (float)given_min, mx = (float)given_max;
+    if (!known) {
+        minmax_f32((const float *)x, n, &mn, &mx);
+    }
     status = bin_counts_f32((const float *)x, n, (float)lo, (float)scale, (float)divisor, bins, mn, mx,
                             (float *)out, accumulate);
     Py_END_ALLOW_THREADS
@@ -381,18 +388,20 @@ static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 PyDoc_STRVAR(observe_doc,
              "observe(address, n, lo, hi, scale, divisor, bins, hist_address, min_address, max_address,\n"
-             "        batches_address) -> None or (min, max)\n\n"
+             "        batches_address, start) -> None or (min, max)\n\n"
              "A histogram observer's batch of n contiguous float32 values when its range holds them: if\n"
              "the float32 range at min_address and max_address is [lo, hi] and every value lies in it,\n"
              "adds their counts (bin_counts' binning) to the bins float32 counters at hist_address and 1\n"
              "to the int64 at batches_address, and returns None. Otherwise writes nothing and returns the\n"
-             "values' (min, max), as minmax does.");
+             "values' (min, max), as minmax does. With start, [lo, hi] are the values' min and max and\n"
+             "the range must be empty (min > max, or NaN): the counts are written (not added) and the\n"
+             "range becomes [lo, hi].");
 
 static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (check_count(nargs, 11,
+    if (check_count(nargs, 12,
                     "observe(address, n, lo, hi, scale, divisor, bins, hist_address, min_address, "
-                    "max_address, batches_address)") < 0) {
+                    "max_address, batches_address, start)") < 0) {
         return NULL;
     }
     void *x, *hist, *lo_at, *hi_at, *batches;
@@ -406,7 +415,8 @@ static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     double scale = PyFloat_AsDouble(args[4]);
     double divisor = PyFloat_AsDouble(args[5]);
     int64_t bins = PyLong_AsLongLong(args[6]);
-    if (PyErr_Occurred()) {
+    int start = PyObject_IsTrue(args[11]);
+    if (PyErr_Occurred() || start < 0) {
         return NULL;
     }
     if (n <= 0 || n >= (1 << 24) || bins <= 0 || bins > (1 << 24) || x == NULL || hist == NULL ||
@@ -418,13 +428,26 @@ static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     float mn, mx;
     int status = 1; /* 1: not counted */
     Py_BEGIN_ALLOW_THREADS
-    minmax_f32((const float *)x, n, &mn, &mx);
-    if (*(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f && mn >= lo_f && mx <= hi_f) {
-        status = bin_counts_f32((const float *)x, n, lo_f, (float)scale, (float)divisor, bins, mn, mx,
-                                (float *)hist, 1);
-        if (status == 0) {
-            *(int64_t *)batches += 1;
+    if (start) {
+        mn = lo_f;
+        mx = hi_f;
+        if (!(*(const float *)lo_at <= *(const float *)hi_at)) { /* nothing recorded */
+            status = bin_counts_f32((const float *)x, n, lo_f, (float)scale, (float)divisor, bins, mn, mx,
+                                    (float *)hist, 0);
         }
+        if (status == 0) {
+            *(float *)lo_at = lo_f;
+            *(float *)hi_at = hi_f;
+        }
+    } else {
+        minmax_f32((const float *)x, n, &mn, &mx);
+        if (*(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f && mn >= lo_f && mx <= hi_f) {
+            status = bin_counts_f32((const float *)x, n, lo_f, (float)scale, (float)divisor, bins, mn, mx,
+                                    (float *)hist, 1);
+        }
+    }
+    if (status == 0) {
+        *(int64_t *)batches += 1;
     }
     Py_END_ALLOW_THREADS
     if (status < 0) {

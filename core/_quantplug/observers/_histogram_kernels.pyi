@@ -10,6 +10,8 @@ def bin_counts(
     bins: int,
     out_address: int,
     accumulate: bool,
+    min: float = ...,
+    max: float = ...,
     /,
 ) -> None: ...
 def rebin(
@@ -34,6 +36,7 @@ def observe(
     min_address: int,
     max_address: int,
     batches_address: int,
+    start: bool,
     /,
 ) -> tuple[float, float] | None: ...
 def _use_avx2(flag: bool, /) -> bool: ...

@@ -95,12 +95,17 @@ class LinearBinning:
         return torch.bincount(t.to(torch.int32), minlength=self.bins)
 
     def count_into(
-        self, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False, checked: bool = False
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        accumulate: bool = False,
+        checked: bool = False,
+        extremes: tuple[float, float] | None = None,
     ) -> None:
         """Set (or add to) float32 CPU ``out`` the counts of ``x``: the native kernel, else
-        :meth:`counts`. ``checked``: as :func:`_quantplug.observers.kernels.bin_counts`'s."""
+        :meth:`counts`. ``checked``, ``extremes``: as :func:`_quantplug.observers.kernels.bin_counts`'s."""
         scale = 0.0 if self.scale is None else float(self.scale)
-        if kernels.bin_counts(x, self.lo, scale, self.divisor, self.bins, out, accumulate, checked):
+        if kernels.bin_counts(x, self.lo, scale, self.divisor, self.bins, out, accumulate, checked, extremes):
             return
         if accumulate:
             out.add_(self.counts(x))

@@ -237,6 +237,8 @@ class HistogramObserver(ObserverBase):
             return x
         histogram, min_val, max_val = buffers["histogram"], buffers["min_val"], buffers["max_val"]
         cur_min, cur_max = min_val.item(), max_val.item()
+        if cur_min > cur_max and self._start(x, buffers, extremes):
+            return x
         batch = seen.probe(x)
         recalled = seen.recall(self, batch)
         if recalled is not None and recalled[1] == cur_min and recalled[2] == cur_max:
@@ -277,7 +279,7 @@ class HistogramObserver(ObserverBase):
             if new_min != cur_min or new_max != cur_max:
                 histogram.copy_(rebin_histogram(histogram, cur_min, cur_max, new_min, new_max))
         if new_max > new_min:
-            counts = self._counts(data, new_min, new_max, readable)
+            counts = self._counts(data, new_min, new_max, readable, (lo_f, hi_f))
             histogram.add_(counts)
             if ordinary:  # a batch with NaN/inf counted what it left out: never replayed
                 seen.remember(self, batch, (counts, new_min, new_max))
@@ -294,9 +296,31 @@ class HistogramObserver(ObserverBase):
             self.__dict__[_STEADY] = _Steady.make(binning, buffers, new_min, new_max)
         return x
 
-    def _counts(self, data: torch.Tensor, lo: float, hi: float, readable: bool) -> torch.Tensor:
-        """``torch.histc(data, self.bins, lo, hi)`` (float32 ``data`` within the range), counted
-        by the binning of the range, which is kept while the range stays put (most batches)."""
+    def _start(self, x: torch.Tensor, buffers: Any, extremes: tuple[float, float] | None) -> bool:
+        """The first batch, where the general path's steps reduce to two native calls (its
+        extremes, then its counts written over its own range), as for most first batches;
+        False, with nothing written, where they do not apply (the general path runs)."""
+        if not x.is_contiguous():
+            return False
+        if extremes is None:
+            extremes = kernels.minmax(x)
+            if extremes is None:
+                return False
+        lo, hi = extremes
+        binning = LinearBinning.make(self.bins, lo, hi)
+        steady = _Steady.make(binning, buffers, lo, hi)
+        if steady is None or kernels.observe_histogram(x, steady.binning, *steady.buffers, start=True) is not None:
+            return False
+        self.__dict__[_BINNING] = binning
+        self.__dict__[_STEADY] = steady
+        return True
+
+    def _counts(
+        self, data: torch.Tensor, lo: float, hi: float, readable: bool, extremes: tuple[float, float]
+    ) -> torch.Tensor:
+        """``torch.histc(data, self.bins, lo, hi)`` (float32 ``data`` within the range, whose own
+        are ``extremes``), counted by the binning of the range, which is kept while the range
+        stays put (most batches)."""
         binning = self.__dict__.get(_BINNING)
         if binning is None or binning.lo != lo or binning.hi != hi:
             binning = LinearBinning.make(self.bins, lo, hi)
@@ -304,7 +328,7 @@ class HistogramObserver(ObserverBase):
         if binning is None or data.device.type != "cpu" or data.numel() >= MAX_EXACT_COUNT:
             return histc(data, self.bins, lo, hi)
         counts = torch.empty(self.bins, dtype=torch.float32)
-        binning.count_into(data, counts, checked=readable)
+        binning.count_into(data, counts, checked=readable, extremes=extremes)
         return counts
 
     def __getstate__(self) -> dict[str, Any]:

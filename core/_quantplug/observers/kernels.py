@@ -132,6 +132,7 @@ def bin_counts(
     out: torch.Tensor,
     accumulate: bool,
     checked: bool = False,
+    extremes: tuple[float, float] | None = None,
 ) -> bool:
     """Count ``x`` into ``out`` (``bins`` float32 counters: set, or added to); False if not done.
 
@@ -139,12 +140,18 @@ def bin_counts(
     multiplication when ``scale`` is 0): :class:`_quantplug.observers.binning.LinearBinning`
     chooses the operands so that this is torch.histc's bin. ``x`` must lie within the binned
     range; ``out`` must not overlap ``x``. ``checked``: :func:`readable` is known to hold for
-    ``x``, and ``out`` is a contiguous float32 CPU tensor of ``bins`` elements.
+    ``x``, and ``out`` is a contiguous float32 CPU tensor of ``bins`` elements. ``extremes``:
+    ``x``'s ``(min, max)`` where known (:func:`minmax`'s), to spare the kernel finding them.
     """
     if not checked and not (readable(x) and _plain(out) and out.numel() == bins):
         return False
     assert _native is not None
-    _native.bin_counts(x.data_ptr(), x.numel(), lo, scale, divisor, bins, out.data_ptr(), accumulate)
+    if extremes is None:
+        _native.bin_counts(x.data_ptr(), x.numel(), lo, scale, divisor, bins, out.data_ptr(), accumulate)
+    else:
+        _native.bin_counts(
+            x.data_ptr(), x.numel(), lo, scale, divisor, bins, out.data_ptr(), accumulate, *extremes
+        )
     return True
 
 
@@ -155,6 +162,7 @@ def observe_histogram(
     min_val: torch.Tensor,
     max_val: torch.Tensor,
     num_batches: torch.Tensor,
+    start: bool = False,
 ) -> tuple[float, float] | bool | None:
     """A histogram observer's batch in one native call, where its range already holds the batch.
 
@@ -166,6 +174,10 @@ def observe_histogram(
     and None is returned. Otherwise nothing is written: False where the kernels cannot read ``x``
     (or are off), else ``x``'s ``(min, max)`` as :func:`minmax` computes them (NaN, NaN with a
     NaN), for the caller's general path.
+
+    ``start``: the observer's first batch; ``lo`` and ``hi`` are ``x``'s own extremes (from
+    :func:`minmax`). Where the buffers hold no range yet (``min_val > max_val``) the counts are
+    written (not added), the range set to ``[lo, hi]`` and ``num_batches`` grows by one.
     """
     native = _native
     if (
@@ -193,6 +205,7 @@ def observe_histogram(
         min_val.data_ptr(),
         max_val.data_ptr(),
         num_batches.data_ptr(),
+        start,
     )
 
 
