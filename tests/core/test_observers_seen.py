@@ -18,7 +18,7 @@ from torch import nn
 
 import quantplug
 from _quantplug.meta import observer_children
-from _quantplug.observers import seen
+from _quantplug.observers import kernels, seen
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.histogram import HistogramObserver
 from _quantplug.observers.minmax import MinMaxObserver, MovingAverageMinMaxObserver, _average_step
@@ -135,12 +135,20 @@ def test_parameters_are_matched_only_outside_autograd() -> None:
 
 def test_copies_and_pickles_start_without_records() -> None:
     obs = HistogramObserver(bins=64)
-    x = torch.randn(100)
+    x = torch.randn(10, 20)[:, :10]  # strided: the general path, which keeps records
     obs(x)
-    assert seen.ATTR in obs.__dict__
+    assert seen.ATTR in obs.__dict__ and kernels.STEP_ATTR in obs.__dict__
+    batch = torch.randn(100) * 0.1  # within the range: the native step where the kernels are built
     for copied in (fresh_copy(obs), copy.deepcopy(obs), pickle.loads(pickle.dumps(obs))):
-        assert seen.ATTR not in copied.__dict__
+        assert seen.ATTR not in copied.__dict__ and kernels.STEP_ATTR not in copied.__dict__
         _assert_same_state(copied, obs)
+        before = obs.histogram.clone()
+        copied(batch)  # counted into the copy's buffers, never the original's
+        assert torch.equal(obs.histogram, before)
+        reference = copy.deepcopy(obs)
+        with kernels.disabled():
+            reference(batch)
+        _assert_same_state(copied, reference)
 
 
 @settings(max_examples=60, deadline=None)

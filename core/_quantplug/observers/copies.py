@@ -14,7 +14,7 @@ import types
 import torch
 from torch import nn
 
-from _quantplug.observers import seen
+from _quantplug.observers import kernels, seen
 from _quantplug.observers.binning import LinearBinning
 from _quantplug.observers.parked import unparked
 
@@ -36,6 +36,11 @@ _IMMUTABLE = (
 )
 
 
+#: instance attributes a copy leaves out: what an observer keeps of its recent batches, and the
+#: native step bound to its own buffers (both made again as the copy is fed)
+_DROPPED = (seen.ATTR, kernels.STEP_ATTR)
+
+
 def fresh_copy(obs: nn.Module) -> nn.Module:
     """An independent copy of an observer, to feed without touching the prepared module.
 
@@ -49,13 +54,14 @@ def fresh_copy(obs: nn.Module) -> nn.Module:
         simple = all(
             isinstance(v, _IMMUTABLE)
             for k, v in obs.__dict__.items()
-            if k not in _MODULE_STATE and k != seen.ATTR
+            if k not in _MODULE_STATE and k not in _DROPPED
         )
     if not simple:
         return unparked(copy.deepcopy(obs))
     new = object.__new__(type(obs))
     new.__dict__ = obs.__dict__.copy()
     seen.forget(new)  # a copy has seen no batch
+    new.__dict__.pop(kernels.STEP_ATTR, None)  # it writes the original's buffers
     new._buffers = {k: None if v is None else v.clone() for k, v in obs._buffers.items()}
     new._non_persistent_buffers_set = set(obs._non_persistent_buffers_set)
     new._parameters = {}

@@ -26,7 +26,7 @@ _METHODS = ("mse", "percentile")
 #: the instance attribute keeping the binning of the current range (not state: made again at will)
 _BINNING = "_quantplug_binning"
 #: the instance attribute keeping the native step of the current range (:class:`_Steady`)
-_STEADY = "_quantplug_steady"
+_STEADY = kernels.STEP_ATTR
 _STEADY_BUFFERS = ("histogram", "min_val", "max_val", "num_batches")
 _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 

@@ -34,6 +34,9 @@ _native: ModuleType | None = None if os.environ.get("QUANTPLUG_NATIVE_KERNELS", 
 
 #: the native binning keeps exact integer counts below this many elements per call
 MAX_ELEMENTS = 1 << 24
+#: the observer attribute keeping its native step (the histogram observer's: it writes that
+#: observer's own buffers, so copies drop it and make their own)
+STEP_ATTR = "_quantplug_steady"
 _F32 = torch.float32
 
 
