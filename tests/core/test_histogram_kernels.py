@@ -8,12 +8,14 @@ directly, including the edge cases (bin edges, NaN, infinities, signed zeros, ma
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -186,8 +188,22 @@ def _histc_cases(seed: int, trials: int) -> list[tuple[torch.Tensor, int, float,
     return cases
 
 
+@pytest.fixture(params=["avx2", "sse2"])
+def simd(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The kernels' AVX2 code (where the CPU has AVX2) and their SSE2/scalar code: the same results."""
+    if not kernels.available():
+        pytest.skip("native kernels not built")
+    from _quantplug.observers import _histogram_kernels as raw
+
+    was = raw._use_avx2(request.param == "avx2")
+    try:
+        yield
+    finally:
+        raw._use_avx2(was)
+
+
 @native
-def test_native_binning_is_torch_histc_bit_for_bit() -> None:
+def test_native_binning_is_torch_histc_bit_for_bit(simd: None) -> None:
     done = 0
     for x, bins, lo, hi in _histc_cases(seed=3, trials=240):
         expected = torch.histc(x, bins, min=lo, max=hi)
@@ -197,6 +213,9 @@ def test_native_binning_is_torch_histc_bit_for_bit() -> None:
         out = torch.full((bins,), -1.0)
         binning.count_into(x, out)
         assert torch.equal(out, expected), (bins, lo, hi)
+        given = torch.full((bins,), -1.0)  # told the extremes: only their bins are counted
+        binning.count_into(x, given, extremes=kernels.minmax(x) or (lo, hi))
+        assert torch.equal(given, expected), (bins, lo, hi)
         start = torch.rand(bins) * 1000  # accumulating rounds as torch's float32 add does
         accumulated = start.clone()
         binning.count_into(x, accumulated, accumulate=True)
@@ -250,3 +269,127 @@ def test_quantplug_histogram_observer_state_is_the_same_on_both_paths() -> None:
             for key, value in native.items():
                 assert torch.equal(value, torch_path[key]), (trial, batch, key)
             assert observers[0].nonfinite_ignored == observers[1].nonfinite_ignored
+
+
+def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return (
+        sa.keys() == sb.keys()
+        and all(torch.equal(sa[k], sb[k]) for k in sa)
+        and int(a.num_batches) == int(b.num_batches)
+    )
+
+
+def _counting_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of the histogram observer's native step counted its batch."""
+    done: list[bool] = []
+    step = kernels.observe_histogram
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        found = step(*args, **kwargs)
+        done.append(found is None)
+        return found
+
+    monkeypatch.setattr(kernels, "observe_histogram", counting)
+    return done
+
+
+LAYOUTS = ("contiguous", "transposed", "strided", "float64", "nan")
+
+
+@native
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(LAYOUTS), st.floats(0.05, 4.0), st.integers(1, 3000)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 2**16),
+    st.sampled_from([2048, 300, 16]),
+)
+def test_native_steps_end_in_the_general_paths_state(
+    batches: list[tuple[str, float, int]], seed: int, bins: int
+) -> None:
+    """First batches, batches within the range, wider ones, and what the step leaves to the general
+    path (views it cannot read, other dtypes, NaN): after each, the state of the torch path."""
+    from _quantplug.observers.histogram import HistogramObserver
+
+    native_obs, torch_obs = HistogramObserver(bins=bins), HistogramObserver(bins=bins)
+    for o in (native_obs, torch_obs):
+        o.nonfinite = "ignore"
+    g = torch.Generator().manual_seed(seed)
+    for layout, scale, n in batches:
+        x = torch.randn(n, 2, generator=g) * scale
+        if layout == "transposed":
+            x = x.t()
+        elif layout == "strided":
+            x = x[:, :1]
+        elif layout == "float64":
+            x = x.double()
+        elif layout == "nan":
+            x[0, 0] = float("nan")
+        native_obs(x)
+        with kernels.disabled():
+            torch_obs(x)
+        assert _same_state(native_obs, torch_obs), (layout, scale, n)
+    assert getattr(native_obs, "nonfinite_ignored", 0) == getattr(torch_obs, "nonfinite_ignored", 0)
+
+
+@native
+def test_batches_within_the_range_are_counted_by_the_native_step(
+    simd: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from _quantplug.observers.histogram import HistogramObserver
+
+    done = _counting_native_steps(monkeypatch)
+    native_obs, torch_obs = HistogramObserver(), HistogramObserver()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(64, 256, generator=g) * s for s in (4.0, 1.0, 0.5, 2.0, 8.0, 1.0)]
+    batches.append(batches[1].relu())  # a zero minimum: inside the range, counted natively too
+    for x in batches:
+        native_obs(x)
+        with kernels.disabled():
+            torch_obs(x)
+        assert _same_state(native_obs, torch_obs)
+    # the first batch starts the range natively, the 8x one widens it (the general path)
+    assert done == [True, True, True, True, False, True, True]
+
+
+@native
+@pytest.mark.parametrize("move", ["fill", "load_state_dict", "merge", "double", "new_buffer"])
+def test_the_native_step_follows_state_moved_under_it(move: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range or buffers changed outside forward (a fill_, a checkpoint, a merge of ranks,
+    ``.double()``, a buffer assigned): the step declines, the general path counts, and the state
+    is the torch path's."""
+    from _quantplug.observers.histogram import HistogramObserver
+
+    g = torch.Generator().manual_seed(4)
+    native_obs = HistogramObserver(bins=256)
+    native_obs(torch.randn(4096, generator=g))
+    torch_obs = copy.deepcopy(native_obs)
+    other = HistogramObserver(bins=256)
+    other(torch.randn(4096, generator=g) * 3)
+    for o in (native_obs, torch_obs):
+        if move == "fill":
+            o.max_val.fill_(float(o.max_val) * 2)
+        elif move == "load_state_dict":
+            o.load_state_dict(other.state_dict())
+        elif move == "merge":
+            o.merge_([other])
+        elif move == "double":
+            o.double()
+        else:
+            o.histogram = o.histogram.clone()
+    done = _counting_native_steps(monkeypatch)
+    x = torch.randn(4096, generator=g) * 0.5
+    native_obs(x)
+    with kernels.disabled():
+        torch_obs(x)
+    assert _same_state(native_obs, torch_obs)
+    assert done == ([] if move in ("double", "new_buffer") else [False])  # declined, or not tried
+    native_obs(x)  # the step the general path made again
+    with kernels.disabled():
+        torch_obs(x)
+    assert _same_state(native_obs, torch_obs)
+    assert done[-1:] == ([] if move == "double" else [True])  # float64 buffers: never the step

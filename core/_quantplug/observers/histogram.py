@@ -27,7 +27,8 @@ _METHODS = ("mse", "percentile")
 _BINNING = "_quantplug_binning"
 #: the instance attribute keeping the native step of the current range (:class:`_Steady`)
 _STEADY = kernels.STEP_ATTR
-_STEADY_BUFFERS = ("histogram", "min_val", "max_val", "num_batches")
+#: the buffers the native step writes: histogram, min_val, max_val, num_batches
+_Buffers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
 # clipping search: coarse points per axis (1-D symmetric search, 2-D affine search), then each
@@ -126,7 +127,7 @@ class _Steady:
 
     __slots__ = ("binning", "binning_of", "buffers")
 
-    def __init__(self, binning: LinearBinning, buffers: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, binning: LinearBinning, buffers: _Buffers) -> None:
         self.binning_of = binning
         scale = 0.0 if binning.scale is None else float(binning.scale)
         self.binning = (binning.lo, binning.hi, scale, binning.divisor, binning.bins)
@@ -142,7 +143,12 @@ class _Steady:
             return None
         if not lo > nonfinite.SCORE_MASK_SENTINEL:
             return None
-        found = tuple(buffers[name] for name in _STEADY_BUFFERS)
+        found: _Buffers = (
+            buffers["histogram"],
+            buffers["min_val"],
+            buffers["max_val"],
+            buffers["num_batches"],
+        )
         histogram, min_val, max_val, num_batches = found
         if not (
             all(type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() for t in found)
@@ -309,7 +315,10 @@ class HistogramObserver(ObserverBase):
         lo, hi = extremes
         binning = LinearBinning.make(self.bins, lo, hi)
         steady = _Steady.make(binning, buffers, lo, hi)
-        if steady is None or kernels.observe_histogram(x, steady.binning, *steady.buffers, start=True) is not None:
+        if (
+            steady is None
+            or kernels.observe_histogram(x, steady.binning, *steady.buffers, start=True) is not None
+        ):
             return False
         self.__dict__[_BINNING] = binning
         self.__dict__[_STEADY] = steady

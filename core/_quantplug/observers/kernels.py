@@ -19,6 +19,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Literal
 
 import torch
 
@@ -166,7 +167,7 @@ def observe_histogram(
     max_val: torch.Tensor,
     num_batches: torch.Tensor,
     start: bool = False,
-) -> tuple[float, float] | bool | None:
+) -> tuple[float, float] | Literal[False] | None:
     """A histogram observer's batch in one native call, where its range already holds the batch.
 
     ``binning``: ``(lo, hi, scale, divisor, bins)``, the range and :func:`bin_counts`' operands
