@@ -294,7 +294,7 @@ def _counting_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return done
 
 
-LAYOUTS = ("contiguous", "transposed", "strided", "float64", "nan")
+LAYOUTS = ("contiguous", "transposed", "rows", "head", "strided", "float64", "nan")
 
 
 @native
@@ -323,7 +323,11 @@ def test_native_steps_end_in_the_general_paths_state(
         x = torch.randn(n, 2, generator=g) * scale
         if layout == "transposed":
             x = x.t()
-        elif layout == "strided":
+        elif layout == "rows":  # rows of 3 contiguous values, 7 apart: read in place
+            x = (torch.randn(n, 7, generator=g) * scale)[:, 2:5]
+        elif layout == "head":  # an attention head split from a projection, transposed
+            x = (torch.randn(1, n, 12, generator=g) * scale)[..., 4:8].reshape(1, n, 2, 2).transpose(1, 2)
+        elif layout == "strided":  # every other value: the general path's copy
             x = x[:, :1]
         elif layout == "float64":
             x = x.double()
@@ -347,13 +351,16 @@ def test_batches_within_the_range_are_counted_by_the_native_step(
     g = torch.Generator().manual_seed(2)
     batches = [torch.randn(64, 256, generator=g) * s for s in (4.0, 1.0, 0.5, 2.0, 8.0, 1.0)]
     batches.append(batches[1].relu())  # a zero minimum: inside the range, counted natively too
+    projection = torch.randn(1, 64, 768, generator=g)
+    head = projection[..., 256:512]  # rows of 256 values, 768 apart
+    batches += [head, head.reshape(1, 64, 4, 64).transpose(1, 2), projection.transpose(1, 2)]
     for x in batches:
         native_obs(x)
         with kernels.disabled():
             torch_obs(x)
         assert _same_state(native_obs, torch_obs)
     # the first batch starts the range natively, the 8x one widens it (the general path)
-    assert done == [True, True, True, True, False, True, True]
+    assert done == [True, True, True, True, False, True, True, True, True, True]
 
 
 @native

@@ -125,6 +125,21 @@ static void minmax_f32(const float *x, int64_t n, float *out_min, float *out_max
     *out_max = mx;
 }
 
+/* min and max of `rows` rows of n contiguous values, `stride` apart; a NaN anywhere makes both NaN */
+static void minmax_rows(const float *x, int64_t n, int64_t rows, int64_t stride, float *out_min, float *out_max) {
+    minmax_f32(x, n, out_min, out_max);
+    for (int64_t r = 1; r < rows; r++) {
+        float mn, mx;
+        minmax_f32(x + r * stride, n, &mn, &mx);
+        if (mn != mn || *out_min != *out_min) {
+            *out_min = *out_max = NAN;
+            return;
+        }
+        *out_min = mn < *out_min ? mn : *out_min;
+        *out_max = mx > *out_max ? mx : *out_max;
+    }
+}
+
 /* The binning: a value's bin is (x - lo) [* scale] / divisor, clamped into [first, final] and
  * truncated; it is counted at offset bin - first. Clamped into [0, bins - 1] that is torch.histc's
  * bin (see binning.py). Every step is monotonic, so the bins of values within [v, w] lie between
@@ -184,11 +199,12 @@ static void bin_offsets(const float *restrict x, int64_t m, const Binning *g, in
     bin_offsets_tail(x, 0, m, g, idx);
 }
 
-/* out[b] (= or +=) the number of x[i] in bin b, as float32, for x within [mn, mx] (its extremes;
- * NaN when not known): only the bins between theirs are counted and summed, the rest are left
- * (or set to 0). 0 on success, -1 out of memory. */
-static int bin_counts_f32(const float *x, int64_t n, float lo, float scale, float divisor, int64_t bins,
-                          float mn, float mx, float *out, int accumulate) {
+/* out[b] (= or +=) the number of values in bin b, as float32, for `rows` rows of n contiguous
+ * values `stride` apart, all within [mn, mx] (their extremes; NaN when not known): only the bins
+ * between theirs are counted and summed, the rest are left (or set to 0). 0 on success, -1 out of
+ * memory. */
+static int bin_counts_f32(const float *x, int64_t n, int64_t rows, int64_t stride, float lo, float scale,
+                          float divisor, int64_t bins, float mn, float mx, float *out, int accumulate) {
     Binning g = {lo, scale, divisor, 0.0f, (float)(bins - 1)};
     if (mn == mn && mx == mx) {
         const float first = bin_position(&g, mn), final = bin_position(&g, mx);
@@ -207,18 +223,20 @@ static int bin_counts_f32(const float *x, int64_t n, float lo, float scale, floa
     memset(counts, 0, sizeof(uint32_t) * LANES * (size_t)width);
     uint32_t *c0 = counts, *c1 = counts + width, *c2 = counts + 2 * width, *c3 = counts + 3 * width;
     int32_t idx[CHUNK];
-    for (int64_t start = 0; start < n; start += CHUNK) {
-        int64_t m = n - start < CHUNK ? n - start : CHUNK;
-        bin_offsets(x + start, m, &g, idx);
-        int64_t i = 0;
-        for (; i + LANES <= m; i += LANES) {
-            c0[idx[i]]++;
-            c1[idx[i + 1]]++;
-            c2[idx[i + 2]]++;
-            c3[idx[i + 3]]++;
-        }
-        for (; i < m; i++) {
-            c0[idx[i]]++;
+    for (int64_t row = 0; row < rows; row++, x += stride) {
+        for (int64_t start = 0; start < n; start += CHUNK) {
+            int64_t m = n - start < CHUNK ? n - start : CHUNK;
+            bin_offsets(x + start, m, &g, idx);
+            int64_t i = 0;
+            for (; i + LANES <= m; i += LANES) {
+                c0[idx[i]]++;
+                c1[idx[i + 1]]++;
+                c2[idx[i + 2]]++;
+                c3[idx[i + 3]]++;
+            }
+            for (; i < m; i++) {
+                c0[idx[i]]++;
+            }
         }
     }
     if (!accumulate) {
@@ -377,7 +395,7 @@ static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (!known) {
         minmax_f32((const float *)x, n, &mn, &mx);
     }
-    status = bin_counts_f32((const float *)x, n, (float)lo, (float)scale, (float)divisor, bins, mn, mx,
+    status = bin_counts_f32((const float *)x, n, 1, 0, (float)lo, (float)scale, (float)divisor, bins, mn, mx,
                             (float *)out, accumulate);
     Py_END_ALLOW_THREADS
     if (status < 0) {
@@ -387,9 +405,10 @@ static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 PyDoc_STRVAR(observe_doc,
-             "observe(address, n, lo, hi, scale, divisor, bins, hist_address, min_address, max_address,\n"
-             "        batches_address, start) -> None or (min, max)\n\n"
-             "A histogram observer's batch of n contiguous float32 values when its range holds them: if\n"
+             "observe(address, n, rows, stride, lo, hi, scale, divisor, bins, hist_address, min_address,\n"
+             "        max_address, batches_address, start) -> None or (min, max)\n\n"
+             "A histogram observer's batch of float32 values (rows of n contiguous values, stride apart)\n"
+             "when its range holds them: if\n"
              "the float32 range at min_address and max_address is [lo, hi] and every value lies in it,\n"
              "adds their counts (bin_counts' binning) to the bins float32 counters at hist_address and 1\n"
              "to the int64 at batches_address, and returns None. Otherwise writes nothing and returns the\n"
@@ -399,29 +418,34 @@ PyDoc_STRVAR(observe_doc,
 
 static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (check_count(nargs, 12,
-                    "observe(address, n, lo, hi, scale, divisor, bins, hist_address, min_address, "
-                    "max_address, batches_address, start)") < 0) {
+    if (check_count(nargs, 14,
+                    "observe(address, n, rows, stride, lo, hi, scale, divisor, bins, hist_address, "
+                    "min_address, max_address, batches_address, start)") < 0) {
         return NULL;
     }
     void *x, *hist, *lo_at, *hi_at, *batches;
-    if (as_address(args[0], &x) < 0 || as_address(args[7], &hist) < 0 || as_address(args[8], &lo_at) < 0 ||
-        as_address(args[9], &hi_at) < 0 || as_address(args[10], &batches) < 0) {
+    if (as_address(args[0], &x) < 0 || as_address(args[9], &hist) < 0 || as_address(args[10], &lo_at) < 0 ||
+        as_address(args[11], &hi_at) < 0 || as_address(args[12], &batches) < 0) {
         return NULL;
     }
     int64_t n = PyLong_AsLongLong(args[1]);
-    double lo = PyFloat_AsDouble(args[2]);
-    double hi = PyFloat_AsDouble(args[3]);
-    double scale = PyFloat_AsDouble(args[4]);
-    double divisor = PyFloat_AsDouble(args[5]);
-    int64_t bins = PyLong_AsLongLong(args[6]);
-    int start = PyObject_IsTrue(args[11]);
+    int64_t rows = PyLong_AsLongLong(args[2]);
+    int64_t stride = PyLong_AsLongLong(args[3]);
+    double lo = PyFloat_AsDouble(args[4]);
+    double hi = PyFloat_AsDouble(args[5]);
+    double scale = PyFloat_AsDouble(args[6]);
+    double divisor = PyFloat_AsDouble(args[7]);
+    int64_t bins = PyLong_AsLongLong(args[8]);
+    int start = PyObject_IsTrue(args[13]);
     if (PyErr_Occurred() || start < 0) {
         return NULL;
     }
-    if (n <= 0 || n >= (1 << 24) || bins <= 0 || bins > (1 << 24) || x == NULL || hist == NULL ||
-        lo_at == NULL || hi_at == NULL || batches == NULL) {
-        PyErr_SetString(PyExc_ValueError, "observe needs non-null addresses, 0 < n < 2**24 and 0 < bins <= 2**24");
+    if (n <= 0 || rows <= 0 || n >= (1 << 24) || rows >= (1 << 24) / n || (rows > 1 && stride < n) ||
+        bins <= 0 || bins > (1 << 24) || x == NULL || hist == NULL || lo_at == NULL || hi_at == NULL ||
+        batches == NULL) {
+        PyErr_SetString(PyExc_ValueError,
+                        "observe needs non-null addresses, 0 < n * rows < 2**24, stride >= n (rows apart) and "
+                        "0 < bins <= 2**24");
         return NULL;
     }
     const float lo_f = (float)lo, hi_f = (float)hi;
@@ -432,18 +456,18 @@ static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         mn = lo_f;
         mx = hi_f;
         if (!(*(const float *)lo_at <= *(const float *)hi_at)) { /* nothing recorded */
-            status = bin_counts_f32((const float *)x, n, lo_f, (float)scale, (float)divisor, bins, mn, mx,
-                                    (float *)hist, 0);
+            status = bin_counts_f32((const float *)x, n, rows, stride, lo_f, (float)scale, (float)divisor, bins,
+                                    mn, mx, (float *)hist, 0);
         }
         if (status == 0) {
             *(float *)lo_at = lo_f;
             *(float *)hi_at = hi_f;
         }
     } else {
-        minmax_f32((const float *)x, n, &mn, &mx);
+        minmax_rows((const float *)x, n, rows, stride, &mn, &mx);
         if (*(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f && mn >= lo_f && mx <= hi_f) {
-            status = bin_counts_f32((const float *)x, n, lo_f, (float)scale, (float)divisor, bins, mn, mx,
-                                    (float *)hist, 1);
+            status = bin_counts_f32((const float *)x, n, rows, stride, lo_f, (float)scale, (float)divisor, bins,
+                                    mn, mx, (float *)hist, 1);
         }
     }
     if (status == 0) {

@@ -27,6 +27,8 @@ def rebin(
 def observe(
     address: int,
     n: int,
+    rows: int,
+    stride: int,
     lo: float,
     hi: float,
     scale: float,
