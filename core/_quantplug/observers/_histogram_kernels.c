@@ -255,6 +255,94 @@ static int bin_counts_f32(const float *x, int64_t n, int64_t rows, int64_t strid
     return 0;
 }
 
+#ifdef QP_AVX2
+/*
+ * observe's count where the CPU has AVX2: one sweep finds the bins (over the whole range) and the
+ * values' min, max and NaN together; the range is checked after it. 0: every value lay within
+ * [check_lo, check_hi] and the counts were added to out; 1: not, out untouched; -1 out of memory.
+ * *out_min and *out_max: the values' extremes (NaN with a NaN), as minmax_rows gives them.
+ */
+QP_TARGET_AVX2 static int observe_avx2(const float *x, int64_t n, int64_t rows, int64_t stride, float lo,
+                                      float scale, float divisor, int64_t bins, float check_lo, float check_hi,
+                                      float *out, float *out_min, float *out_max) {
+    uint32_t stack_counts[LANES * STACK_BINS];
+    uint32_t *counts = stack_counts;
+    if (bins > STACK_BINS) {
+        counts = (uint32_t *)malloc(sizeof(uint32_t) * LANES * (size_t)bins);
+        if (counts == NULL) {
+            return -1;
+        }
+    }
+    memset(counts, 0, sizeof(uint32_t) * LANES * (size_t)bins);
+    uint32_t *c0 = counts, *c1 = c0 + bins, *c2 = c1 + bins, *c3 = c2 + bins;
+    const Binning g = {lo, scale, divisor, 0.0f, (float)(bins - 1)};
+    const __m256 vlo = _mm256_set1_ps(lo), vscale = _mm256_set1_ps(scale), vdivisor = _mm256_set1_ps(divisor);
+    const __m256 vfirst = _mm256_setzero_ps(), vfinal = _mm256_set1_ps(g.final);
+    const int scaled = scale != 0.0f;
+    __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+    float mn = INFINITY, mx = -INFINITY;
+    int nan = 0;
+    int32_t idx[CHUNK];
+    for (int64_t row = 0; row < rows; row++, x += stride) {
+        for (int64_t start = 0; start < n; start += CHUNK) {
+            const int64_t m = n - start < CHUNK ? n - start : CHUNK;
+            const float *xs = x + start;
+            int64_t i = 0;
+            for (; i + 8 <= m; i += 8) {
+                const __m256 v = _mm256_loadu_ps(xs + i);
+                vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                vmn = _mm256_min_ps(v, vmn);
+                vmx = _mm256_max_ps(v, vmx);
+                __m256 t = _mm256_sub_ps(v, vlo);
+                if (scaled) {
+                    t = _mm256_mul_ps(t, vscale);
+                }
+                t = _mm256_div_ps(t, vdivisor);
+                t = _mm256_max_ps(_mm256_min_ps(t, vfinal), vfirst); /* bin_position's operand order */
+                _mm256_storeu_si256((__m256i *)(idx + i), _mm256_cvttps_epi32(t));
+            }
+            minmax_tail(xs, i, m, &mn, &mx, &nan);
+            bin_offsets_tail(xs, i, m, &g, idx);
+            i = 0;
+            for (; i + LANES <= m; i += LANES) {
+                c0[idx[i]]++;
+                c1[idx[i + 1]]++;
+                c2[idx[i + 2]]++;
+                c3[idx[i + 3]]++;
+            }
+            for (; i < m; i++) {
+                c0[idx[i]]++;
+            }
+        }
+    }
+    float lanes_mn[8], lanes_mx[8];
+    _mm256_storeu_ps(lanes_mn, vmn);
+    _mm256_storeu_ps(lanes_mx, vmx);
+    for (int k = 0; k < 8; k++) {
+        mn = lanes_mn[k] < mn ? lanes_mn[k] : mn;
+        mx = lanes_mx[k] > mx ? lanes_mx[k] : mx;
+    }
+    if (nan || _mm256_movemask_ps(vnan) != 0) {
+        mn = mx = NAN;
+    }
+    *out_min = mn;
+    *out_max = mx;
+    int status = 1;
+    if (mn >= check_lo && mx <= check_hi) {
+        const int64_t first = (int64_t)bin_position(&g, mn), final = (int64_t)bin_position(&g, mx);
+        for (int64_t b = first; b <= final; b++) {
+            /* exact: callers keep n below 2**24, so the sum fits an int32 and a float32 holds it */
+            out[b] = out[b] + (float)(int32_t)(c0[b] + c1[b] + c2[b] + c3[b]);
+        }
+        status = 0;
+    }
+    if (counts != stack_counts) {
+        free(counts);
+    }
+    return status;
+}
+#endif
+
 /*
  * torchao's re-binning of a histogram onto a grown range: each old bin spread evenly over `rate`
  * sub-bins, whose mid-points `mids` fall into the new bins bounded by `edges` (bins + 1 values;
@@ -463,7 +551,14 @@ static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             *(float *)lo_at = lo_f;
             *(float *)hi_at = hi_f;
         }
-    } else {
+    }
+#ifdef QP_AVX2
+    else if (use_avx2 && *(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f) {
+        status = observe_avx2((const float *)x, n, rows, stride, lo_f, (float)scale, (float)divisor, bins, lo_f, hi_f,
+                              (float *)hist, &mn, &mx);
+    }
+#endif
+    else {
         minmax_rows((const float *)x, n, rows, stride, &mn, &mx);
         if (*(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f && mn >= lo_f && mx <= hi_f) {
             status = bin_counts_f32((const float *)x, n, rows, stride, lo_f, (float)scale, (float)divisor, bins,
