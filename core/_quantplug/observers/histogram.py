@@ -27,6 +27,8 @@ _METHODS = ("mse", "percentile")
 _BINNING = "_quantplug_binning"
 #: the instance attribute keeping the native step of the current range (:class:`_Steady`)
 _STEADY = kernels.STEP_ATTR
+#: the instance attribute saying the observer's first batch was tried natively (:meth:`_start`)
+_STARTED = "_quantplug_started"
 #: the buffers the native step writes: histogram, min_val, max_val, num_batches
 _Buffers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
@@ -149,15 +151,17 @@ class _Steady:
             buffers["max_val"],
             buffers["num_batches"],
         )
+        for t in found:
+            if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
+                return None
         histogram, min_val, max_val, num_batches = found
-        if not (
-            all(type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() for t in found)
-            and histogram.dtype is torch.float32
-            and histogram.numel() == binning.bins
-            and min_val.dtype is torch.float32
-            and max_val.dtype is torch.float32
-            and num_batches.dtype is torch.int64
-            and min_val.numel() == max_val.numel() == num_batches.numel() == 1
+        if histogram.dtype is not torch.float32 or histogram.numel() != binning.bins:
+            return None
+        if min_val.dtype is not torch.float32 or max_val.dtype is not torch.float32:
+            return None
+        if (
+            num_batches.dtype is not torch.int64
+            or not min_val.numel() == max_val.numel() == num_batches.numel() == 1
         ):
             return None
         return cls(binning, found)
@@ -227,13 +231,19 @@ class HistogramObserver(ObserverBase):
         buffers: Any = self._buffers  # not Module.__getattr__: microseconds per call, hundreds of calls
         steady = self.__dict__.get(_STEADY)
         extremes: tuple[float, float] | None = None
-        if steady is not None and steady.serves(buffers):
-            # most batches: the range holds them, one native call counts them (or says it does not)
-            found = kernels.observe_histogram(x, steady.binning, *steady.buffers)
-            if found is None:
+        if steady is not None:
+            if steady.serves(buffers):
+                # most batches: the range holds them, one native call counts them (or says it does not)
+                found = kernels.observe_histogram(x, steady.binning, *steady.buffers)
+                if found is None:
+                    return x
+                if found is not False and found[0] != 0.0 and found[1] != 0.0:
+                    extremes = found  # as kernels.minmax would give them below (it declines zeros)
+        elif _STARTED not in self.__dict__:
+            self.__dict__[_STARTED] = True
+            done, extremes = self._start(x, buffers)
+            if done:
                 return x
-            if found is not False and found[0] != 0.0 and found[1] != 0.0:
-                extremes = found  # as kernels.minmax would give them below (it declines zeros)
         return self._observe(x, buffers, extremes)
 
     def _observe(self, x: torch.Tensor, buffers: Any, extremes: tuple[float, float] | None) -> torch.Tensor:
@@ -243,8 +253,6 @@ class HistogramObserver(ObserverBase):
             return x
         histogram, min_val, max_val = buffers["histogram"], buffers["min_val"], buffers["max_val"]
         cur_min, cur_max = min_val.item(), max_val.item()
-        if cur_min > cur_max and self._start(x, buffers, extremes):
-            return x
         batch = seen.probe(x)
         recalled = seen.recall(self, batch)
         if recalled is not None and recalled[1] == cur_min and recalled[2] == cur_max:
@@ -302,16 +310,16 @@ class HistogramObserver(ObserverBase):
             self.__dict__[_STEADY] = _Steady.make(binning, buffers, new_min, new_max)
         return x
 
-    def _start(self, x: torch.Tensor, buffers: Any, extremes: tuple[float, float] | None) -> bool:
-        """The first batch, where the general path's steps reduce to two native calls (its
-        extremes, then its counts written over its own range), as for most first batches;
-        False, with nothing written, where they do not apply (the general path runs)."""
+    def _start(self, x: torch.Tensor, buffers: Any) -> tuple[bool, tuple[float, float] | None]:
+        """The observer's first batch in two native calls: its extremes, then its counts written
+        over its own range, with the range (the native call checks that none was recorded).
+        ``(True, None)`` where done; else ``(False, extremes)``, nothing written, and ``x``'s
+        extremes if found, for the general path."""
         if not x.is_contiguous():
-            return False
+            return False, None
+        extremes = kernels.minmax(x)
         if extremes is None:
-            extremes = kernels.minmax(x)
-            if extremes is None:
-                return False
+            return False, None
         lo, hi = extremes
         binning = LinearBinning.make(self.bins, lo, hi)
         steady = _Steady.make(binning, buffers, lo, hi)
@@ -319,10 +327,10 @@ class HistogramObserver(ObserverBase):
             steady is None
             or kernels.observe_histogram(x, steady.binning, *steady.buffers, start=True) is not None
         ):
-            return False
+            return False, extremes
         self.__dict__[_BINNING] = binning
         self.__dict__[_STEADY] = steady
-        return True
+        return True, None
 
     def _counts(
         self, data: torch.Tensor, lo: float, hi: float, readable: bool, extremes: tuple[float, float]
