@@ -7,6 +7,11 @@
  * with cold caches right after a weight-heavy layer; these functions do the same work in one
  * call each, on raw float32 memory handed over by address.
  *
+ * A histogram observer's batch within its current range (most batches) is one call, `observe`: the
+ * min/max, the range check, the binning and the counts added to the histogram. Where the CPU has
+ * AVX2 (checked at import; GCC and Clang on x86) the min/max and the binning run on 8 lanes,
+ * elsewhere on SSE2 or in scalar code: the same operations, the same results.
+ *
  * Exactness: the binning evaluates the same float32 expression as quantplug's LinearBinning
  * (itself torch.histc's arithmetic): (x - lo) [* scale] / divisor, clamped to the last bin,
  * truncated. IEEE float32 operations round the same whether vectorised or not; the build
@@ -39,7 +44,7 @@
 
 /* AVX2 variants, used where the CPU has AVX2 (compiled by GCC and Clang on x86; elsewhere the
  * SSE2 or scalar code runs): the same IEEE float32 operations on 8 lanes, the same results. */
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
 #define QP_AVX2 1
 #define QP_TARGET_AVX2 __attribute__((target("avx2")))
@@ -501,7 +506,7 @@ PyDoc_STRVAR(observe_doc,
              "adds their counts (bin_counts' binning) to the bins float32 counters at hist_address and 1\n"
              "to the int64 at batches_address, and returns None. Otherwise writes nothing and returns the\n"
              "values' (min, max), as minmax does. With start, [lo, hi] are the values' min and max and\n"
-             "the range must be empty (min > max, or NaN): the counts are written (not added) and the\n"
+             "the range must be empty (min > max): the counts are written (not added) and the\n"
              "range becomes [lo, hi].");
 
 static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -543,7 +548,7 @@ static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (start) {
         mn = lo_f;
         mx = hi_f;
-        if (!(*(const float *)lo_at <= *(const float *)hi_at)) { /* nothing recorded */
+        if (*(const float *)lo_at > *(const float *)hi_at) { /* nothing recorded: (inf, -inf) */
             status = bin_counts_f32((const float *)x, n, rows, stride, lo_f, (float)scale, (float)divisor, bins,
                                     mn, mx, (float *)hist, 0);
         }

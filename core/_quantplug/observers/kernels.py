@@ -5,7 +5,8 @@ torch operation costs several microseconds of dispatch before any arithmetic, an
 observer's batch (a min/max reduction, then torch.histc's binning as five vectorised operations
 and a bincount) is most of the calibration overhead. ``_histogram_kernels`` (C, built with the
 package where a compiler is available) does the same work in two passes over the batch, writing
-the counts straight into the histogram.
+the counts straight into the histogram; a histogram observer's batch within its range (most
+batches, once the ranges stop growing) is a single call, :func:`observe_histogram`.
 
 Every function here returns None (or False) where the native path does not apply, and the
 callers then run their torch code, which computes the same values: the kernels are a speed-up,
