@@ -29,6 +29,9 @@ _BINNING = "_quantplug_binning"
 _STEADY = kernels.STEP_ATTR
 #: the instance attribute saying the observer's first batch was tried natively (:meth:`_start`)
 _STARTED = "_quantplug_started"
+#: ``extremes`` handed to the general path where the native kernels met an extreme of zero: its sign
+#: (the observer keeps the one it is given) is torch.aminmax's to decide, not another native pass's
+_ZERO_EXTREME = (0.0, 0.0)
 #: the buffers the native step writes: histogram, min_val, max_val, num_batches
 _Buffers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _PER_TENSOR_QSCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
@@ -237,8 +240,9 @@ class HistogramObserver(ObserverBase):
                 found = kernels.observe_histogram(x, steady.binning, *steady.buffers)
                 if found is None:
                     return x
-                if found is not False and found[0] != 0.0 and found[1] != 0.0:
-                    extremes = found  # as kernels.minmax would give them below (it declines zeros)
+                if found is not False:
+                    # as kernels.minmax would give them below, which declines zeros (torch decides their sign)
+                    extremes = found if found[0] != 0.0 and found[1] != 0.0 else _ZERO_EXTREME
         elif _STARTED not in self.__dict__:
             self.__dict__[_STARTED] = True
             done, extremes = self._start(x, buffers)
@@ -266,14 +270,15 @@ class HistogramObserver(ObserverBase):
         if not readable and kernels.enabled():
             data = data.reshape(-1)  # a copy the native kernels can read
             readable = kernels.readable(data)
-        if extremes is None:
-            extremes = seen.recall_extremes(batch)
-            if extremes is None:
-                extremes = kernels.minmax(data, checked=True) if readable else None
-                if extremes is None:
+        if extremes is None or extremes is _ZERO_EXTREME:
+            found = seen.recall_extremes(batch)
+            if found is None:
+                found = kernels.minmax(data, checked=True) if readable and extremes is None else None
+                if found is None:
                     lo, hi = torch.stack(list(torch.aminmax(data))).tolist()
-                    extremes = (lo, hi)
-                seen.remember_extremes(batch, extremes)
+                    found = (lo, hi)
+                seen.remember_extremes(batch, found)
+            extremes = found
         lo_f, hi_f = extremes
         ordinary = nonfinite.ordinary(self, lo_f, hi_f)
         if not ordinary:
@@ -317,10 +322,12 @@ class HistogramObserver(ObserverBase):
         extremes if found, for the general path."""
         if not x.is_contiguous():
             return False, None
-        extremes = kernels.minmax(x)
+        extremes = kernels.extremes(x)
         if extremes is None:
             return False, None
         lo, hi = extremes
+        if lo == 0.0 or hi == 0.0:
+            return False, _ZERO_EXTREME
         binning = LinearBinning.make(self.bins, lo, hi)
         steady = _Steady.make(binning, buffers, lo, hi)
         if (
