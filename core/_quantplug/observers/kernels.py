@@ -31,6 +31,8 @@ try:
     from _quantplug.observers import _histogram_kernels as _built
 except ImportError:  # built without a C compiler: the torch code paths run
     _built = None
+if _built is not None and not hasattr(_built, "observe"):
+    _built = None  # built from an older source (an in-place build not redone): its calls differ
 
 _native: ModuleType | None = None if os.environ.get("QUANTPLUG_NATIVE_KERNELS", "1") == "0" else _built
 
