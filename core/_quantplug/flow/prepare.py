@@ -142,16 +142,47 @@ def _graph_stamp(graph: Graph) -> tuple[Graph, int, int]:
 _UNSTAMPED = itertools.count(1)
 
 
+class _Submodule:
+    """``prepared.<name>`` for a top-level submodule, read from the module's ``_modules`` without
+    the failed attribute look-up that precedes ``Module.__getattr__`` (an exception raised and
+    caught inside Python: about 1 us, and the generated code reads an observer this way for
+    every observer call, hundreds per forward; this: 0.15 us).
+
+    A non-data descriptor on the instance's own class: the instance ``__dict__`` still comes first,
+    and a name not (or no longer) among the submodules resolves exactly as without it
+    (``Module.__getattr__``: parameters, buffers, modules; then :class:`PreparedModule`'s node
+    names), so ``setattr``, ``delattr``, ``add_module`` and ``hasattr`` behave as on any module.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        found = obj.__dict__["_modules"].get(self.name, _ABSENT)
+        return obj.__getattr__(self.name) if found is _ABSENT else found
+
+
+_ABSENT = object()
+
+
 def _as_prepared_module(gm: GraphModule) -> None:
     """Make ``gm`` a :class:`PreparedModule` in place (before its code is generated).
 
     GraphModule gives every instance its own class (its ``forward`` is installed on it); the
     per-instance class here is named like torch's, whose copying finds ``PreparedModule`` beneath it.
+    Its top-level submodules (the observers among them) are read through :class:`_Submodule`.
     """
 
     class GraphModuleImpl(PreparedModule):
         pass
 
+    for name in gm._modules:
+        if name.isidentifier() and not hasattr(GraphModuleImpl, name):
+            setattr(GraphModuleImpl, name, _Submodule(name))
     gm.__class__ = GraphModuleImpl
 
 

@@ -40,26 +40,85 @@ def merge_averages_(observer: Any, others: Sequence[Any]) -> None:
     observer._add_batches(others)
 
 
-def batch_extremes(observer: Any, x: torch.Tensor) -> tuple[float, float] | None:
+_F32 = torch.float32
+_STRIDED = torch.strided
+_ORDINARY_LOW = nonfinite.SCORE_MASK_SENTINEL
+
+
+def plain_extremes(x: torch.Tensor) -> tuple[float, float] | None:
+    """The min and max of ``x`` by the common route, or None where :func:`batch_extremes` must
+    decide: a float32 CPU batch whose values fill its memory (contiguous, or a permutation of a
+    contiguous block), read by the native kernel or recalled from :data:`seen.EXTREMES`.
+
+    The same values as :func:`batch_extremes` (which this shortcuts: a range observer runs once
+    per activation edge, hundreds of times per forward, and :func:`seen.probe`'s bookkeeping cost
+    more than the pass over a decoder's activation): the same conditions for matching a batch
+    seen before (:func:`seen.probe`), the same kernel, the same zeros left unrecorded.
+    """
+    native = kernels._native
+    if (
+        native is None
+        or type(x) is not torch.Tensor
+        or x.dtype is not _F32
+        or not x.is_cpu
+        or x.layout is not _STRIDED
+        or not seen._enabled
+        or x.is_inference()
+        or (x.requires_grad and torch.is_grad_enabled())
+    ):
+        return None
+    numel = x.numel()
+    if not 0 < numel < kernels.MAX_ELEMENTS:
+        return None
+    dense = ((1, numel),)
+    contiguous = x.is_contiguous()
+    layout = dense if contiguous else seen.layout(x)
+    address = x.data_ptr()
+    key = (address, numel, _F32, layout, x._version)
+    storage = x.untyped_storage()
+    found = seen.known_extremes(key, storage)
+    if found is not None:
+        return found
+    if layout == dense:
+        lo, hi = native.minmax(address, numel)
+    else:  # a slice (a q/k/v head): its values gathered in one copy (torch.aminmax of a strided
+        # tensor takes 4x as long as the copy and the kernel)
+        values = x.contiguous()  # held while the kernel reads it
+        lo, hi = native.minmax(values.data_ptr(), numel)
+    if lo == 0.0 or hi == 0.0:
+        # which zero (+0 or -0) is met first depends on the order the values are read in
+        # (seen.remember_extremes): kept for a contiguous batch as kernels.extremes keeps it, never
+        # recorded; torch's reduction decides for any other
+        return (lo, hi) if contiguous else None
+    seen.keep_extremes(key, storage, (lo, hi))
+    return lo, hi
+
+
+def batch_extremes(
+    observer: Any, x: torch.Tensor, plain: tuple[float, float] | None = None
+) -> tuple[float, float] | None:
     """The min and max of ``x`` as floats (None: no finite element to record), NaN/inf handled.
 
     A batch holding the very values of one observed recently (a view of it, the same tensor at
     another observer, or a constant this observer meets at every batch, such as an embedding
     table sharing its output's grid: :mod:`seen`) gets that batch's extremes without a pass over it.
+    ``plain``: :func:`plain_extremes` of ``x``, where the caller has it.
     """
-    batch = seen.probe(x)
-    found = seen.recall(observer, batch)
+    found = plain if plain is not None else plain_extremes(x)
     if found is None:
-        found = seen.recall_extremes(batch)
+        batch = seen.probe(x)
+        found = seen.recall(observer, batch)
         if found is None:
-            data = x.detach()
-            found = kernels.extremes(data, None if batch is None else batch.dense)
+            found = seen.recall_extremes(batch)
             if found is None:
-                lo, hi = torch.stack(list(torch.aminmax(data.float()))).tolist()
-                found = (lo, hi)
-            seen.remember_extremes(batch, found)
-        if found[0] != 0.0 and found[1] != 0.0:  # see seen.remember_extremes
-            seen.remember(observer, batch, found)
+                data = x.detach()
+                found = kernels.extremes(data, None if batch is None else batch.dense)
+                if found is None:
+                    lo, hi = torch.stack(list(torch.aminmax(data.float()))).tolist()
+                    found = (lo, hi)
+                seen.remember_extremes(batch, found)
+            if found[0] != 0.0 and found[1] != 0.0:  # see seen.remember_extremes
+                seen.remember(observer, batch, found)
     lo, hi = found
     if nonfinite.ordinary(observer, lo, hi):
         return lo, hi
@@ -80,14 +139,17 @@ class MinMaxObserver(ObserverBase):
         self.register_buffer("max_val", torch.tensor(float("-inf")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
-            return x
-        found = batch_extremes(self, x)
-        if found is not None:
-            self._update(*found)
-            # in place (``+=`` goes through Module.__setattr__), and buffers read from their dict
-            # (attribute reads go through Module.__getattr__): microseconds per call, hundreds of calls
-            self._buffers["num_batches"].add_(ONE)  # type: ignore[union-attr]
+        found = plain_extremes(x)
+        # finite and no mask sentinel possible (nonfinite.ordinary's first test): the common case,
+        # without another call; anything else as batch_extremes decides
+        if found is None or not (_ORDINARY_LOW < found[0] and found[1] < math.inf):
+            found = batch_extremes(self, x, found) if x.numel() else None
+            if found is None:
+                return x
+        self._update(*found)
+        # in place (``+=`` goes through Module.__setattr__), and buffers read from their dict
+        # (attribute reads go through Module.__getattr__): microseconds per call, hundreds of calls
+        self._buffers["num_batches"].add_(ONE)  # type: ignore[union-attr]
         return x
 
     def _update(self, lo: float, hi: float) -> None:

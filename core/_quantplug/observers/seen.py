@@ -21,9 +21,11 @@ autograd (:func:`probe`).
 Two kinds of memory: each observer's own (:func:`recall` / :func:`remember`, in the instance
 ``__dict__``: never copied or pickled), for statistics that depend on the observer (a histogram's
 counts over its range), and one shared by every observer of the process for a batch's extremes,
-which depend on the values alone (:data:`EXTREMES`). Both keep the :data:`KEPT` most recent
-batches whose storage still lives, with weak references only (a histogram observer also keeps
-the counts of those batches: one histogram each).
+which depend on the values alone (:data:`EXTREMES`). The first keeps the :data:`KEPT` most recent
+batches whose storage still lives, the second the :data:`KEPT_EXTREMES` most recent batches (a
+table keyed by where the values are: one look-up per call, which range observers make hundreds
+of times per forward), both with weak references only (a histogram observer also keeps the counts
+of those batches: one histogram each).
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ def dense(x: torch.Tensor) -> bool:
     return x.is_contiguous() or layout(x) == ((1, x.numel()),)
 
 
+#: where a batch's values are: ``(address, numel, dtype, layout, version)``
+Key = tuple[int, int, torch.dtype, Layout, int]
+
+
 class Batch:
     """Where a batch's values are (module docstring); ``dense``: as :func:`dense` says of it."""
 
@@ -109,6 +115,10 @@ class Batch:
         self.dense = self.layout == ((1, self.numel),)
         self.storage = weakref.ref(x.untyped_storage())
         self.version = x._version
+
+    @property
+    def key(self) -> Key:
+        return (self.address, self.numel, self.dtype, self.layout, self.version)
 
     def holds(self, other: Batch) -> bool:
         """Whether ``other`` (a batch being observed) holds exactly this batch's values, unchanged."""
@@ -170,17 +180,43 @@ def forget(observer: Any) -> None:
     observer.__dict__.pop(ATTR, None)
 
 
-#: batches whose extremes some observer computed: ``(min, max)`` as Python floats, the same for
-#: every observer (each applies its own NaN/inf policy to them)
-EXTREMES: Kept = []
+#: batches whose extremes some observer computed, oldest first: where their values are ->
+#: ``(storage, (min, max))``, a weak reference to the batch's storage (a key whose storage died,
+#: or now is another one at the same address, holds nothing) and the extremes as Python floats,
+#: the same for every observer (each applies its own NaN/inf policy to them)
+EXTREMES: dict[Key, tuple[weakref.ref[torch.UntypedStorage], tuple[float, float]]] = {}
+#: batches whose extremes are kept: dead ones take a place until pushed out, and a q/k/v group's
+#: views meet other observers' batches (the scores, the softmax) between its calls
+KEPT_EXTREMES = 8
 
 
 def recall_extremes(batch: Batch | None) -> tuple[float, float] | None:
-    return None if batch is None else _find(EXTREMES, batch)  # type: ignore[no-any-return]
+    if batch is None:
+        return None
+    found = EXTREMES.get(batch.key)
+    return found[1] if found is not None and found[0]() is batch.storage() else None
+
+
+def known_extremes(key: Key, storage: torch.UntypedStorage) -> tuple[float, float] | None:
+    """:func:`recall_extremes` of a batch known by its key and storage (no :class:`Batch` built:
+    the range observers' common case, :func:`_quantplug.observers.minmax.plain_extremes`)."""
+    found = EXTREMES.get(key)
+    return found[1] if found is not None and found[0]() is storage else None
 
 
 def remember_extremes(batch: Batch | None, extremes: tuple[float, float]) -> None:
     """Record ``batch``'s extremes for every observer; not where one is zero: which zero (+0 or
     -0) a reduction returns depends on the order it meets them, hence on the view it reads."""
     if batch is not None and extremes[0] != 0.0 and extremes[1] != 0.0:
-        EXTREMES[:] = _keep(EXTREMES, batch, extremes)
+        storage = batch.storage()
+        if storage is not None:
+            keep_extremes(batch.key, storage, extremes)
+
+
+def keep_extremes(key: Key, storage: torch.UntypedStorage, extremes: tuple[float, float]) -> None:
+    """Record the extremes (neither of them zero: :func:`remember_extremes`) of the batch ``key``
+    names, whose storage is ``storage``."""
+    EXTREMES.pop(key, None)  # a key whose storage died, taken by a new one: the newest again
+    EXTREMES[key] = (weakref.ref(storage), extremes)
+    if len(EXTREMES) > KEPT_EXTREMES:
+        del EXTREMES[next(iter(EXTREMES))]
