@@ -1,12 +1,13 @@
-"""The mask-aware observer's fast path (float32: one reduction, ``masked_select``) ends in the
-state its general path (any dtype: boolean masks and indexing) reaches on the same values."""
+"""The mask-aware observer's fast path (float32: one reduction, then the real values' extremes for
+an inner observer of extremes, ``masked_select`` for any other) ends in the state its general
+path (any dtype: boolean masks and indexing) reaches on the same values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quantplug.backend import MinMaxObserver, MovingAverageMinMaxObserver
+from quantplug.backend import HistogramObserver, MinMaxObserver, MovingAverageMinMaxObserver
 from quantplug_qnn_htp.observers import MaskAwareObserver
 
 
@@ -19,10 +20,14 @@ def _batches() -> list[torch.Tensor]:
         torch.randn(2, 16, 16, generator=g) * 3,  # no mask
         torch.randn(4, 4, generator=g).masked_fill(torch.eye(4, dtype=torch.bool), float("inf")),
         torch.full((3, 3), -1e9),  # masks only
+        torch.tensor(float("-inf")),  # the fill value of a masked_fill, observed as a constant
+        torch.tensor([[-1e9, 0.5, 2.0], [float("inf"), -3.0, 1e9]]),  # masks of both signs
+        torch.tensor([float("-inf"), 1e9]),  # masks of both signs, nothing else
+        torch.randn(2, 16, 16, generator=g).relu() + causal,  # a zero extreme among the real values
     ]
 
 
-@pytest.mark.parametrize("inner", [MinMaxObserver, MovingAverageMinMaxObserver])
+@pytest.mark.parametrize("inner", [MinMaxObserver, MovingAverageMinMaxObserver, HistogramObserver])
 def test_float32_path_ends_where_the_general_path_does(inner: type) -> None:
     fast = MaskAwareObserver(inner=inner.with_args(), dtype=torch.uint16)
     general = MaskAwareObserver(inner=inner.with_args(), dtype=torch.uint16)
@@ -33,5 +38,6 @@ def test_float32_path_ends_where_the_general_path_does(inner: type) -> None:
         assert torch.equal(getattr(fast, name), getattr(general, name)), name
     assert bool(fast.saw_negative_mask) and bool(fast.saw_positive_mask)
     for name in ("min_val", "max_val", "num_batches"):
-        assert torch.equal(getattr(fast.inner, name), getattr(general.inner, name)), name
+        a, b = getattr(fast.inner, name), getattr(general.inner, name)
+        assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b)), name
     assert torch.equal(fast.calculate_qparams()[0], general.calculate_qparams()[0])
