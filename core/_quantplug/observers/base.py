@@ -24,6 +24,9 @@ DEFAULT_EPS = float(torch.finfo(torch.float32).eps)
 #: ``num_batches.add_(ONE)``: a batch counted in place without wrapping a Python 1 into a tensor
 #: per call (``num_batches += 1`` also goes through ``Module.__setattr__``: 10 us a call)
 ONE = torch.ones((), dtype=torch.int64)
+#: the instance attribute where a range observer keeps views of its 0-dim buffers
+#: (:func:`_quantplug.observers.minmax.scalar_views`): never copied or pickled
+SCALAR_VIEWS = "_quantplug_scalar_views"
 
 
 class ObserverFactory:
@@ -172,9 +175,10 @@ class ObserverBase(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         """The module's state without the batches it saw last (``observers.seen``: weak references
-        to storages, meaningless in a copy)."""
+        to storages, meaningless in a copy) and without views of its buffers' memory."""
         state = dict(super().__getstate__())
         state.pop(seen.ATTR, None)
+        state.pop(SCALAR_VIEWS, None)
         return state
 
     def _add_batches(self, others: Sequence[Any]) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from _quantplug.observers import kernels, seen
+from _quantplug.observers.base import SCALAR_VIEWS
 from _quantplug.observers.binning import LinearBinning
 from _quantplug.observers.parked import unparked
 
@@ -38,7 +39,7 @@ _IMMUTABLE = (
 
 #: instance attributes a copy leaves out: what an observer keeps of its recent batches, and the
 #: native step bound to its own buffers (both made again as the copy is fed)
-_DROPPED = (seen.ATTR, kernels.STEP_ATTR)
+_DROPPED = (seen.ATTR, kernels.STEP_ATTR, SCALAR_VIEWS)
 
 
 def fresh_copy(obs: nn.Module) -> nn.Module:
@@ -62,6 +63,7 @@ def fresh_copy(obs: nn.Module) -> nn.Module:
     new.__dict__ = obs.__dict__.copy()
     seen.forget(new)  # a copy has seen no batch
     new.__dict__.pop(kernels.STEP_ATTR, None)  # it writes the original's buffers
+    new.__dict__.pop(SCALAR_VIEWS, None)  # views of the original's buffers
     new._buffers = {k: None if v is None else v.clone() for k, v in obs._buffers.items()}
     new._non_persistent_buffers_set = set(obs._non_persistent_buffers_set)
     new._parameters = {}
