@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 import weakref
@@ -121,3 +122,34 @@ def test_no_model_kept_alive_after_the_flow() -> None:
     del model, ep, prepared, converted
     gc.collect()
     assert [r() for r in refs] == [None] * 4
+
+
+def test_prepared_module_attributes_behave_as_a_modules() -> None:
+    """Top-level submodules are read through a descriptor on the prepared module's class (the
+    generated code reads an observer per call): setting, deleting, re-adding and shadowing them
+    behaves as on any module, and observer node names still resolve."""
+    model, args = demo_model()
+    prepared = quantplug.prepare(torch.export.export(model, args), quantplug.get_quantizer("reference"))
+    names = [n for n, _ in prepared.named_children() if n.startswith("activation_post_process_")]
+    name, other = names[0], names[1]
+    observer = getattr(prepared, name)
+    assert observer is prepared.get_submodule(name)
+    calls = [n for n in prepared.graph.nodes if n.op == "call_module" and n.name != n.target]
+    if calls:  # a group observed at more than one key: the second node's name reaches its module
+        assert getattr(prepared, calls[0].name) is prepared.get_submodule(str(calls[0].target))
+    replacement = copy.deepcopy(observer)
+    setattr(prepared, name, replacement)
+    assert getattr(prepared, name) is replacement
+    delattr(prepared, name)
+    assert not hasattr(prepared, name)  # its graph node keeps the name: no alias to itself
+    with pytest.raises(AttributeError):
+        getattr(prepared, name)
+    prepared.register_buffer(name, torch.ones(2))
+    assert torch.equal(getattr(prepared, name), torch.ones(2))
+    delattr(prepared, name)
+    prepared.add_module(name, observer)
+    assert getattr(prepared, name) is observer
+    setattr(prepared, other, None)  # a submodule slot emptied, as Module allows
+    assert getattr(prepared, other) is None
+    object.__setattr__(prepared, name, "shadow")  # the instance __dict__ comes first, as ever
+    assert getattr(prepared, name) == "shadow"

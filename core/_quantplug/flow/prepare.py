@@ -110,7 +110,7 @@ class PreparedModule(ExportedModes, GraphModule):
             return super().__getattr__(name)
         except AttributeError:
             target = self._module_name_table(name)
-            if target is None:
+            if target is None or target == name:  # the node's own module, gone: nothing else to find
                 raise
             return self.get_submodule(target)
 
