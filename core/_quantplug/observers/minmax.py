@@ -48,8 +48,9 @@ _ORDINARY_LOW = nonfinite.SCORE_MASK_SENTINEL
 
 def plain_extremes(x: torch.Tensor) -> tuple[float, float] | None:
     """The min and max of ``x`` by the common route, or None where :func:`batch_extremes` must
-    decide: a float32 CPU batch whose values fill its memory (contiguous, or a permutation of a
-    contiguous block), read by the native kernel or recalled from :data:`seen.EXTREMES`.
+    decide: a float32 CPU batch (the observers' own policy for NaN/inf still to apply), recalled
+    from :data:`seen.EXTREMES` or read by the native kernel (a batch whose values do not fill
+    their memory, such as a head split from a q/k/v projection, through a contiguous copy).
 
     The same values as :func:`batch_extremes` (which this shortcuts: a range observer runs once
     per activation edge, hundreds of times per forward, and :func:`seen.probe`'s bookkeeping cost

@@ -191,10 +191,8 @@ KEPT_EXTREMES = 8
 
 
 def recall_extremes(batch: Batch | None) -> tuple[float, float] | None:
-    if batch is None:
-        return None
-    found = EXTREMES.get(batch.key)
-    return found[1] if found is not None and found[0]() is batch.storage() else None
+    storage = None if batch is None else batch.storage()
+    return None if batch is None or storage is None else known_extremes(batch.key, storage)
 
 
 def known_extremes(key: Key, storage: torch.UntypedStorage) -> tuple[float, float] | None:
