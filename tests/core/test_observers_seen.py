@@ -21,7 +21,12 @@ from _quantplug.meta import observer_children
 from _quantplug.observers import kernels, seen
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.histogram import HistogramObserver
-from _quantplug.observers.minmax import MinMaxObserver, MovingAverageMinMaxObserver, _average_step
+from _quantplug.observers.minmax import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    _average_step,
+    _average_steps,
+)
 from _quantplug.observers.rebin import _spread
 
 OBSERVERS = {
@@ -211,6 +216,10 @@ def test_average_step_rounds_as_float32_arithmetic(current: float, value: float,
     assert _average_step(current, value, c) == expected or (
         np.isnan(expected) and np.isnan(_average_step(current, value, c))
     )
+    # both ends of a range in one pass: the same roundings (the other end: the mirrored step)
+    pair = _average_steps(current, value, -value, -current, c)
+    assert pair[0] == _average_step(current, value, c) or np.isnan(pair[0])
+    assert pair[1] == _average_step(-value, -current, c) or np.isnan(pair[1])
 
 
 @settings(max_examples=100, deadline=None)

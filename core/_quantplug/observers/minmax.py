@@ -226,9 +226,11 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         else:
             # min + c * (lo - min) in float32 scalars: the very roundings of torch's 0-dim float32
             # arithmetic (torch's observers), without a tensor operation per step
-            c = float32(self.averaging_constant)
-            low.fill_(_average_step(low.item(), lo, c))
-            high.fill_(_average_step(high.item(), hi, c))
+            new_low, new_high = _average_steps(
+                low.item(), lo, high.item(), hi, float32(self.averaging_constant)
+            )
+            low.fill_(new_low)
+            high.fill_(new_high)
 
     def _update_views(self, views: ScalarViews, lo: float, hi: float) -> None:
         low, high, count = views
@@ -236,9 +238,9 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
             low.value = lo
             high.value = hi
         else:
-            c = float32(self.averaging_constant)
-            low.value = _average_step(low.value, lo, c)
-            high.value = _average_step(high.value, hi, c)
+            low.value, high.value = _average_steps(
+                low.value, lo, high.value, hi, float32(self.averaging_constant)
+            )
 
     def merge_(self, others: Sequence[Any]) -> None:
         merge_averages_(self, others)
@@ -324,6 +326,22 @@ def _average_step(current: float, value: float, c: float) -> float:
     exact for a sum, a difference and a product.
     """
     return float32(current + float32(float32(float32(value) - current) * c))
+
+
+_FLOAT32_PAIR = struct.Struct("ff")
+
+
+def _average_steps(low: float, lo: float, high: float, hi: float, c: float) -> tuple[float, float]:
+    """``(_average_step(low, lo, c), _average_step(high, hi, c))``, each rounding of the two steps
+    in one ``struct`` call (a moving average's update is two steps per observer call)."""
+    pack, unpack = _FLOAT32_PAIR.pack, _FLOAT32_PAIR.unpack
+    try:
+        a, b = unpack(pack(lo, hi))
+        a, b = unpack(pack(a - low, b - high))
+        a, b = unpack(pack(a * c, b * c))
+        return unpack(pack(low + a, high + b))  # type: ignore[no-any-return]
+    except OverflowError:  # beyond float32's range: float32() makes it infinite
+        return _average_step(low, lo, c), _average_step(high, hi, c)
 
 
 def _per_channel_extremes(observer: Any, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
