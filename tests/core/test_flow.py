@@ -153,3 +153,23 @@ def test_prepared_module_attributes_behave_as_a_modules() -> None:
     assert getattr(prepared, other) is None
     object.__setattr__(prepared, name, "shadow")  # the instance __dict__ comes first, as ever
     assert getattr(prepared, name) == "shadow"
+
+
+@pytest.mark.parametrize("backend", ["reference", "qnn_htp"])
+def test_deep_copy_of_a_prepared_module_calibrates_and_converts_on_its_own(backend: str) -> None:
+    # both backends derive their bias grids from the input's and the weight's (specs holding
+    # graph nodes): deep-copying those once dragged the graph's fake tensors along and failed
+    model, example = demo_model()
+    prepared = quantplug.prepare(torch.export.export(model, example), quantplug.get_quantizer(backend))
+    batches = list(demo_calibration(3))
+    prepared(*batches[0])
+    twin = copy.deepcopy(prepared)
+    seen = {k: v.clone() for k, v in prepared.state_dict().items()}
+    for batch in batches[1:]:
+        twin(*batch)
+    assert all(torch.equal(v, prepared.state_dict()[k]) for k, v in seen.items())  # the original untouched
+    for batch in batches[1:]:
+        prepared(*batch)
+    ours, theirs = quantplug.convert(prepared), quantplug.convert(twin)
+    assert ours.code == theirs.code
+    assert torch.equal(ours(*example), theirs(*example))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from _quantplug.meta import observer_target
 from _quantplug.sharing.resolution import Key, describe_key
@@ -64,3 +66,44 @@ class PreparedState:
 
     def observer(self, gm: GraphModule, gid: int) -> nn.Module:
         return getattr(gm, observer_target(gid))
+
+    def __deepcopy__(self, memo: dict[Any, Any]) -> PreparedState:
+        """A copy whose specs name graph nodes without copying them.
+
+        A derived spec's ``derived_from`` holds nodes of the annotated graph; deep-copying one
+        follows its neighbours through the whole graph to the fake tensors of ``meta["val"]``,
+        which refuse to be copied, so ``copy.deepcopy(prepared)`` failed. Each node becomes the
+        copied graph's node where ``GraphModule.__deepcopy__`` already copied the graph (its
+        ``graph_copy`` records old -> new nodes in ``memo``), else stays itself, as torch's
+        ``graph_copy`` keeps the nodes inside ``node.meta``'s annotations. Convert reads them
+        only through their names (sharing keys), which the copy keeps.
+        """
+        for node in _nodes_in(self.groups):
+            memo.setdefault(id(node), memo.get(node, node))
+        twin = PreparedState.__new__(PreparedState)
+        memo[id(self)] = twin
+        for f in dataclasses.fields(self):
+            setattr(twin, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        return twin
+
+
+def _nodes_in(value: Any) -> list[Node]:
+    """The fx nodes held by ``value``, through dataclasses, lists, tuples, sets and dicts."""
+    found: list[Node] = []
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Node):
+            found.append(item)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+    return found
