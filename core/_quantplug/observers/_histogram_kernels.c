@@ -204,6 +204,48 @@ static void bin_offsets(const float *restrict x, int64_t m, const Binning *g, in
     bin_offsets_tail(x, 0, m, g, idx);
 }
 
+/* LANES sub-histograms of `width` uint32 counters each, zeroed: in `stack` (LANES * STACK_BINS
+ * of them) when they fit, else on the heap (the caller frees what is not `stack`); NULL out of
+ * memory */
+static uint32_t *lane_counters(uint32_t *stack, int64_t width) {
+    uint32_t *counts = stack;
+    if (width > STACK_BINS) {
+        counts = (uint32_t *)malloc(sizeof(uint32_t) * LANES * (size_t)width);
+        if (counts == NULL) {
+            return NULL;
+        }
+    }
+    memset(counts, 0, sizeof(uint32_t) * LANES * (size_t)width);
+    return counts;
+}
+
+/* counts the bin offsets idx[0..m) into lane_counters' sub-histograms, taking turns so that
+ * neighbouring equal offsets do not serialise on one counter */
+static void count_offsets(const int32_t *restrict idx, int64_t m, uint32_t *restrict counts, int64_t width) {
+    uint32_t *c0 = counts, *c1 = c0 + width, *c2 = c1 + width, *c3 = c2 + width;
+    int64_t i = 0;
+    for (; i + LANES <= m; i += LANES) {
+        c0[idx[i]]++;
+        c1[idx[i + 1]]++;
+        c2[idx[i + 2]]++;
+        c3[idx[i + 3]]++;
+    }
+    for (; i < m; i++) {
+        c0[idx[i]]++;
+    }
+}
+
+/* out[b - from] (= or +=) the total of the sub-histograms' counters b in [from, to], as float32 */
+static void lane_totals(const uint32_t *counts, int64_t width, int64_t from, int64_t to, float *out,
+                        int accumulate) {
+    const uint32_t *c0 = counts, *c1 = c0 + width, *c2 = c1 + width, *c3 = c2 + width;
+    for (int64_t b = from; b <= to; b++) {
+        /* exact: callers keep n below 2**24, so the sum fits an int32 and a float32 holds it */
+        float total = (float)(int32_t)(c0[b] + c1[b] + c2[b] + c3[b]);
+        out[b - from] = accumulate ? out[b - from] + total : total;
+    }
+}
+
 /* out[b] (= or +=) the number of values in bin b, as float32, for `rows` rows of n contiguous
  * values `stride` apart, all within [mn, mx] (their extremes; NaN when not known): only the bins
  * between theirs are counted and summed, the rest are left (or set to 0). 0 on success, -1 out of
@@ -218,42 +260,23 @@ static int bin_counts_f32(const float *x, int64_t n, int64_t rows, int64_t strid
     }
     const int64_t first = (int64_t)g.first, width = (int64_t)g.final - first + 1;
     uint32_t stack_counts[LANES * STACK_BINS];
-    uint32_t *counts = stack_counts;
-    if (width > STACK_BINS) {
-        counts = (uint32_t *)malloc(sizeof(uint32_t) * LANES * (size_t)width);
-        if (counts == NULL) {
-            return -1;
-        }
+    uint32_t *counts = lane_counters(stack_counts, width);
+    if (counts == NULL) {
+        return -1;
     }
-    memset(counts, 0, sizeof(uint32_t) * LANES * (size_t)width);
-    uint32_t *c0 = counts, *c1 = counts + width, *c2 = counts + 2 * width, *c3 = counts + 3 * width;
     int32_t idx[CHUNK];
     for (int64_t row = 0; row < rows; row++, x += stride) {
         for (int64_t start = 0; start < n; start += CHUNK) {
             int64_t m = n - start < CHUNK ? n - start : CHUNK;
             bin_offsets(x + start, m, &g, idx);
-            int64_t i = 0;
-            for (; i + LANES <= m; i += LANES) {
-                c0[idx[i]]++;
-                c1[idx[i + 1]]++;
-                c2[idx[i + 2]]++;
-                c3[idx[i + 3]]++;
-            }
-            for (; i < m; i++) {
-                c0[idx[i]]++;
-            }
+            count_offsets(idx, m, counts, width);
         }
     }
     if (!accumulate) {
         memset(out, 0, sizeof(float) * (size_t)first);
         memset(out + first + width, 0, sizeof(float) * (size_t)(bins - first - width));
     }
-    float *o = out + first;
-    for (int64_t b = 0; b < width; b++) {
-        /* exact: callers keep n below 2**24, so the sum fits an int32 and a float32 holds it */
-        float total = (float)(int32_t)(c0[b] + c1[b] + c2[b] + c3[b]);
-        o[b] = accumulate ? o[b] + total : total;
-    }
+    lane_totals(counts, width, 0, width - 1, out + first, accumulate);
     if (counts != stack_counts) {
         free(counts);
     }
@@ -271,15 +294,10 @@ QP_TARGET_AVX2 static int observe_avx2(const float *x, int64_t n, int64_t rows, 
                                       float scale, float divisor, int64_t bins, float check_lo, float check_hi,
                                       float *out, float *out_min, float *out_max) {
     uint32_t stack_counts[LANES * STACK_BINS];
-    uint32_t *counts = stack_counts;
-    if (bins > STACK_BINS) {
-        counts = (uint32_t *)malloc(sizeof(uint32_t) * LANES * (size_t)bins);
-        if (counts == NULL) {
-            return -1;
-        }
+    uint32_t *counts = lane_counters(stack_counts, bins);
+    if (counts == NULL) {
+        return -1;
     }
-    memset(counts, 0, sizeof(uint32_t) * LANES * (size_t)bins);
-    uint32_t *c0 = counts, *c1 = c0 + bins, *c2 = c1 + bins, *c3 = c2 + bins;
     const Binning g = {lo, scale, divisor, 0.0f, (float)(bins - 1)};
     const __m256 vlo = _mm256_set1_ps(lo), vscale = _mm256_set1_ps(scale), vdivisor = _mm256_set1_ps(divisor);
     const __m256 vfirst = _mm256_setzero_ps(), vfinal = _mm256_set1_ps(g.final);
@@ -308,16 +326,7 @@ QP_TARGET_AVX2 static int observe_avx2(const float *x, int64_t n, int64_t rows, 
             }
             minmax_tail(xs, i, m, &mn, &mx, &nan);
             bin_offsets_tail(xs, i, m, &g, idx);
-            i = 0;
-            for (; i + LANES <= m; i += LANES) {
-                c0[idx[i]]++;
-                c1[idx[i + 1]]++;
-                c2[idx[i + 2]]++;
-                c3[idx[i + 3]]++;
-            }
-            for (; i < m; i++) {
-                c0[idx[i]]++;
-            }
+            count_offsets(idx, m, counts, bins);
         }
     }
     float lanes_mn[8], lanes_mx[8];
@@ -335,10 +344,7 @@ QP_TARGET_AVX2 static int observe_avx2(const float *x, int64_t n, int64_t rows, 
     int status = 1;
     if (mn >= check_lo && mx <= check_hi) {
         const int64_t first = (int64_t)bin_position(&g, mn), final = (int64_t)bin_position(&g, mx);
-        for (int64_t b = first; b <= final; b++) {
-            /* exact: callers keep n below 2**24, so the sum fits an int32 and a float32 holds it */
-            out[b] = out[b] + (float)(int32_t)(c0[b] + c1[b] + c2[b] + c3[b]);
-        }
+        lane_totals(counts, bins, first, final, out + first, 1);
         status = 0;
     }
     if (counts != stack_counts) {

@@ -62,11 +62,8 @@ def plain_extremes(x: torch.Tensor) -> tuple[float, float] | None:
         native is None
         or type(x) is not torch.Tensor
         or x.dtype is not _F32
-        or not x.is_cpu
         or x.layout is not _STRIDED
-        or not seen._enabled
-        or x.is_inference()
-        or (x.requires_grad and torch.is_grad_enabled())
+        or not seen.matchable(x)
     ):
         return None
     numel = x.numel()

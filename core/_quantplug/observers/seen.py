@@ -141,11 +141,18 @@ def probe(x: torch.Tensor) -> Batch | None:
     ``torch.no_grad()``): training writes parameters between batches, and a write through
     ``param.data`` bumps no version counter the parameter shares.
     """
-    if not _enabled or type(x) not in _PLAIN or not x.is_cpu or x.is_inference():
-        return None
-    if x.requires_grad and torch.is_grad_enabled():
-        return None
-    return Batch(x)
+    return Batch(x) if matchable(x) else None
+
+
+def matchable(x: torch.Tensor) -> bool:
+    """Whether ``x``'s values may be matched by where they are (:func:`probe`'s conditions)."""
+    return (
+        _enabled
+        and type(x) in _PLAIN
+        and x.is_cpu
+        and not x.is_inference()
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
 
 
 #: recent batches, newest first, each with what was made of its values
