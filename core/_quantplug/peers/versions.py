@@ -68,6 +68,15 @@ PIECES: dict[str, PeerPiece] = {
             ("tests/core/test_peers.py",),
         ),
         PeerPiece(
+            "torch_dead_code",
+            {"torch": ("2.13.",)},
+            "replaces",
+            "speed: torch.fx's eliminate_dead_code lints the whole graph first; a rewrite of an "
+            "exported program's working copy keeps it sorted, and the pass without the lint removes "
+            "the same nodes",
+            ("tests/core/test_rewrite_pipeline.py", "tests/core/test_peers.py"),
+        ),
+        PeerPiece(
             "onnx_translate",
             {"torch": ("2.13.",)},
             "replaces",

@@ -17,6 +17,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 from _quantplug.graph.attrs import attr_value
 from _quantplug.graph.working_copy import AttrNamer
 from _quantplug.meta import FOLDED_FROM
+from _quantplug.peers.torch_dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
 
@@ -161,24 +162,5 @@ def fold_batch_norm(gm: GraphModule) -> int:
                     user.replace_all_uses_with(producer)
         folded += 1
     if folded:
-        _eliminate_dead_code(gm)
+        eliminate_dead_code(gm)
     return folded
-
-
-def _eliminate_dead_code(gm: GraphModule) -> None:
-    """``gm.graph.eliminate_dead_code()`` without its ``lint()``, the same nodes removed.
-
-    torch lints the whole graph first (a seventh of folding a ResNet's batch norms: every
-    get_attr target looked up again) to be sure it is topologically sorted; a working copy of an exported
-    program is, and the fold only re-pointed arguments at nodes made before their users. Where
-    torch's pass would do more (a subgraph module to clean as well, or a tracing context that
-    decides whether random ops are pure) its own pass runs.
-    """
-    graph = gm.graph
-    subgraphs = any(isinstance(m, GraphModule) for m in gm.children())
-    if subgraphs or torch._guards.TracingContext.try_get() is not None:
-        graph.eliminate_dead_code()
-        return
-    for node in reversed(graph.nodes):
-        if not node.users and not node.is_impure(True):
-            graph.erase_node(node)
