@@ -196,7 +196,8 @@ class Odd(nn.Module):
 
 
 class Traced(nn.Module):
-    """A symbolically traced module: call_module, call_method, operators, getattr, Ellipsis."""
+    """Traced: call_module, call_method, operators, getattr, Ellipsis, a dict output; the fixture
+    renames two of its values after globals (``torch``, ``inf``), which the code suffixes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -204,8 +205,8 @@ class Traced(nn.Module):
 
     def forward(self, x, getattr_):  # type: ignore[no-untyped-def]  # unannotated: no node types
         y = self.fc(x).relu() + x.shape[0]
-        torch = y[..., 1:3].flatten(1)  # a value whose name is taken by a global
-        return {"out": torch * getattr_, "size": y.size(-1)}
+        z = y[..., 1:3].flatten(1)
+        return {"out": z * getattr_, "size": y.size(-1)}
 
 
 @pytest.fixture(scope="module")
@@ -226,13 +227,17 @@ def graphs() -> dict[str, torch.fx.GraphModule]:
         prepared = quantplug.prepare(net, quantizer)
         prepared(_inputs(1)[0])
         converted = quantplug.convert(prepared)
+    traced = torch.fx.symbolic_trace(Traced())
+    for node in traced.graph.nodes:  # values named like globals: the code renames them
+        if node.name in ("relu", "flatten"):
+            node._rename({"relu": "torch", "flatten": "inf"}[node.name])
     return {
         "odd exported": odd.graph_module,
         "odd module": odd.module(),
         "net module": net.module(),
         "prepared": prepared,
         "converted": converted,
-        "traced": torch.fx.symbolic_trace(Traced()),
+        "traced": traced,
     }
 
 

@@ -41,6 +41,9 @@ _NEEDED = (
     "_format_target",
     "magic_methods",
     "inplace_methods",
+    "_get_qualified_name",
+    "_is_from_torch",
+    "is_opaque_value_type",
 )
 _ENVIRONMENT = ("FX_GRAPH_SHOW_STRIDE", "FX_GRAPH_SHOW_DEVICE", "FX_GRAPH_SHOW_META")
 #: constants printed with ``repr`` by torch's ``_get_repr`` (none is a Node, tuple, operator,
