@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
@@ -276,3 +278,29 @@ def test_python_code_leaves_to_torch_what_it_does_not_know(
     assert "python_code" not in typed.graph.__dict__  # torch's method again
     unverified("torch_python_code")
     assert torch_python_code.python_code(graph, "self") is None
+
+
+_OBJECTS = [None, None, getattr, float("inf"), torch.device, object(), object(), object()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.text(alphabet="ab_019.-éx", max_size=7)
+            | st.sampled_from(["getattr", "inf", "torch", "add_1", "_0"]),
+            st.integers(0, len(_OBJECTS) - 1),
+        ),
+        max_size=25,
+    )
+)
+def test_the_namespace_names_as_torchs(calls: list[tuple[str, int]]) -> None:
+    """Names (suffixes, sanitizing, builtins not shadowed, one name per object) as torch.fx's."""
+    import torch.fx.graph as fx_graph
+
+    from _quantplug.peers.torch_python_code import Namespace
+
+    ours, theirs = Namespace(), fx_graph._Namespace()
+    for candidate, which in calls:
+        obj = _OBJECTS[which]
+        assert ours.create_name(candidate, obj) == theirs.create_name(candidate, obj), (candidate, obj)

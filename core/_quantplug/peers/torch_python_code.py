@@ -36,7 +36,9 @@ _NEEDED = (
     "CodeGen",
     "_PyTreeCodeGen",
     "PythonCode",
-    "_Namespace",
+    "_name_regex",
+    "_illegal_char_regex",
+    "_illegal_names",
     "_custom_builtins",
     "_format_target",
     "magic_methods",
@@ -66,6 +68,58 @@ _PLAIN: frozenset[type] = frozenset(
 
 #: dicts torch prints with ``dict.__repr__``
 _DICTS = frozenset(cls for cls in (dict, immutable_dict) if cls.__repr__ is dict.__repr__)
+
+
+class Namespace:
+    """torch.fx's ``_Namespace`` (unique names for objects, builtins not shadowed), with the
+    number suffix of a plain ASCII name split off by string methods instead of its regular
+    expression (``_name_regex``: the shortest base followed by ``_<digits>``, which for an ASCII
+    identifier is the split at its last underscore); other names take torch's own steps."""
+
+    __slots__ = ("_base_count", "_obj_to_name", "_used_names")
+
+    def __init__(self) -> None:
+        self._obj_to_name: dict[Any, str] = {}
+        self._used_names: set[str] = set()
+        self._base_count: dict[str, int] = {}
+
+    def create_name(self, candidate: str, obj: Any) -> str:
+        """The name ``_Namespace.create_name(candidate, obj)`` gives after the same calls."""
+        if obj is not None:
+            named = self._obj_to_name.get(obj)
+            if named is not None:
+                return named
+        if candidate.isascii() and candidate.isidentifier():
+            head, _, tail = candidate.rpartition("_")
+            base, suffix = (head, tail) if head and tail.isdigit() else (candidate, None)
+        else:  # torch's steps
+            match = fx_graph._name_regex.match(candidate)
+            if match is None:
+                candidate = fx_graph._illegal_char_regex.sub("_", candidate)
+                if not candidate:
+                    candidate = "_unnamed"
+                if candidate[0].isdigit():
+                    candidate = f"_{candidate}"
+                match = fx_graph._name_regex.match(candidate)
+                if match is None:
+                    raise AssertionError(f"Name regex failed to match candidate: {candidate}")
+            base, suffix = match.group(1, 2)
+        used = self._used_names
+        if suffix is None or candidate in used:
+            num = self._base_count.get(base, 0)
+            if fx_graph._illegal_names.get(candidate, obj) is not obj:
+                num += 1
+                candidate = f"{base}_{num}"
+        else:
+            num = int(suffix)
+        while candidate in used:
+            num += 1
+            candidate = f"{base}_{num}"
+        used.add(candidate)
+        self._base_count[base] = num
+        if obj is not None:
+            self._obj_to_name[obj] = candidate
+        return candidate
 
 
 class _Unknown(Exception):
@@ -101,8 +155,7 @@ def python_code(graph: Graph, root_module: str, **options: Any) -> Any:
 
 def _generate(codegen: Any, nodes: list[Node], root_module: str) -> Any:
     """``CodeGen._gen_python_code`` (torch 2.13) without options, one statement per node."""
-    namespace = fx_graph._Namespace()
-    create_name = namespace.create_name
+    create_name = Namespace().create_name
     globals_: dict[str, Any] = {}
     qualified_names: dict[int, tuple[Any, str]] = {}  # by identity: an OpOverload hashes in Python
     from_torch: dict[int, tuple[Any, bool]] = {}
