@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
@@ -168,8 +170,137 @@ def test_code_generation_stands_down_with_the_same_code_and_leaves_the_graph_int
     quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
     assert fast.graph.find_nodes(op="call_function", target=quantize)
     unverified("torch_codegen")
-    plain = _x86_quantized()
+    unverified("torch_python_code")
+    plain = _x86_quantized()  # torch.fx's own code generation throughout
     assert plain.code == fast.code and "quantize_per_tensor" in fast.code
     with torch_codegen.generating_code(plain.graph):  # stood down: nothing hidden, nothing rebound
         assert not isinstance(plain.graph._find_nodes_lookup_table, tuple)
         assert fx_graph._get_qualified_name is functions["_get_qualified_name"]
+
+
+class Odd(nn.Module):
+    """What exported programs print: getitem of tuples, kwargs, None, dtypes, devices, memory
+    formats, lists, slices, infinities and NaN, keyword inputs and a nested output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.norm = nn.LayerNorm(10, elementwise_affine=False)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> Any:
+        y = self.conv(x).contiguous(memory_format=torch.channels_last)
+        top, where = torch.max(y, dim=1, keepdim=True)
+        first, second = torch.split(y, [1, 3], dim=1)
+        z = torch.nan_to_num(first[:, :, 1:9, ::2], nan=float("nan"), posinf=float("inf"))
+        z = z.masked_fill(z > 10, float("-inf")) * scale
+        ones = torch.ones(2, 1, 10, 10, dtype=torch.float16, device="cpu").to(torch.float32)
+        return (self.norm(second.sum(dim=(1,), keepdim=True) + ones), [z, where.to(torch.int32)]), top
+
+
+class Traced(nn.Module):
+    """Traced: call_module, call_method, operators, getattr, Ellipsis, a dict output; the fixture
+    renames two of its values after globals (``torch``, ``inf``), which the code suffixes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x, getattr_):  # type: ignore[no-untyped-def]  # unannotated: no node types
+        y = self.fc(x).relu() + x.shape[0]
+        z = y[..., 1:3].flatten(1)
+        return {"out": z * getattr_, "size": y.size(-1)}
+
+
+@pytest.fixture(scope="module")
+def graphs() -> dict[str, torch.fx.GraphModule]:
+    """Real programs' graphs: exported (lifted and unlifted), prepared, converted and traced."""
+    pytest.importorskip("torchao.quantization.pt2e")
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    torch.manual_seed(0)
+    odd = torch.export.export(Odd().eval(), (torch.randn(2, 3, 12, 12),), {"scale": torch.tensor(2.0)})
+    net = torch.export.export(_net(), (_inputs()[0],))
+    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = quantplug.prepare(net, quantizer)
+        prepared(_inputs(1)[0])
+        converted = quantplug.convert(prepared)
+    traced = torch.fx.symbolic_trace(Traced())
+    for node in traced.graph.nodes:  # values named like globals: the code renames them
+        if node.name in ("relu", "flatten"):
+            node._rename({"relu": "torch", "flatten": "inf"}[node.name])
+    return {
+        "odd exported": odd.graph_module,
+        "odd module": odd.module(),
+        "net module": net.module(),
+        "prepared": prepared,
+        "converted": converted,
+        "traced": traced,
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["odd exported", "odd module", "net module", "prepared", "converted", "traced"]
+)
+def test_python_code_is_torchs_text_globals_and_line_map(
+    graphs: dict[str, torch.fx.GraphModule], name: str
+) -> None:
+    from _quantplug.peers import torch_python_code
+
+    graph = graphs[name].graph
+    theirs = torch.fx.Graph.python_code(graph, root_module="self")
+    ours = torch_python_code.python_code(graph, "self")
+    assert ours is not None, "the graph was left to torch's path"
+    assert ours.src == theirs.src
+    assert ours.globals.keys() == theirs.globals.keys()
+    assert all(ours.globals[k] is theirs.globals[k] for k in theirs.globals)
+    assert ours._lineno_map == theirs._lineno_map and ours._prologue_start == theirs._prologue_start
+
+
+def test_python_code_leaves_to_torch_what_it_does_not_know(
+    graphs: dict[str, torch.fx.GraphModule], unverified: Any
+) -> None:
+    from _quantplug.peers import torch_codegen, torch_python_code
+
+    def annotated(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    typed = torch.fx.symbolic_trace(annotated)  # its placeholder has a type: torch prints it
+    assert torch_python_code.python_code(typed.graph, "self") is None
+    graph = graphs["converted"].graph
+    assert torch_python_code.python_code(graph, "self", verbose=True) is None
+    with torch_codegen.generating_code(typed.graph):
+        assert typed.graph.python_code("self").src == torch.fx.Graph.python_code(typed.graph, "self").src
+    assert "python_code" not in typed.graph.__dict__  # torch's method again
+    unverified("torch_python_code")
+    assert torch_python_code.python_code(graph, "self") is None
+
+
+_OBJECTS = [None, None, getattr, float("inf"), torch.device, object(), object(), object()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.text(alphabet="ab_019.-éx", max_size=7)
+            | st.sampled_from(["getattr", "inf", "torch", "add_1", "_0"]),
+            st.integers(0, len(_OBJECTS) - 1),
+        ),
+        max_size=25,
+    )
+)
+def test_the_namespace_names_as_torchs(calls: list[tuple[str, int]]) -> None:
+    """Names (suffixes, sanitizing, builtins not shadowed, one name per object) as torch.fx's."""
+    import torch.fx.graph as fx_graph
+
+    from _quantplug.peers.torch_python_code import Namespace
+
+    ours, theirs = Namespace(), fx_graph._Namespace()
+    for candidate, which in calls:
+        obj = _OBJECTS[which]
+        assert ours.create_name(candidate, obj) == theirs.create_name(candidate, obj), (candidate, obj)

@@ -26,6 +26,7 @@ from torch.fx import GraphModule, Node
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.working_copy import AttrNamer
 from _quantplug.observers.base import ObserverBase
+from _quantplug.peers.torch_codegen import generating_code
 
 
 def converts_itself(observer: nn.Module) -> bool:
@@ -47,7 +48,8 @@ def run_observer_converts(converted: GraphModule, nodes: list[Node], *, fold_qua
     if fold_quantize:
         _fold_constant_quantizes(converted)
     converted.graph.lint()
-    converted.recompile()
+    with generating_code(converted.graph):
+        converted.recompile()
 
 
 def _quantize_ops() -> set[Any]:

@@ -68,6 +68,16 @@ PIECES: dict[str, PeerPiece] = {
             ("tests/core/test_peers.py",),
         ),
         PeerPiece(
+            "torch_python_code",
+            {"torch": ("2.13.",)},
+            "replaces",
+            "speed: torch.fx's Graph.python_code is general (annotations, verbose traces, custom "
+            "code generators) and pays for it per node; for the graphs quantplug generates code for "
+            "(default or pytree code generator, no annotations, no options) one pass writes the same "
+            "text, globals and line map, and anything else is left to torch's path",
+            ("tests/core/test_peers.py",),
+        ),
+        PeerPiece(
             "torch_dead_code",
             {"torch": ("2.13.",)},
             "replaces",
