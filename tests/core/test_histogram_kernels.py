@@ -410,7 +410,9 @@ def test_the_native_step_follows_state_moved_under_it(move: str, monkeypatch: py
     assert done[-1:] == ([] if move == "double" else [True])  # float64 buffers: never the step
 
 
-EDGE_VALUES = st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan, -1000.0, -999.99994, 3.4e38, -3.4e38])
+EDGE_VALUES = st.sampled_from(
+    [0.0, -0.0, math.inf, -math.inf, math.nan, -1000.0, -999.99994, 3.4e38, -3.4e38]
+)
 
 
 @native
@@ -447,7 +449,7 @@ def test_start_is_the_first_batch_torch_would_count(
     binning = LinearBinning.make(bins, lo, hi)
     if lo == 0.0 or hi == 0.0 or not lo > floor or binning is None:
         assert len(found) == 2
-        assert found == extremes or math.isnan(found[0]) and math.isnan(extremes[0])
+        assert found == extremes or (math.isnan(found[0]) and math.isnan(extremes[0]))
         assert torch.equal(histogram, torch.full((bins,), -1.0)) and int(num_batches) == 5
         assert float(min_val) == math.inf and float(max_val) == -math.inf
         return
@@ -504,6 +506,52 @@ def test_a_build_from_an_older_source_is_left_unused(monkeypatch: pytest.MonkeyP
     x = torch.rand(64) + 1.0
     assert fresh.minmax(x) is None
     assert fresh.start_histogram(x, 16, -math.inf, torch.zeros(16), *torch.zeros(3)) is None
-    setattr(old, "start", lambda *args: None)  # the current source's entry points: used
+    old.start = lambda *args: None  # type: ignore[attr-defined]  # the current source's entry points: used
     spec.loader.exec_module(fresh)
     assert fresh.available()
+
+
+@native
+@pytest.mark.parametrize(
+    "before", ["nothing", "fresh_copy", "deepcopy", "load_state_dict", "double", "new_buffer"]
+)
+def test_a_first_batch_after_copies_and_moves(before: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step an observer makes with its buffers serves its first batch only while they are the
+    same tensors; a copy's is bound to the copy's buffers (never writing the original's); a
+    checkpoint loaded first leaves the batch to the general path. The state is the torch path's."""
+    from _quantplug.observers.copies import fresh_copy
+    from _quantplug.observers.histogram import HistogramObserver
+
+    g = torch.Generator().manual_seed(5)
+    loaded = HistogramObserver(bins=64)
+    loaded(torch.randn(500, generator=g) * 3)
+    made = HistogramObserver(bins=64)
+    pristine = copy.deepcopy(made.state_dict())
+
+    def moved(o: HistogramObserver) -> HistogramObserver:
+        if before == "fresh_copy":
+            return fresh_copy(o)  # type: ignore[return-value]
+        if before == "deepcopy":
+            return copy.deepcopy(o)
+        if before == "load_state_dict":
+            o.load_state_dict(loaded.state_dict())
+        elif before == "double":
+            o.double()
+        elif before == "new_buffer":
+            o.histogram = o.histogram.clone()
+        return o
+
+    native_obs, torch_obs = moved(made), moved(HistogramObserver(bins=64))
+    if before in ("nothing", "fresh_copy"):  # prepare's observers are fresh copies: their own step
+        assert native_obs.__dict__[kernels.STEP_ATTR].serves(native_obs._buffers)
+    done = _counting_native_steps(monkeypatch)
+    x = torch.randn(3000, generator=g)
+    native_obs(x)
+    with kernels.disabled():
+        torch_obs(x)
+    assert _same_state(native_obs, torch_obs)
+    assert int(native_obs.num_batches) == 1
+    counted_natively = before in ("nothing", "fresh_copy", "deepcopy", "new_buffer")
+    assert done == ([True] if counted_natively else [False] if before == "load_state_dict" else [])
+    if before in ("fresh_copy", "deepcopy"):
+        assert all(torch.equal(made.state_dict()[k], v) for k, v in pristine.items())

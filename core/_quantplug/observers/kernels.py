@@ -45,7 +45,7 @@ MAX_ELEMENTS = 1 << 24
 #: constant cost instead of counted again (0.4 ns a value): the same counts either way
 VIEW_LIMIT = 1 << 16
 #: the observer attribute keeping its native step (the histogram observer's: it writes that
-#: observer's own buffers, so copies drop it and make their own)
+#: observer's own buffers, so copies drop it, or have it ``rebound`` to their own)
 STEP_ATTR = "_quantplug_steady"
 _F32 = torch.float32
 
