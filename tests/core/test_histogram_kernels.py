@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from _quantplug.observers import kernels
@@ -281,16 +281,24 @@ def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 def _counting_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each call of the histogram observer's native step counted its batch."""
+    """Whether each call of the histogram observer's native steps (a first batch's, a batch's
+    within the range) counted its batch."""
     done: list[bool] = []
-    step = kernels.observe_histogram
+    step, start = kernels.observe_histogram, kernels.start_histogram
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         found = step(*args, **kwargs)
         done.append(found is None)
         return found
 
+    def starting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        found = start(*args, **kwargs)
+        if found is not None:  # None: the kernels are off or cannot read the batch
+            done.append(len(found) == 5)
+        return found
+
     monkeypatch.setattr(kernels, "observe_histogram", counting)
+    monkeypatch.setattr(kernels, "start_histogram", starting)
     return done
 
 
@@ -400,3 +408,150 @@ def test_the_native_step_follows_state_moved_under_it(move: str, monkeypatch: py
         torch_obs(x)
     assert _same_state(native_obs, torch_obs)
     assert done[-1:] == ([] if move == "double" else [True])  # float64 buffers: never the step
+
+
+EDGE_VALUES = st.sampled_from(
+    [0.0, -0.0, math.inf, -math.inf, math.nan, -1000.0, -999.99994, 3.4e38, -3.4e38]
+)
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(FLOAT32, FLOAT32, EDGE_VALUES), min_size=1, max_size=80),
+    st.sampled_from([2048, 300, 16, 7, 1]),
+    st.sampled_from([-math.inf, -1000.0]),
+    st.integers(0, 3),
+    st.booleans(),
+)
+@example(values=[-1000.0, 5.0], bins=16, floor=-1000.0, offset=0, avx2=True)  # at the floor: declined
+@example(values=[-999.99994, 5.0], bins=16, floor=-1000.0, offset=0, avx2=True)  # above it: counted
+def test_start_is_the_first_batch_torch_would_count(
+    values: list[float], bins: int, floor: float, offset: int, avx2: bool
+) -> None:
+    """A first batch in one native call: the counts torch.histc gives over the batch's own range,
+    with that range and LinearBinning's operands, or (nothing written) the batch's extremes
+    where torch decides (a zero extreme) or the general path must (NaN, infinities, an empty
+    range, values at or below ``floor``)."""
+    from _quantplug.observers import _histogram_kernels as raw
+
+    x = torch.tensor([0.0] * offset + values, dtype=torch.float32)[offset:]  # any alignment
+    buffers = (torch.full((bins,), -1.0), torch.tensor(math.inf), torch.tensor(-math.inf), torch.tensor(5))
+    was = raw._use_avx2(avx2)
+    try:
+        found = kernels.start_histogram(x, bins, floor, *buffers)
+    finally:
+        raw._use_avx2(was)
+    histogram, min_val, max_val, num_batches = buffers
+    assert found is not None
+    extremes = raw.minmax(x.data_ptr(), x.numel())
+    lo, hi = extremes
+    binning = LinearBinning.make(bins, lo, hi)
+    if lo == 0.0 or hi == 0.0 or not lo > floor or binning is None:
+        assert len(found) == 2
+        assert found == extremes or (math.isnan(found[0]) and math.isnan(extremes[0]))
+        assert torch.equal(histogram, torch.full((bins,), -1.0)) and int(num_batches) == 5
+        assert float(min_val) == math.inf and float(max_val) == -math.inf
+        return
+    scale = 0.0 if binning.scale is None else float(binning.scale)
+    assert found == (lo, hi, scale, binning.divisor, bins)
+    assert (lo, hi) == tuple(torch.stack(list(torch.aminmax(x))).tolist())
+    assert torch.equal(histogram, torch.histc(x, bins, min=lo, max=hi))
+    assert (float(min_val), float(max_val), int(num_batches)) == (lo, hi, 6)
+    # a range already held: declined, nothing written
+    again = histogram.clone()
+    assert kernels.start_histogram(x, bins, floor, *buffers) == (lo, hi)
+    assert torch.equal(histogram, again) and int(num_batches) == 6
+
+
+@native
+def test_start_declines_what_it_cannot_read_and_rejects_bad_arguments() -> None:
+    from _quantplug.observers import _histogram_kernels as raw
+
+    buffers = (torch.zeros(16), torch.tensor(math.inf), torch.tensor(-math.inf), torch.tensor(0))
+    x = torch.rand(64, 4) + 1.0
+    assert kernels.start_histogram(x[:, :2], 16, -math.inf, *buffers) is None  # not contiguous
+    assert kernels.start_histogram(x.double(), 16, -math.inf, *buffers) is None
+    assert kernels.start_histogram(torch.empty(0), 16, -math.inf, *buffers) is None
+    with kernels.disabled():
+        assert kernels.start_histogram(x, 16, -math.inf, *buffers) is None
+    assert int(buffers[3]) == 0
+    addresses = [t.data_ptr() for t in buffers]
+    with pytest.raises(TypeError, match="takes 8 arguments"):
+        raw.start(x.data_ptr(), 256, 16, -1.0, *addresses[:3])
+    with pytest.raises(ValueError, match="2\\*\\*24"):
+        raw.start(x.data_ptr(), 1 << 24, 16, -1.0, *addresses)
+    with pytest.raises(ValueError, match="non-null"):
+        raw.start(x.data_ptr(), 256, 16, -1.0, 0, *addresses[1:])
+
+
+def test_a_build_from_an_older_source_is_left_unused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-place build not redone after the C source gained an entry point: its calls differ,
+    so kernels.py leaves it unused and the torch code paths run."""
+    import importlib.util
+    import types
+
+    import _quantplug.observers as package
+
+    old = types.ModuleType("_quantplug.observers._histogram_kernels")
+    for name in ("minmax", "bin_counts", "rebin", "observe", "_use_avx2"):  # all but `start`
+        setattr(old, name, lambda *args: None)
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    monkeypatch.setattr(package, "_histogram_kernels", old, raising=False)
+    spec = importlib.util.spec_from_file_location("_kernels_over_an_old_build", kernels.__file__)
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert not fresh.available() and not fresh.enabled()
+    x = torch.rand(64) + 1.0
+    assert fresh.minmax(x) is None
+    assert fresh.start_histogram(x, 16, -math.inf, torch.zeros(16), *torch.zeros(3)) is None
+    old.start = lambda *args: None  # type: ignore[attr-defined]  # the current source's entry points: used
+    spec.loader.exec_module(fresh)
+    assert fresh.available()
+
+
+@native
+@pytest.mark.parametrize(
+    "before", ["nothing", "fresh_copy", "deepcopy", "load_state_dict", "double", "new_buffer"]
+)
+def test_a_first_batch_after_copies_and_moves(before: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step an observer makes with its buffers serves its first batch only while they are the
+    same tensors; a copy's is bound to the copy's buffers (never writing the original's); a
+    checkpoint loaded first leaves the batch to the general path. The state is the torch path's."""
+    from _quantplug.observers.copies import fresh_copy
+    from _quantplug.observers.histogram import HistogramObserver
+
+    g = torch.Generator().manual_seed(5)
+    loaded = HistogramObserver(bins=64)
+    loaded(torch.randn(500, generator=g) * 3)
+    made = HistogramObserver(bins=64)
+    pristine = copy.deepcopy(made.state_dict())
+
+    def moved(o: HistogramObserver) -> HistogramObserver:
+        if before == "fresh_copy":
+            return fresh_copy(o)  # type: ignore[return-value]
+        if before == "deepcopy":
+            return copy.deepcopy(o)
+        if before == "load_state_dict":
+            o.load_state_dict(loaded.state_dict())
+        elif before == "double":
+            o.double()
+        elif before == "new_buffer":
+            o.histogram = o.histogram.clone()
+        return o
+
+    native_obs, torch_obs = moved(made), moved(HistogramObserver(bins=64))
+    if before in ("nothing", "fresh_copy"):  # prepare's observers are fresh copies: their own step
+        assert native_obs.__dict__[kernels.STEP_ATTR].serves(native_obs._buffers)
+    done = _counting_native_steps(monkeypatch)
+    x = torch.randn(3000, generator=g)
+    native_obs(x)
+    with kernels.disabled():
+        torch_obs(x)
+    assert _same_state(native_obs, torch_obs)
+    assert int(native_obs.num_batches) == 1
+    counted_natively = before in ("nothing", "fresh_copy", "deepcopy", "new_buffer")
+    assert done == ([True] if counted_natively else [False] if before == "load_state_dict" else [])
+    if before in ("fresh_copy", "deepcopy"):
+        assert all(torch.equal(made.state_dict()[k], v) for k, v in pristine.items())

@@ -8,7 +8,8 @@
  * call each, on raw float32 memory handed over by address.
  *
  * A histogram observer's batch within its current range (most batches) is one call, `observe`: the
- * min/max, the range check, the binning and the counts added to the histogram. Where the CPU has
+ * min/max, the range check, the binning and the counts added to the histogram. Its first batch is
+ * one call too, `start`: the min/max, the binning of that range, the counts and the range written. Where the CPU has
  * AVX2 (checked at import; GCC and Clang on x86) the min/max and the binning run on 8 lanes,
  * elsewhere on SSE2 or in scalar code: the same operations, the same results.
  *
@@ -21,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -354,6 +356,24 @@ QP_TARGET_AVX2 static int observe_avx2(const float *x, int64_t n, int64_t rows, 
 }
 #endif
 
+/* LinearBinning.make's operands (binning.py) for the bins over [lo, hi], two float32 values:
+ * *scale (0: none) and *divisor, as the doubles it computes. 0 where it makes none: an empty
+ * range, or one where (x - lo) * bins could overflow (an infinity among the values). */
+static int linear_binning(double lo, double hi, int64_t bins, double *scale, double *divisor) {
+    if (!(lo < hi) || -lo > (double)FLT_MAX || hi > (double)FLT_MAX || (hi - lo) * (double)bins > (double)FLT_MAX) {
+        return 0;
+    }
+    const double span = (double)(float)(hi - lo); /* float32 subtraction, as in the kernel */
+    if ((bins & (bins - 1)) == 0 && span / (double)bins >= (double)FLT_MIN) {
+        *scale = 0.0;
+        *divisor = span / (double)bins; /* exact: a power of two, and a normal float32 */
+    } else {
+        *scale = (double)bins;
+        *divisor = span;
+    }
+    return 1;
+}
+
 /*
  * torchao's re-binning of a histogram onto a grown range: each old bin spread evenly over `rate`
  * sub-bins, whose mid-points `mids` fall into the new bins bounded by `edges` (bins + 1 values;
@@ -505,21 +525,19 @@ static PyObject *bin_counts(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 PyDoc_STRVAR(observe_doc,
              "observe(address, n, rows, stride, lo, hi, scale, divisor, bins, hist_address, min_address,\n"
-             "        max_address, batches_address, start) -> None or (min, max)\n\n"
+             "        max_address, batches_address) -> None or (min, max)\n\n"
              "A histogram observer's batch of float32 values (rows of n contiguous values, stride apart)\n"
              "when its range holds them: if\n"
              "the float32 range at min_address and max_address is [lo, hi] and every value lies in it,\n"
              "adds their counts (bin_counts' binning) to the bins float32 counters at hist_address and 1\n"
              "to the int64 at batches_address, and returns None. Otherwise writes nothing and returns the\n"
-             "values' (min, max), as minmax does. With start, [lo, hi] are the values' min and max and\n"
-             "the range must be empty (min > max): the counts are written (not added) and the\n"
-             "range becomes [lo, hi].");
+             "values' (min, max), as minmax does.");
 
 static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (check_count(nargs, 14,
+    if (check_count(nargs, 13,
                     "observe(address, n, rows, stride, lo, hi, scale, divisor, bins, hist_address, "
-                    "min_address, max_address, batches_address, start)") < 0) {
+                    "min_address, max_address, batches_address)") < 0) {
         return NULL;
     }
     void *x, *hist, *lo_at, *hi_at, *batches;
@@ -535,8 +553,7 @@ static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     double scale = PyFloat_AsDouble(args[6]);
     double divisor = PyFloat_AsDouble(args[7]);
     int64_t bins = PyLong_AsLongLong(args[8]);
-    int start = PyObject_IsTrue(args[13]);
-    if (PyErr_Occurred() || start < 0) {
+    if (PyErr_Occurred()) {
         return NULL;
     }
     if (n <= 0 || rows <= 0 || n >= (1 << 24) || rows >= (1 << 24) / n || (rows > 1 && stride < n) ||
@@ -551,25 +568,13 @@ static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     float mn, mx;
     int status = 1; /* 1: not counted */
     Py_BEGIN_ALLOW_THREADS
-    if (start) {
-        mn = lo_f;
-        mx = hi_f;
-        if (*(const float *)lo_at > *(const float *)hi_at) { /* nothing recorded: (inf, -inf) */
-            status = bin_counts_f32((const float *)x, n, rows, stride, lo_f, (float)scale, (float)divisor, bins,
-                                    mn, mx, (float *)hist, 0);
-        }
-        if (status == 0) {
-            *(float *)lo_at = lo_f;
-            *(float *)hi_at = hi_f;
-        }
-    }
 #ifdef QP_AVX2
-    else if (use_avx2 && *(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f) {
+    if (use_avx2 && *(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f) {
         status = observe_avx2((const float *)x, n, rows, stride, lo_f, (float)scale, (float)divisor, bins, lo_f, hi_f,
                               (float *)hist, &mn, &mx);
-    }
+    } else
 #endif
-    else {
+    {
         minmax_rows((const float *)x, n, rows, stride, &mn, &mx);
         if (*(const float *)lo_at == lo_f && *(const float *)hi_at == hi_f && mn >= lo_f && mx <= hi_f) {
             status = bin_counts_f32((const float *)x, n, rows, stride, lo_f, (float)scale, (float)divisor, bins,
@@ -585,6 +590,65 @@ static PyObject *observe(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     if (status == 0) {
         Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(dd)", (double)mn, (double)mx);
+}
+
+PyDoc_STRVAR(start_doc,
+             "start(address, n, bins, floor, hist_address, min_address, max_address, batches_address)\n"
+             "    -> (lo, hi, scale, divisor, bins) or (min, max)\n\n"
+             "A histogram observer's first batch of n contiguous float32 values in one call: their min and\n"
+             "max [lo, hi] (minmax's), then, where the float32 range at min_address and max_address holds\n"
+             "none yet (min > max), neither extreme is zero, lo > floor and LinearBinning.make makes a\n"
+             "binning of [lo, hi] (finite, lo < hi): their counts written (not added) to the bins float32\n"
+             "counters at hist_address (bin_counts' binning), the range set to [lo, hi] and 1 added to the\n"
+             "int64 at batches_address; returns the binning's (lo, hi, scale, divisor, bins), as\n"
+             "LinearBinning.make computes them. Otherwise writes nothing and returns (min, max).");
+
+static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 8,
+                    "start(address, n, bins, floor, hist_address, min_address, max_address, batches_address)") <
+        0) {
+        return NULL;
+    }
+    void *x, *hist, *lo_at, *hi_at, *batches;
+    if (as_address(args[0], &x) < 0 || as_address(args[4], &hist) < 0 || as_address(args[5], &lo_at) < 0 ||
+        as_address(args[6], &hi_at) < 0 || as_address(args[7], &batches) < 0) {
+        return NULL;
+    }
+    int64_t n = PyLong_AsLongLong(args[1]);
+    int64_t bins = PyLong_AsLongLong(args[2]);
+    double floor_ = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n <= 0 || n >= (1 << 24) || bins <= 0 || bins > (1 << 24) || x == NULL || hist == NULL || lo_at == NULL ||
+        hi_at == NULL || batches == NULL) {
+        PyErr_SetString(PyExc_ValueError, "start needs non-null addresses, 0 < n < 2**24 and 0 < bins <= 2**24");
+        return NULL;
+    }
+    float mn, mx;
+    double scale = 0.0, divisor = 0.0;
+    int status = 1; /* 1: not counted */
+    Py_BEGIN_ALLOW_THREADS
+    minmax_f32((const float *)x, n, &mn, &mx);
+    if (mn != 0.0f && mx != 0.0f && (double)mn > floor_ && *(const float *)lo_at > *(const float *)hi_at &&
+        linear_binning(mn, mx, bins, &scale, &divisor)) {
+        status = bin_counts_f32((const float *)x, n, 1, 0, mn, (float)scale, (float)divisor, bins, mn, mx,
+                                (float *)hist, 0);
+        if (status == 0) {
+            *(float *)lo_at = mn;
+            *(float *)hi_at = mx;
+            *(int64_t *)batches += 1;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        return PyErr_NoMemory();
+    }
+    if (status == 0) {
+        return Py_BuildValue("(ddddL)", (double)mn, (double)mx, scale, divisor, (long long)bins);
     }
     return Py_BuildValue("(dd)", (double)mn, (double)mx);
 }
@@ -654,6 +718,7 @@ static PyMethodDef methods[] = {
     {"minmax", (PyCFunction)(void (*)(void))minmax, METH_FASTCALL, minmax_doc},
     {"bin_counts", (PyCFunction)(void (*)(void))bin_counts, METH_FASTCALL, bin_counts_doc},
     {"observe", (PyCFunction)(void (*)(void))observe, METH_FASTCALL, observe_doc},
+    {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL, start_doc},
     {"_use_avx2", set_avx2, METH_O, use_avx2_doc},
     {NULL, NULL, 0, NULL},
 };

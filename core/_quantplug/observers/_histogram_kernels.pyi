@@ -38,7 +38,17 @@ def observe(
     min_address: int,
     max_address: int,
     batches_address: int,
-    start: bool,
     /,
 ) -> tuple[float, float] | None: ...
+def start(
+    address: int,
+    n: int,
+    bins: int,
+    floor: float,
+    hist_address: int,
+    min_address: int,
+    max_address: int,
+    batches_address: int,
+    /,
+) -> tuple[float, float, float, float, int] | tuple[float, float]: ...
 def _use_avx2(flag: bool, /) -> bool: ...

@@ -69,7 +69,11 @@ class LinearBinning:
 
     @classmethod
     def make(cls, bins: int, lo: float, hi: float) -> LinearBinning | None:
-        """The binning of ``[lo, hi]``, or None where it would not match torch.histc bit for bit."""
+        """The binning of ``[lo, hi]``, or None where it would not match torch.histc bit for bit.
+
+        A histogram observer's first batch makes the same choice in C (``linear_binning`` in
+        ``_histogram_kernels.c``, :func:`~_quantplug.observers.kernels.start_histogram`): change
+        both together (tests/core/test_histogram_kernels.py compares them)."""
         if not lo < hi or max(-lo, hi, (hi - lo) * bins) > _FLOAT32_MAX:
             return None  # empty, or (x - lo) * bins could overflow
         if float32(lo) != lo or float32(hi) != hi:

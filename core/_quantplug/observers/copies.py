@@ -62,9 +62,13 @@ def fresh_copy(obs: nn.Module) -> nn.Module:
     new = object.__new__(type(obs))
     new.__dict__ = obs.__dict__.copy()
     seen.forget(new)  # a copy has seen no batch
-    new.__dict__.pop(kernels.STEP_ATTR, None)  # it writes the original's buffers
+    step = new.__dict__.pop(kernels.STEP_ATTR, None)  # it writes the original's buffers
     new.__dict__.pop(SCALAR_VIEWS, None)  # views of the original's buffers
     new._buffers = {k: None if v is None else v.clone() for k, v in obs._buffers.items()}
+    if step is not None:
+        rebound = step.rebound(new._buffers)  # the same step for the clones, where it has one
+        if rebound is not None:
+            new.__dict__[kernels.STEP_ATTR] = rebound
     new._non_persistent_buffers_set = set(obs._non_persistent_buffers_set)
     new._parameters = {}
     new._modules = {}

@@ -125,18 +125,30 @@ class _HistStats:
 
 class _Steady:
     """What :func:`kernels.observe_histogram` needs to count a batch within the current range
-    (most batches, once the range stops growing) in one native call: the range's binning and
-    the buffers it was made for. The native call checks that the buffers still hold the range
-    (``merge_``, ``load_state_dict`` or a ``fill_`` may have moved it); a buffer replaced
-    (``.to()``, assignment) retires the step. Kept in the instance ``__dict__``, never copied."""
+    (most batches, once the range stops growing) in one native call: the range's binning
+    ``(lo, hi, scale, divisor, bins)`` and the buffers it was made for. The native call checks
+    that the buffers still hold the range (``merge_``, ``load_state_dict`` or a ``fill_`` may
+    have moved it); a buffer replaced (``.to()``, assignment) retires the step. Kept in the
+    instance ``__dict__``; a copy's (:func:`~_quantplug.observers.copies.fresh_copy`) is
+    :meth:`rebound` to the copy's buffers where it has no range yet, else dropped.
+    ``binning_of``: the :class:`LinearBinning` it was made from, None for a first batch's
+    (:func:`kernels.start_histogram` makes none).
+
+    Before the first batch, ``binning`` is None: the step of an observer whose buffers, as made,
+    the kernels can write (:meth:`fresh`), so that its first batch, a few hundred per
+    calibration, checks only that they are still the same tensors (:meth:`serves`)."""
 
     __slots__ = ("binning", "binning_of", "buffers")
 
-    def __init__(self, binning: LinearBinning, buffers: _Buffers) -> None:
-        self.binning_of = binning
-        scale = 0.0 if binning.scale is None else float(binning.scale)
-        self.binning = (binning.lo, binning.hi, scale, binning.divisor, binning.bins)
+    def __init__(
+        self,
+        binning: tuple[float, float, float, float, int] | None,
+        buffers: _Buffers,
+        binning_of: LinearBinning | None = None,
+    ) -> None:
+        self.binning = binning
         self.buffers = buffers
+        self.binning_of = binning_of
 
     @classmethod
     def make(cls, binning: LinearBinning | None, buffers: Any, lo: float, hi: float) -> _Steady | None:
@@ -148,26 +160,59 @@ class _Steady:
             return None
         if not lo > nonfinite.SCORE_MASK_SENTINEL:
             return None
+        found = cls.writable(buffers, binning.bins)
+        if found is None:
+            return None
+        scale = 0.0 if binning.scale is None else float(binning.scale)
+        return cls((binning.lo, binning.hi, scale, binning.divisor, binning.bins), found, binning)
+
+    @classmethod
+    def fresh(cls, buffers: Any, bins: int) -> _Steady | None:
+        """The step before the first batch (``binning`` None), where the kernels can write ``buffers``."""
+        found = cls.writable(buffers, bins)
+        return None if found is None else cls(None, found)
+
+    def rebound(self, buffers: Any) -> _Steady | None:
+        """This step before the first batch for a copy's ``buffers`` (clones of this one's: the
+        same dtypes, devices, sizes and layouts); None once a batch was counted (the copy makes
+        its own, as :meth:`HistogramObserver._observe` does after a ``load_state_dict``)."""
+        if self.binning is not None:
+            return None
+        return _Steady(
+            None, (buffers["histogram"], buffers["min_val"], buffers["max_val"], buffers["num_batches"])
+        )
+
+    @staticmethod
+    def writable(buffers: Any, bins: int) -> _Buffers | None:
+        """The buffers the native kernels write, where they can (float32 contiguous CPU histogram
+        of ``bins`` counters, float32 ``min_val`` and ``max_val``, int64 ``num_batches``)."""
         found: _Buffers = (
             buffers["histogram"],
             buffers["min_val"],
             buffers["max_val"],
             buffers["num_batches"],
         )
-        for t in found:
-            if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
-                return None
         histogram, min_val, max_val, num_batches = found
-        if histogram.dtype is not torch.float32 or histogram.numel() != binning.bins:
-            return None
-        if min_val.dtype is not torch.float32 or max_val.dtype is not torch.float32:
-            return None
+        # one expression, no loop: every first batch asks (a few hundred per calibration)
         if (
-            num_batches.dtype is not torch.int64
-            or not min_val.numel() == max_val.numel() == num_batches.numel() == 1
+            type(histogram) is torch.Tensor
+            and type(min_val) is torch.Tensor
+            and type(max_val) is torch.Tensor
+            and type(num_batches) is torch.Tensor
+            and histogram.dtype is torch.float32
+            and min_val.dtype is torch.float32
+            and max_val.dtype is torch.float32
+            and num_batches.dtype is torch.int64
+            and histogram.is_cpu
+            and min_val.is_cpu
+            and max_val.is_cpu
+            and num_batches.is_cpu
+            and histogram.numel() == bins
+            and histogram.is_contiguous()
+            and min_val.numel() == max_val.numel() == num_batches.numel() == 1  # one value: at data_ptr()
         ):
-            return None
-        return cls(binning, found)
+            return found
+        return None
 
     def serves(self, buffers: Any) -> bool:
         """Whether the observer's buffers are still the ones this step writes."""
@@ -229,25 +274,35 @@ class HistogramObserver(ObserverBase):
         self.register_buffer("histogram", torch.zeros(self.bins))
         self.register_buffer("min_val", torch.tensor(float("inf")))
         self.register_buffer("max_val", torch.tensor(float("-inf")))
+        fresh = _Steady.fresh(self._buffers, self.bins)
+        if fresh is not None:
+            self.__dict__[_STEADY] = fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers: Any = self._buffers  # not Module.__getattr__: microseconds per call, hundreds of calls
         steady = self.__dict__.get(_STEADY)
         extremes: tuple[float, float] | None = None
-        if steady is not None:
-            if steady.serves(buffers):
+        if steady is not None and steady.serves(buffers):
+            binning = steady.binning
+            if binning is None:  # the first batch
+                done, extremes = self._start(x, steady.buffers)
+                if done:
+                    return x
+            else:
                 # most batches: the range holds them, one native call counts them (or says it does not)
-                found = kernels.observe_histogram(x, steady.binning, *steady.buffers)
+                found = kernels.observe_histogram(x, binning, *steady.buffers)
                 if found is None:
                     return x
                 if found is not False:
                     # as kernels.minmax would give them below, which declines zeros (torch decides their sign)
                     extremes = found if found[0] != 0.0 and found[1] != 0.0 else _ZERO_EXTREME
-        elif _STARTED not in self.__dict__:
+        elif _STARTED not in self.__dict__:  # a first batch without its step (a deep copy, buffers replaced)
             self.__dict__[_STARTED] = True
-            done, extremes = self._start(x, buffers)
-            if done:
-                return x
+            found_buffers = _Steady.writable(buffers, self.bins)
+            if found_buffers is not None:
+                done, extremes = self._start(x, found_buffers)
+                if done:
+                    return x
         return self._observe(x, buffers, extremes)
 
     def _observe(self, x: torch.Tensor, buffers: Any, extremes: tuple[float, float] | None) -> torch.Tensor:
@@ -315,29 +370,22 @@ class HistogramObserver(ObserverBase):
             self.__dict__[_STEADY] = _Steady.make(binning, buffers, new_min, new_max)
         return x
 
-    def _start(self, x: torch.Tensor, buffers: Any) -> tuple[bool, tuple[float, float] | None]:
-        """The observer's first batch in two native calls: its extremes, then its counts written
-        over its own range, with the range (the native call checks that none was recorded).
-        ``(True, None)`` where done; else ``(False, extremes)``, nothing written, and ``x``'s
-        extremes if found, for the general path."""
-        if not x.is_contiguous():
+    def _start(self, x: torch.Tensor, buffers: _Buffers) -> tuple[bool, tuple[float, float] | None]:
+        """The observer's first batch in one native call (:func:`kernels.start_histogram`): its
+        extremes, then its counts written over its own range, with the range, into ``buffers``
+        (:meth:`_Steady.writable`). ``(True, None)`` where done; else ``(False, extremes)``,
+        nothing written, and ``x``'s extremes if found, for the general path (which makes the
+        step of the range it sets)."""
+        self.__dict__[_STARTED] = True  # tried once: a copy of this observer starts in the general path
+        done = kernels.start_histogram(x, self.bins, nonfinite.SCORE_MASK_SENTINEL, *buffers)
+        if done is not None and len(done) == 5:
+            self.__dict__[_STEADY] = _Steady(done, buffers)  # type: ignore[arg-type]
+            return True, None
+        self.__dict__.pop(_STEADY, None)  # the step before the first batch, if any
+        if done is None:
             return False, None
-        extremes = kernels.extremes(x)
-        if extremes is None:
-            return False, None
-        lo, hi = extremes
-        if lo == 0.0 or hi == 0.0:
-            return False, _ZERO_EXTREME
-        binning = LinearBinning.make(self.bins, lo, hi)
-        steady = _Steady.make(binning, buffers, lo, hi)
-        if (
-            steady is None
-            or kernels.observe_histogram(x, steady.binning, *steady.buffers, start=True) is not None
-        ):
-            return False, extremes
-        self.__dict__[_BINNING] = binning
-        self.__dict__[_STEADY] = steady
-        return True, None
+        lo, hi = done
+        return False, _ZERO_EXTREME if lo == 0.0 or hi == 0.0 else (lo, hi)
 
     def _counts(
         self, data: torch.Tensor, lo: float, hi: float, readable: bool, extremes: tuple[float, float]

@@ -6,7 +6,8 @@ observer's batch (a min/max reduction, then torch.histc's binning as five vector
 and a bincount) is most of the calibration overhead. ``_histogram_kernels`` (C, built with the
 package where a compiler is available) does the same work in two passes over the batch, writing
 the counts straight into the histogram; a histogram observer's batch within its range (most
-batches, once the ranges stop growing) is a single call, :func:`observe_histogram`.
+batches, once the ranges stop growing) is a single call, :func:`observe_histogram`, and so is its
+first batch, which sets the range, :func:`start_histogram`.
 
 Every function here returns None (or False) where the native path does not apply, and the
 callers then run their torch code, which computes the same values: the kernels are a speed-up,
@@ -31,7 +32,7 @@ try:
     from _quantplug.observers import _histogram_kernels as _built
 except ImportError:  # built without a C compiler: the torch code paths run
     _built = None
-if _built is not None and not hasattr(_built, "observe"):
+if _built is not None and not hasattr(_built, "start"):
     _built = None  # built from an older source (an in-place build not redone): its calls differ
 
 _native: ModuleType | None = None if os.environ.get("QUANTPLUG_NATIVE_KERNELS", "1") == "0" else _built
@@ -44,7 +45,7 @@ MAX_ELEMENTS = 1 << 24
 #: constant cost instead of counted again (0.4 ns a value): the same counts either way
 VIEW_LIMIT = 1 << 16
 #: the observer attribute keeping its native step (the histogram observer's: it writes that
-#: observer's own buffers, so copies drop it and make their own)
+#: observer's own buffers, so copies drop it, or have it ``rebound`` to their own)
 STEP_ATTR = "_quantplug_steady"
 _F32 = torch.float32
 
@@ -174,7 +175,6 @@ def observe_histogram(
     min_val: torch.Tensor,
     max_val: torch.Tensor,
     num_batches: torch.Tensor,
-    start: bool = False,
 ) -> tuple[float, float] | Literal[False] | None:
     """A histogram observer's batch in one native call, where its range already holds the batch.
 
@@ -189,11 +189,8 @@ def observe_histogram(
     histogram (rounded as ``histogram.add_(counts)`` rounds them), ``num_batches`` grows by one,
     and None is returned. Otherwise nothing is written: False where the kernels cannot read ``x``
     (or are off), else ``x``'s ``(min, max)`` as :func:`minmax` computes them (NaN, NaN with a
-    NaN), for the caller's general path.
-
-    ``start``: the observer's first batch; ``lo`` and ``hi`` are ``x``'s own extremes (from
-    :func:`minmax`). Where the buffers hold no range yet (``min_val > max_val``) the counts are
-    written (not added), the range set to ``[lo, hi]`` and ``num_batches`` grows by one.
+    NaN), for the caller's general path. (The observer's first batch, which sets the range:
+    :func:`start_histogram`.)
     """
     native = _native
     if native is None or type(x) is not torch.Tensor or x.dtype is not _F32 or x.layout is not torch.strided:
@@ -225,7 +222,53 @@ def observe_histogram(
         min_val.data_ptr(),
         max_val.data_ptr(),
         num_batches.data_ptr(),
-        start,
+    )
+
+
+def start_histogram(
+    x: torch.Tensor,
+    bins: int,
+    floor: float,
+    histogram: torch.Tensor,
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    num_batches: torch.Tensor,
+) -> tuple[float, float, float, float, int] | tuple[float, float] | None:
+    """A histogram observer's first batch in one native call: ``x``'s extremes, then its counts
+    over its own range, written with the range (two passes over ``x``, no Python in between).
+
+    The buffers: as for :func:`observe_histogram`. Where they hold no range yet (``min_val >
+    max_val``), neither extreme of ``x`` is zero (torch decides the sign of a zero extreme),
+    its minimum lies above ``floor`` and :meth:`LinearBinning.make
+    <_quantplug.observers.binning.LinearBinning.make>` makes a binning of ``[min, max]``, the
+    counts are written to ``histogram`` (set, not added), the range to ``min_val`` and
+    ``max_val``, ``num_batches`` grows by one, and the binning's ``(lo, hi, scale, divisor,
+    bins)`` is returned (:func:`observe_histogram`'s operands for later batches). Otherwise
+    nothing is written and ``x``'s ``(min, max)`` is returned, as :func:`minmax` computes them
+    (zeros included); None where the kernels cannot read ``x`` (contiguous only) or are off.
+    """
+    native = _native
+    if (
+        native is None
+        or type(x) is not torch.Tensor
+        or x.dtype is not _F32
+        or x.layout is not torch.strided
+        or not x.is_cpu
+        or not x.is_contiguous()
+    ):
+        return None
+    n = x.numel()
+    if not 0 < n < MAX_ELEMENTS:
+        return None
+    return native.start(  # type: ignore[no-any-return]
+        x.data_ptr(),
+        n,
+        bins,
+        floor,
+        histogram.data_ptr(),
+        min_val.data_ptr(),
+        max_val.data_ptr(),
+        num_batches.data_ptr(),
     )
 
 
