@@ -13,6 +13,8 @@
  * AVX2 (checked at import; GCC and Clang on x86) the min/max and the binning run on 8 lanes,
  * elsewhere on SSE2 or in scalar code: the same operations, the same results.
  *
+ * convert's constants use two more (row_extremes, quantize_rows; described where they are defined).
+ *
  * Exactness: the binning evaluates the same float32 expression as quantplug's LinearBinning
  * (itself torch.histc's arithmetic): (x - lo) [* scale] / divisor, clamped to the last bin,
  * truncated. IEEE float32 operations round the same whether vectorised or not; the build
@@ -433,6 +435,103 @@ static int rebin_f32(const float *hist, int64_t bins, int64_t rate, const float 
     return status;
 }
 
+/*
+ * Constants' min/max per row and their quantization (convert's weights).
+ *
+ * row_extremes: each row's min and max, as torch.amin/amax(dim=1) give them wherever they are
+ * unique values: it stops (1) at a row whose min or max is NaN, infinite or zero (torch may
+ * return either sign of a zero extreme), for the caller's torch path.
+ *
+ * quantize_rows: clamp(round(x * inv) + zp, lo, hi) stored as int8 or uint8, with torch's float32
+ * steps: a float32 multiplication, rounding half to even (nearbyint; AVX's round_ps with
+ * _MM_FROUND_TO_NEAREST_INT), a float32 addition of the zero point as float32, then max with lo and
+ * min with hi; the clamped values are integers in the storage type's range, converted exactly. It
+ * stops (1) at a NaN product, for the caller's torch path (torch's clamp keeps NaN).
+ */
+static int row_extremes(const float *x, int64_t rows, int64_t cols, float *out_min, float *out_max) {
+    for (int64_t r = 0; r < rows; r++) {
+        float mn, mx;
+        minmax_f32(x + r * cols, cols, &mn, &mx);
+        if (!(isfinite(mn) && isfinite(mx)) || mn == 0.0f || mx == 0.0f) {
+            return 1;
+        }
+        out_min[r] = mn;
+        out_max[r] = mx;
+    }
+    return 0;
+}
+
+typedef struct {
+    float inv, zp, lo, hi;
+} RowCode;
+
+/* x[i..n) of one row; 1 at a NaN product */
+static int quantize_tail(const float *x, int64_t i, int64_t n, RowCode c, void *out, int is_unsigned) {
+    for (; i < n; i++) {
+        float t = x[i] * c.inv;
+        if (t != t) {
+            return 1;
+        }
+        t = nearbyintf(t) + c.zp;
+        t = t < c.lo ? c.lo : t;
+        t = t > c.hi ? c.hi : t;
+        if (is_unsigned) {
+            ((uint8_t *)out)[i] = (uint8_t)t;
+        } else {
+            ((int8_t *)out)[i] = (int8_t)t;
+        }
+    }
+    return 0;
+}
+
+#ifdef QP_AVX2
+/* the first (n / 32) * 32 values of one row on 8 lanes; returns how many were done, -1 at a NaN */
+QP_TARGET_AVX2 static int64_t quantize_avx2(const float *x, int64_t n, RowCode c, void *out, int is_unsigned) {
+    const __m256 inv = _mm256_set1_ps(c.inv), zp = _mm256_set1_ps(c.zp);
+    const __m256 lo = _mm256_set1_ps(c.lo), hi = _mm256_set1_ps(c.hi);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), inv);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+            t = _mm256_add_ps(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
+            t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+            q[k] = _mm256_cvtps_epi32(t); /* an integer already: exact */
+        }
+        /* saturating packs of values already within range: the same values, lanes interleaved */
+        __m256i words0 = _mm256_packs_epi32(q[0], q[1]), words1 = _mm256_packs_epi32(q[2], q[3]);
+        __m256i bytes = is_unsigned ? _mm256_packus_epi16(words0, words1) : _mm256_packs_epi16(words0, words1);
+        _mm256_storeu_si256((__m256i *)((int8_t *)out + i), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+    return _mm256_movemask_ps(nan) ? -1 : i;
+}
+#endif
+
+static int quantize_rows_f32(const float *x, int64_t rows, int64_t cols, const float *inv, int64_t inv_step,
+                             const float *zp, int64_t zp_step, float lo, float hi, void *out, int is_unsigned) {
+    for (int64_t r = 0; r < rows; r++) {
+        RowCode c = {inv[r * inv_step], zp[r * zp_step], lo, hi};
+        const float *row = x + r * cols;
+        void *dst = (int8_t *)out + r * cols;
+        int64_t i = 0;
+#ifdef QP_AVX2
+        if (use_avx2) {
+            i = quantize_avx2(row, cols, c, dst, is_unsigned);
+            if (i < 0) {
+                return 1;
+            }
+        }
+#endif
+        if (quantize_tail(row, i, cols, c, dst, is_unsigned)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static int as_address(PyObject *obj, void **out) {
     *out = PyLong_AsVoidPtr(obj);
     return *out == NULL && PyErr_Occurred() ? -1 : 0;
@@ -653,6 +752,84 @@ static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return Py_BuildValue("(dd)", (double)mn, (double)mx);
 }
 
+PyDoc_STRVAR(row_extremes_doc,
+             "row_extremes(address, rows, cols, min_address, max_address) -> bool\n\n"
+             "Each of `rows` rows of `cols` contiguous float32 values: its min and max written to the float32\n"
+             "arrays at min_address and max_address. False (stopped, the arrays partly written) at a row\n"
+             "whose min or max is NaN, infinite or zero.");
+
+static PyObject *row_extremes_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 5, "row_extremes(address, rows, cols, min_address, max_address)") < 0) {
+        return NULL;
+    }
+    void *x, *mn, *mx;
+    if (as_address(args[0], &x) < 0 || as_address(args[3], &mn) < 0 || as_address(args[4], &mx) < 0) {
+        return NULL;
+    }
+    int64_t rows = PyLong_AsLongLong(args[1]);
+    int64_t cols = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (rows <= 0 || cols <= 0 || x == NULL || mn == NULL || mx == NULL) {
+        PyErr_SetString(PyExc_ValueError, "row_extremes needs non-null addresses, rows > 0 and cols > 0");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = row_extremes((const float *)x, rows, cols, (float *)mn, (float *)mx);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(status == 0);
+}
+
+PyDoc_STRVAR(quantize_rows_doc,
+             "quantize_rows(address, rows, cols, inv_address, inv_step, zp_address, zp_step, lo, hi,\n"
+             "              out_address, unsigned) -> bool\n\n"
+             "Row r of `rows` rows of `cols` contiguous float32 values quantized into the int8 (uint8 if\n"
+             "unsigned) array at out_address: clamp(round(x * inv) + zp, lo, hi) in float32, rounding half\n"
+             "to even, with inv and zp the float32 values at inv_address[r * inv_step] and\n"
+             "zp_address[r * zp_step]. lo and hi must be integers within the storage type's range.\n"
+             "False (stopped, out partly written) at a NaN product.");
+
+static PyObject *quantize_rows_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 11,
+                    "quantize_rows(address, rows, cols, inv_address, inv_step, zp_address, zp_step, lo, hi, "
+                    "out_address, unsigned)") < 0) {
+        return NULL;
+    }
+    void *x, *inv, *zp, *out;
+    if (as_address(args[0], &x) < 0 || as_address(args[3], &inv) < 0 || as_address(args[5], &zp) < 0 ||
+        as_address(args[9], &out) < 0) {
+        return NULL;
+    }
+    int64_t rows = PyLong_AsLongLong(args[1]);
+    int64_t cols = PyLong_AsLongLong(args[2]);
+    int64_t inv_step = PyLong_AsLongLong(args[4]);
+    int64_t zp_step = PyLong_AsLongLong(args[6]);
+    int64_t lo = PyLong_AsLongLong(args[7]);
+    int64_t hi = PyLong_AsLongLong(args[8]);
+    int is_unsigned = PyObject_IsTrue(args[10]);
+    if (PyErr_Occurred() || is_unsigned < 0) {
+        return NULL;
+    }
+    const int64_t floor = is_unsigned ? 0 : -128, ceiling = is_unsigned ? 255 : 127;
+    if (rows <= 0 || cols <= 0 || x == NULL || inv == NULL || zp == NULL || out == NULL || (inv_step != 0 && inv_step != 1) ||
+        (zp_step != 0 && zp_step != 1) || lo < floor || hi > ceiling || lo > hi) {
+        PyErr_SetString(PyExc_ValueError,
+                        "quantize_rows needs non-null addresses, rows > 0, cols > 0, steps of 0 or 1 and "
+                        "lo <= hi within the storage type's range");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = quantize_rows_f32((const float *)x, rows, cols, (const float *)inv, inv_step, (const float *)zp, zp_step,
+                               (float)lo, (float)hi, out, is_unsigned);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(status == 0);
+}
+
 PyDoc_STRVAR(use_avx2_doc,
              "_use_avx2(flag) -> bool\n\nWhether the AVX2 code ran until now; from now on it runs if flag and "
              "the CPU has AVX2 (tests compare it with the SSE2 and scalar code).");
@@ -719,6 +896,8 @@ static PyMethodDef methods[] = {
     {"bin_counts", (PyCFunction)(void (*)(void))bin_counts, METH_FASTCALL, bin_counts_doc},
     {"observe", (PyCFunction)(void (*)(void))observe, METH_FASTCALL, observe_doc},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL, start_doc},
+    {"row_extremes", (PyCFunction)(void (*)(void))row_extremes_py, METH_FASTCALL, row_extremes_doc},
+    {"quantize_rows", (PyCFunction)(void (*)(void))quantize_rows_py, METH_FASTCALL, quantize_rows_doc},
     {"_use_avx2", set_avx2, METH_O, use_avx2_doc},
     {NULL, NULL, 0, NULL},
 };

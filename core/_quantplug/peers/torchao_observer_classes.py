@@ -572,7 +572,8 @@ def _index(i: int) -> torch.Tensor:
 
 
 class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[misc,name-defined]
-    """torchao's PerChannelMinMaxObserver with ``amin``/``amax`` instead of ``aminmax(dim=1)``.
+    """torchao's PerChannelMinMaxObserver with ``amin``/``amax`` instead of ``aminmax(dim=1)``,
+    or the native kernels' one pass over the rows (:func:`kernels.row_extremes`).
 
     NaN/inf values raise under the calibration's default policy; with "ignore" each channel's
     range is that of its finite values.
@@ -592,9 +593,14 @@ class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[mi
         axes[self.ch_axis] = 0
         axes[0] = self.ch_axis
         y = torch.flatten(x.permute(axes), start_dim=1)
-        lo, hi = torch.amin(y, dim=1), torch.amax(y, dim=1)
-        if not nonfinite.all_ordinary(self, lo, hi):
-            lo, hi = nonfinite.finite_extremes(self, y, dims=(1,))
+        # one native pass where every row's extremes are finite non-zero values (unique: torch's)
+        extremes = kernels.row_extremes(y)
+        if extremes is not None and nonfinite.mask_sentinel(self) == -math.inf:
+            lo, hi = extremes  # finite, so ordinary: no value lies at or below a sentinel of -inf
+        else:
+            lo, hi = extremes or (torch.amin(y, dim=1), torch.amax(y, dim=1))
+            if not nonfinite.all_ordinary(self, lo, hi):
+                lo, hi = nonfinite.finite_extremes(self, y, dims=(1,))
         if self.min_val.numel() == 0 or self.max_val.numel() == 0:
             min_val, max_val = lo, hi
         else:
