@@ -289,10 +289,13 @@ def _fast_state(obs: HistogramObserver) -> tuple[torch.Tensor, torch.Tensor, tor
     return hist, min_val, max_val
 
 
-#: candidates evaluated per search in the first round: torchao's search usually stops at its
-#: 3rd or 4th candidate; then more at a time for the searches that go on
-_LOOKAHEAD = 4
-_LOOKAHEAD_MORE = 8
+#: candidates evaluated per search in the first round, then per round for the searches that go
+#: on: torchao's search usually stops at its 2nd to 5th candidate, and every candidate evaluated
+#: past the one that stops it is a row of errors computed for nothing, while a round costs only a
+#: few dozen dispatches. The X86 bench's searches (one thread) took 4.1 / 14 / 56 ms at 4 then 8
+#: (decoder-8 / 32 / 128), 3.1 / 11 / 45 ms at 3 then 3
+_LOOKAHEAD = 3
+_LOOKAHEAD_MORE = 3
 #: steps of the walk a peek takes at most once it has a candidate (typically 2-3 per candidate;
 #: with few nonzero bins, thousands of steps may separate two candidates)
 _PEEK_STEPS = 64
