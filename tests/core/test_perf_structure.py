@@ -169,6 +169,17 @@ def test_working_copy_is_ep_module_without_the_guard() -> None:
     assert ours.code.count("tree_flatten_spec") == 1
 
 
+def test_lifted_inputs_become_get_attrs_the_graph_knows() -> None:
+    """The placeholders of weights turned into get_attr nodes in place are filed as such: found
+    by op in graph order, their names taken (a new node asking for one gets a suffix)."""
+    graph = working_copy(_program()).graph
+    attrs = [n for n in graph.nodes if n.op == "get_attr"]
+    assert attrs and graph.find_nodes(op="get_attr") == attrs
+    assert graph.find_nodes(op="placeholder") == [n for n in graph.nodes if n.op == "placeholder"]
+    assert all(graph._graph_namespace.create_name(n.name, None) != n.name for n in attrs)
+    graph.lint()
+
+
 class Counting(nn.Module):
     count: torch.Tensor
 
