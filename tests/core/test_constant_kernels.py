@@ -64,9 +64,8 @@ def _cases(draw: Any) -> tuple[torch.Tensor, QParams]:
     )
     per_channel = draw(st.booleans())
     n = rows if per_channel else 1
-    scales = draw(
-        st.lists(st.floats(2**-20, 1024.0, width=32) | st.sampled_from([0.5, 1.0, 0.1]), min_size=n, max_size=n)
-    )
+    scale_values = st.floats(2**-20, 1024.0, width=32) | st.sampled_from([0.5, 1.0, 0.1])
+    scales = draw(st.lists(scale_values, min_size=n, max_size=n))
     points = draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
     scale, zero_point = torch.tensor(scales, dtype=torch.float32), torch.tensor(points)
     if per_channel:
@@ -164,3 +163,22 @@ def test_converted_program_is_the_same_with_and_without_the_kernels() -> None:
     assert state.keys() == state_torch.keys()
     assert all(torch.equal(state[k], state_torch[k]) for k in state)
     assert torch.equal(out, out_torch)
+
+
+def test_search_norms_declines_operands_it_cannot_read() -> None:
+    """torchao's clipping search falls back to its torch operations then (nothing written)."""
+    density, width = torch.rand(2, 16), torch.rand(2, 1)
+    columns = tuple(torch.rand(3, 1) for _ in range(5))
+    out = torch.full((3, 16), 7.0)
+    assert kernels.search_norms(density, width, None, columns, 7, 0, 3, out)  # type: ignore[arg-type]
+    assert torch.isfinite(out).all()
+    untouched = torch.full((3, 16), 7.0)
+    for bad in (
+        dict(density=density.double()),
+        dict(out=torch.full((16, 3), 7.0).t()),
+        dict(owner=torch.tensor([0, 1, 1], dtype=torch.int32)),
+    ):
+        args: dict[str, Any] = dict(density=density, owner=None, out=untouched) | bad
+        kwargs = dict(bin_width=width, columns=columns, top=7, first=0, rows=3)
+        assert not kernels.search_norms(**args, **kwargs)  # type: ignore[arg-type]
+        assert (untouched == 7.0).all()

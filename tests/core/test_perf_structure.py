@@ -13,6 +13,7 @@ import contextlib
 import struct
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from operator import attrgetter
 from typing import Any
 
@@ -527,10 +528,37 @@ def test_calculate_qparams_many_is_each_observers_calculate_qparams(monkeypatch:
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), i
 
 
-def test_batched_quantization_errors_are_torchaos_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def _kernel_path(path: str) -> Iterator[None]:
+    """The native kernels' AVX2 code, their scalar code, or the torch operations ("torch")."""
+    if path == "torch":
+        with kernels.disabled():
+            yield
+        return
+    if not kernels.search_norms_available():
+        pytest.skip("native kernels not built")
+    from _quantplug.observers import _histogram_kernels as raw
+
+    was = raw._use_avx2(path == "avx2")
+    try:
+        yield
+    finally:
+        raw._use_avx2(was)
+
+
+@pytest.mark.parametrize("path", ["avx2", "scalar", "torch"])
+def test_batched_quantization_errors_are_torchaos_bit_for_bit(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Native per-bin terms (AVX2 and scalar code; 300 bins: not a multiple of 8) or torch's."""
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
     from _quantplug.peers import torchao_observer_classes as torchao_fast
 
+    with _kernel_path(path):
+        _check_batched_errors(ao, torchao_fast, monkeypatch)
+
+
+def _check_batched_errors(ao: Any, torchao_fast: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(8)
     for config in HISTOGRAM_CONFIGS:
         refs = []

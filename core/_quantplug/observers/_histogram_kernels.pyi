@@ -66,4 +66,19 @@ def quantize_rows(
     unsigned: bool,
     /,
 ) -> bool: ...
+def search_norms(
+    bins: int,
+    rows: int,
+    density_address: int,
+    owner_address: int,
+    start_address: int,
+    width_address: int,
+    dst_address: int,
+    half_address: int,
+    half_cubed_address: int,
+    whole_bin_address: int,
+    top: int,
+    out_address: int,
+    /,
+) -> None: ...
 def _use_avx2(flag: bool, /) -> bool: ...

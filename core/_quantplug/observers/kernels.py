@@ -11,7 +11,9 @@ first batch, which sets the range, :func:`start_histogram`.
 
 convert uses two more for constants: a per-channel weight observer's min/max of every row in one
 pass (:func:`row_extremes`), and the weight's integers written straight from its floats
-(:func:`quantize_rows`) instead of five weight-sized passes of torch operations.
+(:func:`quantize_rows`) instead of five weight-sized passes of torch operations; and torchao's
+histogram clipping search (peers/torchao_observer_classes.py) its candidates' per-bin error terms
+in one pass (:func:`search_norms`) instead of about twenty.
 
 Every function here returns None (or False) where the native path does not apply, and the
 callers then run their torch code, which computes the same values: the kernels are a speed-up,
@@ -381,3 +383,62 @@ def quantize_rows(
         is_unsigned,
     )
     return out if done else None
+
+
+def search_norms_available() -> bool:
+    """Whether :func:`search_norms` runs (the kernels are on and built with it)."""
+    return _native is not None and hasattr(_native, "search_norms")
+
+
+def search_norms(
+    density: torch.Tensor,
+    bin_width: torch.Tensor,
+    owner: torch.Tensor | None,
+    columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    top: int,
+    first: int,
+    rows: int,
+    out: torch.Tensor,
+) -> bool:
+    """The per-bin error terms of candidates ``first .. first + rows`` of torchao's histogram
+    clipping search (``torchao_observer_classes._Searches.errors``' float32 operations, in its
+    order) into ``out``'s first ``rows`` rows; the caller sums each row with torch. False, with
+    nothing written, where the operands do not suit (then the torch operations run).
+
+    ``density``: float32 ``[observers, bins]``; ``bin_width``: float32 ``[observers, 1]``;
+    ``owner``: int64 ``[candidates]``, each candidate's observer (None: all the first);
+    ``columns``: the candidates' float32 ``start``, ``dst``, ``half``, ``half_cubed`` and
+    ``whole_bin`` (``[candidates, 1]``); ``out``: float32 ``[>= rows, bins]``. All contiguous.
+    Only where :func:`search_norms_available` and the bin positions are finite (the floor
+    division in float64 is then torch's); the caller checks both.
+    """
+    assert _native is not None
+    if density.dim() != 2 or not all(_plain(t) for t in (density, bin_width, out, *columns)):
+        return False
+    bins, observers = density.shape[1], density.shape[0]
+    if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != bins or bin_width.numel() != observers:
+        return False
+    if any(c.numel() < first + rows for c in columns):
+        return False
+    if owner is None:
+        owner_address = 0
+    elif owner.dtype is torch.int64 and owner.is_contiguous() and owner.numel() >= first + rows:
+        owner_address = owner.data_ptr() + 8 * first
+    else:
+        return False
+    start, dst, half, half_cubed, whole_bin = (c.data_ptr() + 4 * first for c in columns)
+    _native.search_norms(
+        bins,
+        rows,
+        density.data_ptr(),
+        owner_address,
+        start,
+        bin_width.data_ptr(),
+        dst,
+        half,
+        half_cubed,
+        whole_bin,
+        top,
+        out.data_ptr(),
+    )
+    return True

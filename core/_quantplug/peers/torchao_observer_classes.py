@@ -390,6 +390,9 @@ class _Searches:
         done on the columns), the histogram density is gathered per row, and the same float32
         operations run in the same order on ``[rows, bins]`` chunks, each row summed on its
         own like the 1-D tensor torchao sums. The chunks reuse a few buffers that stay in cache.
+        Where the native kernels are built, they compute each chunk's per-bin terms in one pass
+        with the same float32 operations (:func:`_quantplug.observers.kernels.search_norms`),
+        and torch sums the rows as here.
         """
         bins, top, n = self.bins, self.dst_nbins - 1, len(widths)
         start = torch.tensor(starts, dtype=_F32).unsqueeze(1)  # exact: below 2**24
@@ -398,11 +401,23 @@ class _Searches:
         half = (dst_width64 / 2).to(_F32)  # torch.tensor(dst_bin_width / 2); -half is its negation
         half_cubed = half * half * half  # and (-half) ** 3 is -half_cubed: rounding is symmetric
         whole_bin = (half_cubed + half_cubed) / 3  # _get_norm(-half, half, 1): (h**3 - (-h)**3) / 3
+        chunk = min(n, max(1, _CHUNK_ELEMENTS // bins))
+        owner = None if len(self.walks) == 1 else torch.tensor(owners, dtype=torch.int64)
+        if self.finite and bins <= _ROW_SUM_LIMIT and kernels.search_norms_available():
+            # the same per-bin terms in one native pass per chunk; torch sums each row, as below
+            columns = (start, dst_width, half, half_cubed, whole_bin)
+            norm = torch.empty(chunk, bins, dtype=_F32)
+            norms = torch.empty(n, dtype=_F32)
+            for a in range(0, n, chunk):
+                r = min(chunk, n - a)
+                if not kernels.search_norms(self.density, self.bin_width, owner, columns, top, a, r, norm):
+                    break  # operands the kernel does not take (the first chunk already): torch's
+                torch.sum(norm[:r], dim=1, out=norms[a : a + r])
+            else:
+                return norms.tolist()
         floor_div = _FloorDiv(dst_width, top, self.finite)
         src_bin = _bin_indices(bins)
-        chunk = min(n, max(1, _CHUNK_ELEMENTS // bins))
         begin, end, lower, upper, gathered, norm, tmp, tmp2 = torch.empty(8, chunk, bins, dtype=_F32).unbind()
-        owner = None if len(self.walks) == 1 else torch.tensor(owners, dtype=torch.int64)
         # one observer's density and bin width broadcast over the rows; several are gathered
         density, width = self.density, self.bin_width
         all_widths = width if owner is None else width.index_select(0, owner)
