@@ -778,3 +778,18 @@ def test_indexed_partition_matching_gives_the_same_annotations(name: str) -> Non
     from torch.fx.passes.utils import source_matcher_utils
 
     assert source_matcher_utils.get_source_partitions.__module__ == source_matcher_utils.__name__
+
+
+def test_observers_saw_data_together_is_each_ones_answer() -> None:
+    """One comparison for all torchao-style ranges where none is +inf; each one's own otherwise."""
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    from _quantplug.observers.factory import observer_saw_data, observers_saw_data
+
+    fed = [ao.HistogramObserver(), ao.PerChannelMinMaxObserver(ch_axis=0), ao.MinMaxObserver()]
+    for obs in fed:
+        obs(torch.randn(3, 5))
+    unfed = [ao.HistogramObserver(), ao.PerChannelMinMaxObserver(ch_axis=0), ao.MinMaxObserver()]
+    for observers in (fed, fed + unfed[:1], unfed[1:] + fed, unfed):
+        assert observers_saw_data(observers) == [observer_saw_data(o) for o in observers]
+    assert observers_saw_data(fed) == [True, True, True]
+    assert observers_saw_data(unfed) == [False, False, False]

@@ -57,7 +57,7 @@ from _quantplug.observers import block_ops as qp_ops
 from _quantplug.observers import kernels
 from _quantplug.observers.base import ObserverBase
 from _quantplug.observers.copies import fresh_copy
-from _quantplug.observers.factory import observer_saw_data
+from _quantplug.observers.factory import observers_saw_data
 from _quantplug.observers.fixed import DerivedObserver
 from _quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
@@ -343,7 +343,8 @@ def compute_qparams(
     # float groups have no encoding, nor have observers that write their own ops (but torchao's
     # affine observers, whose qparams the encodings list)
     measured = [g for g in state.groups if not g.floating and not _opaque(prepared_obs[g.gid])]
-    unseen = [g for g in measured if not g.dynamic and not observer_saw_data(used[g.gid])]
+    static = [g for g in measured if not g.dynamic]
+    unseen = [g for g, saw in zip(static, observers_saw_data([used[g.gid] for g in static])) if not saw]
     if unseen:
         _uncalibrated(state, unseen)
     for group in measured:
