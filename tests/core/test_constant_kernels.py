@@ -1,10 +1,12 @@
-"""convert's native kernels for constants compute what the torch steps compute, bit for bit.
+"""convert's native kernels compute what the torch steps compute, bit for bit.
 
 ``kernels.row_extremes`` stands for ``amin``/``amax`` along rows (the per-channel weight
 observer's forward) and ``kernels.quantize_rows`` for ``clamp(round(x * inverse) + zero_point)``
 (convert's weight integers); both decline what they cannot reproduce, and an older build of the
 extension without them is not called. Compared here with the torch path of the same function
 (``kernels.disabled()``), under the AVX2 and the scalar code, and end to end on an exported model.
+``kernels.search_norms`` (torchao's histogram clipping search) is compared with torchao itself in
+test_perf_structure.py; here, what it declines.
 """
 
 from __future__ import annotations
