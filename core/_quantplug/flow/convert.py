@@ -853,7 +853,8 @@ def _native_codes(value: torch.Tensor, qp: QParams) -> torch.Tensor | None:
             return None
         if qp.zero_point.shape != scale.shape:
             return None
-        inverse, zero_point = 1.0 / scale, qp.zero_point.to(torch.float32)
+        # 1.0 / scale is torch.reciprocal(scale) * 1.0: the same floats, without the operator wrapper
+        inverse, zero_point = torch.reciprocal(scale), qp.zero_point.to(torch.float32)
     return kernels.quantize_rows(
         value.detach(), inverse, zero_point.contiguous(), qp.quant_min, qp.quant_max, qp.dtype
     )
