@@ -181,6 +181,20 @@ def test_lifted_inputs_become_get_attrs_the_graph_knows() -> None:
     graph.lint()
 
 
+def test_lifted_inputs_shortcut_gives_the_graph_of_the_edits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch.fx without the private tables the working copy inserts, moves and erases."""
+    import _quantplug.graph.working_copy as wc
+
+    def described(gm: GraphModule) -> list[tuple[str, str, str, Any]]:
+        return [(n.name, n.op, str(n.target), n.type) for n in gm.graph.nodes]
+
+    program = _program()
+    shortcut = working_copy(program)
+    monkeypatch.setattr(wc, "_become_get_attr", lambda *args: False)
+    edits = working_copy(program)
+    assert described(shortcut) == described(edits) and shortcut.code == edits.code
+
+
 class Counting(nn.Module):
     count: torch.Tensor
 
