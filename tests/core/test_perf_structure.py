@@ -13,6 +13,7 @@ import contextlib
 import struct
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from operator import attrgetter
 from typing import Any
 
@@ -167,6 +168,31 @@ def test_working_copy_is_ep_module_without_the_guard() -> None:
         torch.testing.assert_close(ours(*_inputs(seed)), theirs(*_inputs(seed)), rtol=0, atol=0)
     # keyword call and pytree outputs like ep.module()
     assert ours.code.count("tree_flatten_spec") == 1
+
+
+def test_lifted_inputs_become_get_attrs_the_graph_knows() -> None:
+    """The placeholders of weights turned into get_attr nodes in place are filed as such: found
+    by op in graph order, their names taken (a new node asking for one gets a suffix)."""
+    graph = working_copy(_program()).graph
+    attrs = [n for n in graph.nodes if n.op == "get_attr"]
+    assert attrs and graph.find_nodes(op="get_attr") == attrs
+    assert graph.find_nodes(op="placeholder") == [n for n in graph.nodes if n.op == "placeholder"]
+    assert all(graph._graph_namespace.create_name(n.name, None) != n.name for n in attrs)
+    graph.lint()
+
+
+def test_lifted_inputs_shortcut_gives_the_graph_of_the_edits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch.fx without the private tables the working copy inserts, moves and erases."""
+    import _quantplug.graph.working_copy as wc
+
+    def described(gm: GraphModule) -> list[tuple[str, str, str, Any]]:
+        return [(n.name, n.op, str(n.target), n.type) for n in gm.graph.nodes]
+
+    program = _program()
+    shortcut = working_copy(program)
+    monkeypatch.setattr(wc, "_become_get_attr", lambda *args: False)
+    edits = working_copy(program)
+    assert described(shortcut) == described(edits) and shortcut.code == edits.code
 
 
 class Counting(nn.Module):
@@ -516,10 +542,37 @@ def test_calculate_qparams_many_is_each_observers_calculate_qparams(monkeypatch:
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), i
 
 
-def test_batched_quantization_errors_are_torchaos_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def _kernel_path(path: str) -> Iterator[None]:
+    """The native kernels' AVX2 code, their scalar code, or the torch operations ("torch")."""
+    if path == "torch":
+        with kernels.disabled():
+            yield
+        return
+    if not kernels.search_norms_available():
+        pytest.skip("native kernels not built")
+    from _quantplug.observers import _histogram_kernels as raw
+
+    was = raw._use_avx2(path == "avx2")
+    try:
+        yield
+    finally:
+        raw._use_avx2(was)
+
+
+@pytest.mark.parametrize("path", ["avx2", "scalar", "torch"])
+def test_batched_quantization_errors_are_torchaos_bit_for_bit(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Native per-bin terms (AVX2 and scalar code; 300 bins: not a multiple of 8) or torch's."""
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
     from _quantplug.peers import torchao_observer_classes as torchao_fast
 
+    with _kernel_path(path):
+        _check_batched_errors(ao, torchao_fast, monkeypatch)
+
+
+def _check_batched_errors(ao: Any, torchao_fast: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(8)
     for config in HISTOGRAM_CONFIGS:
         refs = []
@@ -739,3 +792,18 @@ def test_indexed_partition_matching_gives_the_same_annotations(name: str) -> Non
     from torch.fx.passes.utils import source_matcher_utils
 
     assert source_matcher_utils.get_source_partitions.__module__ == source_matcher_utils.__name__
+
+
+def test_observers_saw_data_together_is_each_ones_answer() -> None:
+    """One comparison for all torchao-style ranges where none is +inf; each one's own otherwise."""
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    from _quantplug.observers.factory import observer_saw_data, observers_saw_data
+
+    fed = [ao.HistogramObserver(), ao.PerChannelMinMaxObserver(ch_axis=0), ao.MinMaxObserver()]
+    for obs in fed:
+        obs(torch.randn(3, 5))
+    unfed = [ao.HistogramObserver(), ao.PerChannelMinMaxObserver(ch_axis=0), ao.MinMaxObserver()]
+    for observers in (fed, fed + unfed[:1], unfed[1:] + fed, unfed):
+        assert observers_saw_data(observers) == [observer_saw_data(o) for o in observers]
+    assert observers_saw_data(fed) == [True, True, True]
+    assert observers_saw_data(unfed) == [False, False, False]

@@ -54,9 +54,10 @@ from _quantplug.meta import (
     observer_gid,
 )
 from _quantplug.observers import block_ops as qp_ops
+from _quantplug.observers import kernels
 from _quantplug.observers.base import ObserverBase
 from _quantplug.observers.copies import fresh_copy
-from _quantplug.observers.factory import observer_saw_data
+from _quantplug.observers.factory import observers_saw_data
 from _quantplug.observers.fixed import DerivedObserver
 from _quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
@@ -342,7 +343,8 @@ def compute_qparams(
     # float groups have no encoding, nor have observers that write their own ops (but torchao's
     # affine observers, whose qparams the encodings list)
     measured = [g for g in state.groups if not g.floating and not _opaque(prepared_obs[g.gid])]
-    unseen = [g for g in measured if not g.dynamic and not observer_saw_data(used[g.gid])]
+    static = [g for g in measured if not g.dynamic]
+    unseen = [g for g, saw in zip(static, observers_saw_data([used[g.gid] for g in static])) if not saw]
     if unseen:
         _uncalibrated(state, unseen)
     for group in measured:
@@ -813,6 +815,9 @@ def _quantize_tensor(value: torch.Tensor, qp: QParams) -> torch.Tensor:
     """
     if qp.granularity not in ("tensor", "channel", "block"):
         raise ConversionError(f"constant tensors cannot use {qp.granularity} quantization")
+    native = _native_codes(value, qp)
+    if native is not None:
+        return native
     sliced = _row_quantizer(value, qp) if value.dtype in _FLOAT_INPUTS and value.dim() > 0 else None
     if sliced is None:
         return _quantize_whole(value, qp)
@@ -826,6 +831,33 @@ def _quantize_tensor(value: torch.Tensor, qp: QParams) -> torch.Tensor:
             stop = min(start + rows, value.shape[0])
             out[start:stop] = rows_of(start, stop)
     return out
+
+
+def _native_codes(value: torch.Tensor, qp: QParams) -> torch.Tensor | None:
+    """:func:`_row_quantizer`'s integers from the native kernels in one pass (no float temporaries),
+    or None where they do not apply: a float32 ``value`` quantized per tensor, or per channel along
+    its first axis, with float32 inverse scales and integer zero points (whose float32 values the
+    torch steps add) to int8 or uint8."""
+    if value.dtype is not torch.float32 or value.dim() == 0 or qp.granularity not in ("tensor", "channel"):
+        return None
+    if qp.zero_point.dtype.is_floating_point or qp.zero_point.dtype.is_complex:
+        return None  # a float zero point: the torch steps add it in its own dtype
+    if qp.granularity == "tensor":
+        # torch multiplies float32 values by a Python float as by that float rounded to float32
+        inverse = torch.tensor([1.0 / float(qp.scale)], dtype=torch.float32)
+        zero_point = torch.tensor([int(qp.zero_point)]).to(torch.float32)  # torch's int64 -> float32
+    else:
+        axis = qp.axis if qp.axis is not None and qp.axis >= 0 else value.dim() + (qp.axis or 0)
+        scale = qp.scale
+        if axis != 0 or scale.dtype is not torch.float32 or scale.shape != (value.shape[0],):
+            return None
+        if qp.zero_point.shape != scale.shape:
+            return None
+        # 1.0 / scale is torch.reciprocal(scale) * 1.0: the same floats, without the operator wrapper
+        inverse, zero_point = torch.reciprocal(scale), qp.zero_point.to(torch.float32)
+    return kernels.quantize_rows(
+        value.detach(), inverse, zero_point.contiguous(), qp.quant_min, qp.quant_max, qp.dtype
+    )
 
 
 def _row_quantizer(value: torch.Tensor, qp: QParams) -> tuple[Any, int] | None:

@@ -45,7 +45,7 @@ from _quantplug.graph.constants import written
 from _quantplug.graph.index_arithmetic import index_arithmetic
 from _quantplug.graph.mutation import buffer_state_keys, buffer_writes, mutated_aliases
 from _quantplug.graph.softmax_inputs import score_values
-from _quantplug.graph.working_copy import compile_now, paused_gc, working_copy
+from _quantplug.graph.working_copy import add_node, compile_now, paused_gc, working_copy
 from _quantplug.meta import (
     ALGORITHMS_KEY,
     BACKEND_KEY,
@@ -592,7 +592,7 @@ def _insert_observer_nodes(gm: GraphModule, state: PreparedState, unobserved: se
         count = calls[group.gid] = calls.get(group.gid, -1) + 1
         name = group.target if not count else f"{group.target}_{count}"
         with graph.inserting_before(before) if before is not None else graph.inserting_after(anchor):
-            obs = graph.create_node("call_module", group.target, (source,), name=name)
+            obs = add_node(graph, "call_module", group.target, (source,), None, name)
         if obs.name != name:  # the program already had a node of that name
             raise QuantplugError(
                 f"cannot name the observer node of {group.describe()} {name!r}: the program already has "

@@ -287,9 +287,9 @@ def _unlift_directly(ep: torch.export.ExportedProgram, *, lazy: bool) -> GraphMo
     # lifted inputs -> get_attr, in place of their placeholders (torch's node names and order)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, sig.input_specs):
-        if spec.kind == InputKind.USER_INPUT:
+        if spec.kind == InputKind.USER_INPUT or _become_get_attr(graph, node, spec.target):
             continue
-        with graph.inserting_after(node):
+        with graph.inserting_after(node):  # a torch.fx without the tables the shortcut keeps up
             attr = graph.get_attr(spec.target)
         node.replace_all_uses_with(attr)
         meta = node.meta
@@ -309,6 +309,31 @@ def _unlift_directly(ep: torch.export.ExportedProgram, *, lazy: bool) -> GraphMo
     gm.graph = graph  # one compile (none if lazy)
     gm.meta.update(ep.graph_module.meta)
     return gm
+
+
+def _become_get_attr(graph: Graph, node: Node, target: str) -> bool:
+    """Turn placeholder ``node`` into the ``get_attr`` of ``target`` that ``ep.module()`` puts in
+    its place, as that node: the name ``graph.get_attr(target)`` would get now, no type, the
+    placeholder's meta, users and position. Inserting that node, moving the users over and erasing
+    the placeholder cost four graph edits per weight (a quarter of copying a decoder's graph);
+    here the node changes its op, target and name under the graph's lookup table and namespace,
+    which keep the same entries in the same order as after those edits (torch.fx 2.13's private
+    tables; False, nothing done, on a torch.fx without them: then the caller makes the edits).
+    """
+    namespace = getattr(graph, "_graph_namespace", None)
+    table = getattr(graph, "_find_nodes_lookup_table", None)
+    if not (
+        hasattr(namespace, "_rename_object") and hasattr(table, "remove") and hasattr(graph, "_target_to_str")
+    ):
+        return False
+    assert namespace is not None and table is not None
+    name = namespace.create_name(graph._target_to_str(target), None)
+    namespace._rename_object(node, name)
+    table.remove(node)  # filed under its op: taken out before the op changes, filed again after
+    for attribute, value in (("op", "get_attr"), ("target", target), ("name", name), ("type", None)):
+        object.__setattr__(node, attribute, value)
+    table.insert(node)
+    return True
 
 
 def _register_state(gm: GraphModule, ep: torch.export.ExportedProgram) -> None:

@@ -13,6 +13,9 @@
  * AVX2 (checked at import; GCC and Clang on x86) the min/max and the binning run on 8 lanes,
  * elsewhere on SSE2 or in scalar code: the same operations, the same results.
  *
+ * convert uses three more (row_extremes and quantize_rows for constants, search_norms for torchao's
+ * histogram clipping search; described where they are defined).
+ *
  * Exactness: the binning evaluates the same float32 expression as quantplug's LinearBinning
  * (itself torch.histc's arithmetic): (x - lo) [* scale] / divisor, clamped to the last bin,
  * truncated. IEEE float32 operations round the same whether vectorised or not; the build
@@ -433,6 +436,206 @@ static int rebin_f32(const float *hist, int64_t bins, int64_t rate, const float 
     return status;
 }
 
+/*
+ * Constants' min/max per row and their quantization (convert's weights).
+ *
+ * row_extremes: each row's min and max, as torch.amin/amax(dim=1) give them wherever they are
+ * unique values: it stops (1) at a row whose min or max is NaN, infinite or zero (torch may
+ * return either sign of a zero extreme), for the caller's torch path.
+ *
+ * quantize_rows: clamp(round(x * inv) + zp, lo, hi) stored as int8 or uint8, with torch's float32
+ * steps: a float32 multiplication, rounding half to even (nearbyint; AVX's round_ps with
+ * _MM_FROUND_TO_NEAREST_INT), a float32 addition of the zero point as float32, then max with lo and
+ * min with hi; the clamped values are integers in the storage type's range, converted exactly. It
+ * stops (1) at a NaN product, for the caller's torch path (torch's clamp keeps NaN).
+ */
+static int row_extremes(const float *x, int64_t rows, int64_t cols, float *out_min, float *out_max) {
+    for (int64_t r = 0; r < rows; r++) {
+        float mn, mx;
+        minmax_f32(x + r * cols, cols, &mn, &mx);
+        if (!(isfinite(mn) && isfinite(mx)) || mn == 0.0f || mx == 0.0f) {
+            return 1;
+        }
+        out_min[r] = mn;
+        out_max[r] = mx;
+    }
+    return 0;
+}
+
+typedef struct {
+    float inv, zp, lo, hi;
+} RowCode;
+
+/* x[i..n) of one row; 1 at a NaN product */
+static int quantize_tail(const float *x, int64_t i, int64_t n, RowCode c, void *out, int is_unsigned) {
+    for (; i < n; i++) {
+        float t = x[i] * c.inv;
+        if (t != t) {
+            return 1;
+        }
+        t = nearbyintf(t) + c.zp;
+        t = t < c.lo ? c.lo : t;
+        t = t > c.hi ? c.hi : t;
+        if (is_unsigned) {
+            ((uint8_t *)out)[i] = (uint8_t)t;
+        } else {
+            ((int8_t *)out)[i] = (int8_t)t;
+        }
+    }
+    return 0;
+}
+
+#ifdef QP_AVX2
+/* the first (n / 32) * 32 values of one row on 8 lanes; returns how many were done, -1 at a NaN */
+QP_TARGET_AVX2 static int64_t quantize_avx2(const float *x, int64_t n, RowCode c, void *out, int is_unsigned) {
+    const __m256 inv = _mm256_set1_ps(c.inv), zp = _mm256_set1_ps(c.zp);
+    const __m256 lo = _mm256_set1_ps(c.lo), hi = _mm256_set1_ps(c.hi);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), inv);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+            t = _mm256_add_ps(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
+            t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+            q[k] = _mm256_cvtps_epi32(t); /* an integer already: exact */
+        }
+        /* saturating packs of values already within range: the same values, lanes interleaved */
+        __m256i words0 = _mm256_packs_epi32(q[0], q[1]), words1 = _mm256_packs_epi32(q[2], q[3]);
+        __m256i bytes = is_unsigned ? _mm256_packus_epi16(words0, words1) : _mm256_packs_epi16(words0, words1);
+        _mm256_storeu_si256((__m256i *)((int8_t *)out + i), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+    return _mm256_movemask_ps(nan) ? -1 : i;
+}
+#endif
+
+static int quantize_rows_f32(const float *x, int64_t rows, int64_t cols, const float *inv, int64_t inv_step,
+                             const float *zp, int64_t zp_step, float lo, float hi, void *out, int is_unsigned) {
+    for (int64_t r = 0; r < rows; r++) {
+        RowCode c = {inv[r * inv_step], zp[r * zp_step], lo, hi};
+        const float *row = x + r * cols;
+        void *dst = (int8_t *)out + r * cols;
+        int64_t i = 0;
+#ifdef QP_AVX2
+        if (use_avx2) {
+            i = quantize_avx2(row, cols, c, dst, is_unsigned);
+            if (i < 0) {
+                return 1;
+            }
+        }
+#endif
+        if (quantize_tail(row, i, cols, c, dst, is_unsigned)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/*
+ * search_norms: the per-bin terms of torchao's _compute_quantization_error for `rows` candidate
+ * ranges (HistogramObserver's clipping search), each row the float32 operations the torch code in
+ * torchao_observer_classes._Searches.errors applies, in its order, one IEEE operation at a time:
+ *   begin = (i - start) * width; end = begin + width
+ *   lower, upper = clamp(floor((double)begin or end / (double)dst), 0, top) as float32
+ *   norm = ((half_cubed - (begin - (lower + 0.5) * dst)^3) / 3) * density + 0
+ *   norm += (upper - lower - 1) * (density * whole_bin)
+ *   norm += (((end - (upper * dst + half))^3 + half_cubed) / 3) * density
+ * (cubes as (d * d) * d). The rows' sums are left to torch, which sums them in its own order.
+ */
+typedef struct {
+    float start, width, dst, half, half_cubed, whole_bin;
+    double dst64, top;
+} NormRow;
+
+static inline float floor_bin(float x, double dst64, double top) {
+    double q = floor((double)x / dst64);
+    if (q == q) { /* torch's clamp keeps NaN */
+        q = q < 0.0 ? 0.0 : q;
+        q = q > top ? top : q;
+    }
+    return (float)q;
+}
+
+#define NORM_ROW_BODY                                                                              \
+    for (int64_t i = from; i < bins; i++) {                                                        \
+        const float density = d[i];                                                                \
+        float begin = (float)i - r.start;                                                          \
+        begin = begin * r.width;                                                                   \
+        const float end = begin + r.width;                                                         \
+        const float lower = floor_bin(begin, r.dst64, r.top), upper = floor_bin(end, r.dst64, r.top); \
+        float delta = lower + 0.5f;                                                                \
+        delta = delta * r.dst;                                                                     \
+        delta = begin - delta;                                                                     \
+        float cube = delta * delta;                                                                \
+        cube = cube * delta;                                                                       \
+        float norm = r.half_cubed - cube;                                                          \
+        norm = norm / 3.0f;                                                                        \
+        norm = norm * density;                                                                     \
+        norm = norm + 0.0f;                                                                        \
+        float count = upper - lower;                                                               \
+        count = count - 1.0f;                                                                      \
+        count = count * (density * r.whole_bin);                                                   \
+        norm = norm + count;                                                                       \
+        float far = upper * r.dst;                                                                 \
+        far = far + r.half;                                                                        \
+        far = end - far;                                                                           \
+        float cube2 = far * far;                                                                   \
+        cube2 = cube2 * far;                                                                       \
+        cube2 = cube2 + r.half_cubed;                                                              \
+        cube2 = cube2 / 3.0f;                                                                      \
+        cube2 = cube2 * density;                                                                   \
+        out[i] = norm + cube2;                                                                     \
+    }
+
+/* bins [from, bins) of one row */
+static void norm_row(const float *restrict d, int64_t from, int64_t bins, NormRow r, float *restrict out) {
+    NORM_ROW_BODY
+}
+
+#ifdef QP_AVX2
+/* floor_bin of 8 values: two halves in float64 (torch's clamp keeps NaN: max/min return their
+ * second operand, q, when it is NaN) */
+QP_TARGET_AVX2 static inline __m256 floor_bins_avx2(__m256 x, __m256d dst64, __m256d top) {
+    const __m256d zero = _mm256_setzero_pd();
+    __m256d a = _mm256_floor_pd(_mm256_div_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), dst64));
+    __m256d b = _mm256_floor_pd(_mm256_div_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), dst64));
+    a = _mm256_min_pd(top, _mm256_max_pd(zero, a));
+    b = _mm256_min_pd(top, _mm256_max_pd(zero, b));
+    return _mm256_set_m128(_mm256_cvtpd_ps(b), _mm256_cvtpd_ps(a));
+}
+
+/* NORM_ROW_BODY on 8 bins at a time (the same operations), the tail in scalar code */
+QP_TARGET_AVX2 static void norm_row_avx2(const float *restrict d, int64_t bins, NormRow r, float *restrict out) {
+    const __m256 start = _mm256_set1_ps(r.start), width = _mm256_set1_ps(r.width), dst = _mm256_set1_ps(r.dst);
+    const __m256 half = _mm256_set1_ps(r.half), half_cubed = _mm256_set1_ps(r.half_cubed);
+    const __m256 whole_bin = _mm256_set1_ps(r.whole_bin), three = _mm256_set1_ps(3.0f);
+    const __m256 point_five = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256d dst64 = _mm256_set1_pd(r.dst64), top = _mm256_set1_pd(r.top);
+    const __m256i step = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t i = 0;
+    for (; i + 8 <= bins; i += 8) {
+        const __m256 density = _mm256_loadu_ps(d + i);
+        const __m256 index = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_set1_epi32((int32_t)i), step));
+        const __m256 begin = _mm256_mul_ps(_mm256_sub_ps(index, start), width);
+        const __m256 end = _mm256_add_ps(begin, width);
+        const __m256 lower = floor_bins_avx2(begin, dst64, top), upper = floor_bins_avx2(end, dst64, top);
+        __m256 delta = _mm256_sub_ps(begin, _mm256_mul_ps(_mm256_add_ps(lower, point_five), dst));
+        __m256 cube = _mm256_mul_ps(_mm256_mul_ps(delta, delta), delta);
+        __m256 norm = _mm256_mul_ps(_mm256_div_ps(_mm256_sub_ps(half_cubed, cube), three), density);
+        norm = _mm256_add_ps(norm, zero);
+        __m256 count = _mm256_sub_ps(_mm256_sub_ps(upper, lower), one);
+        norm = _mm256_add_ps(norm, _mm256_mul_ps(count, _mm256_mul_ps(density, whole_bin)));
+        delta = _mm256_sub_ps(end, _mm256_add_ps(_mm256_mul_ps(upper, dst), half));
+        cube = _mm256_mul_ps(_mm256_mul_ps(delta, delta), delta);
+        norm = _mm256_add_ps(norm, _mm256_mul_ps(_mm256_div_ps(_mm256_add_ps(cube, half_cubed), three), density));
+        _mm256_storeu_ps(out + i, norm);
+    }
+    norm_row(d, i, bins, r, out);
+}
+#endif
+
 static int as_address(PyObject *obj, void **out) {
     *out = PyLong_AsVoidPtr(obj);
     return *out == NULL && PyErr_Occurred() ? -1 : 0;
@@ -653,6 +856,140 @@ static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return Py_BuildValue("(dd)", (double)mn, (double)mx);
 }
 
+PyDoc_STRVAR(row_extremes_doc,
+             "row_extremes(address, rows, cols, min_address, max_address) -> bool\n\n"
+             "Each of `rows` rows of `cols` contiguous float32 values: its min and max written to the float32\n"
+             "arrays at min_address and max_address. False (stopped, the arrays partly written) at a row\n"
+             "whose min or max is NaN, infinite or zero.");
+
+static PyObject *row_extremes_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 5, "row_extremes(address, rows, cols, min_address, max_address)") < 0) {
+        return NULL;
+    }
+    void *x, *mn, *mx;
+    if (as_address(args[0], &x) < 0 || as_address(args[3], &mn) < 0 || as_address(args[4], &mx) < 0) {
+        return NULL;
+    }
+    int64_t rows = PyLong_AsLongLong(args[1]);
+    int64_t cols = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (rows <= 0 || cols <= 0 || x == NULL || mn == NULL || mx == NULL) {
+        PyErr_SetString(PyExc_ValueError, "row_extremes needs non-null addresses, rows > 0 and cols > 0");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = row_extremes((const float *)x, rows, cols, (float *)mn, (float *)mx);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(status == 0);
+}
+
+PyDoc_STRVAR(quantize_rows_doc,
+             "quantize_rows(address, rows, cols, inv_address, inv_step, zp_address, zp_step, lo, hi,\n"
+             "              out_address, unsigned) -> bool\n\n"
+             "Row r of `rows` rows of `cols` contiguous float32 values quantized into the int8 (uint8 if\n"
+             "unsigned) array at out_address: clamp(round(x * inv) + zp, lo, hi) in float32, rounding half\n"
+             "to even, with inv and zp the float32 values at inv_address[r * inv_step] and\n"
+             "zp_address[r * zp_step]. lo and hi must be integers within the storage type's range.\n"
+             "False (stopped, out partly written) at a NaN product.");
+
+static PyObject *quantize_rows_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 11,
+                    "quantize_rows(address, rows, cols, inv_address, inv_step, zp_address, zp_step, lo, hi, "
+                    "out_address, unsigned)") < 0) {
+        return NULL;
+    }
+    void *x, *inv, *zp, *out;
+    if (as_address(args[0], &x) < 0 || as_address(args[3], &inv) < 0 || as_address(args[5], &zp) < 0 ||
+        as_address(args[9], &out) < 0) {
+        return NULL;
+    }
+    int64_t rows = PyLong_AsLongLong(args[1]);
+    int64_t cols = PyLong_AsLongLong(args[2]);
+    int64_t inv_step = PyLong_AsLongLong(args[4]);
+    int64_t zp_step = PyLong_AsLongLong(args[6]);
+    int64_t lo = PyLong_AsLongLong(args[7]);
+    int64_t hi = PyLong_AsLongLong(args[8]);
+    int is_unsigned = PyObject_IsTrue(args[10]);
+    if (PyErr_Occurred() || is_unsigned < 0) {
+        return NULL;
+    }
+    const int64_t floor = is_unsigned ? 0 : -128, ceiling = is_unsigned ? 255 : 127;
+    if (rows <= 0 || cols <= 0 || x == NULL || inv == NULL || zp == NULL || out == NULL || (inv_step != 0 && inv_step != 1) ||
+        (zp_step != 0 && zp_step != 1) || lo < floor || hi > ceiling || lo > hi) {
+        PyErr_SetString(PyExc_ValueError,
+                        "quantize_rows needs non-null addresses, rows > 0, cols > 0, steps of 0 or 1 and "
+                        "lo <= hi within the storage type's range");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = quantize_rows_f32((const float *)x, rows, cols, (const float *)inv, inv_step, (const float *)zp, zp_step,
+                               (float)lo, (float)hi, out, is_unsigned);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(status == 0);
+}
+
+PyDoc_STRVAR(search_norms_doc,
+             "search_norms(bins, rows, density_address, owner_address, start_address, width_address,\n"
+             "             dst_address, half_address, half_cubed_address, whole_bin_address, top, out_address)"
+             " -> None\n\n"
+             "The per-bin quantization-error terms of `rows` candidate ranges of torchao's histogram\n"
+             "clipping search into the float32 [rows, bins] array at out_address (see the C source).\n"
+             "density: float32 [observers, bins]; width: float32 [observers]; owner: int64 [rows], each\n"
+             "row's observer (0: all the first); start, dst, half, half_cubed, whole_bin: float32 [rows];\n"
+             "top: the last\n"
+             "destination bin.");
+
+static PyObject *search_norms(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 12,
+                    "search_norms(bins, rows, density_address, owner_address, start_address, width_address, "
+                    "dst_address, half_address, half_cubed_address, whole_bin_address, top, out_address)") < 0) {
+        return NULL;
+    }
+    void *density, *owner, *start, *width, *dst, *half, *half_cubed, *whole_bin, *out;
+    if (as_address(args[2], &density) < 0 || as_address(args[3], &owner) < 0 || as_address(args[4], &start) < 0 ||
+        as_address(args[5], &width) < 0 || as_address(args[6], &dst) < 0 || as_address(args[7], &half) < 0 ||
+        as_address(args[8], &half_cubed) < 0 || as_address(args[9], &whole_bin) < 0 ||
+        as_address(args[11], &out) < 0) {
+        return NULL;
+    }
+    int64_t bins = PyLong_AsLongLong(args[0]);
+    int64_t rows = PyLong_AsLongLong(args[1]);
+    int64_t top = PyLong_AsLongLong(args[10]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bins <= 0 || rows <= 0 || top < 0 || density == NULL || start == NULL || width == NULL || dst == NULL ||
+        half == NULL || half_cubed == NULL || whole_bin == NULL || out == NULL) {
+        PyErr_SetString(PyExc_ValueError, "search_norms needs non-null addresses (but owner), bins > 0, rows > 0, top >= 0");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t k = 0; k < rows; k++) {
+        const float *f = (const float *)dst;
+        const int64_t observer = owner == NULL ? 0 : ((const int64_t *)owner)[k];
+        NormRow r = {((const float *)start)[k], ((const float *)width)[observer], f[k], ((const float *)half)[k],
+                     ((const float *)half_cubed)[k], ((const float *)whole_bin)[k], (double)f[k], (double)top};
+        const float *d = (const float *)density + observer * bins;
+        float *o = (float *)out + k * bins;
+#ifdef QP_AVX2
+        if (use_avx2) {
+            norm_row_avx2(d, bins, r, o);
+            continue;
+        }
+#endif
+        norm_row(d, 0, bins, r, o);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(use_avx2_doc,
              "_use_avx2(flag) -> bool\n\nWhether the AVX2 code ran until now; from now on it runs if flag and "
              "the CPU has AVX2 (tests compare it with the SSE2 and scalar code).");
@@ -719,6 +1056,9 @@ static PyMethodDef methods[] = {
     {"bin_counts", (PyCFunction)(void (*)(void))bin_counts, METH_FASTCALL, bin_counts_doc},
     {"observe", (PyCFunction)(void (*)(void))observe, METH_FASTCALL, observe_doc},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL, start_doc},
+    {"row_extremes", (PyCFunction)(void (*)(void))row_extremes_py, METH_FASTCALL, row_extremes_doc},
+    {"quantize_rows", (PyCFunction)(void (*)(void))quantize_rows_py, METH_FASTCALL, quantize_rows_doc},
+    {"search_norms", (PyCFunction)(void (*)(void))search_norms, METH_FASTCALL, search_norms_doc},
     {"_use_avx2", set_avx2, METH_O, use_avx2_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -51,4 +51,34 @@ def start(
     batches_address: int,
     /,
 ) -> tuple[float, float, float, float, int] | tuple[float, float]: ...
+def row_extremes(address: int, rows: int, cols: int, min_address: int, max_address: int, /) -> bool: ...
+def quantize_rows(
+    address: int,
+    rows: int,
+    cols: int,
+    inv_address: int,
+    inv_step: int,
+    zp_address: int,
+    zp_step: int,
+    lo: int,
+    hi: int,
+    out_address: int,
+    unsigned: bool,
+    /,
+) -> bool: ...
+def search_norms(
+    bins: int,
+    rows: int,
+    density_address: int,
+    owner_address: int,
+    start_address: int,
+    width_address: int,
+    dst_address: int,
+    half_address: int,
+    half_cubed_address: int,
+    whole_bin_address: int,
+    top: int,
+    out_address: int,
+    /,
+) -> None: ...
 def _use_avx2(flag: bool, /) -> bool: ...

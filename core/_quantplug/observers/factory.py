@@ -106,13 +106,37 @@ def create_observer(spec: Any, *, qat: bool, sources: Sequence[nn.Module] = ()) 
 def observer_saw_data(obs: nn.Module) -> bool:
     """Whether ``obs`` has statistics (works for ours and for torchao's observers/fake-quants);
     mask entries count: a tensor holding nothing but masks still gets a grid."""
+    answer = _saw_data_or_range(obs)
+    return answer if isinstance(answer, bool) else _range_holds_data(answer)
+
+
+def observers_saw_data(observers: Sequence[nn.Module]) -> list[bool]:
+    """``[observer_saw_data(obs) for obs in observers]``, the range checks of torchao-style
+    observers in one comparison (convert asks it of every observer; three small tensor operations
+    each): where every such range is non-empty and none holds +inf, each of them saw data."""
+    answers = [_saw_data_or_range(obs) for obs in observers]
+    ranges = [a for a in answers if not isinstance(a, bool)]
+    if ranges and all(r.numel() and r.is_floating_point() for r in ranges):
+        flat = torch.cat([r.detach().reshape(-1).float() for r in ranges])
+        if not bool((flat == float("inf")).any()):
+            return [True if not isinstance(a, bool) else a for a in answers]
+    return [a if isinstance(a, bool) else _range_holds_data(a) for a in answers]
+
+
+def _range_holds_data(min_val: torch.Tensor) -> bool:
+    """+inf: never updated; NaN: saw data (convert refuses it)."""
+    return min_val.numel() > 0 and not bool((min_val == float("inf")).all())
+
+
+def _saw_data_or_range(obs: nn.Module) -> bool | torch.Tensor:
+    """:func:`observer_saw_data` of ``obs``, or the ``min_val`` tensor whose values decide it."""
     if saw_masks(obs):
         return True
     if isinstance(obs, (ObserverBase, FakeQuantize)):
         return bool(obs.observed)
     inner = getattr(obs, "activation_post_process", None)
     if isinstance(inner, nn.Module):
-        return observer_saw_data(inner)
+        return _saw_data_or_range(inner)
     if type(obs).__name__ in (
         "FixedQParamsObserver",
         "PlaceholderObserver",
@@ -123,6 +147,4 @@ def observer_saw_data(obs: nn.Module) -> bool:
     if getattr(obs, "is_dynamic", False):
         return True
     min_val = getattr(obs, "min_val", None)
-    if isinstance(min_val, torch.Tensor):  # +inf: never updated; NaN: saw data (convert refuses it)
-        return min_val.numel() > 0 and not bool((min_val == float("inf")).all())
-    return True
+    return min_val if isinstance(min_val, torch.Tensor) else True

@@ -9,6 +9,12 @@ the counts straight into the histogram; a histogram observer's batch within its 
 batches, once the ranges stop growing) is a single call, :func:`observe_histogram`, and so is its
 first batch, which sets the range, :func:`start_histogram`.
 
+convert uses two more for constants: a per-channel weight observer's min/max of every row in one
+pass (:func:`row_extremes`), and the weight's integers written straight from its floats
+(:func:`quantize_rows`) instead of five weight-sized passes of torch operations; and torchao's
+histogram clipping search (peers/torchao_observer_classes.py) its candidates' per-bin error terms
+in one pass (:func:`search_norms`) instead of about twenty.
+
 Every function here returns None (or False) where the native path does not apply, and the
 callers then run their torch code, which computes the same values: the kernels are a speed-up,
 never a requirement. ``QUANTPLUG_NATIVE_KERNELS=0`` in the environment, or :func:`disabled`,
@@ -301,3 +307,138 @@ def rebin(
     return _native.rebin(
         hist.data_ptr(), bins, rate, mids.data_ptr(), edges.data_ptr(), base_address, out.data_ptr()
     )
+
+
+def row_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(torch.amin(x, dim=1), torch.amax(x, dim=1))`` of a 2-d ``x`` in one pass, or None.
+
+    None where the kernels are off or cannot read ``x`` (:func:`_plain`, or built from an older
+    source without ``row_extremes``), and where a row's min or max is NaN, infinite or zero: torch
+    may return either sign of a zero extreme, and the caller's torch path handles the others.
+    """
+    native = _native
+    if native is None or not hasattr(native, "row_extremes") or x.dim() != 2 or not _plain(x):
+        return None
+    rows, cols = x.shape
+    if not rows or not cols:
+        return None
+    lo, hi = torch.empty(rows, dtype=_F32), torch.empty(rows, dtype=_F32)
+    if not native.row_extremes(x.data_ptr(), rows, cols, lo.data_ptr(), hi.data_ptr()):
+        return None
+    return lo, hi
+
+
+#: the storage types :func:`quantize_rows` writes, and whether each is unsigned
+_CODE_TYPES = {torch.int8: (False, -128, 127), torch.uint8: (True, 0, 255)}
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    inverse: torch.Tensor,
+    zero_point: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """``clamp(round(x * inverse) + zero_point, quant_min, quant_max).to(dtype)`` in one pass, or None.
+
+    ``x``: a contiguous float32 tensor whose first dimension is the rows; ``inverse`` and
+    ``zero_point``: float32 tensors of one value, or one per row (the float32 values torch's
+    multiplication and addition would use). The same float32 steps as the torch expression
+    (rounding half to even), written straight into the integers. None where the kernels are off
+    or built without ``quantize_rows``, ``dtype`` is not int8 or uint8, ``[quant_min, quant_max]``
+    leaves its range, an operand does not suit, or a product is NaN: then the torch path runs.
+    """
+    native = _native
+    kind = _CODE_TYPES.get(dtype)
+    if (
+        native is None
+        or kind is None
+        or not hasattr(native, "quantize_rows")
+        or x.dim() == 0
+        or not _plain(x)
+    ):
+        return None
+    is_unsigned, floor, ceiling = kind
+    if not floor <= quant_min <= quant_max <= ceiling or not x.numel():
+        return None
+    rows = x.shape[0]
+    steps = []
+    for operand in (inverse, zero_point):
+        if not _plain(operand) or operand.numel() not in (1, rows):
+            return None
+        steps.append(0 if operand.numel() == 1 else 1)
+    out = torch.empty(x.shape, dtype=dtype)
+    done = native.quantize_rows(
+        x.data_ptr(),
+        rows,
+        x.numel() // rows,
+        inverse.data_ptr(),
+        steps[0],
+        zero_point.data_ptr(),
+        steps[1],
+        quant_min,
+        quant_max,
+        out.data_ptr(),
+        is_unsigned,
+    )
+    return out if done else None
+
+
+def search_norms_available() -> bool:
+    """Whether :func:`search_norms` runs (the kernels are on and built with it)."""
+    return _native is not None and hasattr(_native, "search_norms")
+
+
+def search_norms(
+    density: torch.Tensor,
+    bin_width: torch.Tensor,
+    owner: torch.Tensor | None,
+    columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    top: int,
+    first: int,
+    rows: int,
+    out: torch.Tensor,
+) -> bool:
+    """The per-bin error terms of candidates ``first .. first + rows`` of torchao's histogram
+    clipping search (``torchao_observer_classes._Searches.errors``' float32 operations, in its
+    order) into ``out``'s first ``rows`` rows; the caller sums each row with torch. False, with
+    nothing written, where the operands do not suit (then the torch operations run).
+
+    ``density``: float32 ``[observers, bins]``; ``bin_width``: float32 ``[observers, 1]``;
+    ``owner``: int64 ``[candidates]``, each candidate's observer (None: all the first);
+    ``columns``: the candidates' float32 ``start``, ``dst``, ``half``, ``half_cubed`` and
+    ``whole_bin`` (``[candidates, 1]``); ``out``: float32 ``[>= rows, bins]``. All contiguous.
+    Only where :func:`search_norms_available` and the bin positions are finite (the floor
+    division in float64 is then torch's); the caller checks both.
+    """
+    assert _native is not None
+    if density.dim() != 2 or not all(_plain(t) for t in (density, bin_width, out, *columns)):
+        return False
+    bins, observers = density.shape[1], density.shape[0]
+    if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != bins or bin_width.numel() != observers:
+        return False
+    if any(c.numel() < first + rows for c in columns):
+        return False
+    if owner is None:
+        owner_address = 0
+    elif owner.dtype is torch.int64 and owner.is_contiguous() and owner.numel() >= first + rows:
+        owner_address = owner.data_ptr() + 8 * first
+    else:
+        return False
+    start, dst, half, half_cubed, whole_bin = (c.data_ptr() + 4 * first for c in columns)
+    _native.search_norms(
+        bins,
+        rows,
+        density.data_ptr(),
+        owner_address,
+        start,
+        bin_width.data_ptr(),
+        dst,
+        half,
+        half_cubed,
+        whole_bin,
+        top,
+        out.data_ptr(),
+    )
+    return True

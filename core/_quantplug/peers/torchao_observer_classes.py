@@ -289,10 +289,13 @@ def _fast_state(obs: HistogramObserver) -> tuple[torch.Tensor, torch.Tensor, tor
     return hist, min_val, max_val
 
 
-#: candidates evaluated per search in the first round: torchao's search usually stops at its
-#: 3rd or 4th candidate; then more at a time for the searches that go on
-_LOOKAHEAD = 4
-_LOOKAHEAD_MORE = 8
+#: candidates evaluated per search in the first round, then per round for the searches that go
+#: on: torchao's search usually stops at its 2nd to 5th candidate, and every candidate evaluated
+#: past the one that stops it is a row of errors computed for nothing, while a round costs only a
+#: few dozen dispatches. The X86 bench's searches (one thread) took 4.1 / 14 / 56 ms at 4 then 8
+#: (decoder-8 / 32 / 128), 3.1 / 11 / 45 ms at 3 then 3
+_LOOKAHEAD = 3
+_LOOKAHEAD_MORE = 3
 #: steps of the walk a peek takes at most once it has a candidate (typically 2-3 per candidate;
 #: with few nonzero bins, thousands of steps may separate two candidates)
 _PEEK_STEPS = 64
@@ -387,6 +390,9 @@ class _Searches:
         done on the columns), the histogram density is gathered per row, and the same float32
         operations run in the same order on ``[rows, bins]`` chunks, each row summed on its
         own like the 1-D tensor torchao sums. The chunks reuse a few buffers that stay in cache.
+        Where the native kernels are built, they compute each chunk's per-bin terms in one pass
+        with the same float32 operations (:func:`_quantplug.observers.kernels.search_norms`),
+        and torch sums the rows as here.
         """
         bins, top, n = self.bins, self.dst_nbins - 1, len(widths)
         start = torch.tensor(starts, dtype=_F32).unsqueeze(1)  # exact: below 2**24
@@ -395,11 +401,23 @@ class _Searches:
         half = (dst_width64 / 2).to(_F32)  # torch.tensor(dst_bin_width / 2); -half is its negation
         half_cubed = half * half * half  # and (-half) ** 3 is -half_cubed: rounding is symmetric
         whole_bin = (half_cubed + half_cubed) / 3  # _get_norm(-half, half, 1): (h**3 - (-h)**3) / 3
+        chunk = min(n, max(1, _CHUNK_ELEMENTS // bins))
+        owner = None if len(self.walks) == 1 else torch.tensor(owners, dtype=torch.int64)
+        if self.finite and bins <= _ROW_SUM_LIMIT and kernels.search_norms_available():
+            # the same per-bin terms in one native pass per chunk; torch sums each row, as below
+            columns = (start, dst_width, half, half_cubed, whole_bin)
+            norm = torch.empty(chunk, bins, dtype=_F32)
+            norms = torch.empty(n, dtype=_F32)
+            for a in range(0, n, chunk):
+                r = min(chunk, n - a)
+                if not kernels.search_norms(self.density, self.bin_width, owner, columns, top, a, r, norm):
+                    break  # operands the kernel does not take (the first chunk already): torch's
+                torch.sum(norm[:r], dim=1, out=norms[a : a + r])
+            else:
+                return norms.tolist()
         floor_div = _FloorDiv(dst_width, top, self.finite)
         src_bin = _bin_indices(bins)
-        chunk = min(n, max(1, _CHUNK_ELEMENTS // bins))
         begin, end, lower, upper, gathered, norm, tmp, tmp2 = torch.empty(8, chunk, bins, dtype=_F32).unbind()
-        owner = None if len(self.walks) == 1 else torch.tensor(owners, dtype=torch.int64)
         # one observer's density and bin width broadcast over the rows; several are gathered
         density, width = self.density, self.bin_width
         all_widths = width if owner is None else width.index_select(0, owner)
@@ -572,7 +590,8 @@ def _index(i: int) -> torch.Tensor:
 
 
 class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[misc,name-defined]
-    """torchao's PerChannelMinMaxObserver with ``amin``/``amax`` instead of ``aminmax(dim=1)``.
+    """torchao's PerChannelMinMaxObserver with ``amin``/``amax`` instead of ``aminmax(dim=1)``,
+    or the native kernels' one pass over the rows (:func:`kernels.row_extremes`).
 
     NaN/inf values raise under the calibration's default policy; with "ignore" each channel's
     range is that of its finite values.
@@ -592,9 +611,14 @@ class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[mi
         axes[self.ch_axis] = 0
         axes[0] = self.ch_axis
         y = torch.flatten(x.permute(axes), start_dim=1)
-        lo, hi = torch.amin(y, dim=1), torch.amax(y, dim=1)
-        if not nonfinite.all_ordinary(self, lo, hi):
-            lo, hi = nonfinite.finite_extremes(self, y, dims=(1,))
+        # one native pass where every row's extremes are finite non-zero values (unique: torch's)
+        extremes = kernels.row_extremes(y)
+        if extremes is not None and nonfinite.mask_sentinel(self) == -math.inf:
+            lo, hi = extremes  # finite, so ordinary: no value lies at or below a sentinel of -inf
+        else:
+            lo, hi = extremes or (torch.amin(y, dim=1), torch.amax(y, dim=1))
+            if not nonfinite.all_ordinary(self, lo, hi):
+                lo, hi = nonfinite.finite_extremes(self, y, dims=(1,))
         if self.min_val.numel() == 0 or self.max_val.numel() == 0:
             min_val, max_val = lo, hi
         else:

@@ -53,8 +53,10 @@ PIECES: dict[str, PeerPiece] = {
             {"torchao": ("0.18.",)},
             "replaces",
             "speed: torchao's HistogramObserver bins in scalar code and searches its clipping range "
-            "in a Python loop; PerChannelMinMaxObserver's aminmax is 15x slower than amin + amax. "
-            "Subclasses with the same float32 arithmetic give bit-identical statistics and qparams",
+            "in a Python loop; PerChannelMinMaxObserver's aminmax is 15x slower than amin + amax "
+            "(or the native kernels' one pass over the rows). Subclasses with the same float32 "
+            "arithmetic (native where built: the search's per-bin error terms, the rows' extremes) "
+            "give bit-identical statistics and qparams",
             ("tests/core/test_perf_structure.py", "tests/core/test_peers.py"),
         ),
         PeerPiece(
