@@ -36,7 +36,7 @@ from _quantplug.flow.reference_representation import to_reference_representation
 from _quantplug.flow.release import FloatWeightRelease, refuse_released
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
-from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_nodes, module_attr
+from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_test, module_attr
 from _quantplug.graph.working_copy import (
     AttrNamer,
     add_node,
@@ -739,11 +739,10 @@ def _store_constants_as_integers(
     def attr(target: str) -> Any:
         return emit.tensors[target] if target in emit.tensors else read_prepared(target)
 
-    constants = constant_nodes(graph, attr)
+    constant = constant_test(attr)
+    quantizes = [n for n in graph.nodes if n.op == "call_function" and n.target in QUANTIZE_OPS]
     value = ConstantValues(attr)
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in QUANTIZE_OPS or node not in constants:
-            continue
+    for node in [n for n in quantizes if constant(n)]:  # decided before the graph changes
         source = node.args[0]
         assert isinstance(source, Node)
         gid = node.meta.get(GROUP_KEY)
