@@ -20,6 +20,7 @@ import torch
 import torch.ao.quantization.fx._decomposed
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.graph import PythonCode
 
 from _quantplug.algorithms.taps import is_tap
 from _quantplug.algorithms.weight_choice import WeightOverrides, choose_weights
@@ -669,13 +670,13 @@ def _convert(
         _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
     since = code_counter()
-    converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
+    converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule", code_deferred=True)
     _populate(converted, prepared, graph, tensors, observer_modules)
-    with generating_code(graph):
-        converted.graph = graph  # the one code generation
-    release_code_with(converted, since=since)
-    if kept_observers:
+    converted.graph = graph
+    if kept_observers:  # they edit the graph: before its code is generated
         run_observer_converts(converted, kept_observers, fold_quantize=fold_quantize)
+    converted.generate_deferred_code()  # the one code generation
+    release_code_with(converted, since=since)
     replace_loop_bodies(prepared, converted, convert)  # each body was prepared as a program of its own
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta[QPARAMS_KEY] = {gid: qp for gid, qp in qparams.items()}
@@ -686,7 +687,41 @@ def _convert(
 
 class ConvertedModule(ExportedModes, GraphModule):
     """What :func:`convert` returns: the reference Q/DQ program, whose ``train()``/``eval()``
-    raise as on an exported module (:mod:`_quantplug.flow.exported_modes`)."""
+    raise as on an exported module (:mod:`_quantplug.flow.exported_modes`).
+
+    Made with ``code_deferred=True``, it generates no code until :meth:`generate_deferred_code`:
+    GraphModule compiles at construction and at every graph it is given, and convert builds the
+    module first (its state is registered directly, see :func:`_populate`), then gives it its
+    graph, which self-converting observers then edit: compiled at each step, that was an empty
+    graph's code and, with such observers, the program's twice (each compile also recompiling
+    every GraphModule child). Copies and pickles construct as a GraphModule does.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module | dict[str, Any],
+        graph: Graph,
+        class_name: str = "GraphModule",
+        *,
+        code_deferred: bool = False,
+    ) -> None:
+        if code_deferred:
+            self.__dict__[_CODE_DEFERRED] = True
+        super().__init__(root, graph, class_name)
+
+    def recompile(self) -> PythonCode:
+        if _CODE_DEFERRED in self.__dict__:  # no code until generate_deferred_code
+            return None  # type: ignore[return-value]
+        return super().recompile()
+
+    def generate_deferred_code(self) -> None:
+        """Generate the code of the module's graph as it is now, the first time (no-op otherwise)."""
+        if self.__dict__.pop(_CODE_DEFERRED, False):
+            with generating_code(self.graph):
+                self.recompile()
+
+
+_CODE_DEFERRED = "_quantplug_code_deferred"
 
 
 def _quantized(emit: _Emitter, src: Node, qp: QParams, gid: int, origin: Node) -> _Dequantized:
