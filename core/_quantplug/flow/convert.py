@@ -568,9 +568,11 @@ def _convert(
     # constant groups' observers are parked (observers/parked.py): their keys are quantized here,
     # from the constants' values, and each reader of a parked node gets its constant's dequantize
     constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
+    read_under: dict[str, set[int]] = {}  # producer -> the groups it is read under
     parked: dict[Node, Node] = {}  # a parked observer node -> the constant it reads
     for (producer, consumer), gid in state.constant_edges.items():
         constant_inputs.setdefault(consumer, {})[producer] = gid
+        read_under.setdefault(producer, set()).add(gid)
     # (producer, group id or the qparams' value) -> its quantize node or integer tensor
     edge_q: dict[tuple[str, Hashable], Node] = {}
     old_nodes = {n.name: n for n in prepared.graph.nodes}
@@ -582,10 +584,13 @@ def _convert(
         A constant read under several groups with equal qparams (a derived bias at every step of
         an unrolled GRU, each step's group derived from the same shared encodings) is stored once:
         its integers are a function of the value and the qparams only. An algorithm's codes are
-        per group, so those are keyed by the group.
+        per group, so those are keyed by the group, and so is a constant read under one group only
+        (the common case: its group stands for its qparams, whose value key costs a copy of them).
         """
         by_value = (
-            producer.name not in state.constant_outputs and (str(producer.target), gid) not in chosen.codes
+            len(read_under[producer.name]) > 1
+            and producer.name not in state.constant_outputs
+            and (str(producer.target), gid) not in chosen.codes
         )
         key: tuple[str, Hashable] = (producer.name, _qparams_key(qparams[gid]) if by_value else gid)
         q = edge_q.get(key)
