@@ -12,11 +12,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import quantplug
 from _quantplug.flow.inspect import encodings
 from _quantplug.graph.attrs import fetch_attr
+from _quantplug.graph.constants import constant_nodes, constant_test, module_attr
 from tests.zoo.integer_weights import (
     constants_quantized_at_run_time,
     float_quantized_constants,
@@ -343,3 +346,43 @@ def test_a_constant_read_under_equal_qparams_is_stored_once(scale: float, stored
         args = [fetch_attr(converted, str(a.target)) if isinstance(a, torch.fx.Node) else a for a in dq.args]
         step = args[1] if isinstance(args[1], float) else args[1].max()
         assert float((dq.target(*args) - model.fc.bias).abs().max()) <= step / 2 + 1e-12
+
+
+@pytest.fixture(scope="module")
+def constant_graphs() -> list[torch.fx.GraphModule]:
+    """Exported graphs holding every kind of constant: parameters, a transposed weight, an LSTM's
+    ``zeros`` state (an op without inputs) and a no-grad region's table."""
+    torch.manual_seed(0)
+    return [
+        torch.export.export(model.eval(), _sequence(_gen())).module()
+        for model in (ConstantSubgraphs(), NoGradTable())
+    ]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(order=st.randoms(use_true_random=False))
+def test_constant_test_answers_as_constant_nodes_in_any_order(
+    constant_graphs: list[torch.fx.GraphModule], order: Any
+) -> None:
+    """convert asks only its quantizes: the lazy test gives the whole-graph analysis' answer for
+    every node, whichever nodes are asked first, and reads only the parameters it reaches."""
+    for gm in constant_graphs:
+        _check_constant_test(gm, order)
+
+
+def _check_constant_test(gm: torch.fx.GraphModule, order: Any) -> None:
+    nodes = list(gm.graph.nodes)
+    expected = constant_nodes(gm.graph, module_attr(gm))
+    assert any(n.op == "call_function" for n in expected)  # computed constants, not only get_attr
+    read: list[str] = []
+
+    def attr(target: str) -> Any:
+        read.append(target)
+        return module_attr(gm)(target)
+
+    test = constant_test(attr)
+    first = next(n for n in nodes if n.op == "call_function" and n not in expected)
+    assert not test(first) and read == [], "an activation's first input decides it"
+    order.shuffle(nodes)
+    assert [test(n) for n in nodes] == [n in expected for n in nodes]
+    assert set(read) == {str(n.target) for n in nodes if n.op == "get_attr"}

@@ -148,7 +148,7 @@ def _ops(gm: GraphModule) -> Counter[Any]:
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_affine_schemes_convert_as_torchao(scheme: str) -> None:
+def test_affine_schemes_convert_as_torchao(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = TwoLinears().eval()
     g = torch.Generator().manual_seed(1)
@@ -158,7 +158,19 @@ def test_affine_schemes_convert_as_torchao(scheme: str) -> None:
     qp = quantplug.prepare(program, LinearQuantizer(scheme))
     for x in batches[:2]:
         torch.testing.assert_close(qp(*x), ao(*x))
-    ao_c, qp_c = convert_pt2e(ao), quantplug.convert(qp)
+    ao_c = convert_pt2e(ao)
+    compiled: list[GraphModule] = []
+    recompile = GraphModule.recompile
+
+    def counting(gm: GraphModule) -> Any:
+        compiled.append(gm)
+        return recompile(gm)
+
+    monkeypatch.setattr(GraphModule, "recompile", counting)
+    qp_c = quantplug.convert(qp)
+    monkeypatch.undo()
+    # the observers edit the graph before the module's one code generation
+    assert compiled == [qp_c]
     assert _ops(qp_c) == _ops(ao_c)
     # the weights folded from torchao's ops carry torchao's constant-folding names, code included
     assert _frozen(qp_c) == _frozen(ao_c)

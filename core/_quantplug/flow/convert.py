@@ -20,6 +20,7 @@ import torch
 import torch.ao.quantization.fx._decomposed
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.graph import PythonCode
 
 from _quantplug.algorithms.taps import is_tap
 from _quantplug.algorithms.weight_choice import WeightOverrides, choose_weights
@@ -36,7 +37,7 @@ from _quantplug.flow.reference_representation import to_reference_representation
 from _quantplug.flow.release import FloatWeightRelease, refuse_released
 from _quantplug.flow.state import Group, PreparedState
 from _quantplug.graph.attrs import fetch_attr
-from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_nodes, module_attr
+from _quantplug.graph.constants import ConstantValues, check_finite_constant, constant_test, module_attr
 from _quantplug.graph.working_copy import (
     AttrNamer,
     add_node,
@@ -567,9 +568,11 @@ def _convert(
     # constant groups' observers are parked (observers/parked.py): their keys are quantized here,
     # from the constants' values, and each reader of a parked node gets its constant's dequantize
     constant_inputs: dict[str, dict[str, int]] = {}  # consumer -> {producer: group id}
+    read_under: dict[str, set[int]] = {}  # producer -> the groups it is read under
     parked: dict[Node, Node] = {}  # a parked observer node -> the constant it reads
     for (producer, consumer), gid in state.constant_edges.items():
         constant_inputs.setdefault(consumer, {})[producer] = gid
+        read_under.setdefault(producer, set()).add(gid)
     # (producer, group id or the qparams' value) -> its quantize node or integer tensor
     edge_q: dict[tuple[str, Hashable], Node] = {}
     old_nodes = {n.name: n for n in prepared.graph.nodes}
@@ -581,10 +584,13 @@ def _convert(
         A constant read under several groups with equal qparams (a derived bias at every step of
         an unrolled GRU, each step's group derived from the same shared encodings) is stored once:
         its integers are a function of the value and the qparams only. An algorithm's codes are
-        per group, so those are keyed by the group.
+        per group, so those are keyed by the group, and so is a constant read under one group only
+        (the common case: its group stands for its qparams, whose value key costs a copy of them).
         """
         by_value = (
-            producer.name not in state.constant_outputs and (str(producer.target), gid) not in chosen.codes
+            len(read_under[producer.name]) > 1
+            and producer.name not in state.constant_outputs
+            and (str(producer.target), gid) not in chosen.codes
         )
         key: tuple[str, Hashable] = (producer.name, _qparams_key(qparams[gid]) if by_value else gid)
         q = edge_q.get(key)
@@ -669,13 +675,13 @@ def _convert(
         _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
     since = code_counter()
-    converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule")
+    converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule", code_deferred=True)
     _populate(converted, prepared, graph, tensors, observer_modules)
-    with generating_code(graph):
-        converted.graph = graph  # the one code generation
-    release_code_with(converted, since=since)
-    if kept_observers:
+    converted.graph = graph
+    if kept_observers:  # they edit the graph: before its code is generated
         run_observer_converts(converted, kept_observers, fold_quantize=fold_quantize)
+    converted.generate_deferred_code()  # the one code generation
+    release_code_with(converted, since=since)
     replace_loop_bodies(prepared, converted, convert)  # each body was prepared as a program of its own
     converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
     converted.meta[QPARAMS_KEY] = {gid: qp for gid, qp in qparams.items()}
@@ -686,7 +692,41 @@ def _convert(
 
 class ConvertedModule(ExportedModes, GraphModule):
     """What :func:`convert` returns: the reference Q/DQ program, whose ``train()``/``eval()``
-    raise as on an exported module (:mod:`_quantplug.flow.exported_modes`)."""
+    raise as on an exported module (:mod:`_quantplug.flow.exported_modes`).
+
+    Made with ``code_deferred=True``, it generates no code until :meth:`generate_deferred_code`:
+    GraphModule compiles at construction and at every graph it is given, and convert builds the
+    module first (its state is registered directly, see :func:`_populate`), then gives it its
+    graph, which self-converting observers then edit: compiled at each step, that was an empty
+    graph's code and, with such observers, the program's twice (each compile also recompiling
+    every GraphModule child). Copies and pickles construct as a GraphModule does.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module | dict[str, Any],
+        graph: Graph,
+        class_name: str = "GraphModule",
+        *,
+        code_deferred: bool = False,
+    ) -> None:
+        if code_deferred:
+            self.__dict__[_CODE_DEFERRED] = True
+        super().__init__(root, graph, class_name)
+
+    def recompile(self) -> PythonCode:
+        if _CODE_DEFERRED in self.__dict__:  # no code until generate_deferred_code
+            return None  # type: ignore[return-value]
+        return super().recompile()
+
+    def generate_deferred_code(self) -> None:
+        """Generate the code of the module's graph as it is now, the first time (no-op otherwise)."""
+        if self.__dict__.pop(_CODE_DEFERRED, False):
+            with generating_code(self.graph):
+                self.recompile()
+
+
+_CODE_DEFERRED = "_quantplug_code_deferred"
 
 
 def _quantized(emit: _Emitter, src: Node, qp: QParams, gid: int, origin: Node) -> _Dequantized:
@@ -739,11 +779,10 @@ def _store_constants_as_integers(
     def attr(target: str) -> Any:
         return emit.tensors[target] if target in emit.tensors else read_prepared(target)
 
-    constants = constant_nodes(graph, attr)
+    constant = constant_test(attr)
+    quantizes = [n for n in graph.nodes if n.op == "call_function" and n.target in QUANTIZE_OPS]
     value = ConstantValues(attr)
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in QUANTIZE_OPS or node not in constants:
-            continue
+    for node in [n for n in quantizes if constant(n)]:  # decided before the graph changes
         source = node.args[0]
         assert isinstance(source, Node)
         gid = node.meta.get(GROUP_KEY)

@@ -26,7 +26,6 @@ from torch.fx import GraphModule, Node
 from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.working_copy import AttrNamer
 from _quantplug.observers.base import ObserverBase
-from _quantplug.peers.torch_codegen import generating_code
 
 
 def converts_itself(observer: nn.Module) -> bool:
@@ -37,7 +36,7 @@ def converts_itself(observer: nn.Module) -> bool:
 def run_observer_converts(converted: GraphModule, nodes: list[Node], *, fold_quantize: bool) -> None:
     """Let each observer called by ``nodes`` (call_module nodes of ``converted``) convert itself,
     then drop the observer modules; with ``fold_quantize``, quantize ops on constants become the
-    integers they compute."""
+    integers they compute. The caller generates ``converted``'s code afterwards (once)."""
     targets = {str(n.target) for n in nodes}
     for node in nodes:
         observer: Any = converted.get_submodule(str(node.target))
@@ -48,8 +47,6 @@ def run_observer_converts(converted: GraphModule, nodes: list[Node], *, fold_qua
     if fold_quantize:
         _fold_constant_quantizes(converted)
     converted.graph.lint()
-    with generating_code(converted.graph):
-        converted.recompile()
 
 
 def _quantize_ops() -> set[Any]:

@@ -74,6 +74,42 @@ def constant_nodes(graph: Graph, attr: Callable[[str], Any]) -> set[Node]:
     return found
 
 
+def constant_test(attr: Callable[[str], Any]) -> Callable[[Node], bool]:
+    """Whether a node is one of :func:`constant_nodes` (same ``attr``), deciding only what it needs.
+
+    The same rule, asked of a few nodes (the quantizes convert folds, on a graph where most read
+    activations): a node's inputs are decided first, depth first, and one input known not to be
+    constant decides it, so a quantize of an activation walks one chain of inputs back to a
+    placeholder, each node decided once across calls, instead of the whole graph being analysed
+    and every parameter read. Ask it before editing the graph (the answers are kept).
+    """
+    known: dict[Node, bool] = {}
+
+    def test(root: Node) -> bool:
+        stack = [root]
+        while stack:
+            node = stack[-1]
+            if node in known:
+                stack.pop()
+                continue
+            if node.op == "get_attr":
+                value = attr(str(node.target))
+                known[node] = isinstance(value, (torch.Tensor, torch.fx.GraphModule)) and not written(node)
+            elif node.op != "call_function":
+                known[node] = False
+            else:
+                inputs = node.all_input_nodes
+                verdicts = [known.get(n) for n in inputs]
+                if False not in verdicts and None in verdicts:  # an input to decide first
+                    stack.append(inputs[verdicts.index(None)])
+                    continue
+                known[node] = False not in verdicts and _foldable(node, attr)
+            stack.pop()
+        return known[root]
+
+    return test
+
+
 class ConstantValues:
     """Computes constant nodes' values on demand, each once (an interpreter over constants only)."""
 
