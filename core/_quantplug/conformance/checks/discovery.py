@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 import quantplug
-from _quantplug.conformance.checks.session import Failed, Session
+from _quantplug.conformance.checks.session import FRESH_PROBE, Failed, Session
 from _quantplug.errors import OptionError
 from _quantplug.plugins.contract import OPTION_TYPES, BackendInfo, BackendOption
 from _quantplug.plugins.registry import load_backend
@@ -59,6 +59,11 @@ def check_listed(session: Session, case: str) -> str:
             "get_quantizer() imported rules modules " + ", ".join(eager) + " (import them only in rules)"
         )
     return "listed (in-process); get_quantizer() imports no rules module"
+
+
+#: 0.1.0's name of the fresh interpreter's script (now shared with ``untouched``: it also reports
+#: the process-wide state importing the plugin changes)
+PROBE = FRESH_PROBE
 
 
 def check_options(session: Session, case: str) -> str:

@@ -17,6 +17,9 @@ from torch import nn
 from torch.fx import GraphModule
 
 import quantplug
+from _quantplug.conformance.checks.base import Check as Check  # the checks read them here
+from _quantplug.conformance.checks.base import Failed as Failed
+from _quantplug.conformance.checks.base import Skipped as Skipped
 from _quantplug.conformance.profile import ConformanceProfile
 from _quantplug.conformance.samples import Sample, module_sample, sample_for
 from _quantplug.plugins.registry import BackendEntry, list_backends, load_backend
@@ -25,28 +28,6 @@ from _quantplug.quantizer.quantizer import Quantizer
 CALIBRATION_BATCHES = 4
 #: seconds a fresh interpreter may take to import and load the backend
 FRESH_TIMEOUT_S = 300
-
-
-class Failed(Exception):
-    """The backend does not do what the check verifies; the message says what and where."""
-
-
-class Skipped(Exception):
-    """The check does not apply (a capability the backend declares unsupported, say)."""
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check: its name, what it verifies, the capabilities it needs, how to run a case."""
-
-    name: str
-    title: str
-    run: Callable[[Session, str], str]
-    requires: tuple[str, ...] = ()
-    cases: Callable[[Session], list[str]] | None = None
-
-    def case_ids(self, session: Session) -> list[str]:
-        return self.cases(session) if self.cases is not None else [""]
 
 
 @dataclass
