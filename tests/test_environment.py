@@ -9,6 +9,8 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 import quantplug
 
 
@@ -83,13 +85,20 @@ def _imports(tmp_path: Path) -> dict[str, bool]:
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def test_torchvision_and_transformers_import_as_they_are(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def users_imports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bool]:
+    """:func:`_imports` once per module: both tests below read it (the second only to know
+    whether this environment holds a torchvision)."""
+    return _imports(tmp_path_factory.mktemp("imports"))
+
+
+def test_torchvision_and_transformers_import_as_they_are(users_imports: dict[str, bool]) -> None:
     """``import torchvision`` (where installed) and transformers' BERT work in a fresh interpreter
     of this environment with nothing of the test session's: no shim, no test packages."""
-    _imports(tmp_path)
+    assert set(users_imports) == {"torchvision"}
 
 
-def test_a_users_torchvision_factory_quantizes(tmp_path: Path) -> None:
+def test_a_users_torchvision_factory_quantizes(tmp_path: Path, users_imports: dict[str, bool]) -> None:
     """``quantplug quantize mymodels:factory`` on a factory building a torchvision model, in a
     fresh interpreter without the shim: where this environment holds a torchvision (one matching
     its torch), the user's model quantizes; where it holds none (scripts/setup.sh installs none
@@ -98,7 +107,7 @@ def test_a_users_torchvision_factory_quantizes(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    has = _imports(tmp_path)["torchvision"]
+    has = users_imports["torchvision"]
     (tmp_path / "mymodels.py").write_text(
         "import torch\nimport torchvision\n\n"
         "def factory():\n"

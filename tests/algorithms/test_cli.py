@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.conftest import run_cli
+from tests.cli.conftest import Result, run_cli
 from tests.cli.test_fast_cli import _errors, _heavy, _imported
 
 #: option bounds, checked from metadata: torch-free and no algorithm's
@@ -98,29 +98,43 @@ def test_quantize_can_keep_every_choice_without_the_guard(tmp_path: Path) -> Non
     assert report["options"]["algorithm_guard"] == "off (--no-algorithm-guard)"
 
 
-def test_quantize_judges_on_held_out_batches(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def gptq_on_held_out(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path, Path]:
+    """``quantize -A gptq --held-out FILE`` on the demo, not quiet: the guard's report and the
+    progress lines of one run."""
     import torch
 
-    held_out = tmp_path / "held_out.pt"
+    root = tmp_path_factory.mktemp("held_out")
+    held_out = root / "held_out.pt"
     g = torch.Generator().manual_seed(11)
     torch.save([torch.randn(1, 3, 32, 32, generator=g) for _ in range(3)], held_out)
-    out = tmp_path / "out"
-    done = run_cli("quantize", "--out", str(out), "-A", "gptq", "--held-out", str(held_out), "-q")
+    out = root / "out"
+    return run_cli("quantize", "--out", str(out), "-A", "gptq", "--held-out", str(held_out)), out, held_out
+
+
+def test_quantize_judges_on_held_out_batches(
+    gptq_on_held_out: tuple[Result, Path, Path], tmp_path: Path
+) -> None:
+    import torch
+
+    done, out, held_out = gptq_on_held_out
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["options"]["algorithm_guard"].startswith(f"on (judged on held-out data {held_out}): ")
     wrong = tmp_path / "wrong.pt"
     torch.save([torch.randn(1, 3, 16, 16)], wrong)
-    done = run_cli("quantize", "--out", str(out), "-A", "gptq", "--held-out", str(wrong), "-q")
+    done = run_cli("quantize", "--out", str(tmp_path / "out"), "-A", "gptq", "--held-out", str(wrong), "-q")
     assert done.returncode == 2
     (line,) = _errors(done)
     assert "held-out batch 0 (wrong.pt): input 'x' has shape (1, 3, 16, 16)" in line
 
 
-def test_quantize_shows_the_algorithms_progress_layer_by_layer(tmp_path: Path) -> None:
+def test_quantize_shows_the_algorithms_progress_layer_by_layer(
+    gptq_on_held_out: tuple[Result, Path, Path],
+) -> None:
     """convert with algorithms runs layer after layer (minutes on an LLM): the command line counts
     the layers chosen, as it counts calibration batches."""
-    done = run_cli("quantize", "--out", str(tmp_path / "out"), "-A", "gptq")
+    done, _, _ = gptq_on_held_out
     assert done.returncode == 0, done.stderr
     counted = [line for line in done.stderr.splitlines() if line.startswith("weights chosen: ")]
     assert len(counted) == 1 and int(counted[0].split()[2]) > 0, done.stderr

@@ -163,6 +163,19 @@ def test_argument_errors_answer_without_torch(case: str, tmp_path: Path) -> None
     assert list(tmp_path.iterdir()) == []  # nothing written, no lock left
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["no_such_backend"], "unknown backend 'no_such_backend'"),
+        (["reference", "--check", "speed"], "unknown conformance check(s) 'speed'"),
+    ],
+)
+def test_conformance_usage_errors_answer_without_torch(args: list[str], words: str) -> None:
+    done, modules = _imported("conformance", *args)
+    assert done.returncode == 2 and words in done.stderr, done.stderr
+    assert _heavy(modules) == []
+
+
 def test_a_misspelt_command_is_not_taken_for_a_model(tmp_path: Path) -> None:
     done, _ = _imported("backend", cwd=tmp_path)
     assert done.returncode == 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -151,14 +152,15 @@ def test_another_users_folder_in_a_sticky_parent_is_replaced_entry_by_entry(
 
 
 def test_a_full_filesystem_names_out_and_keeps_the_previous_output(
-    tmp_path: Path, model: tuple[Path, Path]
+    tmp_path: Path, model: tuple[Path, Path], piped_run: tuple[subprocess.CompletedProcess[str], Path, Path]
 ) -> None:
     """A file-size limit makes every write past it fail with EFBIG (Python ignores SIGXFSZ): the
     error path of a full disk (ENOSPC, EDQUOT) without needing one."""
     pt2, calib = model
     out = tmp_path / "out"
-    first = run_cli("quantize", str(pt2), "-c", str(calib), "--out", str(out))
+    first, _, written = piped_run  # a previous output of the same model and data, copied here
     assert first.returncode == 0, first.stderr
+    shutil.copytree(written, out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
     def limit() -> None:
@@ -181,9 +183,15 @@ def test_a_full_filesystem_names_out_and_keeps_the_previous_output(
     assert _leftovers(tmp_path) == []
 
 
-def test_a_reader_closing_the_pipe_after_a_successful_run(tmp_path: Path, model: tuple[Path, Path]) -> None:
+@pytest.fixture(scope="module")
+def piped_run(
+    tmp_path_factory: pytest.TempPathFactory, model: tuple[Path, Path]
+) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    """A successful run whose reader closed the pipe before the summary came (``| head``), its
+    ``--out``, and a pristine copy of what it wrote (the full-filesystem test's previous output)."""
     pt2, calib = model
-    out = tmp_path / "out"
+    root = tmp_path_factory.mktemp("piped")
+    out = root / "out"
     read_end, write_end = os.pipe()
     os.close(read_end)  # `| head` that finished reading before the summary came
     try:
@@ -198,6 +206,15 @@ def test_a_reader_closing_the_pipe_after_a_successful_run(tmp_path: Path, model:
         )
     finally:
         os.close(write_end)
+    if done.returncode == 0:
+        shutil.copytree(out, root / "pristine")
+    return done, out, root / "pristine"
+
+
+def test_a_reader_closing_the_pipe_after_a_successful_run(
+    piped_run: tuple[subprocess.CompletedProcess[str], Path, Path],
+) -> None:
+    done, out, _ = piped_run
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "error" not in done.stderr
     assert json.loads((out / "report.json").read_text())["schema"]

@@ -147,11 +147,11 @@ def test_a_claimed_op_the_kit_cannot_sample_fails_unless_excluded(site: Path) ->
 
 
 def _cli(
-    *args: str, extra_path: Path | None = None, test_site: bool = True
+    *args: str, extra_path: Path | None = None, test_site: bool = True, python: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m quantplug ARGS`` in this environment, ``extra_path`` first on its path; without
-    ``test_site`` the environment as installed: the example plugin the test session makes visible
-    (``tests/conftest.py``, ``QUANTPLUG_TEST_SITE``) left out."""
+    """``python [PYTHON] -m quantplug ARGS`` in this environment, ``extra_path`` first on its path;
+    without ``test_site`` the environment as installed: the example plugin the test session makes
+    visible (``tests/conftest.py``, ``QUANTPLUG_TEST_SITE``) left out."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTPLUG_")}
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if not test_site:
@@ -159,7 +159,7 @@ def _cli(
         paths = [p for p in paths if p not in hidden]
     env["PYTHONPATH"] = os.pathsep.join([*([str(extra_path)] if extra_path else []), str(REPO), *paths])
     return subprocess.run(
-        [sys.executable, "-m", "quantplug", *args],
+        [sys.executable, *python, "-m", "quantplug", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -200,8 +200,11 @@ def test_cli_example_vendor_conforms_with_json() -> None:
 def test_cli_broken_backend_exits_non_zero_naming_the_failing_checks(tmp_path: Path) -> None:
     write_backend(tmp_path, "kit_installed_broken", ("options", "lowering"))
     write_dist(tmp_path, "kit_installed_broken")
-    done = _cli("conformance", "kit_installed_broken", extra_path=tmp_path)
+    done = _cli("conformance", "kit_installed_broken", extra_path=tmp_path, python=("-X", "importtime"))
     assert done.returncode == 1, done.stdout + done.stderr
+    # the command's process only starts the kit's own, which imports torch and the plugin
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert "_quantplug.conformance.isolated" in imported and "torch" not in imported
     last = done.stdout.strip().splitlines()[-1]
     assert "DOES NOT CONFORM (failed: options, lowering)" in last
     assert (

@@ -55,6 +55,12 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         sys.modules.pop(name, None)
 
 
+#: the timeout of the tests whose hook hangs (what they wait for, twice over for a hang blocked in
+#: native code): the checks run before the hang take a fraction of it (loading the kit's small
+#: backend, building its quantizers), on a busy machine too
+HANG_TIMEOUT_S = 3
+
+
 def _name() -> str:
     return f"kit_{uuid.uuid4().hex[:8]}"
 
@@ -199,11 +205,11 @@ def test_a_hook_that_exits_or_interrupts_fails_its_check(site: Path, fault: str,
 def test_a_hook_that_hangs_times_out_naming_it(site: Path) -> None:
     name = _in_process(site, "hang@quantplug_conformance_profile")  # read first by "validation"
     try:
-        report = run_conformance(name, only=["options", "validation"], timeout=5)
+        report = run_conformance(name, only=["options", "validation"], timeout=HANG_TIMEOUT_S)
     finally:
         quantplug.unregister(name)
     status, message = _case(report, "validation")
-    assert status == "fail" and "timed out: no result after 5 s" in message, message
+    assert status == "fail" and f"timed out: no result after {HANG_TIMEOUT_S} s" in message, message
     assert "hook quantplug_conformance_profile" in message and "in _fault" in message
     assert _case(report, "options")[0] == "pass"
 
@@ -238,8 +244,8 @@ def test_cli_a_hook_calling_sys_exit_fails_the_check_not_the_run(site: Path) -> 
 @pytest.mark.parametrize(
     ("fault", "checks", "expected"),
     [
-        ("hang", ["lowering"], "timed out: no result after 5 s"),
-        ("hang-blocked", ["lowering"], "timed out after 5 s in native code and was ended"),
+        ("hang", ["lowering"], f"timed out: no result after {HANG_TIMEOUT_S} s"),
+        ("hang-blocked", ["lowering"], f"timed out after {HANG_TIMEOUT_S} s in native code and was ended"),
         ("os-exit", ["integer-weights", "lowering"], "exited with code 0"),
     ],
 )
@@ -251,7 +257,7 @@ def test_cli_a_hook_that_hangs_or_ends_its_process_fails_only_its_check(
     runs the next check. The profile hook is the first code of the backend these checks run."""
     name = install(site, _name(), (f"{fault}@quantplug_conformance_profile",))
     selected = [word for check in checks for word in ("--check", check)]
-    done = _cli("conformance", name, *selected, "--json", "--timeout", "5")
+    done = _cli("conformance", name, *selected, "--json", "--timeout", str(HANG_TIMEOUT_S))
     assert done.returncode == 1, done.stdout + done.stderr
     data = json.loads(done.stdout)
     assert data["failed"] == checks, data

@@ -151,6 +151,24 @@ def test_the_public_onnx_exporter_runs_where_its_internals_are_unverified(unveri
     assert torch.equal(torch.as_tensor(plain.run(x)[0]), torch.as_tensor(fast.run(x)[0]))
 
 
+def test_the_registry_of_torchlibs_functions_is_the_exporters() -> None:
+    """Built without each function's IR, the registry holds what ``from_torchlib`` registers: the
+    same functions for the same ops, in the same order (at opset 21, lowering's default)."""
+    internals = onnx_translate._internals()
+    assert internals is not None
+
+    def entries(registry: Any) -> list[tuple[Any, list[tuple[Any, ...]]]]:
+        return [
+            (op, [(m.onnx_function, m.fx_target, m.is_custom, m.is_complex, str(m.signature)) for m in metas])
+            for op, metas in registry.functions.items()
+        ]
+
+    fast = onnx_translate._from_torchlib(internals.registration, 21)
+    exporters = internals.registration.ONNXRegistry.from_torchlib(opset_version=21)
+    assert fast.opset_version == exporters.opset_version == 21
+    assert len(fast.functions) > 400 and entries(fast) == entries(exporters)
+
+
 def test_code_generation_stands_down_with_the_same_code_and_leaves_the_graph_intact(unverified: Any) -> None:
     import torch.fx.graph as fx_graph
 

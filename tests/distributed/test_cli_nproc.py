@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cli.conftest import Result, run_cli
+from tests.cli.conftest import REPO, Result, clean_env, run_cli
 from tests.cli.test_fast_cli import _heavy, _imported
 from tests.distributed.launch import run_ranks
 
@@ -35,19 +37,82 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"pt2": root / "demo.pt2", "list": root / "list.pt", "folder": folder, "bad": bad, "root": root}
 
 
+def _arguments(demo: dict[str, Path], out: str, data: str, *extra: str) -> list[str]:
+    return [
+        "quantize", str(demo["pt2"]), "-c", data, "-o", "activation_observer=minmax",
+        "--compare-batches", "1", "--out", str(demo["root"] / out), *extra,
+    ]  # fmt: skip
+
+
 def quantize(demo: dict[str, Path], out: str, data: str, *extra: str) -> Result:
     """The command, with a temporary folder of its own that it must leave as it found it: a
     launcher left to itself makes a folder there on every run and never removes it. (ONNX
     Runtime keeps one file of a fixed name there, ``.ses``, rewritten by each run.)"""
     temporary = demo["root"] / f"{out}-tmp"
     temporary.mkdir(exist_ok=True)
-    result = run_cli(
-        "quantize", str(demo["pt2"]), "-c", data, "-o", "activation_observer=minmax",
-        "--compare-batches", "1", "--out", str(demo["root"] / out), *extra, timeout=600,
-        env={"TMPDIR": str(temporary)},
-    )  # fmt: skip
+    result = run_cli(*_arguments(demo, out, data, *extra), timeout=600, env={"TMPDIR": str(temporary)})
     assert sorted(p.name for p in temporary.iterdir() if p.name != ".ses") == [], result.stderr
     return result
+
+
+#: the algorithms whose two-process runs are compared with one process, by name: every built-in
+#: algorithm that collects (and CLE, which transforms with data)
+ALGORITHMS: dict[str, list[str]] = {
+    "bias_correction": ["bias_correction"],  # running means and the store of batches (sequential)
+    "gptq": ["gptq"],  # layer Hessians
+    "adaround": ["adaround", "--algorithm-option", "adaround.iterations=50"],
+    # the store of batches, Hessians at convert (a fine search: 20 candidates hid the unmerged store)
+    "seq_mse": [
+        "seq_mse",
+        "--algorithm-option",
+        "seq_mse.sequential=true",
+        "--algorithm-option",
+        "seq_mse.candidates=100",
+    ],
+    "cle": ["cle"],  # a transform with data (high-bias absorption): the same batches on every rank
+    "seq_mse+gptq": ["seq_mse", "-A", "gptq"],  # one set of Hessian sums for both: merged through its leader
+}
+
+#: runs ``quantplug`` once per argument list, in one interpreter (``main(argv)`` for each); prints
+#: ``{key: [exit code, stderr]}``
+_ONE_INTERPRETER = """
+import contextlib, io, json, sys
+from _quantplug.cli.main import main
+results = {}
+for key, argv in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    results[key] = [code, err.getvalue()]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def one_process(demo: dict[str, Path]) -> dict[str, Result]:
+    """The one-process runs the two-process runs must equal (``one``: no algorithm, and one per
+    :data:`ALGORITHMS` entry, written to ``<name>-1``), all in one child interpreter: what is
+    compared is the files, and a child per run only paid torch's import again. Each run is a
+    whole ``quantplug`` command (``main``) with its own output folder, and leaves the temporary
+    folder as it found it, as :func:`quantize` checks."""
+    runs = {"one": _arguments(demo, "one", str(demo["list"]))}
+    for name, algorithm in ALGORITHMS.items():
+        runs[name] = _arguments(demo, f"{name}-1", str(demo["list"]), "-A", *algorithm)
+    temporary = demo["root"] / "one-process-tmp"
+    temporary.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_INTERPRETER, json.dumps(runs)],
+        cwd=REPO,
+        env={**clean_env(), "TMPDIR": str(temporary)},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in temporary.iterdir() if p.name != ".ses") == [], done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return {key: Result(code, "", stderr) for key, (code, stderr) in found.items()}
 
 
 def program_content(out: Path) -> tuple[str, dict[str, Any]]:
@@ -69,8 +134,8 @@ def assert_same_output(a: Path, b: Path) -> None:
     assert all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
 
 
-def test_two_processes_write_what_one_writes(demo: dict[str, Path]) -> None:
-    one = quantize(demo, "one", str(demo["list"]))
+def test_two_processes_write_what_one_writes(demo: dict[str, Path], one_process: dict[str, Result]) -> None:
+    one = one_process["one"]
     two = quantize(demo, "two", str(demo["list"]), "--nproc", "2")
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
@@ -85,32 +150,14 @@ def test_two_processes_write_what_one_writes(demo: dict[str, Path]) -> None:
     assert "calibrated: 8 batches" in two.stderr
 
 
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        ["bias_correction"],  # running means and the store of batches (sequential by default)
-        ["gptq"],  # layer Hessians
-        ["adaround", "--algorithm-option", "adaround.iterations=50"],
-        # the store of batches, Hessians at convert (a fine search: 20 candidates hid the unmerged store)
-        [
-            "seq_mse",
-            "--algorithm-option",
-            "seq_mse.sequential=true",
-            "--algorithm-option",
-            "seq_mse.candidates=100",
-        ],
-        ["cle"],  # a transform with data (high-bias absorption): the same batches on every rank
-        ["seq_mse", "-A", "gptq"],  # one set of Hessian sums for both: merged through its leader
-    ],
-    ids=lambda a: "+".join(w for w in a if not w.startswith("-") and "=" not in w),
-)
+@pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_algorithms_on_two_processes_write_what_one_writes(
-    demo: dict[str, Path], algorithm: list[str]
+    demo: dict[str, Path], one_process: dict[str, Result], name: str
 ) -> None:
     """Every built-in algorithm that collects (and CLE, which transforms with data): its
     statistics merge by sums in rank order, so the files are those of one process."""
-    name = "+".join(w for w in algorithm if not w.startswith("-") and "=" not in w)
-    one = quantize(demo, f"{name}-1", str(demo["list"]), "-A", *algorithm)
+    algorithm = ALGORITHMS[name]
+    one = one_process[name]
     two = quantize(demo, f"{name}-2", str(demo["list"]), "-A", *algorithm, "--nproc", "2")
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
@@ -192,7 +239,9 @@ def test_every_rank_leaves_the_group_when_its_run_ends(demo: dict[str, Path], tm
 @pytest.mark.parametrize(
     "data", ["folder", "tests.distributed.data:loader", "tests.distributed.data:sharded"]
 )
-def test_streamed_sources_calibrate_every_batch_once(demo: dict[str, Path], data: str) -> None:
+def test_streamed_sources_calibrate_every_batch_once(
+    demo: dict[str, Path], one_process: dict[str, Result], data: str
+) -> None:
     source = str(demo["folder"]) if data == "folder" else data
     result = quantize(
         demo, f"stream-{data.rsplit(':', 1)[-1]}", source, *(["--nproc", "2"] if data != "folder" else [])
@@ -201,11 +250,11 @@ def test_streamed_sources_calibrate_every_batch_once(demo: dict[str, Path], data
     out = demo["root"] / f"stream-{data.rsplit(':', 1)[-1]}"
     report = json.loads((out / "report.json").read_text())
     assert report["calibration"]["batches"] == 8
-    reference = demo["root"] / "one"
-    if (reference / "artifact").exists():  # the same 8 batches as the list file: the same encodings
-        assert (out / "artifact" / "encodings.json").read_bytes() == (
-            reference / "artifact" / "encodings.json"
-        ).read_bytes()
+    assert one_process["one"].returncode == 0, one_process["one"].stderr
+    reference = demo["root"] / "one"  # the same 8 batches as the list file: the same encodings
+    assert (out / "artifact" / "encodings.json").read_bytes() == (
+        reference / "artifact" / "encodings.json"
+    ).read_bytes()
 
 
 @pytest.mark.parametrize(

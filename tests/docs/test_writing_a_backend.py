@@ -255,6 +255,7 @@ def test_the_guide_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.delenv(key)
     registry.reset_cache()
     namespace: dict[str, Any] = {"__name__": "guide"}
+    scaffolded = ""
     try:
         for block in GUIDE_BLOCKS:
             if block.lang == "bash":
@@ -271,6 +272,8 @@ def test_the_guide_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
                     f"{block.where()} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
                 )
                 registry.reset_cache()  # it installed something: re-read the entry points
+                if "quantplug new-backend" in block.code:
+                    scaffolded = done.stdout
             elif block.lang == "python" and block.quote:
                 module = _module_of(block.quote[1])
                 exec(compile(block.code, block.where(), "exec"), dict(vars(module)))
@@ -280,3 +283,17 @@ def test_the_guide_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         registry.reset_cache()
     assert (work / "out" / "example_vendor_encodings.json").is_file()
     assert (work / "quantplug-my-npu" / "quantplug_my_npu" / "constraints.py").is_file()
+    _check_the_scaffold_as_installed(scaffolded, site)
+
+
+def _check_the_scaffold_as_installed(stdout: str, site: Path) -> None:
+    """The guide's first steps are the scaffold's promise (tests/conformance/test_scaffold.py
+    leaves it here rather than run it twice): ``quantplug new-backend``'s distribution installs,
+    conforms as generated (every check passes: none skipped) and passes its own tests, three
+    end-to-end tests and one per check of the kit (its pytest plugin)."""
+    assert stdout, "the guide no longer scaffolds, installs and checks a backend in one shell block"
+    assert (site / "quantplug_my_npu" / "plugin.py").is_file()
+    assert "backend 'my_npu' (quantplug-my-npu 0.1.0)" in stdout, stdout
+    summary = re.search(r"^(\d+) checks: (\d+) passed, 0 failed, 0 skipped -> CONFORMS$", stdout, re.M)
+    assert summary and summary[1] == summary[2], stdout
+    assert re.search(r"^16 passed", stdout, re.M), stdout

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from _quantplug.conformance.checks import CHECKS, Check, Session
+from _quantplug.conformance.checks import CHECKS, Check, load
 from _quantplug.conformance.faults import MIN_TIMEOUT_S
 from _quantplug.conformance.report import ConformanceReport
 from _quantplug.conformance.steps import Assembly, Event, run_steps
@@ -98,7 +98,9 @@ def list_cases(
 
     timeout = _check_timeout(timeout)
     if name in in_process_names():
-        events: Iterable[Event] = run_steps(Session(name), CHECKS, timeout=timeout, list_only=True)
+        from _quantplug.conformance.checks.session import Session
+
+        events: Iterable[Event] = run_steps(Session(name), load(), timeout=timeout, list_only=True)
     else:
         events = isolated.steps(name, {}, CHECKS, timeout=timeout, environ=environ, list_only=True)
     found: dict[str, list[str] | str] = {}
@@ -120,6 +122,9 @@ def _run_here(
     progress: Callable[[str], None] | None,
     timeout: float,
 ) -> ConformanceReport:
+    from _quantplug.conformance.checks.session import Session
+
+    load()  # as the kit's own process does: no check's timeout pays for the imports
     session = Session(name, options)
     assembly = Assembly(name, checks, progress)
     entry = session.entry

@@ -10,11 +10,14 @@ kit imports another in a cycle.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from _quantplug.conformance.checks import Check, Failed, Session, Skipped
+from _quantplug.conformance.checks import Check, Failed, Skipped
 from _quantplug.conformance.faults import describe, guarded, user_interrupted
 from _quantplug.conformance.report import FAIL, PASS, SKIP, CaseResult, CheckResult, ConformanceReport
+
+if TYPE_CHECKING:
+    from _quantplug.conformance.checks.session import Session
 
 Event = dict[str, Any]
 

@@ -4,9 +4,9 @@ installed backend and reports each step to the parent (``isolated``) as one JSON
 The request (backend, options, checks, cases already run, timeout) comes on stdin. The events
 go to a private copy of stdout: whatever the plugin prints lands on stderr, so it cannot corrupt
 them. Besides the per-check timeout (``faults.guarded``), ``faulthandler`` ends this process,
-with every thread's stack on stderr, when a step outlives the timeout by :data:`GRACE_S` (a hook
-blocked in native code, which no Python-level interrupt reaches); the parent then reports that
-check as hung and starts a new process for the rest.
+with every thread's stack on stderr, when a step outlives the timeout by its grace (:func:`grace`:
+a hook blocked in native code, which no Python-level interrupt reaches); the parent then reports
+that check as hung and starts a new process for the rest.
 """
 
 from __future__ import annotations
@@ -18,8 +18,18 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-#: what a step may take beyond the timeout before this process ends itself
+#: what a step may take beyond the timeout before this process ends itself, at most (and what
+#: starting up may take beyond it: importing torch, the checks and the plugin)
 GRACE_S = 15.0
+
+
+def grace(timeout: float) -> float:
+    """How long past ``timeout`` a check's interrupt (``faults.guarded``) may take to land before
+    the process ends itself: :data:`GRACE_S`, but no longer than the timeout itself. An
+    interrupt lands within the next Python bytecode; what outlasts it is blocked in native code
+    and will not return, so a user who asked for a short timeout (``--timeout 5``) hears of a
+    blocked hook after twice that, not after the timeout and 15 s more."""
+    return min(GRACE_S, timeout)
 
 
 def main() -> int:
@@ -33,7 +43,8 @@ def main() -> int:
     timeout = float(request["timeout"])
 
     def emit(event: dict[str, Any]) -> None:
-        faulthandler.dump_traceback_later(timeout + GRACE_S, exit=True)  # the next step's deadline
+        after = GRACE_S if event["event"] == "started" else grace(timeout)  # the next step's deadline
+        faulthandler.dump_traceback_later(timeout + after, exit=True)
         events.write(json.dumps(event, default=str) + "\n")
 
     try:
@@ -44,12 +55,14 @@ def main() -> int:
 
 
 def _run(request: dict[str, Any], timeout: float, emit: Callable[[dict[str, Any]], None]) -> int:
-    from _quantplug.conformance.checks import CHECKS, Session
+    from _quantplug.conformance.checks import load
+    from _quantplug.conformance.checks.session import Session
     from _quantplug.conformance.faults import describe, guarded, user_interrupted
     from _quantplug.conformance.steps import run_steps
     from _quantplug.errors import BackendLoadError, QuantplugError
     from _quantplug.plugins.registry import load_backend
 
+    every_check = load()  # torch and the checks, on the start-up's deadline, not a check's
     name = request["backend"]
     try:
         with guarded(timeout):
@@ -72,7 +85,7 @@ def _run(request: dict[str, Any], timeout: float, emit: Callable[[dict[str, Any]
         return 0
     emit({"event": "loaded", "distribution": entry.distribution, "version": entry.version})
     wanted = set(request["checks"])
-    checks = [c for c in CHECKS if c.name in wanted]
+    checks = [c for c in every_check if c.name in wanted]
     done = {(check, case) for check, case in request["done"]}
     session = Session(name, request["options"])
     for event in run_steps(session, checks, timeout=timeout, done=done, list_only=request["list"]):

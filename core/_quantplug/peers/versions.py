@@ -90,11 +90,12 @@ PIECES: dict[str, PeerPiece] = {
         ),
         PeerPiece(
             "onnx_translate",
-            {"torch": ("2.13.",)},
+            {"torch": ("2.13.",), "onnxscript": ("0.7.",)},
             "replaces",
             "speed: torch.onnx.export re-traces the program, and onnxscript's optimizer is quadratic "
             "in the graph and folds the Q/DQ nodes away; the exporter's own translation passes run "
-            "only where they change something",
+            "only where they change something, and its registry of torchlib's functions is built "
+            "without compiling each function's IR (a second of every lowering process)",
             ("tests/lowering/test_fast_paths.py", "tests/core/test_peers.py"),
         ),
         PeerPiece(

@@ -5,50 +5,117 @@ Each check is a function of a :class:`Session` (one backend, its options and pro
 :class:`Failed` or :class:`Skipped` otherwise, so the command line, the pytest plugin and tests
 run exactly the same code. Checks needing a capability the backend declares unsupported are
 skipped with the backend's reason (``runner.run_case``).
+
+The table names each check's function by module: reading it (the command's own process, which
+runs an installed backend in the kit's process) imports neither torch nor the checks; :func:`load`
+imports them all, where they run, before the first check's clock starts.
 """
 
 from __future__ import annotations
 
-from _quantplug.conformance.checks.discovery import check_listed, check_options
-from _quantplug.conformance.checks.flow import (
-    check_deterministic,
-    check_integer_weights,
-    check_lowering,
-    check_no_leak,
-    check_untouched,
-)
-from _quantplug.conformance.checks.ops import check_op, op_cases
-from _quantplug.conformance.checks.session import Check, Failed, Session, Skipped
-from _quantplug.conformance.checks.sharing import check_sharing
-from _quantplug.conformance.checks.validation import check_validation
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from _quantplug.conformance.checks.base import Check, Failed, Skipped
+
+if TYPE_CHECKING:
+    from _quantplug.conformance.checks.ops import check_op
+    from _quantplug.conformance.checks.session import Session
+    from _quantplug.conformance.checks.validation import check_validation
+
+#: the modules of the checks, imported by :func:`load`
+MODULES = ("discovery", "flow", "ops", "session", "sharing", "validation")
+
+
+def _function(module: str, name: str) -> Callable[..., Any]:
+    """``module.name`` of this package, imported when first called."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def load() -> tuple[Check, ...]:
+    """:data:`CHECKS`, with every check's module imported (torch, quantplug's flow): where the
+    checks run, so that no check's timeout pays for the imports."""
+    for module in MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+    return CHECKS
+
 
 CHECKS: tuple[Check, ...] = (
-    Check("listed", "listed without importing the plugin; rules load lazily", check_listed),
-    Check("options", "options resolved or rejected with OptionError", check_options),
     Check(
-        "ops", "every claimed op is annotated on a real graph, above the SQNR floor", check_op, cases=op_cases
+        "listed",
+        "listed without importing the plugin; rules load lazily",
+        _function("discovery", "check_listed"),
     ),
-    Check("sharing", "observer groups are consistent", check_sharing),
+    Check(
+        "options", "options resolved or rejected with OptionError", _function("discovery", "check_options")
+    ),
+    Check(
+        "ops",
+        "every claimed op is annotated on a real graph, above the SQNR floor",
+        _function("ops", "check_op"),
+        cases=_function("ops", "op_cases"),
+    ),
+    Check("sharing", "observer groups are consistent", _function("sharing", "check_sharing")),
     Check(
         "validation",
         "a config the hardware cannot run is reported",
-        check_validation,
+        _function("validation", "check_validation"),
         requires=("constraints",),
     ),
     Check(
         "untouched",
         "the caller's program, model and process-wide state are never modified",
-        check_untouched,
+        _function("flow", "check_untouched"),
     ),
     Check(
         "integer-weights",
         "convert stores weights as integers",
-        check_integer_weights,
+        _function("flow", "check_integer_weights"),
         requires=("integer_weights",),
     ),
-    Check("lowering", "lower() and save() write the declared files", check_lowering, requires=("lowering",)),
-    Check("deterministic", "two runs give identical encodings, outputs and files", check_deterministic),
-    Check("no-leak", "no model is kept alive by the backend", check_no_leak),
+    Check(
+        "lowering",
+        "lower() and save() write the declared files",
+        _function("flow", "check_lowering"),
+        requires=("lowering",),
+    ),
+    Check(
+        "deterministic",
+        "two runs give identical encodings, outputs and files",
+        _function("flow", "check_deterministic"),
+    ),
+    Check("no-leak", "no model is kept alive by the backend", _function("flow", "check_no_leak")),
 )
 
-__all__ = ["CHECKS", "Check", "Failed", "Session", "Skipped", "check_op", "check_validation"]
+#: names read from the modules of the checks when first asked for (every name this package
+#: imported from them in 0.1.0)
+_LAZY = {
+    "Session": "session",
+    "check_listed": "discovery",
+    "check_options": "discovery",
+    "check_deterministic": "flow",
+    "check_integer_weights": "flow",
+    "check_lowering": "flow",
+    "check_no_leak": "flow",
+    "check_untouched": "flow",
+    "check_op": "ops",
+    "op_cases": "ops",
+    "check_sharing": "sharing",
+    "check_validation": "validation",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+__all__ = ["CHECKS", "Check", "Failed", "Session", "Skipped", "check_op", "check_validation", "load"]

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 import quantplug
-from _quantplug.conformance.checks.session import Failed, Session, in_fresh_interpreter
+from _quantplug.conformance.checks.session import FRESH_PROBE, Failed, Session
 from _quantplug.errors import OptionError
 from _quantplug.plugins.contract import OPTION_TYPES, BackendInfo, BackendOption
 from _quantplug.plugins.registry import load_backend
@@ -24,7 +24,7 @@ def check_listed(session: Session, case: str) -> str:
             f"list_backends() shows {session.name!r} with status {entry.status!r}: {entry.error or ''}"
         )
     if entry.source == "entry-point":
-        found = _probe(session.name)
+        found = session.as_installed()
         problems = []
         if not found["listed"]:
             problems.append("not listed in a fresh interpreter")
@@ -61,34 +61,9 @@ def check_listed(session: Session, case: str) -> str:
     return "listed (in-process); get_quantizer() imports no rules module"
 
 
-PROBE = """
-import json, sys
-import quantplug
-from importlib import metadata
-name = sys.argv[1]
-base = set(sys.modules)
-entries = {e.name: e for e in quantplug.list_backends()}
-listed = set(sys.modules) - base
-entry = entries.get(name)
-top = entry.module.split(".")[0] if entry else None
-imported_by_listing = sorted(m for m in listed if top and (m == top or m.startswith(top + ".")))
-others = {e.module for e in entries.values() if e.name != name and e.source == "entry-point"}
-extensions = metadata.entry_points(group="quantplug.extensions")
-others |= {ep.value for ep in extensions if ep.name not in (name, "*")}
-before = set(sys.modules)
-q = quantplug.get_quantizer(name)
-new = set(sys.modules) - before
-print(json.dumps({
-    "listed": entry is not None,
-    "imported_by_listing": imported_by_listing,
-    "rules_imported": sorted(m.module for m in q.rules.modules if m.module in new),
-    "others_imported": sorted(m for m in others if m in new),
-}))
-"""
-
-
-def _probe(name: str) -> dict[str, Any]:
-    return dict(in_fresh_interpreter(PROBE, name))
+#: 0.1.0's name of the fresh interpreter's script (now shared with ``untouched``: it also reports
+#: the process-wide state importing the plugin changes)
+PROBE = FRESH_PROBE
 
 
 def check_options(session: Session, case: str) -> str:

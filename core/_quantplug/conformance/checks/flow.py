@@ -26,7 +26,6 @@ from _quantplug.conformance.checks.session import (
     Session,
     Skipped,
     has_writer,
-    in_fresh_interpreter,
     options_label,
     run_e2e,
 )
@@ -103,7 +102,7 @@ def check_untouched(session: Session, case: str) -> str:
         )
     entry = session.entry
     if entry is not None and entry.source == "entry-point":
-        on_import = in_fresh_interpreter(_STATE_PROBE, session.name)
+        on_import = session.as_installed()["state_changed"]
         if on_import:
             problems.append(
                 "importing the plugin (get_quantizer in a fresh interpreter) changed process-wide state: "
@@ -116,17 +115,6 @@ def check_untouched(session: Session, case: str) -> str:
         "defaults, threads and flags, environment, working folder) are unchanged by importing the "
         "plugin, prepare, calibration, convert and lower"
     )
-
-
-#: process-wide state before and after a fresh interpreter imports the plugin (get_quantizer)
-_STATE_PROBE = """
-import json, sys
-import quantplug
-from _quantplug.conformance import process_state
-before = process_state.snapshot()
-quantplug.get_quantizer(sys.argv[1])
-print(json.dumps(process_state.changes(before, process_state.snapshot())))
-"""
 
 
 WEIGHTED = {

@@ -17,6 +17,9 @@ from torch import nn
 from torch.fx import GraphModule
 
 import quantplug
+from _quantplug.conformance.checks.base import Check as Check  # the checks read them here
+from _quantplug.conformance.checks.base import Failed as Failed
+from _quantplug.conformance.checks.base import Skipped as Skipped
 from _quantplug.conformance.profile import ConformanceProfile
 from _quantplug.conformance.samples import Sample, module_sample, sample_for
 from _quantplug.plugins.registry import BackendEntry, list_backends, load_backend
@@ -27,28 +30,6 @@ CALIBRATION_BATCHES = 4
 FRESH_TIMEOUT_S = 300
 
 
-class Failed(Exception):
-    """The backend does not do what the check verifies; the message says what and where."""
-
-
-class Skipped(Exception):
-    """The check does not apply (a capability the backend declares unsupported, say)."""
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check: its name, what it verifies, the capabilities it needs, how to run a case."""
-
-    name: str
-    title: str
-    run: Callable[[Session, str], str]
-    requires: tuple[str, ...] = ()
-    cases: Callable[[Session], list[str]] | None = None
-
-    def case_ids(self, session: Session) -> list[str]:
-        return self.cases(session) if self.cases is not None else [""]
-
-
 @dataclass
 class Session:
     """A backend under test. ``options`` are applied to every quantizer the kit builds."""
@@ -57,6 +38,7 @@ class Session:
     options: Mapping[str, Any] = field(default_factory=dict)
     _profile: ConformanceProfile | None = None
     _programs: dict[str, Any] = field(default_factory=dict)
+    _fresh: dict[str, Any] | Failed | None = None
 
     def quantizer(self, extra: Mapping[str, Any] | None = None, **more: Any) -> Quantizer:
         return quantplug.get_quantizer(self.name, **{**self.options, **(extra or {}), **more})
@@ -76,6 +58,19 @@ class Session:
                 )
             self._profile = found or ConformanceProfile()
         return self._profile
+
+    def as_installed(self) -> dict[str, Any]:
+        """What a fresh interpreter sees of the backend as installed (:data:`FRESH_PROBE`), for
+        ``listed`` and ``untouched``: one interpreter for both, as each start imports torch and
+        the plugin (seconds). A failure to load is the answer of both checks."""
+        if self._fresh is None:
+            try:
+                self._fresh = dict(in_fresh_interpreter(FRESH_PROBE, self.name))
+            except Failed as exc:
+                self._fresh = exc
+        if isinstance(self._fresh, Failed):
+            raise Failed(str(self._fresh))
+        return self._fresh
 
     def option_sets(self) -> list[dict[str, Any]]:
         return [dict(o) for o in self.profile.option_sets]
@@ -120,6 +115,38 @@ def in_fresh_interpreter(script: str, *args: str) -> Any:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise Failed(f"a fresh interpreter could not load it: {tail}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+#: in a fresh interpreter, the backend named by argv[1] as installed: listed without importing
+#: it? What get_quantizer() imports (rules modules, other backends), and the process-wide state
+#: it changes (``process_state``, read after listing and before get_quantizer imports the plugin)
+FRESH_PROBE = """
+import json, sys
+import quantplug
+from importlib import metadata
+name = sys.argv[1]
+base = set(sys.modules)
+entries = {e.name: e for e in quantplug.list_backends()}
+listed = set(sys.modules) - base
+entry = entries.get(name)
+top = entry.module.split(".")[0] if entry else None
+imported_by_listing = sorted(m for m in listed if top and (m == top or m.startswith(top + ".")))
+others = {e.module for e in entries.values() if e.name != name and e.source == "entry-point"}
+extensions = metadata.entry_points(group="quantplug.extensions")
+others |= {ep.value for ep in extensions if ep.name not in (name, "*")}
+from _quantplug.conformance import process_state
+state = process_state.snapshot()
+before = set(sys.modules)
+q = quantplug.get_quantizer(name)
+new = set(sys.modules) - before
+print(json.dumps({
+    "listed": entry is not None,
+    "imported_by_listing": imported_by_listing,
+    "rules_imported": sorted(m.module for m in q.rules.modules if m.module in new),
+    "others_imported": sorted(m for m in others if m in new),
+    "state_changed": process_state.changes(state, process_state.snapshot()),
+}))
+"""
 
 
 def case_options(session: Session, case: str) -> tuple[str, dict[str, Any]]:
