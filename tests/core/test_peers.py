@@ -322,3 +322,37 @@ def test_the_namespace_names_as_torchs(calls: list[tuple[str, int]]) -> None:
     for candidate, which in calls:
         obj = _OBJECTS[which]
         assert ours.create_name(candidate, obj) == theirs.create_name(candidate, obj), (candidate, obj)
+
+
+def test_saving_a_program_checks_its_canonical_form_on_a_pickled_copy_and_writes_the_same_file(
+    unverified: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("onnxruntime")
+    import copy
+
+    from torch._export.serde import serialize
+
+    from _quantplug.peers import torch_export_save
+
+    program = torch.export.export(_net(), (_inputs()[0],))
+    quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
+    prepared = quantplug.prepare(program, quantizer)
+    for x in _inputs():
+        prepared(x)
+    artifact = quantplug.lower(quantplug.convert(prepared), quantizer)
+    copies: list[Any] = []
+    pickled = torch_export_save._copy
+
+    def counted(obj: Any, memo: Any = None) -> Any:
+        copies.append(obj)
+        return pickled(obj, memo)
+
+    monkeypatch.setattr(torch_export_save, "_copy", counted)
+    artifact.save(tmp_path / "fast")
+    assert len(copies) == 1 and type(copies[0]).__name__ == "ExportedProgram"  # the check's copy
+    assert serialize.copy is copy  # torch's own again
+    unverified("torch_export_save")
+    artifact.save(tmp_path / "plain")
+    assert len(copies) == 1  # torch's deepcopy ran
+    fast, plain = ((tmp_path / d / "model.pt2").read_bytes() for d in ("fast", "plain"))
+    assert fast == plain and len(fast) > 1000

@@ -216,14 +216,47 @@ def peer_options(backend: str, preset: str) -> Options:
 
 
 @functools.cache
+def _peer_input(name: str, qnn: bool) -> GraphModule:
+    """What ``prepare_pt2e`` makes of the model before it asks the quantizer to annotate, up to
+    what no preset changes: the program as a module with torchao's conv/linear-batch-norm
+    fusion and, for QnnQuantizer (``qnn``), its ``transform_for_annotation``, which depends on
+    the SoC only. Made once per model (the transform re-traces the graph: a third of the peer's
+    flow); each flow prepares a copy, on which ``prepare_pt2e``'s own fusion finds nothing."""
+    from torchao.quantization.pt2e.utils import _fuse_conv_bn_, _fuse_linear_bn_
+
+    with quiet():
+        if qnn:
+            model = copy.deepcopy(_peer_input(name, False))
+            return executorch_qnn_quantizer("8a8w").transform_for_annotation(model)  # type: ignore[no-any-return]
+        model = float_case(name).program.module()
+        _fuse_conv_bn_(model)
+        _fuse_linear_bn_(model)
+        return model  # type: ignore[no-any-return]
+
+
+def torchao_prepared(name: str, backend: str, preset: str) -> GraphModule:
+    """torchao's ``prepare_pt2e`` with the peer quantizer, on a copy of the model's
+    :func:`_peer_input` (the quantizer's own transform has nothing left to do there)."""
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    peer = PEERS[(backend, preset)]
+    qnn = peer.factory is executorch_qnn_quantizer
+    model = copy.deepcopy(_peer_input(name, qnn))
+    quantizer = peer.factory(preset)
+    if qnn:  # applied to the shared input already
+        quantizer.transform_for_annotation = lambda m: m
+    with quiet():
+        return prepare_pt2e(model, quantizer)  # type: ignore[no-any-return]
+
+
+@functools.cache
 def torchao_converted(name: str, backend: str, preset: str) -> GraphModule:
     """The peer's program: torchao's prepare_pt2e/convert_pt2e with the peer quantizer."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-    case = float_case(name)
+    prepared = torchao_prepared(name, backend, preset)
     with quiet():
-        prepared = prepare_pt2e(case.program.module(), PEERS[(backend, preset)].factory(preset))
-        run(prepared, case.calibration)
+        run(prepared, float_case(name).calibration)
         return convert_pt2e(prepared)  # type: ignore[no-any-return]
 
 
@@ -241,11 +274,10 @@ def redrawn_sqnrs(name: str, backend: str, preset: str, draws: int) -> list[tupl
     One draw of two calibration batches decides the peer comparison of most models, but on a deep
     random network a range that differs by a few tenths of a percent moves the SQNR by a dB either
     way, so a single draw below the margin is judged again on the mean over these draws."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     case = float_case(name)
     zoo = MODELS[name]
-    peer = PEERS[(backend, preset)]
     pairs: list[tuple[float, float]] = []
     for draw in range(draws):
         gen = torch.Generator().manual_seed(REDRAW_SEED + draw)
@@ -258,7 +290,7 @@ def redrawn_sqnrs(name: str, backend: str, preset: str, draws: int) -> list[tupl
             )
             run(prepared, calibration)
             ours = sqnr(reference, run(quantplug.convert(prepared), held_out))
-            theirs_prepared = prepare_pt2e(case.program.module(), peer.factory(preset))
+            theirs_prepared = torchao_prepared(name, backend, preset)
             run(theirs_prepared, calibration)
             theirs = sqnr(reference, run(convert_pt2e(theirs_prepared), held_out))
         pairs.append((ours, theirs))
@@ -277,5 +309,13 @@ def foreign_converted(name: str) -> GraphModule:
 
 def forget() -> None:
     """Drop every cached result (the zoo fixture calls it when pytest moves to the next model)."""
-    for cached in (float_case, quantized, torchao_converted, peer_sqnr, redrawn_sqnrs, foreign_converted):
+    for cached in (
+        float_case,
+        quantized,
+        _peer_input,
+        torchao_converted,
+        peer_sqnr,
+        redrawn_sqnrs,
+        foreign_converted,
+    ):
         cached.cache_clear()

@@ -11,6 +11,7 @@ from typing import Any
 
 from _quantplug.errors import LoweringError
 from _quantplug.files import FileContent, write_atomic
+from _quantplug.peers.torch_export_save import saving
 
 #: files checked to be strict JSON before anything is written (encodings must never hold NaN)
 JSON_SUFFIXES = (".json", ".encodings")
@@ -36,7 +37,8 @@ class Artifact:
         one (a non-finite encoding) is refused before anything is written. Each file is written
         to a fresh temporary name created exclusively and renamed over its final name (see
         :func:`_quantplug.files.write_atomic`): an error leaves no half-written file, and no
-        symbolic link planted in ``directory`` is followed.
+        symbolic link planted in ``directory`` is followed. A writer's ``torch.export.save``
+        (``model.pt2``) skips most of torch's slow copy (:mod:`_quantplug.peers.torch_export_save`).
         """
         out = Path(directory)
         try:
@@ -53,10 +55,11 @@ class Artifact:
                 _check_strict_json(name, content, self.backend)
         out.mkdir(parents=True, exist_ok=True)
         written: list[Path] = []
-        for name, content in contents.items():
-            final = out / name
-            final.parent.mkdir(parents=True, exist_ok=True)
-            written += write_atomic(final, content)
+        with saving():
+            for name, content in contents.items():
+                final = out / name
+                final.parent.mkdir(parents=True, exist_ok=True)
+                written += write_atomic(final, content)
         return written
 
 

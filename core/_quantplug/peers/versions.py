@@ -89,6 +89,15 @@ PIECES: dict[str, PeerPiece] = {
             ("tests/core/test_rewrite_pipeline.py", "tests/core/test_peers.py"),
         ),
         PeerPiece(
+            "torch_export_save",
+            {"torch": ("2.13.",)},
+            "replaces",
+            "speed: torch.export.save checks the canonical form of the serialized program on a "
+            "copy.deepcopy of it (three quarters of saving a converted program) and discards the "
+            "result; a pickle round trip makes an equal copy in C, and the file is the same",
+            ("tests/core/test_peers.py",),
+        ),
+        PeerPiece(
             "onnx_translate",
             {"torch": ("2.13.",), "onnxscript": ("0.7.",)},
             "replaces",
