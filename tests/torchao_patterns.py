@@ -86,8 +86,8 @@ def install() -> None:
         modules = [importlib.import_module(name) for name in CALLERS]
     except ImportError:
         return
-    original = modules[0]._get_aten_graph_module_for_pattern
-    if hasattr(original, "__wrapped__"):
+    original = getattr(modules[0], "_get_aten_graph_module_for_pattern", None)
+    if original is None or hasattr(original, "__wrapped__"):  # another torchao, or installed
         return
     cached = _cached(original)
     for module in modules:
