@@ -5,6 +5,7 @@ narrowed ranges), for every preset of both backends."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections import Counter
@@ -219,13 +220,21 @@ def _transformers_model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor,
     return Hidden().eval(), (ids,)
 
 
+@functools.cache
+def _transformers_program(name: str) -> tuple[torch.export.ExportedProgram, tuple[torch.Tensor, ...]]:
+    """Built and exported once for both backends; :func:`test_transformers_models_lower_exactly`
+    quantizes a copy."""
+    model, args = _transformers_model(name)
+    return torch.export.export(model, args), args
+
+
 @pytest.mark.parametrize("backend,options", [("reference", {}), ("qnn_htp", {"precision": "16a8w"})])
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_transformers_models_lower_exactly(name: str, backend: str, options: dict[str, Any]) -> None:
     from _quantplug.lowering.onnx.export import export_qdq_onnx
 
-    model, args = _transformers_model(name)
-    quantizer, program = quantize(torch.export.export(model, args), backend, options, [args])
+    program, args = copy.deepcopy(_transformers_program(name))
+    quantizer, program = quantize(program, backend, options, [args])
     result = export_qdq_onnx(program)
     check_exact(program, result.model, result.encodings)
     artifact = quantplug.lower(program, quantizer)

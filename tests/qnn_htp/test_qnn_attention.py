@@ -14,6 +14,8 @@ grouped-query heads) before annotation. For each attention variant and precision
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 import warnings
@@ -79,6 +81,19 @@ def _model(name: str) -> nn.Module:
 def _export(model: nn.Module, example: Inputs) -> torch.export.ExportedProgram:
     with torch.no_grad():  # HF models: no set_grad_enabled regions in the graph
         return torch.export.export(model, example)
+
+
+@functools.cache
+def _built(name: str) -> tuple[nn.Module, torch.export.ExportedProgram]:
+    """The model and its program, built and exported once per case name (for the 4 precision x
+    observer parametrizations); use :func:`_model_and_program`, which hands out copies."""
+    model = _model(name)
+    return model, _export(model, _data(name, 1)[0])
+
+
+def _model_and_program(name: str) -> tuple[nn.Module, torch.export.ExportedProgram]:
+    """Copies of the shared model and program: nothing a test does reaches the next test's."""
+    return copy.deepcopy(_built(name))
 
 
 def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -166,10 +181,9 @@ TOLERANCE_DB = {"moving_average": 0.2, "minmax": 0.1}
 @pytest.mark.parametrize("precision", ["8a8w", "16a8w"])
 @pytest.mark.parametrize("name", _params(marked=True))
 def test_every_tensor_encoded_and_as_accurate_as_executorch(name: str, precision: str, observer: str) -> None:
-    model = _model(name)
+    model, ep = _model_and_program(name)
     data = _data(name, 9)
     calibration, held_out = data[:8], data[8]
-    ep = _export(model, calibration[0])
     quantizer = quantplug.get_quantizer(
         "qnn_htp",
         soc_model="SM8650",
