@@ -70,3 +70,17 @@ def test_mypy(mypy_run: subprocess.CompletedProcess[str], where: str, package: s
     # a failure no package's file explains (a crash, a bad option) fails every package's test
     explained = any(_package_of(line) for line in lines)
     assert mypy_run.returncode == 0 or explained, f"mypy failed:\n{mypy_run.stdout}\n{mypy_run.stderr}"
+
+
+def test_mypy_reads_the_bodies_of_modules_that_have_stubs() -> None:
+    """A package check reads ``X.pyi`` where it sits beside ``X.py`` (the public fronts' generated
+    stubs), so a type error in the ``.py`` itself would go unreported; named as files, mypy
+    checks the ``.py``."""
+    shadowed: dict[str, list[str]] = {}
+    for where, package in PACKAGES:
+        for path in sorted((ROOT / where / package).rglob("*.py")):
+            if path.with_suffix(".pyi").exists():
+                shadowed.setdefault(where, []).append(str(path.relative_to(ROOT / where)))
+    assert "quantplug/debug.py" in shadowed.get("core", [])  # else this test would check nothing
+    for where, files in shadowed.items():
+        _run(_tool("mypy"), "--config-file", str(ROOT / "pyproject.toml"), *files, cwd=ROOT / where)
