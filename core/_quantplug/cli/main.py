@@ -45,6 +45,7 @@ from _quantplug.cli.checks import (
 )
 from _quantplug.cli.console import Console, silence_stdout, stdout_reader_gone
 from _quantplug.cli.errors import InputError, Terminated
+from _quantplug.peers.torch_export_save import saving
 from _quantplug.plugins.api_version import PLUGIN_API_VERSION
 
 EXIT_OK = 0
@@ -591,7 +592,8 @@ def _quantize_into(
     try:
         exported = torch.export.export(quantized, example.args, dict(example.kwargs))
         _drop_pass_provenance(exported)
-        torch.export.save(exported, str(stage.path / "quantized.pt2"))
+        with saving():  # torch's canonical-form check on a pickled copy: the same file, faster
+            torch.export.save(exported, str(stage.path / "quantized.pt2"))
     except Exception as exc:
         if storage_cause(exc) is not None:
             raise  # a full disk stops the run (cmd_quantize names --out)
