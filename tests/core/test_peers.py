@@ -81,6 +81,16 @@ def _inputs(n: int = 3) -> list[torch.Tensor]:
     return [torch.randn(2, 3, 12, 12, generator=g) for _ in range(n)]
 
 
+def _reference_quantized() -> tuple[torch.fx.GraphModule, Any]:
+    """The small net exported, prepared with ``reference`` (min/max), calibrated and converted."""
+    program = torch.export.export(_net(), (_inputs()[0],))
+    quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
+    prepared = quantplug.prepare(program, quantizer)
+    for x in _inputs():
+        prepared(x)
+    return quantplug.convert(prepared), quantizer
+
+
 def _x86_quantized() -> torch.fx.GraphModule:
     pytest.importorskip("torchao.quantization.pt2e")
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
@@ -137,12 +147,7 @@ def test_an_unverified_torchao_keeps_its_own_observer_classes(unverified: Any) -
 
 def test_the_public_onnx_exporter_runs_where_its_internals_are_unverified(unverified: Any) -> None:
     pytest.importorskip("onnxruntime")
-    program = torch.export.export(_net(), (_inputs()[0],))
-    quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
-    prepared = quantplug.prepare(program, quantizer)
-    for x in _inputs():
-        prepared(x)
-    quantized = quantplug.convert(prepared)
+    quantized, quantizer = _reference_quantized()
     fast = quantplug.lower(quantized, quantizer)
     unverified("onnx_translate")
     assert onnx_translate._internals() is None
@@ -334,12 +339,7 @@ def test_saving_a_program_checks_its_canonical_form_on_a_pickled_copy_and_writes
 
     from _quantplug.peers import torch_export_save
 
-    program = torch.export.export(_net(), (_inputs()[0],))
-    quantizer = quantplug.get_quantizer("reference", activation_observer="minmax")
-    prepared = quantplug.prepare(program, quantizer)
-    for x in _inputs():
-        prepared(x)
-    artifact = quantplug.lower(quantplug.convert(prepared), quantizer)
+    artifact = quantplug.lower(*_reference_quantized())
     copies: list[Any] = []
     pickled = torch_export_save._copy
 

@@ -24,15 +24,12 @@ if TYPE_CHECKING:
     from _quantplug.conformance.checks.session import Session
     from _quantplug.conformance.checks.validation import check_validation
 
-#: the modules of the checks, imported by :func:`load`
-MODULES = ("discovery", "flow", "ops", "session", "sharing", "validation")
 
-
-def _function(module: str, name: str) -> Callable[..., Any]:
-    """``module.name`` of this package, imported when first called."""
+def _function(name: str) -> Callable[..., Any]:
+    """The function ``name`` of this package's modules (:data:`_LAZY`), imported when first called."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module(f"{__name__}.{module}"), name)(*args, **kwargs)
+        return __getattr__(name)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
     return call
@@ -41,7 +38,7 @@ def _function(module: str, name: str) -> Callable[..., Any]:
 def load() -> tuple[Check, ...]:
     """:data:`CHECKS`, with every check's module imported (torch, quantplug's flow): where the
     checks run, so that no check's timeout pays for the imports."""
-    for module in MODULES:
+    for module in sorted(set(_LAZY.values())):
         importlib.import_module(f"{__name__}.{module}")
     return CHECKS
 
@@ -50,47 +47,45 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "listed",
         "listed without importing the plugin; rules load lazily",
-        _function("discovery", "check_listed"),
+        _function("check_listed"),
     ),
-    Check(
-        "options", "options resolved or rejected with OptionError", _function("discovery", "check_options")
-    ),
+    Check("options", "options resolved or rejected with OptionError", _function("check_options")),
     Check(
         "ops",
         "every claimed op is annotated on a real graph, above the SQNR floor",
-        _function("ops", "check_op"),
-        cases=_function("ops", "op_cases"),
+        _function("check_op"),
+        cases=_function("op_cases"),
     ),
-    Check("sharing", "observer groups are consistent", _function("sharing", "check_sharing")),
+    Check("sharing", "observer groups are consistent", _function("check_sharing")),
     Check(
         "validation",
         "a config the hardware cannot run is reported",
-        _function("validation", "check_validation"),
+        _function("check_validation"),
         requires=("constraints",),
     ),
     Check(
         "untouched",
         "the caller's program, model and process-wide state are never modified",
-        _function("flow", "check_untouched"),
+        _function("check_untouched"),
     ),
     Check(
         "integer-weights",
         "convert stores weights as integers",
-        _function("flow", "check_integer_weights"),
+        _function("check_integer_weights"),
         requires=("integer_weights",),
     ),
     Check(
         "lowering",
         "lower() and save() write the declared files",
-        _function("flow", "check_lowering"),
+        _function("check_lowering"),
         requires=("lowering",),
     ),
     Check(
         "deterministic",
         "two runs give identical encodings, outputs and files",
-        _function("flow", "check_deterministic"),
+        _function("check_deterministic"),
     ),
-    Check("no-leak", "no model is kept alive by the backend", _function("flow", "check_no_leak")),
+    Check("no-leak", "no model is kept alive by the backend", _function("check_no_leak")),
 )
 
 #: names read from the modules of the checks when first asked for (every name this package
