@@ -252,6 +252,7 @@ def paused_gc() -> Iterator[None]:
 
 
 _LIFTED_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+_NON_WORD = re.compile(r"\W")
 
 
 def _simple_program(ep: torch.export.ExportedProgram) -> bool:
@@ -433,7 +434,8 @@ class AttrNamer:
     def __call__(self, prefix: str) -> str:
         # an identifier: generated code (and torch.export's lifted inputs) names arguments after
         # attributes, and module paths may hold any character (torchvision's RegNet: "block1-0")
-        prefix = re.sub(r"\W", "_", prefix)
+        if not (prefix.isascii() and prefix.isidentifier()):  # an ASCII identifier has no \W
+            prefix = _NON_WORD.sub("_", prefix)
         i = self._counters.get(prefix, 0)
         while True:
             name = f"{prefix}{i}"

@@ -162,6 +162,7 @@ def _generate(codegen: Any, nodes: list[Node], root_module: str) -> Any:
     call_globals: dict[int, tuple[Any, str]] = {}  # a call's target -> its global name, once added
     plain = {cls for cls in _PLAIN if not fx_graph.is_opaque_value_type(cls)}
     names: dict[Node, str] = {}
+    names_get = names.get  # a node's name once given (never empty)
     format_target = fx_graph._format_target
     magic_methods = fx_graph.magic_methods
     inplace_methods = fx_graph.inplace_methods
@@ -204,7 +205,7 @@ def _generate(codegen: Any, nodes: list[Node], root_module: str) -> Any:
     def get_repr(arg: Any) -> str:  # _gen_python_code's _get_repr, colours off
         cls = type(arg)
         if cls is Node:
-            return name_of(arg)
+            return names_get(arg) or name_of(arg)
         if cls in plain:
             return repr(arg)
         if isinstance(arg, Node):
@@ -236,7 +237,11 @@ def _generate(codegen: Any, nodes: list[Node], root_module: str) -> Any:
         raise _Unknown
 
     def format_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        res = [get_repr(a) for a in args]
+        # get_repr, its commonest cases inline: a node already named, a plain constant
+        res = [
+            (names_get(a) or get_repr(a)) if type(a) is Node else repr(a) if type(a) in plain else get_repr(a)
+            for a in args
+        ]
         if kwargs:
             res.extend([f"{k} = {get_repr(v)}" for k, v in kwargs.items()])
         return ", ".join(res)
