@@ -464,6 +464,122 @@ def test_start_is_the_first_batch_torch_would_count(
     assert torch.equal(histogram, again) and int(num_batches) == 6
 
 
+#: where the native step's range comes from: the values' own extremes (every value in range),
+#: wider (an observer whose range grew), or narrower (declined: nothing written)
+RANGES = st.sampled_from(["own", "wider", "narrower"])
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(FLOAT32, FLOAT32, FLOAT32, EDGE_VALUES), min_size=1, max_size=90),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(0, 5),
+    st.sampled_from([2048, 300, 16, 7, 1]),
+    RANGES,
+    st.none() | st.integers(0, 300),
+    st.booleans(),
+)
+@example(values=[1.0, 2.0] * 20, repeat=1, rows=2, gap=3, bins=16, source="own", nan_at=None, avx2=True)
+@example(values=[1.0, 2.0] * 20, repeat=1, rows=1, gap=0, bins=16, source="own", nan_at=0, avx2=True)
+@example(values=[1.0, 2.0] * 20, repeat=1, rows=2, gap=1, bins=300, source="own", nan_at=39, avx2=False)
+def test_observe_is_torch_histc_added_or_declined(
+    values: list[float],
+    repeat: int,
+    rows: int,
+    gap: int,
+    bins: int,
+    source: str,
+    nan_at: int | None,
+    avx2: bool,
+) -> None:
+    """The native step of a batch within the range, on its AVX2 (one pass: binning, counting and
+    min/max of 32 values at a time, then 8, then one) and scalar code, rows of values with NaN
+    between them: torch.histc's counts added to the histogram as torch's float32 add rounds
+    them and one batch more, or, with a value outside the range or a NaN, nothing written and
+    the values' extremes returned (NaN, NaN with a NaN)."""
+    from _quantplug.observers import _histogram_kernels as raw
+
+    n = len(values) * repeat
+    row = torch.tensor(values * repeat, dtype=torch.float32)
+    stride = n + gap
+    base = torch.full((rows * stride + 3,), math.nan)  # the gaps hold NaN: read, they would show
+    view = base[3:].as_strided((rows, n), (stride, 1))  # rows of n values, stride apart, unaligned
+    for r in range(rows):
+        view[r] = row * (r + 1) if math.isfinite(float(row.abs().max())) else row
+    if nan_at is not None:  # anywhere in a row: its 32-value part, its 8-value part or its last ones
+        view[nan_at % rows, nan_at % n] = math.nan
+    batch = view.clone()
+    finite = batch[torch.isfinite(batch)]  # the range is made of these
+    if finite.numel() == 0:
+        return
+    lo, hi = (float(v) for v in torch.aminmax(finite))
+    if source == "wider":
+        lo, hi = float(torch.tensor(lo - abs(lo) - 1.0)), float(torch.tensor(hi + abs(hi) * 0.5 + 1.0))
+    elif source == "narrower":
+        hi = float(torch.tensor(hi - abs(hi - lo) * 0.25)) if hi > lo else hi
+    binning = LinearBinning.make(bins, lo, hi)
+    if binning is None:
+        return
+    scale = 0.0 if binning.scale is None else float(binning.scale)
+    start = torch.floor(torch.rand(bins) * 1000) + 0.5  # added to as torch's float32 add does
+    buffers = (start.clone(), torch.tensor(lo), torch.tensor(hi), torch.tensor(5))
+    was = raw._use_avx2(avx2)
+    try:
+        operands = (lo, hi, scale, binning.divisor, bins)
+        found = raw.observe(view.data_ptr(), n, rows, stride, *operands, *(t.data_ptr() for t in buffers))
+    finally:
+        raw._use_avx2(was)
+    histogram, _, _, num_batches = buffers
+    low, high = (float(v) for v in torch.aminmax(batch))
+    if math.isnan(low) or not (lo <= low and high <= hi):
+        assert found is not None
+        assert (math.isnan(found[0]) and math.isnan(low)) or found == (low, high)
+        assert torch.equal(histogram, start) and int(num_batches) == 5
+        return
+    assert found is None
+    assert torch.equal(histogram, start + torch.histc(batch, bins, min=lo, max=hi))
+    assert int(num_batches) == 6
+
+
+@native
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(FLOAT32, min_size=1, max_size=90),
+    st.integers(1, 4),
+    st.sampled_from([2048, 300, 16, 7, 1]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_bin_counts_of_the_values_range_is_torch_histc(
+    values: list[float], repeat: int, bins: int, known: bool, avx2: bool
+) -> None:
+    """bin_counts over the values' own range (the bins between their extremes' only), on its
+    AVX2 (one pass) and scalar code: torch.histc's counts, set or added."""
+    from _quantplug.observers import _histogram_kernels as raw
+
+    x = torch.tensor(values * repeat, dtype=torch.float32)
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    binning = LinearBinning.make(bins, lo, hi)
+    if binning is None:
+        return
+    scale = 0.0 if binning.scale is None else float(binning.scale)
+    out = torch.full((bins,), -1.0)
+    extremes = (lo, hi) if known else ()
+    was = raw._use_avx2(avx2)
+    operands = (x.data_ptr(), x.numel(), lo, scale, binning.divisor, bins)
+    try:
+        raw.bin_counts(*operands, out.data_ptr(), False, *extremes)
+        added = torch.full((bins,), 3.0)
+        raw.bin_counts(*operands, added.data_ptr(), True, *extremes)
+    finally:
+        raw._use_avx2(was)
+    expected = torch.histc(x, bins, min=lo, max=hi)
+    assert torch.equal(out, expected)
+    assert torch.equal(added, expected + 3.0)
+
+
 @native
 def test_start_declines_what_it_cannot_read_and_rejects_bad_arguments() -> None:
     from _quantplug.observers import _histogram_kernels as raw
