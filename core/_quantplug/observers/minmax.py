@@ -55,22 +55,20 @@ def plain_extremes(x: torch.Tensor) -> tuple[float, float] | None:
     The same values as :func:`batch_extremes` (which this shortcuts: a range observer runs once
     per activation edge, hundreds of times per forward, and :func:`seen.probe`'s bookkeeping cost
     more than the pass over a decoder's activation): the same conditions for matching a batch
-    seen before (:func:`seen.probe`), the same kernel, the same zeros left unrecorded.
+    seen before (:func:`seen.probe`), the same kernel, the same zeros left unrecorded. A batch
+    :mod:`seen` may not match (one requiring grad under autograd, an inference tensor) is read
+    by the kernel too, neither recalled nor recorded, as :func:`batch_extremes` reads it.
     """
     native = kernels._native
-    if (
-        native is None
-        or type(x) is not torch.Tensor
-        or x.dtype is not _F32
-        or x.layout is not _STRIDED
-        or not seen.matchable(x)
-    ):
+    if native is None or type(x) is not torch.Tensor or x.dtype is not _F32 or x.layout is not _STRIDED:
         return None
     numel = x.numel()
     if not 0 < numel < kernels.MAX_ELEMENTS:
         return None
-    dense = ((1, numel),)
     contiguous = x.is_contiguous()
+    if not seen.matchable(x):
+        return _unmatched_extremes(native, x, numel, contiguous) if x.is_cpu else None
+    dense = ((1, numel),)
     layout = dense if contiguous else seen.layout(x)
     address = x.data_ptr()
     key = (address, numel, _F32, layout, x._version)
@@ -91,6 +89,22 @@ def plain_extremes(x: torch.Tensor) -> tuple[float, float] | None:
         return (lo, hi) if contiguous else None
     seen.keep_extremes(key, storage, (lo, hi))
     return lo, hi
+
+
+def _unmatched_extremes(
+    native: Any, x: torch.Tensor, numel: int, contiguous: bool
+) -> tuple[float, float] | None:
+    """:func:`plain_extremes` of a float32 CPU batch :mod:`seen` may not match: the kernel's pass
+    (a strided batch's values through a contiguous copy, as for a matchable one), nothing recalled
+    or recorded. :func:`batch_extremes` gives the same: a contiguous batch read by the same kernel
+    (zeros kept), any other by the kernel in memory order or by ``torch.aminmax``, whose extremes
+    are these but for the sign of a zero (left to :func:`batch_extremes`, as here) and NaN (both
+    NaN: then :mod:`nonfinite` scans the batch itself)."""
+    if contiguous:
+        return native.minmax(x.data_ptr(), numel)  # type: ignore[no-any-return]
+    values = x.detach().contiguous()  # detached: no autograd record of the copy; held while read
+    lo, hi = native.minmax(values.data_ptr(), numel)
+    return None if lo == 0.0 or hi == 0.0 else (lo, hi)
 
 
 def batch_extremes(
@@ -150,12 +164,29 @@ class MinMaxObserver(ObserverBase):
 
     def _record(self, lo: float, hi: float) -> None:
         """Take a batch with extremes ``lo``, ``hi`` into the statistics, and count it."""
-        views = scalar_views(self)
+        kept = _scalar_record(self)
+        views = kept[4]
         if views is None:
             self._update(lo, hi)
             # in place (``+=`` goes through Module.__setattr__), and buffers read from their dict
             # (attribute reads go through Module.__getattr__)
             self._buffers["num_batches"].add_(ONE)  # type: ignore[union-attr]
+            return
+        # the update and the count in one native call where it writes what _update_views writes
+        # (this class's or the moving average's, not a subclass's own), else through the views
+        update = type(self)._update_views
+        record = _record_range()
+        if record is not None and (update is _MINMAX_UPDATE or update is _AVERAGE_UPDATE):
+            low, high, count = kept[3]
+            record(
+                lo,
+                hi,
+                update is _AVERAGE_UPDATE,
+                self.__dict__.get("averaging_constant", 0.0),
+                low,
+                high,
+                count,
+            )
         else:
             self._update_views(views, lo, hi)
             views[2].value += 1
@@ -243,6 +274,19 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         merge_averages_(self, others)
 
 
+#: the updates :func:`_record_range` writes natively
+_MINMAX_UPDATE = MinMaxObserver._update_views
+_AVERAGE_UPDATE = MovingAverageMinMaxObserver._update_views
+
+
+def _record_range() -> Any:
+    """The native ``record_range`` (:meth:`MinMaxObserver._update_views` and
+    :meth:`MovingAverageMinMaxObserver._update_views`, then the count, in one call), or None where
+    the kernels are off or built from a source without it."""
+    native = kernels._native
+    return None if native is None else getattr(native, "record_range", None)
+
+
 #: views of a range observer's ``min_val``, ``max_val`` and ``num_batches`` (:func:`scalar_views`)
 ScalarViews = tuple[ctypes.c_float, ctypes.c_float, ctypes.c_int64]
 _I64 = torch.int64
@@ -262,6 +306,16 @@ def scalar_views(observer: Any) -> ScalarViews | None:
     moved by ``share_memory_`` or ``set_``, or copied: new views); the record holds the tensors,
     so their memory lives as long as the views.
     """
+    return _scalar_record(observer)[4]  # type: ignore[no-any-return]
+
+
+#: what :func:`_scalar_record` keeps: the three buffers, their addresses, and their views
+ScalarRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int], ScalarViews | None]
+
+
+def _scalar_record(observer: Any) -> ScalarRecord:
+    """:func:`scalar_views`' record of ``observer``'s buffers (made anew where one moved): the
+    native update (:func:`_record_range`) writes at the addresses it holds, where the views are."""
     buffers = observer._buffers
     low, high, count = buffers["min_val"], buffers["max_val"], buffers["num_batches"]
     kept = observer.__dict__.get(SCALAR_VIEWS)
@@ -272,7 +326,7 @@ def scalar_views(observer: Any) -> ScalarViews | None:
         and kept[2] is count
         and kept[3] == (low.data_ptr(), high.data_ptr(), count.data_ptr())
     ):
-        return kept[4]  # type: ignore[no-any-return]
+        return kept  # type: ignore[no-any-return]
     views = None
     if (
         type(low) is torch.Tensor
@@ -294,14 +348,9 @@ def scalar_views(observer: Any) -> ScalarViews | None:
             ctypes.c_float.from_address(high.data_ptr()),
             ctypes.c_int64.from_address(count.data_ptr()),
         )
-    observer.__dict__[SCALAR_VIEWS] = (
-        low,
-        high,
-        count,
-        (low.data_ptr(), high.data_ptr(), count.data_ptr()),
-        views,
-    )
-    return views
+    kept = (low, high, count, (low.data_ptr(), high.data_ptr(), count.data_ptr()), views)
+    observer.__dict__[SCALAR_VIEWS] = kept
+    return kept
 
 
 _FLOAT32 = struct.Struct("f")
