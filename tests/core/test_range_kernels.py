@@ -67,7 +67,7 @@ def _observer(kind: str, c: float, state: tuple[float, float, int]) -> nn.Module
 
 
 def _without_views(observer: Any) -> minmax.ScalarRecord:
-    return (observer.min_val, observer.max_val, observer.num_batches, (0, 0, 0), None)
+    return (observer.min_val, observer.max_val, observer.num_batches, (0, 0, 0), False, None)
 
 
 @pytest.mark.parametrize("simd", ["avx2", "scalar"])

@@ -165,8 +165,7 @@ class MinMaxObserver(ObserverBase):
     def _record(self, lo: float, hi: float) -> None:
         """Take a batch with extremes ``lo``, ``hi`` into the statistics, and count it."""
         kept = _scalar_record(self)
-        views = kept[4]
-        if views is None:
+        if not kept[4]:
             self._update(lo, hi)
             # in place (``+=`` goes through Module.__setattr__), and buffers read from their dict
             # (attribute reads go through Module.__getattr__)
@@ -178,18 +177,13 @@ class MinMaxObserver(ObserverBase):
         record = _record_range()
         if record is not None and (update is _MINMAX_UPDATE or update is _AVERAGE_UPDATE):
             low, high, count = kept[3]
-            record(
-                lo,
-                hi,
-                update is _AVERAGE_UPDATE,
-                self.__dict__.get("averaging_constant", 0.0),
-                low,
-                high,
-                count,
-            )
-        else:
-            self._update_views(views, lo, hi)
-            views[2].value += 1
+            average = update is _AVERAGE_UPDATE
+            record(lo, hi, average, self.__dict__.get("averaging_constant", 0.0), low, high, count)
+            return
+        views = scalar_views(self)
+        assert views is not None  # the buffers are plain (kept[4])
+        self._update_views(views, lo, hi)
+        views[2].value += 1
 
     def _update(self, lo: float, hi: float) -> None:
         buffers: Any = self._buffers
@@ -306,11 +300,24 @@ def scalar_views(observer: Any) -> ScalarViews | None:
     moved by ``share_memory_`` or ``set_``, or copied: new views); the record holds the tensors,
     so their memory lives as long as the views.
     """
-    return _scalar_record(observer)[4]  # type: ignore[no-any-return]
+    kept = _scalar_record(observer)
+    if not kept[4]:
+        return None
+    views = kept[5]
+    if views is None:  # made at the first use (the native update needs none)
+        low, high, count = kept[3]
+        views = (
+            ctypes.c_float.from_address(low),
+            ctypes.c_float.from_address(high),
+            ctypes.c_int64.from_address(count),
+        )
+        observer.__dict__[SCALAR_VIEWS] = (*kept[:5], views)
+    return views
 
 
-#: what :func:`_scalar_record` keeps: the three buffers, their addresses, and their views
-ScalarRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int], ScalarViews | None]
+#: what :func:`_scalar_record` keeps: the three buffers, their addresses, whether they are plain
+#: (:func:`scalar_views` holds), and their views once made
+ScalarRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int], bool, ScalarViews | None]
 
 
 def _scalar_record(observer: Any) -> ScalarRecord:
@@ -327,8 +334,7 @@ def _scalar_record(observer: Any) -> ScalarRecord:
         and kept[3] == (low.data_ptr(), high.data_ptr(), count.data_ptr())
     ):
         return kept  # type: ignore[no-any-return]
-    views = None
-    if (
+    plain = (
         type(low) is torch.Tensor
         and type(high) is torch.Tensor
         and type(count) is torch.Tensor
@@ -342,13 +348,8 @@ def _scalar_record(observer: Any) -> ScalarRecord:
         and not (low.requires_grad or high.requires_grad)
         # written only inside inference mode: torch's own writes say so
         and not (low.is_inference() or high.is_inference() or count.is_inference())
-    ):
-        views = (
-            ctypes.c_float.from_address(low.data_ptr()),
-            ctypes.c_float.from_address(high.data_ptr()),
-            ctypes.c_int64.from_address(count.data_ptr()),
-        )
-    kept = (low, high, count, (low.data_ptr(), high.data_ptr(), count.data_ptr()), views)
+    )
+    kept = (low, high, count, (low.data_ptr(), high.data_ptr(), count.data_ptr()), plain, None)
     observer.__dict__[SCALAR_VIEWS] = kept
     return kept
 
