@@ -16,6 +16,7 @@ copy), the same values ``torch.aminmax`` gives.
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 import types
 from collections.abc import Iterator
@@ -126,6 +127,50 @@ def test_an_extension_without_record_range_is_not_called(monkeypatch: pytest.Mon
             for x in xs:
                 old(x)
         assert _bits(new) == _bits(old)
+
+
+@st.composite
+def _slices(draw: Any) -> torch.Tensor:
+    """A slice of a wider float32 tensor (rows of contiguous values, some apart), or a view of it."""
+    rows, width = draw(st.integers(1, 9)), draw(st.integers(1, 40))
+    extra = draw(st.integers(0 if rows == 1 else 1, 12))
+    values = draw(
+        st.lists(
+            FLOAT32 | st.sampled_from([float("nan"), 0.0, -0.0]), min_size=1, max_size=rows * (width + extra)
+        )
+    )
+    base = torch.tensor(values, dtype=torch.float32).repeat(rows * (width + extra) // len(values) + 1)
+    start = draw(st.integers(0, extra))
+    head = base[: rows * (width + extra)].reshape(rows, width + extra)[:, start : start + width]
+    return head.t() if draw(st.booleans()) else head
+
+
+@pytest.mark.parametrize("simd", ["avx2", "scalar"])
+@settings(max_examples=400, deadline=None)
+@given(x=_slices())
+def test_slices_are_read_in_place_with_the_extremes_torch_finds(simd: str, x: torch.Tensor) -> None:
+    native = kernels._native
+    assert native is not None and hasattr(native, "minmax_rows")
+    layout = seen.layout(x)
+    with _simd(simd):
+        lo, hi = minmax._slice_extremes(native, x, x.numel(), layout)
+        values = x.contiguous()  # held while the kernel reads it
+        copied = native.minmax(values.data_ptr(), x.numel())
+    low, high = torch.aminmax(x)
+    if torch.isnan(x).any():
+        assert math.isnan(lo) and math.isnan(hi) and math.isnan(copied[0])
+    else:  # the values torch finds (a zero's sign aside: the callers leave zeros to torch)
+        assert (lo, hi) == copied == (float(low), float(high))
+
+
+def test_strided_batches_read_without_the_rows_kernel_are_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension built before ``minmax_rows``: the contiguous copy, the same extremes."""
+    built = kernels._native
+    older = types.SimpleNamespace(minmax=built.minmax)  # type: ignore[union-attr]
+    x = torch.randn(16, 40)[:, 3:30]
+    found = minmax._slice_extremes(built, x, x.numel(), seen.layout(x))
+    assert minmax._slice_extremes(older, x, x.numel(), seen.layout(x)) == found
+    assert found == (float(x.min()), float(x.max()))
 
 
 class _Heads(nn.Module):

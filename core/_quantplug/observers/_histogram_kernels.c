@@ -13,7 +13,8 @@
  * AVX2 (checked at import; GCC and Clang on x86) the min/max and the binning run on 8 lanes,
  * elsewhere on SSE2 or in scalar code: the same operations, the same results.
  *
- * The range observers (minmax.py) take a batch's extremes into their state in one call, record_range.
+ * The range observers (minmax.py) take a batch's extremes into their state in one call, record_range,
+ * and read a slice of a wider tensor (a q/k/v head) in place, minmax_rows.
  *
  * convert uses three more (row_extremes and quantize_rows for constants, search_norms for torchao's
  * histogram clipping search; described where they are defined).
@@ -679,6 +680,37 @@ static PyObject *minmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(dd)", (double)mn, (double)mx);
 }
 
+PyDoc_STRVAR(minmax_rows_doc,
+             "minmax_rows(address, n, rows, stride) -> (min, max) of `rows` rows of n contiguous float32\n"
+             "values, `stride` values apart (a slice of a wider tensor, read in place); (nan, nan) if any\n"
+             "is NaN.");
+
+static PyObject *minmax_rows_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 4, "minmax_rows(address, n, rows, stride)") < 0) {
+        return NULL;
+    }
+    void *x;
+    if (as_address(args[0], &x) < 0) {
+        return NULL;
+    }
+    const int64_t n = PyLong_AsLongLong(args[1]);
+    const int64_t rows = PyLong_AsLongLong(args[2]);
+    const int64_t stride = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n <= 0 || rows <= 0 || x == NULL || (rows > 1 && stride < n) || rows > INT64_MAX / (stride > 0 ? stride : 1)) {
+        PyErr_SetString(PyExc_ValueError, "minmax_rows needs a non-null address, n > 0, rows > 0 and stride >= n");
+        return NULL;
+    }
+    float mn, mx;
+    Py_BEGIN_ALLOW_THREADS
+    minmax_rows((const float *)x, n, rows, stride, &mn, &mx);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(dd)", (double)mn, (double)mx);
+}
+
 PyDoc_STRVAR(record_range_doc,
              "record_range(lo, hi, average, c, min_address, max_address, batches_address) -> None\n\n"
              "A range observer's batch with extremes lo, hi taken into its float32 min and max and its int64\n"
@@ -1116,6 +1148,7 @@ static PyMethodDef methods[] = {
     {"rebin", (PyCFunction)(void (*)(void))rebin, METH_FASTCALL, rebin_doc},
     {"minmax", (PyCFunction)(void (*)(void))minmax, METH_FASTCALL, minmax_doc},
     {"record_range", (PyCFunction)(void (*)(void))record_range, METH_FASTCALL, record_range_doc},
+    {"minmax_rows", (PyCFunction)(void (*)(void))minmax_rows_py, METH_FASTCALL, minmax_rows_doc},
     {"bin_counts", (PyCFunction)(void (*)(void))bin_counts, METH_FASTCALL, bin_counts_doc},
     {"observe", (PyCFunction)(void (*)(void))observe, METH_FASTCALL, observe_doc},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL, start_doc},
