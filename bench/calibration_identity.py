@@ -10,6 +10,10 @@ attention) and flow (X86 through quantplug, every reference and qnn_htp preset w
 observer variants): prepare, 5 calibration batches (ranges that grow, then a batch again), convert;
 recorded: every observer buffer, the converted state_dict, the Q/DQ nodes' arguments, the
 converted output on a held-out batch. About a minute on one core.
+
+Cases ending in ``/grad`` calibrate with autograd on (no ``torch.no_grad()``, as many users
+calibrate: the parameters require grad, so the activations do too) for the flows of
+:data:`GRAD_FLOWS`.
 """
 
 import sys
@@ -93,6 +97,15 @@ FLOWS = [
     "qnn_htp:16a8w+act_observer=moving_average",
 ]
 
+#: flows also calibrated with autograd on (the range observers' path for tensors requiring grad)
+GRAD_FLOWS = [
+    "reference:int8+activation_observer=minmax",
+    "reference:a16w8+activation_observer=moving_average",
+    "qnn_htp:16a8w",
+    "qnn_htp:16a8w+et",
+    "qnn_htp:8a8w+act_observer=histogram",
+]
+
 
 def bits(t):
     t = t.detach().contiguous()
@@ -111,13 +124,13 @@ def bits(t):
     return (str(t.dtype), tuple(t.shape), t.clone())
 
 
-def snapshot(flow, model, batches, test):
+def snapshot(flow, model, batches, test, grad=False):
     import quantplug
     from _quantplug.meta import observer_children
 
     ep = torch.export.export(model, batches[0])
     p = quantplug.prepare(ep, quantizer(flow))
-    with torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():
         for b in batches:
             p(*b)
     snap = {}
@@ -154,10 +167,12 @@ def dump(path, only=None):
                 continue
             if flow == "x86" and mname not in ("decoder-2", "resnet18"):
                 continue
-            try:
-                res[f"{mname}/{flow}"] = snapshot(flow, m, batches, test)
-            except Exception as e:
-                res[f"{mname}/{flow}"] = {"error": repr(e)[:300]}
+            for grad in (False, True) if flow in GRAD_FLOWS else (False,):
+                case = f"{mname}/{flow}/grad" if grad else f"{mname}/{flow}"
+                try:
+                    res[case] = snapshot(flow, m, batches, test, grad)
+                except Exception as e:
+                    res[case] = {"error": repr(e)[:300]}
     torch.save(res, path)
     print(len(res), "cases;", sum(1 for v in res.values() if "error" in v), "errors")
 

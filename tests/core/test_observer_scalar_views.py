@@ -5,13 +5,14 @@ the one torch's own writes give, bit for bit, and it follows the buffers whereve
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 
 import pytest
 import torch
 
-from _quantplug.observers import minmax
+from _quantplug.observers import kernels, minmax
 from _quantplug.observers.base import SCALAR_VIEWS
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.minmax import MinMaxObserver, MovingAverageMinMaxObserver
@@ -33,15 +34,23 @@ def _batches() -> list[torch.Tensor]:
     return [*xs, xs[1].t(), torch.zeros(3), -torch.zeros(3), torch.tensor([-0.0, 2.0])]
 
 
+def _not_plain(observer: torch.nn.Module) -> minmax.ScalarRecord:
+    """The record of buffers the views may not stand for: torch's ``fill_`` and ``add_`` write."""
+    return (observer.min_val, observer.max_val, observer.num_batches, (0, 0, 0), False, None)
+
+
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_views_write_what_torch_writes(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_views_write_what_torch_writes(kind: str, native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the views (native kernels off) or the native update (on, where built)."""
     viewed, plain = KINDS[kind](), KINDS[kind]()
     with torch.no_grad():
-        for x in _batches():
-            viewed(x)
+        with contextlib.nullcontext() if native else kernels.disabled():
+            for x in _batches():
+                viewed(x)
         assert SCALAR_VIEWS in viewed.__dict__
         with monkeypatch.context() as m:
-            m.setattr(minmax, "scalar_views", lambda observer: None)  # torch's fill_ and add_
+            m.setattr(minmax, "_scalar_record", _not_plain)
             for x in _batches():
                 plain(x)
     for a, b in zip(_state(viewed), _state(plain)):

@@ -61,7 +61,8 @@ def _heads(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 class _CountingKernels:
-    """The native kernels, counting the passes ``minmax`` makes over a batch's values."""
+    """The native kernels, counting the passes ``minmax`` (``minmax_rows``: a slice) makes over a
+    batch's values."""
 
     def __init__(self, native: object) -> None:
         self.native, self.passes = native, 0
@@ -69,6 +70,10 @@ class _CountingKernels:
     def minmax(self, address: int, n: int) -> tuple[float, float]:
         self.passes += 1
         return self.native.minmax(address, n)  # type: ignore[attr-defined,no-any-return]
+
+    def minmax_rows(self, address: int, n: int, rows: int, stride: int) -> tuple[float, float]:
+        self.passes += 1  # a slice read in place
+        return self.native.minmax_rows(address, n, rows, stride)  # type: ignore[attr-defined,no-any-return]
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.native, name)

@@ -14,6 +14,9 @@
  * the binning and the counting share one pass (bin_count_avx2), elsewhere on SSE2 or in scalar
  * code: the same operations, the same results.
  *
+ * The range observers (minmax.py) take a batch's extremes into their state in one call, record_range,
+ * and read a slice of a wider tensor (a q/k/v head) in place, minmax_rows.
+ *
  * convert uses three more (row_extremes and quantize_rows for constants, search_norms for torchao's
  * histogram clipping search; described where they are defined).
  *
@@ -746,6 +749,97 @@ static PyObject *minmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(dd)", (double)mn, (double)mx);
 }
 
+PyDoc_STRVAR(minmax_rows_doc,
+             "minmax_rows(address, n, rows, stride) -> (min, max) of `rows` rows of n contiguous float32\n"
+             "values, `stride` values apart (a slice of a wider tensor, read in place); (nan, nan) if any\n"
+             "is NaN.");
+
+static PyObject *minmax_rows_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 4, "minmax_rows(address, n, rows, stride)") < 0) {
+        return NULL;
+    }
+    void *x;
+    if (as_address(args[0], &x) < 0) {
+        return NULL;
+    }
+    const int64_t n = PyLong_AsLongLong(args[1]);
+    const int64_t rows = PyLong_AsLongLong(args[2]);
+    const int64_t stride = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n <= 0 || rows <= 0 || x == NULL || (rows > 1 && stride < n) || rows > INT64_MAX / (stride > 0 ? stride : 1)) {
+        PyErr_SetString(PyExc_ValueError, "minmax_rows needs a non-null address, n > 0, rows > 0 and stride >= n");
+        return NULL;
+    }
+    float mn, mx;
+    Py_BEGIN_ALLOW_THREADS
+    minmax_rows((const float *)x, n, rows, stride, &mn, &mx);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(dd)", (double)mn, (double)mx);
+}
+
+PyDoc_STRVAR(record_range_doc,
+             "record_range(lo, hi, average, c, min_address, max_address, batches_address) -> None\n\n"
+             "A range observer's batch with extremes lo, hi taken into its float32 min and max and its int64\n"
+             "count of batches (0-dim buffers at the addresses), as MinMaxObserver._update_views (average\n"
+             "false: min(min, lo), max(max, hi)) or MovingAverageMinMaxObserver._update_views (average true:\n"
+             "lo, hi on the first batch, else min + (lo - min) * c in float32 arithmetic, c rounded to\n"
+             "float32) write it; then adds 1 to the count.");
+
+/* current + (value - current) * c in float32 operations (no contraction: the build disables it), the
+ * roundings of torch's 0-dim float32 arithmetic and of minmax.py's _average_step */
+static float average_step(float current, float value, float c) {
+    const float difference = value - current;
+    const float step = difference * c;
+    return current + step;
+}
+
+static PyObject *record_range(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 7, "record_range(lo, hi, average, c, min_address, max_address, batches_address)") < 0) {
+        return NULL;
+    }
+    void *lo_at, *hi_at, *batches;
+    if (as_address(args[4], &lo_at) < 0 || as_address(args[5], &hi_at) < 0 || as_address(args[6], &batches) < 0) {
+        return NULL;
+    }
+    const double lo = PyFloat_AsDouble(args[0]);
+    const double hi = PyFloat_AsDouble(args[1]);
+    const int average = PyObject_IsTrue(args[2]);
+    const double c = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred() || average < 0) {
+        return NULL;
+    }
+    if (lo_at == NULL || hi_at == NULL || batches == NULL) {
+        PyErr_SetString(PyExc_ValueError, "record_range needs non-null addresses");
+        return NULL;
+    }
+    float *const mn = (float *)lo_at, *const mx = (float *)hi_at;
+    int64_t *const count = (int64_t *)batches;
+    if (!average) {
+        /* compared as doubles, stored rounded to float32: as the ctypes views compare and store */
+        if (lo < (double)*mn) {
+            *mn = (float)lo;
+        }
+        if (hi > (double)*mx) {
+            *mx = (float)hi;
+        }
+    } else if (*count == 0) {
+        *mn = (float)lo;
+        *mx = (float)hi;
+    } else {
+        const float cf = (float)c; /* minmax.float32: the same rounding, infinite beyond the range */
+        const float new_mn = average_step(*mn, (float)lo, cf);
+        const float new_mx = average_step(*mx, (float)hi, cf);
+        *mn = new_mn;
+        *mx = new_mx;
+    }
+    *count += 1;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(bin_counts_doc,
              "bin_counts(address, n, lo, scale, divisor, bins, out_address, accumulate) -> None\n\n"
              "Counts n contiguous float32 values into bins float32 counters at out_address (set them,\n"
@@ -1122,6 +1216,8 @@ static PyObject *rebin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 static PyMethodDef methods[] = {
     {"rebin", (PyCFunction)(void (*)(void))rebin, METH_FASTCALL, rebin_doc},
     {"minmax", (PyCFunction)(void (*)(void))minmax, METH_FASTCALL, minmax_doc},
+    {"record_range", (PyCFunction)(void (*)(void))record_range, METH_FASTCALL, record_range_doc},
+    {"minmax_rows", (PyCFunction)(void (*)(void))minmax_rows_py, METH_FASTCALL, minmax_rows_doc},
     {"bin_counts", (PyCFunction)(void (*)(void))bin_counts, METH_FASTCALL, bin_counts_doc},
     {"observe", (PyCFunction)(void (*)(void))observe, METH_FASTCALL, observe_doc},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL, start_doc},

@@ -1,6 +1,10 @@
 # Native kernels built from _histogram_kernels.c (optional; see _quantplug.observers.kernels).
 
 def minmax(address: int, n: int, /) -> tuple[float, float]: ...
+def minmax_rows(address: int, n: int, rows: int, stride: int, /) -> tuple[float, float]: ...
+def record_range(
+    lo: float, hi: float, average: bool, c: float, min_address: int, max_address: int, batches_address: int, /
+) -> None: ...
 def bin_counts(
     address: int,
     n: int,

@@ -50,27 +50,25 @@ def plain_extremes(x: torch.Tensor) -> tuple[float, float] | None:
     """The min and max of ``x`` by the common route, or None where :func:`batch_extremes` must
     decide: a float32 CPU batch (the observers' own policy for NaN/inf still to apply), recalled
     from :data:`seen.EXTREMES` or read by the native kernel (a batch whose values do not fill
-    their memory, such as a head split from a q/k/v projection, through a contiguous copy).
+    their memory, such as a head split from a q/k/v projection: :func:`_slice_extremes`).
 
     The same values as :func:`batch_extremes` (which this shortcuts: a range observer runs once
     per activation edge, hundreds of times per forward, and :func:`seen.probe`'s bookkeeping cost
     more than the pass over a decoder's activation): the same conditions for matching a batch
-    seen before (:func:`seen.probe`), the same kernel, the same zeros left unrecorded.
+    seen before (:func:`seen.probe`), the same kernel, the same zeros left unrecorded. A batch
+    :mod:`seen` may not match (one requiring grad under autograd, an inference tensor) is read
+    by the kernel too, neither recalled nor recorded, as :func:`batch_extremes` reads it.
     """
     native = kernels._native
-    if (
-        native is None
-        or type(x) is not torch.Tensor
-        or x.dtype is not _F32
-        or x.layout is not _STRIDED
-        or not seen.matchable(x)
-    ):
+    if native is None or type(x) is not torch.Tensor or x.dtype is not _F32 or x.layout is not _STRIDED:
         return None
     numel = x.numel()
     if not 0 < numel < kernels.MAX_ELEMENTS:
         return None
-    dense = ((1, numel),)
     contiguous = x.is_contiguous()
+    if not seen.matchable(x):
+        return _unmatched_extremes(native, x, numel, contiguous) if x.is_cpu else None
+    dense = ((1, numel),)
     layout = dense if contiguous else seen.layout(x)
     address = x.data_ptr()
     key = (address, numel, _F32, layout, x._version)
@@ -80,10 +78,8 @@ def plain_extremes(x: torch.Tensor) -> tuple[float, float] | None:
         return found
     if layout == dense:
         lo, hi = native.minmax(address, numel)
-    else:  # a slice (a q/k/v head): its values gathered in one copy (torch.aminmax of a strided
-        # tensor takes 4x as long as the copy and the kernel)
-        values = x.contiguous()  # held while the kernel reads it
-        lo, hi = native.minmax(values.data_ptr(), numel)
+    else:  # a slice (a q/k/v head)
+        lo, hi = _slice_extremes(native, x, numel, layout)
     if lo == 0.0 or hi == 0.0:
         # which zero (+0 or -0) is met first depends on the order the values are read in
         # (seen.remember_extremes): kept for a contiguous batch as kernels.extremes keeps it, never
@@ -91,6 +87,41 @@ def plain_extremes(x: torch.Tensor) -> tuple[float, float] | None:
         return (lo, hi) if contiguous else None
     seen.keep_extremes(key, storage, (lo, hi))
     return lo, hi
+
+
+def _unmatched_extremes(
+    native: Any, x: torch.Tensor, numel: int, contiguous: bool
+) -> tuple[float, float] | None:
+    """:func:`plain_extremes` of a float32 CPU batch :mod:`seen` may not match: the kernel's pass
+    (a strided batch's values read as for a matchable one: :func:`_slice_extremes`), nothing
+    recalled or recorded. :func:`batch_extremes` gives the same: a contiguous batch read by the same kernel
+    (zeros kept), any other by the kernel in memory order or by ``torch.aminmax``, whose extremes
+    are these but for the sign of a zero (left to :func:`batch_extremes`, as here) and NaN (both
+    NaN: then :mod:`nonfinite` scans the batch itself)."""
+    if contiguous:
+        return native.minmax(x.data_ptr(), numel)  # type: ignore[no-any-return]
+    layout = seen.layout(x)
+    if layout == ((1, numel),):  # a permutation of a contiguous block: its memory holds its values
+        lo, hi = native.minmax(x.data_ptr(), numel)
+    else:
+        lo, hi = _slice_extremes(native, x, numel, layout)
+    return None if lo == 0.0 or hi == 0.0 else (lo, hi)
+
+
+def _slice_extremes(native: Any, x: torch.Tensor, numel: int, layout: seen.Layout) -> tuple[float, float]:
+    """The min and max of a float32 CPU batch whose values do not fill their memory (a head split
+    from a q/k/v projection), as the kernel finds them (NaN, NaN with a NaN): read in place where
+    they are rows of contiguous values, ``stride`` apart (:func:`seen.layout` ``((1, n), (stride,
+    rows))``) and the extension has ``minmax_rows``, else through a contiguous copy (torch.aminmax
+    of a strided tensor takes 4x as long as the copy and the kernel; the copy, 2 us, twice as
+    long as reading the rows in place). The same values either way but for the sign of a zero
+    extreme, which the callers leave to torch."""
+    rows_kernel = getattr(native, "minmax_rows", None)
+    if rows_kernel is not None and len(layout) == 2 and layout[0][0] == 1 and layout[1][0] >= layout[0][1]:
+        (_, n), (stride, rows) = layout
+        return rows_kernel(x.data_ptr(), n, rows, stride)  # type: ignore[no-any-return]
+    values = x.detach().contiguous()  # detached: no autograd record of the copy; held while read
+    return native.minmax(values.data_ptr(), numel)  # type: ignore[no-any-return]
 
 
 def batch_extremes(
@@ -150,15 +181,26 @@ class MinMaxObserver(ObserverBase):
 
     def _record(self, lo: float, hi: float) -> None:
         """Take a batch with extremes ``lo``, ``hi`` into the statistics, and count it."""
-        views = scalar_views(self)
-        if views is None:
+        kept = _scalar_record(self)
+        if not kept[4]:
             self._update(lo, hi)
             # in place (``+=`` goes through Module.__setattr__), and buffers read from their dict
             # (attribute reads go through Module.__getattr__)
             self._buffers["num_batches"].add_(ONE)  # type: ignore[union-attr]
-        else:
-            self._update_views(views, lo, hi)
-            views[2].value += 1
+            return
+        # the update and the count in one native call where it writes what _update_views writes
+        # (this class's or the moving average's, not a subclass's own), else through the views
+        update = type(self)._update_views
+        record = getattr(kernels._native, "record_range", None)  # _record_range(), without a frame
+        if record is not None and (update is _MINMAX_UPDATE or update is _AVERAGE_UPDATE):
+            low, high, count = kept[3]
+            average = update is _AVERAGE_UPDATE
+            record(lo, hi, average, self.__dict__.get("averaging_constant", 0.0), low, high, count)
+            return
+        views = scalar_views(self)
+        assert views is not None  # the buffers are plain (kept[4])
+        self._update_views(views, lo, hi)
+        views[2].value += 1
 
     def _update(self, lo: float, hi: float) -> None:
         buffers: Any = self._buffers
@@ -200,7 +242,7 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calls_per_pass <= 1:
-            return super().forward(x)
+            return MinMaxObserver.forward(self, x)  # (super() builds an object per call)
         found = batch_extremes(self, x) if x.numel() else None
         if found is not None:
             pending = self._pending
@@ -243,6 +285,19 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         merge_averages_(self, others)
 
 
+#: the updates :func:`_record_range` writes natively
+_MINMAX_UPDATE = MinMaxObserver._update_views
+_AVERAGE_UPDATE = MovingAverageMinMaxObserver._update_views
+
+
+def _record_range() -> Any:
+    """The native ``record_range`` (:meth:`MinMaxObserver._update_views` and
+    :meth:`MovingAverageMinMaxObserver._update_views`, then the count, in one call), or None where
+    the kernels are off or built from a source without it."""
+    native = kernels._native
+    return None if native is None else getattr(native, "record_range", None)
+
+
 #: views of a range observer's ``min_val``, ``max_val`` and ``num_batches`` (:func:`scalar_views`)
 ScalarViews = tuple[ctypes.c_float, ctypes.c_float, ctypes.c_int64]
 _I64 = torch.int64
@@ -262,6 +317,29 @@ def scalar_views(observer: Any) -> ScalarViews | None:
     moved by ``share_memory_`` or ``set_``, or copied: new views); the record holds the tensors,
     so their memory lives as long as the views.
     """
+    kept = _scalar_record(observer)
+    if not kept[4]:
+        return None
+    views = kept[5]
+    if views is None:  # made at the first use (the native update needs none)
+        low, high, count = kept[3]
+        views = (
+            ctypes.c_float.from_address(low),
+            ctypes.c_float.from_address(high),
+            ctypes.c_int64.from_address(count),
+        )
+        observer.__dict__[SCALAR_VIEWS] = (*kept[:5], views)
+    return views
+
+
+#: what :func:`_scalar_record` keeps: the three buffers, their addresses, whether they are plain
+#: (:func:`scalar_views` holds), and their views once made
+ScalarRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int], bool, ScalarViews | None]
+
+
+def _scalar_record(observer: Any) -> ScalarRecord:
+    """:func:`scalar_views`' record of ``observer``'s buffers (made anew where one moved): the
+    native update (:func:`_record_range`) writes at the addresses it holds, where the views are."""
     buffers = observer._buffers
     low, high, count = buffers["min_val"], buffers["max_val"], buffers["num_batches"]
     kept = observer.__dict__.get(SCALAR_VIEWS)
@@ -272,9 +350,8 @@ def scalar_views(observer: Any) -> ScalarViews | None:
         and kept[2] is count
         and kept[3] == (low.data_ptr(), high.data_ptr(), count.data_ptr())
     ):
-        return kept[4]  # type: ignore[no-any-return]
-    views = None
-    if (
+        return kept  # type: ignore[no-any-return]
+    plain = (
         type(low) is torch.Tensor
         and type(high) is torch.Tensor
         and type(count) is torch.Tensor
@@ -288,20 +365,10 @@ def scalar_views(observer: Any) -> ScalarViews | None:
         and not (low.requires_grad or high.requires_grad)
         # written only inside inference mode: torch's own writes say so
         and not (low.is_inference() or high.is_inference() or count.is_inference())
-    ):
-        views = (
-            ctypes.c_float.from_address(low.data_ptr()),
-            ctypes.c_float.from_address(high.data_ptr()),
-            ctypes.c_int64.from_address(count.data_ptr()),
-        )
-    observer.__dict__[SCALAR_VIEWS] = (
-        low,
-        high,
-        count,
-        (low.data_ptr(), high.data_ptr(), count.data_ptr()),
-        views,
     )
-    return views
+    kept = (low, high, count, (low.data_ptr(), high.data_ptr(), count.data_ptr()), plain, None)
+    observer.__dict__[SCALAR_VIEWS] = kept
+    return kept
 
 
 _FLOAT32 = struct.Struct("f")

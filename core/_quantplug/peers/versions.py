@@ -89,6 +89,16 @@ PIECES: dict[str, PeerPiece] = {
             ("tests/core/test_rewrite_pipeline.py", "tests/core/test_peers.py"),
         ),
         PeerPiece(
+            "torch_module_call",
+            {"torch": ("2.13.",)},
+            "replaces",
+            "speed: nn.Module.__call__ is two Python frames before forward, a quarter of a range "
+            "observer's call (calibration calls observers a thousand times per forward); where "
+            "torch's _call_impl would only call forward (no compiled call, hook or JIT trace) the "
+            "observer calls it directly, anything else goes to nn.Module.__call__ as installed",
+            ("tests/core/test_observer_call.py", "tests/core/test_peers.py"),
+        ),
+        PeerPiece(
             "torch_export_save",
             {"torch": ("2.13.",)},
             "replaces",
