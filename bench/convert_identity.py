@@ -5,8 +5,10 @@
     python -m bench.convert_identity compare a.pt b.pt      # exit 1 naming every difference
 
 A 2-layer transformers Llama (random weights, 3 calibration batches) through ``qnn_htp`` at 8a8w,
-16a8w, 16a4w, 16a4w_block and 16a16w, and ``reference``; per program: every tensor of its state
-(bytes, dtype, shape, strides), every group's qparams, its code and its output on a batch.
+16a8w, 16a4w, 16a4w_block and 16a16w, and ``reference``; and the bench's ResNet18 and a small
+conv/conv-transpose/batch-norm CNN (their batch norms folded at prepare, one with eps 1e-3 and no
+conv bias) through torchao's X86InductorQuantizer and ``reference``. Per program: every tensor of
+its state (bytes, dtype, shape, strides), every group's qparams, its code and its output on a batch.
 ``--release`` converts with ``release_float_weights=True``; ``--slice N`` quantizes constants in
 slices of N elements (many slices per weight) instead of the default 4 MiB.
 """
@@ -18,6 +20,62 @@ import sys
 from typing import Any
 
 FLOWS = [("qnn_htp", p) for p in ("8a8w", "16a8w", "16a4w", "16a4w_block", "16a16w")] + [("reference", None)]
+#: (model, quantizer) of the batch-norm CNN programs
+CNN_FLOWS = [(m, q) for m in ("resnet18", "convbn") for q in ("x86", "reference")]
+
+
+def _conv_bn_model() -> Any:
+    """A CNN whose folds take every path: a conv with bias, a conv transpose without, eps 1e-3."""
+    import torch
+
+    from bench.models import _randomize_bn
+
+    class ConvBn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 12, 3, padding=1)
+            self.bn = torch.nn.BatchNorm2d(12)
+            self.up = torch.nn.ConvTranspose2d(12, 5, 2, stride=2, bias=False)
+            self.bn_up = torch.nn.BatchNorm2d(5, eps=1e-3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn_up(self.up(torch.relu(self.bn(self.conv(x))))))
+
+    torch.manual_seed(0)
+    model = ConvBn().eval()
+    _randomize_bn(model, torch.Generator().manual_seed(1))
+    return model
+
+
+def _cnn_programs(found: dict[str, Any], release: bool, record: Any) -> None:
+    import torch
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    import quantplug
+    from bench.models import build
+
+    for name, kind in CNN_FLOWS:
+        if name == "resnet18":
+            model, make = build("resnet18")
+            batches = [make(s) for s in range(3)]
+        else:
+            model = _conv_bn_model()
+            g = torch.Generator().manual_seed(2)
+            batches = [(torch.randn(1, 3, 16, 16, generator=g),) for _ in range(3)]
+        quantizer = (
+            X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
+            if kind == "x86"
+            else quantplug.get_quantizer("reference")
+        )
+        prepared = quantplug.prepare(torch.export.export(model, batches[0]), quantizer)
+        with torch.no_grad():
+            for batch in batches:
+                prepared(*batch)
+        converted = quantplug.convert(prepared, **({"release_float_weights": True} if release else {}))
+        found[f"{name}-{kind}"] = record(converted, batches[0])
 
 
 def dump(out: str, release: bool, slice_elements: int | None) -> None:
@@ -26,7 +84,6 @@ def dump(out: str, release: bool, slice_elements: int | None) -> None:
 
     import _quantplug.flow.convert as convert_module
     import quantplug
-    from _quantplug.meta import QPARAMS_KEY
     from bench.algorithm_models import LogitsOnly
 
     if slice_elements is not None:
@@ -47,29 +104,39 @@ def dump(out: str, release: bool, slice_elements: int | None) -> None:
             for batch in batches:
                 prepared(*batch)
         converted = quantplug.convert(prepared, **({"release_float_weights": True} if release else {}))
-        state = converted.state_dict()
-        with torch.no_grad():
-            output = converted(*batches[0])
-        found[f"{backend}-{precision}"] = {
-            "tensors": {k: v.detach().clone() for k, v in state.items()},
-            "strides": {k: v.stride() for k, v in state.items()},
-            "qparams": {
-                gid: (
-                    qp.scale,
-                    qp.zero_point,
-                    qp.quant_min,
-                    qp.quant_max,
-                    str(qp.dtype),
-                    qp.granularity,
-                    qp.axis,
-                    qp.block_size,
-                )
-                for gid, qp in converted.meta[QPARAMS_KEY].items()
-            },
-            "code": converted.code,
-            "output": output,
-        }
+        found[f"{backend}-{precision}"] = _record(converted, batches[0])
+    _cnn_programs(found, release, _record)
     torch.save(found, out)
+
+
+def _record(converted: Any, batch: tuple[Any, ...]) -> dict[str, Any]:
+    """What is compared of one converted program."""
+    import torch
+
+    from _quantplug.meta import QPARAMS_KEY
+
+    state = converted.state_dict()
+    with torch.no_grad():
+        output = converted(*batch)
+    return {
+        "tensors": {k: v.detach().clone() for k, v in state.items()},
+        "strides": {k: v.stride() for k, v in state.items()},
+        "qparams": {
+            gid: (
+                qp.scale,
+                qp.zero_point,
+                qp.quant_min,
+                qp.quant_max,
+                str(qp.dtype),
+                qp.granularity,
+                qp.axis,
+                qp.block_size,
+            )
+            for gid, qp in converted.meta[QPARAMS_KEY].items()
+        },
+        "code": converted.code,
+        "output": output,
+    }
 
 
 def _bits(t: Any) -> Any:
@@ -127,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     differences = compare(args.a, args.b)
     for line in differences:
         print(line)
-    print(f"{len(differences)} difference(s) over {len(FLOWS)} programs")
+    print(f"{len(differences)} difference(s) over {len(FLOWS) + len(CNN_FLOWS)} programs")
     return 1 if differences else 0
 
 
