@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,22 +23,11 @@ from hypothesis import strategies as st
 import quantplug
 from _quantplug.flow.convert import QParams, _native_codes, _quantize_tensor
 from _quantplug.observers import kernels
+from tests.core.kernel_code import simd as simd_code
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built (no C compiler)")
 
 FLOAT32 = st.floats(width=32, allow_nan=False, allow_infinity=True, allow_subnormal=True)
-
-
-@contextlib.contextmanager
-def _simd(kind: str) -> Iterator[None]:
-    """The kernels' AVX2 code (where the CPU has it) or their scalar code."""
-    from _quantplug.observers import _histogram_kernels as raw
-
-    was = raw._use_avx2(kind == "avx2")
-    try:
-        yield
-    finally:
-        raw._use_avx2(was)
 
 
 SIMD = pytest.mark.parametrize("simd", ["avx2", "scalar"])
@@ -81,7 +69,7 @@ def _cases(draw: Any) -> tuple[torch.Tensor, QParams]:
 def test_native_weight_integers_are_the_torch_steps(simd: str, case: tuple[torch.Tensor, QParams]) -> None:
     """Ties (k / 2), infinities, values far beyond the range and tiny scales included."""
     x, qp = case
-    with _simd(simd):
+    with simd_code(simd == "avx2"):
         assert _native_codes(x, qp) is not None  # no NaN product can arise: the kernel answers
         native, reference = _both_paths(x, qp)
     assert native.dtype == reference.dtype and native.stride() == reference.stride()
@@ -107,7 +95,7 @@ def test_native_path_is_taken_and_declines_what_it_cannot_reproduce() -> None:
 @SIMD
 def test_row_extremes_are_amin_and_amax_and_decline_zero_and_nonfinite_extremes(simd: str) -> None:
     g = torch.Generator().manual_seed(0)
-    with _simd(simd):
+    with simd_code(simd == "avx2"):
         for cols in (1, 7, 16, 33, 300):
             x = torch.randn(9, cols, generator=g) * 100
             found = kernels.row_extremes(x)

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from _quantplug.observers import kernels
 from _quantplug.observers.binning import LinearBinning, add_histc, histc
+from tests.core.kernel_code import simd as simd_code
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built (no C compiler)")
 
@@ -193,13 +194,8 @@ def simd(request: pytest.FixtureRequest) -> Iterator[None]:
     """The kernels' AVX2 code (where the CPU has AVX2) and their SSE2/scalar code: the same results."""
     if not kernels.available():
         pytest.skip("native kernels not built")
-    from _quantplug.observers import _histogram_kernels as raw
-
-    was = raw._use_avx2(request.param == "avx2")
-    try:
+    with simd_code(request.param == "avx2"):
         yield
-    finally:
-        raw._use_avx2(was)
 
 
 @native
@@ -437,11 +433,8 @@ def test_start_is_the_first_batch_torch_would_count(
 
     x = torch.tensor([0.0] * offset + values, dtype=torch.float32)[offset:]  # any alignment
     buffers = (torch.full((bins,), -1.0), torch.tensor(math.inf), torch.tensor(-math.inf), torch.tensor(5))
-    was = raw._use_avx2(avx2)
-    try:
+    with simd_code(avx2):
         found = kernels.start_histogram(x, bins, floor, *buffers)
-    finally:
-        raw._use_avx2(was)
     histogram, min_val, max_val, num_batches = buffers
     assert found is not None
     extremes = raw.minmax(x.data_ptr(), x.numel())
@@ -525,12 +518,9 @@ def test_observe_is_torch_histc_added_or_declined(
     scale = 0.0 if binning.scale is None else float(binning.scale)
     start = torch.floor(torch.rand(bins) * 1000) + 0.5  # added to as torch's float32 add does
     buffers = (start.clone(), torch.tensor(lo), torch.tensor(hi), torch.tensor(5))
-    was = raw._use_avx2(avx2)
-    try:
+    with simd_code(avx2):
         operands = (lo, hi, scale, binning.divisor, bins)
         found = raw.observe(view.data_ptr(), n, rows, stride, *operands, *(t.data_ptr() for t in buffers))
-    finally:
-        raw._use_avx2(was)
     histogram, _, _, num_batches = buffers
     low, high = (float(v) for v in torch.aminmax(batch))
     if math.isnan(low) or not (lo <= low and high <= hi):
@@ -567,14 +557,11 @@ def test_bin_counts_of_the_values_range_is_torch_histc(
     scale = 0.0 if binning.scale is None else float(binning.scale)
     out = torch.full((bins,), -1.0)
     extremes = (lo, hi) if known else ()
-    was = raw._use_avx2(avx2)
     operands = (x.data_ptr(), x.numel(), lo, scale, binning.divisor, bins)
-    try:
+    with simd_code(avx2):
         raw.bin_counts(*operands, out.data_ptr(), False, *extremes)
         added = torch.full((bins,), 3.0)
         raw.bin_counts(*operands, added.data_ptr(), True, *extremes)
-    finally:
-        raw._use_avx2(was)
     expected = torch.histc(x, bins, min=lo, max=hi)
     assert torch.equal(out, expected)
     assert torch.equal(added, expected + 3.0)

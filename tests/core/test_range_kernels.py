@@ -15,11 +15,9 @@ copy), the same values ``torch.aminmax`` gives.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import struct
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +30,7 @@ import quantplug
 from _quantplug.meta import observer_children
 from _quantplug.observers import kernels, minmax, seen
 from _quantplug.observers.minmax import MinMaxObserver, MovingAverageMinMaxObserver
+from tests.core.kernel_code import simd as simd_code
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built (no C compiler)")
 
@@ -39,18 +38,6 @@ FLOAT32 = st.floats(width=32, allow_nan=False, allow_infinity=True, allow_subnor
 #: extremes of a batch: float32 values, signed zeros and the largest ones often
 EXTREME = FLOAT32 | st.sampled_from([0.0, -0.0, 3.4028234663852886e38, -3.4028234663852886e38, 1e-45])
 KINDS = {"minmax": MinMaxObserver, "moving_average": MovingAverageMinMaxObserver}
-
-
-@contextlib.contextmanager
-def _simd(kind: str) -> Iterator[None]:
-    """The kernels' AVX2 code (where the CPU has it) or their scalar code."""
-    from _quantplug.observers import _histogram_kernels as raw
-
-    was = raw._use_avx2(kind == "avx2")
-    try:
-        yield
-    finally:
-        raw._use_avx2(was)
 
 
 def _bits(obs: nn.Module) -> tuple[int, int, int]:
@@ -88,7 +75,7 @@ def test_native_update_writes_what_the_views_and_torch_write(
 ) -> None:
     assert minmax._record_range() is not None
     native, views, plain = (_observer(kind, c, state) for _ in range(3))
-    with _simd(simd):
+    with simd_code(simd == "avx2"):
         for lo, hi in batches:
             native._record(lo, hi)
     with kernels.disabled():  # ctypes views of the buffers
@@ -152,7 +139,7 @@ def test_slices_are_read_in_place_with_the_extremes_torch_finds(simd: str, x: to
     native = kernels._native
     assert native is not None and hasattr(native, "minmax_rows")
     layout = seen.layout(x)
-    with _simd(simd):
+    with simd_code(simd == "avx2"):
         lo, hi = minmax._slice_extremes(native, x, x.numel(), layout)
         values = x.contiguous()  # held while the kernel reads it
         copied = native.minmax(values.data_ptr(), x.numel())
