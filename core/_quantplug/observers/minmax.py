@@ -191,7 +191,7 @@ class MinMaxObserver(ObserverBase):
         # the update and the count in one native call where it writes what _update_views writes
         # (this class's or the moving average's, not a subclass's own), else through the views
         update = type(self)._update_views
-        record = getattr(kernels._native, "record_range", None)  # _record_range(), without a frame
+        record = getattr(kernels._native, "record_range", None)  # None: kernels off, or an older build
         if record is not None and (update is _MINMAX_UPDATE or update is _AVERAGE_UPDATE):
             low, high, count = kept[3]
             average = update is _AVERAGE_UPDATE
@@ -285,17 +285,9 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         merge_averages_(self, others)
 
 
-#: the updates :func:`_record_range` writes natively
+#: the updates the native ``record_range`` writes (then the count), in one call
 _MINMAX_UPDATE = MinMaxObserver._update_views
 _AVERAGE_UPDATE = MovingAverageMinMaxObserver._update_views
-
-
-def _record_range() -> Any:
-    """The native ``record_range`` (:meth:`MinMaxObserver._update_views` and
-    :meth:`MovingAverageMinMaxObserver._update_views`, then the count, in one call), or None where
-    the kernels are off or built from a source without it."""
-    native = kernels._native
-    return None if native is None else getattr(native, "record_range", None)
 
 
 #: views of a range observer's ``min_val``, ``max_val`` and ``num_batches`` (:func:`scalar_views`)
@@ -339,7 +331,7 @@ ScalarRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, i
 
 def _scalar_record(observer: Any) -> ScalarRecord:
     """:func:`scalar_views`' record of ``observer``'s buffers (made anew where one moved): the
-    native update (:func:`_record_range`) writes at the addresses it holds, where the views are."""
+    native ``record_range`` writes at the addresses it holds, where the views are."""
     buffers = observer._buffers
     low, high, count = buffers["min_val"], buffers["max_val"], buffers["num_batches"]
     kept = observer.__dict__.get(SCALAR_VIEWS)
