@@ -61,6 +61,7 @@ from _quantplug.observers.fixed import FixedQParamsObserver
 from _quantplug.observers.nonfinite import check_policy
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.observers.parked import park
+from _quantplug.peers import torch_module_call  # noqa: F401  (installs the observers' call)
 from _quantplug.peers.torch_codegen import generating_code
 from _quantplug.peers.torchao_matching import fast_partition_matching
 from _quantplug.peers.torchao_observers import accelerate, clonable

@@ -19,7 +19,6 @@ from _quantplug.annotation.dtypes import UINT2, UINT4, full_range, resolve_range
 from _quantplug.annotation.specs import SYMMETRIC_QSCHEMES
 from _quantplug.errors import ObserverMergeError, OptionError
 from _quantplug.observers import seen
-from _quantplug.peers.torch_module_call import observer_call
 
 DEFAULT_EPS = float(torch.finfo(torch.float32).eps)
 #: ``num_batches.add_(ONE)``: a batch counted in place without wrapping a Python 1 into a tensor
@@ -111,9 +110,8 @@ class ObserverBase(nn.Module):
     where: str = ""
     nonfinite_ignored: int = 0
     num_batches: torch.Tensor
-    #: ``module(x)``: torch's call, in one frame where it would only call ``forward``
-    #: (:mod:`_quantplug.peers.torch_module_call`: hooks and tracers see every call as before)
-    __call__ = observer_call
+    # ``module(x)`` is torch's call, made in one frame where it would only call ``forward``, once
+    # prepare is imported (:mod:`_quantplug.peers.torch_module_call` installs it from the layer above)
 
     def __init__(
         self,

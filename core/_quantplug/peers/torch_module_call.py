@@ -13,6 +13,10 @@ to ``nn.Module.__call__`` as installed at that moment. A hook registered at any 
 observer or globally, therefore runs exactly as it would: the hook check is the one torch's
 ``_call_impl`` makes, made at each call. On a torch version this was not verified on, every call
 goes to ``nn.Module.__call__``.
+
+Importing this module makes :func:`observer_call` the call of :class:`ObserverBase` (observers sit
+a layer below this folder, so they cannot import it; ``flow.prepare`` does, so every prepared
+module's observers have it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from _quantplug.observers.base import ObserverBase
 from _quantplug.peers.versions import verified
 
 #: torch's own methods, as imported (a subclass or a patch replacing one: torch's call runs)
@@ -56,3 +61,6 @@ def observer_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     ):
         return self.forward(*args, **kwargs)
     return nn.Module.__call__(self, *args, **kwargs)
+
+
+ObserverBase.__call__ = observer_call  # type: ignore[method-assign]
