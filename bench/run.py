@@ -379,11 +379,11 @@ def bench_model(name: str, flows: list[Flow], args: Any, log: Callable[[str], No
             log(f"  stopping after {rep + 1} repeat(s): over the {args.model_budget_s:.0f}s model budget")
             break
     # first calibration batches again, alternating with float first calls: on this kind of
-    # machine the speed drifts by 10% over minutes, and the 1.3x target is a ratio of the two
-    calib_flows = [f for f in flows if f.name in ("torchao", "quantplug")]
-    for _ in range(args.calib_rounds if calib_flows else 0):
+    # machine the speed drifts by 10% over minutes, and the 1.3x target is a ratio of the two;
+    # every flow gets the same rounds, so that each ratio is a minimum over as many samples
+    for _ in range(args.calib_rounds):
         _float_first_call(ep, batch, first_s)
-        for flow in calib_flows:
+        for flow in flows:
             res = result.flows[flow.name]
             res.calib_s.append(_first_batch(flow, ep, batch))
             if flow.name == "quantplug" and kernels.enabled():
@@ -494,7 +494,7 @@ def render_markdown(results: list[ModelResult], machine: dict[str, Any], args: A
         "`ep.module()` column times ep.module() alone). × = torchao / quantplug. Calibration: each "
         f"repeat feeds {args.calib_batches} batches to a freshly prepared model; `calib` is its first "
         f"batch (minimum over the repeats and {args.calib_rounds} more rounds that alternate a float "
-        "first call with a first batch of torchao and of quantplug on freshly prepared modules), "
+        "first call with a first batch of every flow on freshly prepared modules), "
         "`later` the median of the batches after the first (observers whose range grows re-bin "
         "their histograms there; early batches grow most ranges).",
         "",
@@ -859,8 +859,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--calib-rounds",
         type=int,
         default=4,
-        help="extra first calibration batches of torchao and quantplug per model, alternating with "
-        "float first calls",
+        help="extra first calibration batches of every flow per model, alternating with float first calls",
     )
     p.add_argument("--fwd-reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
