@@ -180,3 +180,55 @@ def test_index_arithmetic_names_each_op_once(casts: list[bool]) -> None:
             if readers and all(r in expected for r in readers):
                 expected[node] = ""
     assert list(found) == list(expected)
+
+
+class _DottedClassAttribute(nn.Module):
+    pass
+
+
+setattr(_DottedClassAttribute, "cls.attr", "from the class")  # a name with a dot: no identifier
+
+
+@given(
+    where=st.sampled_from(["dict", "parameters", "buffers", "modules", "class", "nowhere", "undotted"]),
+    body=st.booleans(),
+)
+@settings(max_examples=40, deadline=None)
+def test_attribute_lookup_is_getattr(where: str, body: bool) -> None:
+    from _quantplug.graph.working_copy import _attribute
+
+    gm: Any = torch.fx.GraphModule(_DottedClassAttribute(), Graph())
+    gm.__class__ = type("Impl", (_DottedClassAttribute, type(gm)), {})  # torch's per-instance class
+    name = "undotted" if where == "undotted" else ("cls.attr" if where == "class" else "a.b")
+    value: Any = torch.fx.symbolic_trace(nn.ReLU()) if body else nn.ReLU()
+    if where == "dict":
+        gm.__dict__[name] = value
+    elif where == "parameters":
+        gm._parameters[name] = nn.Parameter(torch.ones(1))
+    elif where == "buffers":
+        gm._buffers[name] = torch.ones(1)
+    elif where in ("modules", "undotted"):
+        gm._modules[name] = value
+    for target in (name, "x.y", "a"):
+        assert _attribute(gm, target) is getattr(gm, target, None)
+
+
+def test_accelerator_swaps_as_accelerate_does() -> None:
+    ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    from _quantplug.peers.torchao_observers import accelerate, accelerator
+    from _quantplug.peers.versions import verified
+
+    swap = accelerator()
+    for make in (
+        ao.HistogramObserver,
+        ao.PerChannelMinMaxObserver,
+        ao.MinMaxObserver,
+        PerChannelMinMaxObserver,
+    ):
+        one, other = make(), make()
+        assert swap(one) is one and type(one) is type(accelerate(other))
+        if verified("torchao_observers") and make is not PerChannelMinMaxObserver:
+            from _quantplug.peers.torchao_observer_classes import ACCELERATED
+
+            assert type(one) is ACCELERATED.get(make, make)
+    assert type(swap(ao.HistogramObserver())) is not ao.HistogramObserver or not verified("torchao_observers")

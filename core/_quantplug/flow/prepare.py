@@ -64,7 +64,7 @@ from _quantplug.observers.parked import park
 from _quantplug.peers import torch_module_call  # noqa: F401  (installs the observers' call)
 from _quantplug.peers.torch_codegen import generating_code
 from _quantplug.peers.torchao_matching import fast_partition_matching
-from _quantplug.peers.torchao_observers import accelerate, clonable
+from _quantplug.peers.torchao_observers import accelerator, clonable
 from _quantplug.quantizer.quantizer import Quantizer, coverage_of
 from _quantplug.rewrites.pipeline import rewrite_for_annotation
 from _quantplug.rewrites.qat_batchnorm import fuse_conv_bn_for_training
@@ -363,6 +363,7 @@ def _prepare(
         observers = _run_pt2e_callback(gm, callback, state, observers)
     inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     scores = score_values(gm.graph)
+    accelerate = accelerator()
     for gid, obs in observers.items():
         obs = accelerate(obs)
         group = state.groups[gid]
