@@ -232,3 +232,50 @@ def test_accelerator_swaps_as_accelerate_does() -> None:
 
             assert type(one) is ACCELERATED.get(make, make)
     assert type(swap(ao.HistogramObserver())) is not ao.HistogramObserver or not verified("torchao_observers")
+
+
+@given(
+    op=st.sampled_from(
+        [
+            torch.ops.aten.add_.Tensor,
+            torch.ops.aten.add.Tensor,
+            torch.ops.aten.fill_.Scalar,
+            torch.ops.aten.copy_.default,
+            torch.ops.aten.relu.default,
+            torch.ops.aten.batch_norm.default,
+        ]
+    ),
+    stale=st.booleans(),
+    training=st.booleans(),
+)
+@settings(max_examples=40, deadline=None)
+def test_written_args_follow_the_schema_whatever_the_cache_holds(
+    op: Any, stale: bool, training: bool
+) -> None:
+    from _quantplug.graph import mutation
+
+    graph = Graph()
+    inputs = [graph.placeholder(f"x{i}") for i in range(5)]
+    if op is torch.ops.aten.batch_norm.default:
+        args: tuple[Any, ...] = (*inputs, training, 0.1, 1e-5, False)
+    elif op is torch.ops.aten.fill_.Scalar:
+        args = (inputs[0], 1.0)
+    elif op is torch.ops.aten.relu.default:
+        args = (inputs[0],)
+    else:
+        args = (inputs[0], inputs[1])
+    node = graph.call_function(op, args)
+    expected = [
+        node.args[i]
+        for i, a in enumerate(op._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+    if op is torch.ops.aten.batch_norm.default and training:
+        expected += [inputs[3], inputs[4]]
+    with pytest.MonkeyPatch.context() as patch:
+        if stale:  # an entry left by another object at the op's id (one that died since)
+            patch.setitem(mutation._written_cache, id(op), (object(), (((0, "input"),), ((), 1 << 30))))
+        else:
+            patch.delitem(mutation._written_cache, id(op), raising=False)
+        assert mutation.written_args(node) == expected
+        assert mutation.written_args(node) == expected  # from the cache now
