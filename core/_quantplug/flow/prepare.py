@@ -55,7 +55,7 @@ from _quantplug.meta import (
     STATE_KEY,
     observer_children,
 )
-from _quantplug.observers.copies import fresh_copy
+from _quantplug.observers.copies import copier, fresh_copy
 from _quantplug.observers.factory import create_observer
 from _quantplug.observers.fixed import FixedQParamsObserver
 from _quantplug.observers.nonfinite import check_policy
@@ -64,7 +64,7 @@ from _quantplug.observers.parked import park
 from _quantplug.peers import torch_module_call  # noqa: F401  (installs the observers' call)
 from _quantplug.peers.torch_codegen import generating_code
 from _quantplug.peers.torchao_matching import fast_partition_matching
-from _quantplug.peers.torchao_observers import accelerate, clonable
+from _quantplug.peers.torchao_observers import accelerator, clonable
 from _quantplug.quantizer.quantizer import Quantizer, coverage_of
 from _quantplug.rewrites.pipeline import rewrite_for_annotation
 from _quantplug.rewrites.qat_batchnorm import fuse_conv_bn_for_training
@@ -363,6 +363,7 @@ def _prepare(
         observers = _run_pt2e_callback(gm, callback, state, observers)
     inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     scores = score_values(gm.graph)
+    accelerate = accelerator()
     for gid, obs in observers.items():
         obs = accelerate(obs)
         group = state.groups[gid]
@@ -525,7 +526,7 @@ def _count_calls_per_pass(gm: GraphModule, state: PreparedState) -> None:
 def _create_observers(state: PreparedState, keys: AnnotatedKeys) -> dict[int, nn.Module]:
     observers: dict[int, nn.Module] = {}
     pending = [g for g in state.groups]
-    prototypes: dict[int, nn.Module] = {}  # id(spec) -> an untouched observer built from it
+    prototypes: dict[int, Callable[[], nn.Module]] = {}  # id(spec) -> copies of an observer built from it
     # derived groups need their sources' observers; resolve in dependency order
     while pending:
         progressed = False
@@ -541,13 +542,13 @@ def _create_observers(state: PreparedState, keys: AnnotatedKeys) -> dict[int, nn
                     spec, qat=state.qat, sources=[observers[g] for g in src_gids]
                 )
             else:
-                prototype = prototypes.get(id(spec))
-                if prototype is not None:  # groups sharing one spec object: copy, don't construct
-                    observers[group.gid] = fresh_copy(prototype)
+                copy_prototype = prototypes.get(id(spec))
+                if copy_prototype is not None:  # groups sharing one spec object: copy, don't construct
+                    observers[group.gid] = copy_prototype()
                 else:
                     observers[group.gid] = create_observer(spec, qat=state.qat)
                     if clonable(observers[group.gid]):
-                        prototypes[id(spec)] = fresh_copy(observers[group.gid])
+                        prototypes[id(spec)] = copier(fresh_copy(observers[group.gid]))
             progressed = True
         if not progressed:
             raise AnnotationError(

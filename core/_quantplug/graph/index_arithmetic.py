@@ -105,8 +105,10 @@ def _is_float(node: Node) -> bool:
 def is_integer_cast(node: Node) -> bool:
     """A conversion of a float tensor to an integer dtype (not bool: ``x != 0`` survives a grid
     that holds 0 exactly, which every quantplug grid does)."""
-    if node.op != "call_function" or op_name(node.target) not in CASTS:
-        return False
+    return node.op == "call_function" and op_name(node.target) in CASTS and _casts_float_to_integer(node)
+
+
+def _casts_float_to_integer(node: Node) -> bool:
     dtype = _dtype(node)
     source = node.args[0] if node.args else None
     return (
@@ -123,16 +125,22 @@ def index_arithmetic(graph: Graph) -> dict[Node, str]:
     """Node -> why it stays float: the integer casts of float tensors and, backwards from them,
     the :data:`INDEX_OPS` nodes whose every reader is one of those (checks aside)."""
     found: dict[Node, str] = {}
+    names = _OpNames()
     for node in reversed(list(graph.nodes)):  # readers before the nodes they read
-        if is_integer_cast(node):
+        if node.op != "call_function":
+            continue
+        name = names(node.target)
+        if name in CASTS and _casts_float_to_integer(node):
             found[node] = (
                 f"casts a float tensor to {_dtype(node)}: a quantize before it would move whole "
                 "numbers off the truncation's edge (index arithmetic stays float)"
             )
             continue
-        if node.op != "call_function" or op_name(node.target) not in INDEX_OPS or not _is_float(node):
+        if name not in INDEX_OPS or not _is_float(node):
             continue
-        readers = [user for user in node.users if not _checks(user)]
+        readers = [
+            user for user in node.users if not (user.op == "call_function" and names(user.target) in CHECKS)
+        ]
         if readers and all(reader in found for reader in readers):
             found[node] = (
                 "index arithmetic: its value only reaches casts to integers, which a quantize "
@@ -141,5 +149,19 @@ def index_arithmetic(graph: Graph) -> dict[Node, str]:
     return found
 
 
-def _checks(node: Node) -> bool:
-    return node.op == "call_function" and op_name(node.target) in CHECKS
+class _OpNames:
+    """:func:`op_name` of the targets of one graph, each worked out once: a graph calls a few dozen
+    ops from hundreds of nodes, and an ``OpOverload``'s text is formatted in Python at every ask
+    (a third of the search). Keyed by identity (an ``OpOverload`` hashes in Python); holding the
+    target keeps its id from being reused while the table lives."""
+
+    __slots__ = ("_known",)
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[object, str]] = {}
+
+    def __call__(self, target: object) -> str:
+        known = self._known.get(id(target))
+        if known is None or known[0] is not target:
+            known = self._known[id(target)] = (target, op_name(target))
+        return known[1]

@@ -37,25 +37,28 @@ _IMPLICIT_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
     "aten::_batch_norm_impl_index": ((3, 4), 5),
 }
 _NO_FLAG = 1 << 30
-#: target -> (the (position, name) its schema marks as written, (implicit positions, flag position));
-#: graph copies ask this of every node, so each op's schema is read once
-_written_cache: dict[Any, tuple[tuple[tuple[int, str], ...], tuple[tuple[int, ...], int]]] = {}
+#: id(target) -> (target, (the (position, name) its schema marks as written, (implicit positions,
+#: flag position))); graph copies ask this of every node, so each op's schema is read once. Keyed by
+#: identity: an ``OpOverload`` hashes in Python, and prepare asks this over a thousand times (the
+#: entry holds the target, so its id is not reused meanwhile)
+_written_cache: dict[int, tuple[Any, tuple[tuple[tuple[int, str], ...], tuple[tuple[int, ...], int]]]] = {}
 
 
 def _written_positions(target: Any) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[int, ...], int]]:
-    found = _written_cache.get(target)
-    if found is None:
-        schema = getattr(target, "_schema", None)
-        if schema is None:
-            found = ((), ((), _NO_FLAG))
-        else:
-            marked = tuple(
-                (i, a.name)
-                for i, a in enumerate(schema.arguments)
-                if a.alias_info is not None and a.alias_info.is_write
-            )
-            found = (marked, _IMPLICIT_WRITES.get(schema.name, ((), _NO_FLAG)))
-        _written_cache[target] = found
+    entry = _written_cache.get(id(target))
+    if entry is not None and entry[0] is target:
+        return entry[1]
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        found: tuple[tuple[tuple[int, str], ...], tuple[tuple[int, ...], int]] = ((), ((), _NO_FLAG))
+    else:
+        marked = tuple(
+            (i, a.name)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        found = (marked, _IMPLICIT_WRITES.get(schema.name, ((), _NO_FLAG)))
+    _written_cache[id(target)] = (target, found)
     return found
 
 

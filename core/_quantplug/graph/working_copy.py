@@ -194,6 +194,8 @@ def _written_targets(gm: GraphModule) -> list[str]:
     """The attributes (parameters, buffers, constants) ``gm``'s forward writes in place."""
     written: dict[str, None] = {}
     for node in gm.graph.nodes:
+        if node.op != "call_function":  # only calls write
+            continue
         for arg in _written_args(gm, node):
             base = view_base(arg)  # a write into a view (``buf.select(0, 1).add_(x)``) writes its base
             if base.op == "get_attr":
@@ -212,7 +214,7 @@ def _written_args(gm: GraphModule, node: Node) -> list[Node]:
         return []
     found = written_args(node)
     for i, arg in enumerate(node.args):
-        body = getattr(gm, str(arg.target), None) if isinstance(arg, Node) and arg.op == "get_attr" else None
+        body = _attribute(gm, str(arg.target)) if isinstance(arg, Node) and arg.op == "get_attr" else None
         if not isinstance(body, GraphModule):
             continue
         operands = node.args[i + 1 :]  # a region op's operands follow its subgraph
@@ -222,6 +224,30 @@ def _written_args(gm: GraphModule, node: Node) -> list[Node]:
                 found.append(operand)
         break
     return found
+
+
+def _attribute(gm: GraphModule, target: str) -> Any:
+    """``getattr(gm, target, None)``, without the failed look-up of a dotted target.
+
+    Every weight of a working copy is a ``get_attr`` of a dotted path (``blocks.0.qkv.weight``),
+    which as an attribute name misses, through ``nn.Module.__getattr__`` raising an error (a
+    third of the search for written tensors). A name with a dot can only be held where that
+    look-up searches: the instance's dict, then its parameters, buffers and submodules (no class
+    attribute has it; node names, which a prepared module also resolves, have no dot)."""
+    if "." not in target or getattr(type(gm), target, _ABSENT) is not _ABSENT:
+        return getattr(gm, target, None)
+    for table in (
+        gm.__dict__,
+        gm.__dict__.get("_parameters"),
+        gm.__dict__.get("_buffers"),
+        gm.__dict__.get("_modules"),
+    ):
+        if table is not None and target in table:
+            return table[target]
+    return None
+
+
+_ABSENT = object()
 
 
 def _written_placeholders(body: GraphModule) -> list[int]:
@@ -255,29 +281,38 @@ _LIFTED_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
 _NON_WORD = re.compile(r"\W")
 
 
-def _simple_program(ep: torch.export.ExportedProgram) -> bool:
-    """Only plain inference programs: user inputs, lifted state, user outputs, no submodules."""
-    if _get_codegen is None or _LazyGraphModule is None or ep.call_spec.in_spec is None:
+def _simple_program(ep: torch.export.ExportedProgram, call_spec: Any) -> bool:
+    """Only plain inference programs: user inputs, lifted state, user outputs, no submodules.
+
+    ``call_spec``: ``ep.call_spec`` (a property that builds a new named tuple class per read)."""
+    if _get_codegen is None or _LazyGraphModule is None or call_spec.in_spec is None:
         return False
     sig = ep.graph_signature
-    if any(s.kind != InputKind.USER_INPUT and s.kind.name not in _LIFTED_KINDS for s in sig.input_specs):
+    # the kinds by identity (members are singletons): an Enum's ``name`` and hash are Python-level
+    # calls, which cost a tenth of a copy's time on a program of hundreds of weights
+    kinds = {id(kind) for kind in InputKind if kind == InputKind.USER_INPUT or kind.name in _LIFTED_KINDS}
+    if any(id(s.kind) not in kinds for s in sig.input_specs):
         return False
     if any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs):
         return False
     placeholders = 0
+    higher_order = torch._ops.HigherOrderOperator
     for node in ep.graph.nodes:
-        if node.op == "placeholder":
+        op = node.op
+        if op == "placeholder":
             placeholders += 1
-        elif node.op in ("get_attr", "call_module"):
-            return False
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        elif op == "call_function":
+            if isinstance(node.target, higher_order):
+                return False
+        elif op == "get_attr" or op == "call_module":
             return False
     return placeholders == len(sig.input_specs)
 
 
 def _unlift_directly(ep: torch.export.ExportedProgram, *, lazy: bool) -> GraphModule | None:
     """``ep.module()`` without its deep copy, guard module and repeated compiles (None: not simple)."""
-    if not _simple_program(ep):
+    call_spec = ep.call_spec
+    if not _simple_program(ep, call_spec):
         return None
     sig = ep.graph_signature
     graph = Graph(tracer_cls=ep.graph._tracer_cls)
@@ -302,7 +337,7 @@ def _unlift_directly(ep: torch.export.ExportedProgram, *, lazy: bool) -> GraphMo
     forward_arg_names = (
         s.forward_arg_names if ep.module_call_graph and (s := ep.module_call_graph[0].signature) else None
     )
-    graph._codegen = _get_codegen(ep.call_spec.in_spec, ep.call_spec.out_spec, forward_arg_names)
+    graph._codegen = _get_codegen(call_spec.in_spec, call_spec.out_spec, forward_arg_names)
 
     cls = _LazyGraphModule if lazy else GraphModule
     gm = cls(nn.Module(), Graph())  # empty graph: nothing to copy or compile yet

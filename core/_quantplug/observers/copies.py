@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import types
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -50,6 +52,13 @@ def fresh_copy(obs: nn.Module) -> nn.Module:
     anything else is deep-copied. The copy is never parked (:mod:`_quantplug.observers.parked`):
     a copy is made to be fed, and the observer of a constant is fed its constant through one.
     """
+    return copier(obs)()
+
+
+def copier(obs: nn.Module) -> Callable[[], nn.Module]:
+    """A function making :func:`fresh_copy` copies of ``obs`` (left unchanged meanwhile): whether
+    ``obs`` can be copied by its buffers is asked once, not for every copy (prepare copies one
+    prototype per spec for every group that has the spec)."""
     simple = not obs._modules and not obs._parameters
     if simple:
         simple = all(
@@ -58,18 +67,33 @@ def fresh_copy(obs: nn.Module) -> nn.Module:
             if k not in _MODULE_STATE and k not in _DROPPED
         )
     if not simple:
-        return unparked(copy.deepcopy(obs))
+        return lambda: unparked(copy.deepcopy(obs))
+    # nn.Module.__setattr__ puts the plain containers below into the instance dict: written there
+    # directly (its checks for parameters, modules and buffers were a third of a copy), unless the
+    # class assigns attributes its own way
+    direct = type(obs).__setattr__ is nn.Module.__setattr__
+    return partial(_copy_simple, obs, direct)
+
+
+def _copy_simple(obs: nn.Module, direct: bool) -> nn.Module:
     new = object.__new__(type(obs))
     new.__dict__ = obs.__dict__.copy()
     seen.forget(new)  # a copy has seen no batch
     step = new.__dict__.pop(kernels.STEP_ATTR, None)  # it writes the original's buffers
     new.__dict__.pop(SCALAR_VIEWS, None)  # views of the original's buffers
-    new._buffers = {k: None if v is None else v.clone() for k, v in obs._buffers.items()}
+    state = {
+        "_buffers": {k: None if v is None else v.clone() for k, v in obs._buffers.items()},
+        "_non_persistent_buffers_set": set(obs._non_persistent_buffers_set),
+        "_parameters": {},
+        "_modules": {},
+    }
+    if direct:
+        new.__dict__.update(state)
+    else:
+        for name, value in state.items():
+            setattr(new, name, value)
     if step is not None:
         rebound = step.rebound(new._buffers)  # the same step for the clones, where it has one
         if rebound is not None:
             new.__dict__[kernels.STEP_ATTR] = rebound
-    new._non_persistent_buffers_set = set(obs._non_persistent_buffers_set)
-    new._parameters = {}
-    new._modules = {}
     return unparked(new)

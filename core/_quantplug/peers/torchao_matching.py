@@ -106,16 +106,24 @@ def _patch() -> None:
         _scanned.clear()
         _bindings.clear()
         _scanned_for[0] = frozenset(originals)
-    # which modules bind an original: scan each module once (about 3k of them once torchao is in)
-    for module_name, module in list(sys.modules.items()):
-        if _scanned.get(module_name) is module:
-            continue
-        _scanned[module_name] = module
-        namespace = getattr(module, "__dict__", None)
-        names = [n for n in originals if isinstance(namespace, dict) and namespace.get(n) is originals[n]]
-        if names:
-            _bindings[module_name] = names
-        else:
+    # which modules bind an original: scan each module once (about 3k of them once torchao is in).
+    # ``_scanned`` is then a copy of ``sys.modules``: while it still equals it (one comparison in
+    # C, ~30 us, where walking the modules in Python took 0.2-0.8 ms of every prepare) no module
+    # was added, replaced or removed, and nothing is left to scan
+    if _scanned != sys.modules:
+        for module_name, module in list(sys.modules.items()):
+            if _scanned.get(module_name) is module:
+                continue
+            _scanned[module_name] = module
+            namespace = getattr(module, "__dict__", None)
+            names = [n for n in originals if isinstance(namespace, dict) and namespace.get(n) is originals[n]]
+            if names:
+                _bindings[module_name] = names
+            else:
+                _bindings.pop(module_name, None)
+        # modules since removed: forgotten (scanned again if they come back)
+        for module_name in [name for name in _scanned if name not in sys.modules]:
+            del _scanned[module_name]
             _bindings.pop(module_name, None)
     for module_name, names in _bindings.items():
         namespace = getattr(sys.modules.get(module_name), "__dict__", None)

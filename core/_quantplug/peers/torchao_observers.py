@@ -25,7 +25,7 @@ on (:mod:`_quantplug.peers.versions`) nothing is swapped: torchao's own classes 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,13 +44,26 @@ _TORCHAO_OBSERVERS = "torchao.quantization.pt2e.observer"
 
 def accelerate(obs: nn.Module) -> nn.Module:
     """Swap ``obs`` to its faster bit-identical class if it is exactly a known torchao observer."""
+    return accelerator()(obs)
+
+
+def accelerator() -> Callable[[nn.Module], nn.Module]:
+    """:func:`accelerate`, with its checks of what is loaded and verified made once, for a
+    caller swapping many observers (prepare: one per sharing group)."""
     if _TORCHAO_OBSERVERS not in sys.modules or not verified("torchao_observers"):
-        return obs  # not one of torchao's observers, or a torchao they were not checked against
+        return _unchanged  # not one of torchao's observers, or a torchao they were not checked against
     from _quantplug.peers.torchao_observer_classes import ACCELERATED
 
-    fast = ACCELERATED.get(type(obs))
-    if fast is not None:
-        obs.__class__ = fast
+    def swap(obs: nn.Module) -> nn.Module:
+        fast = ACCELERATED.get(type(obs))
+        if fast is not None:
+            obs.__class__ = fast
+        return obs
+
+    return swap
+
+
+def _unchanged(obs: nn.Module) -> nn.Module:
     return obs
 
 
