@@ -597,9 +597,13 @@ def _check_batched_errors(ao: Any, torchao_fast: Any, monkeypatch: pytest.Monkey
             assert [struct.pack("d", e) for e in errors] == [struct.pack("d", e) for e in expected], config
 
 
-def test_search_walk_tries_torchaos_candidates() -> None:
-    """With every error accepted, the walk proposes torchao's ranges, in torchao's order."""
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_search_walk_tries_torchaos_candidates(path: str) -> None:
+    """With every error accepted, the walk proposes torchao's ranges, in torchao's order (its
+    steps in C where the kernels are built, or in Python)."""
     ao = pytest.importorskip("torchao.quantization.pt2e.observer")
+    if path == "native" and kernels.search_walk_native() is None:
+        pytest.skip("native kernels not built")
     from _quantplug.peers import torchao_observer_classes as torchao_fast
 
     # torchao compares float32 cumulative counts with thresholds rounded to float32: here the
@@ -632,7 +636,9 @@ def test_search_walk_tries_torchaos_candidates() -> None:
         ref._compute_quantization_error = error  # accept limit - 1 candidates, reject the next
         ao.HistogramObserver._non_linear_param_search(ref)
         bin_width = (ref.max_val.item() - ref.min_val.item()) / ref.bins
-        walk = torchao_fast._Searches(ref.histogram[None], [bin_width], ref.dst_nbins).walks[0]
+        with kernels.disabled() if path == "python" else contextlib.nullcontext():
+            walk = torchao_fast._Searches(ref.histogram[None], [bin_width], ref.dst_nbins).walks[0]
+        assert (walk.native is not None) == (path == "native")
         ours: list[tuple[int, int]] = []
         while len(ours) < len(tried):
             candidates = walk.peek(3)

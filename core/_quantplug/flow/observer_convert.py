@@ -23,14 +23,14 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from _quantplug.graph.attrs import fetch_attr
+from _quantplug.graph.attrs import fetch_attr, module_getattr
 from _quantplug.graph.working_copy import AttrNamer
 from _quantplug.observers.base import ObserverBase
 
 
 def converts_itself(observer: nn.Module) -> bool:
     """Whether ``observer`` writes its own ops at convert (a PT2E observer with ``convert``)."""
-    return callable(getattr(observer, "convert", None)) and not isinstance(observer, ObserverBase)
+    return callable(module_getattr(observer, "convert", None)) and not isinstance(observer, ObserverBase)
 
 
 def run_observer_converts(converted: GraphModule, nodes: list[Node], *, fold_quantize: bool) -> None:

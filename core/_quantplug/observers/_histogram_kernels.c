@@ -1153,6 +1153,90 @@ static PyObject *search_norms(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(search_walk_doc,
+             "search_walk(c_sum_address, bins, total, alpha, beta, start_bin, end_bin, n, max_steps)\n"
+             "    -> [(alpha, beta, start_bin, end_bin), ...]\n\n"
+             "The next n candidate ranges of torchao's _non_linear_param_search bin walk (fewer once\n"
+             "max_steps steps found none after the first), from the state (alpha, beta, start_bin,\n"
+             "end_bin) over the bins float32 cumulative counts at c_sum_address with total count total:\n"
+             "alpha and beta step by 1e-5 in double, each threshold (alpha * total, beta * total) is\n"
+             "rounded to float32 as torch rounds a Python float, and compared with the counts.");
+
+static PyObject *search_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 9,
+                    "search_walk(c_sum_address, bins, total, alpha, beta, start_bin, end_bin, n, max_steps)") < 0) {
+        return NULL;
+    }
+    void *address;
+    if (as_address(args[0], &address) < 0) {
+        return NULL;
+    }
+    int64_t bins = PyLong_AsLongLong(args[1]);
+    double total = PyFloat_AsDouble(args[2]);
+    double alpha = PyFloat_AsDouble(args[3]);
+    double beta = PyFloat_AsDouble(args[4]);
+    int64_t start_bin = PyLong_AsLongLong(args[5]);
+    int64_t end_bin = PyLong_AsLongLong(args[6]);
+    int64_t n = PyLong_AsLongLong(args[7]);
+    int64_t max_steps = PyLong_AsLongLong(args[8]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (address == NULL || bins <= 0 || start_bin < 0 || end_bin >= bins || start_bin > end_bin || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "search_walk needs a non-null address and 0 <= start_bin <= end_bin < bins");
+        return NULL;
+    }
+    const float *c_sum = (const float *)address;
+    const double stepsize = 1e-5;
+    PyObject *pending = PyList_New(0);
+    if (pending == NULL) {
+        return NULL;
+    }
+    int64_t found = 0, steps = 0;
+    /* _Walk.peek in torchao_observer_classes, step for step */
+    while (found < n && alpha < beta && start_bin < end_bin) {
+        if (found && steps >= max_steps) {
+            break;
+        }
+        steps++;
+        double next_alpha = alpha + stepsize;
+        double next_beta = beta - stepsize;
+        volatile float low = (float)(next_alpha * total); /* rounded to float32, as array('f') stores it */
+        volatile float high = (float)(next_beta * total);
+        double low_threshold = (double)low, high_threshold = (double)high;
+        int64_t left = start_bin, right = end_bin;
+        while (left < end_bin && (double)c_sum[left] < low_threshold) {
+            left++;
+        }
+        while (right > start_bin && (double)c_sum[right] > high_threshold) {
+            right--;
+        }
+        int64_t next_start_bin = start_bin, next_end_bin = end_bin;
+        if ((left - start_bin) > (end_bin - right)) {
+            next_start_bin = left;
+            alpha = next_alpha;
+        } else {
+            next_end_bin = right;
+            beta = next_beta;
+        }
+        if (next_start_bin == start_bin && next_end_bin == end_bin) {
+            continue;
+        }
+        start_bin = next_start_bin;
+        end_bin = next_end_bin;
+        PyObject *item = Py_BuildValue("(ddLL)", alpha, beta, (long long)start_bin, (long long)end_bin);
+        if (item == NULL || PyList_Append(pending, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(pending);
+            return NULL;
+        }
+        Py_DECREF(item);
+        found++;
+    }
+    return pending;
+}
+
 PyDoc_STRVAR(use_avx2_doc,
              "_use_avx2(flag) -> bool\n\nWhether the AVX2 code ran until now; from now on it runs if flag and "
              "the CPU has AVX2 (tests compare it with the SSE2 and scalar code).");
@@ -1224,6 +1308,7 @@ static PyMethodDef methods[] = {
     {"row_extremes", (PyCFunction)(void (*)(void))row_extremes_py, METH_FASTCALL, row_extremes_doc},
     {"quantize_rows", (PyCFunction)(void (*)(void))quantize_rows_py, METH_FASTCALL, quantize_rows_doc},
     {"search_norms", (PyCFunction)(void (*)(void))search_norms, METH_FASTCALL, search_norms_doc},
+    {"search_walk", (PyCFunction)(void (*)(void))search_walk, METH_FASTCALL, search_walk_doc},
     {"_use_avx2", set_avx2, METH_O, use_avx2_doc},
     {NULL, NULL, 0, NULL},
 };

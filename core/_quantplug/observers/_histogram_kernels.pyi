@@ -86,3 +86,15 @@ def search_norms(
     /,
 ) -> None: ...
 def _use_avx2(flag: bool, /) -> bool: ...
+def search_walk(
+    c_sum_address: int,
+    bins: int,
+    total: float,
+    alpha: float,
+    beta: float,
+    start_bin: int,
+    end_bin: int,
+    n: int,
+    max_steps: int,
+    /,
+) -> list[tuple[float, float, int, int]]: ...

@@ -16,6 +16,7 @@ from torch import nn
 
 from _quantplug.annotation.spec_view import SpecKind, is_per_channel, spec_kind
 from _quantplug.errors import AnnotationError
+from _quantplug.graph.attrs import module_getattr
 from _quantplug.observers.base import ObserverBase, ObserverFactory
 from _quantplug.observers.fake_quantize import FakeQuantize
 from _quantplug.observers.fixed import DerivedObserver, FixedQParamsObserver
@@ -134,7 +135,7 @@ def _saw_data_or_range(obs: nn.Module) -> bool | torch.Tensor:
         return True
     if isinstance(obs, (ObserverBase, FakeQuantize)):
         return bool(obs.observed)
-    inner = getattr(obs, "activation_post_process", None)
+    inner = module_getattr(obs, "activation_post_process", None)
     if isinstance(inner, nn.Module):
         return _saw_data_or_range(inner)
     if type(obs).__name__ in (
@@ -144,7 +145,7 @@ def _saw_data_or_range(obs: nn.Module) -> bool | torch.Tensor:
         "FixedQParamsFakeQuantize",
     ):
         return True
-    if getattr(obs, "is_dynamic", False):
+    if module_getattr(obs, "is_dynamic", False):
         return True
-    min_val = getattr(obs, "min_val", None)
+    min_val = module_getattr(obs, "min_val", None)
     return min_val if isinstance(min_val, torch.Tensor) else True

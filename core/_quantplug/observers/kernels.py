@@ -27,7 +27,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -442,3 +442,18 @@ def search_norms(
         out.data_ptr(),
     )
     return True
+
+
+def search_walk_native() -> Any:
+    """The native :func:`search_walk` step of the kernels, or None where they are off or were built
+    from a source without it (then ``_Walk.peek`` walks in Python, with the same candidates).
+
+    ``search_walk(c_sum_address, bins, total, alpha, beta, start_bin, end_bin, n, max_steps)``
+    returns the next ``n`` candidate ``(alpha, beta, start_bin, end_bin)`` states of torchao's
+    histogram bin walk over ``bins`` contiguous float32 cumulative counts (the caller keeps the
+    tensor alive and passes a valid state): the float64 steps of ``alpha`` and ``beta``, each
+    threshold rounded to float32 as torch rounds a Python float, compared with the counts as
+    ``_Walk.peek`` compares them.
+    """
+    native = _native
+    return getattr(native, "search_walk", None) if native is not None else None

@@ -253,9 +253,11 @@ def widen_for_masks(observer: nn.Module, qparams: tuple[Any, Any]) -> tuple[Any,
     """``qparams`` of a per-tensor grid extended :data:`MASK_MARGIN` past the real values on each
     end where the observer saw mask infinities (module docstring); unchanged otherwise."""
     ends = _mask_ends(observer)
+    if not ends:  # (most observers: nothing to look at)
+        return qparams
     scale, zero_point = qparams
     scale_t, zp_t = torch.as_tensor(scale), torch.as_tensor(zero_point)
-    if not ends or scale_t.numel() != 1:
+    if scale_t.numel() != 1:
         return qparams
     fields: Any = observer  # an observer's grid: quantplug's or torchao's fields
     qmin, qmax = int(fields.quant_min), int(fields.quant_max)

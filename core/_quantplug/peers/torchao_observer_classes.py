@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules import module as _module
 
 from _quantplug.observers import kernels, nonfinite
 from _quantplug.observers.binning import _FLOAT32_MAX, MAX_EXACT_COUNT, LinearBinning, float32
@@ -22,6 +24,9 @@ from _quantplug.observers.binning import _FLOAT32_MAX, MAX_EXACT_COUNT, LinearBi
 # torchao observers are already in sys.modules. torchao is not a quantplug dependency.
 _ao: Any = sys.modules["torchao.quantization.pt2e.observer"]
 _F32 = torch.float32
+#: torch's own call methods, as imported (a subclass or a patch replacing one: torch's call runs)
+_WRAPPED_CALL_IMPL = nn.Module._wrapped_call_impl
+_CALL_IMPL = nn.Module._call_impl
 
 
 class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-defined]
@@ -334,8 +339,21 @@ class _Searches:
             totals = hist.sum(dim=1).tolist()
         else:
             totals = [h.sum().item() for h in hist]
-        c_sum = hist.cumsum(dim=1).numpy().reshape(-1).data  # a memoryview: no Python float per bin
-        self.walks = [_Walk(c_sum[i * bins : (i + 1) * bins], t, bins) for i, t in enumerate(totals)]
+        cumulative = hist.cumsum(dim=1)
+        c_sum = cumulative.numpy().reshape(-1).data  # a memoryview: no Python float per bin
+        # the native walk reads each row's counts where the tensor holds them (kept alive here)
+        plain = cumulative.is_contiguous() and cumulative.dtype is _F32 and cumulative.device.type == "cpu"
+        native = kernels.search_walk_native() if plain else None
+        self.cumulative = cumulative
+        self.walks = [
+            _Walk(
+                c_sum[i * bins : (i + 1) * bins],
+                t,
+                bins,
+                None if native is None else (native, cumulative.data_ptr() + 4 * i * bins),
+            )
+            for i, t in enumerate(totals)
+        ]
         self.start_bins = [0] * len(bin_widths)
         self.end_bins = [bins - 1] * len(bin_widths)
 
@@ -508,15 +526,26 @@ class _Walk:
     are rounded the same way here (storing into a float32 array rounds as torch does).
     """
 
-    def __init__(self, c_sum: Sequence[float], total: float, bins: int) -> None:
+    def __init__(
+        self, c_sum: Sequence[float], total: float, bins: int, native: tuple[Any, int] | None = None
+    ) -> None:
         self.c_sum = c_sum
         self.total = total
+        self.bins = bins
+        #: (kernels.search_walk_native(), the address of c_sum's float32 counts): the same walk in C
+        self.native = native
         self.alpha, self.beta = 0.0, 1.0
         self.start_bin, self.end_bin = 0, bins - 1
         self._pending: list[tuple[float, float, int, int]] = []  # (alpha, beta, start, end) after each
 
     def peek(self, n: int) -> list[tuple[int, int]]:
         alpha, beta, start_bin, end_bin = self.alpha, self.beta, self.start_bin, self.end_bin
+        if self.native is not None:  # the loop below, step for step, a tenth of its time
+            walk, address = self.native
+            self._pending = walk(
+                address, self.bins, self.total, alpha, beta, start_bin, end_bin, n, _PEEK_STEPS
+            )
+            return [(p[2], p[3]) for p in self._pending]
         c_sum, total, stepsize = self.c_sum, self.total, 1e-5
         pending: list[tuple[float, float, int, int]] = []
         rounded = array("f", (0.0, 0.0))
@@ -629,6 +658,59 @@ class PerChannelMinMaxObserver(_ao.PerChannelMinMaxObserver):  # type: ignore[mi
         self.min_val.copy_(min_val)
         self.max_val.copy_(max_val)
         return x_orig
+
+
+def observe_constant(obs: Any, value: torch.Tensor) -> bool:
+    """``obs(value)`` for a fresh accelerated :class:`PerChannelMinMaxObserver` fed a constant
+    (convert observes each weight once, into a fresh copy of its observer), or False, having
+    done nothing, where anything but the common path would run.
+
+    The common path: no hook or compiled call that ``nn.Module.__call__`` would run, an empty
+    state (so the state becomes the rows' extremes), a float32 CPU ``value`` whose channel axis is
+    its first, and finite non-zero extremes found by the native kernels under a policy that takes
+    no mask sentinel (:func:`nonfinite.mask_sentinel` is -inf): then ``forward`` would store
+    exactly ``kernels.row_extremes(value.flatten(1))``, which is stored here without the call's
+    frames, the permutation and the copies into the empty buffers (a third of observing a
+    decoder's weights at convert).
+    """
+    if type(obs) is not PerChannelMinMaxObserver or not _forward_only(obs):
+        return False
+    buffers = obs._buffers
+    min_val, max_val = buffers.get("min_val"), buffers.get("max_val")
+    if min_val is None or max_val is None or min_val.numel() or max_val.numel():
+        return False
+    if min_val.dtype is not _F32 or max_val.dtype is not _F32 or value.dtype is not _F32:
+        return False
+    if obs.ch_axis != 0 or value.dim() < 2 or not value.numel() or nonfinite.mask_sentinel(obs) != -math.inf:
+        return False
+    extremes = kernels.row_extremes(value.detach().flatten(1))
+    if extremes is None:
+        return False
+    # forward's resize_ + copy_ of these into the empty buffers: the same float32 values
+    buffers["min_val"], buffers["max_val"] = extremes
+    return True
+
+
+def _forward_only(module: Any) -> bool:
+    """Whether ``module(x)`` would only call ``module.forward(x)``: torch 2.13's ``_call_impl``
+    test (no compiled call, no hook on the module, no global hook, no JIT trace recording), with
+    torch's own ``nn.Module.__call__`` and ``_call_impl``."""
+    return (
+        nn.Module.__call__ is _WRAPPED_CALL_IMPL
+        and type(module)._call_impl is _CALL_IMPL
+        and module._compiled_call_impl is None
+        and not (
+            module._backward_hooks
+            or module._backward_pre_hooks
+            or module._forward_hooks
+            or module._forward_pre_hooks
+            or _module._global_backward_pre_hooks
+            or _module._global_backward_hooks
+            or _module._global_forward_hooks
+            or _module._global_forward_pre_hooks
+        )
+        and not torch._C._get_tracing_state()
+    )
 
 
 def per_channel_qparams(

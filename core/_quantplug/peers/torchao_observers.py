@@ -95,6 +95,16 @@ def calculate_qparams_many(observers: Sequence[nn.Module]) -> list[tuple[torch.T
     return [obs.calculate_qparams() if r is None else r for obs, r in zip(modules, results)]
 
 
+def observe_constant(obs: nn.Module, value: torch.Tensor) -> bool:
+    """``obs(value)`` done faster for an accelerated ``PerChannelMinMaxObserver`` on its common
+    path (``torchao_observer_classes.observe_constant``), or False, having done nothing."""
+    if _TORCHAO_OBSERVERS not in sys.modules or not verified("torchao_observers"):
+        return False  # none is accelerated
+    from _quantplug.peers import torchao_observer_classes as torchao_fast
+
+    return bool(torchao_fast.observe_constant(obs, value))
+
+
 _PURE_TORCHAO_CTORS = frozenset(
     {
         "MinMaxObserver",
