@@ -6,8 +6,6 @@ observer's own path gives, bit for bit, on random and edge-case inputs.
 * ``torchao_observer_classes.observe_constant``: a weight's statistics written directly, against
   the observer's own call on the weight;
 * ``graph.attrs.module_getattr``: against ``getattr``;
-* ``peers.torch_node_create``: nodes made in one step, against ``Graph.create_node`` then the
-  arguments' assignment;
 * ``flow.convert._populate``'s direct registration, against torch's register methods (their
   global hooks see every value when any is registered).
 """
@@ -27,14 +25,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.fx import Graph
 
-from _quantplug.graph import working_copy
 from _quantplug.graph.attrs import module_getattr
 from _quantplug.observers import kernels
 from _quantplug.observers.copies import fresh_copy
 from _quantplug.observers.nonfinite import configure
-from _quantplug.peers import torch_node_create
 from _quantplug.peers.torchao_observers import accelerate, observe_constant
 
 qd = torch.ops.quantized_decomposed
@@ -282,99 +277,6 @@ def test_module_getattr_is_getattr(
     if expected[0] == "value" and name != "forward":  # (a bound method is made at each lookup)
         assert got[1] is expected[1]
     assert module_getattr(3, "real", None) == 3 and module_getattr(None, "x", 5) == 5
-
-
-# ---------------------------------------------------------------- nodes made in one step
-
-
-def _build(steps: list[tuple[str, Any]], one_step: bool) -> Graph:
-    saved = working_copy.node_creator
-    working_copy.node_creator = torch_node_create.create_node if one_step else None
-    try:
-        g = Graph()
-        x = working_copy.add_node(g, "placeholder", "x")
-        made = [x]
-        for kind, arg in steps:
-            if kind == "q":
-                made.append(
-                    working_copy.add_node(
-                        g,
-                        "call_function",
-                        qd.quantize_per_tensor.default,
-                        (made[arg % len(made)], 0.5, 3, 0, 255, torch.uint8),
-                    )
-                )
-            elif kind == "named":
-                made.append(
-                    working_copy.add_node(
-                        g, "call_function", torch.relu, (made[arg % len(made)],), None, "relu_1"
-                    )
-                )
-            elif kind == "kwargs":
-                made.append(
-                    working_copy.add_node(
-                        g, "call_function", torch.add, (made[-1], made[arg % len(made)]), {"alpha": 2}
-                    )
-                )
-            elif kind == "attr":
-                made.append(working_copy.add_node(g, "get_attr", f"blocks.{arg}.weight"))
-            elif kind == "before":  # an insertion point other than the end
-                with g.inserting_before(made[arg % len(made)] if arg % len(made) else None):
-                    made.append(working_copy.add_node(g, "call_function", torch.neg, (made[0],)))
-        working_copy.add_node(g, "output", "output", (made[-1],))
-        return g
-    finally:
-        working_copy.node_creator = saved
-
-
-def _shape(g: Graph) -> list[Any]:
-    names = {n: n.name for n in g.nodes}
-
-    def show(a: Any) -> Any:
-        return torch.fx.node.map_arg(a, lambda n: ("node", names[n]))
-
-    table = g._find_nodes_lookup_table.table
-    nodes = [
-        (
-            n.name,
-            n.op,
-            n.target,
-            show(n.args),
-            show(n.kwargs),
-            type(n.args),
-            type(n.kwargs),
-            n.type,
-            sorted(names[u] for u in n.users),
-            [names[i] for i in n._input_nodes],
-            n in table[(n.op, n.target if n.op == "call_function" else None)],
-        )
-        for n in g.nodes
-    ]
-    return [*nodes, g._len, len(g.nodes), sorted(g._graph_namespace._used_names), g.python_code("self").src]
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["q", "named", "kwargs", "attr", "before"]), st.integers(0, 50)),
-        max_size=25,
-    )
-)
-def test_nodes_made_in_one_step_are_torchs(steps: list[tuple[str, Any]]) -> None:
-    assert _shape(_build(steps, True)) == _shape(_build(steps, False))
-
-
-def test_graphs_with_node_hooks_or_their_own_creation_keep_torchs() -> None:
-    gm = torch.fx.symbolic_trace(nn.ReLU())
-    seen: list[Any] = []
-    gm._register_create_node_hook(lambda n: seen.append(n.args))
-    assert torch_node_create.create_node(gm.graph, "call_function", torch.relu, (), None, None, None) is None
-
-    class MyGraph(Graph):
-        pass
-
-    assert torch_node_create.create_node(MyGraph(), "placeholder", "x", (), None, None, None) is None
-    assert working_copy.node_creator is torch_node_create.create_node  # installed on import
 
 
 # ---------------------------------------------------------------- registering the converted state

@@ -64,7 +64,6 @@ from _quantplug.observers.fixed import DerivedObserver
 from _quantplug.observers.nonfinite import check_all_qparams, check_state, widen_for_masks
 from _quantplug.observers.nonfinite import configure as configure_nonfinite
 from _quantplug.observers.per_block import block_grid_shape, resolve_block_size
-from _quantplug.peers import torch_node_create  # noqa: F401  (installs add_node's one-step creation)
 from _quantplug.peers.torch_codegen import generating_code
 from _quantplug.peers.torchao_observers import calculate_qparams_many, observe_constant
 from _quantplug.rewrites.qat_batchnorm import fold_trained_batch_norms

@@ -427,21 +427,10 @@ def add_node(
     setters it took two, each through ``Node.__setattr__``, which takes the node out of the
     graph's lookup table and files it again on every assignment.
     """
-    creator = node_creator
-    if creator is not None:
-        made = creator(graph, op, target, args, kwargs, name, type_expr)
-        if made is not None:
-            return made
     node = graph.create_node(op, target, None, None, name, type_expr)
     if args or kwargs:
         node._update_args_kwargs(args, kwargs if kwargs else node.kwargs)
     return node
-
-
-#: what :func:`add_node` asks first: ``(graph, op, target, args, kwargs, name, type_expr)`` -> the
-#: node, or None for the path above (:mod:`_quantplug.peers.torch_node_create` installs its
-#: one-step creation when imported; the graph layer does not import peers)
-node_creator: Callable[..., Node | None] | None = None
 
 
 def copy_node(graph: Graph, node: Node, arg_transform: Callable[[Node], Argument]) -> Node:

@@ -80,15 +80,6 @@ PIECES: dict[str, PeerPiece] = {
             ("tests/core/test_peers.py",),
         ),
         PeerPiece(
-            "torch_node_create",
-            {"torch": ("2.13.",)},
-            "replaces",
-            "speed: torch.fx's Graph.create_node makes a node with empty arguments, which add_node "
-            "then assigns (two passes over every node a converted program gets); the node made with "
-            "its arguments at once, named and filed in torch's steps, is the same node",
-            ("tests/core/test_peers.py",),
-        ),
-        PeerPiece(
             "torch_dead_code",
             {"torch": ("2.13.",)},
             "replaces",
