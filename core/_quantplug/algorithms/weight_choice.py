@@ -47,6 +47,8 @@ from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.errors import AlgorithmError
 from _quantplug.meta import ALGORITHMS_KEY
 from _quantplug.observers.copies import fresh_copy
+from _quantplug.observers.minmax import PerChannelMinMaxObserver
+from _quantplug.observers.nonfinite import all_ordinary
 
 logger = logging.getLogger("quantplug.algorithms")
 
@@ -60,7 +62,12 @@ class WeightOverrides:
     biases: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _grid(group: Any, raw: tuple[Any, Any], observe: Callable[[torch.Tensor], Any]) -> WeightGrid:
+def _grid(
+    group: Any,
+    raw: tuple[Any, Any],
+    observe: Callable[[torch.Tensor], Any],
+    extremes: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+) -> WeightGrid:
     spec = group.spec
     qmin, qmax = spec_range(spec)
     scale = torch.as_tensor(raw[0]).detach().to(torch.float32)
@@ -89,6 +96,7 @@ def _grid(group: Any, raw: tuple[Any, Any], observe: Callable[[torch.Tensor], An
         ch_axis=axis,
         block_size=tuple(block) if block is not None else None,
         _observe=observe,
+        _observe_extremes=extremes,
     )
 
 
@@ -117,7 +125,13 @@ def choose_weights(
     groups = {g.gid: g for g in state.groups}
     refs = weight_sites(prepared, state)
     grids = [
-        _grid(groups[ref.site.group], qparams_of(ref.site.group), _observer(observers, ref)) for ref in refs
+        _grid(
+            groups[ref.site.group],
+            qparams_of(ref.site.group),
+            _observer(observers, ref),
+            _extremes_observer(observers, ref),
+        )
+        for ref in refs
     ]
     batches = run.inputs.batches if run.inputs is not None else []
     wants = [
@@ -387,6 +401,35 @@ def _observer(observers: dict[int, nn.Module], ref: SiteRef) -> Callable[[torch.
         obs: Any = fresh_copy(prototype)
         with torch.no_grad():
             obs(tensor.detach())
+        scale, zp = obs.calculate_qparams()
+        return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
+
+    return observe
+
+
+def _extremes_observer(
+    observers: dict[int, nn.Module], ref: SiteRef
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[Any, Any] | None] | None:
+    """:meth:`WeightGrid.observe_extremes` for a site whose observer is quantplug's
+    :class:`~_quantplug.observers.minmax.PerChannelMinMaxObserver` on axis 0 (None otherwise).
+
+    That observer reads of a weight only each channel's float32 min and max (``amin``/``amax``
+    of its channel's values) and computes the encoding from them, unless they are not
+    ordinary (NaN, inf, a mask sentinel: then it scans the weight again). So a fresh copy fed
+    ``[channels, 2]`` holding just those extremes gives, bit for bit, the encoding it gives any
+    weight with them; extremes that are not ordinary answer None (observe the weight itself).
+    Only that exact class: a subclass or another observer may read more than the extremes."""
+    prototype = observers[ref.site.group]
+    if type(prototype) is not PerChannelMinMaxObserver or prototype.ch_axis != 0:
+        return None
+
+    def observe(low: torch.Tensor, high: torch.Tensor) -> tuple[Any, Any] | None:
+        obs: Any = fresh_copy(prototype)
+        low, high = low.detach().to(torch.float32), high.detach().to(torch.float32)
+        if not all_ordinary(obs, low, high):
+            return None
+        with torch.no_grad():
+            obs(torch.stack([low, high], dim=1))
         scale, zp = obs.calculate_qparams()
         return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
 
