@@ -284,10 +284,8 @@ def test_a_min_max_encoder_of_extremes_is_its_encoding_of_the_candidate(
     candidate's extremes alone (:meth:`SiteEncoder.of_extremes`); it must be the encoding the
     observer gives the candidate itself (:meth:`SiteEncoder.__call__`), scale and zero point bit
     for bit, and nothing where the observer would read more (a subclass of it, an infinity)."""
-    from types import SimpleNamespace
-
     from _quantplug.algorithms.spec import WeightGrid
-    from _quantplug.algorithms.weight_choice import _extremes_observer, _observer
+    from _quantplug.algorithms.weight_choice import SiteObserver
     from _quantplug.algorithms.weight_layers import SiteEncoder, SiteMatrix
     from _quantplug.observers.minmax import MovingAveragePerChannelMinMaxObserver, PerChannelMinMaxObserver
 
@@ -296,8 +294,6 @@ def test_a_min_max_encoder_of_extremes_is_its_encoding_of_the_candidate(
     w, _ = problem(seed, rows, cols)
     w[0] = w[0].abs() * 3  # a channel with no negative value
     prototype = PerChannelMinMaxObserver(dtype=torch.int8, qscheme=qscheme, quant_min=qmin, quant_max=qmax)
-    observers: dict[int, Any] = {0: prototype}
-    ref: Any = SimpleNamespace(site=SimpleNamespace(group=0))
     grid = WeightGrid(
         quant_min=qmin,
         quant_max=qmax,
@@ -308,8 +304,7 @@ def test_a_min_max_encoder_of_extremes_is_its_encoding_of_the_candidate(
         zero_point=torch.zeros(rows, dtype=torch.int64),
         symmetric=symmetric,
         ch_axis=0,
-        _observe=_observer(observers, ref),
-        _observe_extremes=_extremes_observer(observers, ref),
+        _observe=SiteObserver(prototype),
     )
     matrix = SiteMatrix(
         weight=w,
@@ -337,7 +332,7 @@ def test_a_min_max_encoder_of_extremes_is_its_encoding_of_the_candidate(
     averaging = MovingAveragePerChannelMinMaxObserver(
         dtype=torch.int8, qscheme=qscheme, quant_min=qmin, quant_max=qmax
     )
-    assert _extremes_observer({0: averaging}, ref) is None
+    assert SiteObserver(averaging).extremes(low, high) is None
 
 
 def test_gptq_gives_back_the_callers_thread_count() -> None:

@@ -185,10 +185,6 @@ class WeightSite:
         return self._call(x, self.weight if weight is None else weight)
 
 
-#: ``(channel minima, channel maxima) -> (scale, zero point)``, or None where unknown
-ExtremesObserver = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
-
-
 @dataclass(frozen=True)
 class WeightGrid:
     """The backend's grid for one weight, with the encoding chosen so far.
@@ -212,9 +208,6 @@ class WeightGrid:
     _observe: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(
         default=None, repr=False, compare=False
     )
-    #: :meth:`observe_extremes`'s answer, where the observer reads nothing of a weight but the min
-    #: and max of each channel (None: it may read more; every candidate is observed whole)
-    _observe_extremes: ExtremesObserver | None = field(default=None, repr=False, compare=False)
 
     def observe(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, zero_point)`` the backend's weight observer gives for ``tensor``.
@@ -225,19 +218,6 @@ class WeightGrid:
         if self._observe is None:
             raise TypeError("this grid has no observer (built by hand)")
         return self._observe(tensor)
-
-    def observe_extremes(
-        self, low: torch.Tensor, high: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What :meth:`observe` gives every weight whose channels' float32 minima are ``low`` and
-        maxima ``high`` (``[channels]``), without the weight: a scale search asks it of each
-        candidate range, where observing the clipped weight is a pass over it to make it and two
-        to read its extremes (on a 110M Llama, a third of SeqMSE's search). None: not known
-        without the weight (an observer that reads more than the extremes, a per-tensor or
-        per-block grid, extremes the observer treats apart: a mask sentinel, NaN or inf)."""
-        if self._observe_extremes is None or self.granularity != "channel":
-            return None
-        return self._observe_extremes(low, high)
 
     def expand(self, param: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """A scale or zero point stretched over a weight of ``shape`` (broadcastable to it)."""

@@ -62,12 +62,7 @@ class WeightOverrides:
     biases: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _grid(
-    group: Any,
-    raw: tuple[Any, Any],
-    observe: Callable[[torch.Tensor], Any],
-    extremes: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
-) -> WeightGrid:
+def _grid(group: Any, raw: tuple[Any, Any], observe: Callable[[torch.Tensor], Any]) -> WeightGrid:
     spec = group.spec
     qmin, qmax = spec_range(spec)
     scale = torch.as_tensor(raw[0]).detach().to(torch.float32)
@@ -96,7 +91,6 @@ def _grid(
         ch_axis=axis,
         block_size=tuple(block) if block is not None else None,
         _observe=observe,
-        _observe_extremes=extremes,
     )
 
 
@@ -125,13 +119,7 @@ def choose_weights(
     groups = {g.gid: g for g in state.groups}
     refs = weight_sites(prepared, state)
     grids = [
-        _grid(
-            groups[ref.site.group],
-            qparams_of(ref.site.group),
-            _observer(observers, ref),
-            _extremes_observer(observers, ref),
-        )
-        for ref in refs
+        _grid(groups[ref.site.group], qparams_of(ref.site.group), _observer(observers, ref)) for ref in refs
     ]
     batches = run.inputs.batches if run.inputs is not None else []
     wants = [
@@ -393,37 +381,36 @@ def warn_ignored(ignored: dict[str, int]) -> None:
     )
 
 
-def _observer(observers: dict[int, nn.Module], ref: SiteRef) -> Callable[[torch.Tensor], Any]:
-    """:meth:`WeightGrid.observe` for a site: a fresh copy of its group's weight observer."""
-    prototype = observers[ref.site.group]
+class SiteObserver:
+    """:meth:`WeightGrid.observe` for a site: a fresh copy of its group's weight observer fed the
+    tensor; and :meth:`extremes`, the same from a weight's channel extremes alone, where that is
+    all the observer reads."""
 
-    def observe(tensor: torch.Tensor) -> tuple[Any, Any]:
-        obs: Any = fresh_copy(prototype)
+    def __init__(self, prototype: nn.Module) -> None:
+        self.prototype = prototype
+
+    def __call__(self, tensor: torch.Tensor) -> tuple[Any, Any]:
+        obs: Any = fresh_copy(self.prototype)
         with torch.no_grad():
             obs(tensor.detach())
         scale, zp = obs.calculate_qparams()
         return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
 
-    return observe
+    def extremes(self, low: torch.Tensor, high: torch.Tensor) -> tuple[Any, Any] | None:
+        """What calling this gives any weight whose channels (axis 0) have float32 minima ``low``
+        and maxima ``high``, without the weight; None where that is not known from them.
 
-
-def _extremes_observer(
-    observers: dict[int, nn.Module], ref: SiteRef
-) -> Callable[[torch.Tensor, torch.Tensor], tuple[Any, Any] | None] | None:
-    """:meth:`WeightGrid.observe_extremes` for a site whose observer is quantplug's
-    :class:`~_quantplug.observers.minmax.PerChannelMinMaxObserver` on axis 0 (None otherwise).
-
-    That observer reads of a weight only each channel's float32 min and max (``amin``/``amax``
-    of its channel's values) and computes the encoding from them, unless they are not
-    ordinary (NaN, inf, a mask sentinel: then it scans the weight again). So a fresh copy fed
-    ``[channels, 2]`` holding just those extremes gives, bit for bit, the encoding it gives any
-    weight with them; extremes that are not ordinary answer None (observe the weight itself).
-    Only that exact class: a subclass or another observer may read more than the extremes."""
-    prototype = observers[ref.site.group]
-    if type(prototype) is not PerChannelMinMaxObserver or prototype.ch_axis != 0:
-        return None
-
-    def observe(low: torch.Tensor, high: torch.Tensor) -> tuple[Any, Any] | None:
+        Known for quantplug's :class:`~_quantplug.observers.minmax.PerChannelMinMaxObserver` on
+        axis 0 (the exact class: a subclass or another observer may read more): it reads of a
+        weight only each channel's min and max (``amin``/``amax``) and computes the encoding
+        from them, unless they are not ordinary (NaN, inf, a mask sentinel: then it scans the
+        weight again, and this answers None). So a fresh copy fed ``[channels, 2]`` holding just
+        those extremes gives, bit for bit, the encoding it gives the weight. A scale search asks
+        this of each candidate range (:meth:`~.weight_layers.SiteEncoder.of_extremes`), where
+        observing the clipped weight is a pass over it to make it and two to read it."""
+        prototype = self.prototype
+        if type(prototype) is not PerChannelMinMaxObserver or prototype.ch_axis != 0:
+            return None
         obs: Any = fresh_copy(prototype)
         low, high = low.detach().to(torch.float32), high.detach().to(torch.float32)
         if not all_ordinary(obs, low, high):
@@ -433,7 +420,10 @@ def _extremes_observer(
         scale, zp = obs.calculate_qparams()
         return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
 
-    return observe
+
+def _observer(observers: dict[int, nn.Module], ref: SiteRef) -> SiteObserver:
+    """:meth:`WeightGrid.observe` for a site (:class:`SiteObserver`)."""
+    return SiteObserver(observers[ref.site.group])
 
 
 def _activation_encodings(

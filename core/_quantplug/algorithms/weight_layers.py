@@ -631,11 +631,19 @@ class SiteEncoder:
     def of_extremes(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What calling this on a candidate gives, from the candidate's min and max per row
         group (``[O // rows]`` each, one column group: per channel), without the candidate
-        (:meth:`WeightGrid.observe_extremes`). None: not known without it (then call this)."""
-        matrix = self.matrix
-        if matrix.in_out or matrix.groups[1] != matrix.weight.shape[1] or low.numel() != matrix.shape[0]:
+        (the observer's ``extremes``: ``weight_choice.SiteObserver.extremes``, per channel). None:
+        not known without it (then call this)."""
+        matrix, grid = self.matrix, self.grid
+        extremes = getattr(grid._observe, "extremes", None)
+        if (
+            extremes is None
+            or grid.granularity != "channel"
+            or matrix.in_out
+            or matrix.groups[1] != matrix.weight.shape[1]
+            or low.numel() != matrix.shape[0]
+        ):
             return None
-        found = self.grid.observe_extremes(low.reshape(-1), high.reshape(-1))
+        found = extremes(low.reshape(-1), high.reshape(-1))
         return None if found is None else self._expanded(found)
 
 
