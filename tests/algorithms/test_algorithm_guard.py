@@ -272,11 +272,74 @@ def test_the_selection_is_never_worse_than_the_default_nor_than_every_choice(err
     assert len(guard.kept_out) == keep.count(False) and guard.tried == len(keep)
 
 
+def reference_selection(errors: list[float]) -> tuple[list[bool], float, list[int]]:
+    """:meth:`ModelGuard.select`'s rule written out on ``errors[mask]`` (the model's error with the
+    choices in ``mask`` kept), every step measured: the choices kept, the error, the masks run."""
+    n = len(errors).bit_length() - 1
+    runs: list[int] = []
+
+    def measure(mask: int) -> float:
+        runs.append(mask)
+        return errors[mask]
+
+    def lower(a: float, b: float) -> bool:
+        return a < b * (1 - TIE)
+
+    default = measure(0)
+    mask = (1 << n) - 1
+    error = measure(mask)
+    for i in reversed(range(n)):
+        found = measure(mask & ~(1 << i))
+        if lower(found, error):
+            mask, error = mask & ~(1 << i), found
+    for i in [i for i in range(n) if not mask >> i & 1]:
+        found = measure(mask | 1 << i)
+        if lower(found, error):
+            mask, error = mask | 1 << i, found
+    if lower(default, error):
+        mask, error = 0, default
+        for i in range(n):
+            found = measure(mask | 1 << i)
+            if lower(found, error):
+                mask, error = mask | 1 << i, found
+    return [bool(mask >> i & 1) for i in range(n)], error, runs
+
+
+@given(
+    st.integers(1, 5).flatmap(
+        lambda n: st.lists(st.sampled_from([1.0, 1.5, 2.0, 3.0, 5.0]), min_size=2**n, max_size=2**n)
+    )
+)
+def test_the_selection_runs_each_selection_once_and_decides_as_if_it_ran_every_step(
+    errors: list[float],
+) -> None:
+    """A selection judged before is not simulated again (its weights are the same, so is its
+    error: the first choice taken back is the selection its drop was judged against, a whole
+    pass on an LLM): the guard keeps what the rule measuring every step keeps, with the same
+    error, and runs each selection the rule runs, each once."""
+    n = len(errors).bit_length() - 1
+    run: list[int] = []
+    candidates = [Candidate(f"w{i}", {f"w{i}": torch.ones(1)}, {f"w{i}": torch.zeros(1)}) for i in range(n)]
+
+    def evaluate(weights: Any) -> list[list[torch.Tensor]]:
+        mask = sum(1 << i for i in range(n) if bool(weights[f"w{i}"] == 1))
+        run.append(mask)
+        return [[torch.ones(1, dtype=torch.float64) + math.sqrt(errors[mask])]]
+
+    guard = ModelGuard(evaluate, [[torch.ones(1, dtype=torch.float64)]])
+    keep = guard.select({f"w{i}": torch.zeros(1) for i in range(n)}, candidates)
+    expected, error, runs = reference_selection(errors)
+    assert keep == expected
+    assert guard.error == pytest.approx(error, rel=1e-12)
+    assert len(run) == len(set(run)) and set(run) == set(runs)
+
+
 def test_each_trial_is_reported_within_the_count_announced(caplog: pytest.LogCaptureFixture) -> None:
     """On an LLM the guard's trials run for minutes after the algorithms' per-layer lines: each
     says how many the selection runs at most, and none goes past it (pruning alone; pruning that
-    the default beats, then forward selection)."""
-    for errors, total in (([4.0, 1.0, 2.0, 3.0], 5), ([1.0, 5.0, 5.0, 3.0], 6)):
+    the default beats, then forward selection). A selection judged before is not run again: the
+    first sweeps 3 trials of the rule's 5 (its last two steps were judged), the second 4 of 6."""
+    for errors, total in (([4.0, 1.0, 2.0, 3.0], 3), ([1.0, 5.0, 5.0, 3.0], 4)):
         caplog.clear()
         with caplog.at_level("INFO", logger="quantplug.algorithms"):
             select(errors)

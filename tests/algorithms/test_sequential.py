@@ -4,6 +4,7 @@ published), from a bounded store of calibration batches."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +18,12 @@ from torch.fx import GraphModule, Interpreter, Node
 import quantplug
 from _quantplug.algorithms.collectors import InputSample
 from _quantplug.algorithms.guard import GUARD_BATCHES, GUARD_BYTES
-from _quantplug.algorithms.sequential import InputStore, fake_quantize_per_tensor, stages
+from _quantplug.algorithms.sequential import (
+    InputStore,
+    activation_quantizer,
+    fake_quantize_per_tensor,
+    stages,
+)
 from _quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
 from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
 
@@ -324,3 +330,11 @@ def test_simulated_activations_are_atens_fake_quantize_value_for_value(
     got = fake_quantize_per_tensor(x, scale, zero_point, qmin, qmax)
     assert torch.equal(got, expected)
     assert torch.equal(torch.signbit(got), torch.signbit(expected))
+    # as the simulation calls it: through an observer's quantizer, its scale's inverse made once
+    spec = SimpleNamespace(dtype=torch.int64, quant_min=qmin, quant_max=qmax, qscheme=torch.per_tensor_affine)
+    quantize = activation_quantizer(spec, (torch.tensor([scale]), torch.tensor([zero_point])))
+    assert quantize is not None
+    for _ in range(2):
+        got = quantize(x)
+        assert torch.equal(got, expected)
+        assert torch.equal(torch.signbit(got), torch.signbit(expected))

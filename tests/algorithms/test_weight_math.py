@@ -234,6 +234,107 @@ def test_group_candidates_are_the_expanded_candidates_and_their_errors(
         assert torch.equal(error, w - fake_quantize(w, *wide, grid))
 
 
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.sampled_from([(1, 12), (1, 4), (2, 3), (6, 12)]),
+    st.booleans(),
+    st.lists(st.integers(1, 150), min_size=1, max_size=24),
+    st.sampled_from([None, torch.float32]),
+)
+def test_group_candidates_extremes_are_those_of_their_values(
+    seed: int, groups: tuple[int, int], symmetric: bool, numerators: list[int], dtype: torch.dtype | None
+) -> None:
+    """:meth:`GroupCandidates.extremes_at` stands for the candidate where an observer reads only
+    its extremes: each group's min and max of :meth:`~GroupCandidates.weight_at`'s values, bit for
+    bit, for fractions below, at and above 1 mixed across groups, in float64 and in the float32
+    copy the screening makes (its extremes rounded from the float64 ones, not found again)."""
+    w, _ = problem(seed, 6, 12)
+    w[1] = 0.0
+    w[2, :5] = -0.0
+    w[3] = -w[3].abs()
+    w[4] = w[4].abs()
+    shape = (6 // groups[0], 12 // groups[1])
+    made = GroupCandidates(w, groups, symmetric)
+    if dtype is not None:
+        made.extremes_at(torch.ones(shape, dtype=torch.float64))  # found in float64 first
+        made = made.in_dtype(dtype)
+    picks = torch.tensor(numerators * (shape[0] * shape[1] // len(numerators) + 1))
+    for shift in range(3):
+        fraction = picks.roll(shift)[: shape[0] * shape[1]].reshape(shape).to(torch.float64) / 100
+        low, high = made.extremes_at(fraction)
+        view = group_view(made.weight_at(fraction), groups)
+        assert low.dtype == high.dtype == view.dtype
+        assert torch.equal(low, view.amin(dim=(1, 3)))
+        assert torch.equal(high, view.amax(dim=(1, 3)))
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 7),
+    st.integers(1, 9),
+    st.sampled_from([torch.per_channel_symmetric, torch.per_channel_affine]),
+    st.lists(st.integers(1, 150), min_size=1, max_size=8),
+)
+def test_a_min_max_encoder_of_extremes_is_its_encoding_of_the_candidate(
+    seed: int, rows: int, cols: int, qscheme: torch.qscheme, numerators: list[int]
+) -> None:
+    """SeqMSE asks a per-channel min/max observer for each candidate's encoding from the
+    candidate's extremes alone (:meth:`SiteEncoder.of_extremes`); it must be the encoding the
+    observer gives the candidate itself (:meth:`SiteEncoder.__call__`), scale and zero point bit
+    for bit, and nothing where the observer would read more (a subclass of it, an infinity)."""
+    from _quantplug.algorithms.spec import WeightGrid
+    from _quantplug.algorithms.weight_choice import SiteObserver
+    from _quantplug.algorithms.weight_layers import SiteEncoder, SiteMatrix
+    from _quantplug.observers.minmax import MovingAveragePerChannelMinMaxObserver, PerChannelMinMaxObserver
+
+    symmetric = qscheme == torch.per_channel_symmetric
+    qmin, qmax = (-7, 7) if symmetric else (0, 15)
+    w, _ = problem(seed, rows, cols)
+    w[0] = w[0].abs() * 3  # a channel with no negative value
+    prototype = PerChannelMinMaxObserver(dtype=torch.int8, qscheme=qscheme, quant_min=qmin, quant_max=qmax)
+    grid = WeightGrid(
+        quant_min=qmin,
+        quant_max=qmax,
+        dtype=torch.int8,
+        qscheme=qscheme,
+        granularity="channel",
+        scale=torch.ones(rows),
+        zero_point=torch.zeros(rows, dtype=torch.int64),
+        symmetric=symmetric,
+        ch_axis=0,
+        _observe=SiteObserver(prototype),
+    )
+    matrix = SiteMatrix(
+        weight=w,
+        scale=torch.ones(rows, cols, dtype=torch.float64),
+        zero_point=torch.zeros(rows, cols, dtype=torch.float64),
+        grid=IntegerGrid(qmin, qmax),
+        groups=(1, cols),
+        shape=(rows, cols),
+    )
+    encode = SiteEncoder(matrix, grid)
+    for made in (
+        GroupCandidates(w, (1, cols), symmetric),
+        GroupCandidates(w, (1, cols), symmetric, torch.float32),
+    ):
+        for shift in range(3):
+            picks = torch.tensor(numerators * (rows // len(numerators) + 1)).roll(shift)[:rows]
+            fraction = (picks.to(torch.float64) / 100).reshape(rows, 1)
+            found = encode.of_extremes(*made.extremes_at(fraction))
+            assert found is not None
+            expected = encode(made.weight_at(fraction))
+            for got, want in zip(found, expected):
+                assert got.dtype == want.dtype and torch.equal(got, want)
+    low, high = GroupCandidates(w, (1, cols), symmetric).extremes_at(torch.ones(rows, 1, dtype=torch.float64))
+    assert encode.of_extremes(low, high.clone().fill_(math.inf)) is None
+    averaging = MovingAveragePerChannelMinMaxObserver(
+        dtype=torch.int8, qscheme=qscheme, quant_min=qmin, quant_max=qmax
+    )
+    assert SiteObserver(averaging).extremes(low, high) is None
+
+
 def test_gptq_gives_back_the_callers_thread_count() -> None:
     """Each lazy batch's column loop runs on one thread; the caller's count is restored, also for
     a pass on a layer too small for threads at all."""

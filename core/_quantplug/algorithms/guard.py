@@ -387,36 +387,49 @@ class ModelGuard:
         self.tried = len(candidates)
         self._trials, self._bound, self._start = 0, 2 + 2 * len(candidates), time.perf_counter()
         verdicts: dict[int, tuple[float, float]] = {}  # last judgment: (error with, error without)
-        self.default_error = self._error(base)
+        # the error of each selection judged (by the choices it keeps): a selection judged again
+        # reads the same weights, so it has the same error. The first choice taken back (the most
+        # upstream one dropped) is the selection its drop was judged against: on an LLM that
+        # trial is a whole simulated pass
+        known: dict[frozenset[int], float] = {}
+
+        def error_of(kept: frozenset[int], weights: Mapping[str, torch.Tensor]) -> float:
+            found = known.get(kept)
+            if found is None:
+                found = known[kept] = self._error(weights)
+            return found
+
+        self.default_error = error_of(frozenset(), base)
         current = {**base}
         for candidate in candidates:
             current.update(candidate.chosen)
-        error = self._error(current)
+        state = frozenset(range(len(candidates)))
+        error = error_of(state, current)
         keep = [True] * len(candidates)
         for i in reversed(range(len(candidates))):
             trial = {**current, **candidates[i].default}
-            found = self._error(trial)
+            found = error_of(state - {i}, trial)
             verdicts[i] = (error, found)
             if lower(found, error):
                 keep[i] = False
-                current, error = trial, found
+                current, error, state = trial, found, state - {i}
         for i in [i for i, k in enumerate(keep) if not k]:
             trial = {**current, **candidates[i].chosen}
-            found = self._error(trial)
+            found = error_of(state | {i}, trial)
             verdicts[i] = (found, error)
             if lower(found, error):
                 keep[i] = True
-                current, error = trial, found
+                current, error, state = trial, found, state | {i}
         if lower(self.default_error, error):
             self._bound = self._trials + len(candidates)  # forward selection: one more sweep
-            current, error = {**base}, self.default_error
+            current, error, state = {**base}, self.default_error, frozenset()
             for i, candidate in enumerate(candidates):
                 trial = {**current, **candidate.chosen}
-                found = self._error(trial)
+                found = error_of(state | {i}, trial)
                 verdicts[i] = (found, error)
                 keep[i] = lower(found, error)
                 if keep[i]:
-                    current, error = trial, found
+                    current, error, state = trial, found, state | {i}
         self.error = error
         self.kept_out = [(c.label, *verdicts[i]) for i, c in enumerate(candidates) if not keep[i]]
         return keep

@@ -316,6 +316,7 @@ class GroupCandidates:
             self.hi = view.amax(dim=(1, 3)).clamp(min=0)
         self.view = view if dtype is None else view.to(dtype)
         self._scratch: torch.Tensor | None = None
+        self._extremes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def in_dtype(self, dtype: torch.dtype) -> GroupCandidates:
         """The same candidates in ``dtype`` (its own scratch buffer), on these ranges: as if made
@@ -324,7 +325,39 @@ class GroupCandidates:
         other.weight, other.groups, other.symmetric = self.weight, self.groups, self.symmetric
         other.lo, other.hi = self.lo, self.hi
         other.view, other._scratch = self.view.to(dtype), None
+        # a rounding to nearest is monotone: the extremes of the values rounded are the extremes
+        # rounded (no pass over the weight to find them)
+        known = self._extremes
+        other._extremes = None if known is None else (known[0].to(dtype), known[1].to(dtype))
         return other
+
+    def _group_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight's min and max per group, in the candidates' dtype (found once)."""
+        if self._extremes is None:
+            self._extremes = (self.view.amin(dim=(1, 3)), self.view.amax(dim=(1, 3)))
+        return self._extremes
+
+    def extremes_at(self, fraction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The min and max per group of :meth:`weight_at`'s values, without making them.
+
+        The same float operations on each group's extremes as :meth:`weight_at` does on its
+        values, each monotone non-decreasing (a product by a positive fraction rounded to
+        nearest; a clamp): the extremes of the results are the results on the extremes, bit for
+        bit (which of two equal extremes, ``-0.0`` or ``0.0``, is reported may differ: no
+        observer's encoding reads the sign of a zero extreme)."""
+        dtype = self.view.dtype
+        low, high = self._group_extremes()
+        f = fraction.to(dtype)
+        if bool((fraction > 1).all()):
+            return low * f, high * f
+        lo, hi = self.lo * fraction, self.hi * fraction
+        if bool((fraction > 1).any()):
+            wide = fraction > 1
+            widen = f.clamp(min=1)
+            low, high = low * widen, high * widen
+            lo, hi = lo.masked_fill(wide, -math.inf), hi.masked_fill(wide, math.inf)
+        lo, hi = lo.to(dtype), hi.to(dtype)
+        return torch.clamp(low, lo, hi), torch.clamp(high, lo, hi)
 
     def _buffer(self) -> torch.Tensor:
         if self._scratch is None:
@@ -440,12 +473,27 @@ class GroupSearch:
     codes_loss: torch.Tensor | None = None
 
 
+def encode_at(
+    encode: Encoder, made: GroupCandidates, fraction: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``encode(made.weight_at(fraction))``: from the candidate's extremes per group where the
+    encoder knows the encoding from those alone (:meth:`SiteEncoder.of_extremes`: a min/max
+    observer per channel), without making the candidate and reading it (three passes over the
+    weight per candidate, a search's candidates being a few dozen per layer); the same values."""
+    of_extremes = getattr(encode, "of_extremes", None)
+    if of_extremes is not None:
+        found = of_extremes(*made.extremes_at(fraction))
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+    return encode(made.weight_at(fraction))
+
+
 def slot_encoding(
     encode: Encoder, made: GroupCandidates, numerator: torch.Tensor, count: int
 ) -> tuple[torch.Tensor, ...]:
     """The backend's encoding of the candidate at fractions ``numerator / count`` per group: its
     scale and zero point per group, then expanded to ``[O, I]`` as ``encode`` gave them (float64)."""
-    expanded = [t.to(torch.float64) for t in encode(made.weight_at(numerator.to(torch.float64) / count))]
+    expanded = [t.to(torch.float64) for t in encode_at(encode, made, numerator.to(torch.float64) / count)]
     return (*(group_values(t, made.groups) for t in expanded), *expanded)
 
 
@@ -599,7 +647,7 @@ def exhaustive_fractions(
         for f in fractions:
             fraction = torch.full_like(best_fraction, f)
             scale, zero_point = (
-                group_values(t.to(torch.float64), groups) for t in encode(candidate.weight_at(fraction))
+                group_values(t.to(torch.float64), groups) for t in encode_at(encode, candidate, fraction)
             )
             losses = losses_of(candidate.error(scale, zero_point, grid))
             better = losses < best_loss
@@ -697,14 +745,14 @@ def seq_mse_encoding(
         if search.codes_loss is not None:
             codes_loss = float(search.codes_loss.sum())
     else:
-        default_scale, default_zero_point = encode(made.weight_at(torch.ones_like(best_fraction)))
+        default_scale, default_zero_point = encode_at(encode, made, torch.ones_like(best_fraction))
         default = (default_scale.to(torch.float64), default_zero_point.to(torch.float64))
         default_delta = w - fake_quantize(w, *default, grid)
         default_loss = error(default_delta)
         if codes_delta is not None and torch.equal(default_delta, codes_delta):
             codes_loss = default_loss  # the codes are the default's: the same loss
         del default_delta
-    scale, zero_point = (t.to(torch.float64) for t in encode(made.weight_at(best_fraction)))
+    scale, zero_point = (t.to(torch.float64) for t in encode_at(encode, made, best_fraction))
     del made
     if (
         search is not None

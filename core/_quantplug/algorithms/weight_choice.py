@@ -47,6 +47,8 @@ from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.errors import AlgorithmError
 from _quantplug.meta import ALGORITHMS_KEY
 from _quantplug.observers.copies import fresh_copy
+from _quantplug.observers.minmax import PerChannelMinMaxObserver
+from _quantplug.observers.nonfinite import all_ordinary
 
 logger = logging.getLogger("quantplug.algorithms")
 
@@ -379,18 +381,49 @@ def warn_ignored(ignored: dict[str, int]) -> None:
     )
 
 
-def _observer(observers: dict[int, nn.Module], ref: SiteRef) -> Callable[[torch.Tensor], Any]:
-    """:meth:`WeightGrid.observe` for a site: a fresh copy of its group's weight observer."""
-    prototype = observers[ref.site.group]
+class SiteObserver:
+    """:meth:`WeightGrid.observe` for a site: a fresh copy of its group's weight observer fed the
+    tensor; and :meth:`extremes`, the same from a weight's channel extremes alone, where that is
+    all the observer reads."""
 
-    def observe(tensor: torch.Tensor) -> tuple[Any, Any]:
-        obs: Any = fresh_copy(prototype)
+    def __init__(self, prototype: nn.Module) -> None:
+        self.prototype = prototype
+
+    def __call__(self, tensor: torch.Tensor) -> tuple[Any, Any]:
+        obs: Any = fresh_copy(self.prototype)
         with torch.no_grad():
             obs(tensor.detach())
         scale, zp = obs.calculate_qparams()
         return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
 
-    return observe
+    def extremes(self, low: torch.Tensor, high: torch.Tensor) -> tuple[Any, Any] | None:
+        """What calling this gives any weight whose channels (axis 0) have float32 minima ``low``
+        and maxima ``high``, without the weight; None where that is not known from them.
+
+        Known for quantplug's :class:`~_quantplug.observers.minmax.PerChannelMinMaxObserver` on
+        axis 0 (the exact class: a subclass or another observer may read more): it reads of a
+        weight only each channel's min and max (``amin``/``amax``) and computes the encoding
+        from them, unless they are not ordinary (NaN, inf, a mask sentinel: then it scans the
+        weight again, and this answers None). So a fresh copy fed ``[channels, 2]`` holding just
+        those extremes gives, bit for bit, the encoding it gives the weight. A scale search asks
+        this of each candidate range (:meth:`~.weight_layers.SiteEncoder.of_extremes`), where
+        observing the clipped weight is a pass over it to make it and two to read it."""
+        prototype = self.prototype
+        if type(prototype) is not PerChannelMinMaxObserver or prototype.ch_axis != 0:
+            return None
+        obs: Any = fresh_copy(prototype)
+        low, high = low.detach().to(torch.float32), high.detach().to(torch.float32)
+        if not all_ordinary(obs, low, high):
+            return None
+        with torch.no_grad():
+            obs(torch.stack([low, high], dim=1))
+        scale, zp = obs.calculate_qparams()
+        return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
+
+
+def _observer(observers: dict[int, nn.Module], ref: SiteRef) -> SiteObserver:
+    """:meth:`WeightGrid.observe` for a site (:class:`SiteObserver`)."""
+    return SiteObserver(observers[ref.site.group])
 
 
 def _activation_encodings(

@@ -607,21 +607,49 @@ def _experts_matrix(site: WeightSite, grid: WeightGrid, shape: tuple[int, ...]) 
     )
 
 
-def site_encoder(matrix: SiteMatrix, grid: WeightGrid) -> Encoder:
+class SiteEncoder:
     """The encoding the backend's own observer gives a candidate weight matrix, expanded to
     ``[O, I]``: how SeqMSE and GPTQ's scale search try encodings without computing a scale
     themselves (whatever they choose, the backend could have produced: its symmetry, eps,
     LPBQ's 4-bit scale lattice)."""
 
-    def encode(candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, zero_point = grid.observe(matrix.weight_of(candidate))
+    def __init__(self, matrix: SiteMatrix, grid: WeightGrid) -> None:
+        self.matrix = matrix
+        self.grid = grid
+
+    def __call__(self, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._expanded(self.grid.observe(self.matrix.weight_of(candidate)))
+
+    def _expanded(self, found: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, zero_point = found
         # broadcast views where the layout allows (per tensor, per channel): no [O, I] copies
         return (
-            matrix.matrix_of(grid.expand(scale.to(torch.float64), matrix.shape)),
-            matrix.matrix_of(grid.expand(zero_point.to(torch.float64), matrix.shape)),
+            self.matrix.matrix_of(self.grid.expand(scale.to(torch.float64), self.matrix.shape)),
+            self.matrix.matrix_of(self.grid.expand(zero_point.to(torch.float64), self.matrix.shape)),
         )
 
-    return encode
+    def of_extremes(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What calling this on a candidate gives, from the candidate's min and max per row
+        group (``[O // rows]`` each, one column group: per channel), without the candidate
+        (the observer's ``extremes``: ``weight_choice.SiteObserver.extremes``, per channel). None:
+        not known without it (then call this)."""
+        matrix, grid = self.matrix, self.grid
+        extremes = getattr(grid._observe, "extremes", None)
+        if (
+            extremes is None
+            or grid.granularity != "channel"
+            or matrix.in_out
+            or matrix.groups[1] != matrix.weight.shape[1]
+            or low.numel() != matrix.shape[0]
+        ):
+            return None
+        found = extremes(low.reshape(-1), high.reshape(-1))
+        return None if found is None else self._expanded(found)
+
+
+def site_encoder(matrix: SiteMatrix, grid: WeightGrid) -> SiteEncoder:
+    """:class:`SiteEncoder` of a site's matrix on its grid."""
+    return SiteEncoder(matrix, grid)
 
 
 def hessian_of(collected: Any, matrix: SiteMatrix) -> torch.Tensor | None:
