@@ -352,3 +352,34 @@ def test_call_specs_ask_the_property_off_the_common_path() -> None:
     entry = types.SimpleNamespace(fqn="inner", signature=types.SimpleNamespace(in_spec=1, out_spec=2))
     with pytest.raises(AssertionError, match="fqn"):
         call_specs(_Program([entry]))  # type: ignore[arg-type]
+
+
+class _FakeNode:
+    """What ``_sequential`` reads of a node: its users."""
+
+    def __init__(self) -> None:
+        self.users: dict[_FakeNode, None] = {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_sequential_partitions_are_the_connected_tuples_of_the_product_in_order(data: Any) -> None:
+    """torchao's find_sequential_partitions keeps, in itertools.product order, the tuples whose
+    consecutive partitions are connected (a node of one has a user in the next)."""
+    import itertools
+
+    nodes = [_FakeNode() for _ in range(data.draw(st.integers(1, 8)))]
+    index = st.integers(0, len(nodes) - 1)
+    for a, b in data.draw(st.lists(st.tuples(index, index))):
+        nodes[a].users[nodes[b]] = None
+    part = st.lists(st.sampled_from(nodes), min_size=1, max_size=3, unique=True).map(
+        lambda members: types.SimpleNamespace(nodes=members)
+    )
+    typed = data.draw(st.lists(st.lists(part, max_size=4), min_size=1, max_size=4))
+
+    def connected(a: Any, b: Any) -> bool:
+        return any(user in b.nodes for node in a.nodes for user in node.users)
+
+    expected = [t for t in itertools.product(*typed) if all(map(connected, t, t[1:]))]
+    found = torchao_matching._sequential(typed)
+    assert [[id(p) for p in t] for t in found] == [[id(p) for p in t] for t in expected]

@@ -340,17 +340,17 @@ def _sequential(typed: list[list[Any]]) -> list[tuple[Any, ...]]:
             per_part.append(sorted(hits))
         successors.append(per_part)
 
+    # depth first, each level's successors pushed last to first so they come off in index order.
+    # A loop, not a recursive closure: that closure (a cell holding the function that holds the
+    # cell) stayed in a reference cycle with every partition of the query, for the collector
     result: list[tuple[Any, ...]] = []
     depth = len(typed)
-
-    def extend(prefix: list[int]) -> None:
+    stack = [[first] for first in reversed(range(len(typed[0])))]
+    while stack:
+        prefix = stack.pop()
         level = len(prefix)
         if level == depth:
             result.append(tuple(typed[j][i] for j, i in enumerate(prefix)))
-            return
-        for i in successors[level - 1][prefix[-1]]:
-            extend([*prefix, i])
-
-    for first in range(len(typed[0])):
-        extend([first])
+            continue
+        stack.extend([*prefix, i] for i in reversed(successors[level - 1][prefix[-1]]))
     return result
