@@ -348,9 +348,9 @@ def _sequential(typed: list[list[Any]]) -> list[tuple[Any, ...]]:
     stack = [[first] for first in reversed(range(len(typed[0])))]
     while stack:
         prefix = stack.pop()
-        level = len(prefix)
-        if level == depth:
+        length = len(prefix)
+        if length == depth:
             result.append(tuple(typed[j][i] for j, i in enumerate(prefix)))
             continue
-        stack.extend([*prefix, i] for i in reversed(successors[level - 1][prefix[-1]]))
+        stack.extend([*prefix, i] for i in reversed(successors[length - 1][prefix[-1]]))
     return result
