@@ -60,6 +60,28 @@ def test_modules_imported_between_prepares_are_patched_too() -> None:
         assert name not in torchao_matching._scanned
 
 
+def test_a_last_module_replaced_in_place_is_scanned_again() -> None:
+    """sys.modules's mark (size, last entry) tells a scan is due: the last entry replaced by
+    another module object, nothing added or removed, is such a change."""
+    originals = torchao_matching._originals()
+    if "get_source_partitions" not in originals:
+        pytest.skip("torch version not verified for the matching patch: nothing is patched")
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    name = "_quantplug_test_replaced_quantizer"
+    sys.modules[name] = types.ModuleType(name)  # binds nothing
+    try:
+        with torchao_matching.fast_partition_matching(gm):  # scanned: no binding
+            pass
+        size = len(sys.modules)
+        replaced = sys.modules[name] = _binding_module(name)  # in place, still last
+        assert len(sys.modules) == size and next(reversed(sys.modules)) == name
+        with torchao_matching.fast_partition_matching(gm):
+            assert replaced.get_source_partitions is torchao_matching.get_source_partitions
+        assert replaced.get_source_partitions is originals["get_source_partitions"]
+    finally:
+        sys.modules.pop(name, None)
+
+
 class _OwnSetattr(PerChannelMinMaxObserver):
     """An observer assigning its attributes its own way (the copy must go through it)."""
 
@@ -279,3 +301,85 @@ def test_written_args_follow_the_schema_whatever_the_cache_holds(
             patch.delitem(mutation._written_cache, id(op), raising=False)
         assert mutation.written_args(node) == expected
         assert mutation.written_args(node) == expected  # from the cache now
+
+
+class _Outputs(nn.Module):
+    """``n_args`` positional and ``n_kwargs`` keyword inputs, outputs nested ``depth`` deep."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> Any:
+        t = sum(args) + sum(kwargs.values())
+        out: Any = t
+        for i in range(self.depth):
+            out = (out, {"k": t * (i + 1)}) if i % 2 else [out, t + i]
+        return out
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 2), st.integers(0, 3))
+def test_call_specs_are_the_call_spec_propertys(n_args: int, n_kwargs: int, depth: int) -> None:
+    from _quantplug.graph.working_copy import call_specs
+
+    args = tuple(torch.randn(2) for _ in range(n_args))
+    kwargs = {f"k{i}": torch.randn(2) for i in range(n_kwargs)}
+    ep = torch.export.export(_Outputs(depth), args, kwargs)
+    spec = ep.call_spec
+    assert call_specs(ep) == (spec.in_spec, spec.out_spec)
+
+
+def test_call_specs_ask_the_property_off_the_common_path() -> None:
+    """No module call graph, or a first entry that is not the root: the property's answer or
+    error, as ``ep.call_spec`` gives them."""
+    from _quantplug.graph.working_copy import call_specs
+
+    class _Program:
+        def __init__(self, graph: list[Any]) -> None:
+            self.module_call_graph = graph
+            self.asked = 0
+
+        @property
+        def call_spec(self) -> Any:
+            self.asked += 1
+            if self.module_call_graph:
+                raise AssertionError("expected first module_call_graph fqn to be empty string")
+            return types.SimpleNamespace(in_spec=None, out_spec=None)
+
+    empty = _Program([])
+    assert call_specs(empty) == (None, None) and empty.asked == 1  # type: ignore[arg-type]
+    entry = types.SimpleNamespace(fqn="inner", signature=types.SimpleNamespace(in_spec=1, out_spec=2))
+    with pytest.raises(AssertionError, match="fqn"):
+        call_specs(_Program([entry]))  # type: ignore[arg-type]
+
+
+class _FakeNode:
+    """What ``_sequential`` reads of a node: its users."""
+
+    def __init__(self) -> None:
+        self.users: dict[_FakeNode, None] = {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_sequential_partitions_are_the_connected_tuples_of_the_product_in_order(data: Any) -> None:
+    """torchao's find_sequential_partitions keeps, in itertools.product order, the tuples whose
+    consecutive partitions are connected (a node of one has a user in the next)."""
+    import itertools
+
+    nodes = [_FakeNode() for _ in range(data.draw(st.integers(1, 8)))]
+    index = st.integers(0, len(nodes) - 1)
+    for a, b in data.draw(st.lists(st.tuples(index, index))):
+        nodes[a].users[nodes[b]] = None
+    part = st.lists(st.sampled_from(nodes), min_size=1, max_size=3, unique=True).map(
+        lambda members: types.SimpleNamespace(nodes=members)
+    )
+    typed = data.draw(st.lists(st.lists(part, max_size=4), min_size=1, max_size=4))
+
+    def connected(a: Any, b: Any) -> bool:
+        return any(user in b.nodes for node in a.nodes for user in node.users)
+
+    expected = [t for t in itertools.product(*typed) if all(map(connected, t, t[1:]))]
+    found = torchao_matching._sequential(typed)
+    assert [[id(p) for p in t] for t in found] == [[id(p) for p in t] for t in expected]

@@ -55,20 +55,22 @@ def key_of(edge_or_node: Any, *, where: Key | None = None) -> Key:
 
 def _tensor_args(node: Node) -> set[Node]:
     found: set[Node] = set()
-
-    def visit(a: Any) -> None:
-        if isinstance(a, Node):
-            found.add(a)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x)
-        elif isinstance(a, dict):
-            for x in a.values():
-                visit(x)
-
-    visit(node.args)
-    visit(node.kwargs)
+    _collect_nodes(node.args, found)
+    _collect_nodes(node.kwargs, found)
     return found
+
+
+def _collect_nodes(a: Any, found: set[Node]) -> None:
+    """Add the nodes in ``a`` (nested lists, tuples and dict values) to ``found``; a module-level
+    function: a recursive closure would leave a reference cycle per call for the collector."""
+    if isinstance(a, Node):
+        found.add(a)
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            _collect_nodes(x, found)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _collect_nodes(x, found)
 
 
 #: what a keyword node may stand for without being a tensor to quantize (a size, a flag)
