@@ -21,7 +21,8 @@ the algorithms do.
 
 Cost: one simulated forward pass over at most :data:`GUARD_BATCHES` batches (:data:`GUARD_BYTES`
 bytes) per weight site an algorithm changed, plus three (float, default, every choice); twice
-that where the pruned selection does worse than the default. Each trial after the first resumes
+that where the pruned selection does worse than the default; a selection judged before is not
+simulated again. Each trial after the first resumes
 from the live values before the first node its changed weight reaches
 (:class:`~_quantplug.algorithms.sequential.IncrementalOutputs`), so a trial on a late layer costs
 the program from that layer on, not a whole pass.
