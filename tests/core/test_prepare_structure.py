@@ -217,7 +217,7 @@ setattr(_DottedClassAttribute, "cls.attr", "from the class")  # a name with a do
 )
 @settings(max_examples=40, deadline=None)
 def test_attribute_lookup_is_getattr(where: str, body: bool) -> None:
-    from _quantplug.graph.working_copy import _attribute
+    from _quantplug.graph.attrs import module_getattr
 
     gm: Any = torch.fx.GraphModule(_DottedClassAttribute(), Graph())
     gm.__class__ = type("Impl", (_DottedClassAttribute, type(gm)), {})  # torch's per-instance class
@@ -232,7 +232,7 @@ def test_attribute_lookup_is_getattr(where: str, body: bool) -> None:
     elif where in ("modules", "undotted"):
         gm._modules[name] = value
     for target in (name, "x.y", "a"):
-        assert _attribute(gm, target) is getattr(gm, target, None)
+        assert module_getattr(gm, target, None) is getattr(gm, target, None)
 
 
 def test_accelerator_swaps_as_accelerate_does() -> None:

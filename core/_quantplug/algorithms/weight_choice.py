@@ -390,11 +390,7 @@ class SiteObserver:
         self.prototype = prototype
 
     def __call__(self, tensor: torch.Tensor) -> tuple[Any, Any]:
-        obs: Any = fresh_copy(self.prototype)
-        with torch.no_grad():
-            obs(tensor.detach())
-        scale, zp = obs.calculate_qparams()
-        return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
+        return _encoding(self.prototype, tensor.detach())
 
     def extremes(self, low: torch.Tensor, high: torch.Tensor) -> tuple[Any, Any] | None:
         """What calling this gives any weight whose channels (axis 0) have float32 minima ``low``
@@ -411,14 +407,19 @@ class SiteObserver:
         prototype = self.prototype
         if type(prototype) is not PerChannelMinMaxObserver or prototype.ch_axis != 0:
             return None
-        obs: Any = fresh_copy(prototype)
         low, high = low.detach().to(torch.float32), high.detach().to(torch.float32)
-        if not all_ordinary(obs, low, high):
+        if not all_ordinary(prototype, low, high):
             return None
-        with torch.no_grad():
-            obs(torch.stack([low, high], dim=1))
-        scale, zp = obs.calculate_qparams()
-        return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
+        return _encoding(prototype, torch.stack([low, high], dim=1))
+
+
+def _encoding(prototype: nn.Module, tensor: torch.Tensor) -> tuple[Any, Any]:
+    """The (float32 scale, zero point) a fresh copy of ``prototype`` gives after observing ``tensor``."""
+    obs: Any = fresh_copy(prototype)
+    with torch.no_grad():
+        obs(tensor)
+    scale, zp = obs.calculate_qparams()
+    return torch.as_tensor(scale).detach().to(torch.float32), torch.as_tensor(zp).detach()
 
 
 def _observer(observers: dict[int, nn.Module], ref: SiteRef) -> SiteObserver:

@@ -26,6 +26,7 @@ from torch.fx import Graph, GraphModule, Node, map_arg
 from torch.fx.node import Argument, Target
 
 from _quantplug.errors import QuantplugError
+from _quantplug.graph.attrs import module_getattr
 from _quantplug.graph.mutation import view_base, written_args
 
 try:  # private torch helpers; without them we fall back to ep.module()
@@ -214,7 +215,10 @@ def _written_args(gm: GraphModule, node: Node) -> list[Node]:
         return []
     found = written_args(node)
     for i, arg in enumerate(node.args):
-        body = _attribute(gm, str(arg.target)) if isinstance(arg, Node) and arg.op == "get_attr" else None
+        if not isinstance(arg, Node) or arg.op != "get_attr":
+            continue
+        # (a weight's dotted target misses as an attribute name: answered without torch's error)
+        body = module_getattr(gm, str(arg.target), None)
         if not isinstance(body, GraphModule):
             continue
         operands = node.args[i + 1 :]  # a region op's operands follow its subgraph
@@ -224,30 +228,6 @@ def _written_args(gm: GraphModule, node: Node) -> list[Node]:
                 found.append(operand)
         break
     return found
-
-
-def _attribute(gm: GraphModule, target: str) -> Any:
-    """``getattr(gm, target, None)``, without the failed look-up of a dotted target.
-
-    Every weight of a working copy is a ``get_attr`` of a dotted path (``blocks.0.qkv.weight``),
-    which as an attribute name misses, through ``nn.Module.__getattr__`` raising an error (a
-    third of the search for written tensors). A name with a dot can only be held where that
-    look-up searches: the instance's dict, then its parameters, buffers and submodules (no class
-    attribute has it; node names, which a prepared module also resolves, have no dot)."""
-    if "." not in target or getattr(type(gm), target, _ABSENT) is not _ABSENT:
-        return getattr(gm, target, None)
-    for table in (
-        gm.__dict__,
-        gm.__dict__.get("_parameters"),
-        gm.__dict__.get("_buffers"),
-        gm.__dict__.get("_modules"),
-    ):
-        if table is not None and target in table:
-            return table[target]
-    return None
-
-
-_ABSENT = object()
 
 
 def _written_placeholders(body: GraphModule) -> list[int]:

@@ -37,28 +37,35 @@ _CALL_IMPL = nn.Module._call_impl
 ACTIVE = verified("torch_module_call")
 
 
-def observer_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``nn.Module.__call__(self, *args, **kwargs)``: ``self.forward`` called directly where torch's
-    ``_wrapped_call_impl`` and ``_call_impl`` would call nothing else (module docstring)."""
-    if (
+def forward_only(module: nn.Module) -> bool:
+    """Whether ``module(...)`` would call nothing but ``module.forward(...)``: torch's own
+    ``nn.Module.__call__`` and ``_call_impl`` on a verified torch, and ``_call_impl``'s test
+    for anything else to run (no compiled call, no hook, no JIT trace recording)."""
+    return (
         ACTIVE
         and nn.Module.__call__ is _WRAPPED_CALL_IMPL
         # (a subclass's own _wrapped_call_impl is never called: __call__ is torch's function)
-        and type(self)._call_impl is _CALL_IMPL
-        and self._compiled_call_impl is None
+        and type(module)._call_impl is _CALL_IMPL
+        and module._compiled_call_impl is None
         # _call_impl's test for hooks, as torch 2.13 writes it
         and not (
-            self._backward_hooks
-            or self._backward_pre_hooks
-            or self._forward_hooks
-            or self._forward_pre_hooks
+            module._backward_hooks
+            or module._backward_pre_hooks
+            or module._forward_hooks
+            or module._forward_pre_hooks
             or _module._global_backward_pre_hooks
             or _module._global_backward_hooks
             or _module._global_forward_hooks
             or _module._global_forward_pre_hooks
         )
         and not torch._C._get_tracing_state()  # looked up as _call_impl looks it up
-    ):
+    )
+
+
+def observer_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``nn.Module.__call__(self, *args, **kwargs)``: ``self.forward`` called directly where torch's
+    ``_wrapped_call_impl`` and ``_call_impl`` would call nothing else (module docstring)."""
+    if forward_only(self):
         return self.forward(*args, **kwargs)
     return nn.Module.__call__(self, *args, **kwargs)
 

@@ -14,19 +14,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.modules import module as _module
 
 from _quantplug.observers import kernels, nonfinite
 from _quantplug.observers.binning import _FLOAT32_MAX, MAX_EXACT_COUNT, LinearBinning, float32
+from _quantplug.peers.torch_module_call import forward_only
 
 # Never imported here: torchao_observers.accelerate() loads this module only when the caller's own
 # torchao observers are already in sys.modules. torchao is not a quantplug dependency.
 _ao: Any = sys.modules["torchao.quantization.pt2e.observer"]
 _F32 = torch.float32
-#: torch's own call methods, as imported (a subclass or a patch replacing one: torch's call runs)
-_WRAPPED_CALL_IMPL = nn.Module._wrapped_call_impl
-_CALL_IMPL = nn.Module._call_impl
 
 
 class HistogramObserver(_ao.HistogramObserver):  # type: ignore[misc,name-defined]
@@ -673,7 +669,7 @@ def observe_constant(obs: Any, value: torch.Tensor) -> bool:
     frames, the permutation and the copies into the empty buffers (a third of observing a
     decoder's weights at convert).
     """
-    if type(obs) is not PerChannelMinMaxObserver or not _forward_only(obs):
+    if type(obs) is not PerChannelMinMaxObserver or not forward_only(obs):
         return False
     buffers = obs._buffers
     min_val, max_val = buffers.get("min_val"), buffers.get("max_val")
@@ -689,28 +685,6 @@ def observe_constant(obs: Any, value: torch.Tensor) -> bool:
     # forward's resize_ + copy_ of these into the empty buffers: the same float32 values
     buffers["min_val"], buffers["max_val"] = extremes
     return True
-
-
-def _forward_only(module: Any) -> bool:
-    """Whether ``module(x)`` would only call ``module.forward(x)``: torch 2.13's ``_call_impl``
-    test (no compiled call, no hook on the module, no global hook, no JIT trace recording), with
-    torch's own ``nn.Module.__call__`` and ``_call_impl``."""
-    return (
-        nn.Module.__call__ is _WRAPPED_CALL_IMPL
-        and type(module)._call_impl is _CALL_IMPL
-        and module._compiled_call_impl is None
-        and not (
-            module._backward_hooks
-            or module._backward_pre_hooks
-            or module._forward_hooks
-            or module._forward_pre_hooks
-            or _module._global_backward_pre_hooks
-            or _module._global_backward_hooks
-            or _module._global_forward_hooks
-            or _module._global_forward_pre_hooks
-        )
-        and not torch._C._get_tracing_state()
-    )
 
 
 def per_channel_qparams(
