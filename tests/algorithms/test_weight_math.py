@@ -28,6 +28,7 @@ from _quantplug.algorithms.seq_mse import (
     group_loss_function,
     group_losses,
     group_view,
+    insert_sorted,
     seq_mse_encoding,
 )
 from _quantplug.algorithms.weight_matrix import (
@@ -42,6 +43,7 @@ from _quantplug.algorithms.weight_matrix import (
     low_rank_factor,
     output_error,
     quantize_codes,
+    seeded_probes,
     shrunk_toward_diagonal,
     to_matrix,
 )
@@ -1052,3 +1054,181 @@ def test_group_losses_in_float32_products_are_the_float64_ones_to_float32_precis
         assert fast.dtype == torch.float64 and fast.shape == exact.shape
         assert not torch.equal(fast, exact)  # the products were float32
         torch.testing.assert_close(fast, exact, rtol=1e-5, atol=0)
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.sampled_from([(1, 12), (1, 4), (2, 12), (6, 12), (2, 3), (3, 4)]),
+    st.booleans(),
+    st.sampled_from([None, torch.float32]),
+    st.lists(st.integers(1, 150), min_size=1, max_size=12),
+)
+def test_group_candidates_error_is_the_same_on_every_path(
+    seed: int, groups: tuple[int, int], symmetric: bool, dtype: torch.dtype | None, numerators: list[int]
+) -> None:
+    """:meth:`GroupCandidates.error` in one native pass (symmetric codes, one scale per row of a
+    block or row-group layout), in row-group slices (an lm_head's size) or whole in torch: the
+    same values, bit for bit, on the encodings a search gives its candidates (fractions below,
+    at and above 1; a zero weight group; a zero scale) and with a zero point."""
+    from _quantplug.observers import kernels
+
+    w, _ = problem(seed, 6, 12)
+    w[1] = 0.0
+    w[2, :5] = -0.0
+    grid = IntegerGrid(-8, 7) if symmetric else IntegerGrid(0, 15)
+    shape = (6 // groups[0], 12 // groups[1])
+    made = GroupCandidates(w, groups, symmetric, dtype)
+    picks = torch.tensor(numerators * (shape[0] * shape[1] // len(numerators) + 1))
+    fraction = picks[: shape[0] * shape[1]].reshape(shape).to(torch.float64) / 100
+    view = group_view(made.weight_at(fraction), groups)
+    span = view.amax(dim=(1, 3)) - view.amin(dim=(1, 3)) if not symmetric else view.abs().amax(dim=(1, 3))
+    scale = (span.to(torch.float64) / 15).to(torch.float32).to(torch.float64)
+    scale[0, 0] = 0.0
+    zero_points = [torch.zeros(shape, dtype=torch.float64)]
+    if not symmetric:
+        zero_points.append(
+            torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(seed)).double()
+        )
+    for zero_point in zero_points:
+        found = made.error(scale, zero_point, grid).clone()
+        with kernels.disabled():
+            whole = made.error(scale, zero_point, grid).clone()
+            saved = seq_mse_module.WHOLE_ERROR, seq_mse_module.ERROR_SLICE
+            seq_mse_module.WHOLE_ERROR, seq_mse_module.ERROR_SLICE = 0, 20  # slices of 1-2 row groups
+            try:
+                sliced = made.error(scale, zero_point, grid).clone()
+            finally:
+                seq_mse_module.WHOLE_ERROR, seq_mse_module.ERROR_SLICE = saved
+        for other in (whole, sliced):
+            nan = found.isnan()
+            assert torch.equal(nan, other.isnan())
+            assert torch.equal(found[~nan], other[~nan]) and torch.equal(found.signbit(), other.signbit())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 1.0, 2.0, 2.5, math.inf, math.nan]), min_size=4 * 6, max_size=4 * 6),
+    st.lists(st.integers(-1, 5), min_size=4 * 6, max_size=4 * 6),
+)
+def test_insert_sorted_is_the_stable_sort_of_the_kept_and_the_new(
+    losses: list[float], keys: list[int]
+) -> None:
+    """The screening's top-``SCREENED`` update without a sort: what the first three of a stable
+    ``argsort`` of the kept (sorted) losses and the new one give, NaN and ties included."""
+    values = torch.tensor(losses, dtype=torch.float32).reshape(4, 3, 2)
+    kept_loss = values[:3].sort(dim=0, stable=True).values
+    loss = values[3]
+    ks = torch.tensor(keys).reshape(4, 3, 2)
+    kept, key = ks[:3], ks[3]
+    both, both_keys = torch.cat([kept_loss, loss[None]]), torch.cat([kept, key[None]])
+    order = torch.argsort(both, dim=0, stable=True)[:3]
+    got_loss, got_keys = insert_sorted(kept_loss, kept, loss, key)
+    assert torch.equal(got_keys, both_keys.gather(0, order))
+    assert torch.equal(got_loss.nan_to_num(), both.gather(0, order).nan_to_num())
+    assert torch.equal(got_loss.isnan(), both.gather(0, order).isnan())
+
+
+def _low_rank_factor_drawn_in_the_loop(
+    hessian: torch.Tensor, max_rank: int, seed: int = 0
+) -> torch.Tensor | None:
+    """:func:`low_rank_factor` as it was: each rank's probes drawn as the loop reaches it."""
+    from _quantplug.algorithms.weight_matrix import RANGE_PROBES, RANGE_TOLERANCE
+
+    h = hessian.to(torch.float64)
+    inputs = h.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    rank = 64
+    while rank <= max_rank:
+        probes = torch.randn(inputs, rank + RANGE_PROBES, generator=generator, dtype=torch.float64)
+        reach = h @ probes
+        basis = torch.linalg.qr(reach[:, :rank]).Q
+        check = reach[:, rank:]
+        outside = check - basis @ (basis.T @ check)
+        if float(outside.norm()) <= RANGE_TOLERANCE * float(check.norm()):
+            values, vectors = torch.linalg.eigh(basis.T @ h @ basis)
+            keep = values > 1e-7 * float(values.max().clamp(min=0))
+            if not bool(keep.any()):
+                return torch.zeros(inputs, 1, dtype=torch.float64)
+            return (basis @ vectors[:, keep]) * values[keep].sqrt()
+        rank *= 2
+    return None
+
+
+@FAST
+@given(st.integers(0, 2**31), st.sampled_from([40, 100, 200]), st.sampled_from([63, 64, 127, 128, 255]))
+def test_low_rank_factor_on_kept_probes_is_the_one_drawn_each_time(
+    seed: int, samples: int, max_rank: int
+) -> None:
+    """The probes :func:`low_rank_factor` and :func:`leading_factor` share between layers
+    (:func:`seeded_probes`) are those each call drew: the same factor (or None), bit for bit,
+    on the first call, on a later one, and where they are too large to keep."""
+    import _quantplug.algorithms.weight_matrix as weight_matrix_module
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 300, generator=g, dtype=torch.float64)
+    h = x.T @ x
+    expected = _low_rank_factor_drawn_in_the_loop(h, max_rank, seed % 3)
+    runs = [low_rank_factor(h, max_rank, seed % 3), low_rank_factor(h, max_rank, seed % 3)]
+    saved = weight_matrix_module.PROBE_BYTES
+    weight_matrix_module.PROBE_BYTES = 0
+    try:
+        runs.append(low_rank_factor(h, max_rank, seed % 3))
+        drawn = seeded_probes(300, (40,), seed % 3)
+    finally:
+        weight_matrix_module.PROBE_BYTES = saved
+    for found in runs:
+        assert (found is None) == (expected is None)
+        assert found is None or expected is None or torch.equal(found, expected)
+    generator = torch.Generator().manual_seed(seed % 3)
+    fresh = torch.randn(300, 40, generator=generator, dtype=torch.float64)
+    assert torch.equal(seeded_probes(300, (40,), seed % 3)[0], fresh) and torch.equal(drawn[0], fresh)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(-1e4, 1e4, width=32) | st.sampled_from([0.0, -0.0, 1e-30]),
+            st.floats(-1e4, 1e4, width=32) | st.sampled_from([0.0, -0.0, 1e-30]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([torch.per_channel_symmetric, torch.per_channel_affine]),
+    st.sampled_from([(-8, 7), (0, 15), (-128, 127), (-32768, 32767)]),
+    st.sampled_from([1.0, 1.25]),
+    st.sampled_from([2**-20, 1e-3]),
+)
+def test_min_max_extremes_are_what_a_fresh_copy_fed_them_gives(
+    pairs: list[tuple[float, float]],
+    qscheme: torch.qscheme,
+    limits: tuple[int, int],
+    margin: float,
+    eps: float,
+) -> None:
+    """:meth:`SiteObserver.extremes` computes the encoding a fresh copy of the per-channel min/max
+    observer gives after observing ``[channels, 2]`` of the extremes, without the copy: the same
+    scale and zero point, bit for bit (signed zeros, ranges with no negative or no positive
+    value, a range margin, eps); an observer that has seen a tensor is copied as before."""
+    from _quantplug.algorithms.weight_choice import SiteObserver, _encoding
+    from _quantplug.observers.minmax import PerChannelMinMaxObserver
+
+    low = torch.tensor([min(p) for p in pairs], dtype=torch.float32)
+    high = torch.tensor([max(p) if min(p) != max(p) else p[1] for p in pairs], dtype=torch.float32)
+    prototype = PerChannelMinMaxObserver(
+        dtype=torch.int16 if limits[1] > 255 else torch.uint8 if limits[0] == 0 else torch.int8,
+        qscheme=qscheme,
+        quant_min=limits[0],
+        quant_max=limits[1],
+        range_margin=margin,
+        eps=eps,
+    )
+    for fed in (False, True):
+        if fed:  # its copies merge the extremes with what it saw
+            prototype(torch.linspace(-3, 2, 2 * len(pairs)).reshape(len(pairs), 2))
+        found = SiteObserver(prototype).extremes(low, high)
+        expected = _encoding(prototype, torch.stack([low, high], dim=1))
+        assert found is not None
+        for got, want in zip(found, expected):
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)

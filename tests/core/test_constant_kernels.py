@@ -172,3 +172,86 @@ def test_search_norms_declines_operands_it_cannot_read() -> None:
         kwargs = dict(bin_width=width, columns=columns, top=7, first=0, rows=3)
         assert not kernels.search_norms(**args, **kwargs)  # type: ignore[arg-type]
         assert (untouched == 7.0).all()
+
+
+def _torch_errors(x: torch.Tensor, scale: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The torch steps of ``GroupCandidates.error``: ``x - clamp(round(x / s), lo, hi) * s``."""
+    s = scale.reshape(-1, *([1] * (x.dim() - 1)))
+    codes = torch.div(x, s).round_().clamp_(lo, hi).mul_(s)
+    return torch.sub(x, codes)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN, and the same sign of every zero."""
+    nan = a.isnan()
+    return (
+        torch.equal(nan, b.isnan())
+        and torch.equal(a[~nan], b[~nan])
+        and torch.equal(a[~nan].signbit(), b[~nan].signbit())
+    )
+
+
+@st.composite
+def _error_cases(draw: Any) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    rows, cols = draw(st.integers(1, 5)), draw(st.integers(1, 70))
+    values = draw(
+        st.lists(
+            FLOAT32
+            | st.integers(-600, 600).map(lambda k: k / 2)
+            | st.sampled_from([0.0, -0.0, float("nan")]),
+            min_size=rows * cols,
+            max_size=rows * cols,
+        )
+    )
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    x = torch.tensor(values, dtype=torch.float32).to(dtype).reshape(rows, cols)
+    if dtype is torch.float64:  # values float32 cannot hold as well
+        x = x * (1 + draw(st.floats(0, 1e-6)))
+    n = rows if draw(st.booleans()) else 1
+    scale_values = st.floats(2**-20, 1024.0, width=32) | st.sampled_from([0.5, 1.0, 0.1, 0.0])
+    scale = torch.tensor(draw(st.lists(scale_values, min_size=n, max_size=n)), dtype=dtype)
+    lo, hi = draw(st.sampled_from([(-8, 7), (-7, 7), (-128, 127), (-32768, 32767), (-1, 1)]))
+    return x, scale, lo, hi
+
+
+@SIMD
+@settings(max_examples=150, deadline=None)
+@given(case=_error_cases())
+def test_native_quantization_errors_are_the_torch_steps(
+    simd: str, case: tuple[torch.Tensor, torch.Tensor, int, int]
+) -> None:
+    """SeqMSE's candidate errors in one pass: ties (k / 2), NaN, infinities, signed zeros, a zero
+    scale (infinite and NaN quotients), float32 and float64, one scale per row or one for all."""
+    x, scale, lo, hi = case
+    out = torch.full_like(x, 12345.0)
+    with simd_code(simd == "avx2"):
+        assert kernels.quantization_errors(x, scale, lo, hi, out)
+    assert _same_values(out, _torch_errors(x, scale, lo, hi))
+
+
+def test_quantization_errors_decline_what_they_cannot_reproduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is written where the kernel is not called: the caller's torch steps run."""
+    x, scale = torch.randn(6, 40), torch.full((6,), 0.02)
+    out = torch.zeros(6, 40)
+    assert kernels.quantization_errors(x, scale, -8, 7, out)
+    untouched = torch.zeros(6, 40)
+    for args in (
+        (x, scale, 0, 15, untouched),  # an unsigned grid: a clamp bound of zero
+        (x, scale, -8, 0, untouched),
+        (x, scale.double(), -8, 7, untouched),  # mixed dtypes
+        (x.t().contiguous().t(), scale, -8, 7, untouched),  # not contiguous
+        (x, torch.full((3,), 0.02), -8, 7, untouched),  # neither one scale nor one per row
+        (x.half(), scale.half(), -8, 7, untouched.half()),
+        (x, scale, -8, 7, x),  # in place
+        (x, scale, -8, 7, torch.zeros(6, 41)),
+    ):
+        assert not kernels.quantization_errors(*args)  # type: ignore[arg-type]
+    assert not untouched.any()
+    with kernels.disabled():
+        assert not kernels.quantization_errors(x, scale, -8, 7, untouched)
+    from _quantplug.observers import _histogram_kernels as raw
+
+    older = types.SimpleNamespace(**{k: getattr(raw, k) for k in ("minmax", "quantize_rows")})
+    monkeypatch.setattr(kernels, "_native", older)
+    assert not kernels.quantization_errors(x, scale, -8, 7, untouched)
+    assert not untouched.any()

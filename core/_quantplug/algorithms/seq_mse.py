@@ -63,8 +63,10 @@ from _quantplug.algorithms.weight_matrix import (
     hessian_factor,
     low_rank_factor,
     output_error,
+    seeded_probes,
     small_products,
 )
+from _quantplug.observers import kernels
 
 
 @dataclass(frozen=True)
@@ -239,13 +241,23 @@ def group_loss_function(
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype)
 
+    errors: list[torch.Tensor] = []  # one buffer for the errors cast, reused by every evaluation
+
+    def cast_error(delta: torch.Tensor) -> torch.Tensor:
+        # a fresh [O, I] per evaluation was pages to fault in each time (an lm_head's: 100 MB)
+        if delta.dtype == dtype or delta.shape != (out, inputs):
+            return cast(delta)
+        if not errors:
+            errors.append(torch.empty(out, inputs, dtype=dtype))
+        return errors[0].copy_(delta)
+
     if hessian.dim() == 2 and cols == inputs and evaluations * out > 10 * inputs:
         factor = factors.get("full", hessian, hessian_factor)
         if factor.shape[1] < inputs // 2:
             full = cast(factor)
             return lambda delta: (
-                (cast(delta) @ full)
-                .pow(2)
+                (cast_error(delta) @ full)
+                .square_()
                 .sum(dim=1)
                 .to(torch.float64)
                 .reshape(out // rows, rows, 1)
@@ -257,9 +269,9 @@ def group_loss_function(
         low = factors.get("low rank", hessian, lambda h: low_rank_factor(h, inputs // 8))
         if low is not None:
             low_cast = cast(low)
-            return lambda delta: factor_group_losses(cast(delta), low_cast, groups).to(torch.float64)
+            return lambda delta: factor_group_losses(cast_error(delta), low_cast, groups).to(torch.float64)
     h_cast = cast(hessian)
-    return lambda delta: group_losses(cast(delta), h_cast, groups).to(torch.float64)
+    return lambda delta: group_losses(cast_error(delta), h_cast, groups).to(torch.float64)
 
 
 #: multiply-adds of an exhaustive search (every candidate judged on the layer's output error:
@@ -286,6 +298,15 @@ def group_values(expanded: torch.Tensor, groups: tuple[int, int]) -> torch.Tenso
     """One value per scale group, ``[O // rows, I // cols]``, of a tensor constant on each group
     (an encoding expanded to ``[O, I]``)."""
     return group_view(expanded, groups)[:, 0, :, 0]
+
+
+#: values of a candidate error (:meth:`GroupCandidates.error`) above which it is made in slices
+#: of row groups, each through all five passes while it is in cache: an LLM's lm_head's (24M
+#: values, 100-200 MB) made whole went five times through memory, twice as long (a 110M Llama's
+#: ~40 errors of its lm_head: 0.4 s); below it the weight stays in cache between the passes
+WHOLE_ERROR = 1 << 22
+#: values per slice of such an error (1 MB of float32: within a core's L2)
+ERROR_SLICE = 1 << 18
 
 
 class GroupCandidates:
@@ -389,15 +410,41 @@ class GroupCandidates:
 
     def error(self, scale: torch.Tensor, zero_point: torch.Tensor, grid: IntegerGrid) -> torch.Tensor:
         """``W - fake_quantize(W)`` ``[O, I]`` on one scale and zero point per group (in the
-        scratch buffer: valid until the next call)."""
+        scratch buffer: valid until the next call).
+
+        Symmetric codes in a layout of one scale per row (per channel, per block, per row group)
+        are made in one pass by the native kernels (:func:`~_quantplug.observers.kernels.quantization_errors`:
+        torch's five operations, each value once); the others by torch, a large weight in slices
+        of row groups (:data:`WHOLE_ERROR`). A screened search makes ~40 per layer: on a 110M
+        Llama the five passes were 2 s of its 15, the kernel a third of that."""
         dtype = self.view.dtype
+        plain = self.symmetric and not bool(zero_point.any())
+        view, buffer = self.view, self._buffer()
+        shape = (self.weight.shape[0], self.weight.shape[1])
+        if plain and (self.groups[0] == 1 or self.groups[1] == shape[1]):
+            # one scale per row of [O // rows * I // cols, rows * cols] (a channel's block, or a
+            # row group's rows): the same operations as below, in one pass (native kernels)
+            per_row = scale.to(dtype).contiguous().reshape(-1)
+            width = self.groups[0] * self.groups[1]
+            if kernels.quantization_errors(
+                view.reshape(-1, width), per_row, grid.quant_min, grid.quant_max, buffer.reshape(-1, width)
+            ):
+                return buffer.reshape(shape)
         s, z = scale.to(dtype)[:, None, :, None], zero_point.to(dtype)[:, None, :, None]
-        codes = torch.div(self.view, s, out=self._buffer()).round_()
-        if self.symmetric and not bool(zero_point.any()):
-            codes.clamp_(grid.quant_min, grid.quant_max).mul_(s)
-        else:
-            codes.add_(z).clamp_(grid.quant_min, grid.quant_max).sub_(z).mul_(s)
-        return torch.sub(self.view, codes, out=codes).reshape(self.weight.shape[0], self.weight.shape[1])
+        step = len(view)
+        if view.numel() > WHOLE_ERROR:  # row-group slices of about ERROR_SLICE values
+            step = max(1, ERROR_SLICE // max(1, view[0].numel()))
+        for start in range(0, len(view), step):
+            part = slice(start, start + step)
+            sp = s if s.shape[0] == 1 else s[part]
+            codes = torch.div(view[part], sp, out=buffer[part]).round_()
+            if plain:
+                codes.clamp_(grid.quant_min, grid.quant_max).mul_(sp)
+            else:
+                zp = z if z.shape[0] == 1 else z[part]
+                codes.add_(zp).clamp_(grid.quant_min, grid.quant_max).sub_(zp).mul_(sp)
+            torch.sub(view[part], codes, out=codes)
+        return buffer.reshape(shape)
 
 
 #: leading eigen-directions of ``H`` the screening loss keeps exactly (the rest by its diagonal)
@@ -411,7 +458,7 @@ def leading_factor(hessian: torch.Tensor, rank: int, seed: int = 0) -> torch.Ten
     per layer. The probes come from ``seed``: the same factor on every run."""
     inputs = hessian.shape[0]
     r = min(rank, inputs)
-    probes = torch.randn(inputs, r + 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    (probes,) = seeded_probes(inputs, (r + 8,), seed)
     basis = torch.linalg.qr(hessian @ probes).Q
     for _ in range(2):  # two power steps: the leading directions of an LLM's H stand out
         basis = torch.linalg.qr(hessian @ basis).Q
@@ -497,6 +544,25 @@ def slot_encoding(
     return (*(group_values(t, made.groups) for t in expanded), *expanded)
 
 
+def insert_sorted(
+    losses: torch.Tensor, keys: torch.Tensor, loss: torch.Tensor, key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``len(losses)`` of ``losses`` with ``loss`` appended, in a stable ascending sort
+    along dim 0 (NaN last, as ``torch.sort`` puts it), and ``keys`` with ``key`` in the same
+    order, for ``losses`` so sorted already: ``loss`` goes after every one not above it (NaN:
+    after all). The same as ``argsort(cat(...), stable=True)`` and two gathers, in a few
+    elementwise passes: a sort per screening candidate was 0.3 s of a 110M Llama's search."""
+    at = torch.where(loss.isnan(), len(losses), (losses <= loss).sum(dim=0))
+    slot = torch.arange(len(losses)).reshape(-1, *([1] * loss.dim()))
+    before, here = slot < at, slot == at
+
+    def merged(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        shifted = torch.cat([kept[:1], kept[:-1]])  # slot j after the new one: kept's j - 1
+        return torch.where(before, kept, torch.where(here, new, shifted))
+
+    return merged(losses, loss), merged(keys, key)
+
+
 def screened_numerators(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -546,9 +612,7 @@ def screened_numerators(
             else screening_losses(delta, factor, residual, groups)
         )
         loss = torch.where((kept == k).any(dim=0), float("inf"), loss)  # judged already
-        losses, ks = torch.cat([kept_loss, loss[None]]), torch.cat([kept, k[None]])
-        order = torch.argsort(losses, dim=0, stable=True)[:SCREENED]  # ties keep the earlier
-        kept_loss, kept = losses.gather(0, order), ks.gather(0, order)
+        kept_loss, kept = insert_sorted(kept_loss, kept, loss, k)  # ties keep the earlier
 
     for numerator in [count, *(k for k in range(top, 0, -step) if k != count)]:
         consider(torch.full(shape, numerator, dtype=torch.int64))
@@ -669,6 +733,7 @@ def seq_mse_encoding(
     codes: torch.Tensor | None = None,
     current: tuple[torch.Tensor, torch.Tensor] | None = None,
     factors: HessianFactors | None = None,
+    made: GroupCandidates | None = None,
 ) -> SeqMseResult:
     """The per-group range (and so the encoding) with the least output error.
 
@@ -688,6 +753,10 @@ def seq_mse_encoding(
             algorithm's codes may beat any clipping.
         factors: :class:`HessianFactors` kept from earlier layers (that of the same input reuse
             them); None: made for this call only.
+        made: the :class:`GroupCandidates` of ``weight`` in float64 (its values, these
+            ``groups`` and ``symmetric``), where the caller keeps them to make the chosen
+            candidate after (their ranges are a pass over the weight); their scratch buffer is
+            freed on return. None: made here.
     """
     factors = HessianFactors() if factors is None else factors
     w = weight.detach().to(torch.float64)
@@ -709,7 +778,8 @@ def seq_mse_encoding(
             factors,
             torch.float32 if screen else torch.float64,
         )
-    made = GroupCandidates(w, groups, symmetric)  # candidate_weight's values, without expanding
+    # candidate_weight's values, without expanding
+    made = GroupCandidates(w, groups, symmetric) if made is None else made
     search: GroupSearch | None = None
     if screen:
         with small_products(w.numel()):
@@ -753,7 +823,7 @@ def seq_mse_encoding(
             codes_loss = default_loss  # the codes are the default's: the same loss
         del default_delta
     scale, zero_point = (t.to(torch.float64) for t in encode_at(encode, made, best_fraction))
-    del made
+    made._scratch = None  # an [O, I] float64 (the caller's made remakes it if it asks)
     if (
         search is not None
         and rows
@@ -818,7 +888,9 @@ class SeqMSE(Algorithm):
     ) -> WeightChoice | None:
         if site.shared_with:
             return None
-        matrix = site_matrix(site, grid)
+        # compact: the weight as it is (made float64 once, below) and a per-channel encoding as
+        # [O, 1], which is all codes_delta broadcasts: two [O, I] float64 copies less per layer
+        matrix = site_matrix(site, grid, compact=True)
         if matrix is None:
             return None
         hessian = hessian_of(collected, matrix)
@@ -829,8 +901,11 @@ class SeqMSE(Algorithm):
                 return None
             hessian = torch.eye(matrix.weight.shape[1], dtype=torch.float64)
 
+        weight = matrix.weight.to(torch.float64)
+        # the candidates' ranges found once, for the search and for the chosen candidate
+        made = GroupCandidates(weight, matrix.groups, grid.symmetric)
         result = seq_mse_encoding(
-            matrix.weight,
+            weight,
             hessian,
             site_encoder(matrix, grid),
             matrix.grid,
@@ -841,13 +916,14 @@ class SeqMSE(Algorithm):
             codes=matrix.matrix_of(codes),
             current=(matrix.scale, matrix.zero_point),
             factors=self._factors,
+            made=made,
         )
         if bool((result.fraction == 1).all()):
             return None
         assert result.codes_loss is not None  # codes were given
         if not result.loss < result.codes_loss:
             return None  # the codes it was given (e.g. GPTQ's, AdaRound's) beat nearest on any clipping
-        chosen = GroupCandidates(matrix.weight, matrix.groups, grid.symmetric).weight_at(result.fraction)
+        chosen = made.weight_at(result.fraction)
         scale, zero_point = grid.observe(matrix.weight_of(chosen))
         scale = scale.reshape(grid.scale.shape)
         if grid.symmetric:

@@ -385,6 +385,52 @@ def quantize_rows(
     return out if done else None
 
 
+def quantization_errors(
+    x: torch.Tensor, scale: torch.Tensor, quant_min: int, quant_max: int, out: torch.Tensor
+) -> bool:
+    """``x - clamp(round(x / scale), quant_min, quant_max) * scale`` written into ``out`` in one
+    pass; False, with nothing written, where it does not run (then the torch operations do).
+
+    ``x`` and ``out``: contiguous CPU tensors of one shape, float32 or float64, whose first
+    dimension is the rows (``out`` may not overlap ``x``); ``scale``: one value per row, or one,
+    contiguous, of their dtype. The same operations as torch's, in that dtype (division,
+    rounding half to even, clamp, product, difference), each value once instead of through five
+    tensor passes. Only for ``quant_min < 0 < quant_max`` (a symmetric grid's codes without zero
+    point: no clamp bound is a zero whose sign torch might pick otherwise).
+    """
+    native = _native
+    if native is None or not hasattr(native, "quantization_errors") or x.dim() == 0 or not x.numel():
+        return False
+    dtype = x.dtype
+    if dtype not in (torch.float32, torch.float64) or not quant_min < 0 < quant_max or quant_max > 1 << 24:
+        return False
+    if quant_min < -(1 << 24):
+        return False
+    for t in (x, scale, out):
+        if (
+            type(t) is not torch.Tensor
+            or t.dtype is not dtype
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+        ):
+            return False
+    rows = x.shape[0]
+    if out.shape != x.shape or scale.numel() not in (1, rows) or out.data_ptr() == x.data_ptr():
+        return False
+    native.quantization_errors(
+        x.data_ptr(),
+        rows,
+        x.numel() // rows,
+        scale.data_ptr(),
+        0 if scale.numel() == 1 else 1,
+        quant_min,
+        quant_max,
+        out.data_ptr(),
+        dtype is torch.float64,
+    )
+    return True
+
+
 def search_norms_available() -> bool:
     """Whether :func:`search_norms` runs (the kernels are on and built with it)."""
     return _native is not None and hasattr(_native, "search_norms")
