@@ -70,6 +70,9 @@ def quantize_rows(
     unsigned: bool,
     /,
 ) -> bool: ...
+def fake_quantize(
+    address: int, n: int, inv: float, scale: float, zero_point: int, lo: int, hi: int, out_address: int, /
+) -> bool: ...
 def search_norms(
     bins: int,
     rows: int,
