@@ -386,6 +386,11 @@ def quantize_rows(
     return out if done else None
 
 
+def fake_quantize_available() -> bool:
+    """Whether :func:`fake_quantize` runs (the kernels are on and built with it)."""
+    return _native is not None and hasattr(_native, "fake_quantize")
+
+
 def fake_quantize(
     value: torch.Tensor, inverse: float, scale: float, zero_point: int, quant_min: int, quant_max: int
 ) -> torch.Tensor | None:
