@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.fx import Interpreter, Node
 
 import quantplug
 from _quantplug.algorithms.cle import find_pairs
@@ -785,15 +787,95 @@ def test_the_guard_reruns_only_the_nodes_after_a_changed_weight() -> None:
     simulation, batches, targets = _simulation_setup()
     sim = simulation({})
     ran: list[str] = []
-    original = sim.run_node
-    sim.run_node = lambda n: ran.append(n.name) or original(n)  # type: ignore[method-assign]
     incremental = IncrementalOutputs(sim, batches)
+
+    def counted(node: Node, step: Any) -> Any:
+        return lambda env: ran.append(node.name) or (sim.run_node(node) if step is None else step(env))
+
+    incremental.steps = [counted(n, step) for n, step in zip(incremental.nodes, incremental.steps)]
     incremental({})
     full = len(ran) // len(batches)
     ran.clear()
     last = targets[-1]
     incremental({last: dict(sim.module.named_parameters())[last] * 1.5})
     assert 0 < len(ran) // len(batches) < full / 2
+
+
+class AtenFakeQuantize(nn.Module):
+    """An observer as the quantized program computes it: ATen's own fake quantize."""
+
+    def __init__(self, scale: float, zero_point: int, qmin: int, qmax: int) -> None:
+        super().__init__()
+        self.args = (scale, zero_point, qmin, qmax)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fake_quantize_per_tensor_affine(x, *self.args)
+
+
+class Nothing(nn.Module):
+    def forward(self, *args: Any) -> None:
+        return None
+
+
+#: (quant_min, quant_max) of the activation grids the trials are checked on
+GRIDS = [(0, 255), (-128, 127), (0, 65535), (-32768, 32767)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=4), min_size=1, max_size=6),
+)
+def test_the_guards_trials_are_a_plain_interpreters_runs_of_the_quantized_program(
+    seed: int, selections: list[list[int]]
+) -> None:
+    """Every trial of the guard's simulation (activations fake-quantized with random encodings,
+    resumed from earlier runs' checkpoints, each node run by its compiled step, the native fake
+    quantize where it applies) gives bit for bit what ``torch.fx.Interpreter`` computes on the
+    program with the selection's weights set and each observer replaced by ATen's fake quantize."""
+    import copy
+
+    from _quantplug.algorithms.sequential import IncrementalOutputs, QuantizedSimulation
+    from _quantplug.algorithms.taps import is_tap
+    from _quantplug.meta import observer_gid
+
+    simulation, batches, targets = _simulation_setup()
+    prepared = simulation({}).module
+    g = torch.Generator().manual_seed(seed)
+    activation: dict[int, Any] = {}
+    quantizers: dict[str, nn.Module] = {}
+    for n in prepared.graph.nodes:
+        gid = observer_gid(n.target) if n.op == "call_module" else None
+        if gid is None or (isinstance(n.args[0], Node) and n.args[0].op == "get_attr"):
+            continue  # a constant's parked observer: the simulation reads the weight as it is
+        qmin, qmax = GRIDS[int(torch.randint(len(GRIDS), (1,), generator=g))]
+        scale = float(torch.rand(1, generator=g) * 0.05 + 1e-3)
+        zero_point = int(torch.randint(qmin, qmax + 1, (1,), generator=g)) if qmin == 0 else 0
+        spec = SimpleNamespace(
+            dtype=torch.int32, quant_min=qmin, quant_max=qmax, qscheme=torch.per_tensor_affine
+        )
+        activation[gid] = (spec, (torch.tensor([scale]), torch.tensor([zero_point])))
+        quantizers[str(n.target)] = AtenFakeQuantize(scale, zero_point, qmin, qmax)
+    params = dict(prepared.named_parameters())
+    variants = {
+        t: [params[t] + 0.1 * torch.randn(params[t].shape, generator=g) for _ in range(2)] for t in targets
+    }
+    incremental = IncrementalOutputs(QuantizedSimulation(prepared, activation, {}, {}, is_tap), batches)
+    for selection in selections:
+        weights = {t: variants[t][v - 1] for t, v in zip(targets, selection) if v}
+        plain = copy.deepcopy(prepared)
+        for n in plain.graph.nodes:
+            if n.op == "call_module" and is_tap(n):
+                plain.add_submodule(str(n.target), Nothing())
+        for target, module in quantizers.items():
+            plain.add_submodule(target, module)
+        for target, value in weights.items():
+            owner, _, name = target.rpartition(".")
+            setattr(plain.get_submodule(owner), name, nn.Parameter(value, requires_grad=False))
+        with torch.no_grad():
+            expected = [Interpreter(plain).run(*batch) for batch in batches]
+        got = incremental(weights)
+        assert all(torch.equal(a, b) and torch.equal(a.signbit(), b.signbit()) for a, b in zip(got, expected))
 
 
 class WritesInPlace(nn.Module):

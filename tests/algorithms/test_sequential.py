@@ -4,6 +4,7 @@ published), from a bounded store of calibration batches."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +27,7 @@ from _quantplug.algorithms.sequential import (
 )
 from _quantplug.algorithms.spec import WeightChoice, WeightGrid, WeightSite
 from _quantplug.meta import ALGORITHMS_KEY as RUN_KEY
+from tests.core.kernel_code import simd
 
 BATCH = 8
 
@@ -338,3 +340,61 @@ def test_simulated_activations_are_atens_fake_quantize_value_for_value(
         got = quantize(x)
         assert torch.equal(got, expected)
         assert torch.equal(torch.signbit(got), torch.signbit(expected))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([(0, 255), (-128, 127), (0, 65535), (-32768, 32767)]),
+    st.integers(-6, 1),
+    st.sampled_from([(37,), (4, 9, 16), (2, 3, 8, 5)]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_the_native_fake_quantize_is_the_torch_path_bit_for_bit(
+    seed: int, grid: tuple[int, int], exponent: int, shape: tuple[int, ...], permuted: bool, avx2: bool
+) -> None:
+    """The one-pass kernel the guard's trials fake-quantize with gives the torch path's values and
+    layout (a permuted activation keeps its strides), signs of zeros included, on its 8-lane and
+    scalar code; it declines (the torch path runs) where a product is NaN, infinite or huge."""
+    from _quantplug.observers import kernels
+
+    native = kernels.fake_quantize_available()  # else the torch path twice: the same values
+    g = torch.Generator().manual_seed(seed)
+    qmin, qmax = grid
+    scale = float(torch.rand(1, generator=g).float() * 10.0**exponent + 1e-12)
+    zero_point = int(torch.randint(qmin, qmax + 1, (1,), generator=g)) if qmin == 0 else 0
+    x = torch.randn(shape, generator=g) * scale * 300
+    x.view(-1)[:5] = (torch.randint(-300, 300, (5,), generator=g).float() + 0.5) * scale  # ties
+    x.view(-1)[5:7] = torch.tensor([0.0, -0.0])
+    if permuted:
+        x = x.transpose(0, -1)
+    inverse = float(1.0 / torch.tensor(scale))
+    with simd(avx2) if native else contextlib.nullcontext():
+        got = fake_quantize_per_tensor(x, scale, zero_point, qmin, qmax)
+        assert (kernels.fake_quantize(x, inverse, scale, zero_point, qmin, qmax) is not None) == native
+        with kernels.disabled():
+            expected = fake_quantize_per_tensor(x, scale, zero_point, qmin, qmax)
+        assert torch.equal(got, expected) and got.stride() == expected.stride()
+        assert torch.equal(torch.signbit(got), torch.signbit(expected))
+        for special in (float("nan"), float("inf"), 2.0**63 * scale):
+            y = x.clone()
+            y[(-1,) * y.dim()] = special
+            assert kernels.fake_quantize(y, inverse, scale, zero_point, qmin, qmax) is None
+
+
+def test_a_build_without_the_fake_quantize_kernel_leaves_it_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A native build from an older source (no ``fake_quantize``) stays usable: the simulation's
+    fake quantize runs its torch path, with the same values."""
+    import types
+
+    from _quantplug.observers import kernels
+
+    old = types.ModuleType("_quantplug.observers._histogram_kernels")
+    old.minmax = lambda *args: None  # type: ignore[attr-defined]
+    monkeypatch.setattr(kernels, "_native", old)
+    x = torch.randn(100, generator=torch.Generator().manual_seed(3))
+    assert not kernels.fake_quantize_available()
+    assert kernels.fake_quantize(x, 10.0, 0.1, 3, 0, 255) is None
+    expected = torch.fake_quantize_per_tensor_affine(x, 0.1, 3, 0, 255)
+    assert torch.equal(fake_quantize_per_tensor(x, 0.1, 3, 0, 255), expected)

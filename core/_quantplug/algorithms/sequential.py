@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.node import map_arg
 
 from _quantplug.algorithms.weight_matrix import single_thread
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
@@ -34,6 +35,7 @@ from _quantplug.errors import AlgorithmError
 from _quantplug.graph.attrs import behind_parked
 from _quantplug.graph.mutation import private_inputs, writes_an_input, written_args
 from _quantplug.meta import observer_gid
+from _quantplug.observers import kernels
 
 #: at most this many calibration batches are kept for the sequential pass
 STORE_BATCHES = 32
@@ -259,18 +261,30 @@ def activation_quantizer(spec: Any, qparams: tuple[Any, Any] | None) -> Callable
     axis = int(getattr(spec, "ch_axis", 0) or 0)
     one_scale, one_zero = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
     inverse = 1.0 / torch.tensor(one_scale, dtype=torch.float32)  # made once, not per call
+    inverse_value = float(inverse)
+
+    def torch_path(value: torch.Tensor) -> torch.Tensor:
+        if per_channel:
+            return torch.fake_quantize_per_channel_affine(
+                value, scale, zero_point, axis % value.dim(), qmin, qmax
+            )
+        return fake_quantize_per_tensor(value, one_scale, one_zero, qmin, qmax, inverse, native=False)
 
     def quantize(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return x
-        value = x.to(torch.float32)
-        if per_channel:
-            out = torch.fake_quantize_per_channel_affine(
-                value, scale, zero_point, axis % value.dim(), qmin, qmax
-            )
-        else:
-            out = fake_quantize_per_tensor(value, one_scale, one_zero, qmin, qmax, inverse)
-        return out.to(x.dtype)
+        same = x.dtype is torch.float32  # the usual case: no cast either way (two calls of 60k
+        value = x if same else x.to(torch.float32)  # on an LLM's guard)
+        out = None
+        if not per_channel:  # one pass of the native kernel, where it applies
+            out = kernels.fake_quantize(value, inverse_value, one_scale, one_zero, qmin, qmax)
+        if out is None:
+            if value.numel() <= ELEMENTWISE_ONE_THREAD:
+                with single_thread():
+                    out = torch_path(value)
+            else:
+                out = torch_path(value)
+        return out if same else out.to(x.dtype)
 
     return quantize
 
@@ -287,10 +301,13 @@ def fake_quantize_per_tensor(
     qmin: int,
     qmax: int,
     inverse: torch.Tensor | None = None,
+    native: bool = True,
 ) -> torch.Tensor:
-    """``torch.fake_quantize_per_tensor_affine`` of a float32 ``value``, the same values, in five
+    """``torch.fake_quantize_per_tensor_affine`` of a float32 ``value``, the same values, in one
+    pass of the native kernel (:func:`~_quantplug.observers.kernels.fake_quantize`) or else five
     vectorized passes: ATen's kernel runs element by element, 3-10x slower on an LLM's activations,
-    where the algorithm guard's trials spent a quarter of their time in it.
+    where the algorithm guard's trials spent a quarter of their time in it; the five passes and
+    their min/max check cost 4-5x the kernel's one pass (110M Llama's guard: about 0.5 s of 11).
 
     The same float operations: ``value * (1.0f / scale)`` rounded half to even, the zero point
     added in float, clamped, shifted back and multiplied by the scale (ATen multiplies in double
@@ -299,10 +316,15 @@ def fake_quantize_per_tensor(
     exactly (2^24 and beyond), and codes that are not finite or beyond :data:`EXACT_CODES` (its
     int64 cast is undefined there: x86 maps them to ``quant_min``). ``inverse``: that ``1.0f / scale``
     as a float32 tensor, where the caller made it once (the guard fake-quantizes each activation
-    once per trial: making it at every call was a sixth of the calls' time)."""
+    once per trial: making it at every call was a sixth of the calls' time); ``native=False``: not
+    the kernel (the caller tried it)."""
     if max(abs(qmin), abs(qmax), abs(zero_point)) < 2**24 and value.numel():
         if inverse is None:
             inverse = 1.0 / torch.tensor(scale, dtype=torch.float32)
+        if native:
+            done = kernels.fake_quantize(value, float(inverse), scale, zero_point, qmin, qmax)
+            if done is not None:
+                return done
         codes = torch.mul(value, inverse)
         low, high = torch.aminmax(codes)
         if -EXACT_CODES < float(low) and float(high) < EXACT_CODES:
@@ -312,7 +334,8 @@ def fake_quantize_per_tensor(
 
 #: activations of at most this many elements are fake-quantized on one thread: an LLM's are a
 #: few tokens wide, where a parallel region costs more than the work (and on a busy machine waits
-#: for a descheduled worker, milliseconds per activation); elementwise, the values are the same
+#: for a descheduled worker, milliseconds per activation); elementwise, the values are the same.
+#: The torch path only: the native kernel (one pass) runs on the calling thread
 ELEMENTWISE_ONE_THREAD = 1 << 18
 
 
@@ -397,20 +420,84 @@ class QuantizedSimulation(Interpreter):
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         gid = observer_gid(target)
-        if gid is not None:  # a constant's parked observer: not in ``activation``, its input (the
-            # weight as ``get_attr`` gave it) as is
-            entry = self.activation.get(gid, _UNSIMULATED)
-            made = self._quantizers.get(gid)
-            if made is None or made[0] is not entry:  # made once per encoding
-                made = self._quantizers[gid] = (entry, activation_quantizer(*entry))
-            quantize, x = made[1], args[0]
-            if quantize is None:
-                return x
-            if isinstance(x, torch.Tensor) and x.numel() <= ELEMENTWISE_ONE_THREAD:
-                with single_thread():
-                    return quantize(x)
-            return quantize(x)
+        if gid is not None:
+            return self.observe(gid, args[0])
         return super().call_module(target, args, kwargs)
+
+    def observe(self, gid: int, x: Any) -> Any:
+        """What group ``gid``'s observer gives ``x`` in the simulation: ``x`` fake-quantized with
+        its calibrated encoding. A constant's parked observer is not in ``activation``: its input
+        (the weight as ``get_attr`` gave it) as is."""
+        entry = self.activation.get(gid, _UNSIMULATED)
+        made = self._quantizers.get(gid)
+        if made is None or made[0] is not entry:  # made once per encoding
+            made = self._quantizers[gid] = (entry, activation_quantizer(*entry))
+        quantize = made[1]
+        return x if quantize is None else quantize(x)
+
+
+#: one node's step in :meth:`IncrementalOutputs._run_from`: the live values -> the node's value
+Step = Callable[[dict[Node, Any]], Any]
+
+#: argument values that hold no node and that the interpreter passes on as they are
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _arguments(values: Sequence[Any]) -> Callable[[dict[Node, Any]], list[Any]]:
+    """``values`` (a node's args, or its kwargs' values) as the interpreter would hand them over
+    (nodes replaced by their values, containers rebuilt by ``map_arg``), read from the live values:
+    without the interpreter's checks and recursion for the usual arguments, a node or a constant."""
+    template = list(values)
+    nodes = [(i, v) for i, v in enumerate(template) if isinstance(v, Node)]
+    nested = [(i, v) for i, v in enumerate(template) if not isinstance(v, (Node, *_PLAIN))]
+    if not nested:
+
+        def load(env: dict[Node, Any]) -> list[Any]:
+            out = template.copy()
+            for i, node in nodes:
+                out[i] = env[node]
+            return out
+
+        return load
+
+    def load_nested(env: dict[Node, Any]) -> list[Any]:
+        out = template.copy()
+        for i, node in nodes:
+            out[i] = env[node]
+        for i, value in nested:
+            out[i] = map_arg(value, env.__getitem__)
+        return out
+
+    return load_nested
+
+
+def _step(sim: QuantizedSimulation, node: Node) -> Step | None:
+    """``node``'s step: what ``sim.run_node(node)`` computes (the same calls on the same values),
+    without the interpreter's per-node dispatch, checks and context (110M Llama's guard runs 78k
+    nodes over its 96 trials: 0.3-0.6 s of 10 s, thread time). None: ``sim.run_node`` itself
+    (placeholders, the output, a node a pass feeds)."""
+    if node.op == "call_module" and (
+        sim.is_tap(node) or (not node.users and observer_gid(node.target) is not None)
+    ):
+        return lambda env: None
+    if node.name in sim.feeds:
+        return None
+    args = _arguments(node.args)
+    keys = list(node.kwargs)
+    values = _arguments(list(node.kwargs.values()))
+    target = node.target
+    if node.op == "get_attr":
+        name = str(target)
+        return lambda env: sim.get_attr(name, (), {})
+    if node.op == "call_function" and callable(target):
+        if not keys:
+            return lambda env: target(*args(env))
+        return lambda env: target(*args(env), **dict(zip(keys, values(env))))
+    if node.op == "call_module" and not keys and len(node.args) == 1:
+        gid = observer_gid(target)
+        if gid is not None:
+            return lambda env: sim.observe(gid, args(env)[0])
+    return None
 
 
 def _reads_weight(node: Node) -> bool:
@@ -447,6 +534,11 @@ class IncrementalOutputs:
     the residual stream and a few shared tensors. The :data:`CACHED_RUNS` most recent runs are
     kept. Results are those of a full run: the same nodes compute the same values from the same
     inputs.
+
+    Each node runs by a step made once (:func:`_step`: its target called on its arguments read
+    from the live values), not by the interpreter's ``run_node``, whose per-node dispatch, checks
+    and context cost a few microseconds on each of the tens of thousands of nodes a guard runs;
+    the calls, and so the values, are the interpreter's.
     """
 
     #: runs kept to resume from (the guard's current selection and its latest trial)
@@ -479,6 +571,9 @@ class IncrementalOutputs:
         #: the nodes whose value is a weight (:func:`_reads_weight`), found once: a checkpoint asks
         #: of every live value at every trial
         self.weight_readers = frozenset(n for n in self.nodes if _reads_weight(n))
+        #: each node's step (:func:`_step`) and the values that die after it, made once
+        self.steps = [_step(simulation, n) for n in self.nodes]
+        self.dead = [simulation.user_to_last_uses.get(n, []) for n in self.nodes]
 
     def _start(self, run: _Run, weights: Mapping[str, torch.Tensor]) -> int | None:
         """The checkpoint ``run`` can resume from for ``weights`` (None: the same weights)."""
@@ -526,16 +621,18 @@ class IncrementalOutputs:
         sim._left = set()
         sim.env = env
         sim.args_iter = iter(sim.graph.process_inputs(*batch))
+        nodes, steps, dead, points = self.nodes, self.steps, self.dead, self.points
+        readers = self.weight_readers
         with torch.no_grad():
-            for i in range(start, len(self.nodes)):
-                node = self.nodes[i]
-                if i in self.points:  # a weight live there is read again on resuming, not kept:
+            for i in range(start, len(nodes)):
+                node = nodes[i]
+                if i in points:  # a weight live there is read again on resuming, not kept:
                     # rounded at each read (QuantizedSimulation.rounded), kept it would be a copy
-                    readers = self.weight_readers
-                    snapshots[i] = {n: None if n in readers else v for n, v in sim.env.items()}
-                sim.env[node] = sim.run_node(node)
-                for dead in sim.user_to_last_uses.get(node, []):
-                    del sim.env[dead]
+                    snapshots[i] = {n: None if n in readers else v for n, v in env.items()}
+                step = steps[i]
+                env[node] = sim.run_node(node) if step is None else step(env)
+                for value in dead[i]:
+                    del env[value]
                 if node.op == "output":
-                    return sim.graph.process_outputs(sim.env[node])
+                    return sim.graph.process_outputs(env[node])
         raise AlgorithmError("the simulated program has no output node")

@@ -19,7 +19,7 @@
  *
  * convert uses four more (row_extremes and quantize_rows for constants, search_norms for torchao's
  * histogram clipping search, quantization_errors for SeqMSE's candidates; described where they
- * are defined).
+ * are defined), and the algorithms' quantized simulation one, fake_quantize, for its activations.
  *
  * Exactness: the binning evaluates the same float32 expression as quantplug's LinearBinning
  * (itself torch.histc's arithmetic): (x - lo) [* scale] / divisor, clamped to the last bin,
@@ -684,6 +684,68 @@ static void quantization_errors_f64(const double *x, int64_t rows, int64_t cols,
 }
 
 /*
+ * fake_quantize: torch.fake_quantize_per_tensor_affine's values for a float32 tensor, as the
+ * quantized simulation's torch path (sequential.fake_quantize_per_tensor) computes them, one IEEE
+ * float32 operation at a time: t = x * inv (inv: the float32 1 / scale), rounded half to even,
+ * + zp, max with lo, min with hi, - zp, * scale. One pass instead of that path's six; it stops
+ * (1) where a product is NaN or not within (-EXACT_CODES, EXACT_CODES) (2^62), for the caller's
+ * torch path (ATen's own kernel decides those).
+ */
+typedef struct {
+    float inv, zp, lo, hi, scale;
+} FakeCode;
+
+#define FQ_EXACT 4611686018427387904.0f /* 2^62: sequential.EXACT_CODES */
+
+static int fake_quantize_tail(const float *x, int64_t i, int64_t n, FakeCode c, float *out) {
+    for (; i < n; i++) {
+        float t = x[i] * c.inv;
+        if (!(t > -FQ_EXACT && t < FQ_EXACT)) {
+            return 1;
+        }
+        t = nearbyintf(t) + c.zp;
+        t = t < c.lo ? c.lo : t;
+        t = t > c.hi ? c.hi : t;
+        out[i] = (t - c.zp) * c.scale;
+    }
+    return 0;
+}
+
+#ifdef QP_AVX2
+/* the first (n / 8) * 8 values on 8 lanes; returns how many were done, -1 at a product beyond */
+QP_TARGET_AVX2 static int64_t fake_quantize_avx2(const float *x, int64_t n, FakeCode c, float *out) {
+    const __m256 inv = _mm256_set1_ps(c.inv), zp = _mm256_set1_ps(c.zp), scale = _mm256_set1_ps(c.scale);
+    const __m256 lo = _mm256_set1_ps(c.lo), hi = _mm256_set1_ps(c.hi);
+    const __m256 top = _mm256_set1_ps(FQ_EXACT), bottom = _mm256_set1_ps(-FQ_EXACT);
+    __m256 inside = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv);
+        /* ordered comparisons: false at NaN */
+        inside = _mm256_and_ps(inside, _mm256_and_ps(_mm256_cmp_ps(t, top, _CMP_LT_OQ), _mm256_cmp_ps(t, bottom, _CMP_GT_OQ)));
+        t = _mm256_add_ps(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
+        /* max(t, lo) and min(., hi) as the scalar code's comparisons (no NaN gets here unflagged) */
+        t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_sub_ps(t, zp), scale));
+    }
+    return _mm256_movemask_ps(inside) == 0xff ? i : -1;
+}
+#endif
+
+static int fake_quantize_f32(const float *x, int64_t n, FakeCode c, float *out) {
+    int64_t i = 0;
+#ifdef QP_AVX2
+    if (use_avx2) {
+        i = fake_quantize_avx2(x, n, c, out);
+        if (i < 0) {
+            return 1;
+        }
+    }
+#endif
+    return fake_quantize_tail(x, i, n, c, out);
+}
+
+/*
  * search_norms: the per-bin terms of torchao's _compute_quantization_error for `rows` candidate
  * ranges (HistogramObserver's clipping search), each row the float32 operations the torch code in
  * torchao_observer_classes._Searches.errors applies, in its order, one IEEE operation at a time:
@@ -1222,6 +1284,48 @@ static PyObject *quantization_errors_py(PyObject *self, PyObject *const *args, P
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(fake_quantize_doc,
+             "fake_quantize(address, n, inv, scale, zero_point, lo, hi, out_address) -> bool\n\n"
+             "n contiguous float32 values fake-quantized per tensor into the float32 array at out_address\n"
+             "(see the C source): True, or False (stopped, out partly written) where a product x * inv is\n"
+             "NaN or beyond 2**62. inv and scale are taken as float32 (as torch takes a scalar\n"
+             "operand of a float32 operation); zero_point, lo and hi integers within\n"
+             "2**24 in magnitude.");
+
+static PyObject *fake_quantize_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_count(nargs, 8, "fake_quantize(address, n, inv, scale, zero_point, lo, hi, out_address)") < 0) {
+        return NULL;
+    }
+    void *x, *out;
+    if (as_address(args[0], &x) < 0 || as_address(args[7], &out) < 0) {
+        return NULL;
+    }
+    int64_t n = PyLong_AsLongLong(args[1]);
+    double inv = PyFloat_AsDouble(args[2]);
+    double scale = PyFloat_AsDouble(args[3]);
+    int64_t zp = PyLong_AsLongLong(args[4]);
+    int64_t lo = PyLong_AsLongLong(args[5]);
+    int64_t hi = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    const int64_t limit = (int64_t)1 << 24;
+    if (n <= 0 || x == NULL || out == NULL || lo > hi || zp <= -limit || zp >= limit || lo <= -limit ||
+        hi >= limit) {
+        PyErr_SetString(PyExc_ValueError,
+                        "fake_quantize needs non-null addresses, n > 0, and lo <= hi and "
+                        "zero_point within 2**24 in magnitude");
+        return NULL;
+    }
+    FakeCode c = {(float)inv, (float)zp, (float)lo, (float)hi, (float)scale};
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = fake_quantize_f32((const float *)x, n, c, (float *)out);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(status == 0);
+}
+
 PyDoc_STRVAR(search_norms_doc,
              "search_norms(bins, rows, density_address, owner_address, start_address, width_address,\n"
              "             dst_address, half_address, half_cubed_address, whole_bin_address, top, out_address)"
@@ -1432,6 +1536,7 @@ static PyMethodDef methods[] = {
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL, start_doc},
     {"row_extremes", (PyCFunction)(void (*)(void))row_extremes_py, METH_FASTCALL, row_extremes_doc},
     {"quantize_rows", (PyCFunction)(void (*)(void))quantize_rows_py, METH_FASTCALL, quantize_rows_doc},
+    {"fake_quantize", (PyCFunction)(void (*)(void))fake_quantize_py, METH_FASTCALL, fake_quantize_doc},
     {"search_norms", (PyCFunction)(void (*)(void))search_norms, METH_FASTCALL, search_norms_doc},
     {"quantization_errors", (PyCFunction)(void (*)(void))quantization_errors_py, METH_FASTCALL,
      quantization_errors_doc},

@@ -70,6 +70,21 @@ def quantize_rows(
     unsigned: bool,
     /,
 ) -> bool: ...
+def fake_quantize(
+    address: int, n: int, inv: float, scale: float, zero_point: int, lo: int, hi: int, out_address: int, /
+) -> bool: ...
+def quantization_errors(
+    address: int,
+    rows: int,
+    cols: int,
+    scale_address: int,
+    scale_step: int,
+    lo: int,
+    hi: int,
+    out_address: int,
+    double: bool,
+    /,
+) -> None: ...
 def search_norms(
     bins: int,
     rows: int,

@@ -13,7 +13,8 @@ convert uses two more for constants: a per-channel weight observer's min/max of 
 pass (:func:`row_extremes`), and the weight's integers written straight from its floats
 (:func:`quantize_rows`) instead of five weight-sized passes of torch operations; and torchao's
 histogram clipping search (peers/torchao_observer_classes.py) its candidates' per-bin error terms
-in one pass (:func:`search_norms`) instead of about twenty.
+in one pass (:func:`search_norms`) instead of about twenty. The algorithms' quantized simulation
+fake-quantizes every activation at each of the guard's trials, one pass each (:func:`fake_quantize`).
 
 Every function here returns None (or False) where the native path does not apply, and the
 callers then run their torch code, which computes the same values: the kernels are a speed-up,
@@ -429,6 +430,41 @@ def quantization_errors(
         dtype is torch.float64,
     )
     return True
+
+
+def fake_quantize_available() -> bool:
+    """Whether :func:`fake_quantize` runs (the kernels are on and built with it)."""
+    return _native is not None and hasattr(_native, "fake_quantize")
+
+
+def fake_quantize(
+    value: torch.Tensor, inverse: float, scale: float, zero_point: int, quant_min: int, quant_max: int
+) -> torch.Tensor | None:
+    """``torch.fake_quantize_per_tensor_affine``'s values for ``value`` in one pass, or None.
+
+    The float32 steps of the quantized simulation's torch path
+    (:func:`~_quantplug.algorithms.sequential.fake_quantize_per_tensor`): ``value * inverse``
+    rounded half to even, the zero point added, clamped, taken back and multiplied by ``scale``
+    (``inverse`` and ``scale``: float32 values). That path is six passes over the activation
+    (five operations and a min/max check), the kernel one. None where the kernels are off or
+    built without ``fake_quantize``, ``value`` does not suit, an integer is 2^24 or beyond in
+    magnitude, or a product is NaN or beyond 2^62 (ATen's kernel decides those): then the torch
+    path runs.
+    """
+    native = _native
+    if native is None or not hasattr(native, "fake_quantize") or not value.numel():
+        return None
+    if max(abs(quant_min), abs(quant_max), abs(zero_point)) >= 1 << 24 or quant_min > quant_max:
+        return None
+    if not (_plain(value) or dense_values(value)):
+        return None
+    out = torch.empty_like(value)  # a permutation's own strides, as torch's elementwise result has
+    if out.stride() != value.stride():
+        return None
+    done = native.fake_quantize(
+        value.data_ptr(), value.numel(), inverse, scale, zero_point, quant_min, quant_max, out.data_ptr()
+    )
+    return out if done else None
 
 
 def search_norms_available() -> bool:
