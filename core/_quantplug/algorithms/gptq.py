@@ -92,6 +92,9 @@ class GptqResult:
     loss: float
     #: the same error of the codes given to weigh beside (``gptq_codes(..., given=)``), or None
     given_loss: float | None = None
+    #: per column, their weight error ``D`` squared and summed over rows, as
+    #: :func:`column_squares` sums it (what :func:`undampened_error` reads of them), or None
+    given_squares: torch.Tensor | None = None
 
 
 def update_factor(
@@ -566,7 +569,8 @@ def _gptq_pass(
     never permuted or expanded whole.
     """
     rows, columns = weight.shape
-    wt = _block_columns(weight, order, 0, columns)  # in order: rows permuted as they are made
+    # in order: rows permuted as they are made (into memory of its own: never the weight's)
+    wt = _block_columns(weight, order, 0, columns, out=torch.empty(columns, rows, dtype=torch.float64))
     loss = 0.0
     step = max(1, int(block))
     symmetric = not bool(zero_point.any())
@@ -644,8 +648,10 @@ def gptq_codes(
         codes, loss = _gptq_rows(w, scale, zero_point, update, order, grid, block, w.shape[0])
     else:
         codes, loss = _gptq_pass(w, scale, zero_point, update, order, grid, block)
-        if given is not None:
-            return GptqResult(codes, loss, factor_loss(weight, given, scale, zero_point, update, order))
+        if given is not None:  # D squared summed too: the undampened error's pass over D saved
+            squares = torch.zeros(given.shape[1], dtype=torch.float64)
+            weighed = factor_loss(weight, given, scale, zero_point, update, order, squares)
+            return GptqResult(codes, loss, weighed, squares)
     return GptqResult(codes, loss)
 
 
@@ -661,12 +667,17 @@ def factor_loss(
     zero_point: torch.Tensor,
     factor: torch.Tensor,
     order: torch.Tensor | None,
+    columns: torch.Tensor | None = None,
 ) -> float:
     """``tr(D H D^T)`` on the dampened ``H`` of :func:`update_factor`'s ``factor`` (in ``order``)
     for the codes ``[O, I]`` on the encoding given: ``D H D^T = ||D V||^2`` with ``H = V V^T``, and
     column ``k`` of ``D V`` is ``V[k, k] (d_k + sum_{j<k} d_j F[j, k])``. ``V`` is triangular, so
     the product skips the zeros below its diagonal (:data:`TRIANGLE_BLOCKS`): about half a
-    product with ``H``. ``factor`` is given back as it came (its diagonal is unit meanwhile)."""
+    product with ``H``. ``factor`` is given back as it came (its diagonal is unit meanwhile).
+
+    ``columns`` (``[I]`` float64, zeros): :func:`column_squares` of the same codes added into it,
+    from the same ``D`` (the same slices, values and sums: its pass over ``D`` was the fresh
+    memory of two more copies of each slice)."""
     diagonal = factor.diagonal().clone()
     squares = diagonal.square()
     size = factor.shape[0]
@@ -679,6 +690,8 @@ def factor_loss(
             z = zero_point[rows] if zero_point.shape[0] > 1 else zero_point
             delta = weight[rows].to(torch.float64, copy=True)
             delta.sub_(codes[rows].to(torch.float64, copy=True).sub_(z).mul_(s))
+            if columns is not None:  # column_squares' sums of this slice: the same D, reduced so
+                columns += delta.square().sum(dim=0)
             if order is not None:
                 permute_columns_(delta, order)
             for start in range(0, size, width):
@@ -711,16 +724,29 @@ def undampened_error(
     1.3 s a product). Equal to the product's value up to float rounding (relative 1e-15 on the
     110M Llama's layers), far inside any difference a choice is made on.
     """
-    diag = diagonal.to(torch.float64)
-    dead = diag <= 0
-    lam = float(damp) * float(torch.where(dead, torch.ones_like(diag), diag).mean())
+    return undampened_from(loss, column_squares(weight, codes, scale, zero_point), diagonal, damp)
+
+
+def column_squares(
+    weight: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
+) -> torch.Tensor:
+    """Per column, the weight error ``D`` of ``codes`` squared and summed over rows (float64
+    ``[I]``), a few MiB of ``D`` at a time (:func:`update_slices`)."""
     squares = torch.zeros(codes.shape[1], dtype=torch.float64)
-    for rows in update_slices(codes.shape[0], codes.shape[1]):  # a few MiB of D at a time
+    for rows in update_slices(codes.shape[0], codes.shape[1]):
         s = scale[rows] if scale.shape[0] > 1 else scale
         z = zero_point[rows] if zero_point.shape[0] > 1 else zero_point
         delta = weight[rows].to(torch.float64, copy=True)
         delta.sub_(codes[rows].to(torch.float64, copy=True).sub_(z).mul_(s))
         squares += delta.square_().sum(dim=0)
+    return squares
+
+
+def undampened_from(loss: float, squares: torch.Tensor, diagonal: torch.Tensor, damp: float) -> float:
+    """:func:`undampened_error` from the codes' :func:`column_squares`."""
+    diag = diagonal.to(torch.float64)
+    dead = diag <= 0
+    lam = float(damp) * float(torch.where(dead, torch.ones_like(diag), diag).mean())
     return float(loss) - lam * float(squares.sum()) - float(squares[dead].sum())
 
 
@@ -940,7 +966,8 @@ class GPTQ(Algorithm):
                     loss, matrix.weight, of, matrix.scale, matrix.zero_point, diagonal, self.damp
                 )
 
-            given = undampened(result.given_loss, given_codes)
+            assert result.given_loss is not None and result.given_squares is not None
+            given = undampened_from(result.given_loss, result.given_squares, diagonal, self.damp)
             # the same codes are the same error (two ways of weighing them differ in the last bit)
             same = torch.equal(choice.codes, codes.to(choice.codes.dtype))
             best = given if same else undampened(result.loss, matrix.matrix_of(choice.codes))
