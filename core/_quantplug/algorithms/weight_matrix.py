@@ -338,6 +338,22 @@ def row_slices(matrix: torch.Tensor) -> Iterator[torch.Tensor]:
         yield matrix[start : start + rows]
 
 
+#: columns of one tile of :func:`matrix_tiles`
+TILE_COLUMNS = 256
+
+
+def matrix_tiles(rows: int, columns: int) -> Iterator[tuple[slice, slice]]:
+    """Tiles of an ``rows`` x ``columns`` matrix (row and column slices): at most
+    :data:`TILE_COLUMNS` columns and a 64th of :data:`SLICE_ELEMENTS` elements each (64K: 512
+    KiB of float64). Elementwise work on a transposed view reads a tile across the grain within
+    the cache, into a temporary the allocator reuses."""
+    width = max(1, min(columns, TILE_COLUMNS))
+    height = max(1, SLICE_ELEMENTS // 64 // width)
+    for start in range(0, rows, height):
+        for first in range(0, columns, width):
+            yield slice(start, start + height), slice(first, first + width)
+
+
 def transpose_(matrix: torch.Tensor) -> torch.Tensor:
     """A square contiguous ``matrix`` transposed in its own memory (returned; read through
     ``matrix.T`` it holds the values it held before, column-major).
