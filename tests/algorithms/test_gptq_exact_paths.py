@@ -1,7 +1,8 @@
 """GPTQ's faster paths compute what the paths they replace computed, bit for bit (issue 43.1): the
 factor of an equal ``H`` reused (:class:`~_quantplug.algorithms.gptq.SharedFactors`), values moved
 and columns rounded through numpy, ``H`` put in order with one gather fewer, the given codes'
-column sums taken from the pass that weighs them. Each is checked against the torch path it
+column sums taken from the pass that weighs them, default codes and codes back in the weight's
+shape made in reused buffers and tiles. Each is checked against the torch path it
 replaced (numpy views refused), or against that computation written out as it was.
 """
 
@@ -17,9 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _quantplug.algorithms.gptq as gptq_module
+import _quantplug.algorithms.spec as spec_module
 import _quantplug.algorithms.weight_matrix as matrix_module
 import quantplug
 from _quantplug.algorithms.gptq import SharedFactors, column_squares, gptq_codes, gptq_factor, same_bits
+from _quantplug.algorithms.weight_layers import SiteMatrix
 from _quantplug.algorithms.weight_matrix import (
     IntegerGrid,
     dampen_,
@@ -265,3 +268,57 @@ def test_projections_of_one_input_share_one_factor_and_choose_what_they_chose_al
         other = chosen[False][name]
         assert (codes is None) == (other is None)
         assert codes is None or (other is not None and torch.equal(codes, other))
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 40),
+    st.sampled_from([8, 16, 32]),
+    st.sampled_from(["tensor", "channel", "block"]),
+    st.sampled_from([1, 7, 64, 1 << 18]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_grid_codes_in_one_buffer_are_the_whole_expression(
+    seed: int, out: int, inputs: int, granularity: str, buffer: int, dtype: torch.dtype
+) -> None:
+    """:meth:`WeightGrid.quantize` a few rows at a time in one reused buffer: each code what
+    ``clamp(round(w / s) + z)`` on the whole weight gives (buffers of one row to all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out, inputs, generator=g) * torch.logspace(-3, 2, inputs)).to(dtype)
+    shape = {"tensor": (1,), "channel": (out,), "block": (out, inputs // 8)}[granularity]
+    grid = spec_module.WeightGrid(
+        quant_min=-8,
+        quant_max=7,
+        dtype=torch.int8,
+        qscheme=torch.per_channel_affine,
+        granularity=granularity,
+        scale=torch.rand(shape, generator=g) * 0.1 + 1e-3,
+        zero_point=torch.randint(-3, 3, shape, generator=g),
+        symmetric=False,
+        ch_axis=0 if granularity == "channel" else None,
+        block_size=(1, 8) if granularity == "block" else None,
+    )
+    s = grid.expand(grid.scale, weight.shape).to(torch.float32)
+    z = grid.expand(grid.zero_point, weight.shape).to(torch.float32)
+    expected = (torch.round(weight.to(torch.float32) / s) + z).clamp(grid.quant_min, grid.quant_max)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spec_module, "_BUFFER", buffer)
+        assert torch.equal(grid.quantize(weight, dtype=torch.int8), expected.to(torch.int8))
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 300), st.integers(1, 300), st.sampled_from([4, 4096, 1 << 22]))
+def test_codes_of_a_transposed_matrix_in_tiles_are_its_rounded_values(
+    seed: int, out: int, inputs: int, elements: int
+) -> None:
+    """:meth:`SiteMatrix.codes` of GPTQ's transposed working memory, in tiles of any size: the
+    matrix rounded and converted, as whole slices of rows gave it."""
+    g = torch.Generator().manual_seed(seed)
+    memory = torch.randint(-8, 8, (inputs, out), generator=g).double() + 1e-9 * _matrix(seed, inputs, out)
+    grid = IntegerGrid(-8, 7)
+    zeros = torch.zeros(out, 1, dtype=torch.float64)
+    matrix = SiteMatrix(torch.zeros(out, inputs), zeros + 1, zeros, grid, (1, inputs), (out, inputs))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matrix_module, "SLICE_ELEMENTS", elements)
+        assert torch.equal(matrix.codes(memory.T), memory.T.round().to(torch.int8))
