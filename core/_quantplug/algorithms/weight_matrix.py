@@ -394,9 +394,10 @@ GATHER_ELEMENTS = 1 << 17
 def numpy_view(matrix: torch.Tensor) -> numpy.ndarray | None:
     """``matrix``'s memory as a numpy array (the same memory: writes reach the tensor), or None
     where moving its values through numpy is not the same as through torch (a dtype without a
-    numpy twin, a tensor that records gradients or is not on the CPU)."""
+    numpy twin, a tensor that records gradients or is not on the CPU, a tensor subclass)."""
     if (
-        matrix.dtype not in NUMPY_GATHER
+        type(matrix) not in (torch.Tensor, torch.nn.Parameter)
+        or matrix.dtype not in NUMPY_GATHER
         or matrix.requires_grad
         or matrix.device.type != "cpu"
         or matrix.is_conj()
