@@ -684,14 +684,17 @@ def factor_loss(
     width = max(1, -(-size // TRIANGLE_BLOCKS))
     total = 0.0
     factor.diagonal().fill_(1.0)
+    slices = update_slices(codes.shape[0], codes.shape[1])
+    held, work = _slice_buffers(slices, codes.shape[1])
     try:
-        for rows in update_slices(codes.shape[0], codes.shape[1]):
+        for rows in slices:
             s = scale[rows] if scale.shape[0] > 1 else scale
             z = zero_point[rows] if zero_point.shape[0] > 1 else zero_point
-            delta = weight[rows].to(torch.float64, copy=True)
-            delta.sub_(codes[rows].to(torch.float64, copy=True).sub_(z).mul_(s))
+            delta, dequantized = held[: rows.stop - rows.start], work[: rows.stop - rows.start]
+            delta.copy_(weight[rows])
+            delta.sub_(dequantized.copy_(codes[rows]).sub_(z).mul_(s))
             if columns is not None:  # column_squares' sums of this slice: the same D, reduced so
-                columns += delta.square().sum(dim=0)
+                columns += torch.square(delta, out=dequantized).sum(dim=0)
             if order is not None:
                 permute_columns_(delta, order)
             for start in range(0, size, width):
@@ -733,13 +736,25 @@ def column_squares(
     """Per column, the weight error ``D`` of ``codes`` squared and summed over rows (float64
     ``[I]``), a few MiB of ``D`` at a time (:func:`update_slices`)."""
     squares = torch.zeros(codes.shape[1], dtype=torch.float64)
-    for rows in update_slices(codes.shape[0], codes.shape[1]):
+    slices = update_slices(codes.shape[0], codes.shape[1])
+    held, work = _slice_buffers(slices, codes.shape[1])
+    for rows in slices:
         s = scale[rows] if scale.shape[0] > 1 else scale
         z = zero_point[rows] if zero_point.shape[0] > 1 else zero_point
-        delta = weight[rows].to(torch.float64, copy=True)
-        delta.sub_(codes[rows].to(torch.float64, copy=True).sub_(z).mul_(s))
+        delta, dequantized = held[: rows.stop - rows.start], work[: rows.stop - rows.start]
+        delta.copy_(weight[rows])
+        delta.sub_(dequantized.copy_(codes[rows]).sub_(z).mul_(s))
         squares += delta.square_().sum(dim=0)
     return squares
+
+
+def _slice_buffers(slices: list[slice], columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two float64 buffers of the largest of ``slices``' rows, reused slice after slice by
+    :func:`factor_loss` and :func:`column_squares` (a slice's ``D`` and its codes dequantized):
+    new ones per slice were fresh memory to fault in, 16 MiB a slice (114k page faults on a
+    110M Llama). A slice is their leading rows: contiguous, where its own tensor started."""
+    rows = max((part.stop - part.start for part in slices), default=0)
+    return torch.empty(rows, columns, dtype=torch.float64), torch.empty(rows, columns, dtype=torch.float64)
 
 
 def undampened_from(loss: float, squares: torch.Tensor, diagonal: torch.Tensor, damp: float) -> float:
