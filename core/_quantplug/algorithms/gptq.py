@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
 from _quantplug.algorithms.seq_mse import (
@@ -66,8 +67,10 @@ from _quantplug.algorithms.weight_layers import (
     site_encoder,
 )
 from _quantplug.algorithms.weight_matrix import (
+    GATHER_ELEMENTS,
     IntegerGrid,
     dampen_,
+    numpy_view,
     output_error,
     permute_columns_,
     reverse_,
@@ -89,6 +92,9 @@ class GptqResult:
     loss: float
     #: the same error of the codes given to weigh beside (``gptq_codes(..., given=)``), or None
     given_loss: float | None = None
+    #: per column, their weight error ``D`` squared and summed over rows, as
+    #: :func:`column_squares` sums it (what :func:`undampened_error` reads of them), or None
+    given_squares: torch.Tensor | None = None
 
 
 def update_factor(
@@ -115,11 +121,12 @@ def update_factor(
     buffer = h if mine else h.clone(memory_format=torch.contiguous_format)
     size = buffer.shape[0]
     backwards = torch.arange(size - 1, -1, -1) if order is None else order.flip(0)
-    # H in order, reversed: columns permuted, transposed, columns permuted (H is symmetric; the
-    # same steps reverse the factor below), a slice of rows at a time
+    # H in order, reversed, and transposed (column-major): rows permuted (whole rows move),
+    # columns permuted (a gather), transposed. The same values as columns permuted, transposed
+    # and columns permuted again, with one gather fewer (a 2048-input layer's took 13 ms)
+    permute_rows_(buffer, backwards)
     permute_columns_(buffer, backwards)
     transpose_(buffer)
-    permute_columns_(buffer, backwards)
     factor = dampen_(buffer.T, damp)  # column-major, as LAPACK's results are
     torch.linalg.cholesky(factor, out=factor)
     # buffer is L^T (row-major) for the factor L of the reversed H; L reversed is V, and so
@@ -178,6 +185,70 @@ def _factor(
             [_factor(h, damp, None if order is None else order[g]) for g, h in enumerate(hessian)]
         )
     return update_factor(hessian, damp, overwrite, order)
+
+
+@dataclass(frozen=True)
+class GptqFactor:
+    """What GPTQ's column loop reads of ``H`` (:func:`gptq_factor`): the column order (None: the
+    weight's own) and :func:`update_factor` in it (``[G, I, I]`` and ``[G, I]`` for a stack)."""
+
+    order: torch.Tensor | None
+    factor: torch.Tensor
+
+
+def gptq_factor(hessian: torch.Tensor, damp: float, act_order: bool, overwrite: bool = False) -> GptqFactor:
+    """:class:`GptqFactor` of ``hessian`` (``overwrite``: made in its memory, as
+    :func:`update_factor`; one ``[I, I]`` only)."""
+    h = hessian.detach().to(torch.float64)
+    order = column_order(h, act_order)
+    return GptqFactor(order, _factor(h, damp, order, overwrite=overwrite and h.dim() == 2))
+
+
+class SharedFactors:
+    """The :class:`GptqFactor` of the last layer's ``H``, kept for the next layers that read the
+    same sums: a transformer's query, key and value projections (its MLP's gate and up
+    projections) read one input, and each factored the same ``H`` again (3 of the 7 factors of a
+    Llama block, 0.3 s of GPTQ's 8 on a 110M Llama).
+
+    Exact: a factor is reused only for an ``H`` equal bit for bit to the one it was made from (a
+    copy of which is kept: the factor may take the caller's memory), made with the same
+    dampening and order. A copy is kept only while ``readers`` say more layers read these sums
+    (kept for that many more uses, then dropped), and only for an ``[I, I]`` of at most
+    :data:`MAX_BYTES`: a copy and a factor held beside the next layer's ``H``.
+    """
+
+    #: the largest ``H`` whose factor is kept (an ``[I, I]`` float64 of 4096 inputs)
+    MAX_BYTES = 128 << 20
+
+    def __init__(self) -> None:
+        #: (the ``H`` copied, damp, act_order, its factor, uses left)
+        self._kept: tuple[torch.Tensor, float, bool, GptqFactor, int] | None = None
+
+    def get(
+        self, hessian: torch.Tensor, damp: float, act_order: bool, readers: int, lend: bool
+    ) -> tuple[GptqFactor, bool]:
+        """The factor of ``hessian`` (:func:`gptq_factor`, in its memory if ``lend``), the one kept
+        if it was made of an equal ``H``; and whether ``hessian``'s memory now holds it.
+        ``readers``: how many layers read the sums ``hessian`` was made from, this one included."""
+        kept = self._kept
+        if kept is not None and kept[1] == damp and kept[2] == act_order and same_bits(kept[0], hessian):
+            self._kept = None if kept[4] <= 1 else (*kept[:4], kept[4] - 1)
+            return kept[3], False
+        self._kept = None  # an H no later layer reads: its copy is not held any longer
+        keep = readers > 1 and hessian.dim() == 2 and hessian.numel() * 8 <= self.MAX_BYTES
+        copy = hessian.to(torch.float64, copy=True) if keep else None
+        made = gptq_factor(hessian, damp, act_order, overwrite=lend)
+        if copy is not None:
+            self._kept = (copy, damp, act_order, made, readers - 1)
+        return made, lend
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two float64 tensors hold the same bits (``torch.equal`` takes ``-0.0`` for ``0.0``
+    and no NaN for itself)."""
+    if a.shape != b.shape or a.dtype != torch.float64 or b.dtype != torch.float64:
+        return False
+    return torch.equal(a.view(torch.int64), b.view(torch.int64))
 
 
 def _gptq_rows(
@@ -253,11 +324,36 @@ class _BlockErrors:
 INNER_BLOCK = 16
 
 
-def _block_columns(matrix: torch.Tensor, order: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
+def _block_columns(
+    matrix: torch.Tensor,
+    order: torch.Tensor | None,
+    start: int,
+    stop: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Columns ``start:stop`` of the (permuted) working weight's layout read from ``matrix``
-    (``[O, I]`` in the weight's own column order), one float64 row per column: ``[n, O]``."""
-    columns = matrix[:, start:stop] if order is None else matrix.index_select(1, order[start:stop])
-    return columns.T.to(torch.float64).contiguous()
+    (``[O, I]`` in the weight's own column order), one float64 row per column: ``[n, O]``
+    (written into ``out``, contiguous ``[n, O]`` float64, if given).
+
+    Through numpy where the dtype has a numpy twin (float32, float64: the values moved and
+    widened exactly as torch does), a few rows of ``matrix`` at a time: their columns gathered
+    and written transposed. Torch's gather, widening and transposed copy made three new
+    ``[n, O]`` temporaries, fresh mappings of 16-33 MiB on a 32000-row lm_head, and a transposed
+    widening copy of the whole weight took 0.2 s on it (0.1 s so, rows put in order with it)."""
+    array = numpy_view(matrix)
+    if array is None or (out is not None and numpy_view(out) is None):
+        columns = matrix[:, start:stop] if order is None else matrix.index_select(1, order[start:stop])
+        return columns.T.to(torch.float64).contiguous() if out is None else out.copy_(columns.T)
+    result = torch.empty(stop - start, matrix.shape[0], dtype=torch.float64) if out is None else out
+    target = numpy_view(result)
+    assert target is not None
+    index = None if order is None else order[start:stop].numpy()
+    rows = max(1, GATHER_ELEMENTS // max(1, stop - start))
+    for first in range(0, matrix.shape[0], rows):
+        part = array[first : first + rows]
+        picked = part[:, start:stop] if index is None else part.take(index, axis=1)
+        target[:, first : first + part.shape[0]] = picked.T
+    return result
 
 
 def _block_encoding(
@@ -278,6 +374,7 @@ def _gptq_block(
     scale: list[torch.Tensor],
     zero_point: list[torch.Tensor] | None,
     grid: IntegerGrid,
+    work: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> _BlockErrors:
     """One lazy batch of the transposed working weight ``wb`` (``[n, O]``: a row per column of the
     weight, as the earlier batches left it) rounded column by column, each one's error pushed
@@ -299,12 +396,97 @@ def _gptq_block(
     Returns the batch's errors ``[n, O]`` for the update of the rest of the matrix, and the part
     of the loss its columns add: ``sum_j ((w'_j - q_j) V[j, j])^2``, ``w'_j`` the column as
     rounded (the paper's scaled errors: their squares sum to ``tr(D H D^T)``).
+
+    ``work``: three float64 buffers of at least ``wb``'s rows (the codes, errors and dequantized
+    codes; their first rows are used), reused batch after batch by :func:`_gptq_pass`: three
+    new ``[n, O]`` a batch were fresh mappings on a wide layer (33 MiB each on a 32000-row
+    lm_head), every page faulted in again.
     """
-    codes = torch.empty_like(wb)
-    errors = torch.empty_like(wb)
-    dequantized = torch.empty_like(wb)
-    columns, found, error, deq = wb.unbind(0), codes.unbind(0), errors.unbind(0), dequantized.unbind(0)
     n = wb.shape[0]
+    if work is None:
+        codes, errors, dequantized = (torch.empty_like(wb) for _ in range(3))
+    else:
+        codes, errors, dequantized = (buffer[:n] for buffer in work)
+    if not _numpy_block(wb, own, fb, scale, zero_point, grid, (codes, errors, dequantized)):
+        _torch_block(wb, own, fb, scale, zero_point, grid, (codes, errors, dequantized))
+    scaled = wb.sub_(dequantized).mul_(fb.diagonal().unsqueeze(1))
+    loss = float(scaled.square_().sum())
+    wb.copy_(codes)
+    return _BlockErrors(errors, loss)
+
+
+def _numpy_block(
+    wb: torch.Tensor,
+    own: torch.Tensor,
+    fb: torch.Tensor,
+    scale: list[torch.Tensor],
+    zero_point: list[torch.Tensor] | None,
+    grid: IntegerGrid,
+    work: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> bool:
+    """:func:`_gptq_block`'s column loop with each column's rounding in numpy (False, nothing
+    done, where a tensor has no numpy view). The same IEEE operations on the same vectors
+    (division, round half to even, clamp as a max then a min, multiplication, subtraction: each
+    rounded once, as torch's are; no fused multiply-add, which ``torch.addcmul`` would be), at
+    a fifth of torch's call overhead: a column of a 768 x 768 layer is six operations on 768
+    floats, and the calls were most of its time (67k columns, 1 s, on a 110M Llama). The errors
+    reach the next columns through torch's own product (``addmv_``: MKL's sums, as before)."""
+    codes, errors, dequantized = work
+    arrays = [numpy_view(t) for t in (wb, own, codes, errors, dequantized)]
+    vectors: dict[int, numpy.ndarray] = {}  # each distinct encoding vector's view, once
+    for t in [*scale, *(zero_point or [])]:
+        if id(t) not in vectors:
+            view = numpy_view(t)
+            if view is None:
+                return False
+            vectors[id(t)] = view
+    present = [a for a in arrays if a is not None]
+    if len(present) < len(arrays):
+        return False
+    cols, own_values, found, error, deq = present
+    s_of = [vectors[id(t)] for t in scale]
+    z_of = None if zero_point is None else [vectors[id(t)] for t in zero_point]
+    low, high = float(grid.quant_min), float(grid.quant_max)
+    n = wb.shape[0]
+    # the views the products read, made in three calls rather than three per column (the same
+    # views: errors[first:j].T is by_column[:, first:j], fb[first:j, j] is factor_of[j][first:j])
+    rows, by_column, factor_of = wb.unbind(0), errors.T, fb.T.unbind(0)
+    for first in range(0, n, INNER_BLOCK):
+        last = min(first + INNER_BLOCK, n)
+        for j in range(first, last):
+            if j > first:  # the errors of the sub-block's earlier columns
+                rows[j].addmv_(by_column[:, first:j], factor_of[j][first:j])
+            q, s = found[j], s_of[j]
+            numpy.divide(cols[j], s, out=q)
+            numpy.rint(q, out=q)
+            if z_of is None:
+                numpy.minimum(numpy.maximum(q, low, out=q), high, out=q)
+                numpy.multiply(q, s, out=deq[j])
+            else:
+                z = z_of[j]
+                numpy.add(q, z, out=q)
+                numpy.minimum(numpy.maximum(q, low, out=q), high, out=q)
+                numpy.subtract(q, z, out=deq[j])
+                numpy.multiply(deq[j], s, out=deq[j])
+            numpy.subtract(own_values[j], deq[j], out=error[j])
+        if last < n:  # the rest of the batch absorbs the sub-block's errors
+            wb[last:].addmm_(fb[first:last, last:].T, errors[first:last])
+    return True
+
+
+def _torch_block(
+    wb: torch.Tensor,
+    own: torch.Tensor,
+    fb: torch.Tensor,
+    scale: list[torch.Tensor],
+    zero_point: list[torch.Tensor] | None,
+    grid: IntegerGrid,
+    work: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """:func:`_gptq_block`'s column loop in torch operations."""
+    codes, errors, dequantized = work
+    n = wb.shape[0]
+    columns, found, error, deq = wb.unbind(0), codes.unbind(0), errors.unbind(0), dequantized.unbind(0)
     for first in range(0, n, INNER_BLOCK):
         last = min(first + INNER_BLOCK, n)
         for j in range(first, last):
@@ -322,10 +504,6 @@ def _gptq_block(
             torch.sub(own[j], deq[j], out=error[j])
         if last < n:  # the rest of the batch absorbs the sub-block's errors
             wb[last:].addmm_(fb[first:last, last:].T, errors[first:last])
-    scaled = wb.sub_(dequantized).mul_(fb.diagonal().unsqueeze(1))
-    loss = float(scaled.square_().sum())
-    wb.copy_(codes)
-    return _BlockErrors(errors, loss)
 
 
 def permute_rows_(matrix: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -333,6 +511,22 @@ def permute_rows_(matrix: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     (a row's copy held): whole contiguous rows move, so memory stays one row beyond the matrix."""
     index = order.tolist()
     done = [False] * len(index)
+    array = numpy_view(matrix)
+    if array is not None:  # the same moves, a numpy row assignment a fifth of torch's cost
+        for start in range(len(index)):
+            if done[start] or index[start] == start:
+                continue
+            kept = array[start].copy()
+            k = start
+            while True:
+                done[k] = True
+                source = index[k]
+                if source == start:
+                    array[k] = kept
+                    break
+                array[k] = array[source]
+                k = source
+        return matrix
     for start in range(len(index)):
         if done[start] or index[start] == start:
             continue
@@ -375,22 +569,28 @@ def _gptq_pass(
     never permuted or expanded whole.
     """
     rows, columns = weight.shape
-    wt = torch.empty(columns, rows, dtype=torch.float64)
-    wt.copy_(weight.T)
-    if order is not None:
-        permute_rows_(wt, order)
+    # in order: rows permuted as they are made (into memory of its own: never the weight's)
+    wt = _block_columns(weight, order, 0, columns, out=torch.empty(columns, rows, dtype=torch.float64))
     loss = 0.0
     step = max(1, int(block))
     symmetric = not bool(zero_point.any())
+    # a lazy batch's own values, codes, errors and dequantized codes: made once, reused
+    own, *work = (torch.empty(min(step, columns), rows, dtype=torch.float64) for _ in range(4))
     with small_products(rows * columns * step):
         for start in range(0, columns, step):
             stop = min(start + step, columns)
             scales = _block_encoding(scale, order, start, stop)
             zeros = None if symmetric else _block_encoding(zero_point, order, start, stop)
-            values = _block_columns(weight, order, start, stop)
+            values = _block_columns(weight, order, start, stop, out=own[: stop - start])
             with single_thread():
                 errors = _gptq_block(
-                    wt[start:stop], values, factor[start:stop, start:stop], scales, zeros, grid
+                    wt[start:stop],
+                    values,
+                    factor[start:stop, start:stop],
+                    scales,
+                    zeros,
+                    grid,
+                    (work[0], work[1], work[2]),
                 )
             loss += errors.loss
             if stop < columns:  # the rest absorbs the batch's errors
@@ -412,6 +612,7 @@ def gptq_codes(
     act_order: bool = False,
     overwrite_hessian: bool = False,
     given: torch.Tensor | None = None,
+    factor: GptqFactor | None = None,
 ) -> GptqResult:
     """GPTQ's codes for ``weight`` ``[O, I]`` on the grid ``scale``/``zero_point`` (broadcastable
     to ``[O, I]``: one value per weight, per row ``[O, 1]`` or for all ``[1, 1]``).
@@ -432,23 +633,25 @@ def gptq_codes(
             ``H`` is wanted too (:attr:`GptqResult.given_loss`; one ``[I, I]`` ``H`` only): weighed
             through the factor (:func:`factor_loss`), at about half the cost of a product with
             ``H``, and with no ``H`` needed after the factor took its memory.
+        factor: :func:`gptq_factor` of ``hessian`` with these ``damp`` and ``act_order``, made
+            before (:class:`SharedFactors`); ``hessian`` is then not read.
 
     Inputs no sample reached (zero rows of ``H``) are rounded to nearest: the data says nothing
     about them, and the weight may serve other inputs the Hessian did not see. ``H`` gives them a
     unit diagonal and no coupling, so no other column's error is pushed onto them.
     """
-    h = hessian.detach().to(torch.float64)
-    order = column_order(h, act_order)
-    factor = _factor(h, damp, order, overwrite=overwrite_hessian and h.dim() == 2)
-    del h  # its memory is the factor's (overwrite_hessian) or the caller's
+    made = gptq_factor(hessian, damp, act_order, overwrite_hessian) if factor is None else factor
+    order, update = made.order, made.factor
     w = weight.detach()
     scale, zero_point = scale.detach().to(torch.float64), zero_point.detach().to(torch.float64)
-    if factor.dim() == 3:
-        codes, loss = _gptq_rows(w, scale, zero_point, factor, order, grid, block, w.shape[0])
+    if update.dim() == 3:
+        codes, loss = _gptq_rows(w, scale, zero_point, update, order, grid, block, w.shape[0])
     else:
-        codes, loss = _gptq_pass(w, scale, zero_point, factor, order, grid, block)
-        if given is not None:
-            return GptqResult(codes, loss, factor_loss(weight, given, scale, zero_point, factor, order))
+        codes, loss = _gptq_pass(w, scale, zero_point, update, order, grid, block)
+        if given is not None:  # D squared summed too: the undampened error's pass over D saved
+            squares = torch.zeros(given.shape[1], dtype=torch.float64)
+            weighed = factor_loss(weight, given, scale, zero_point, update, order, squares)
+            return GptqResult(codes, loss, weighed, squares)
     return GptqResult(codes, loss)
 
 
@@ -464,24 +667,34 @@ def factor_loss(
     zero_point: torch.Tensor,
     factor: torch.Tensor,
     order: torch.Tensor | None,
+    columns: torch.Tensor | None = None,
 ) -> float:
     """``tr(D H D^T)`` on the dampened ``H`` of :func:`update_factor`'s ``factor`` (in ``order``)
     for the codes ``[O, I]`` on the encoding given: ``D H D^T = ||D V||^2`` with ``H = V V^T``, and
     column ``k`` of ``D V`` is ``V[k, k] (d_k + sum_{j<k} d_j F[j, k])``. ``V`` is triangular, so
     the product skips the zeros below its diagonal (:data:`TRIANGLE_BLOCKS`): about half a
-    product with ``H``. ``factor`` is given back as it came (its diagonal is unit meanwhile)."""
+    product with ``H``. ``factor`` is given back as it came (its diagonal is unit meanwhile).
+
+    ``columns`` (``[I]`` float64, zeros): :func:`column_squares` of the same codes added into it,
+    from the same ``D`` (the same slices, values and sums: its pass over ``D`` was the fresh
+    memory of two more copies of each slice)."""
     diagonal = factor.diagonal().clone()
     squares = diagonal.square()
     size = factor.shape[0]
     width = max(1, -(-size // TRIANGLE_BLOCKS))
     total = 0.0
     factor.diagonal().fill_(1.0)
+    slices = update_slices(codes.shape[0], codes.shape[1])
+    held, work = _slice_buffers(slices, codes.shape[1])
     try:
-        for rows in update_slices(codes.shape[0], codes.shape[1]):
+        for rows in slices:
             s = scale[rows] if scale.shape[0] > 1 else scale
             z = zero_point[rows] if zero_point.shape[0] > 1 else zero_point
-            delta = weight[rows].to(torch.float64, copy=True)
-            delta.sub_(codes[rows].to(torch.float64, copy=True).sub_(z).mul_(s))
+            delta, dequantized = held[: rows.stop - rows.start], work[: rows.stop - rows.start]
+            delta.copy_(weight[rows])
+            delta.sub_(dequantized.copy_(codes[rows]).sub_(z).mul_(s))
+            if columns is not None:  # column_squares' sums of this slice: the same D, reduced so
+                columns += torch.square(delta, out=dequantized).sum(dim=0)
             if order is not None:
                 permute_columns_(delta, order)
             for start in range(0, size, width):
@@ -514,16 +727,41 @@ def undampened_error(
     1.3 s a product). Equal to the product's value up to float rounding (relative 1e-15 on the
     110M Llama's layers), far inside any difference a choice is made on.
     """
+    return undampened_from(loss, column_squares(weight, codes, scale, zero_point), diagonal, damp)
+
+
+def column_squares(
+    weight: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
+) -> torch.Tensor:
+    """Per column, the weight error ``D`` of ``codes`` squared and summed over rows (float64
+    ``[I]``), a few MiB of ``D`` at a time (:func:`update_slices`)."""
+    squares = torch.zeros(codes.shape[1], dtype=torch.float64)
+    slices = update_slices(codes.shape[0], codes.shape[1])
+    held, work = _slice_buffers(slices, codes.shape[1])
+    for rows in slices:
+        s = scale[rows] if scale.shape[0] > 1 else scale
+        z = zero_point[rows] if zero_point.shape[0] > 1 else zero_point
+        delta, dequantized = held[: rows.stop - rows.start], work[: rows.stop - rows.start]
+        delta.copy_(weight[rows])
+        delta.sub_(dequantized.copy_(codes[rows]).sub_(z).mul_(s))
+        squares += delta.square_().sum(dim=0)
+    return squares
+
+
+def _slice_buffers(slices: list[slice], columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two float64 buffers of the largest of ``slices``' rows, reused slice after slice by
+    :func:`factor_loss` and :func:`column_squares` (a slice's ``D`` and its codes dequantized):
+    new ones per slice were fresh memory to fault in, 16 MiB a slice (114k page faults on a
+    110M Llama). A slice is their leading rows: contiguous, where its own tensor started."""
+    rows = max((part.stop - part.start for part in slices), default=0)
+    return torch.empty(rows, columns, dtype=torch.float64), torch.empty(rows, columns, dtype=torch.float64)
+
+
+def undampened_from(loss: float, squares: torch.Tensor, diagonal: torch.Tensor, damp: float) -> float:
+    """:func:`undampened_error` from the codes' :func:`column_squares`."""
     diag = diagonal.to(torch.float64)
     dead = diag <= 0
     lam = float(damp) * float(torch.where(dead, torch.ones_like(diag), diag).mean())
-    squares = torch.zeros(codes.shape[1], dtype=torch.float64)
-    for rows in update_slices(codes.shape[0], codes.shape[1]):  # a few MiB of D at a time
-        s = scale[rows] if scale.shape[0] > 1 else scale
-        z = zero_point[rows] if zero_point.shape[0] > 1 else zero_point
-        delta = weight[rows].to(torch.float64, copy=True)
-        delta.sub_(codes[rows].to(torch.float64, copy=True).sub_(z).mul_(s))
-        squares += delta.square_().sum(dim=0)
     return float(loss) - lam * float(squares.sum()) - float(squares[dead].sum())
 
 
@@ -659,6 +897,18 @@ class GPTQ(Algorithm):
 
     def __post_init__(self) -> None:
         self._hessians: dict[str, LayerHessian] = {}  # the collectors it made, by weight
+        #: the last layer's factor of ``H``, reused by the next ones that read the same input
+        self._factors = SharedFactors()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_factors": SharedFactors()}  # a cache: not sent, nor copied
+
+    def _readers(self, own: LayerHessian | None) -> int:
+        """How many of this instance's layers read ``own``'s sums (its own layer included; 0:
+        none known): those whose factor of the same ``H`` may be the one made first."""
+        if own is None:
+            return 0
+        return sum(1 for collector in self._hessians.values() if collector.sums is own.sums)
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
         if not collects_hessian(site, self.name):
@@ -703,6 +953,11 @@ class GPTQ(Algorithm):
         own = self._hessians.get(site.name)
         lend = not searches and own is not None and h is hessian and hessian.dim() == 2 and own.made(hessian)
         diagonal = torch.diagonal(h, dim1=-2, dim2=-1).clone()  # before the factor takes h's memory
+        # the factor of an equal H made for an earlier layer of the same input, or made now
+        # (kept if later layers read that input); h lent to it only if made now
+        factor, lend = self._factors.get(
+            h, self.damp, self.act_order, 0 if searches else self._readers(own), lend
+        )
         result = gptq_codes(
             matrix.weight,
             h,
@@ -714,6 +969,7 @@ class GPTQ(Algorithm):
             act_order=self.act_order,
             overwrite_hessian=lend,
             given=given_codes if given is None else None,
+            factor=factor,
         )
         choice = WeightChoice(codes=matrix.codes(result.codes))
         assert choice.codes is not None
@@ -725,7 +981,8 @@ class GPTQ(Algorithm):
                     loss, matrix.weight, of, matrix.scale, matrix.zero_point, diagonal, self.damp
                 )
 
-            given = undampened(result.given_loss, given_codes)
+            assert result.given_loss is not None and result.given_squares is not None
+            given = undampened_from(result.given_loss, result.given_squares, diagonal, self.damp)
             # the same codes are the same error (two ways of weighing them differ in the last bit)
             same = torch.equal(choice.codes, codes.to(choice.codes.dtype))
             best = given if same else undampened(result.loss, matrix.matrix_of(choice.codes))

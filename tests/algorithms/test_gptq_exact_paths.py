@@ -1,0 +1,324 @@
+"""GPTQ's faster paths compute what the paths they replace computed, bit for bit (issue 43.1): the
+factor of an equal ``H`` reused (:class:`~_quantplug.algorithms.gptq.SharedFactors`), values moved
+and columns rounded through numpy, ``H`` put in order with one gather fewer, the given codes'
+column sums taken from the pass that weighs them, default codes and codes back in the weight's
+shape made in reused buffers and tiles. Each is checked against the torch path it
+replaced (numpy views refused), or against that computation written out as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _quantplug.algorithms.gptq as gptq_module
+import _quantplug.algorithms.spec as spec_module
+import _quantplug.algorithms.weight_matrix as matrix_module
+import quantplug
+from _quantplug.algorithms.gptq import SharedFactors, column_squares, gptq_codes, gptq_factor, same_bits
+from _quantplug.algorithms.weight_layers import SiteMatrix
+from _quantplug.algorithms.weight_matrix import (
+    IntegerGrid,
+    dampen_,
+    permute_columns_,
+    reverse_,
+    transpose_,
+)
+
+FAST = settings(max_examples=25, deadline=None)
+GRIDS = st.sampled_from([IntegerGrid(-7, 7), IntegerGrid(-8, 7), IntegerGrid(0, 15), IntegerGrid(-127, 127)])
+
+
+@contextmanager
+def torch_paths() -> Iterator[None]:
+    """No numpy view of any tensor: every move and rounding takes its torch path."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matrix_module, "numpy_view", lambda matrix: None)
+        patch.setattr(gptq_module, "numpy_view", lambda matrix: None)
+        yield
+
+
+def _matrix(seed: int, rows: int, cols: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(
+        dtype
+    )
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 150),
+    st.integers(1, 150),
+    st.sampled_from([torch.float64, torch.float32]),
+    st.sampled_from([7, 64, 1 << 17]),
+)
+def test_moves_through_numpy_are_the_torch_moves(
+    seed: int, rows: int, cols: int, dtype: torch.dtype, gather: int
+) -> None:
+    """Tiles of any size (one partial tile, many), slabs of any height: the same values where
+    torch's transposition, flips and gather put them."""
+    square = _matrix(seed, cols, cols, dtype)
+    wide = _matrix(seed + 1, rows, cols, dtype)
+    order = torch.randperm(cols, generator=torch.Generator().manual_seed(seed))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matrix_module, "GATHER_ELEMENTS", gather)
+        patch.setattr(matrix_module, "TILE", max(1, gather // 8))
+        fast = [
+            transpose_(square.clone()),
+            reverse_(square.clone()),
+            reverse_(wide.clone()),
+            permute_columns_(wide.clone(), order),
+            gptq_module.permute_rows_(wide.T.clone(memory_format=torch.contiguous_format), order),
+        ]
+        with torch_paths():
+            slow = [
+                transpose_(square.clone()),
+                reverse_(square.clone()),
+                reverse_(wide.clone()),
+                permute_columns_(wide.clone(), order),
+                gptq_module.permute_rows_(wide.T.clone(memory_format=torch.contiguous_format), order),
+            ]
+    assert torch.equal(fast[0], square.T)
+    assert torch.equal(fast[3], wide[:, order])
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+
+
+def _old_update_factor(hessian: torch.Tensor, damp: float, order: torch.Tensor | None) -> torch.Tensor:
+    """:func:`~_quantplug.algorithms.gptq.update_factor` as it was computed: columns permuted,
+    transposed, columns permuted again, then factored and reversed."""
+    size = hessian.shape[0]
+    backwards = torch.arange(size - 1, -1, -1) if order is None else order.flip(0)
+    buffer = hessian.clone()[:, backwards].T.contiguous()[:, backwards].contiguous()
+    factor = dampen_(buffer.T, damp)
+    torch.linalg.cholesky(factor, out=factor)
+    buffer = buffer.flip(0, 1).contiguous()
+    diagonal = buffer.diagonal().clone()
+    buffer.div_(diagonal.unsqueeze(1))
+    buffer.diagonal().copy_(diagonal)
+    return buffer.T
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 40), st.booleans(), st.booleans())
+def test_the_update_factor_is_the_one_of_before(seed: int, inputs: int, act_order: bool, lend: bool) -> None:
+    """Rows permuted, columns permuted, transposed: what columns permuted, transposed and
+    permuted again gave, on an ``H`` that is not exactly symmetric either (the transposition is
+    not taken for granted)."""
+    x = _matrix(seed, inputs + 5, inputs)
+    hessian = x.T @ x + 1e-9 * _matrix(seed + 1, inputs, inputs)  # the last bits asymmetric
+    order = gptq_module.column_order(hessian, True) if act_order else None
+    expected = _old_update_factor(hessian, 0.01, order)
+    given_up = hessian.clone()
+    got = gptq_module.update_factor(given_up, 0.01, lend, order)
+    assert torch.equal(got, expected)
+    assert (got.data_ptr() == given_up.data_ptr()) == lend
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.sampled_from([1, 5, 40, 300]),
+    st.integers(1, 40),
+    st.integers(1, 20),
+    st.booleans(),
+    st.sampled_from(["compact", "expanded", "float32", "bfloat16"]),
+    GRIDS,
+    st.booleans(),
+)
+def test_gptq_in_numpy_is_gptq_in_torch(
+    seed: int, out: int, inputs: int, block: int, act_order: bool, form: str, grid: IntegerGrid, ties: bool
+) -> None:
+    """The codes, loss and the given codes' loss of the numpy path are the torch path's, bit for
+    bit: symmetric and asymmetric grids, a compact or expanded encoding, float32 and float64
+    weights (bfloat16: no numpy twin, the torch path either way); ``ties``: weights halfway
+    between two codes (the columns no error reached yet round half to even, as torch's do)."""
+    weight = _matrix(seed, out, inputs)
+    if ties:  # halves of a power-of-two step: exactly halfway at a scale of 1/8
+        weight = (torch.round(weight * 4) + 0.5) / 8
+    x = _matrix(seed + 1, max(2, inputs // 2), inputs)
+    hessian = x.T @ x / len(x)
+    levels = grid.quant_max - grid.quant_min
+    scale = weight.abs().amax(dim=1, keepdim=True) * 2 / levels + 1e-3
+    if ties:
+        scale = torch.full_like(scale, 1 / 8)
+    zero_point = torch.full_like(scale, float((grid.quant_min + grid.quant_max + 1) // 2))
+    if form == "expanded":
+        scale, zero_point = scale.expand_as(weight).contiguous(), zero_point.expand_as(weight).contiguous()
+    if form in ("float32", "bfloat16"):
+        weight = weight.to(getattr(torch, form))
+    nearest = torch.clamp(torch.round(weight.double() / scale) + zero_point, grid.quant_min, grid.quant_max)
+
+    def run() -> Any:
+        return gptq_codes(
+            weight, hessian, scale, zero_point, grid, block=block, act_order=act_order, given=nearest
+        )
+
+    original = weight.clone()
+    with pytest.MonkeyPatch.context() as patch:  # 300 rows: slices of 16 (the last takes the rest)
+        patch.setattr(gptq_module, "UPDATE_SLICE_ROWS", 16)
+        patch.setattr(gptq_module, "UPDATE_SLICE_ELEMENTS", 16)
+        fast = run()
+        with torch_paths():
+            slow = run()
+        squares = column_squares(weight, nearest, scale, zero_point)  # as undampened_error sums
+    assert torch.equal(weight, original)  # GPTQ's working weight is never the caller's memory
+    assert torch.equal(fast.codes, slow.codes)
+    assert (fast.loss, fast.given_loss) == (slow.loss, slow.given_loss)
+    assert fast.given_squares is not None and slow.given_squares is not None
+    assert torch.equal(fast.given_squares, squares) and torch.equal(slow.given_squares, squares)
+
+
+def test_a_factor_is_reused_only_for_the_same_bits_and_options() -> None:
+    """The factor made first serves the readers of an equal ``H`` (the one object, its memory not
+    taken again), and is dropped after the last of them; an ``H`` one ulp off, a zero of the other
+    sign, another dampening or order, a single reader, or an ``H`` over the size limit: made anew."""
+    x = _matrix(0, 30, 12)
+    h = x.T @ x
+    shared = SharedFactors()
+    first, lent = shared.get(h.clone(), 0.01, True, readers=3, lend=True)
+    assert lent
+    again, lent = shared.get(h.clone(), 0.01, True, readers=3, lend=True)
+    assert again is first and not lent
+    third, _ = shared.get(h.clone(), 0.01, True, readers=3, lend=False)
+    assert third is first
+    fourth, _ = shared.get(h.clone(), 0.01, True, readers=3, lend=False)  # no fourth reader
+    assert fourth is not first and torch.equal(fourth.factor, first.factor)
+    off = h.clone()
+    off[3, 5] = torch.nextafter(off[3, 5], torch.tensor(float("inf"), dtype=torch.float64))
+    zeros, signed = torch.zeros(4, 4, dtype=torch.float64), torch.zeros(4, 4, dtype=torch.float64)
+    signed[1, 2] = -0.0
+    assert same_bits(h, h.clone()) and not same_bits(h, off) and not same_bits(zeros, signed)
+    for other, damp, act_order in ((off, 0.01, True), (h, 0.02, True), (h, 0.01, False)):
+        kept, _ = shared.get(h.clone(), 0.01, True, readers=2, lend=False)
+        made, _ = shared.get(other.clone(), damp, act_order, readers=2, lend=False)
+        assert made is not kept
+        assert torch.equal(made.factor, gptq_factor(other, damp, act_order).factor)
+    alone, _ = shared.get(h.clone(), 0.01, True, readers=1, lend=False)
+    assert shared.get(h.clone(), 0.01, True, readers=1, lend=False)[0] is not alone
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SharedFactors, "MAX_BYTES", h.numel() * 8 - 1)
+        large, _ = shared.get(h.clone(), 0.01, True, readers=2, lend=False)
+        assert shared.get(h.clone(), 0.01, True, readers=2, lend=False)[0] is not large
+
+
+class _Attention(torch.nn.Module):
+    """Three projections of one input (a transformer's query, key and value), and one of another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(24, 16)
+        self.k = torch.nn.Linear(24, 8)
+        self.v = torch.nn.Linear(24, 8)
+        self.o = torch.nn.Linear(32, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1))
+
+
+def test_projections_of_one_input_share_one_factor_and_choose_what_they_chose_alone() -> None:
+    """GPTQ on three projections of one input factors that input's ``H`` once (and ``o``'s once),
+    and every layer's codes are those it chose with no factor shared."""
+    torch.manual_seed(0)
+    model = _Attention().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(40, 24, generator=g),) for _ in range(2)]
+    program = torch.export.export(model, batches[0])
+    made: list[int] = []
+    chosen: dict[bool, dict[str, torch.Tensor]] = {True: {}, False: {}}
+    factor, choose, readers = (
+        gptq_module.gptq_factor,
+        gptq_module.GPTQ.choose_weight,
+        gptq_module.GPTQ._readers,
+    )
+
+    def counted(hessian: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        made.append(hessian.shape[-1])
+        return factor(hessian, *args, **kwargs)
+
+    for sharing in (True, False):
+
+        def recorded(self: Any, site: Any, *args: Any, sharing: bool = sharing) -> Any:
+            choice = choose(self, site, *args)
+            chosen[sharing][site.name] = None if choice is None else choice.codes
+            return choice
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gptq_module, "gptq_factor", counted)
+            patch.setattr(gptq_module.GPTQ, "choose_weight", recorded)
+            if not sharing:
+                patch.setattr(gptq_module.GPTQ, "_readers", lambda self, own: 0)
+            made.clear()
+            quantplug.quantize(
+                program,
+                backend="reference",
+                calibration=batches,
+                algorithms=quantplug.Algorithms(["gptq"], guard=False),
+            )
+        assert sorted(made) == ([24, 32] if sharing else [24, 24, 24, 32])
+    assert readers is gptq_module.GPTQ._readers
+    assert chosen[True].keys() == chosen[False].keys() and len(chosen[True]) == 4
+    for name, codes in chosen[True].items():
+        other = chosen[False][name]
+        assert (codes is None) == (other is None)
+        assert codes is None or (other is not None and torch.equal(codes, other))
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 40),
+    st.sampled_from([8, 16, 32]),
+    st.sampled_from(["tensor", "channel", "block"]),
+    st.sampled_from([1, 7, 64, 1 << 18]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_grid_codes_in_one_buffer_are_the_whole_expression(
+    seed: int, out: int, inputs: int, granularity: str, buffer: int, dtype: torch.dtype
+) -> None:
+    """:meth:`WeightGrid.quantize` a few rows at a time in one reused buffer: each code what
+    ``clamp(round(w / s) + z)`` on the whole weight gives (buffers of one row to all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out, inputs, generator=g) * torch.logspace(-3, 2, inputs)).to(dtype)
+    shape = {"tensor": (1,), "channel": (out,), "block": (out, inputs // 8)}[granularity]
+    grid = spec_module.WeightGrid(
+        quant_min=-8,
+        quant_max=7,
+        dtype=torch.int8,
+        qscheme=torch.per_channel_affine,
+        granularity=granularity,
+        scale=torch.rand(shape, generator=g) * 0.1 + 1e-3,
+        zero_point=torch.randint(-3, 3, shape, generator=g),
+        symmetric=False,
+        ch_axis=0 if granularity == "channel" else None,
+        block_size=(1, 8) if granularity == "block" else None,
+    )
+    s = grid.expand(grid.scale, weight.shape).to(torch.float32)
+    z = grid.expand(grid.zero_point, weight.shape).to(torch.float32)
+    expected = (torch.round(weight.to(torch.float32) / s) + z).clamp(grid.quant_min, grid.quant_max)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spec_module, "_BUFFER", buffer)
+        assert torch.equal(grid.quantize(weight, dtype=torch.int8), expected.to(torch.int8))
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 300), st.integers(1, 300), st.sampled_from([4, 4096, 1 << 22]))
+def test_codes_of_a_transposed_matrix_in_tiles_are_its_rounded_values(
+    seed: int, out: int, inputs: int, elements: int
+) -> None:
+    """:meth:`SiteMatrix.codes` of GPTQ's transposed working memory, in tiles of any size: the
+    matrix rounded and converted, as whole slices of rows gave it."""
+    g = torch.Generator().manual_seed(seed)
+    memory = torch.randint(-8, 8, (inputs, out), generator=g).double() + 1e-9 * _matrix(seed, inputs, out)
+    grid = IntegerGrid(-8, 7)
+    zeros = torch.zeros(out, 1, dtype=torch.float64)
+    matrix = SiteMatrix(torch.zeros(out, inputs), zeros + 1, zeros, grid, (1, inputs), (out, inputs))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matrix_module, "SLICE_ELEMENTS", elements)
+        assert torch.equal(matrix.codes(memory.T), memory.T.round().to(torch.int8))
