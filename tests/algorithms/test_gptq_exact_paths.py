@@ -1,5 +1,5 @@
 """GPTQ's faster paths compute what the paths they replace computed, bit for bit (issue 43.1): the
-factor of an equal ``H`` reused (:class:`~_quantplug.algorithms.gptq.SharedFactors`), values moved
+factor of an equal ``H`` reused (:class:`~_quantplug.algorithms.weight_matrix.HessianFactors`), values moved
 and columns rounded through numpy, ``H`` put in order with one gather fewer, the given codes'
 column sums taken from the pass that weighs them, default codes and codes back in the weight's
 shape made in reused buffers and tiles. Each is checked against the torch path it
@@ -21,13 +21,15 @@ import _quantplug.algorithms.gptq as gptq_module
 import _quantplug.algorithms.spec as spec_module
 import _quantplug.algorithms.weight_matrix as matrix_module
 import quantplug
-from _quantplug.algorithms.gptq import SharedFactors, column_squares, gptq_codes, gptq_factor, same_bits
+from _quantplug.algorithms.gptq import column_squares, gptq_codes, gptq_factor
 from _quantplug.algorithms.weight_layers import SiteMatrix
 from _quantplug.algorithms.weight_matrix import (
+    HessianFactors,
     IntegerGrid,
     dampen_,
     permute_columns_,
     reverse_,
+    same_bits,
     transpose_,
 )
 
@@ -176,36 +178,50 @@ def test_gptq_in_numpy_is_gptq_in_torch(
 
 
 def test_a_factor_is_reused_only_for_the_same_bits_and_options() -> None:
-    """The factor made first serves the readers of an equal ``H`` (the one object, its memory not
-    taken again), and is dropped after the last of them; an ``H`` one ulp off, a zero of the other
-    sign, another dampening or order, a single reader, or an ``H`` over the size limit: made anew."""
+    """The factor made first serves the readers of an equal ``H`` (the one object, ``make`` not
+    called again), and is dropped after the last of them; an ``H`` one ulp off, a zero of the
+    other sign, another kind (dampening, order), a single reader, or an ``H`` over the size limit:
+    made anew. Readers unknown: kept until another ``H`` replaces it."""
     x = _matrix(0, 30, 12)
     h = x.T @ x
-    shared = SharedFactors()
-    first, lent = shared.get(h.clone(), 0.01, True, readers=3, lend=True)
-    assert lent
-    again, lent = shared.get(h.clone(), 0.01, True, readers=3, lend=True)
-    assert again is first and not lent
-    third, _ = shared.get(h.clone(), 0.01, True, readers=3, lend=False)
-    assert third is first
-    fourth, _ = shared.get(h.clone(), 0.01, True, readers=3, lend=False)  # no fourth reader
-    assert fourth is not first and torch.equal(fourth.factor, first.factor)
+    calls: list[torch.Tensor] = []
+
+    def make(damp: float = 0.01, act_order: bool = True) -> Any:
+        def made(hessian: torch.Tensor) -> Any:
+            calls.append(hessian)
+            return gptq_factor(hessian.clone(), damp, act_order)
+
+        return made
+
+    shared = HessianFactors()
+    kind = ("gptq", 0.01, True)
+    first = shared.get(kind, h.clone(), make(), readers=3)
+    assert shared.get(kind, h.clone(), make(), readers=3) is first
+    assert shared.get(kind, h.clone(), make(), readers=3) is first and len(calls) == 1
+    fourth = shared.get(kind, h.clone(), make(), readers=3)  # no fourth reader: dropped
+    assert fourth is not first and torch.equal(fourth.factor, first.factor) and len(calls) == 2
     off = h.clone()
     off[3, 5] = torch.nextafter(off[3, 5], torch.tensor(float("inf"), dtype=torch.float64))
     zeros, signed = torch.zeros(4, 4, dtype=torch.float64), torch.zeros(4, 4, dtype=torch.float64)
     signed[1, 2] = -0.0
     assert same_bits(h, h.clone()) and not same_bits(h, off) and not same_bits(zeros, signed)
+    assert not same_bits(h, h.float())
+    zero = shared.get(kind, zeros.clone(), make(), readers=2)
+    assert shared.get(kind, signed.clone(), make(), readers=2) is not zero
     for other, damp, act_order in ((off, 0.01, True), (h, 0.02, True), (h, 0.01, False)):
-        kept, _ = shared.get(h.clone(), 0.01, True, readers=2, lend=False)
-        made, _ = shared.get(other.clone(), damp, act_order, readers=2, lend=False)
+        kept = shared.get(kind, h.clone(), make(), readers=2)
+        made = shared.get(("gptq", damp, act_order), other.clone(), make(damp, act_order), readers=2)
         assert made is not kept
-        assert torch.equal(made.factor, gptq_factor(other, damp, act_order).factor)
-    alone, _ = shared.get(h.clone(), 0.01, True, readers=1, lend=False)
-    assert shared.get(h.clone(), 0.01, True, readers=1, lend=False)[0] is not alone
+        assert torch.equal(made.factor, gptq_factor(other.clone(), damp, act_order).factor)
+    alone = shared.get(kind, h.clone(), make(), readers=1)
+    assert shared.get(kind, h.clone(), make(), readers=1) is not alone
+    unknown = shared.get(kind, h.clone(), make())
+    assert all(shared.get(kind, h.clone(), make()) is unknown for _ in range(4))
+    assert shared.get(kind, off.clone(), make()) is not unknown
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SharedFactors, "MAX_BYTES", h.numel() * 8 - 1)
-        large, _ = shared.get(h.clone(), 0.01, True, readers=2, lend=False)
-        assert shared.get(h.clone(), 0.01, True, readers=2, lend=False)[0] is not large
+        patch.setattr(HessianFactors, "MAX_BYTES", h.numel() * 8 - 1)
+        large = shared.get(kind, h.clone(), make(), readers=2)
+        assert shared.get(kind, h.clone(), make(), readers=2) is not large
 
 
 class _Attention(torch.nn.Module):

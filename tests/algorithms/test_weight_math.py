@@ -20,7 +20,6 @@ from _quantplug.algorithms.gptq import gptq_codes, gptq_scale_search, undampened
 from _quantplug.algorithms.seq_mse import (
     Encoder,
     GroupCandidates,
-    HessianFactors,
     candidate_fractions,
     candidate_weight,
     expand_groups,
@@ -33,6 +32,7 @@ from _quantplug.algorithms.seq_mse import (
 )
 from _quantplug.algorithms.weight_matrix import (
     HessianAccumulator,
+    HessianFactors,
     IntegerGrid,
     column_groups,
     dampened,

@@ -68,6 +68,7 @@ from _quantplug.algorithms.weight_layers import (
 )
 from _quantplug.algorithms.weight_matrix import (
     GATHER_ELEMENTS,
+    HessianFactors,
     IntegerGrid,
     dampen_,
     numpy_view,
@@ -202,53 +203,6 @@ def gptq_factor(hessian: torch.Tensor, damp: float, act_order: bool, overwrite: 
     h = hessian.detach().to(torch.float64)
     order = column_order(h, act_order)
     return GptqFactor(order, _factor(h, damp, order, overwrite=overwrite and h.dim() == 2))
-
-
-class SharedFactors:
-    """The :class:`GptqFactor` of the last layer's ``H``, kept for the next layers that read the
-    same sums: a transformer's query, key and value projections (its MLP's gate and up
-    projections) read one input, and each factored the same ``H`` again (3 of the 7 factors of a
-    Llama block, 0.3 s of GPTQ's 8 on a 110M Llama).
-
-    Exact: a factor is reused only for an ``H`` equal bit for bit to the one it was made from (a
-    copy of which is kept: the factor may take the caller's memory), made with the same
-    dampening and order. A copy is kept only while ``readers`` say more layers read these sums
-    (kept for that many more uses, then dropped), and only for an ``[I, I]`` of at most
-    :data:`MAX_BYTES`: a copy and a factor held beside the next layer's ``H``.
-    """
-
-    #: the largest ``H`` whose factor is kept (an ``[I, I]`` float64 of 4096 inputs)
-    MAX_BYTES = 128 << 20
-
-    def __init__(self) -> None:
-        #: (the ``H`` copied, damp, act_order, its factor, uses left)
-        self._kept: tuple[torch.Tensor, float, bool, GptqFactor, int] | None = None
-
-    def get(
-        self, hessian: torch.Tensor, damp: float, act_order: bool, readers: int, lend: bool
-    ) -> tuple[GptqFactor, bool]:
-        """The factor of ``hessian`` (:func:`gptq_factor`, in its memory if ``lend``), the one kept
-        if it was made of an equal ``H``; and whether ``hessian``'s memory now holds it.
-        ``readers``: how many layers read the sums ``hessian`` was made from, this one included."""
-        kept = self._kept
-        if kept is not None and kept[1] == damp and kept[2] == act_order and same_bits(kept[0], hessian):
-            self._kept = None if kept[4] <= 1 else (*kept[:4], kept[4] - 1)
-            return kept[3], False
-        self._kept = None  # an H no later layer reads: its copy is not held any longer
-        keep = readers > 1 and hessian.dim() == 2 and hessian.numel() * 8 <= self.MAX_BYTES
-        copy = hessian.to(torch.float64, copy=True) if keep else None
-        made = gptq_factor(hessian, damp, act_order, overwrite=lend)
-        if copy is not None:
-            self._kept = (copy, damp, act_order, made, readers - 1)
-        return made, lend
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two float64 tensors hold the same bits (``torch.equal`` takes ``-0.0`` for ``0.0``
-    and no NaN for itself)."""
-    if a.shape != b.shape or a.dtype != torch.float64 or b.dtype != torch.float64:
-        return False
-    return torch.equal(a.view(torch.int64), b.view(torch.int64))
 
 
 def _gptq_rows(
@@ -634,7 +588,8 @@ def gptq_codes(
             through the factor (:func:`factor_loss`), at about half the cost of a product with
             ``H``, and with no ``H`` needed after the factor took its memory.
         factor: :func:`gptq_factor` of ``hessian`` with these ``damp`` and ``act_order``, made
-            before (:class:`SharedFactors`); ``hessian`` is then not read.
+            before (:class:`~_quantplug.algorithms.weight_matrix.HessianFactors`); ``hessian``
+            is then not read.
 
     Inputs no sample reached (zero rows of ``H``) are rounded to nearest: the data says nothing
     about them, and the weight may serve other inputs the Hessian did not see. ``H`` gives them a
@@ -898,10 +853,10 @@ class GPTQ(Algorithm):
     def __post_init__(self) -> None:
         self._hessians: dict[str, LayerHessian] = {}  # the collectors it made, by weight
         #: the last layer's factor of ``H``, reused by the next ones that read the same input
-        self._factors = SharedFactors()
+        self._factors = HessianFactors()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_factors": SharedFactors()}  # a cache: not sent, nor copied
+        return {**self.__dict__, "_factors": HessianFactors()}  # a cache: not sent, nor copied
 
     def _readers(self, own: LayerHessian | None) -> int:
         """How many of this instance's layers read ``own``'s sums (its own layer included; 0:
@@ -955,9 +910,15 @@ class GPTQ(Algorithm):
         diagonal = torch.diagonal(h, dim1=-2, dim2=-1).clone()  # before the factor takes h's memory
         # the factor of an equal H made for an earlier layer of the same input, or made now
         # (kept if later layers read that input); h lent to it only if made now
-        factor, lend = self._factors.get(
-            h, self.damp, self.act_order, 0 if searches else self._readers(own), lend
-        )
+        made_now = []
+
+        def make(hessian: torch.Tensor) -> GptqFactor:
+            made_now.append(True)
+            return gptq_factor(hessian, self.damp, self.act_order, overwrite=lend)
+
+        readers = 1 if searches else self._readers(own)
+        factor = self._factors.get(("gptq", self.damp, self.act_order), h, make, readers)
+        lend = lend and bool(made_now)  # h's memory holds the factor only if made now
         result = gptq_codes(
             matrix.weight,
             h,

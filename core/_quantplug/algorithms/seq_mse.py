@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -58,6 +58,7 @@ from _quantplug.algorithms.weight_layers import (
     site_matrix,
 )
 from _quantplug.algorithms.weight_matrix import (
+    HessianFactors,
     IntegerGrid,
     fake_quantize,
     hessian_factor,
@@ -174,43 +175,6 @@ def factor_group_losses(delta: torch.Tensor, factor: torch.Tensor, groups: tuple
     g = i // cols
     per_row = torch.einsum("ogb,gbk->ogk", delta.reshape(o, g, cols), factor.reshape(g, cols, -1))
     return per_row.pow(2).sum(dim=2).reshape(o // rows, rows, g).sum(dim=1)
-
-
-_Factor = TypeVar("_Factor")
-
-
-class HessianFactors:
-    """The factors of ``H`` a search made (:func:`hessian_factor`, :func:`low_rank_factor`,
-    :func:`leading_factor`), kept for the next layer if it reads the same ``H``: a transformer's
-    query, key and value projections (or its MLP's gate and up projections) read one input, and
-    each factored the same ``H`` again: 3 of the 7 layers of a Llama block.
-
-    Exact: a factor is reused only for an ``H`` equal, bit for bit, to the one it was made from
-    (a copy of which is kept: the caller's may be lent to another algorithm and overwritten).
-    ``H`` over :data:`MAX_BYTES` is neither kept nor matched (every factor made afresh): its copy
-    would be a second ``[I, I]`` in memory, where its products, not its factors, are the cost.
-    The copy of the last ``H`` is held until the next layer's replaces it (after convert, while
-    the algorithm is: at most :data:`MAX_BYTES`).
-    """
-
-    #: the largest ``H`` whose factors are kept (an ``[I, I]`` float64 of 4096 inputs)
-    MAX_BYTES = 128 << 20
-
-    def __init__(self) -> None:
-        self._hessian: torch.Tensor | None = None
-        self._made: dict[str, Any] = {}
-
-    def get(self, kind: str, hessian: torch.Tensor, make: Callable[[torch.Tensor], _Factor]) -> _Factor:
-        """``make(hessian)``, or the factor of that ``kind`` made earlier from an equal ``H``."""
-        if hessian.numel() * hessian.element_size() > self.MAX_BYTES:
-            return make(hessian)
-        known = self._hessian
-        if known is None or known.shape != hessian.shape or not torch.equal(known, hessian):
-            self._hessian, self._made = hessian.clone(), {}
-        if kind not in self._made:
-            self._made[kind] = make(hessian)
-        factor: _Factor = self._made[kind]
-        return factor
 
 
 def group_loss_function(

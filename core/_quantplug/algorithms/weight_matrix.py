@@ -22,9 +22,10 @@ one place that says which columns share a scale.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy
 import torch
@@ -134,6 +135,78 @@ def hessian_factor(hessian: torch.Tensor, relative_floor: float = 1e-7) -> torch
 RANGE_PROBES = 8
 #: how far outside a factor's range ``H`` may reach, relative to ``H`` on the same probes
 RANGE_TOLERANCE = 1e-10
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (``torch.equal`` takes ``-0.0`` for ``0.0`` and no
+    NaN for itself: a factor made of one is not, bit for bit, the other's)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))
+
+
+_Made = TypeVar("_Made")
+
+
+class HessianFactors:
+    """What an algorithm made of a layer's ``H`` (its factors), kept for the next layers that read
+    an equal ``H``: a transformer's query, key and value projections (its MLP's gate and up
+    projections) read one input, and each factored the same ``H`` again: 3 of the 7 layers of a
+    Llama block (SeqMSE's search factors, GPTQ's Cholesky factor).
+
+    Exact: a result is reused only for an ``H`` with the same bits (:func:`same_bits`) as the one
+    it was made from, a copy of which is kept (the caller's may be lent to the factor and
+    overwritten), and of the same ``kind`` (what was made, with which options). Not kept: an
+    ``H`` over :data:`MAX_BYTES` (its copy would be a second ``[I, I]`` in memory, where its
+    products, not its factors, are the cost), nor one no later layer reads (``readers``). The
+    copy is dropped after the last of the readers said, or when another layer's ``H`` replaces it
+    (readers unknown: at most :data:`MAX_BYTES` held while the algorithm is, after convert).
+    """
+
+    #: the largest ``H`` whose results are kept (an ``[I, I]`` float64 of 4096 inputs)
+    MAX_BYTES = 128 << 20
+
+    def __init__(self) -> None:
+        self._hessian: torch.Tensor | None = None
+        #: kind -> (what was made, reads of it still to come; None: unknown)
+        self._made: dict[Hashable, tuple[Any, int | None]] = {}
+
+    def get(
+        self,
+        kind: Hashable,
+        hessian: torch.Tensor,
+        make: Callable[[torch.Tensor], _Made],
+        readers: int | None = None,
+    ) -> _Made:
+        """``make(hessian)``, or what ``make`` of that ``kind`` gave for an equal ``H`` earlier.
+        ``readers``: how many layers read the sums ``hessian`` was made from, this one included,
+        each asking once for this ``kind`` (None: unknown; kept until another ``H`` replaces it)."""
+        known = self._hessian
+        if known is None or not same_bits(known, hessian):
+            self._hessian, self._made = None, {}
+            if hessian.numel() * hessian.element_size() > self.MAX_BYTES:
+                return make(hessian)
+        entry = self._made.get(kind)
+        if entry is not None:
+            found: _Made = entry[0]
+            left = entry[1]
+            if left is not None and left <= 1:  # its last reader: not held any longer
+                del self._made[kind]
+                if not self._made:
+                    self._hessian = None
+            elif left is not None:
+                self._made[kind] = (found, left - 1)
+            return found
+        if readers is not None and readers <= 1:
+            return make(hessian)
+        if self._hessian is None:  # copied before ``make``, which may take ``hessian``'s memory
+            self._hessian = hessian.clone()
+        made = make(hessian)
+        self._made[kind] = (made, None if readers is None else readers - 1)
+        return made
 
 
 #: the most bytes of one call's :func:`seeded_probes` kept for the next calls (an LLM's
