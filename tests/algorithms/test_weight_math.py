@@ -43,6 +43,7 @@ from _quantplug.algorithms.weight_matrix import (
     low_rank_factor,
     output_error,
     quantize_codes,
+    same_bits,
     seeded_probes,
     shrunk_toward_diagonal,
     to_matrix,
@@ -269,6 +270,62 @@ def test_group_candidates_extremes_are_those_of_their_values(
         assert low.dtype == high.dtype == view.dtype
         assert torch.equal(low, view.amin(dim=(1, 3)))
         assert torch.equal(high, view.amax(dim=(1, 3)))
+
+
+@FAST
+@given(
+    st.integers(0, 2**31),
+    st.sampled_from([(1, 12), (1, 4), (2, 3), (6, 12)]),
+    st.booleans(),
+    st.lists(st.integers(1, 150), min_size=1, max_size=24),
+    GRIDS,
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_group_candidates_read_from_their_source_are_those_of_the_weight(
+    seed: int,
+    groups: tuple[int, int],
+    symmetric: bool,
+    numerators: list[int],
+    grid: IntegerGrid,
+    narrow: torch.dtype,
+) -> None:
+    """SeqMSE makes its float64 candidates from a float32 weight made float64 and hands them the
+    weight as it was (``source``): their ranges found on it, and the float32 copy the screening
+    reads being it. Ranges, candidates, extremes and errors must be, bit for bit, those made from
+    the float64 weight alone, in float64 and in the screening's copy, on rows of zeros, negative
+    zeros, and all-negative and all-positive rows; a source that does not hold the weight's values
+    in a narrower dtype (float64 itself, another shape) is not read."""
+    w64, _ = problem(seed, 6, 12)
+    w64[1] = 0.0
+    w64[2, :5] = -0.0
+    w64[3] = -w64[3].abs()
+    w64[4] = w64[4].abs()
+    source = w64.to(narrow)
+    w = source.to(torch.float64)
+    shape = (6 // groups[0], 12 // groups[1])
+    plain = GroupCandidates(w, groups, symmetric)
+    read = GroupCandidates(w, groups, symmetric, source=source)
+    assert same_bits(read.lo, plain.lo) and same_bits(read.hi, plain.hi)
+    for ignored in (w, source[:, :6].contiguous(), source.T.contiguous().T):
+        unread = GroupCandidates(w, groups, symmetric, source=ignored)
+        assert same_bits(unread.lo, plain.lo) and same_bits(unread.hi, plain.hi)
+        assert unread.in_dtype(narrow).view.data_ptr() != source.data_ptr()
+    pairs = [(plain, read), (plain.in_dtype(torch.float32), read.in_dtype(torch.float32))]
+    pairs.append((plain.in_dtype(narrow), read.in_dtype(narrow)))
+    picks = torch.tensor(numerators * (shape[0] * shape[1] // len(numerators) + 1))
+    for want, got in pairs:
+        assert same_bits(got.view, want.view) and same_bits(got.lo, want.lo) and same_bits(got.hi, want.hi)
+        for shift in range(3):
+            fraction = picks.roll(shift)[: shape[0] * shape[1]].reshape(shape).to(torch.float64) / 100
+            for a, b in zip(got.extremes_at(fraction), want.extremes_at(fraction)):
+                assert torch.equal(a, b) and a.dtype == b.dtype
+            candidate = want.weight_at(fraction).clone()
+            assert same_bits(got.weight_at(fraction), candidate)
+            scale = group_view(candidate, groups).abs().amax(dim=(1, 3)).clamp(min=1e-6) / grid.quant_max
+            zero = torch.zeros_like(scale) if symmetric else torch.full_like(scale, float(grid.quant_min < 0))
+            expected = want.error(scale, zero, grid).clone()
+            assert same_bits(got.error(scale, zero, grid), expected)
+    assert torch.equal(source.to(torch.float64), w)  # the source was read, not written
 
 
 @FAST
