@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _quantplug.algorithms.gptq as gptq_module
+import _quantplug.algorithms.seq_mse as seq_mse_module
 import _quantplug.algorithms.spec as spec_module
 import _quantplug.algorithms.weight_matrix as matrix_module
 import quantplug
@@ -222,6 +223,13 @@ def test_a_factor_is_reused_only_for_the_same_bits_and_options() -> None:
         patch.setattr(HessianFactors, "MAX_BYTES", h.numel() * 8 - 1)
         large = shared.get(kind, h.clone(), make(), readers=2)
         assert shared.get(kind, h.clone(), make(), readers=2) is not large
+    with shared.reading(2):  # the count for calls that give none, until the block ends
+        counted = shared.get(kind, off.clone(), make())
+        assert shared.get(kind, off.clone(), make()) is counted
+        assert shared.get(kind, off.clone(), make()) is not counted  # its 2 readers asked
+    assert shared.get(kind, off.clone(), make()) is not counted
+    after = shared.get(kind, off.clone(), make())  # unknown readers again: kept for every call
+    assert all(shared.get(kind, off.clone(), make()) is after for _ in range(3))
 
 
 class _Attention(torch.nn.Module):
@@ -284,6 +292,57 @@ def test_projections_of_one_input_share_one_factor_and_choose_what_they_chose_al
         other = chosen[False][name]
         assert (codes is None) == (other is None)
         assert codes is None or (other is not None and torch.equal(codes, other))
+
+
+def test_seq_mse_keeps_a_copy_of_h_only_for_the_layers_that_read_it() -> None:
+    """SeqMSE tells its factors how many layers read each ``H`` (:meth:`HessianFactors.reading`):
+    the projections of one input factor it once and its copy is dropped after the last of them,
+    a layer no other reads (``o``) has its ``H`` neither copied nor kept; every layer's encoding
+    is the one chosen with the readers unknown (its factors kept until another ``H`` came)."""
+    torch.manual_seed(0)
+    model = _Attention().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(40, 24, generator=g),) for _ in range(2)]
+    program = torch.export.export(model, batches[0])
+    made: list[int] = []
+    chosen: dict[bool, dict[str, Any]] = {True: {}, False: {}}
+    kept: dict[bool, list[int | None]] = {True: [], False: []}
+    factor, choose = seq_mse_module.hessian_factor, seq_mse_module.SeqMSE.choose_weight
+
+    def counted(hessian: torch.Tensor, *args: Any) -> Any:
+        made.append(hessian.shape[-1])
+        return factor(hessian, *args)
+
+    for counting in (True, False):
+
+        def recorded(self: Any, site: Any, *args: Any, counting: bool = counting) -> Any:
+            choice = choose(self, site, *args)
+            chosen[counting][site.name] = None if choice is None else (choice.scale, choice.zero_point)
+            copy = self._factors._hessian
+            kept[counting].append(None if copy is None else copy.shape[-1])
+            return choice
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(seq_mse_module, "hessian_factor", counted)
+            patch.setattr(seq_mse_module.SeqMSE, "choose_weight", recorded)
+            if not counting:
+                patch.setattr(seq_mse_module.SeqMSE, "_readers", lambda self, site, collected: None)
+            made.clear()
+            quantplug.quantize(
+                program,
+                backend="reference",
+                calibration=batches,
+                algorithms=quantplug.Algorithms(["seq_mse"], guard=False),
+            )
+        assert sorted(made) == [24, 32]
+    assert kept[True] == [24, 24, None, None] and kept[False] == [24, 24, 24, 32]
+    assert chosen[True].keys() == chosen[False].keys() and len(chosen[True]) == 4
+    for name, choice in chosen[True].items():
+        other = chosen[False][name]
+        assert (choice is None) == (other is None)
+        if choice is not None and other is not None:
+            for a, b in zip(choice, other, strict=True):
+                assert (a is None and b is None) or (a is not None and b is not None and same_bits(a, b))
 
 
 @FAST

@@ -873,12 +873,27 @@ class SeqMSE(Algorithm):
     def __post_init__(self) -> None:
         #: the last layer's factors of ``H``, reused by the next one if it reads the same input
         self._factors = HessianFactors()
+        #: the collectors it made, by weight: how many layers read one's sums (:meth:`_readers`)
+        self._hessians: dict[str, LayerHessian] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_factors": HessianFactors()}  # a cache: not sent, nor copied
 
+    def _readers(self, site: WeightSite, collected: Any) -> int | None:
+        """How many of this instance's layers read the sums ``site``'s collector reads (its own
+        included), for :meth:`HessianFactors.reading`; None (unknown: its factors are kept until
+        another ``H`` replaces them, as before counts) where the collector is not known, or
+        ``collected`` is not what it made (another calibration's)."""
+        own = self._hessians.get(site.name)
+        if own is None or not own.made(collected):
+            return None
+        return sum(1 for collector in self._hessians.values() if collector.sums is own.sums)
+
     def collector(self, site: WeightSite) -> LayerHessian | None:
-        return LayerHessian(site, grouped=True) if collects_hessian(site, self.name) else None
+        if not collects_hessian(site, self.name):
+            return None
+        self._hessians[site.name] = collector = LayerHessian(site, grouped=True)
+        return collector
 
     def choose_weight(
         self, site: WeightSite, grid: WeightGrid, codes: torch.Tensor, collected: Any
@@ -891,6 +906,7 @@ class SeqMSE(Algorithm):
         if matrix is None:
             return None
         hessian = hessian_of(collected, matrix)
+        readers = None if hessian is None else self._readers(site, collected)
         if hessian is None:
             if not self.data_free or matrix.weight.shape[1] > MAX_HESSIAN_INPUTS:
                 # too wide for a Hessian: skipped as collects_hessian warned, identity included
@@ -901,20 +917,21 @@ class SeqMSE(Algorithm):
         weight = matrix.weight.to(torch.float64)
         # the candidates' ranges found once, for the search and for the chosen candidate
         made = GroupCandidates(weight, matrix.groups, grid.symmetric, source=matrix.weight)
-        result = seq_mse_encoding(
-            weight,
-            hessian,
-            site_encoder(matrix, grid),
-            matrix.grid,
-            matrix.groups,
-            symmetric=grid.symmetric,
-            candidates=self.candidates,
-            max_fraction=self.max_fraction,
-            codes=matrix.matrix_of(codes),
-            current=(matrix.scale, matrix.zero_point),
-            factors=self._factors,
-            made=made,
-        )
+        with self._factors.reading(readers):
+            result = seq_mse_encoding(
+                weight,
+                hessian,
+                site_encoder(matrix, grid),
+                matrix.grid,
+                matrix.groups,
+                symmetric=grid.symmetric,
+                candidates=self.candidates,
+                max_fraction=self.max_fraction,
+                codes=matrix.matrix_of(codes),
+                current=(matrix.scale, matrix.zero_point),
+                factors=self._factors,
+                made=made,
+            )
         if bool((result.fraction == 1).all()):
             return None
         assert result.codes_loss is not None  # codes were given
