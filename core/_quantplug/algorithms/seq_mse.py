@@ -33,6 +33,7 @@ mix of choices is re-encoded and kept only if it beats the backend's default on 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -873,11 +874,17 @@ class SeqMSE(Algorithm):
     def __post_init__(self) -> None:
         #: the last layer's factors of ``H``, reused by the next one if it reads the same input
         self._factors = HessianFactors()
-        #: the collectors it made, by weight: how many layers read one's sums (:meth:`_readers`)
-        self._hessians: dict[str, LayerHessian] = {}
+        #: the collectors it made, by weight: how many layers read one's sums (:meth:`_readers`);
+        #: weakly, so that this instance does not hold their ``[I, I]`` sums past their program's
+        self._hessians: weakref.WeakValueDictionary[str, LayerHessian] = weakref.WeakValueDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_factors": HessianFactors()}  # a cache: not sent, nor copied
+        # caches: not sent, nor copied (weak references do not pickle)
+        return {**self.__dict__, "_factors": HessianFactors(), "_hessians": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._hessians = weakref.WeakValueDictionary()
 
     def _readers(self, site: WeightSite, collected: Any) -> int | None:
         """How many of this instance's layers read the sums ``site``'s collector reads (its own
