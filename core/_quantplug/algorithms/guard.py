@@ -375,7 +375,7 @@ class ModelGuard:
     inputs: Sequence[tuple[Any, ...]] = ()
     #: :func:`reference_terms` of ``reference``, made at the first trial
     _terms: list[list[ReferenceTerm]] | None = field(default=None, init=False, repr=False)
-    #: :func:`relative_error`'s buffers, reused by every trial
+    #: :func:`relative_error`'s buffers, reused by every trial of a selection
     _scratch: dict[Any, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     #: trials run, the count the selection runs at most so far, and when it started (progress)
     _trials: int = field(default=0, init=False, repr=False)
@@ -463,6 +463,7 @@ class ModelGuard:
                     current, error, state = trial, found, state | {i}
         self.error = error
         self.kept_out = [(c.label, *verdicts[i]) for i, c in enumerate(candidates) if not keep[i]]
+        self._scratch.clear()  # the guard stays in the program's metadata; its buffers need not
         return keep
 
     def summary(self) -> str:
