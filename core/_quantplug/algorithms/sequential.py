@@ -261,7 +261,7 @@ def activation_quantizer(spec: Any, qparams: tuple[Any, Any] | None) -> Callable
     axis = int(getattr(spec, "ch_axis", 0) or 0)
     one_scale, one_zero = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
     inverse = 1.0 / torch.tensor(one_scale, dtype=torch.float32)  # made once, not per call
-    inverse_value = float(inverse)
+    native = kernels.fake_quantizer(float(inverse), one_scale, one_zero, qmin, qmax)
 
     def torch_path(value: torch.Tensor) -> torch.Tensor:
         if per_channel:
@@ -277,7 +277,7 @@ def activation_quantizer(spec: Any, qparams: tuple[Any, Any] | None) -> Callable
         value = x if same else x.to(torch.float32)  # on an LLM's guard)
         out = None
         if not per_channel:  # one pass of the native kernel, where it applies
-            out = kernels.fake_quantize(value, inverse_value, one_scale, one_zero, qmin, qmax)
+            out = native(value)
         if out is None:
             if value.numel() <= ELEMENTWISE_ONE_THREAD:
                 with single_thread():
