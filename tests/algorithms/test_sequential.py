@@ -383,6 +383,12 @@ def test_the_native_fake_quantize_is_the_torch_path_bit_for_bit(
     with simd(avx2) if native else contextlib.nullcontext():
         got = fake_quantize_per_tensor(x, scale, zero_point, qmin, qmax)
         assert (kernels.fake_quantize(x, inverse, scale, zero_point, qmin, qmax) is not None) == native
+        made = kernels.fake_quantizer(inverse, scale, zero_point, qmin, qmax)  # as the simulation calls it
+        once = made(x)
+        assert (once is not None) == native
+        if once is not None:
+            assert torch.equal(once, got) and once.stride() == got.stride()
+            assert torch.equal(torch.signbit(once), torch.signbit(got))
         with kernels.disabled():
             expected = fake_quantize_per_tensor(x, scale, zero_point, qmin, qmax)
         assert torch.equal(got, expected) and got.stride() == expected.stride()
@@ -391,6 +397,7 @@ def test_the_native_fake_quantize_is_the_torch_path_bit_for_bit(
             y = x.detach().clone()
             y[(-1,) * y.dim()] = special
             assert kernels.fake_quantize(y, inverse, scale, zero_point, qmin, qmax) is None
+            assert made(y) is None
 
 
 def test_a_build_without_the_fake_quantize_kernel_leaves_it_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
