@@ -801,6 +801,52 @@ def test_the_guard_reruns_only_the_nodes_after_a_changed_weight() -> None:
     assert 0 < len(ran) // len(batches) < full / 2
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["contiguous", "transposed", "sliced"]),
+    st.booleans(),
+    st.integers(1, 4),
+)
+def test_the_guards_errors_in_reused_buffers_are_the_float64_errors(
+    seed: int, layout: str, masked: bool, trials: int
+) -> None:
+    """The guard's output error with float32 outputs widened into buffers it reuses, trial after
+    trial, is bit for bit the error of the outputs copied to float64 (what :func:`relative_error`
+    computes without buffers), for any layout of the outputs and with a reference that holds
+    non-finite values (left out of the measure)."""
+    from _quantplug.algorithms.guard import output_tensors, reference_terms, relative_error
+
+    g = torch.Generator().manual_seed(seed)
+
+    def output(scale: float) -> list[torch.Tensor]:
+        x = torch.randn(6, 37, generator=g) * scale
+        y = torch.randn(3, 5, 9, generator=g)
+        if layout == "transposed":
+            x, y = x.t(), y.permute(2, 0, 1)
+        elif layout == "sliced":
+            x, y = x[:, 3:29], y[..., ::2]
+        return [x, y]
+
+    reference = [output_tensors(output(1.0)) for _ in range(2)]
+    if masked:
+        reference[0][0][..., ::7] = float("-inf")
+        reference[1][1][0] = float("nan")
+    terms = reference_terms(reference)
+    scratch: dict[Any, torch.Tensor] = {}
+    for _ in range(trials):
+        outs = [[r.float() + 0.1 * o for r, o in zip(ref, output(1.0))] for ref in reference]
+        if layout != "contiguous":
+            outs = [[o.transpose(0, -1).contiguous().transpose(0, -1) for o in batch] for batch in outs]
+        expected = relative_error(reference, [output_tensors(batch) for batch in outs])
+        got = relative_error(
+            reference, [output_tensors(batch, widen=False) for batch in outs], terms, scratch
+        )
+        assert got == expected or (math.isnan(got) and math.isnan(expected))
+        assert math.isfinite(got)
+    assert scratch
+
+
 class AtenFakeQuantize(nn.Module):
     """An observer as the quantized program computes it: ATen's own fake quantize."""
 

@@ -348,15 +348,17 @@ def test_simulated_activations_are_atens_fake_quantize_value_for_value(
     st.sampled_from([(0, 255), (-128, 127), (0, 65535), (-32768, 32767)]),
     st.integers(-6, 1),
     st.sampled_from([(37,), (4, 9, 16), (2, 3, 8, 5)]),
-    st.booleans(),
+    st.sampled_from(["contiguous", "permuted", "parameter", "slice", "sliced transpose", "broadcast"]),
     st.booleans(),
 )
 def test_the_native_fake_quantize_is_the_torch_path_bit_for_bit(
-    seed: int, grid: tuple[int, int], exponent: int, shape: tuple[int, ...], permuted: bool, avx2: bool
+    seed: int, grid: tuple[int, int], exponent: int, shape: tuple[int, ...], layout: str, avx2: bool
 ) -> None:
     """The one-pass kernel the guard's trials fake-quantize with gives the torch path's values and
-    layout (a permuted activation keeps its strides), signs of zeros included, on its 8-lane and
-    scalar code; it declines (the torch path runs) where a product is NaN, infinite or huge."""
+    layout (a permuted activation keeps its strides; a slice or a broadcast gets the dense layout
+    torch's result takes), signs of zeros included, on its 8-lane and scalar code, for a
+    parameter as for a tensor; it declines (the torch path runs) where a product is NaN, infinite
+    or huge."""
     from _quantplug.observers import kernels
 
     native = kernels.fake_quantize_available()  # else the torch path twice: the same values
@@ -367,20 +369,35 @@ def test_the_native_fake_quantize_is_the_torch_path_bit_for_bit(
     x = torch.randn(shape, generator=g) * scale * 300
     x.view(-1)[:5] = (torch.randint(-300, 300, (5,), generator=g).float() + 0.5) * scale  # ties
     x.view(-1)[5:7] = torch.tensor([0.0, -0.0])
-    if permuted:
+    if layout == "permuted":
         x = x.transpose(0, -1)
+    elif layout == "parameter":
+        x = nn.Parameter(x, requires_grad=False)
+    elif layout == "slice":  # a rotary half: every other block of the last dimension
+        x = torch.cat([x, x.flip(-1)], dim=-1)[..., 1 : 1 + shape[-1]]
+    elif layout == "sliced transpose":
+        x = torch.cat([x, -x], dim=-1).transpose(0, -1)[: shape[-1]]
+    elif layout == "broadcast":  # GQA's expanded keys: a stride-0 dimension
+        x = x.unsqueeze(1).expand(shape[0], 3, *shape[1:])
     inverse = float(1.0 / torch.tensor(scale))
     with simd(avx2) if native else contextlib.nullcontext():
         got = fake_quantize_per_tensor(x, scale, zero_point, qmin, qmax)
         assert (kernels.fake_quantize(x, inverse, scale, zero_point, qmin, qmax) is not None) == native
+        made = kernels.fake_quantizer(inverse, scale, zero_point, qmin, qmax)  # as the simulation calls it
+        once = made(x)
+        assert (once is not None) == native
+        if once is not None:
+            assert torch.equal(once, got) and once.stride() == got.stride()
+            assert torch.equal(torch.signbit(once), torch.signbit(got))
         with kernels.disabled():
             expected = fake_quantize_per_tensor(x, scale, zero_point, qmin, qmax)
         assert torch.equal(got, expected) and got.stride() == expected.stride()
         assert torch.equal(torch.signbit(got), torch.signbit(expected))
         for special in (float("nan"), float("inf"), 2.0**63 * scale):
-            y = x.clone()
+            y = x.detach().clone()
             y[(-1,) * y.dim()] = special
             assert kernels.fake_quantize(y, inverse, scale, zero_point, qmin, qmax) is None
+            assert made(y) is None
 
 
 def test_a_build_without_the_fake_quantize_kernel_leaves_it_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,10 +93,12 @@ def lower(error: float, than: float) -> bool:
 Outputs = list[torch.Tensor]
 
 
-def output_tensors(value: Any) -> Outputs:
-    """The floating-point tensors of a model output (any nesting of tuples, lists, dicts)."""
+def output_tensors(value: Any, widen: bool = True) -> Outputs:
+    """The floating-point tensors of a model output (any nesting of tuples, lists, dicts), in
+    float64; ``widen=False``: in their own dtype (:func:`relative_error` widens them itself, into
+    buffers it reuses: a new float64 copy of an LLM's logits per trial cost page faults)."""
     return [
-        t.detach().to(torch.float64)
+        t.detach().to(torch.float64) if widen else t.detach()
         for t in pytree.tree_leaves(value)
         if isinstance(t, torch.Tensor) and t.is_floating_point()
     ]
@@ -130,6 +132,7 @@ def relative_error(
     reference: Sequence[Outputs],
     outputs: Sequence[Outputs],
     terms: Sequence[Sequence[ReferenceTerm]] | None = None,
+    scratch: dict[Any, torch.Tensor] | None = None,
 ) -> float:
     """``sum over outputs of |q - f|^2 / |f|^2``, each sum over every batch.
 
@@ -137,7 +140,11 @@ def relative_error(
     its sequence) is not drowned by a large one. Positions where the float output is not finite
     (masked logits) are left out; a finite float value the quantized model turns into NaN or inf
     makes the error infinite. An all-zero float output counts its absolute error. ``terms``:
-    :func:`reference_terms` of ``reference``, if made already (the same result).
+    :func:`reference_terms` of ``reference``, if made already (the same result). ``outputs`` may
+    be in another floating-point dtype than float64 (:func:`output_tensors` with ``widen=False``):
+    the same result, each widened exactly before it is compared. ``scratch``: where the
+    differences are made, kept by a caller that compares many runs (the guard: its trials then
+    allocate none; each difference in the layout its first one took, so summed in the same order).
     """
     if len(reference) != len(outputs):
         raise ValueError(f"{len(outputs)} batches of outputs for {len(reference)} reference batches")
@@ -156,13 +163,30 @@ def relative_error(
                 kept_ref, kept_out = ref, out  # cost more than the guard's simulation of them)
             else:
                 kept_ref, kept_out = ref[term.finite], out[term.finite]
-            diff = kept_out - kept_ref
+            diff = _difference(kept_out, kept_ref, scratch)
             error = float(diff.mul_(diff).sum())
             if not math.isfinite(error):  # a NaN or inf in the output (the reference is finite
                 return float("inf")  # here): one pass over an LLM's logits, not three
             errors[index] += error
             energies[index] += term.energy
     return sum(e / n if n > 0 else e for e, n in zip(errors, energies))
+
+
+def _difference(
+    out: torch.Tensor, ref: torch.Tensor, scratch: dict[Any, torch.Tensor] | None
+) -> torch.Tensor:
+    """``out - ref`` in float64 (``out`` widened first). With ``scratch``, written into the buffer
+    an earlier difference of the same operands' dtype, shapes and strides left there (made by the
+    same expression, so of the layout it gives: the sum over it adds in the same order): the cast
+    and the subtraction the same IEEE operations, element by element, without a new allocation."""
+    if scratch is None:
+        return out.to(torch.float64) - ref
+    key = (out.dtype, ref.dtype, tuple(out.shape), out.stride(), tuple(ref.shape), ref.stride())
+    buffer = scratch.get(key)
+    if buffer is None:
+        buffer = scratch[key] = out.to(torch.float64) - ref
+        return buffer
+    return buffer.copy_(out).sub_(ref)
 
 
 #: ``Algorithms([...], guard_loss=...)``: one batch's quantized outputs (:func:`output_tensors`)
@@ -203,11 +227,13 @@ def measure(
     loss: GuardLoss | None,
     batches: Sequence[tuple[Any, ...]],
     terms: Sequence[Sequence[ReferenceTerm]] | None = None,
+    scratch: dict[Any, torch.Tensor] | None = None,
 ) -> float:
     """What the guard minimises: the user's task loss where given, else the output error
-    (``terms``: :func:`reference_terms` of ``reference``, if made already)."""
+    (``terms``: :func:`reference_terms` of ``reference``, if made already; ``scratch``: buffers
+    for :func:`relative_error`)."""
     if loss is None:
-        return relative_error(reference, outputs, terms)
+        return relative_error(reference, outputs, terms, scratch)
     return task_loss(loss, outputs, batches)
 
 
@@ -349,6 +375,8 @@ class ModelGuard:
     inputs: Sequence[tuple[Any, ...]] = ()
     #: :func:`reference_terms` of ``reference``, made at the first trial
     _terms: list[list[ReferenceTerm]] | None = field(default=None, init=False, repr=False)
+    #: :func:`relative_error`'s buffers, reused by every trial of a selection
+    _scratch: dict[Any, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     #: trials run, the count the selection runs at most so far, and when it started (progress)
     _trials: int = field(default=0, init=False, repr=False)
     _bound: int = field(default=0, init=False, repr=False)
@@ -357,7 +385,9 @@ class ModelGuard:
     def _error(self, weights: Mapping[str, torch.Tensor]) -> float:
         if self._terms is None and self.loss is None:
             self._terms = reference_terms(self.reference)
-        found = measure(self.reference, self.evaluate(weights), self.loss, self.inputs, self._terms)
+        found = measure(
+            self.reference, self.evaluate(weights), self.loss, self.inputs, self._terms, self._scratch
+        )
         self._trials += 1
         self._progress()
         return found
@@ -433,6 +463,7 @@ class ModelGuard:
                     current, error, state = trial, found, state | {i}
         self.error = error
         self.kept_out = [(c.label, *verdicts[i]) for i, c in enumerate(candidates) if not keep[i]]
+        self._scratch.clear()  # the guard stays in the program's metadata; its buffers need not
         return keep
 
     def summary(self) -> str:

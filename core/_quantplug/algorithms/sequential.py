@@ -261,7 +261,7 @@ def activation_quantizer(spec: Any, qparams: tuple[Any, Any] | None) -> Callable
     axis = int(getattr(spec, "ch_axis", 0) or 0)
     one_scale, one_zero = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
     inverse = 1.0 / torch.tensor(one_scale, dtype=torch.float32)  # made once, not per call
-    inverse_value = float(inverse)
+    native = kernels.fake_quantizer(float(inverse), one_scale, one_zero, qmin, qmax)
 
     def torch_path(value: torch.Tensor) -> torch.Tensor:
         if per_channel:
@@ -277,7 +277,7 @@ def activation_quantizer(spec: Any, qparams: tuple[Any, Any] | None) -> Callable
         value = x if same else x.to(torch.float32)  # on an LLM's guard)
         out = None
         if not per_channel:  # one pass of the native kernel, where it applies
-            out = kernels.fake_quantize(value, inverse_value, one_scale, one_zero, qmin, qmax)
+            out = native(value)
         if out is None:
             if value.numel() <= ELEMENTWISE_ONE_THREAD:
                 with single_thread():
@@ -574,6 +574,17 @@ class IncrementalOutputs:
         #: each node's step (:func:`_step`) and the values that die after it, made once
         self.steps = [_step(simulation, n) for n in self.nodes]
         self.dead = [simulation.user_to_last_uses.get(n, []) for n in self.nodes]
+        #: per checkpoint, the weights live there, in the order of the live values: which values
+        #: are live before a node is fixed by the graph (each node's value stays until its last
+        #: user ran), so a checkpoint copies the live values and blanks these, not asks of each
+        live: dict[Node, None] = {}
+        self.live_weights: dict[int, tuple[Node, ...]] = {}
+        for i, n in enumerate(self.nodes):
+            if i in self.points:
+                self.live_weights[i] = tuple(v for v in live if v in self.weight_readers)
+            live[n] = None
+            for value in self.dead[i]:
+                del live[value]
 
     def _start(self, run: _Run, weights: Mapping[str, torch.Tensor]) -> int | None:
         """The checkpoint ``run`` can resume from for ``weights`` (None: the same weights)."""
@@ -601,9 +612,9 @@ class IncrementalOutputs:
             env: dict[Node, Any] = {}
             if base is not None:
                 env = dict(base.checkpoints[b][start])
-                for n in env:  # weights read before the checkpoint, still live there: this
-                    if n in self.weight_readers:  # selection's (a checkpoint may be an older run's)
-                        env[n] = sim.get_attr(behind_parked(n).target, (), {})
+                for n in self.live_weights[start]:  # weights read before the checkpoint, still live
+                    # there: this selection's (a checkpoint may be an older run's)
+                    env[n] = sim.get_attr(behind_parked(n).target, (), {})
             snapshots: dict[int, dict[Node, Any]] = {}
             output = self._run_from(env, start, private_inputs(batch) if self.private else batch, snapshots)
             if base is not None:  # the checkpoints before the resumed one are the base run's
@@ -622,13 +633,15 @@ class IncrementalOutputs:
         sim.env = env
         sim.args_iter = iter(sim.graph.process_inputs(*batch))
         nodes, steps, dead, points = self.nodes, self.steps, self.dead, self.points
-        readers = self.weight_readers
+        live_weights = self.live_weights
         with torch.no_grad():
             for i in range(start, len(nodes)):
                 node = nodes[i]
                 if i in points:  # a weight live there is read again on resuming, not kept:
                     # rounded at each read (QuantizedSimulation.rounded), kept it would be a copy
-                    snapshots[i] = {n: None if n in readers else v for n, v in env.items()}
+                    snapshot = snapshots[i] = env.copy()
+                    for n in live_weights[i]:
+                        snapshot[n] = None
                 step = steps[i]
                 env[node] = sim.run_node(node) if step is None else step(env)
                 for value in dead[i]:

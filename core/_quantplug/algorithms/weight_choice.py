@@ -356,7 +356,8 @@ def _model_guard(
         QuantizedSimulation(prepared, activation, {}, {}, is_tap, rounded), batches
     )
     return ModelGuard(
-        lambda replaced: [output_tensors(out) for out in quantized(replaced)],
+        # the output error widens the outputs itself (into buffers it reuses); a task loss gets float64
+        lambda replaced: [output_tensors(out, widen=loss is not None) for out in quantized(replaced)],
         outputs({}, {}),
         judged_on="held-out" if held_out else "calibration",
         loss=loss,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any, Literal
 
@@ -450,21 +450,79 @@ def fake_quantize(
     built without ``fake_quantize``, ``value`` does not suit, an integer is 2^24 or beyond in
     magnitude, or a product is NaN or beyond 2^62 (ATen's kernel decides those): then the torch
     path runs.
+
+    A parameter (an embedding table read as an activation: 25M values on a 110M Llama, a third of
+    a second through the torch path) is read as the tensor it holds. A view whose values do not
+    fill its memory (a slice, a transpose of one, a broadcast: the rotary halves and the
+    GQA-expanded keys and values of an LLM's attention) is first copied into the layout torch's
+    elementwise result takes (``empty_like``'s: TensorIterator's stride order) and quantized there
+    in place: two passes instead of six, the same values in the same layout.
     """
     native = _native
     if native is None or not hasattr(native, "fake_quantize") or not value.numel():
         return None
     if max(abs(quant_min), abs(quant_max), abs(zero_point)) >= 1 << 24 or quant_min > quant_max:
         return None
-    if not (_plain(value) or dense_values(value)):
+    if type(value) is torch.nn.Parameter:
+        value = value.detach()  # the same memory, a plain tensor
+    if type(value) is not torch.Tensor or value.dtype is not _F32 or value.layout is not torch.strided:
         return None
-    out = torch.empty_like(value)  # a permutation's own strides, as torch's elementwise result has
-    if out.stride() != value.stride():
+    if value.device.type != "cpu":
+        return None
+    out = torch.empty_like(value)  # torch's elementwise result's strides (a permutation keeps its own)
+    if _plain(value) or dense_values(value):
+        if out.stride() != value.stride():
+            return None
+        source = value
+    elif dense_values(out):
+        source = out.copy_(value)  # the values in the result's layout, quantized there in place
+    else:
         return None
     done = native.fake_quantize(
-        value.data_ptr(), value.numel(), inverse, scale, zero_point, quant_min, quant_max, out.data_ptr()
+        source.data_ptr(), value.numel(), inverse, scale, zero_point, quant_min, quant_max, out.data_ptr()
     )
     return out if done else None
+
+
+def fake_quantizer(
+    inverse: float, scale: float, zero_point: int, quant_min: int, quant_max: int
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """:func:`fake_quantize` for one encoding (the same result, None alike), its checks of the
+    encoding made once and a contiguous float32 CPU tensor taken straight to the kernel: the
+    quantized simulation calls it for every activation of every trial (38k calls on a 110M
+    Llama's guard), where the checks cost as much as the kernel on an LLM's small activations.
+    A contiguous tensor is dense, so ``empty_like`` gives it its own strides: the layout
+    :func:`fake_quantize` checks for."""
+    native = _native
+    if (
+        native is None
+        or not hasattr(native, "fake_quantize")
+        or max(abs(quant_min), abs(quant_max), abs(zero_point)) >= 1 << 24
+        or quant_min > quant_max
+    ):
+        return lambda value: fake_quantize(value, inverse, scale, zero_point, quant_min, quant_max)
+    run = native.fake_quantize
+
+    def quantize(value: torch.Tensor) -> torch.Tensor | None:
+        if (
+            _native is native  # not switched off since (disabled(), a test's stand-in)
+            and type(value) is torch.Tensor
+            and value.dtype is _F32
+            and value.layout is torch.strided
+            and value.is_cpu
+            and value.is_contiguous()
+        ):
+            count = value.numel()
+            if not count:
+                return None
+            out = torch.empty_like(value)
+            done = run(
+                value.data_ptr(), count, inverse, scale, zero_point, quant_min, quant_max, out.data_ptr()
+            )
+            return out if done else None
+        return fake_quantize(value, inverse, scale, zero_point, quant_min, quant_max)
+
+    return quantize
 
 
 def search_norms_available() -> bool:
