@@ -894,7 +894,7 @@ class SeqMSE(Algorithm):
         own = self._hessians.get(site.name)
         if own is None or not own.made(collected):
             return None
-        return sum(1 for collector in self._hessians.values() if collector.sums is own.sums)
+        return own.readers(self._hessians.values())
 
     def collector(self, site: WeightSite) -> LayerHessian | None:
         if not collects_hessian(site, self.name):

@@ -25,7 +25,7 @@ import logging
 import os
 import weakref
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -369,6 +369,12 @@ class LayerHessian:
                 mean = shrunk if out is None else out.copy_(shrunk)
         self._made = (weakref.ref(mean), self.sums.version, intensity)
         return mean
+
+    def readers(self, collectors: Iterable[LayerHessian]) -> int:
+        """How many of ``collectors`` read these sums, this one included: the layers whose ``H``
+        is this one's (a transformer's q/k/v read one input), the readers
+        :class:`~_quantplug.algorithms.weight_matrix.HessianFactors` keeps a factor for."""
+        return sum(1 for collector in collectors if collector.sums is self.sums)
 
     def made(self, tensor: Any) -> bool:
         """Whether ``tensor`` is the last result this collector made and the sums have not changed
