@@ -37,6 +37,7 @@ Layers with enough rows keep the paper's ``H``: shrinking them too cost the zoo'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -361,47 +362,10 @@ def _gptq_block(
         codes, errors, dequantized = (torch.empty_like(wb) for _ in range(3))
     else:
         codes, errors, dequantized = (buffer[:n] for buffer in work)
-    if not _numpy_block(wb, own, fb, scale, zero_point, grid, (codes, errors, dequantized)):
-        _torch_block(wb, own, fb, scale, zero_point, grid, (codes, errors, dequantized))
-    scaled = wb.sub_(dequantized).mul_(fb.diagonal().unsqueeze(1))
-    loss = float(scaled.square_().sum())
-    wb.copy_(codes)
-    return _BlockErrors(errors, loss)
-
-
-def _numpy_block(
-    wb: torch.Tensor,
-    own: torch.Tensor,
-    fb: torch.Tensor,
-    scale: list[torch.Tensor],
-    zero_point: list[torch.Tensor] | None,
-    grid: IntegerGrid,
-    work: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> bool:
-    """:func:`_gptq_block`'s column loop with each column's rounding in numpy (False, nothing
-    done, where a tensor has no numpy view). The same IEEE operations on the same vectors
-    (division, round half to even, clamp as a max then a min, multiplication, subtraction: each
-    rounded once, as torch's are; no fused multiply-add, which ``torch.addcmul`` would be), at
-    a fifth of torch's call overhead: a column of a 768 x 768 layer is six operations on 768
-    floats, and the calls were most of its time (67k columns, 1 s, on a 110M Llama). The errors
-    reach the next columns through torch's own product (``addmv_``: MKL's sums, as before)."""
-    codes, errors, dequantized = work
-    arrays = [numpy_view(t) for t in (wb, own, codes, errors, dequantized)]
-    vectors: dict[int, numpy.ndarray] = {}  # each distinct encoding vector's view, once
-    for t in [*scale, *(zero_point or [])]:
-        if id(t) not in vectors:
-            view = numpy_view(t)
-            if view is None:
-                return False
-            vectors[id(t)] = view
-    present = [a for a in arrays if a is not None]
-    if len(present) < len(arrays):
-        return False
-    cols, own_values, found, error, deq = present
-    s_of = [vectors[id(t)] for t in scale]
-    z_of = None if zero_point is None else [vectors[id(t)] for t in zero_point]
-    low, high = float(grid.quant_min), float(grid.quant_max)
-    n = wb.shape[0]
+    work_rows = (codes, errors, dequantized)
+    round_column = _numpy_rounding(wb, own, scale, zero_point, grid, work_rows) or _torch_rounding(
+        wb, own, scale, zero_point, grid, work_rows
+    )
     # the views the products read, made in three calls rather than three per column (the same
     # views: errors[first:j].T is by_column[:, first:j], fb[first:j, j] is factor_of[j][first:j])
     rows, by_column, factor_of = wb.unbind(0), errors.T, fb.T.unbind(0)
@@ -410,54 +374,94 @@ def _numpy_block(
         for j in range(first, last):
             if j > first:  # the errors of the sub-block's earlier columns
                 rows[j].addmv_(by_column[:, first:j], factor_of[j][first:j])
-            q, s = found[j], s_of[j]
-            numpy.divide(cols[j], s, out=q)
-            numpy.rint(q, out=q)
-            if z_of is None:
-                numpy.minimum(numpy.maximum(q, low, out=q), high, out=q)
-                numpy.multiply(q, s, out=deq[j])
-            else:
-                z = z_of[j]
-                numpy.add(q, z, out=q)
-                numpy.minimum(numpy.maximum(q, low, out=q), high, out=q)
-                numpy.subtract(q, z, out=deq[j])
-                numpy.multiply(deq[j], s, out=deq[j])
-            numpy.subtract(own_values[j], deq[j], out=error[j])
+            round_column(j)
         if last < n:  # the rest of the batch absorbs the sub-block's errors
             wb[last:].addmm_(fb[first:last, last:].T, errors[first:last])
-    return True
+    scaled = wb.sub_(dequantized).mul_(fb.diagonal().unsqueeze(1))
+    loss = float(scaled.square_().sum())
+    wb.copy_(codes)
+    return _BlockErrors(errors, loss)
 
 
-def _torch_block(
+#: rounds column ``j`` of a lazy batch as it stands: its codes, dequantized codes and error
+ColumnRounding = Callable[[int], None]
+
+
+def _numpy_rounding(
     wb: torch.Tensor,
     own: torch.Tensor,
-    fb: torch.Tensor,
     scale: list[torch.Tensor],
     zero_point: list[torch.Tensor] | None,
     grid: IntegerGrid,
     work: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> None:
-    """:func:`_gptq_block`'s column loop in torch operations."""
+) -> ColumnRounding | None:
+    """:func:`_gptq_block`'s rounding of a column in numpy (None where a tensor has no numpy
+    view). The same IEEE operations on the same vectors (division, round half to even, clamp as
+    a max then a min, multiplication, subtraction: each rounded once, as torch's are; no fused
+    multiply-add, which ``torch.addcmul`` would be), at a fifth of torch's call overhead: a
+    column of a 768 x 768 layer is six operations on 768 floats, and the calls were most of its
+    time (67k columns, 1 s, on a 110M Llama). The errors reach the next columns through torch's
+    own product (``addmv_``: MKL's sums, as before)."""
     codes, errors, dequantized = work
-    n = wb.shape[0]
+    arrays = [numpy_view(t) for t in (wb, own, codes, errors, dequantized)]
+    vectors: dict[int, numpy.ndarray] = {}  # each distinct encoding vector's view, once
+    for t in [*scale, *(zero_point or [])]:
+        if id(t) not in vectors:
+            view = numpy_view(t)
+            if view is None:
+                return None
+            vectors[id(t)] = view
+    present = [a for a in arrays if a is not None]
+    if len(present) < len(arrays):
+        return None
+    cols, own_values, found, error, deq = present
+    s_of = [vectors[id(t)] for t in scale]
+    z_of = None if zero_point is None else [vectors[id(t)] for t in zero_point]
+    low, high = float(grid.quant_min), float(grid.quant_max)
+
+    def round_column(j: int) -> None:
+        q, s = found[j], s_of[j]
+        numpy.divide(cols[j], s, out=q)
+        numpy.rint(q, out=q)
+        if z_of is None:
+            numpy.minimum(numpy.maximum(q, low, out=q), high, out=q)
+            numpy.multiply(q, s, out=deq[j])
+        else:
+            z = z_of[j]
+            numpy.add(q, z, out=q)
+            numpy.minimum(numpy.maximum(q, low, out=q), high, out=q)
+            numpy.subtract(q, z, out=deq[j])
+            numpy.multiply(deq[j], s, out=deq[j])
+        numpy.subtract(own_values[j], deq[j], out=error[j])
+
+    return round_column
+
+
+def _torch_rounding(
+    wb: torch.Tensor,
+    own: torch.Tensor,
+    scale: list[torch.Tensor],
+    zero_point: list[torch.Tensor] | None,
+    grid: IntegerGrid,
+    work: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> ColumnRounding:
+    """:func:`_gptq_block`'s rounding of a column in torch operations."""
+    codes, errors, dequantized = work
     columns, found, error, deq = wb.unbind(0), codes.unbind(0), errors.unbind(0), dequantized.unbind(0)
-    for first in range(0, n, INNER_BLOCK):
-        last = min(first + INNER_BLOCK, n)
-        for j in range(first, last):
-            col, q, s = columns[j], found[j], scale[j]
-            if j > first:  # the errors of the sub-block's earlier columns
-                col.addmv_(errors[first:j].T, fb[first:j, j])
-            torch.div(col, s, out=q).round_()
-            if zero_point is None:
-                q.clamp_(grid.quant_min, grid.quant_max)
-                torch.mul(q, s, out=deq[j])
-            else:
-                z = zero_point[j]
-                q.add_(z).clamp_(grid.quant_min, grid.quant_max)
-                torch.sub(q, z, out=deq[j]).mul_(s)
-            torch.sub(own[j], deq[j], out=error[j])
-        if last < n:  # the rest of the batch absorbs the sub-block's errors
-            wb[last:].addmm_(fb[first:last, last:].T, errors[first:last])
+
+    def round_column(j: int) -> None:
+        q, s = found[j], scale[j]
+        torch.div(columns[j], s, out=q).round_()
+        if zero_point is None:
+            q.clamp_(grid.quant_min, grid.quant_max)
+            torch.mul(q, s, out=deq[j])
+        else:
+            z = zero_point[j]
+            q.add_(z).clamp_(grid.quant_min, grid.quant_max)
+            torch.sub(q, z, out=deq[j]).mul_(s)
+        torch.sub(own[j], deq[j], out=error[j])
+
+    return round_column
 
 
 def permute_rows_(matrix: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
