@@ -8,6 +8,7 @@ runs in its own environment with torch pinned:
     printf 'torch==2.13.0\ntorchvision==0.28.0\n' > /tmp/pins.txt
     $V -m pip install -c /tmp/pins.txt nncf==3.4.0 aimet-torch==2.42.0 scikit-learn
     $V -m pip install torchao==0.18.0 --no-deps             # NNCF's TorchFX backend imports it
+    $V -m pip install openvino==2026.4.1                    # NNCF's GPTQ (bench.scale_oracles)
     $V -m pip install --no-deps -e . -e plugins/reference -e plugins/qnn_htp pluggy
     $V -m bench.algorithms_weights_oracles
 
@@ -146,13 +147,16 @@ def nncf_run(model: nn.Module, batches: list[torch.Tensor], **flags: Any) -> flo
 
 
 def nncf_compress(
-    program: nn.Module, calibration: Sequence[torch.Tensor], group_size: int = 32, **flags: Any
-) -> nn.Module:
-    """NNCF 3.4 ``compress_weights`` on an exported program's module, as this bench runs it: INT4_SYM
-    on every layer (``all_layers``, no backup precision), ``group_size`` weights per scale (-1: one
-    per output channel), the data-aware algorithms in ``flags`` fed ``calibration``."""
+    program: Any, calibration: Sequence[torch.Tensor], group_size: int = 32, **flags: Any
+) -> Any:
+    """NNCF 3.4 ``compress_weights`` on an exported program's module (TorchFX) or an OpenVINO model
+    (:func:`openvino_model`, compressed in place: NNCF's OpenVINO backend), as this bench runs it:
+    INT4_SYM on every layer (``all_layers``, no backup precision), ``group_size`` weights per scale
+    (-1: one per output channel), the data-aware algorithms in ``flags`` fed ``calibration`` (as
+    numpy arrays for an OpenVINO model, which is what its inference takes)."""
     import nncf
 
+    items = list(calibration) if isinstance(program, nn.Module) else [b.numpy() for b in calibration]
     return nncf.compress_weights(
         program,
         mode=nncf.CompressWeightsMode.INT4_SYM,
@@ -160,10 +164,32 @@ def nncf_compress(
         group_size=group_size,
         all_layers=True,
         backup_mode=nncf.BackupMode.NONE,
-        dataset=nncf.Dataset(list(calibration)),
+        dataset=nncf.Dataset(items),
         subset_size=sum(b.shape[0] for b in calibration),
         **flags,
     )
+
+
+def openvino_model(model: nn.Module, example: tuple[torch.Tensor, ...]) -> Any:
+    """``model`` as an OpenVINO model, for NNCF's OpenVINO-only algorithms (GPTQ): converted from its
+    ``torch.export`` program (OpenVINO 2026.4's TorchScript path has no rule for the ``aten::diff``
+    of transformers' attention mask; the exported program has none left)."""
+    import openvino
+
+    with torch.no_grad():
+        return openvino.convert_model(torch.export.export(model, example))
+
+
+def openvino_run(ov_model: Any, inputs: Sequence[torch.Tensor], threads: int | None = None) -> torch.Tensor:
+    """The first output of ``ov_model`` on ``inputs``, compiled for OpenVINO's CPU plugin at float32
+    (its default on some CPUs is bf16, which would be measured as NNCF's error)."""
+    import openvino
+
+    config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32"}
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = threads
+    compiled = openvino.Core().compile_model(ov_model, "CPU", config)
+    return torch.from_numpy(compiled([x.numpy() for x in inputs])[0])
 
 
 def aimet_run(model: nn.Module, batches: list[torch.Tensor], algorithm: str, grid: str = "aimet") -> float:

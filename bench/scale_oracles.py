@@ -1,16 +1,17 @@
 """Issue 43.1's side-by-side clause: quantplug's SeqMSE and GPTQ against AIMET's SeqMSE and NNCF's
-scale estimation on ``bench.scale``'s Llama configs, same model and batches, in one run.
+GPTQ and scale estimation on ``bench.scale``'s Llama configs, same model and batches, in one run.
 
     nice -n 10 python -m bench.scale_oracles --oracle-python /tmp/oracles/bin/python   # 20m, 110m
     python -m bench.scale_oracles --sizes 20m --oracle-python /tmp/oracles/bin/python
     python -m bench.scale_oracles --sizes 110m --flows qnn_htp-16a4w aimet-w4a16 aimet-w4a16+seq_mse ...
 
-AIMET 2.42 and NNCF 3.4 do not share ``.venv`` (they pull packages of their own; torch must stay
-2.13.0): they run in the oracle venv of ``bench/algorithms_weights_oracles.py`` (its docstring and
-``bench/README.md`` give the recipe; it also needs ``transformers==5.23.0`` for the model), which
-``--oracle-python`` names. quantplug flows run in this interpreter's venv. Every (size, flow) runs
-in a fresh process: quantplug's through ``python -m bench.scale --one SIZE FLOW --no-lower``, the
-peers' through ``--one`` here, each driven by ``bench/algorithms_weights_oracles.py``'s functions.
+AIMET 2.42 and NNCF 3.4 (with OpenVINO 2026.4) do not share ``.venv`` (they pull packages of their
+own; torch must stay 2.13.0): they run in the oracle venv of ``bench/algorithms_weights_oracles.py``
+(its docstring and ``bench/README.md`` give the recipe; it also needs ``transformers==5.23.0`` for
+the model), which ``--oracle-python`` names. quantplug flows run in this interpreter's venv. Every
+(size, flow) runs in a fresh process: quantplug's through ``python -m bench.scale --one SIZE FLOW
+--no-lower``, the peers' through ``--one`` here, each driven by ``bench/algorithms_weights_oracles.py``'s
+functions.
 Both build the model with ``bench.scale``'s ``_model`` (same seed, same torch and transformers, so
 the same weights: each flow reports the sum of the float model's held-out logits to show it) and
 use its 4 calibration batches and its held-out batch.
@@ -28,8 +29,17 @@ Flows and their phases (seconds and peak RSS of each, ``bench.scale.Phases``):
   calibration batches), calibrate (``compute_encodings``).
 * ``nncf-int4[+scale_estimation]``: export (``torch.export``), convert (``compress_weights`` on
   the program: INT4_SYM per output channel, every layer, its statistics, the algorithm and the
-  compression in one call; plain round-to-nearest without ``+``). NNCF's GPTQ runs on OpenVINO
-  models only, so scale estimation (its output-error scale search) is its comparable algorithm.
+  compression in one call; plain round-to-nearest without ``+``): NNCF's TorchFX backend.
+* ``nncf_ov-int4[+gptq|+scale_estimation]``: the same through NNCF's OpenVINO backend, the only one
+  that runs NNCF's GPTQ: export (``torch.export``, then ``openvino.convert_model`` of the program),
+  convert (``compress_weights`` on the OpenVINO model, the same options); the held-out batch runs
+  on OpenVINO's CPU plugin at float32. OpenVINO's threads are its own (not torch's): with
+  ``--threads N`` its process is held to N of the machine's cores.
+
+Each quantplug algorithm's counterpart: SeqMSE's is AIMET's SeqMSE (the same algorithm), GPTQ's is
+NNCF's GPTQ; NNCF's scale estimation (a per-channel scale search on the layer's output error, as
+SeqMSE's, over 32 sampled activation rows and 16 scales) is compared with both as the nearest
+cheaper method.
 
 An algorithm's time is what it adds over its tool's default flow, after export: (build +
 calibrate + algorithm + convert) minus the default's. The ratio the issue asks for is quantplug's
@@ -57,18 +67,30 @@ DEFAULT_OUT = HERE / "results"
 #: (every choice kept, all 4 batches fit: what AIMET's and NNCF's algorithms do)
 QUANTPLUG_FLOWS = ("qnn_htp-16a4w", "qnn_htp-16a4w+seq_mse", "qnn_htp-16a4w+gptq")
 UNGUARDED_FLOWS = ("qnn_htp-16a4w+seq_mse/unguarded", "qnn_htp-16a4w+gptq/unguarded")
-PEER_FLOWS = ("aimet-w4a16", "aimet-w4a16+seq_mse", "nncf-int4", "nncf-int4+scale_estimation")
+PEER_FLOWS = (
+    "aimet-w4a16",
+    "aimet-w4a16+seq_mse",
+    "nncf-int4",
+    "nncf-int4+scale_estimation",
+    "nncf_ov-int4",
+    "nncf_ov-int4+gptq",
+    "nncf_ov-int4+scale_estimation",
+)
 DEFAULT_FLOWS = QUANTPLUG_FLOWS + PEER_FLOWS
 FLOWS = QUANTPLUG_FLOWS + UNGUARDED_FLOWS + PEER_FLOWS
 #: the phases of every flow, in the table's order (quantplug's ``prepare`` is its ``build``)
 PHASES = ("export", "build", "calibrate", "algorithm", "convert")
-#: (quantplug flow, peer flow) whose added times the issue compares
+#: (quantplug flow, peer flow, what the peer's algorithm is to ours) whose added times the issue
+#: compares
 _COMPARED = (
-    ("qnn_htp-16a4w+seq_mse", "aimet-w4a16+seq_mse"),
-    ("qnn_htp-16a4w+seq_mse", "nncf-int4+scale_estimation"),
-    ("qnn_htp-16a4w+gptq", "nncf-int4+scale_estimation"),
+    ("qnn_htp-16a4w+seq_mse", "aimet-w4a16+seq_mse", "same algorithm"),
+    ("qnn_htp-16a4w+seq_mse", "nncf-int4+scale_estimation", "nearest, cheaper"),
+    ("qnn_htp-16a4w+seq_mse", "nncf_ov-int4+scale_estimation", "nearest, cheaper"),
+    ("qnn_htp-16a4w+gptq", "nncf_ov-int4+gptq", "same algorithm"),
+    ("qnn_htp-16a4w+gptq", "nncf-int4+scale_estimation", "other, cheaper"),
+    ("qnn_htp-16a4w+gptq", "nncf_ov-int4+scale_estimation", "other, cheaper"),
 )
-PAIRS = tuple((ours + mode, peer) for mode in ("", "/unguarded") for ours, peer in _COMPARED)
+PAIRS = tuple((ours + mode, peer, kind) for mode in ("", "/unguarded") for ours, peer, kind in _COMPARED)
 
 
 def _fixed_overhead_mib(tool: str) -> float:
@@ -82,6 +104,8 @@ def _fixed_overhead_mib(tool: str) -> float:
         import aimet_torch.quantsim  # noqa: F401
     else:
         import nncf  # noqa: F401
+    if tool == "nncf_ov":
+        import openvino  # noqa: F401
     return _kib("VmRSS") / 1024
 
 
@@ -97,11 +121,16 @@ def run_peer(size: str, flow: str) -> dict[str, Any]:
         aimet_seq_mse,
         aimet_sim,
         nncf_compress,
+        openvino_model,
+        openvino_run,
     )
     from bench.scale import _model, _sqnr
 
     tool, _, algorithm = flow.partition("+")
     tool = tool.partition("-")[0]
+    threads = int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else None
+    if tool == "nncf_ov" and threads is not None:  # OpenVINO's own thread pool reads no OMP setting
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
     fixed_mib = _fixed_overhead_mib(tool)
     model, batches, _ = _model(size)
     model_mib = _kib("VmRSS") / 1024
@@ -121,6 +150,13 @@ def run_peer(size: str, flow: str) -> dict[str, Any]:
             phases.run("algorithm", lambda: aimet_seq_mse(prepared, sim, calibration))
         phases.run("calibrate", lambda: aimet_calibrate(sim, calibration))
         quantized = sim.model
+    elif tool == "nncf_ov":
+        ov_model = phases.run("export", lambda: openvino_model(model, batches[0]))
+        flags = {algorithm: True} if algorithm else {}
+        compressed = phases.run(
+            "convert", lambda: nncf_compress(ov_model, calibration, group_size=-1, **flags)
+        )
+        del ov_model
     else:
 
         def export() -> Any:  # under no_grad (as NNCF's docs do): no set-grad region NNCF cannot read
@@ -130,8 +166,11 @@ def run_peer(size: str, flow: str) -> dict[str, Any]:
         program = phases.run("export", export)
         flags = {algorithm: True} if algorithm else {}
         quantized = phases.run("convert", lambda: nncf_compress(program, calibration, group_size=-1, **flags))
-    with torch.no_grad():
-        output = quantized(*held_out)
+    if tool == "nncf_ov":
+        output = openvino_run(compressed, held_out, threads)
+    else:
+        with torch.no_grad():
+            output = quantized(*held_out)
     return {
         "size": size,
         "flow": flow,
@@ -162,7 +201,7 @@ def _oracle_env(threads: int | None) -> dict[str, str]:
 def _tool_versions(python: str) -> dict[str, str]:
     code = (
         "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
-        "('torch', 'transformers', 'aimet-torch', 'nncf') if __import__('importlib.util').util"
+        "('torch', 'transformers', 'aimet-torch', 'nncf', 'openvino') if __import__('importlib.util').util"
         ".find_spec(p.replace('-', '_')) is not None}))"
     )
     done = subprocess.run([python, "-c", code], capture_output=True, text=True)
@@ -195,13 +234,13 @@ def _versions(versions: dict[str, str]) -> str:
 
 def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
     lines = [
-        "# Issue 43.1 side by side: quantplug SeqMSE / GPTQ vs AIMET SeqMSE / NNCF scale estimation "
-        "(`python -m bench.scale_oracles`)",
+        "# Issue 43.1 side by side: quantplug SeqMSE / GPTQ vs AIMET SeqMSE / NNCF GPTQ and scale "
+        "estimation (`python -m bench.scale_oracles`)",
         "",
         f"Machine: {machine['nproc']} cores, {threads_label(machine)}, load average {machine['load_start']} "
         f"at the start, {machine['load_end']} at the end (shared: absolute times are inflated; every "
         f"figure below is from this one run). quantplug at {machine['quantplug_commit']} in `.venv` "
-        f"({_versions(machine['versions_main'])}); AIMET and NNCF in the oracle venv "
+        f"({_versions(machine['versions_main'])}); AIMET, NNCF and OpenVINO in the oracle venv "
         f"({_versions(machine['versions_oracle'])}). Llama configs with random weights (`bench.scale`), 4 "
         "calibration batches of 1 x 64 tokens, SQNR of the logits against float on a fifth; each flow "
         "in a fresh process.",
@@ -234,7 +273,10 @@ def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
         "Phases: quantplug's build is `prepare`, its algorithms run in `convert` (their statistics "
         "during calibration); AIMET's export is `prepare_model` (an FX trace of a copy), build "
         "`QuantizationSimModel`, algorithm `apply_seq_mse`, calibrate `compute_encodings`; NNCF's "
-        "convert is `compress_weights` (statistics, algorithm and compression in one call).",
+        "convert is `compress_weights` (statistics, algorithm and compression in one call), on the "
+        "exported program (`nncf-`, its TorchFX backend) or on the program converted to OpenVINO "
+        "(`nncf_ov-`, its OpenVINO backend, the only one with GPTQ; its export includes "
+        "`openvino.convert_model`).",
         "",
         "SQNR across tools is not like for like: quantplug quantizes every activation at 16 bits and "
         "linear weights per channel on [-7, 7]; AIMET's sim (unprepared) only its modules' outputs "
@@ -265,15 +307,16 @@ def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
         "",
         "quantplug's added time over the peer's (the issue's target: <= 1.00x, at least as fast):",
         "",
-        "| size | quantplug | peer | quantplug added s | peer added s | ratio | SQNR quantplug / peer dB |",
-        "|---|---|---|---|---|---|---|",
+        "| size | quantplug | peer | peer's algorithm | quantplug added s | peer added s | ratio "
+        "| SQNR quantplug / peer dB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for size in dict.fromkeys(r["size"] for r in results):
-        for ours_flow, peer_flow in PAIRS:
+        for ours_flow, peer_flow, kind in PAIRS:
             if (size, ours_flow) in added and (size, peer_flow) in added:
                 a, b = added[size, ours_flow], added[size, peer_flow]
                 lines.append(
-                    f"| {size} | {ours_flow} | {peer_flow} | {a:.1f} | {b:.1f} | {_ratio(a, b)} | "
+                    f"| {size} | {ours_flow} | {peer_flow} | {kind} | {a:.1f} | {b:.1f} | {_ratio(a, b)} | "
                     f"{by[size, ours_flow]['sqnr_db']:.2f} / {by[size, peer_flow]['sqnr_db']:.2f} |"
                 )
     return "\n".join(lines) + "\n"
