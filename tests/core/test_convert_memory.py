@@ -269,3 +269,101 @@ def test_quantize_converts_releasing_its_own_prepared_module(released: dict[str,
         assert torch.equal(program.state_dict()[name], value), name
     for name, value in before.items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+# -- what the algorithms gathered ---------------------------------------------------------------
+# GPTQ, SeqMSE and AdaRound sum an [I, I] float64 Hessian per input during calibration, the
+# guard keeps batches, the float outputs and a simulation of the program: at 110M parameters more
+# than the float weights. Convert needs them; the converted program does not, nor does a prepared
+# module a releasing convert consumed.
+
+
+class WideInput(nn.Module):
+    """A layer whose Hessian (512 x 512 float64, 2 MiB) outweighs the whole quantized program."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.narrow = nn.Linear(512, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.narrow(x)))
+
+
+ALGORITHMS = ["gptq", "seq_mse", "adaround"]
+
+
+def _calibrated_with_algorithms(algorithms: list[str]) -> tuple[Any, list[torch.Tensor]]:
+    """A prepared module calibrated with ``algorithms`` (the guard on), and its Hessian sums."""
+    from _quantplug.algorithms.weight_layers import LayerHessian
+    from _quantplug.meta import ALGORITHMS_KEY
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(64, 512),) for _ in range(6)]
+    ep = torch.export.export(WideInput().eval(), batches[0])
+    quantizer = quantplug.get_quantizer("reference")
+    prepared = quantplug.prepare(ep, quantizer, algorithms=quantplug.Algorithms(algorithms))
+    with torch.no_grad():
+        for batch in batches:
+            prepared(*batch)
+    sums = [
+        c.hessian.sum
+        for by_algorithm in prepared.meta[ALGORITHMS_KEY].collectors.values()
+        for c in by_algorithm.values()
+        if isinstance(c, LayerHessian) and c.hessian is not None
+    ]
+    assert sums and max(s.numel() for s in sums) == 512 * 512
+    return prepared, sums
+
+
+def _alive(tensors: list[torch.Tensor]) -> Any:
+    """A function telling how many of ``tensors`` are still alive (holding none of them)."""
+    import gc
+    import weakref
+
+    refs = [weakref.ref(t) for t in tensors]
+
+    def count() -> int:
+        gc.collect()
+        return sum(r() is not None for r in refs)
+
+    return count
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_converted_program_holds_nothing_the_algorithms_gathered(algorithm: str) -> None:
+    """A caller keeps the converted program and drops the prepared module: the Hessians, the
+    stored batches and the guard's simulation go with it."""
+    prepared, sums = _calibrated_with_algorithms([algorithm])
+    alive = _alive(sums)
+    del sums
+    with LiveBytes() as counted:
+        converted = quantplug.convert(prepared)
+        assert alive() > 0  # the prepared module still holds them (it may convert again)
+        del prepared
+        assert alive() == 0
+    own = sum(t.untyped_storage().nbytes() for t in converted.state_dict().values())
+    assert counted.live <= own + 64 * 1024, (counted.live, own)  # its own tensors, not 2 MiB of sums
+
+
+def test_a_releasing_convert_gives_up_the_algorithms_statistics() -> None:
+    """``release_float_weights=True`` consumes the prepared module: a caller that still holds it
+    holds none of the sums, while the guard's verdicts stay readable for the report."""
+    from _quantplug.errors import AlgorithmError
+    from _quantplug.meta import ALGORITHMS_KEY
+
+    prepared, sums = _calibrated_with_algorithms(ALGORITHMS)
+    alive = _alive(sums)
+    del sums
+    kept = quantplug.convert(prepared)  # without the option the prepared module keeps them
+    assert alive() > 0
+    freed = quantplug.convert(prepared, release_float_weights=True)
+    assert alive() == 0
+    for name, value in kept.state_dict().items():  # the same program
+        assert torch.equal(freed.state_dict()[name], value), name
+    run = prepared.meta[ALGORITHMS_KEY]
+    assert run.collectors == {} and run.inputs is None and run.held_out is None
+    assert run.guarded is not None and run.guarded.tried == 2 and run.guarded.summary()
+    assert run.guarded.reference == [] and run.guarded.inputs == ()  # the verdicts, not what judged
+    with pytest.raises(AlgorithmError, match="has judged"):  # its simulation is gone, not stale
+        run.guarded.evaluate({})

@@ -305,3 +305,53 @@ def test_a_per_channel_spec_without_ch_axis_is_named_at_prepare() -> None:
     # torchao accepts it and fails later, in the observer (a TypeError): the quantplug error is the difference
     with pytest.raises(TypeError):
         calibrated("torchao", program, PerChannelWithoutAxis, [(torch.randn(2, 4),)])
+
+
+class SharedAdd(_Annotating):
+    """``add``'s second input and its output share its first input's encoding: annotations naming
+    input nodes and an input edge (``SharedQuantizationSpec``)."""
+
+    def rule(self, node: Node) -> QuantizationAnnotation | None:
+        if node.target != aten.add.Tensor:
+            return None
+        a, b = node.args[0], node.args[1]
+        assert isinstance(a, Node) and isinstance(b, Node)
+        return QuantizationAnnotation(
+            input_qspec_map={a: ACT, b: SharedQuantizationSpec((a, node))},
+            output_qspec=SharedQuantizationSpec((a, node)),
+            _annotated=True,
+        )
+
+
+def _named_nodes(value: object, found: list[Node], depth: int = 0) -> list[Node]:
+    """The nodes an annotation names (dict keys, shared edges, derived-from lists)."""
+    if isinstance(value, Node):
+        found.append(value)
+    elif depth < 6 and isinstance(value, dict):
+        for item in [*value.keys(), *value.values()]:
+            _named_nodes(item, found, depth + 1)
+    elif depth < 6 and isinstance(value, (list, tuple)):
+        for item in value:
+            _named_nodes(item, found, depth + 1)
+    elif depth < 6 and hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:  # type: ignore[attr-defined]
+            _named_nodes(getattr(value, name), found, depth + 1)
+    return found
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_the_converted_program_s_annotations_name_its_own_nodes(flow: str) -> None:
+    """torchao converts the prepared graph in place, so an annotation left on a converted node
+    names nodes of that graph; quantplug builds a new graph and maps them onto the copies. Named
+    as they were, they held the prepared module (its observers, the algorithms' statistics)."""
+    program = torch.export.export(Add(), (torch.randn(4, 8), torch.randn(4, 8)))
+    data = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(3)]
+    converted = run_flow(flow, program, SharedAdd, data)
+    (annotation,) = [
+        n.meta["quantization_annotation"] for n in converted.graph.nodes if n.target == aten.add.Tensor
+    ]
+    named = _named_nodes(annotation, [])
+    assert len(named) == 6  # the two inputs, and the shared edge's two ends twice
+    assert all(node.graph is converted.graph for node in named), {
+        node.name for node in named if node.graph is not converted.graph
+    }

@@ -54,7 +54,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -466,6 +466,13 @@ class ModelGuard:
         self._scratch.clear()  # the guard stays in the program's metadata; its buffers need not
         return keep
 
+    def settled(self) -> ModelGuard:
+        """The verdicts alone, for the prepared program's metadata after convert: ``evaluate``
+        holds the quantized simulation (the prepared program, the choices' weights, every judged
+        batch's values at each checkpoint) and ``reference`` the float outputs, which kept past
+        convert held several times an LLM's weights for a one-line report."""
+        return replace(self, evaluate=_judged, reference=[], inputs=())
+
     def summary(self) -> str:
         """The verdicts in one line (the CLI's report shows it beside the algorithms)."""
         if not self.kept_out:
@@ -486,6 +493,14 @@ class ModelGuard:
         """One log line naming the weights where the default was kept (with what their choice cost)."""
         if self.kept_out:
             logger.info("algorithm guard: %s", self.summary())
+
+
+def _judged(weights: Mapping[str, torch.Tensor]) -> list[Outputs]:
+    """The ``evaluate`` of a :meth:`ModelGuard.settled` guard: it judged already."""
+    raise AlgorithmError(
+        "this algorithm guard has judged its program's weights at convert and kept only its "
+        "verdicts (kept_out, error, summary()); convert the prepared program again to judge anew"
+    )
 
 
 def decibels(worse: float, better: float) -> float:

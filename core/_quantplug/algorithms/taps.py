@@ -161,6 +161,20 @@ class AlgorithmRun:
     #: error against float)
     guard_loss: GuardLoss | None = None
 
+    def release_statistics(self, prepared: nn.Module) -> None:
+        """Give up what calibration gathered for convert, once a ``release_float_weights`` convert
+        consumed ``prepared`` (nothing reads it again): the taps and their collectors, every
+        Hessian's sums (an algorithm may hold its collectors too: GPTQ does), the stored batches
+        and the held-out split. At 110M parameters the sums alone outweigh the float weights.
+        The guard's verdicts and the transforms undone stay, for the report."""
+        for by_algorithm in self.collectors.values():
+            for collector in by_algorithm.values():
+                if isinstance(collector, weight_layers.LayerHessian):
+                    collector.discard()
+        self.collectors, self.inputs, self.held_out, self.split = {}, None, None, None
+        if isinstance(getattr(prepared, TAPS, None), nn.Module):
+            delattr(prepared, TAPS)
+
 
 def install_collectors(
     gm: GraphModule,

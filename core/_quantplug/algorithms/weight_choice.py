@@ -244,7 +244,7 @@ def choose_weights(
         overrides.codes[(site.name, site.group)] = codes
         if corrected is not None and bias_target is not None:
             overrides.biases[bias_target] = corrected
-    run.guarded = guard
+    run.guarded = None if guard is None else guard.settled()
     return overrides
 
 

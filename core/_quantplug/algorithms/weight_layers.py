@@ -391,6 +391,13 @@ class LayerHessian:
         if self.made(tensor):
             self._made = None
 
+    def discard(self) -> None:
+        """Give up the sums (its prepared program was consumed: nothing reads them again); a
+        follower's are its leader's, given up for both."""
+        self.sums.accumulator = None
+        self.sums.version += 1
+        self._made = None
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_made": None}  # a weak reference does not pickle
 

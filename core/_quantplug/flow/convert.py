@@ -26,6 +26,7 @@ from torch.nn.modules import module as _module_hooks
 from _quantplug.algorithms.taps import is_tap
 from _quantplug.algorithms.weight_choice import WeightOverrides, choose_weights
 from _quantplug.annotation.dtypes import SUPPORTED_DTYPES, storage_dtype
+from _quantplug.annotation.node_mapping import Memo, map_nodes
 from _quantplug.annotation.spec_view import is_per_channel, spec_range
 from _quantplug.annotation.specs import Q_ANNOTATION_KEY
 from _quantplug.errors import CalibrationError, ConversionError, NonFiniteError
@@ -48,6 +49,7 @@ from _quantplug.graph.working_copy import (
     release_code_with,
 )
 from _quantplug.meta import (
+    ALGORITHMS_KEY,
     CALIBRATED_REPORT_KEY,
     DEBUG_HANDLE_KEY,
     GROUP_KEY,
@@ -506,9 +508,11 @@ def convert(
             a caller that no longer holds the float model or exported program gets their memory
             back during convert instead of holding the float weights and all the integers at once.
             The caller's model and program are not touched (the references dropped are the
-            prepared module's own); what the converted program reads float it keeps. The prepared
-            module is consumed: any later use (a forward, convert, an algorithm) raises a
-            ConversionError saying to prepare again (:mod:`_quantplug.flow.release`).
+            prepared module's own); what the converted program reads float it keeps. What the
+            algorithms gathered (their Hessian sums, stored batches) goes at the end, the guard's
+            verdicts stay. The prepared module is consumed: any later use (a forward, convert, an
+            algorithm) raises a ConversionError saying to prepare again
+            (:mod:`_quantplug.flow.release`).
     """
     refuse_released(prepared, "convert this module again")
     state = prepared.meta.get(STATE_KEY) if isinstance(prepared, GraphModule) else None
@@ -583,6 +587,7 @@ def _convert(
     # (producer, group id or the qparams' value) -> its quantize node or integer tensor
     edge_q: dict[tuple[str, Hashable], Node] = {}
     old_nodes = {n.name: n for n in prepared.graph.nodes}
+    copies: dict[Node, Node] = {}  # each prepared node -> its copy (not its quantize/dequantize)
     weight_sources: dict[Node, Node] = {}  # integer constant -> the weight it was quantized from
 
     def quantized_edge(producer: Node, gid: int, user: Node) -> Node:
@@ -671,7 +676,7 @@ def _convert(
             new = copy_node(graph, node, transform)
         else:
             new = copy_node(graph, node, partial(_lookup, env, user=node))
-        env[node] = new
+        env[node] = copies[node] = new
         out_gid = state.constant_outputs.get(node.name)
         if out_gid is not None and out_gid in self_converting:
             env[node] = keep_observer(out_gid, new)
@@ -681,6 +686,7 @@ def _convert(
     if fold_quantize:
         _store_constants_as_integers(graph, emit, prepared, qparams)
     _eliminate_dead_code(graph)
+    _annotations_on_copies(copies)
     since = code_counter()
     converted = ConvertedModule(nn.Module(), Graph(), class_name="QuantizedGraphModule", code_deferred=True)
     _populate(converted, prepared, graph, tensors, observer_modules)
@@ -690,7 +696,9 @@ def _convert(
     converted.generate_deferred_code()  # the one code generation
     release_code_with(converted, since=since)
     replace_loop_bodies(prepared, converted, convert)  # each body was prepared as a program of its own
-    converted.meta.update({k: v for k, v in prepared.meta.items() if k != STATE_KEY})
+    # not the algorithms' run: its collected sums, stored batches and guard are prepare's and
+    # convert's (at 110M parameters the sums alone outweigh the float weights)
+    converted.meta.update({k: v for k, v in prepared.meta.items() if k not in (STATE_KEY, ALGORITHMS_KEY)})
     converted.meta[QPARAMS_KEY] = {gid: qp for gid, qp in qparams.items()}
     if calibrated is not None:
         converted.meta[CALIBRATED_REPORT_KEY] = calibrated
@@ -801,6 +809,16 @@ def _store_constants_as_integers(
         stored.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(stored)
         graph.erase_node(node)
+
+
+def _annotations_on_copies(copies: dict[Node, Node]) -> None:
+    """Each annotation on the copies names the copies of the prepared nodes it named
+    (:mod:`_quantplug.annotation.node_mapping`: as copied, it held the prepared module alive)."""
+    memo: Memo = {}
+    for node in copies.values():  # convert's own nodes (quantize, dequantize) carry none
+        annotation = node.meta.get(Q_ANNOTATION_KEY)
+        if annotation is not None:
+            node.meta[Q_ANNOTATION_KEY] = map_nodes(annotation, copies, memo)
 
 
 class _Dequantized:

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from _quantplug.algorithms.taps import is_tap
+from _quantplug.algorithms.taps import AlgorithmRun, is_tap
 from _quantplug.errors import ConversionError
 from _quantplug.flow.state import PreparedState
-from _quantplug.meta import RELEASED_KEY, observer_gid
+from _quantplug.meta import ALGORITHMS_KEY, RELEASED_KEY, observer_gid
 
 OPTION = "release_float_weights"
 
@@ -79,7 +79,8 @@ class FloatWeightRelease:
             _drop(self.prepared, target, keep=set())
 
     def finish(self, prepared: GraphModule, converted: nn.Module) -> None:
-        """Drop ``prepared``'s remaining tensor attributes and mark it consumed.
+        """Drop ``prepared``'s remaining tensor attributes and what its algorithms gathered, and
+        mark it consumed.
 
         Holders the converted program shares (a subgraph module it runs) keep theirs.
         """
@@ -87,6 +88,9 @@ class FloatWeightRelease:
         for node in prepared.graph.nodes:
             if node.op == "get_attr":
                 _drop(prepared, str(node.target), keep)
+        run = prepared.meta.get(ALGORITHMS_KEY)
+        if isinstance(run, AlgorithmRun):
+            run.release_statistics(prepared)
         consume(prepared)
 
 
