@@ -7,6 +7,7 @@ it was, a part naming no node is the same object, and one memo maps a shared spe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,34 +58,31 @@ values = st.recursive(
 )
 
 
-def _expected(value: Any) -> Any:
-    """``value`` written out with each copied node's copy, compared by structure (not identity)."""
+def _shape(value: Any, node: Callable[[Node], Any]) -> Any:
+    """``value`` written out for comparison by structure (not identity), each node as ``node``
+    says."""
     if isinstance(value, Node):
-        return ("node", id(COPIES.get(value, value)))
+        return ("node", node(value))
     if isinstance(value, dict):
-        return ("dict", [(_expected(k), _expected(v)) for k, v in value.items()])
+        return ("dict", [(_shape(k, node), _shape(v, node)) for k, v in value.items()])
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [_expected(v) for v in value])
-    if hasattr(value, "__dataclass_fields__"):
-        fields = [(name, _expected(getattr(value, name))) for name in value.__dataclass_fields__]
-        return (type(value).__name__, fields)
-    return ("value", value if isinstance(value, (int, str)) else id(value))
-
-
-def _original(value: Any) -> Any:
-    """The same, every node as it is (what the original must still name afterwards)."""
-    if isinstance(value, Node):
-        return ("node", id(value))
-    if isinstance(value, dict):
-        return ("dict", [(_original(k), _original(v)) for k, v in value.items()])
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [_original(v) for v in value])
+        return (type(value).__name__, [_shape(v, node) for v in value])
     if hasattr(value, "__dataclass_fields__"):
         return (
             type(value).__name__,
-            [(name, _original(getattr(value, name))) for name in value.__dataclass_fields__],
+            [(name, _shape(getattr(value, name), node)) for name in value.__dataclass_fields__],
         )
     return ("value", value if isinstance(value, (int, str)) else id(value))
+
+
+def _expected(value: Any) -> Any:
+    """``value`` as mapping should leave it: each copied node its copy."""
+    return _shape(value, lambda n: id(COPIES.get(n, n)))
+
+
+def _original(value: Any) -> Any:
+    """``value`` naming its nodes as they are (what the original must still name afterwards)."""
+    return _shape(value, id)
 
 
 def _names_a_copied_node(value: Any) -> bool:
