@@ -39,7 +39,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results"
 
-#: Llama configs (untied embeddings: the lm_head is a 4-bit layer of its own, as in the issue's runs)
+#: Llama configs (untied embeddings but 1b's: the lm_head is a 4-bit layer of its own, as in the issue's runs)
 CONFIGS: dict[str, dict[str, int]] = {
     "20m": dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2),
@@ -49,6 +49,9 @@ CONFIGS: dict[str, dict[str, int]] = {
                  num_attention_heads=16, num_key_value_heads=4),
     "500m": dict(vocab_size=32000, hidden_size=1280, intermediate_size=3584, num_hidden_layers=22,
                  num_attention_heads=20, num_key_value_heads=4),
+    # Llama 3.2 1B's shape (1.24B parameters), its embedding table tied to the logits as there
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
 }  # fmt: skip
 FLOWS = (
     "qnn_htp-16a8w",
@@ -107,9 +110,8 @@ def _model(size: str) -> tuple[Any, list[tuple[Any, ...]], Any]:
     from bench.algorithm_models import LogitsOnly
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        max_position_embeddings=2 * TOKENS, use_cache=False, tie_word_embeddings=False, **CONFIGS[size]
-    )
+    options = {"max_position_embeddings": 2 * TOKENS, "use_cache": False, "tie_word_embeddings": False}
+    config = transformers.LlamaConfig(**{**options, **CONFIGS[size]})
     model = LogitsOnly(transformers.LlamaForCausalLM(config)).eval()
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, config.vocab_size, (1, TOKENS), generator=g),) for _ in range(5)]
