@@ -246,14 +246,19 @@ class _Attention(torch.nn.Module):
         return self.o(torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1))
 
 
-def test_projections_of_one_input_share_one_factor_and_choose_what_they_chose_alone() -> None:
-    """GPTQ on three projections of one input factors that input's ``H`` once (and ``o``'s once),
-    and every layer's codes are those it chose with no factor shared."""
+def _attention_program() -> tuple[torch.export.ExportedProgram, list[tuple[torch.Tensor]]]:
+    """:class:`_Attention` exported, and its two calibration batches."""
     torch.manual_seed(0)
     model = _Attention().eval()
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(40, 24, generator=g),) for _ in range(2)]
-    program = torch.export.export(model, batches[0])
+    return torch.export.export(model, batches[0]), batches
+
+
+def test_projections_of_one_input_share_one_factor_and_choose_what_they_chose_alone() -> None:
+    """GPTQ on three projections of one input factors that input's ``H`` once (and ``o``'s once),
+    and every layer's codes are those it chose with no factor shared."""
+    program, batches = _attention_program()
     made: list[int] = []
     chosen: dict[bool, dict[str, torch.Tensor]] = {True: {}, False: {}}
     factor, choose, readers = (
@@ -299,11 +304,7 @@ def test_seq_mse_keeps_a_copy_of_h_only_for_the_layers_that_read_it() -> None:
     the projections of one input factor it once and its copy is dropped after the last of them,
     a layer no other reads (``o``) has its ``H`` neither copied nor kept; every layer's encoding
     is the one chosen with the readers unknown (its factors kept until another ``H`` came)."""
-    torch.manual_seed(0)
-    model = _Attention().eval()
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(40, 24, generator=g),) for _ in range(2)]
-    program = torch.export.export(model, batches[0])
+    program, batches = _attention_program()
     made: list[int] = []
     chosen: dict[bool, dict[str, Any]] = {True: {}, False: {}}
     kept: dict[bool, list[int | None]] = {True: [], False: []}
